@@ -1,0 +1,386 @@
+//! `main_ppo config check`: verl's validation rules, the files a run needs, and the batch
+//! arithmetic of one training step in plain words. Loads no model.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use crate::config::resolve::expand_home;
+use crate::config::{Config, ConfigError, MicroBatching, Plan, RewardSourceType, UpdatePlan};
+use crate::data::dataset::{load_samples, DatasetOptions};
+use crate::data::{PromptDataset, TokenizerBundle};
+
+use super::ConfigArgs;
+
+/// Every path the configuration names that must exist, checked together.
+pub fn check_paths(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
+    let mut missing = Vec::new();
+    let mut need = |key: &str, p: &str| {
+        let expanded = expand_home(p);
+        if !Path::new(&expanded).exists() {
+            missing.push(format!("`{key}`: {p} does not exist"));
+        }
+    };
+    for f in cfg.data.train_files.to_vec() {
+        need("data.train_files", &f);
+    }
+    for f in cfg.data.val_files.to_vec() {
+        need("data.val_files", &f);
+    }
+    let model = &cfg.actor_rollout_ref.model;
+    // A hub id (org/name) that is not a local path is fetched by the model loader.
+    if !looks_like_hub_id(&model.path) {
+        need("actor_rollout_ref.model.path", &model.path);
+    }
+    if let Some(t) = &model.tokenizer_path {
+        need("actor_rollout_ref.model.tokenizer_path", t);
+    }
+    if let Some(t) = &cfg.data.tokenizer {
+        need("data.tokenizer", t);
+    }
+    if plan.need_critic && !looks_like_hub_id(&cfg.critic.model.path) {
+        need("critic.model.path", &cfg.critic.model.path);
+    }
+    if let Some(p) = &cfg.reward.custom_reward_function.path {
+        if !p.starts_with("pkg://") {
+            need(
+                "reward.custom_reward_function.path",
+                p.trim_start_matches("file://"),
+            );
+        }
+    }
+    for (i, s) in cfg.reward.sources.iter().enumerate() {
+        if let (RewardSourceType::Python, Some(p)) = (s.kind, &s.path) {
+            if !p.starts_with("pkg://") {
+                need(
+                    &format!("reward.sources[{i}].path"),
+                    p.trim_start_matches("file://"),
+                );
+            }
+        }
+    }
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid(missing))
+    }
+}
+
+/// `org/name` with no such local path: a model-hub id.
+fn looks_like_hub_id(p: &str) -> bool {
+    let expanded = expand_home(p);
+    !Path::new(&expanded).exists()
+        && !p.starts_with(['/', '.', '~'])
+        && p.matches('/').count() == 1
+        && !p.ends_with(".gguf")
+}
+
+/// What `config check` learns from the data files.
+#[derive(Debug, Clone)]
+pub struct DataSummary {
+    /// Training prompts (after the sample limit and, when a tokenizer is at hand, the overlong filter).
+    pub train_rows: usize,
+    pub val_rows: Option<usize>,
+    /// Prompts dropped by the overlong filter, when it ran.
+    pub filtered: Option<usize>,
+    /// Why the overlong filter / truncation check could not run, if it could not.
+    pub tokenizer_note: Option<String>,
+}
+
+impl DataSummary {
+    /// Reads the data (and, when the model path is an HF directory, tokenises the prompts).
+    pub fn load(cfg: &Config, plan: &Plan) -> anyhow::Result<Self> {
+        let train_opts = DatasetOptions::train(&cfg.data, plan.prompt_length);
+        let train = load_samples(&cfg.data.train_files.to_vec(), &train_opts)?;
+        let val_files = cfg.data.val_files.to_vec();
+        let val = if val_files.is_empty() {
+            None
+        } else {
+            Some(load_samples(
+                &val_files,
+                &DatasetOptions::val(&cfg.data, plan.prompt_length),
+            )?)
+        };
+        let tok_dir = cfg
+            .data
+            .tokenizer
+            .clone()
+            .or_else(|| cfg.actor_rollout_ref.model.tokenizer_path.clone())
+            .unwrap_or_else(|| cfg.actor_rollout_ref.model.path.clone());
+        let tok_dir = PathBuf::from(expand_home(&tok_dir));
+        if !tok_dir.join("tokenizer.json").is_file() {
+            return Ok(Self {
+                train_rows: train.len(),
+                val_rows: val.map(|v| v.len()),
+                filtered: None,
+                tokenizer_note: Some(format!(
+                    "no tokenizer.json in {}: prompt lengths were not checked, counts are before overlong filtering",
+                    tok_dir.display()
+                )),
+            });
+        }
+        let bundle = TokenizerBundle::from_dir(&tok_dir)?;
+        let template =
+            bundle.template(cfg.actor_rollout_ref.model.custom_chat_template.as_deref())?;
+        let train = PromptDataset::build(train, &bundle, &template, &train_opts)?;
+        let val_rows = match val {
+            Some(v) => Some(
+                PromptDataset::build(
+                    v,
+                    &bundle,
+                    &template,
+                    &DatasetOptions::val(&cfg.data, plan.prompt_length),
+                )?
+                .len(),
+            ),
+            None => None,
+        };
+        Ok(Self {
+            train_rows: train.len(),
+            val_rows,
+            filtered: Some(train.filtered_overlong),
+            tokenizer_note: None,
+        })
+    }
+}
+
+pub fn run(args: &ConfigArgs) -> anyhow::Result<()> {
+    let loaded = args.load()?;
+    if super::print_cfg(args, &loaded)? {
+        return Ok(());
+    }
+    let cfg = &loaded.config;
+    let plan = crate::config::resolve(cfg)?;
+    check_paths(cfg, &plan)?;
+    let data = DataSummary::load(cfg, &plan)?;
+    for w in &plan.warnings {
+        tracing::warn!("{w}");
+    }
+    print!("{}", explain(cfg, &plan, &data));
+    Ok(())
+}
+
+fn micro_words(m: MicroBatching) -> String {
+    m.describe()
+}
+
+fn update_words(out: &mut String, who: &str, u: &UpdatePlan, n: usize, key: &str) {
+    let _ = writeln!(
+        out,
+        "  {who} update: {} mini-batch(es) per step, each {} prompts × {n} = {} responses ({key}.ppo_mini_batch_size counts prompts)",
+        u.mini_batches_per_epoch, u.mini_batch_prompts, u.mini_batch_responses
+    );
+    match (u.micro, u.grad_accum) {
+        (MicroBatching::Sequences(m), Some(acc)) => {
+            let _ = writeln!(
+                out,
+                "    each mini-batch runs as {acc} micro-batch(es) of {m} sequences, gradients accumulated over {acc} ({key}.ppo_micro_batch_size_per_gpu)"
+            );
+        }
+        (m, _) => {
+            let _ = writeln!(out, "    micro-batches: {}", micro_words(m));
+        }
+    }
+    let _ = writeln!(
+        out,
+        "    optimizer steps per training step: {} mini-batch(es) × {} epoch(s) = {}",
+        u.mini_batches_per_epoch,
+        u.epochs,
+        u.optimizer_steps_per_step()
+    );
+}
+
+/// The report `config check` prints.
+pub fn explain(cfg: &Config, plan: &Plan, data: &DataSummary) -> String {
+    let mut o = String::new();
+    let n = plan.n;
+    let _ = writeln!(o, "Configuration is valid.\n");
+    let _ = writeln!(o, "Data");
+    let _ = writeln!(
+        o,
+        "  training prompts: {} (from {})",
+        data.train_rows,
+        cfg.data.train_files.to_vec().join(", ")
+    );
+    if let Some(v) = data.val_rows {
+        let _ = writeln!(
+            o,
+            "  validation prompts: {v} (from {})",
+            cfg.data.val_files.to_vec().join(", ")
+        );
+    }
+    if let Some(f) = data.filtered {
+        if cfg.data.filter_overlong_prompts {
+            let _ = writeln!(
+                o,
+                "  dropped as longer than {} prompt tokens: {f}",
+                plan.prompt_length
+            );
+        }
+    }
+    if let Some(note) = &data.tokenizer_note {
+        let _ = writeln!(o, "  note: {note}");
+    }
+    let _ = writeln!(
+        o,
+        "  prompt budget {} tokens, response budget {} tokens",
+        plan.prompt_length, plan.response_length
+    );
+
+    let _ = writeln!(o, "\nOne training step");
+    let _ = writeln!(
+        o,
+        "  prompts per step: {} (data.train_batch_size)",
+        plan.train_batch_size
+    );
+    let _ = writeln!(
+        o,
+        "  responses per step: {} prompts × {n} (actor_rollout_ref.rollout.n) = {}",
+        plan.train_batch_size,
+        plan.responses_per_step()
+    );
+    let _ = writeln!(o, "  old log-probs: {}", micro_words(plan.log_prob_micro));
+    if let Some(r) = plan.ref_log_prob_micro {
+        let _ = writeln!(o, "  reference log-probs: {}", micro_words(r));
+    }
+    if let Some(c) = plan.critic_forward_micro {
+        let _ = writeln!(o, "  critic values: {}", micro_words(c));
+    }
+    if let Some(c) = &plan.critic {
+        update_words(&mut o, "critic", c, n, "critic");
+    }
+    update_words(&mut o, "actor", &plan.actor, n, "actor_rollout_ref.actor");
+    if cfg.trainer.critic_warmup > 0 {
+        let _ = writeln!(
+            o,
+            "    (the actor starts updating after {} critic-only step(s))",
+            cfg.trainer.critic_warmup
+        );
+    }
+
+    let _ = writeln!(o, "\nSchedule");
+    let spe = plan.steps_per_epoch(data.train_rows);
+    let _ = writeln!(
+        o,
+        "  steps per epoch: {} prompts / {} per step = {spe} (the last partial batch is dropped)",
+        data.train_rows, plan.train_batch_size
+    );
+    let total = match cfg.trainer.total_training_steps {
+        Some(t) => {
+            let _ = writeln!(
+                o,
+                "  total training steps: {t} (trainer.total_training_steps)"
+            );
+            t as usize
+        }
+        None => {
+            let t = spe * cfg.trainer.total_epochs;
+            let _ = writeln!(
+                o,
+                "  total training steps: {spe} × {} epoch(s) (trainer.total_epochs) = {t}",
+                cfg.trainer.total_epochs
+            );
+            t
+        }
+    };
+    if total == 0 {
+        let _ = writeln!(
+            o,
+            "  warning: no training step will run (fewer prompts than data.train_batch_size?)"
+        );
+    }
+    let every = |f: Option<u64>| {
+        f.map(|f| format!("every {f} step(s) and at the last step"))
+            .unwrap_or_else(|| "never".into())
+    };
+    let _ = writeln!(
+        o,
+        "  checkpoints: {} into {}",
+        every(cfg.trainer.save_freq),
+        plan.default_local_dir.display()
+    );
+    let _ = writeln!(
+        o,
+        "  validation: {}{}",
+        every(cfg.trainer.test_freq),
+        if cfg.trainer.val_before_train {
+            ", and once before training"
+        } else {
+            ""
+        }
+    );
+
+    let _ = writeln!(o, "\nModels");
+    let _ = writeln!(
+        o,
+        "  actor (policy, also generates the rollouts; trained): {}",
+        cfg.actor_rollout_ref.model.path
+    );
+    if plan.need_reference {
+        let why = match (
+            cfg.actor_rollout_ref.actor.use_kl_loss,
+            cfg.algorithm.use_kl_in_reward,
+        ) {
+            (true, true) => "use_kl_loss and use_kl_in_reward",
+            (true, false) => "actor_rollout_ref.actor.use_kl_loss",
+            _ => "algorithm.use_kl_in_reward",
+        };
+        let _ = writeln!(
+            o,
+            "  reference (frozen copy of the actor, for {why}): loaded"
+        );
+    } else {
+        let _ = writeln!(o, "  reference: not loaded (neither actor.use_kl_loss nor algorithm.use_kl_in_reward is on)");
+    }
+    if plan.need_critic {
+        let _ = writeln!(
+            o,
+            "  critic (value model, trained): {}",
+            cfg.critic.model.path
+        );
+    } else {
+        let _ = writeln!(
+            o,
+            "  critic: not loaded (adv_estimator={} needs none)",
+            cfg.algorithm.adv_estimator.as_str()
+        );
+    }
+
+    let _ = writeln!(o, "\nReward");
+    let r = &cfg.reward;
+    if !r.sources.is_empty() {
+        for s in &r.sources {
+            let what = match s.kind {
+                RewardSourceType::Builtin => {
+                    format!("built-in scorer {}", s.scorer.as_deref().unwrap_or("?"))
+                }
+                RewardSourceType::Python => {
+                    format!(
+                        "Python {} from {}",
+                        s.function.as_deref().unwrap_or("compute_score"),
+                        s.path.as_deref().unwrap_or("?")
+                    )
+                }
+                RewardSourceType::Native => {
+                    format!("native function {}", s.function.as_deref().unwrap_or("?"))
+                }
+            };
+            let _ = writeln!(o, "  {} (weight {}): {what}", s.name, s.weight);
+        }
+    } else if let Some(p) = &r.custom_reward_function.path {
+        let _ = writeln!(
+            o,
+            "  custom function {} from {p}, in {} Python worker(s)",
+            r.custom_reward_function
+                .name
+                .as_deref()
+                .unwrap_or("compute_score"),
+            r.num_workers
+        );
+    } else {
+        let _ = writeln!(
+            o,
+            "  built-in scorers chosen by each row's data_source (verl's default_compute_score)"
+        );
+    }
+    o
+}

@@ -1,0 +1,205 @@
+//! `algorithm.*`: advantage estimator, discounting, KL in the reward and its controller.
+//! verl: `verl/trainer/config/algorithm.py` (`AlgoConfig`, `KLControlConfig`).
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::defaults;
+
+/// `algorithm.adv_estimator`: how advantages are estimated (verl's `AdvantageEstimator`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdvEstimator {
+    /// Generalised advantage estimation with a critic.
+    Gae,
+    /// Group-normalised outcome reward (needs n > 1 responses per prompt to be useful).
+    #[serde(alias = "grpo_vectorized")]
+    Grpo,
+    /// REINFORCE leave-one-out baseline.
+    #[serde(alias = "rloo_vectorized")]
+    Rloo,
+    /// Discounted returns, whitened over the batch.
+    ReinforcePlusPlus,
+    /// Group-mean baseline, then whitened over the batch.
+    ReinforcePlusPlusBaseline,
+    /// Greedy-rollout baseline.
+    Remax,
+    /// Length-weighted group baseline.
+    Opo,
+    /// Pass@k: only the best response of a group gets (best - second best).
+    GrpoPassk,
+    /// GPG: group-mean baseline scaled by batch size over non-zero scores.
+    Gpg,
+}
+
+impl AdvEstimator {
+    /// verl's string for this estimator.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AdvEstimator::Gae => "gae",
+            AdvEstimator::Grpo => "grpo",
+            AdvEstimator::Rloo => "rloo",
+            AdvEstimator::ReinforcePlusPlus => "reinforce_plus_plus",
+            AdvEstimator::ReinforcePlusPlusBaseline => "reinforce_plus_plus_baseline",
+            AdvEstimator::Remax => "remax",
+            AdvEstimator::Opo => "opo",
+            AdvEstimator::GrpoPassk => "grpo_passk",
+            AdvEstimator::Gpg => "gpg",
+        }
+    }
+}
+
+/// The estimator of KL(π‖π_ref) per token (`kl_penalty`, `kl_loss_type`), verl's
+/// `core_algos.kl_penalty`. A trailing `+` (`k3+`) keeps the value of the named estimator but
+/// takes the gradient of `k2` (straight-through).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KlPenalty {
+    pub kind: KlKind,
+    pub straight_through: bool,
+    /// The spelling the user chose (`kl` and `k1` are the same estimator), kept for round trips.
+    spelling: &'static str,
+}
+
+/// The KL estimators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KlKind {
+    /// `logp - ref` (k1).
+    K1,
+    /// `|logp - ref|`.
+    Abs,
+    /// `0.5 (logp - ref)^2` (k2).
+    K2,
+    /// `exp(ref - logp) - (ref - logp) - 1`, clamped (k3, low variance).
+    K3,
+}
+
+const KL_SPELLINGS: [(&str, KlKind); 7] = [
+    ("kl", KlKind::K1),
+    ("k1", KlKind::K1),
+    ("abs", KlKind::Abs),
+    ("mse", KlKind::K2),
+    ("k2", KlKind::K2),
+    ("low_var_kl", KlKind::K3),
+    ("k3", KlKind::K3),
+];
+
+impl KlPenalty {
+    pub fn new(kind: KlKind, straight_through: bool) -> Self {
+        let spelling = KL_SPELLINGS
+            .iter()
+            .find(|(_, k)| *k == kind)
+            .map(|(s, _)| *s)
+            .unwrap_or("kl");
+        Self {
+            kind,
+            straight_through,
+            spelling,
+        }
+    }
+}
+
+impl FromStr for KlPenalty {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (base, straight_through) = match s.strip_suffix('+') {
+            Some(b) => (b, true),
+            None => (s, false),
+        };
+        if base == "full" {
+            return Err("`full` (the exact KL over the vocabulary) is not implemented by verl either; use one of kl, k1, abs, mse, k2, low_var_kl, k3 (optionally with a trailing +)".into());
+        }
+        KL_SPELLINGS
+            .iter()
+            .find(|(name, _)| *name == base)
+            .map(|(name, kind)| KlPenalty { kind: *kind, straight_through, spelling: name })
+            .ok_or_else(|| {
+                format!("unknown KL estimator `{s}`, expected one of kl, k1, abs, mse, k2, low_var_kl, k3 (optionally with a trailing +)")
+            })
+    }
+}
+
+impl fmt::Display for KlPenalty {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}{}",
+            self.spelling,
+            if self.straight_through { "+" } else { "" }
+        )
+    }
+}
+
+impl Serialize for KlPenalty {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for KlPenalty {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// `algorithm.kl_ctrl.type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KlCtrlType {
+    /// β stays `kl_coef`.
+    Fixed,
+    /// β follows `target_kl` with a proportional controller over `horizon`.
+    Adaptive,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KlCtrlConfig {
+    /// fixed | adaptive.
+    #[serde(rename = "type")]
+    pub kind: KlCtrlType,
+    /// Initial (fixed: constant) KL coefficient β.
+    pub kl_coef: f64,
+    /// Adaptive controller horizon in samples.
+    pub horizon: f64,
+    /// Adaptive controller target KL.
+    pub target_kl: f64,
+}
+
+defaults!(KlCtrlConfig {
+    kind: KlCtrlType::Fixed,
+    kl_coef: 0.001,
+    horizon: 10000.0,
+    target_kl: 0.1
+});
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AlgorithmConfig {
+    /// Discount factor.
+    pub gamma: f64,
+    /// GAE lambda.
+    pub lam: f64,
+    /// gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | opo | grpo_passk | gpg.
+    pub adv_estimator: AdvEstimator,
+    /// GRPO: divide by the group std (false = Dr.GRPO).
+    pub norm_adv_by_std_in_grpo: bool,
+    /// Subtract β·KL(actor‖ref) from the token rewards.
+    pub use_kl_in_reward: bool,
+    /// KL estimator for the reward penalty.
+    pub kl_penalty: KlPenalty,
+    /// KL coefficient controller.
+    pub kl_ctrl: KlCtrlConfig,
+}
+
+defaults!(AlgorithmConfig {
+    gamma: 1.0,
+    lam: 1.0,
+    adv_estimator: AdvEstimator::Gae,
+    norm_adv_by_std_in_grpo: true,
+    use_kl_in_reward: false,
+    kl_penalty: KlPenalty::new(KlKind::K1, false),
+    kl_ctrl: KlCtrlConfig::default(),
+});

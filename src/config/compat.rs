@@ -1,0 +1,277 @@
+//! verl keys that this implementation accepts without a typed field: keys with no effect here
+//! (distributed-engine and inference-server settings), keys whose non-default values would change
+//! behaviour we do not implement (an error, never a silent ignore), and the legacy top-level
+//! reward keys that move under `reward.*` (verl's `migrate_legacy_reward_impl`).
+//!
+//! Key names are verl's (`verl/trainer/config/_generated_ppo_trainer.yaml`, newest snapshot).
+
+use serde_yaml_ng::Value;
+
+/// How a verl key without a typed field is treated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compat {
+    /// Accepted with any value under it, reported once in the no-effect warning.
+    NoEffect,
+    /// Accepted while it holds verl's default (a YAML literal); any other value is an error.
+    Unsupported {
+        default: &'static str,
+        why: &'static str,
+    },
+    /// Legacy top-level key: moved to this path before typing.
+    MovedTo(&'static str),
+}
+
+use Compat::*;
+
+const DIST: Compat = NoEffect;
+
+/// Key paths (an entry covers everything below it) and their treatment.
+pub const TABLE: &[(&str, Compat)] = &[
+    // whole sections of the distributed runtime
+    ("model_engine", DIST),
+    ("global_profiler", DIST),
+    ("skip", DIST),
+    ("transfer_queue", DIST),
+    ("ray_kwargs", DIST),
+    ("hydra", DIST),
+    ("distillation.enabled", Unsupported { default: "false", why: "distillation is not implemented" }),
+    ("distillation", DIST),
+    ("actor_rollout_ref.hybrid_engine", DIST),
+    ("actor_rollout_ref.nccl_timeout", DIST),
+    // model loading options of HF/FSDP
+    ("actor_rollout_ref.model.lora_rank", Unsupported { default: "0", why: "LoRA is not implemented; full fine-tuning only" }),
+    ("actor_rollout_ref.model.lora_adapter_path", Unsupported { default: "null", why: "LoRA is not implemented" }),
+    ("actor_rollout_ref.model.lora.rank", Unsupported { default: "0", why: "LoRA is not implemented; full fine-tuning only" }),
+    ("actor_rollout_ref.model.lora", DIST),
+    ("actor_rollout_ref.model.hf_config_path", DIST),
+    ("actor_rollout_ref.model.use_shm", DIST),
+    ("actor_rollout_ref.model.trust_remote_code", DIST),
+    ("actor_rollout_ref.model.external_lib", DIST),
+    ("actor_rollout_ref.model.enable_gradient_checkpointing", DIST),
+    ("actor_rollout_ref.model.enable_activation_offload", DIST),
+    ("actor_rollout_ref.model.use_remove_padding", DIST),
+    ("actor_rollout_ref.model.lora_alpha", DIST),
+    ("actor_rollout_ref.model.target_modules", DIST),
+    ("actor_rollout_ref.model.exclude_modules", DIST),
+    ("actor_rollout_ref.model.use_liger", DIST),
+    ("actor_rollout_ref.model.use_fused_kernels", DIST),
+    ("actor_rollout_ref.model.fused_kernel_options", DIST),
+    ("actor_rollout_ref.model.tiled_mlp", DIST),
+    ("actor_rollout_ref.model.mtp", DIST),
+    ("critic.model.lora_rank", Unsupported { default: "0", why: "LoRA is not implemented; full fine-tuning only" }),
+    ("critic.model.lora", DIST),
+    ("critic.model.hf_config_path", DIST),
+    ("critic.model.use_shm", DIST),
+    ("critic.model.trust_remote_code", DIST),
+    ("critic.model.external_lib", DIST),
+    ("critic.model.enable_gradient_checkpointing", DIST),
+    ("critic.model.enable_activation_offload", DIST),
+    ("critic.model.use_remove_padding", DIST),
+    ("critic.model.lora_alpha", DIST),
+    ("critic.model.target_modules", DIST),
+    ("critic.model.exclude_modules", DIST),
+    ("critic.model.use_liger", DIST),
+    ("critic.model.use_fused_kernels", DIST),
+    ("critic.model.fused_kernel_options", DIST),
+    ("critic.model.tiled_mlp", DIST),
+    ("critic.model.mtp", DIST),
+    // actor engine
+    ("actor_rollout_ref.actor.calculate_sum_pi_squared", Unsupported { default: "false", why: "the optimal-token-baseline estimators are not implemented" }),
+    ("actor_rollout_ref.actor.policy_loss.dro_beta", Unsupported { default: "null", why: "the dro policy loss is not implemented" }),
+    ("actor_rollout_ref.actor.fsdp_config", DIST),
+    ("actor_rollout_ref.actor.megatron", DIST),
+    ("actor_rollout_ref.actor.strategy", DIST),
+    ("actor_rollout_ref.actor.rollout_n", DIST),
+    ("actor_rollout_ref.actor.freeze_vision_tower", DIST),
+    ("actor_rollout_ref.actor.use_prefix_grouper", DIST),
+    ("actor_rollout_ref.actor.use_torch_compile", DIST),
+    ("actor_rollout_ref.actor.profiler", DIST),
+    ("actor_rollout_ref.actor.router_replay", DIST),
+    ("actor_rollout_ref.actor.qat", DIST),
+    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", DIST),
+    ("actor_rollout_ref.actor.entropy_from_logits_with_chunking", DIST),
+    ("actor_rollout_ref.actor.entropy_from_logits_chunk_size", DIST),
+    ("actor_rollout_ref.actor.entropy_checkpointing", DIST),
+    ("actor_rollout_ref.actor.pad_to_length", DIST),
+    ("actor_rollout_ref.actor.use_remove_padding", DIST),
+    ("actor_rollout_ref.actor.use_fused_kernels", DIST),
+    ("actor_rollout_ref.actor.checkpoint.async_save", DIST),
+    ("actor_rollout_ref.actor.checkpoint.strict", DIST),
+    ("actor_rollout_ref.actor.optim.optimizer_impl", DIST),
+    ("actor_rollout_ref.actor.optim.zero_indexed_step", DIST),
+    ("actor_rollout_ref.actor.optim.override_optimizer_config", DIST),
+    // reference engine
+    ("actor_rollout_ref.ref.fsdp_config", DIST),
+    ("actor_rollout_ref.ref.megatron", DIST),
+    ("actor_rollout_ref.ref.strategy", DIST),
+    ("actor_rollout_ref.ref.rollout_n", DIST),
+    ("actor_rollout_ref.ref.use_torch_compile", DIST),
+    ("actor_rollout_ref.ref.profiler", DIST),
+    ("actor_rollout_ref.ref.router_replay", DIST),
+    ("actor_rollout_ref.ref.ulysses_sequence_parallel_size", DIST),
+    ("actor_rollout_ref.ref.entropy_from_logits_with_chunking", DIST),
+    ("actor_rollout_ref.ref.entropy_from_logits_chunk_size", DIST),
+    ("actor_rollout_ref.ref.entropy_checkpointing", DIST),
+    ("actor_rollout_ref.ref.pad_to_length", DIST),
+    // inference server (vLLM/SGLang) settings
+    ("actor_rollout_ref.rollout.multi_turn.enable", Unsupported { default: "false", why: "multi-turn / tool-calling rollouts are not implemented" }),
+    ("actor_rollout_ref.rollout.multi_turn", DIST),
+    ("actor_rollout_ref.rollout.over_sample_rate", Unsupported { default: "0", why: "over-sampling is not implemented" }),
+    ("actor_rollout_ref.rollout.name", DIST),
+    ("actor_rollout_ref.rollout.mode", DIST),
+    ("actor_rollout_ref.rollout.nnodes", DIST),
+    ("actor_rollout_ref.rollout.n_gpus_per_node", DIST),
+    ("actor_rollout_ref.rollout.full_determinism", DIST),
+    ("actor_rollout_ref.rollout.dtype", DIST),
+    ("actor_rollout_ref.rollout.gpu_memory_utilization", DIST),
+    ("actor_rollout_ref.rollout.enforce_eager", DIST),
+    ("actor_rollout_ref.rollout.cudagraph_capture_sizes", DIST),
+    ("actor_rollout_ref.rollout.free_cache_engine", DIST),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size", DIST),
+    ("actor_rollout_ref.rollout.data_parallel_size", DIST),
+    ("actor_rollout_ref.rollout.expert_parallel_size", DIST),
+    ("actor_rollout_ref.rollout.pipeline_model_parallel_size", DIST),
+    ("actor_rollout_ref.rollout.max_num_batched_tokens", DIST),
+    ("actor_rollout_ref.rollout.max_model_len", DIST),
+    ("actor_rollout_ref.rollout.max_num_seqs", DIST),
+    ("actor_rollout_ref.rollout.enable_chunked_prefill", DIST),
+    ("actor_rollout_ref.rollout.enable_prefix_caching", DIST),
+    ("actor_rollout_ref.rollout.logprobs_mode", DIST),
+    ("actor_rollout_ref.rollout.scheduling_policy", DIST),
+    ("actor_rollout_ref.rollout.load_format", DIST),
+    ("actor_rollout_ref.rollout.layered_summon", DIST),
+    ("actor_rollout_ref.rollout.disable_log_stats", DIST),
+    ("actor_rollout_ref.rollout.multi_stage_wake_up", DIST),
+    ("actor_rollout_ref.rollout.engine_kwargs", DIST),
+    ("actor_rollout_ref.rollout.calculate_log_probs", DIST),
+    ("actor_rollout_ref.rollout.agent", DIST),
+    ("actor_rollout_ref.rollout.checkpoint_engine", DIST),
+    ("actor_rollout_ref.rollout.trace", DIST),
+    ("actor_rollout_ref.rollout.skip_tokenizer_init", DIST),
+    ("actor_rollout_ref.rollout.enable_rollout_routing_replay", DIST),
+    ("actor_rollout_ref.rollout.moe_load_balance_metrics_interval", DIST),
+    ("actor_rollout_ref.rollout.profiler", DIST),
+    ("actor_rollout_ref.rollout.prometheus", DIST),
+    ("actor_rollout_ref.rollout.quantization", DIST),
+    ("actor_rollout_ref.rollout.quantization_config_file", DIST),
+    ("actor_rollout_ref.rollout.mtp", DIST),
+    ("actor_rollout_ref.rollout.qat", DIST),
+    ("actor_rollout_ref.rollout.disaggregation", DIST),
+    // critic engine
+    ("critic.fsdp", DIST),
+    ("critic.megatron", DIST),
+    ("critic.strategy", DIST),
+    ("critic.rollout_n", DIST),
+    ("critic.ulysses_sequence_parallel_size", DIST),
+    ("critic.profiler", DIST),
+    ("critic.forward_micro_batch_size", DIST),
+    ("critic.checkpoint.async_save", DIST),
+    ("critic.optim.optimizer_impl", DIST),
+    ("critic.optim.zero_indexed_step", DIST),
+    ("critic.optim.override_optimizer_config", DIST),
+    // data loader options of the Python implementation
+    ("data.gen_batch_size", Unsupported { default: "null", why: "generation batches larger than train_batch_size (DAPO group filtering) are not implemented" }),
+    ("data.custom_cls.path", Unsupported { default: "null", why: "custom Python dataset classes cannot run here; convert the data to verl's parquet/JSONL format" }),
+    ("data.custom_cls", DIST),
+    ("data.use_shm", DIST),
+    ("data.tool_config_path", DIST),
+    ("data.function_tool_path", DIST),
+    ("data.return_raw_input_ids", DIST),
+    ("data.return_raw_chat", DIST),
+    ("data.return_full_prompt", DIST),
+    ("data.dataloader_num_workers", DIST),
+    ("data.image_patch_size", DIST),
+    ("data.filter_overlong_prompts_workers", DIST),
+    ("data.image_key", DIST),
+    ("data.video_key", DIST),
+    ("data.audio_key", DIST),
+    ("data.trust_remote_code", DIST),
+    ("data.return_multi_modal_inputs", DIST),
+    ("data.mm_processor_kwargs", DIST),
+    // reward engine
+    ("reward.reward_manager.module.path", Unsupported { default: "null", why: "Python reward-manager classes are not supported; use reward.sources or reward.custom_reward_function" }),
+    ("reward.reward_manager.module", DIST),
+    ("reward.reward_model.enable_resource_pool", DIST),
+    ("reward.reward_model.n_gpus_per_node", DIST),
+    ("reward.reward_model.nnodes", DIST),
+    ("reward.reward_model.rollout", DIST),
+    ("reward.sandbox_fusion.url", Unsupported { default: "null", why: "sandbox-fusion code execution is not implemented" }),
+    ("reward.sandbox_fusion", DIST),
+    // algorithm extensions not implemented
+    ("algorithm.use_pf_ppo", Unsupported { default: "false", why: "priority-filtered PPO reweighting is not implemented" }),
+    ("algorithm.pf_ppo", DIST),
+    ("algorithm.filter_groups.enable", Unsupported { default: "false", why: "DAPO dynamic group filtering is not implemented" }),
+    ("algorithm.filter_groups", DIST),
+    ("algorithm.rollout_correction.rollout_is", Unsupported { default: "null", why: "rollout importance-sampling correction is not implemented (rollout and training share one engine here)" }),
+    ("algorithm.rollout_correction.rollout_rs", Unsupported { default: "null", why: "rollout rejection sampling is not implemented" }),
+    ("algorithm.rollout_correction.bypass_mode", Unsupported { default: "false", why: "bypass mode is not implemented" }),
+    ("algorithm.rollout_correction", DIST),
+    // trainer runtime
+    ("trainer.balance_batch", DIST),
+    ("trainer.nnodes", DIST),
+    ("trainer.n_gpus_per_node", DIST),
+    ("trainer.esi_redundant_time", DIST),
+    ("trainer.default_hdfs_dir", DIST),
+    ("trainer.ray_wait_register_center_timeout", DIST),
+    ("trainer.use_v1", DIST),
+    ("trainer.v1", DIST),
+    ("trainer.use_legacy_worker_impl", DIST),
+    // legacy top-level reward keys
+    ("custom_reward_function.path", MovedTo("reward.custom_reward_function.path")),
+    ("custom_reward_function.name", MovedTo("reward.custom_reward_function.name")),
+    ("custom_reward_function.reward_kwargs", MovedTo("reward.custom_reward_function.reward_kwargs")),
+    ("reward_model.enable", MovedTo("reward.reward_model.enable")),
+    ("reward_model.model.path", MovedTo("reward.reward_model.model_path")),
+    ("reward_model.reward_manager", MovedTo("reward.reward_manager.name")),
+    ("reward_model.num_workers", MovedTo("reward.num_workers")),
+    ("reward_model", DIST),
+    ("sandbox_fusion.url", MovedTo("reward.sandbox_fusion.url")),
+    ("sandbox_fusion", DIST),
+];
+
+/// The table entry covering `path` (the most specific one), if any. Segments named `_target_`
+/// (Hydra's class markers) are always covered.
+pub fn lookup(path: &[String]) -> Option<(&'static str, Compat)> {
+    if path.iter().any(|s| s == "_target_") {
+        return Some(("_target_", NoEffect));
+    }
+    let mut best: Option<(&'static str, Compat)> = None;
+    for (entry, compat) in TABLE {
+        let segs: Vec<&str> = entry.split('.').collect();
+        let covers = segs.len() <= path.len() && segs.iter().zip(path).all(|(a, b)| *a == b);
+        if covers && best.is_none_or(|(b, _)| b.split('.').count() < segs.len()) {
+            best = Some((entry, *compat));
+        }
+    }
+    best
+}
+
+/// True when `path` is an ancestor of some table entry (`reward_model` for `reward_model.enable`),
+/// so that setting a mapping there is acceptable.
+pub fn is_table_prefix(path: &[String]) -> bool {
+    TABLE.iter().any(|(entry, _)| {
+        let segs: Vec<&str> = entry.split('.').collect();
+        segs.len() > path.len() && segs.iter().zip(path).all(|(a, b)| *a == b)
+    })
+}
+
+/// The top-level and nested names the table knows at the level below `parent`
+/// (for "did you mean" suggestions).
+pub fn names_under(parent: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    for (entry, _) in TABLE {
+        let segs: Vec<&str> = entry.split('.').collect();
+        if segs.len() > parent.len() && segs.iter().zip(parent).all(|(a, b)| *a == b) {
+            let name = segs[parent.len()].to_string();
+            if !out.contains(&name) {
+                out.push(name);
+            }
+        }
+    }
+    out
+}
+
+/// Parses an `Unsupported` default literal.
+pub fn default_value(literal: &str) -> Value {
+    serde_yaml_ng::from_str(literal).unwrap_or(Value::Null)
+}

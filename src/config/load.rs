@@ -1,0 +1,643 @@
+//! YAML → overrides → typed [`Config`]. See the module docs of `config` for the stages.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use serde_yaml_ng::Value;
+
+use super::compat::{self, Compat};
+use super::overrides::{parse_override, Override, OverrideOp};
+use super::tree;
+use super::{Config, ConfigError};
+
+/// Where the base YAML comes from (besides the built-in defaults).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum ConfigSource {
+    /// Only the built-in defaults (`configs/ppo_trainer.yaml`).
+    #[default]
+    Builtin,
+    /// A YAML file merged over the defaults (`--config FILE`, or `--config-path DIR --config-name NAME`).
+    File(PathBuf),
+}
+
+/// A loaded configuration and what the user should be told about it.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    pub config: Config,
+    /// verl keys the user set that have no effect here (reported once, in one warning line).
+    pub no_effect: Vec<String>,
+    /// Informational lines (legacy keys mapped onto their new place).
+    pub notices: Vec<String>,
+    /// Dotted keys the user set (in the YAML file or on the command line).
+    pub user_set: BTreeSet<String>,
+}
+
+/// Loads a configuration: defaults, then `source`, then each override in order.
+pub fn load(source: &ConfigSource, overrides: &[String]) -> Result<Loaded, ConfigError> {
+    let defaults = serde_yaml_ng::to_value(Config::default()).map_err(|e| ConfigError::Value {
+        key: "<defaults>".into(),
+        message: e.to_string(),
+    })?;
+    let schema = Schema {
+        defaults: &defaults,
+    };
+    let mut tree = defaults.clone();
+    let mut user_set = BTreeSet::new();
+    let mut notices = Vec::new();
+
+    if let ConfigSource::File(path) = source {
+        let file_label = path.display().to_string();
+        let user = read_yaml_with_defaults(path, 0, &mut notices)?;
+        if !user.is_null() && !user.is_mapping() {
+            return Err(ConfigError::File {
+                file: file_label,
+                message: "the top level must be a mapping of keys".into(),
+            });
+        }
+        schema
+            .check_tree(&user, &mut Vec::new())
+            .map_err(|e| match e {
+                ConfigError::UnknownKey { key, hint } => ConfigError::File {
+                    file: file_label.clone(),
+                    message: ConfigError::UnknownKey { key, hint }.to_string(),
+                },
+                other => other,
+            })?;
+        let mut leaves = Vec::new();
+        tree::leaves(&user, &mut Vec::new(), &mut leaves);
+        user_set.extend(leaves.iter().map(|l| tree::join(l)));
+        tree::merge(&mut tree, user);
+    }
+
+    for raw in overrides {
+        let ov = parse_override(raw).map_err(|message| ConfigError::Override {
+            raw: raw.clone(),
+            message,
+        })?;
+        apply_override(&schema, &defaults, &mut tree, &ov, &mut user_set)?;
+    }
+
+    move_legacy_keys(&mut tree, &user_set, &mut notices)?;
+    interpolate_tree(&schema, &mut tree)?;
+    let no_effect = strip_compat_keys(&schema, &mut tree)?;
+
+    let config: Config = serde_path_to_error::deserialize(tree).map_err(|e| {
+        let key = e.path().to_string();
+        ConfigError::Value {
+            key,
+            message: friendly_serde_message(&e.inner().to_string()),
+        }
+    })?;
+    Ok(Loaded {
+        config,
+        no_effect,
+        notices,
+        user_set,
+    })
+}
+
+/// Reads a YAML file and expands a Hydra `defaults:` list of sibling files.
+fn read_yaml_with_defaults(
+    path: &Path,
+    depth: usize,
+    notices: &mut Vec<String>,
+) -> Result<Value, ConfigError> {
+    let file = path.display().to_string();
+    if depth > 8 {
+        return Err(ConfigError::File {
+            file,
+            message: "`defaults` lists nest more than 8 deep (a cycle?)".into(),
+        });
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
+        file: file.clone(),
+        message: e.to_string(),
+    })?;
+    let mut value: Value = serde_yaml_ng::from_str(&text).map_err(|e| ConfigError::File {
+        file: file.clone(),
+        message: e.to_string(),
+    })?;
+    let Some(map) = value.as_mapping_mut() else {
+        return Ok(value);
+    };
+    let Some(defaults) = map.remove("defaults") else {
+        return Ok(value);
+    };
+    let Value::Sequence(entries) = defaults else {
+        return Err(ConfigError::File {
+            file,
+            message: "`defaults` must be a list".into(),
+        });
+    };
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let mut merged = Value::Mapping(Default::default());
+    let mut self_merged = false;
+    for entry in entries {
+        match entry {
+            Value::String(name) if name == "_self_" => {
+                tree::merge(&mut merged, value.clone());
+                self_merged = true;
+            }
+            Value::String(name) => {
+                let candidates = [dir.join(format!("{name}.yaml")), dir.join(&name)];
+                match candidates.iter().find(|p| p.is_file()) {
+                    Some(p) => {
+                        let sub = read_yaml_with_defaults(p, depth + 1, notices)?;
+                        tree::merge(&mut merged, sub);
+                    }
+                    // verl's own base config: the built-in defaults already are that.
+                    None if name == "ppo_trainer" => {}
+                    None => {
+                        return Err(ConfigError::File {
+                            file,
+                            message: format!(
+                                "`defaults` entry `{name}`: no file {}",
+                                candidates[0].display()
+                            ),
+                        })
+                    }
+                }
+            }
+            other => notices.push(format!(
+                "{file}: config-group selection {} in `defaults` has no effect in main_ppo",
+                tree::show(&other)
+            )),
+        }
+    }
+    if !self_merged {
+        tree::merge(&mut merged, value);
+    }
+    Ok(merged)
+}
+
+/// What a dotted key is, relative to the typed defaults and the compat table.
+#[derive(Debug, PartialEq)]
+enum KeyKind {
+    /// A typed key (its default exists in the tree).
+    Typed,
+    /// Inside a free-form mapping (`reward_kwargs.x`).
+    FreeMap,
+    /// Covered by the compat table (or an ancestor of entries in it).
+    Compat,
+    Unknown,
+}
+
+struct Schema<'a> {
+    defaults: &'a Value,
+}
+
+impl Schema<'_> {
+    fn kind(&self, path: &[String]) -> KeyKind {
+        if tree::get(self.defaults, path).is_some() {
+            return KeyKind::Typed;
+        }
+        for i in (1..path.len()).rev() {
+            if let Some(v) = tree::get(self.defaults, &path[..i]) {
+                if v.as_mapping().is_some_and(|m| m.is_empty()) {
+                    return KeyKind::FreeMap;
+                }
+                break;
+            }
+        }
+        if compat::lookup(path).is_some() || compat::is_table_prefix(path) {
+            return KeyKind::Compat;
+        }
+        KeyKind::Unknown
+    }
+
+    /// Rejects unknown keys in a user tree, with suggestions.
+    fn check_tree(&self, node: &Value, path: &mut Vec<String>) -> Result<(), ConfigError> {
+        let Some(map) = node.as_mapping() else {
+            return Ok(());
+        };
+        for (k, v) in map {
+            path.push(tree::key_str(k));
+            match self.kind(path) {
+                KeyKind::Unknown => return Err(self.unknown(path)),
+                KeyKind::Typed => {
+                    let is_struct = tree::get(self.defaults, path)
+                        .and_then(Value::as_mapping)
+                        .is_some_and(|m| !m.is_empty());
+                    if is_struct {
+                        self.check_tree(v, path)?;
+                    }
+                }
+                KeyKind::Compat if compat::is_table_prefix(path) => self.check_tree(v, path)?,
+                _ => {}
+            }
+            path.pop();
+        }
+        Ok(())
+    }
+
+    /// The unknown-key error for `path`, naming the closest valid keys.
+    fn unknown(&self, path: &[String]) -> ConfigError {
+        let key = tree::join(path);
+        // Deepest existing typed parent.
+        let mut depth = path.len() - 1;
+        while depth > 0 && tree::get(self.defaults, &path[..depth]).is_none() {
+            depth -= 1;
+        }
+        let parent = &path[..depth];
+        let name = &path[depth];
+        let mut siblings: Vec<String> = tree::get(self.defaults, parent)
+            .and_then(Value::as_mapping)
+            .map(|m| m.keys().map(tree::key_str).collect())
+            .unwrap_or_default();
+        siblings.extend(
+            compat::names_under(parent)
+                .into_iter()
+                .filter(|n| n != "_target_"),
+        );
+        let mut scored: Vec<(f64, String)> = siblings
+            .iter()
+            .map(|s| (strsim::jaro_winkler(name, s), s.clone()))
+            .filter(|(score, _)| *score >= 0.8)
+            .collect();
+        scored.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let prefix = if parent.is_empty() {
+            String::new()
+        } else {
+            format!("{}.", tree::join(parent))
+        };
+        let mut suggestions: Vec<String> = scored
+            .iter()
+            .take(3)
+            .map(|(_, s)| format!("{prefix}{s}"))
+            .collect();
+        // The same leaf name elsewhere (a key given under the wrong section).
+        let mut all = Vec::new();
+        tree::leaves(self.defaults, &mut Vec::new(), &mut all);
+        let leaf = path.last().expect("non-empty");
+        for p in all {
+            if p.last() == Some(leaf) && depth + 1 == path.len() {
+                let full = tree::join(&p);
+                if full != key && !suggestions.contains(&full) && suggestions.len() < 5 {
+                    suggestions.push(full);
+                }
+            }
+        }
+        let hint = if !suggestions.is_empty() {
+            format!(
+                "; did you mean {}?",
+                suggestions
+                    .iter()
+                    .map(|s| format!("`{s}`"))
+                    .collect::<Vec<_>>()
+                    .join(" or ")
+            )
+        } else if depth + 1 < path.len() {
+            format!(
+                "; `{}` has no key `{}`",
+                tree::join(&path[..=depth]).trim_end_matches('.'),
+                path[depth + 1..].join(".")
+            )
+        } else {
+            let mut names: Vec<String> = siblings;
+            names.sort();
+            names.dedup();
+            if names.is_empty() {
+                String::new()
+            } else {
+                let under = if parent.is_empty() {
+                    "the top level".to_string()
+                } else {
+                    format!("`{}`", tree::join(parent))
+                };
+                format!("; the keys under {under} are: {}", names.join(", "))
+            }
+        };
+        ConfigError::UnknownKey { key, hint }
+    }
+}
+
+fn apply_override(
+    schema: &Schema,
+    defaults: &Value,
+    tree: &mut Value,
+    ov: &Override,
+    user_set: &mut BTreeSet<String>,
+) -> Result<(), ConfigError> {
+    let key = tree::join(&ov.key);
+    match schema.kind(&ov.key) {
+        KeyKind::Unknown => {
+            return Err(match schema.unknown(&ov.key) {
+                ConfigError::UnknownKey { key, hint } => ConfigError::Override {
+                    raw: ov.raw.clone(),
+                    message: format!("unknown key `{key}`{hint}"),
+                },
+                other => other,
+            })
+        }
+        KeyKind::Typed | KeyKind::FreeMap | KeyKind::Compat => {}
+    }
+    match ov.op {
+        OverrideOp::Delete => {
+            if let Some(expected) = &ov.value {
+                let current = tree::get(tree, &ov.key).cloned().unwrap_or(Value::Null);
+                if &current != expected {
+                    return Err(ConfigError::Override {
+                        raw: ov.raw.clone(),
+                        message: format!(
+                            "`{key}` is {}, not {}; nothing deleted",
+                            tree::show(&current),
+                            tree::show(expected)
+                        ),
+                    });
+                }
+            }
+            match tree::get(defaults, &ov.key) {
+                Some(default) => tree::set(tree, &ov.key, default.clone()),
+                None => {
+                    tree::remove(tree, &ov.key);
+                }
+            }
+            user_set.retain(|k| k != &key && !k.starts_with(&format!("{key}.")));
+        }
+        // `+key` on an existing key is an error in Hydra; here keys verl lacks may exist, so
+        // `=`, `+` and `++` all set (a verl script must not fail for it).
+        OverrideOp::Set | OverrideOp::Add | OverrideOp::ForceAdd => {
+            let value = ov.value.clone().unwrap_or(Value::Null);
+            if value.is_mapping() && schema.kind(&ov.key) == KeyKind::Typed {
+                schema
+                    .check_tree(&value, &mut ov.key.clone())
+                    .map_err(|e| ConfigError::Override {
+                        raw: ov.raw.clone(),
+                        message: e.to_string(),
+                    })?;
+            }
+            let mut leaves = Vec::new();
+            tree::leaves(&value, &mut ov.key.clone(), &mut leaves);
+            user_set.extend(leaves.iter().map(|l| tree::join(l)));
+            user_set.insert(key);
+            // A struct-valued override merges (Hydra semantics for dicts); anything else replaces.
+            let existing_struct = tree::get(tree, &ov.key)
+                .is_some_and(|v| v.as_mapping().is_some_and(|m| !m.is_empty()));
+            if value.is_mapping() && existing_struct && schema.kind(&ov.key) == KeyKind::Typed {
+                let mut node = tree::get(tree, &ov.key).cloned().unwrap_or(Value::Null);
+                tree::merge(&mut node, value);
+                tree::set(tree, &ov.key, node);
+            } else {
+                tree::set(tree, &ov.key, value);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Moves the legacy top-level reward keys (`custom_reward_function.*`, `reward_model.*`,
+/// `sandbox_fusion.*`) under `reward.*`, as verl's `migrate_legacy_reward_impl` does.
+fn move_legacy_keys(
+    tree: &mut Value,
+    user_set: &BTreeSet<String>,
+    notices: &mut Vec<String>,
+) -> Result<(), ConfigError> {
+    for (from, compat) in compat::TABLE {
+        let Compat::MovedTo(to) = compat else {
+            continue;
+        };
+        let from_path = tree::split(from);
+        let Some(value) = tree::get(tree, &from_path).cloned() else {
+            continue;
+        };
+        if value.is_null() {
+            tree::remove(tree, &from_path);
+            continue;
+        }
+        let to_path = tree::split(to);
+        let new_set_by_user = user_set
+            .iter()
+            .any(|k| k == to || k.starts_with(&format!("{to}.")));
+        if new_set_by_user {
+            let current = tree::get(tree, &to_path).cloned().unwrap_or(Value::Null);
+            if current != value {
+                return Err(ConfigError::Invalid(vec![format!(
+                    "`{from}` ({}) and `{to}` ({}) are both set and differ; `{from}` is verl's legacy spelling of `{to}`: keep one",
+                    tree::show(&value),
+                    tree::show(&current)
+                )]));
+            }
+        }
+        tree::set(tree, &to_path, value);
+        tree::remove(tree, &from_path);
+        notices.push(format!("legacy key `{from}` is read as `{to}`"));
+    }
+    Ok(())
+}
+
+/// Removes every key the compat table covers; returns the no-effect keys the user set.
+fn strip_compat_keys(schema: &Schema, tree: &mut Value) -> Result<Vec<String>, ConfigError> {
+    let mut leaves = Vec::new();
+    tree::leaves(tree, &mut Vec::new(), &mut leaves);
+    let mut no_effect = Vec::new();
+    for leaf in leaves {
+        if matches!(schema.kind(&leaf), KeyKind::Typed | KeyKind::FreeMap) {
+            continue;
+        }
+        let Some((entry, compat)) = compat::lookup(&leaf) else {
+            // An empty mapping left behind by a removal, or an ancestor of table entries.
+            tree::remove(tree, &leaf);
+            continue;
+        };
+        let value = tree::get(tree, &leaf).cloned().unwrap_or(Value::Null);
+        if let Compat::Unsupported { default, why } = compat {
+            if tree::join(&leaf) == entry && value != compat::default_value(default) {
+                return Err(ConfigError::Unsupported {
+                    key: entry.to_string(),
+                    value: tree::show(&value),
+                    why: why.to_string(),
+                });
+            }
+        }
+        tree::remove(tree, &leaf);
+        if entry != "_target_" && !value.is_null() {
+            no_effect.push(tree::join(&leaf));
+        }
+    }
+    // Drop mappings that only held compat keys.
+    prune_untyped(schema, tree, &mut Vec::new());
+    no_effect.sort();
+    no_effect.dedup();
+    Ok(no_effect)
+}
+
+fn prune_untyped(schema: &Schema, node: &mut Value, path: &mut Vec<String>) {
+    let Some(map) = node.as_mapping_mut() else {
+        return;
+    };
+    let keys: Vec<Value> = map.keys().cloned().collect();
+    for k in keys {
+        path.push(tree::key_str(&k));
+        match schema.kind(path) {
+            KeyKind::Typed => {
+                if let Some(child) = map.get_mut(&k) {
+                    prune_untyped(schema, child, path);
+                }
+            }
+            KeyKind::FreeMap => {}
+            _ => {
+                map.remove(&k);
+            }
+        }
+        path.pop();
+    }
+}
+
+/// Resolves `${...}` interpolations in typed string values: `${a.b}`, `${oc.select:a.b,default}`,
+/// `${oc.env:VAR,default}`, relative `${.key}`. Other resolvers are errors naming the key.
+fn interpolate_tree(schema: &Schema, tree: &mut Value) -> Result<(), ConfigError> {
+    let mut leaves = Vec::new();
+    tree::leaves(tree, &mut Vec::new(), &mut leaves);
+    let snapshot = tree.clone();
+    for leaf in leaves {
+        if !matches!(schema.kind(&leaf), KeyKind::Typed | KeyKind::FreeMap) {
+            continue;
+        }
+        let Some(Value::String(s)) = tree::get(tree, &leaf) else {
+            continue;
+        };
+        if !s.contains("${") {
+            continue;
+        }
+        let resolved =
+            resolve_string(&snapshot, &leaf, s, 0).map_err(|message| ConfigError::Value {
+                key: tree::join(&leaf),
+                message,
+            })?;
+        tree::set(tree, &leaf, resolved);
+    }
+    Ok(())
+}
+
+fn resolve_string(root: &Value, at: &[String], s: &str, depth: usize) -> Result<Value, String> {
+    if depth > 16 {
+        return Err("interpolation nests more than 16 deep (a cycle?)".into());
+    }
+    let mut out = String::new();
+    let mut rest = s;
+    let mut whole: Option<Value> = None;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let body_start = start + 2;
+        let mut level = 1;
+        let mut end = None;
+        let bytes = rest.as_bytes();
+        let mut i = body_start;
+        while i < bytes.len() {
+            if rest[i..].starts_with("${") {
+                level += 1;
+                i += 2;
+                continue;
+            }
+            if bytes[i] == b'}' {
+                level -= 1;
+                if level == 0 {
+                    end = Some(i);
+                    break;
+                }
+            }
+            i += 1;
+        }
+        let end = end.ok_or_else(|| format!("unclosed `${{` in {s:?}"))?;
+        let value = resolve_expr(root, at, &rest[body_start..end], depth)?;
+        if start == 0
+            && end + 1 == rest.len()
+            && out.is_empty()
+            && whole.is_none()
+            && rest.len() == s.len()
+        {
+            whole = Some(value.clone());
+        }
+        out.push_str(&match &value {
+            Value::String(v) => v.clone(),
+            Value::Null => "None".into(),
+            other => serde_yaml_ng::to_string(other)
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
+        });
+        rest = &rest[end + 1..];
+    }
+    if let Some(v) = whole {
+        return Ok(v);
+    }
+    out.push_str(rest);
+    Ok(Value::String(out))
+}
+
+fn resolve_expr(root: &Value, at: &[String], expr: &str, depth: usize) -> Result<Value, String> {
+    let expr = expr.trim();
+    let (func, args) = match expr.split_once(':') {
+        Some((f, a)) if f.starts_with("oc.") => (Some(f), a),
+        _ => (None, expr),
+    };
+    let (first, default) = split_default(args);
+    let lookup = |path: &str| -> Option<Value> {
+        let p = path.trim();
+        let segs: Vec<String> = if let Some(rel) = p.strip_prefix('.') {
+            let ups = rel.chars().take_while(|c| *c == '.').count();
+            let mut base: Vec<String> = at[..at.len().saturating_sub(1 + ups)].to_vec();
+            base.extend(rel[ups..].split('.').map(str::to_string));
+            base
+        } else {
+            tree::split(p)
+        };
+        tree::get(root, &segs).cloned()
+    };
+    let parse_default = |d: &str| -> Result<Value, String> {
+        let d = d.trim();
+        if d.contains("${") {
+            resolve_string(root, at, d, depth + 1)
+        } else {
+            super::overrides::parse_value(d).or_else(|_| Ok(Value::String(d.to_string())))
+        }
+    };
+    let value = match func {
+        None => lookup(first).ok_or_else(|| format!("interpolation `${{{expr}}}`: no key `{first}`"))?,
+        Some("oc.select") => match lookup(first) {
+            Some(v) => v,
+            None => match default {
+                Some(d) => parse_default(d)?,
+                None => Value::Null,
+            },
+        },
+        Some("oc.env") => match std::env::var(first.trim()) {
+            Ok(v) => Value::String(v),
+            Err(_) => match default {
+                Some(d) => parse_default(d)?,
+                None => return Err(format!("interpolation `${{{expr}}}`: environment variable `{first}` is not set")),
+            },
+        },
+        Some(other) => return Err(format!("interpolation `${{{expr}}}`: resolver `{other}` is not supported (oc.select and oc.env are)")),
+    };
+    match value {
+        Value::String(s) if s.contains("${") => resolve_string(root, at, &s, depth + 1),
+        v => Ok(v),
+    }
+}
+
+/// Splits `path,default` at the first top-level comma.
+fn split_default(args: &str) -> (&str, Option<&str>) {
+    let mut level = 0;
+    for (i, c) in args.char_indices() {
+        match c {
+            '{' | '[' => level += 1,
+            '}' | ']' => level -= 1,
+            ',' if level == 0 => return (&args[..i], Some(&args[i + 1..])),
+            _ => {}
+        }
+    }
+    (args, None)
+}
+
+/// serde's messages speak Rust (`expected usize`); say it in words.
+fn friendly_serde_message(m: &str) -> String {
+    m.replace("expected usize", "expected a non-negative integer")
+        .replace("expected u64", "expected a non-negative integer")
+        .replace("expected i64", "expected an integer")
+        .replace("expected f64", "expected a number")
+        .replace(
+            "expected an array of length 2",
+            "expected a list of two numbers",
+        )
+}

@@ -1,0 +1,116 @@
+//! The typed configuration, mirroring verl's `ppo_trainer.yaml`.
+//!
+//! Stages (see `load.rs` and `resolve.rs`):
+//! 1. defaults (each section's `Default`) as a YAML tree,
+//! 2. the user's YAML file merged on top, then the command-line overrides applied,
+//! 3. legacy keys mapped, `${...}` interpolations resolved, verl keys without effect here set
+//!    aside (reported once), then the tree deserialised into [`Config`] (unknown keys rejected,
+//!    errors carry the dotted path),
+//! 4. [`resolve::resolve`] applies verl's cross-key rules and derives the batch plan.
+
+pub mod actor;
+pub mod algorithm;
+pub mod compat;
+pub mod critic;
+pub mod data;
+pub mod fields;
+pub mod load;
+pub mod model;
+pub mod optim;
+pub mod overrides;
+pub mod reference;
+pub mod resolve;
+pub mod reward;
+pub mod rollout;
+pub mod trainer;
+pub mod tree;
+
+use serde::{Deserialize, Serialize};
+
+pub use actor::{ActorConfig, LossAggMode, PolicyLossMode};
+pub use algorithm::{AdvEstimator, AlgorithmConfig, KlCtrlType, KlKind, KlPenalty};
+pub use critic::CriticConfig;
+pub use data::{DataConfig, Truncation};
+pub use load::{load, ConfigSource, Loaded};
+pub use model::ModelConfig;
+pub use optim::{LrSchedulerType, OptimConfig};
+pub use reference::RefConfig;
+pub use resolve::{resolve, MicroBatching, Plan, UpdatePlan};
+pub use reward::{OnError, RewardConfig, RewardManagerName, RewardSource, RewardSourceType};
+pub use rollout::{RolloutConfig, SamplingConfig};
+pub use trainer::{ResumeMode, TrainerConfig};
+
+use crate::defaults;
+
+/// `actor_rollout_ref.*`: the policy, its rollout and its reference share one model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ActorRolloutRefConfig {
+    /// The policy model (weights, tokenizer, chat template).
+    pub model: ModelConfig,
+    /// The policy update.
+    pub actor: ActorConfig,
+    /// Generation.
+    pub rollout: RolloutConfig,
+    /// The reference policy's log-prob pass.
+    #[serde(rename = "ref")]
+    pub reference: RefConfig,
+}
+
+defaults!(ActorRolloutRefConfig {
+    model: ModelConfig::default(),
+    actor: ActorConfig::default(),
+    rollout: RolloutConfig::default(),
+    reference: RefConfig::default(),
+});
+
+/// The whole configuration of a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub data: DataConfig,
+    pub actor_rollout_ref: ActorRolloutRefConfig,
+    pub critic: CriticConfig,
+    pub reward: RewardConfig,
+    pub algorithm: AlgorithmConfig,
+    pub trainer: TrainerConfig,
+}
+
+defaults!(Config {
+    data: DataConfig::default(),
+    actor_rollout_ref: ActorRolloutRefConfig::default(),
+    critic: CriticConfig::default(),
+    reward: RewardConfig::default(),
+    algorithm: AlgorithmConfig::default(),
+    trainer: TrainerConfig::default(),
+});
+
+impl Config {
+    /// The configuration as YAML (what `--cfg job` prints).
+    pub fn to_yaml(&self) -> String {
+        serde_yaml_ng::to_string(self)
+            .unwrap_or_else(|e| format!("# cannot serialise config: {e}\n"))
+    }
+}
+
+/// Everything that can go wrong while reading a configuration. Each message names the key
+/// (dotted path), the file or the override, and the rule.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{file}: {message}")]
+    File { file: String, message: String },
+    #[error("override `{raw}`: {message}")]
+    Override { raw: String, message: String },
+    #[error("unknown key `{key}`{hint}")]
+    UnknownKey { key: String, hint: String },
+    #[error("{key}: {message}")]
+    Value { key: String, message: String },
+    #[error("{key} = {value}: not supported by main_ppo ({why})")]
+    Unsupported {
+        key: String,
+        value: String,
+        why: String,
+    },
+    #[error("invalid configuration:\n  - {}", .0.join("\n  - "))]
+    Invalid(Vec<String>),
+}

@@ -1,0 +1,261 @@
+//! Hydra's command-line override grammar, as verl run scripts use it:
+//! `a.b=v` (set), `+a.b=v` (add), `++a.b=v` (add or set), `~a.b` / `~a.b=v` (delete).
+//! Values are parsed like Hydra's: `null`, `true`/`false` (any case), numbers (`1e-6`, `-1`),
+//! `[a,b]`, `{k: v}`, quoted strings, and an empty value as the empty string. A comma outside
+//! brackets or quotes is a Hydra sweep, which a single run cannot do: rejected.
+
+use serde_yaml_ng::Value;
+
+/// What an override does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OverrideOp {
+    /// `key=value`: the key must exist.
+    Set,
+    /// `+key=value`: add a key.
+    Add,
+    /// `++key=value`: add or set.
+    ForceAdd,
+    /// `~key` or `~key=value`: delete (reset to the default).
+    Delete,
+}
+
+/// One parsed override.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Override {
+    pub op: OverrideOp,
+    /// The dotted key, split into segments.
+    pub key: Vec<String>,
+    /// The value (`None` only for a delete without `=value`).
+    pub value: Option<Value>,
+    /// The override as typed, for messages.
+    pub raw: String,
+}
+
+/// Parses one `key=value` argument. The error is a message without the override itself.
+pub fn parse_override(raw: &str) -> Result<Override, String> {
+    let (op, rest) = if let Some(r) = raw.strip_prefix("++") {
+        (OverrideOp::ForceAdd, r)
+    } else if let Some(r) = raw.strip_prefix('+') {
+        (OverrideOp::Add, r)
+    } else if let Some(r) = raw.strip_prefix('~') {
+        (OverrideOp::Delete, r)
+    } else {
+        (OverrideOp::Set, raw)
+    };
+    let (key, value) = match rest.split_once('=') {
+        Some((k, v)) => (k.trim(), Some(v)),
+        None if op == OverrideOp::Delete => (rest.trim(), None),
+        None => {
+            return Err("expected key=value (an override needs `=`; `~key` deletes a key)".into());
+        }
+    };
+    let key = parse_key(key)?;
+    let value = match value {
+        Some(v) => Some(parse_value(v)?),
+        None => None,
+    };
+    Ok(Override {
+        op,
+        key,
+        value,
+        raw: raw.to_string(),
+    })
+}
+
+fn parse_key(key: &str) -> Result<Vec<String>, String> {
+    if key.is_empty() {
+        return Err("the key is empty".into());
+    }
+    let segs: Vec<String> = key.split('.').map(str::to_string).collect();
+    for seg in &segs {
+        if seg.is_empty() {
+            return Err(format!("the key `{key}` has an empty segment"));
+        }
+        if let Some(c) = seg
+            .chars()
+            .find(|c| !(c.is_alphanumeric() || matches!(c, '_' | '-' | '@' | '/')))
+        {
+            return Err(format!(
+                "the key `{key}` contains `{c}`; keys are dotted names like data.train_batch_size"
+            ));
+        }
+    }
+    Ok(segs)
+}
+
+const SWEEP_FUNCTIONS: [&str; 7] = [
+    "choice(",
+    "range(",
+    "interval(",
+    "glob(",
+    "shuffle(",
+    "sort(",
+    "tag(",
+];
+
+/// Parses an override value with Hydra's rules (see the module docs).
+pub fn parse_value(text: &str) -> Result<Value, String> {
+    let t = text.trim();
+    if t.is_empty() {
+        return Ok(Value::String(String::new()));
+    }
+    if SWEEP_FUNCTIONS.iter().any(|f| t.starts_with(f)) {
+        return Err(format!(
+            "`{t}` is a Hydra sweep function; main_ppo runs one configuration at a time"
+        ));
+    }
+    if has_top_level_comma(t) {
+        return Err(format!(
+            "`{t}` has a comma outside brackets, which Hydra reads as a sweep over several runs; \
+             for a list write [{t}], for a string with a comma quote it: '{t}'"
+        ));
+    }
+    let lower = t.to_ascii_lowercase();
+    match lower.as_str() {
+        "true" => return Ok(Value::Bool(true)),
+        "false" => return Ok(Value::Bool(false)),
+        "null" => return Ok(Value::Null),
+        "inf" | "+inf" => return Ok(Value::Number(f64::INFINITY.into())),
+        "-inf" => return Ok(Value::Number(f64::NEG_INFINITY.into())),
+        "nan" => return Ok(Value::Number(f64::NAN.into())),
+        _ => {}
+    }
+    if let Ok(i) = t.parse::<i64>() {
+        return Ok(Value::Number(i.into()));
+    }
+    if t.bytes().any(|b| b.is_ascii_digit())
+        && !t
+            .bytes()
+            .any(|b| b.is_ascii_alphabetic() && b != b'e' && b != b'E')
+    {
+        if let Ok(f) = t.parse::<f64>() {
+            return Ok(Value::Number(f.into()));
+        }
+    }
+    let structured =
+        t.starts_with('[') || t.starts_with('{') || t.starts_with('\'') || t.starts_with('"');
+    match serde_yaml_ng::from_str::<Value>(t) {
+        Ok(v @ (Value::Sequence(_) | Value::Mapping(_))) if structured => Ok(v),
+        Ok(Value::String(s)) if structured => Ok(Value::String(s)),
+        Ok(v @ (Value::Number(_) | Value::Bool(_) | Value::Null)) => Ok(v),
+        Ok(Value::Tagged(_)) => Ok(Value::String(t.to_string())),
+        Ok(_) if !structured => Ok(Value::String(t.to_string())),
+        Ok(v) => Ok(v),
+        Err(e) if structured => Err(format!("cannot parse `{t}`: {e}")),
+        Err(_) => Ok(Value::String(t.to_string())),
+    }
+}
+
+/// True when `s` has a `,` that is not inside `[]`, `{}`, `()` or quotes.
+fn has_top_level_comma(s: &str) -> bool {
+    let mut depth = 0i32;
+    let mut quote: Option<char> = None;
+    let mut escaped = false;
+    for c in s.chars() {
+        if escaped {
+            escaped = false;
+            continue;
+        }
+        match (quote, c) {
+            (_, '\\') => escaped = true,
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), _) => {}
+            (None, '\'' | '"') => quote = Some(c),
+            (None, '[' | '{' | '(') => depth += 1,
+            (None, ']' | '}' | ')') => depth -= 1,
+            (None, ',') if depth == 0 => return true,
+            _ => {}
+        }
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn val(s: &str) -> Value {
+        parse_value(s).unwrap()
+    }
+
+    fn yaml(s: &str) -> Value {
+        serde_yaml_ng::from_str(s).unwrap()
+    }
+
+    #[test]
+    fn operators() {
+        let o = parse_override("data.train_batch_size=256").unwrap();
+        assert_eq!(o.op, OverrideOp::Set);
+        assert_eq!(o.key, vec!["data", "train_batch_size"]);
+        assert_eq!(o.value, Some(Value::Number(256.into())));
+        assert_eq!(parse_override("+a.b=1").unwrap().op, OverrideOp::Add);
+        assert_eq!(parse_override("++a.b=1").unwrap().op, OverrideOp::ForceAdd);
+        let d = parse_override("~a.b").unwrap();
+        assert_eq!((d.op, d.value), (OverrideOp::Delete, None));
+        let d = parse_override("~a.b=3").unwrap();
+        assert_eq!(
+            (d.op, d.value),
+            (OverrideOp::Delete, Some(Value::Number(3.into())))
+        );
+    }
+
+    #[test]
+    fn scalar_values_follow_hydra() {
+        assert_eq!(val("null"), Value::Null);
+        assert_eq!(val("True"), Value::Bool(true));
+        assert_eq!(val("false"), Value::Bool(false));
+        assert_eq!(val("FALSE"), Value::Bool(false));
+        assert_eq!(val("1e-6").as_f64(), Some(1e-6));
+        assert_eq!(val("-1").as_i64(), Some(-1));
+        assert_eq!(val("0.5").as_f64(), Some(0.5));
+        assert_eq!(val(""), Value::String(String::new()));
+        assert_eq!(val("console"), Value::String("console".into()));
+        assert_eq!(
+            val("'quoted string'"),
+            Value::String("quoted string".into())
+        );
+        assert_eq!(val("\"1\""), Value::String("1".into()));
+        assert_eq!(
+            val("~/data/gsm8k/train.parquet"),
+            Value::String("~/data/gsm8k/train.parquet".into())
+        );
+        assert_eq!(
+            val("http://host:8000/x"),
+            Value::String("http://host:8000/x".into())
+        );
+        assert!(val("inf").as_f64().unwrap().is_infinite());
+    }
+
+    #[test]
+    fn structured_values() {
+        assert_eq!(val("['console']"), yaml("[console]"));
+        assert_eq!(val("[console,wandb]"), yaml("[console, wandb]"));
+        assert_eq!(val("[]"), yaml("[]"));
+        assert_eq!(val("{k: v, n: 2}"), yaml("{k: v, n: 2}"));
+        assert_eq!(
+            val("[{name: acc, type: builtin, scorer: gsm8k, kwargs: {method: flexible}}]"),
+            yaml("[{name: acc, type: builtin, scorer: gsm8k, kwargs: {method: flexible}}]")
+        );
+        assert!(parse_value("[unclosed").is_err());
+    }
+
+    #[test]
+    fn sweeps_are_rejected_with_a_hint() {
+        let e = parse_value("console,wandb").unwrap_err();
+        assert!(e.contains("[console,wandb]"), "{e}");
+        assert!(parse_value("choice(1,2)").is_err());
+        assert!(parse_value("'a,b'").is_ok());
+    }
+
+    #[test]
+    fn malformed_overrides() {
+        assert!(parse_override("data.train_batch_size")
+            .unwrap_err()
+            .contains("key=value"));
+        assert!(parse_override("=3").is_err());
+        assert!(parse_override("a..b=3")
+            .unwrap_err()
+            .contains("empty segment"));
+        assert!(parse_override("a b=3").is_err());
+    }
+}

@@ -1,0 +1,654 @@
+//! Cross-key rules and derived sizes: verl's `validate_config` and the worker-side batch
+//! normalisation (`verl/utils/config.py`, `ActorConfig`/`CriticConfig.__post_init__`,
+//! `fsdp_workers.py`), plus the `${oc.select:...}` fallbacks resolved in code.
+//! Every message names the keys involved and the rule.
+
+use std::path::PathBuf;
+
+use super::{AdvEstimator, Config, ConfigError, LossAggMode, PolicyLossMode, RewardSourceType};
+
+/// How a pass over many sequences is cut into forward passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MicroBatching {
+    /// A fixed number of sequences per forward pass.
+    Sequences(usize),
+    /// As many sequences as fit in a token budget.
+    TokenBudget(usize),
+}
+
+impl MicroBatching {
+    pub fn describe(&self) -> String {
+        match self {
+            MicroBatching::Sequences(n) => format!("{n} sequences per forward pass"),
+            MicroBatching::TokenBudget(t) => {
+                format!("up to {t} tokens per forward pass (use_dynamic_bsz)")
+            }
+        }
+    }
+}
+
+/// The batch arithmetic of one model's PPO update.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UpdatePlan {
+    /// Prompts per mini-batch (the configured ppo_mini_batch_size).
+    pub mini_batch_prompts: usize,
+    /// Responses per mini-batch (× rollout.n).
+    pub mini_batch_responses: usize,
+    /// Mini-batches (optimizer steps) per epoch over one training step's data.
+    pub mini_batches_per_epoch: usize,
+    pub micro: MicroBatching,
+    /// Micro-batches accumulated per optimizer step (known for fixed micro-batches).
+    pub grad_accum: Option<usize>,
+    pub epochs: usize,
+    pub loss_agg_mode: LossAggMode,
+    pub shuffle: bool,
+    pub grad_clip: f64,
+}
+
+impl UpdatePlan {
+    /// Optimizer steps per training step.
+    pub fn optimizer_steps_per_step(&self) -> usize {
+        self.mini_batches_per_epoch * self.epochs
+    }
+}
+
+/// Everything derived from a [`Config`] that the trainer needs and `config check` prints.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub prompt_length: usize,
+    pub response_length: usize,
+    /// Responses per prompt.
+    pub n: usize,
+    pub train_batch_size: usize,
+    pub actor: UpdatePlan,
+    /// None when there is no critic.
+    pub critic: Option<UpdatePlan>,
+    /// Forward passes of the old-log-prob recomputation.
+    pub log_prob_micro: MicroBatching,
+    /// Forward passes of the reference model (None when there is no reference).
+    pub ref_log_prob_micro: Option<MicroBatching>,
+    /// Forward passes of the critic's value computation.
+    pub critic_forward_micro: Option<MicroBatching>,
+    pub need_reference: bool,
+    pub need_critic: bool,
+    /// Checkpoint root.
+    pub default_local_dir: PathBuf,
+    /// Non-fatal findings (printed as warnings).
+    pub warnings: Vec<String>,
+}
+
+impl Plan {
+    /// Responses per training step.
+    pub fn responses_per_step(&self) -> usize {
+        self.train_batch_size * self.n
+    }
+
+    /// Training steps per epoch for a data set of `rows` prompts (the loader drops the last
+    /// partial batch, as verl's).
+    pub fn steps_per_epoch(&self, rows: usize) -> usize {
+        rows / self.train_batch_size
+    }
+}
+
+const A: &str = "actor_rollout_ref.actor";
+
+/// Exactly one of a deprecated global micro-batch key and its `_per_gpu` form, unless dynamic.
+fn one_micro_key(
+    errors: &mut Vec<String>,
+    global_key: &str,
+    global: Option<usize>,
+    per_gpu_key: &str,
+    per_gpu: Option<usize>,
+    dynamic: bool,
+    budget: usize,
+) -> MicroBatching {
+    if dynamic {
+        return MicroBatching::TokenBudget(budget);
+    }
+    match (global, per_gpu) {
+        (Some(_), Some(_)) => {
+            errors.push(format!(
+                "`{global_key}` and `{per_gpu_key}` are both set; set only `{per_gpu_key}` (`{global_key}` is deprecated)"
+            ));
+            MicroBatching::Sequences(1)
+        }
+        (None, None) => {
+            errors.push(format!(
+                "set `{per_gpu_key}` (sequences per forward pass), or use_dynamic_bsz=True; neither it nor the deprecated `{global_key}` is set"
+            ));
+            MicroBatching::Sequences(1)
+        }
+        // One device: the global micro-batch size is the per-device one.
+        (Some(n), None) | (None, Some(n)) => {
+            if n == 0 {
+                errors.push(format!(
+                    "`{}` must be at least 1",
+                    if global.is_some() {
+                        global_key
+                    } else {
+                        per_gpu_key
+                    }
+                ));
+                MicroBatching::Sequences(1)
+            } else {
+                MicroBatching::Sequences(n)
+            }
+        }
+    }
+}
+
+/// Applies verl's validation rules and derives the [`Plan`]. All violations are reported together.
+pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
+    let mut errors = Vec::new();
+    let mut warnings = Vec::new();
+    let data = &cfg.data;
+    let arr = &cfg.actor_rollout_ref;
+    let actor = &arr.actor;
+    let rollout = &arr.rollout;
+    let algo = &cfg.algorithm;
+    let critic = &cfg.critic;
+
+    let prompt_length = rollout
+        .prompt_length
+        .map(|v| v as usize)
+        .unwrap_or(data.max_prompt_length);
+    let response_length = rollout
+        .response_length
+        .map(|v| v as usize)
+        .unwrap_or(data.max_response_length);
+    if prompt_length == 0 {
+        errors.push("`data.max_prompt_length` (or `actor_rollout_ref.rollout.prompt_length`) must be at least 1".into());
+    }
+    if response_length == 0 {
+        errors.push("`data.max_response_length` (or `actor_rollout_ref.rollout.response_length`) must be at least 1".into());
+    }
+    let n = rollout.n;
+    if n == 0 {
+        errors.push("`actor_rollout_ref.rollout.n` must be at least 1".into());
+    }
+    let n = n.max(1);
+    let tbs = data.train_batch_size;
+    if tbs == 0 {
+        errors.push("`data.train_batch_size` must be at least 1".into());
+    }
+
+    // Actor batching.
+    let mini = actor.ppo_mini_batch_size;
+    if mini == 0 {
+        errors.push(format!("`{A}.ppo_mini_batch_size` must be at least 1"));
+    } else if tbs < mini {
+        errors.push(format!(
+            "`data.train_batch_size` ({tbs}) must be >= `{A}.ppo_mini_batch_size` ({mini}); both count prompts"
+        ));
+    } else if tbs % mini != 0 {
+        errors.push(format!(
+            "`data.train_batch_size` ({tbs}) must be divisible by `{A}.ppo_mini_batch_size` ({mini}) so each step splits into whole mini-batches"
+        ));
+    }
+    let actor_micro = one_micro_key(
+        &mut errors,
+        &format!("{A}.ppo_micro_batch_size"),
+        actor.ppo_micro_batch_size,
+        &format!("{A}.ppo_micro_batch_size_per_gpu"),
+        actor.ppo_micro_batch_size_per_gpu,
+        actor.use_dynamic_bsz,
+        actor.ppo_max_token_len_per_gpu,
+    );
+    let mini_resp = mini * n;
+    let actor_accum = micro_divides(
+        &mut errors,
+        &format!("{A}.ppo_mini_batch_size"),
+        mini,
+        n,
+        actor_micro,
+        &format!("{A}.ppo_micro_batch_size_per_gpu"),
+    );
+    if actor.use_dynamic_bsz && actor.ppo_max_token_len_per_gpu < prompt_length + response_length {
+        errors.push(format!(
+            "`{A}.ppo_max_token_len_per_gpu` ({}) must be >= max prompt + response length ({}) so one sequence fits a micro-batch",
+            actor.ppo_max_token_len_per_gpu,
+            prompt_length + response_length
+        ));
+    }
+    if actor.ppo_epochs == 0 {
+        errors.push(format!("`{A}.ppo_epochs` must be at least 1"));
+    }
+    if actor.clip_ratio_c <= 1.0 {
+        errors.push(format!(
+            "`{A}.clip_ratio_c` ({}) must be > 1 (dual-clip lower bound for negative advantages)",
+            actor.clip_ratio_c
+        ));
+    }
+    for (key, v) in [
+        ("clip_ratio", actor.clip_ratio),
+        ("clip_ratio_low", actor.clip_low()),
+        ("clip_ratio_high", actor.clip_high()),
+    ] {
+        if !(v >= 0.0 && v.is_finite()) {
+            errors.push(format!("`{A}.{key}` ({v}) must be a non-negative number"));
+        }
+    }
+    if actor.loss_agg_mode == LossAggMode::SeqMeanTokenSumNorm {
+        if let Some(f) = actor.loss_scale_factor {
+            if f <= 0.0 {
+                errors.push(format!("`{A}.loss_scale_factor` ({f}) must be > 0"));
+            }
+        }
+    }
+    if actor.policy_loss.loss_mode == PolicyLossMode::Gspo
+        && actor.loss_agg_mode != LossAggMode::SeqMeanTokenMean
+    {
+        warnings.push(format!(
+            "`{A}.policy_loss.loss_mode=gspo` always aggregates seq-mean-token-mean (as verl); `{A}.loss_agg_mode` ({}) is not used by the policy loss",
+            loss_agg_str(actor.loss_agg_mode)
+        ));
+    }
+    check_optim(&mut errors, &format!("{A}.optim"), &actor.optim);
+    if actor.optim.clip_grad != 1.0
+        && actor.grad_clip != 1.0
+        && actor.optim.clip_grad != actor.grad_clip
+    {
+        errors.push(format!(
+            "`{A}.grad_clip` ({}) and `{A}.optim.clip_grad` ({}) disagree; they are two spellings of one setting",
+            actor.grad_clip, actor.optim.clip_grad
+        ));
+    }
+    let actor_clip = if actor.grad_clip != 1.0 {
+        actor.grad_clip
+    } else {
+        actor.optim.clip_grad
+    };
+
+    // Rollout sampling.
+    if rollout.temperature < 0.0 || !rollout.temperature.is_finite() {
+        errors.push(format!(
+            "`actor_rollout_ref.rollout.temperature` ({}) must be >= 0",
+            rollout.temperature
+        ));
+    }
+    if !(rollout.top_p > 0.0 && rollout.top_p <= 1.0) {
+        errors.push(format!(
+            "`actor_rollout_ref.rollout.top_p` ({}) must be in (0, 1]",
+            rollout.top_p
+        ));
+    }
+    if rollout.top_k < -1 {
+        errors.push(format!(
+            "`actor_rollout_ref.rollout.top_k` ({}) must be -1 (off) or >= 0",
+            rollout.top_k
+        ));
+    }
+    let vk = &rollout.val_kwargs;
+    if vk.do_sample && rollout.temperature <= 0.0 {
+        errors.push("`actor_rollout_ref.rollout.val_kwargs.do_sample=True` requires `actor_rollout_ref.rollout.temperature` > 0 (verl's rule)".into());
+    }
+    if vk.n == 0 {
+        errors.push("`actor_rollout_ref.rollout.val_kwargs.n` must be at least 1".into());
+    }
+    if !(vk.top_p > 0.0 && vk.top_p <= 1.0) {
+        errors.push(format!(
+            "`actor_rollout_ref.rollout.val_kwargs.top_p` ({}) must be in (0, 1]",
+            vk.top_p
+        ));
+    }
+    let log_prob_micro = one_micro_key(
+        &mut errors,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+        rollout.log_prob_micro_batch_size,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        rollout.log_prob_micro_batch_size_per_gpu,
+        rollout
+            .log_prob_use_dynamic_bsz
+            .unwrap_or(actor.use_dynamic_bsz),
+        rollout
+            .log_prob_max_token_len_per_gpu
+            .unwrap_or(actor.ppo_max_token_len_per_gpu),
+    );
+
+    // Reference model: only when a KL term needs it.
+    let need_reference = actor.use_kl_loss || algo.use_kl_in_reward;
+    if actor.use_kl_loss && algo.use_kl_in_reward {
+        warnings.push(format!(
+            "both `algorithm.use_kl_in_reward` and `{A}.use_kl_loss` are on: the KL is penalised twice (in the reward and as a loss)"
+        ));
+    }
+    let reference = &arr.reference;
+    let ref_log_prob_micro = need_reference.then(|| {
+        one_micro_key(
+            &mut errors,
+            "actor_rollout_ref.ref.log_prob_micro_batch_size",
+            reference.log_prob_micro_batch_size,
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+            reference.log_prob_micro_batch_size_per_gpu,
+            reference
+                .log_prob_use_dynamic_bsz
+                .unwrap_or(actor.use_dynamic_bsz),
+            reference
+                .log_prob_max_token_len_per_gpu
+                .unwrap_or(actor.ppo_max_token_len_per_gpu),
+        )
+    });
+
+    // KL controller.
+    if algo.use_kl_in_reward
+        && algo.kl_ctrl.kind == super::KlCtrlType::Adaptive
+        && algo.kl_ctrl.horizon <= 0.0
+    {
+        errors.push(format!(
+            "`algorithm.kl_ctrl.horizon` ({}) must be > 0 for the adaptive controller",
+            algo.kl_ctrl.horizon
+        ));
+    }
+    if algo.kl_ctrl.kl_coef < 0.0 {
+        errors.push(format!(
+            "`algorithm.kl_ctrl.kl_coef` ({}) must be >= 0",
+            algo.kl_ctrl.kl_coef
+        ));
+    }
+    if !(0.0..=1.0).contains(&algo.gamma) || !(0.0..=1.0).contains(&algo.lam) {
+        errors.push(format!(
+            "`algorithm.gamma` ({}) and `algorithm.lam` ({}) must be in [0, 1]",
+            algo.gamma, algo.lam
+        ));
+    }
+    if algo.adv_estimator == AdvEstimator::GrpoPassk && n < 2 {
+        errors.push(format!(
+            "`algorithm.adv_estimator=grpo_passk` needs at least 2 responses per prompt; `actor_rollout_ref.rollout.n` is {n}"
+        ));
+    }
+    if matches!(algo.adv_estimator, AdvEstimator::Grpo | AdvEstimator::Rloo) && n == 1 {
+        warnings.push(format!(
+            "`algorithm.adv_estimator={}` compares responses to the same prompt, but `actor_rollout_ref.rollout.n` is 1",
+            algo.adv_estimator.as_str()
+        ));
+    }
+
+    // Critic: on for GAE unless disabled; GAE cannot run without one.
+    let need_critic = critic
+        .enable
+        .unwrap_or(algo.adv_estimator == AdvEstimator::Gae);
+    if critic.enable == Some(false) && algo.adv_estimator == AdvEstimator::Gae {
+        errors.push(
+            "`critic.enable=False` but `algorithm.adv_estimator=gae` needs a critic's values"
+                .into(),
+        );
+    }
+    let (critic_plan, critic_forward_micro) = if need_critic {
+        let cmini = critic.ppo_mini_batch_size.unwrap_or(mini);
+        if cmini == 0 {
+            errors.push("`critic.ppo_mini_batch_size` must be at least 1".into());
+        } else if tbs < cmini {
+            errors.push(format!("`data.train_batch_size` ({tbs}) must be >= `critic.ppo_mini_batch_size` ({cmini}); both count prompts"));
+        } else if tbs % cmini != 0 {
+            errors.push(format!("`data.train_batch_size` ({tbs}) must be divisible by `critic.ppo_mini_batch_size` ({cmini})"));
+        }
+        let dynamic = critic.use_dynamic_bsz.unwrap_or(actor.use_dynamic_bsz);
+        let cmicro = one_micro_key(
+            &mut errors,
+            "critic.ppo_micro_batch_size",
+            critic.ppo_micro_batch_size,
+            "critic.ppo_micro_batch_size_per_gpu",
+            critic.ppo_micro_batch_size_per_gpu,
+            dynamic,
+            critic.ppo_max_token_len_per_gpu,
+        );
+        let accum = micro_divides(
+            &mut errors,
+            "critic.ppo_mini_batch_size",
+            cmini,
+            n,
+            cmicro,
+            "critic.ppo_micro_batch_size_per_gpu",
+        );
+        check_optim(&mut errors, "critic.optim", &critic.optim);
+        if critic.cliprange_value < 0.0 {
+            errors.push(format!(
+                "`critic.cliprange_value` ({}) must be >= 0",
+                critic.cliprange_value
+            ));
+        }
+        let forward = if dynamic {
+            MicroBatching::TokenBudget(
+                critic
+                    .forward_max_token_len_per_gpu
+                    .unwrap_or(critic.ppo_max_token_len_per_gpu),
+            )
+        } else {
+            match critic.forward_micro_batch_size_per_gpu {
+                Some(m) if m > 0 => MicroBatching::Sequences(m),
+                _ => cmicro,
+            }
+        };
+        let epochs = critic.ppo_epochs.unwrap_or(actor.ppo_epochs);
+        let plan = UpdatePlan {
+            mini_batch_prompts: cmini,
+            mini_batch_responses: cmini * n,
+            mini_batches_per_epoch: tbs.checked_div(cmini).unwrap_or(0),
+            micro: cmicro,
+            grad_accum: accum,
+            epochs,
+            loss_agg_mode: critic.loss_agg_mode.unwrap_or(actor.loss_agg_mode),
+            shuffle: critic.shuffle.unwrap_or(actor.shuffle),
+            grad_clip: if critic.grad_clip != 1.0 {
+                critic.grad_clip
+            } else {
+                critic.optim.clip_grad
+            },
+        };
+        (Some(plan), Some(forward))
+    } else {
+        (None, None)
+    };
+
+    // Reward.
+    let reward = &cfg.reward;
+    if reward.custom_reward_function.path.is_some()
+        && reward
+            .custom_reward_function
+            .name
+            .as_deref()
+            .unwrap_or("")
+            .is_empty()
+    {
+        errors.push("`reward.custom_reward_function.path` is set but `reward.custom_reward_function.name` is empty".into());
+    }
+    if reward.reward_manager.source != "register" {
+        errors.push(format!(
+            "`reward.reward_manager.source` ({:?}) must be `register`; Python reward-manager classes cannot run here",
+            reward.reward_manager.source
+        ));
+    }
+    if reward.num_workers == 0 {
+        errors.push("`reward.num_workers` must be at least 1".into());
+    }
+    if !(reward.timeout_s > 0.0 && reward.timeout_s.is_finite()) {
+        errors.push(format!(
+            "`reward.timeout_s` ({}) must be a positive number of seconds",
+            reward.timeout_s
+        ));
+    }
+    if reward.reward_model.enable {
+        errors.push("`reward.reward_model.enable=True`: reward models are not implemented yet in main_ppo; use rule, Python or native reward sources".into());
+    }
+    let mut names = std::collections::BTreeSet::new();
+    for (i, s) in reward.sources.iter().enumerate() {
+        let at = format!("reward.sources[{i}]");
+        if s.name.is_empty() {
+            errors.push(format!("`{at}.name` must not be empty"));
+        } else if !names.insert(s.name.clone()) {
+            errors.push(format!(
+                "`{at}.name` ({:?}) is used by another source; names must be unique",
+                s.name
+            ));
+        }
+        if !(s.weight.is_finite() && s.weight >= 0.0) {
+            errors.push(format!(
+                "`{at}.weight` ({}) must be a finite number >= 0",
+                s.weight
+            ));
+        }
+        match s.kind {
+            RewardSourceType::Builtin if s.scorer.is_none() => {
+                errors.push(format!("`{at}` has type builtin but no `scorer`"))
+            }
+            RewardSourceType::Python if s.path.is_none() => {
+                errors.push(format!("`{at}` has type python but no `path`"))
+            }
+            RewardSourceType::Native if s.function.is_none() => {
+                errors.push(format!("`{at}` has type native but no `function`"))
+            }
+            _ => {}
+        }
+    }
+
+    // Trainer.
+    let tr = &cfg.trainer;
+    if tr.total_epochs == 0 && tr.total_training_steps.is_none() {
+        errors.push(
+            "`trainer.total_epochs` must be at least 1 (or set `trainer.total_training_steps`)"
+                .into(),
+        );
+    }
+    if tr.resume_mode == super::ResumeMode::ResumePath {
+        match &tr.resume_from_path {
+            None => errors.push("`trainer.resume_mode=resume_path` needs `trainer.resume_from_path`".into()),
+            Some(p) if !p.contains("global_step_") => errors.push(format!(
+                "`trainer.resume_from_path` ({p:?}) must name a `global_step_N` checkpoint folder (`trainer.resume_mode=resume_path`)"
+            )),
+            _ => {}
+        }
+    }
+    if tr.val_only && !tr.val_before_train {
+        warnings.push("`trainer.val_only=True` validates once before training; `trainer.val_before_train=False` is ignored".into());
+    }
+    let device = tr.device.as_str();
+    if !(device == "auto"
+        || device == "cpu"
+        || device == "cuda"
+        || device
+            .strip_prefix("cuda:")
+            .is_some_and(|i| i.parse::<usize>().is_ok()))
+    {
+        errors.push(format!(
+            "`trainer.device` ({device:?}) must be auto, cpu, cuda or cuda:N"
+        ));
+    }
+    let default_local_dir =
+        PathBuf::from(expand_home(&tr.default_local_dir.clone().unwrap_or_else(
+            || format!("checkpoints/{}/{}", tr.project_name, tr.experiment_name),
+        )));
+
+    if !errors.is_empty() {
+        return Err(ConfigError::Invalid(errors));
+    }
+    let actor_plan = UpdatePlan {
+        mini_batch_prompts: mini,
+        mini_batch_responses: mini_resp,
+        mini_batches_per_epoch: tbs / mini,
+        micro: actor_micro,
+        grad_accum: actor_accum,
+        epochs: actor.ppo_epochs,
+        loss_agg_mode: actor.loss_agg_mode,
+        shuffle: actor.shuffle,
+        grad_clip: actor_clip,
+    };
+    Ok(Plan {
+        prompt_length,
+        response_length,
+        n,
+        train_batch_size: tbs,
+        actor: actor_plan,
+        critic: critic_plan,
+        log_prob_micro,
+        ref_log_prob_micro,
+        critic_forward_micro,
+        need_reference,
+        need_critic,
+        default_local_dir,
+        warnings,
+    })
+}
+
+/// verl's worker rule: the mini-batch in responses (mini × n) must split into whole micro-batches.
+fn micro_divides(
+    errors: &mut Vec<String>,
+    mini_key: &str,
+    mini: usize,
+    n: usize,
+    micro: MicroBatching,
+    micro_key: &str,
+) -> Option<usize> {
+    match micro {
+        MicroBatching::Sequences(m) if mini > 0 && m > 0 => {
+            let responses = mini * n;
+            if responses % m != 0 {
+                errors.push(format!(
+                    "`{mini_key}` × rollout.n = {mini} × {n} = {responses} responses per mini-batch must be divisible by `{micro_key}` ({m})"
+                ));
+                None
+            } else {
+                Some(responses / m)
+            }
+        }
+        _ => None,
+    }
+}
+
+fn check_optim(errors: &mut Vec<String>, prefix: &str, o: &super::OptimConfig) {
+    if !o.optimizer.eq_ignore_ascii_case("adamw") {
+        errors.push(format!(
+            "`{prefix}.optimizer` ({:?}) must be AdamW, the only optimizer implemented",
+            o.optimizer
+        ));
+    }
+    if !(o.lr >= 0.0 && o.lr.is_finite()) {
+        errors.push(format!(
+            "`{prefix}.lr` ({}) must be a non-negative number",
+            o.lr
+        ));
+    }
+    if !(0.0..=1.0).contains(&o.lr_warmup_steps_ratio) {
+        errors.push(format!(
+            "`{prefix}.lr_warmup_steps_ratio` ({}) must be in [0, 1]",
+            o.lr_warmup_steps_ratio
+        ));
+    }
+    if !(0.0..=1.0).contains(&o.min_lr_ratio) {
+        errors.push(format!(
+            "`{prefix}.min_lr_ratio` ({}) must be in [0, 1]",
+            o.min_lr_ratio
+        ));
+    }
+    for (i, b) in o.betas.iter().enumerate() {
+        if !(0.0..1.0).contains(b) {
+            errors.push(format!("`{prefix}.betas[{i}]` ({b}) must be in [0, 1)"));
+        }
+    }
+    if o.weight_decay < 0.0 {
+        errors.push(format!(
+            "`{prefix}.weight_decay` ({}) must be >= 0",
+            o.weight_decay
+        ));
+    }
+}
+
+fn loss_agg_str(m: LossAggMode) -> String {
+    serde_yaml_ng::to_string(&m)
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+/// `~/x` → `$HOME/x` (verl's paths are written with `~`).
+pub fn expand_home(p: &str) -> String {
+    if let Some(rest) = p.strip_prefix("~/") {
+        if let Some(home) = std::env::var_os("HOME") {
+            return format!("{}/{rest}", home.to_string_lossy());
+        }
+    } else if p == "~" {
+        if let Some(home) = std::env::var_os("HOME") {
+            return home.to_string_lossy().into_owned();
+        }
+    }
+    p.to_string()
+}

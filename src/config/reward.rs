@@ -1,0 +1,156 @@
+//! `reward.*`: where scores come from and how they are combined. verl:
+//! `verl/trainer/config/reward/reward.yaml` (`RewardConfig`); `sources`, `python`, `timeout_s`
+//! and `on_error` are main_ppo's own keys (verl has no weighted sources nor failure policy).
+
+use serde::{Deserialize, Serialize};
+
+use super::fields::FreeMap;
+use crate::defaults;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CustomRewardFunction {
+    /// Python file (or pkg://module.path) defining the reward function; null = built-in scorers.
+    pub path: Option<String>,
+    /// Name of the function in that file.
+    pub name: Option<String>,
+    /// Keyword arguments added to every call (they win over call-time values).
+    pub reward_kwargs: FreeMap,
+}
+
+defaults!(CustomRewardFunction {
+    path: None,
+    name: Some("compute_score".into()),
+    reward_kwargs: FreeMap::new(),
+});
+
+/// `reward.reward_manager.name`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RewardManagerName {
+    /// One call per response. verl's `remote` (scoring in separate processes) is what this
+    /// implementation always does, so `remote` is accepted as a synonym.
+    #[serde(alias = "remote")]
+    Naive,
+    /// One call per batch with lists (data_sources, solution_strs, ground_truths, extra_infos).
+    Batch,
+    /// naive plus DAPO's overlong-response penalty (reward_kwargs.overlong_buffer_cfg).
+    Dapo,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RewardManagerConfig {
+    /// register (a built-in manager by name); verl's importlib (a Python class) is not supported.
+    pub source: String,
+    /// naive | batch | dapo.
+    pub name: RewardManagerName,
+}
+
+defaults!(RewardManagerConfig {
+    source: "register".into(),
+    name: RewardManagerName::Naive
+});
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RewardModelConfig {
+    /// Score responses with a sequence-classification reward model.
+    pub enable: bool,
+    /// Reward model location (HF directory, .gguf or hub id).
+    pub model_path: Option<String>,
+}
+
+defaults!(RewardModelConfig {
+    enable: false,
+    model_path: None
+});
+
+/// What a failing reward call does to the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnError {
+    /// Stop the run with the error (after a checkpoint).
+    Raise,
+    /// Score the sample 0.
+    Zero,
+    /// Leave the sample out of the update.
+    Skip,
+}
+
+/// Kind of a weighted reward source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RewardSourceType {
+    /// A built-in rule scorer (`scorer`: gsm8k, math, math_dapo, search_r1, default).
+    Builtin,
+    /// A Python function (`path`, `function`) run in the worker pool.
+    Python,
+    /// A Rust function registered in the binary (`function`).
+    Native,
+}
+
+/// One entry of `reward.sources`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RewardSource {
+    /// Name used in metrics (`reward/<name>/mean`) and outputs.
+    pub name: String,
+    /// Weight of this source in the final reward.
+    #[serde(default = "one")]
+    pub weight: f64,
+    /// builtin | python | native.
+    #[serde(rename = "type")]
+    pub kind: RewardSourceType,
+    /// builtin: the scorer's name.
+    #[serde(default)]
+    pub scorer: Option<String>,
+    /// python: the file (or pkg://module).
+    #[serde(default)]
+    pub path: Option<String>,
+    /// python / native: the function's name.
+    #[serde(default)]
+    pub function: Option<String>,
+    /// Keyword arguments of the scorer or function.
+    #[serde(default)]
+    pub kwargs: FreeMap,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RewardConfig {
+    /// Python reward worker processes.
+    pub num_workers: usize,
+    /// A user reward function (verl's signature).
+    pub custom_reward_function: CustomRewardFunction,
+    /// Reward manager.
+    pub reward_manager: RewardManagerConfig,
+    /// Reward model (sequence classification).
+    pub reward_model: RewardModelConfig,
+    /// Manager keyword arguments (dapo: overlong_buffer_cfg, max_resp_len).
+    pub reward_kwargs: FreeMap,
+    /// Weighted reward sources; empty = verl's behaviour (custom function, else built-in by data_source).
+    pub sources: Vec<RewardSource>,
+    /// Python interpreter of the reward workers.
+    pub python: String,
+    /// Seconds one reward call may take before its worker is killed and replaced.
+    pub timeout_s: f64,
+    /// raise | zero | skip: what a failed or timed-out reward call does.
+    pub on_error: OnError,
+}
+
+defaults!(RewardConfig {
+    num_workers: 8,
+    custom_reward_function: CustomRewardFunction::default(),
+    reward_manager: RewardManagerConfig::default(),
+    reward_model: RewardModelConfig::default(),
+    reward_kwargs: FreeMap::new(),
+    sources: Vec::new(),
+    python: "python3".into(),
+    timeout_s: 60.0,
+    on_error: OnError::Raise,
+});

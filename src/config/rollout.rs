@@ -1,0 +1,83 @@
+//! `actor_rollout_ref.rollout.*`: sampling settings and the log-prob pass over rollouts.
+//! verl: `verl/trainer/config/rollout/rollout.yaml`, `RolloutConfig`, `SamplingConfig`.
+
+use serde::{Deserialize, Serialize};
+
+use super::fields::negative_none;
+use crate::defaults;
+
+/// `rollout.val_kwargs`: sampling for validation (greedy by default).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplingConfig {
+    /// Top-k cut-off; -1 (or 0) = off.
+    pub top_k: i64,
+    /// Nucleus cut-off in (0, 1].
+    pub top_p: f64,
+    /// Softmax temperature; 0 = greedy.
+    pub temperature: f64,
+    /// Responses per prompt.
+    pub n: usize,
+    /// Sample (true) or decode greedily (false).
+    pub do_sample: bool,
+}
+
+defaults!(SamplingConfig {
+    top_k: -1,
+    top_p: 1.0,
+    temperature: 0.0,
+    n: 1,
+    do_sample: false
+});
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolloutConfig {
+    /// Softmax temperature of training rollouts.
+    pub temperature: f64,
+    /// Top-k cut-off; -1 (or 0) = off.
+    pub top_k: i64,
+    /// Nucleus cut-off in (0, 1].
+    pub top_p: f64,
+    /// Sample (true) or decode greedily (false).
+    pub do_sample: bool,
+    /// Responses per prompt.
+    pub n: usize,
+    /// Seed of the sampler.
+    pub seed: u64,
+    /// Prompt budget; null = data.max_prompt_length.
+    #[serde(with = "negative_none")]
+    pub prompt_length: Option<u64>,
+    /// Response budget; null = data.max_response_length.
+    #[serde(with = "negative_none")]
+    pub response_length: Option<u64>,
+    /// Keep generating past EOS up to response_length.
+    pub ignore_eos: bool,
+    /// Deprecated global micro-batch size of the old-log-prob pass; use the _per_gpu key.
+    pub log_prob_micro_batch_size: Option<usize>,
+    /// Sequences per forward pass when recomputing old log-probs.
+    pub log_prob_micro_batch_size_per_gpu: Option<usize>,
+    /// Token-budget micro-batches for that pass; null = actor.use_dynamic_bsz.
+    pub log_prob_use_dynamic_bsz: Option<bool>,
+    /// Token budget for that pass; null = actor.ppo_max_token_len_per_gpu.
+    pub log_prob_max_token_len_per_gpu: Option<usize>,
+    /// Validation sampling.
+    pub val_kwargs: SamplingConfig,
+}
+
+defaults!(RolloutConfig {
+    temperature: 1.0,
+    top_k: -1,
+    top_p: 1.0,
+    do_sample: true,
+    n: 1,
+    seed: 42,
+    prompt_length: None,
+    response_length: None,
+    ignore_eos: false,
+    log_prob_micro_batch_size: None,
+    log_prob_micro_batch_size_per_gpu: None,
+    log_prob_use_dynamic_bsz: None,
+    log_prob_max_token_len_per_gpu: None,
+    val_kwargs: SamplingConfig::default(),
+});

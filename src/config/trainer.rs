@@ -1,0 +1,93 @@
+//! `trainer.*`: run length, logging, validation and checkpoint cadence, device.
+//! verl: `verl/trainer/config/ppo_trainer.yaml` (trainer section).
+
+use serde::{Deserialize, Serialize};
+
+use super::fields::{nonpositive_none, OneOrMany};
+use crate::defaults;
+
+/// `trainer.resume_mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResumeMode {
+    /// Resume from the newest checkpoint in default_local_dir, if any.
+    Auto,
+    /// Always start fresh.
+    Disable,
+    /// Resume from resume_from_path (a global_step_N folder).
+    ResumePath,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainerConfig {
+    /// Passes over the training data.
+    pub total_epochs: usize,
+    /// Training steps; -1/null = steps per epoch × total_epochs.
+    #[serde(with = "nonpositive_none")]
+    pub total_training_steps: Option<u64>,
+    /// Project name (metrics and checkpoint folder).
+    pub project_name: String,
+    /// Experiment name (metrics and checkpoint folder).
+    pub experiment_name: String,
+    /// Metric sinks: console, file, tensorboard (a string or a list).
+    pub logger: OneOrMany,
+    /// Validation samples printed after each validation.
+    pub log_val_generations: usize,
+    /// Folder for one JSONL of rollouts per step; null = none.
+    pub rollout_data_dir: Option<String>,
+    /// Folder for one JSONL of validation generations per validation; null = none.
+    pub validation_data_dir: Option<String>,
+    /// Save a checkpoint every N steps (and at the last step); -1 = never.
+    #[serde(with = "nonpositive_none")]
+    pub save_freq: Option<u64>,
+    /// auto | disable | resume_path.
+    pub resume_mode: ResumeMode,
+    /// Checkpoint folder for resume_mode=resume_path (must contain global_step_).
+    pub resume_from_path: Option<String>,
+    /// Validate before the first step.
+    pub val_before_train: bool,
+    /// Validate, then exit.
+    pub val_only: bool,
+    /// Validate every N steps (and at the last step); -1 = never.
+    #[serde(with = "nonpositive_none")]
+    pub test_freq: Option<u64>,
+    /// Steps of critic-only updates before the actor starts updating.
+    pub critic_warmup: usize,
+    /// Delete the checkpoint after loading it.
+    pub del_local_ckpt_after_load: bool,
+    /// Checkpoint root; null = checkpoints/{project_name}/{experiment_name}.
+    pub default_local_dir: Option<String>,
+    /// Keep at most this many actor checkpoints; null = all.
+    pub max_actor_ckpt_to_keep: Option<usize>,
+    /// Keep at most this many critic checkpoints; null = all.
+    pub max_critic_ckpt_to_keep: Option<usize>,
+    /// auto | cpu | cuda | cuda:N (verl's default is cuda; auto = cuda when built with it and present, else cpu).
+    pub device: String,
+    /// Seed of model initialisation and everything not seeded elsewhere (not a verl key).
+    pub seed: u64,
+}
+
+defaults!(TrainerConfig {
+    total_epochs: 30,
+    total_training_steps: None,
+    project_name: "verl_examples".into(),
+    experiment_name: "gsm8k".into(),
+    logger: OneOrMany::Many(vec!["console".into(), "wandb".into()]),
+    log_val_generations: 0,
+    rollout_data_dir: None,
+    validation_data_dir: None,
+    save_freq: None,
+    resume_mode: ResumeMode::Auto,
+    resume_from_path: None,
+    val_before_train: true,
+    val_only: false,
+    test_freq: None,
+    critic_warmup: 0,
+    del_local_ckpt_after_load: false,
+    default_local_dir: None,
+    max_actor_ckpt_to_keep: None,
+    max_critic_ckpt_to_keep: None,
+    device: "auto".into(),
+    seed: 42,
+});

@@ -1,0 +1,243 @@
+//! Rows → rendered, tokenised prompts: sample limits, overlong filtering and truncation
+//! (verl's legacy `RLHFDataset` semantics; the newest verl only left-truncates).
+
+use std::path::Path;
+
+use crate::config::fields::FreeMap;
+use crate::config::{DataConfig, Truncation};
+
+use super::loader::permutation;
+use super::read::read_rows;
+use super::sample::Sample;
+use super::template::ChatTemplate;
+use super::tokenizer::TokenizerBundle;
+use super::DataError;
+
+/// How one split (train or validation) is built.
+#[derive(Debug, Clone)]
+pub struct DatasetOptions {
+    pub prompt_key: String,
+    pub source_key: String,
+    /// Keep at most this many rows.
+    pub max_samples: Option<u64>,
+    /// Draw that subset at random (seeded) rather than taking the first rows.
+    pub random_subset: bool,
+    pub seed: u64,
+    pub max_prompt_length: usize,
+    pub filter_overlong: bool,
+    pub truncation: Truncation,
+    pub template_kwargs: FreeMap,
+}
+
+impl DatasetOptions {
+    /// The training split's options.
+    pub fn train(cfg: &DataConfig, prompt_length: usize) -> Self {
+        Self::new(cfg, prompt_length, cfg.train_max_samples, cfg.shuffle)
+    }
+
+    /// The validation split's options.
+    pub fn val(cfg: &DataConfig, prompt_length: usize) -> Self {
+        Self::new(
+            cfg,
+            prompt_length,
+            cfg.val_max_samples,
+            cfg.validation_shuffle,
+        )
+    }
+
+    fn new(
+        cfg: &DataConfig,
+        prompt_length: usize,
+        max_samples: Option<u64>,
+        random_subset: bool,
+    ) -> Self {
+        Self {
+            prompt_key: cfg.prompt_key.clone(),
+            source_key: cfg.reward_fn_key.clone(),
+            max_samples,
+            random_subset,
+            seed: cfg.seed.unwrap_or(1),
+            max_prompt_length: prompt_length,
+            filter_overlong: cfg.filter_overlong_prompts,
+            truncation: cfg.truncation,
+            template_kwargs: cfg.apply_chat_template_kwargs.clone(),
+        }
+    }
+}
+
+/// Reads every file, checks each row, and applies the sample limit.
+pub fn load_samples(files: &[String], opts: &DatasetOptions) -> Result<Vec<Sample>, DataError> {
+    if files.is_empty() {
+        return Err(DataError::Other("no data files given".into()));
+    }
+    let mut samples = Vec::new();
+    for f in files {
+        let path = crate::config::resolve::expand_home(f);
+        let rows = read_rows(Path::new(&path))?;
+        for (i, row) in rows.into_iter().enumerate() {
+            samples.push(Sample::from_row(
+                &path,
+                i,
+                row,
+                &opts.prompt_key,
+                &opts.source_key,
+            )?);
+        }
+    }
+    if let Some(max) = opts.max_samples {
+        let max = max as usize;
+        if max < samples.len() {
+            if opts.random_subset {
+                let order = permutation(samples.len(), opts.seed, u64::MAX);
+                let mut slots: Vec<Option<Sample>> = samples.into_iter().map(Some).collect();
+                samples = order[..max]
+                    .iter()
+                    .map(|&i| {
+                        slots[i]
+                            .take()
+                            .expect("a permutation visits each index once")
+                    })
+                    .collect();
+            } else {
+                samples.truncate(max);
+            }
+        }
+    }
+    Ok(samples)
+}
+
+/// Tokenised prompts ready for batching.
+#[derive(Debug, Clone)]
+pub struct PromptDataset {
+    pub samples: Vec<Sample>,
+    /// Prompt token ids (chat template applied, truncated to the prompt budget), one per sample.
+    pub prompt_ids: Vec<Vec<u32>>,
+    /// Rows dropped because they were longer than the prompt budget (filter_overlong_prompts).
+    pub filtered_overlong: usize,
+    /// Rows shortened by the truncation rule.
+    pub truncated: usize,
+}
+
+impl PromptDataset {
+    /// Renders each sample's prompt with `template`, tokenises it, then filters or truncates.
+    pub fn build(
+        samples: Vec<Sample>,
+        tokenizer: &TokenizerBundle,
+        template: &ChatTemplate,
+        opts: &DatasetOptions,
+    ) -> Result<Self, DataError> {
+        let mut texts = Vec::with_capacity(samples.len());
+        let mut render_failed = vec![false; samples.len()];
+        for (i, s) in samples.iter().enumerate() {
+            match template.render(&s.prompt, true, &opts.template_kwargs) {
+                Ok(t) => texts.push(t),
+                // verl's filter counts a prompt the template rejects as too long.
+                Err(_) if opts.filter_overlong => {
+                    render_failed[i] = true;
+                    texts.push(String::new());
+                }
+                Err(e) => {
+                    return Err(DataError::Row {
+                        file: s.file.clone(),
+                        row: s.row,
+                        column: opts.prompt_key.clone(),
+                        message: format!("the chat template fails on this prompt: {e}"),
+                    })
+                }
+            }
+        }
+        let ids = tokenizer.encode_batch(texts).map_err(|e| {
+            DataError::Other(format!("tokenizer {}: {e}", tokenizer.source.display()))
+        })?;
+        let mut out = PromptDataset {
+            samples: Vec::new(),
+            prompt_ids: Vec::new(),
+            filtered_overlong: 0,
+            truncated: 0,
+        };
+        let max = opts.max_prompt_length;
+        for ((s, ids), failed) in samples.into_iter().zip(ids).zip(render_failed) {
+            if opts.filter_overlong && (failed || ids.len() > max) {
+                out.filtered_overlong += 1;
+                continue;
+            }
+            let ids = if ids.len() > max {
+                out.truncated += 1;
+                truncate(&ids, max, opts.truncation).ok_or_else(|| DataError::Row {
+                    file: s.file.clone(),
+                    row: s.row,
+                    column: opts.prompt_key.clone(),
+                    message: format!(
+                        "the prompt is {} tokens after the chat template, longer than data.max_prompt_length ({max}); \
+                         raise it, set data.filter_overlong_prompts=True, or set data.truncation to left, right or middle",
+                        ids.len()
+                    ),
+                })?
+            } else {
+                ids
+            };
+            out.samples.push(s);
+            out.prompt_ids.push(ids);
+        }
+        if out.samples.is_empty() {
+            return Err(DataError::Other(format!(
+                "no prompts left after filtering: all {} are longer than {max} tokens",
+                out.filtered_overlong
+            )));
+        }
+        Ok(out)
+    }
+
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
+}
+
+/// Cuts `ids` to `max` tokens: `left` keeps the end, `right` the start, `middle` the first
+/// `max / 2` and the last `max - max / 2`; `error` refuses.
+pub fn truncate(ids: &[u32], max: usize, mode: Truncation) -> Option<Vec<u32>> {
+    if ids.len() <= max {
+        return Some(ids.to_vec());
+    }
+    match mode {
+        Truncation::Error => None,
+        Truncation::Left => Some(ids[ids.len() - max..].to_vec()),
+        Truncation::Right => Some(ids[..max].to_vec()),
+        Truncation::Middle => {
+            let head = max / 2;
+            let tail = max - head;
+            let mut v = ids[..head].to_vec();
+            v.extend_from_slice(&ids[ids.len() - tail..]);
+            Some(v)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn truncation_modes() {
+        let ids: Vec<u32> = (0..10).collect();
+        assert_eq!(
+            truncate(&ids, 4, Truncation::Left).unwrap(),
+            vec![6, 7, 8, 9]
+        );
+        assert_eq!(
+            truncate(&ids, 4, Truncation::Right).unwrap(),
+            vec![0, 1, 2, 3]
+        );
+        // max 5: first 5/2 = 2, last 5 - 2 = 3.
+        assert_eq!(
+            truncate(&ids, 5, Truncation::Middle).unwrap(),
+            vec![0, 1, 7, 8, 9]
+        );
+        assert!(truncate(&ids, 4, Truncation::Error).is_none());
+        assert_eq!(truncate(&ids, 10, Truncation::Error).unwrap(), ids);
+    }
+}

@@ -1,0 +1,10 @@
+//! main_ppo: verl's PPO trainer (`python -m verl.trainer.main_ppo`) as one Rust binary.
+//!
+//! Layers, lowest first (a module never imports one above it):
+//! `config` (every key and default) → `data` (rows → tokenised prompts) → `cli` (argv, logging,
+//! exit codes). The model, rollout, reward, algorithm, trainer, checkpoint and metrics layers
+//! plug in between data and cli.
+
+pub mod cli;
+pub mod config;
+pub mod data;
