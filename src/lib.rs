@@ -8,3 +8,5 @@
 pub mod cli;
 pub mod config;
 pub mod data;
+#[doc(hidden)]
+pub mod testing;

@@ -524,7 +524,7 @@ fn resolve_string(root: &Value, at: &[String], s: &str, depth: usize) -> Result<
         let bytes = rest.as_bytes();
         let mut i = body_start;
         while i < bytes.len() {
-            if rest[i..].starts_with("${") {
+            if bytes[i..].starts_with(b"${") {
                 level += 1;
                 i += 2;
                 continue;

@@ -114,3 +114,6 @@ pub enum ConfigError {
     #[error("invalid configuration:\n  - {}", .0.join("\n  - "))]
     Invalid(Vec<String>),
 }
+
+#[cfg(test)]
+mod tests;

@@ -39,3 +39,6 @@ pub enum DataError {
     #[error("{0}")]
     Other(String),
 }
+
+#[cfg(test)]
+mod tests;

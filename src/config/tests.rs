@@ -1,0 +1,702 @@
+//! Loading, overriding and resolving configurations.
+
+use std::path::PathBuf;
+
+use super::*;
+
+fn with(overrides: &[&str]) -> Result<Loaded, ConfigError> {
+    load(
+        &ConfigSource::Builtin,
+        &overrides.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+    )
+}
+
+fn cfg(overrides: &[&str]) -> Config {
+    with(overrides)
+        .unwrap_or_else(|e| panic!("{overrides:?}: {e}"))
+        .config
+}
+
+fn err(overrides: &[&str]) -> String {
+    match with(overrides) {
+        Ok(_) => panic!("{overrides:?} should fail"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// A configuration that passes every rule (the GSM8K quickstart's batch sizes).
+const VALID: &[&str] = &[
+    "data.train_batch_size=256",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+    "critic.ppo_micro_batch_size_per_gpu=4",
+];
+
+fn resolved(extra: &[&str]) -> Result<Plan, String> {
+    let mut all: Vec<&str> = VALID.to_vec();
+    all.extend_from_slice(extra);
+    resolve(&cfg(&all)).map_err(|e| e.to_string())
+}
+
+fn rule_error(extra: &[&str]) -> String {
+    match resolved(extra) {
+        Ok(_) => panic!("{extra:?} should break a rule"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn ppo_trainer_yaml_equals_defaults() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/ppo_trainer.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let file: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text).unwrap();
+    let defaults = serde_yaml_ng::to_value(Config::default()).unwrap();
+    assert_eq!(file, defaults, "configs/ppo_trainer.yaml differs from the Rust defaults: run scripts/gen_ppo_trainer_yaml.py");
+    let loaded = load(&ConfigSource::File(path), &[]).unwrap();
+    assert_eq!(loaded.config, Config::default());
+    // Every key carries a comment line above it.
+    let mut prev = "";
+    for line in text.lines() {
+        let t = line.trim_start();
+        if !t.is_empty() && !t.starts_with('#') && !t.starts_with('-') {
+            assert!(
+                prev.trim_start().starts_with('#'),
+                "no comment above `{line}`"
+            );
+        }
+        if !t.is_empty() {
+            prev = line;
+        }
+    }
+}
+
+#[test]
+fn verl_defaults_where_verl_has_them() {
+    let c = Config::default();
+    assert_eq!(c.data.train_batch_size, 1024);
+    assert_eq!(c.actor_rollout_ref.actor.ppo_mini_batch_size, 256);
+    assert_eq!(c.actor_rollout_ref.actor.optim.lr, 1e-6);
+    assert_eq!(c.critic.optim.lr, 1e-5);
+    assert_eq!(
+        c.actor_rollout_ref.actor.kl_loss_type.to_string(),
+        "low_var_kl"
+    );
+    assert_eq!(c.algorithm.kl_penalty.to_string(), "kl");
+    assert_eq!(c.algorithm.adv_estimator, AdvEstimator::Gae);
+    assert_eq!(c.actor_rollout_ref.rollout.val_kwargs.temperature, 0.0);
+    assert!(!c.actor_rollout_ref.rollout.val_kwargs.do_sample);
+    assert_eq!(
+        c.reward.custom_reward_function.name.as_deref(),
+        Some("compute_score")
+    );
+    assert_eq!(c.trainer.save_freq, None);
+}
+
+#[test]
+fn set_override_and_value_types() {
+    let c = cfg(&[
+        "data.train_batch_size=256",
+        "actor_rollout_ref.actor.optim.lr=1e-6",
+        "trainer.val_before_train=False",
+        "trainer.logger=['console']",
+        "trainer.default_local_dir=null",
+        "trainer.experiment_name=",
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.kl_loss_type=k3+",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=5",
+    ]);
+    assert_eq!(c.data.train_batch_size, 256);
+    assert_eq!(c.actor_rollout_ref.actor.optim.lr, 1e-6);
+    assert!(!c.trainer.val_before_train);
+    assert_eq!(c.trainer.logger.to_vec(), vec!["console".to_string()]);
+    assert_eq!(c.trainer.default_local_dir, None);
+    assert_eq!(c.trainer.experiment_name, "");
+    assert_eq!(c.algorithm.adv_estimator, AdvEstimator::Grpo);
+    let k = c.actor_rollout_ref.actor.kl_loss_type;
+    assert_eq!((k.kind, k.straight_through), (KlKind::K3, true));
+    assert_eq!(
+        c.actor_rollout_ref.actor.loss_agg_mode,
+        LossAggMode::SeqMeanTokenSumNorm
+    );
+    assert_eq!(c.trainer.save_freq, None);
+    assert_eq!(c.trainer.test_freq, Some(5));
+    // A single string is accepted where verl accepts a string or a list.
+    assert_eq!(
+        cfg(&["trainer.logger=console"]).trainer.logger.to_vec(),
+        vec!["console".to_string()]
+    );
+    assert_eq!(
+        cfg(&["data.train_files=[a.parquet,b.parquet]"])
+            .data
+            .train_files
+            .to_vec(),
+        vec!["a.parquet", "b.parquet"]
+    );
+}
+
+#[test]
+fn add_force_add_and_delete() {
+    // `+` into a free-form map (verl scripts use it for template and reward kwargs).
+    let c = cfg(&[
+        "+data.apply_chat_template_kwargs.enable_thinking=False",
+        "++reward.reward_kwargs.max_resp_len=512",
+    ]);
+    assert_eq!(
+        c.data.apply_chat_template_kwargs["enable_thinking"],
+        serde_json::json!(false)
+    );
+    assert_eq!(
+        c.reward.reward_kwargs["max_resp_len"],
+        serde_json::json!(512)
+    );
+    // `+`/`++` on an existing key set it.
+    assert_eq!(cfg(&["+data.train_batch_size=8"]).data.train_batch_size, 8);
+    assert_eq!(cfg(&["++data.train_batch_size=8"]).data.train_batch_size, 8);
+    // `~` resets a typed key to its default and removes a free-form entry.
+    assert_eq!(
+        cfg(&["data.train_batch_size=8", "~data.train_batch_size"])
+            .data
+            .train_batch_size,
+        1024
+    );
+    let c = cfg(&["+reward.reward_kwargs.a=1", "~reward.reward_kwargs.a"]);
+    assert!(c.reward.reward_kwargs.is_empty());
+    // `~key=value` deletes only when the value matches.
+    assert_eq!(
+        cfg(&["data.train_batch_size=8", "~data.train_batch_size=8"])
+            .data
+            .train_batch_size,
+        1024
+    );
+    let e = err(&["data.train_batch_size=8", "~data.train_batch_size=9"]);
+    assert!(e.contains("is 8, not 9"), "{e}");
+    // A mapping value merges into a section.
+    let c = cfg(&["algorithm.kl_ctrl={type: adaptive, target_kl: 0.05}"]);
+    assert_eq!(c.algorithm.kl_ctrl.kind, KlCtrlType::Adaptive);
+    assert_eq!(c.algorithm.kl_ctrl.target_kl, 0.05);
+    assert_eq!(
+        c.algorithm.kl_ctrl.kl_coef, 0.001,
+        "untouched keys keep their defaults"
+    );
+}
+
+#[test]
+fn reward_sources_inline() {
+    let c = cfg(&["reward.sources=[{name: acc, type: builtin, scorer: gsm8k, kwargs: {method: flexible}}, {name: fmt, weight: 0.5, type: python, path: r.py, function: f}]"]);
+    assert_eq!(c.reward.sources.len(), 2);
+    assert_eq!(c.reward.sources[0].weight, 1.0);
+    assert_eq!(
+        c.reward.sources[0].kwargs["method"],
+        serde_json::json!("flexible")
+    );
+    assert_eq!(c.reward.sources[1].kind, RewardSourceType::Python);
+    let e = err(&["reward.sources=[{name: acc, type: builtin, scorer: gsm8k, wieght: 2}]"]);
+    assert!(
+        e.contains("reward.sources[0]") && e.contains("wieght"),
+        "{e}"
+    );
+}
+
+#[test]
+fn unknown_keys_suggest_the_closest() {
+    let e = err(&["data.train_batch_sise=4"]);
+    assert!(
+        e.contains("unknown key `data.train_batch_sise`") && e.contains("`data.train_batch_size`"),
+        "{e}"
+    );
+    // A key under the wrong section points to where it lives.
+    let e = err(&["actor_rollout_ref.ppo_mini_batch_size=4"]);
+    assert!(
+        e.contains("`actor_rollout_ref.actor.ppo_mini_batch_size`"),
+        "{e}"
+    );
+    let e = err(&["trainr.total_epochs=1"]);
+    assert!(e.contains("`trainer`"), "{e}");
+    // No close match: the valid keys are listed.
+    let e = err(&["algorithm.zzzz=1"]);
+    assert!(
+        e.contains("the keys under `algorithm` are:") && e.contains("adv_estimator"),
+        "{e}"
+    );
+    // Inside a typed struct value.
+    let e = err(&["algorithm.kl_ctrl={typ: fixed}"]);
+    assert!(
+        e.contains("algorithm.kl_ctrl.typ") && e.contains("algorithm.kl_ctrl.type"),
+        "{e}"
+    );
+}
+
+#[test]
+fn type_errors_name_key_value_and_type() {
+    let e = err(&["data.train_batch_size=abc"]);
+    assert!(
+        e.contains("data.train_batch_size")
+            && e.contains("abc")
+            && e.contains("non-negative integer"),
+        "{e}"
+    );
+    let e = err(&["trainer.val_before_train=maybe"]);
+    assert!(
+        e.contains("trainer.val_before_train") && e.contains("maybe") && e.contains("boolean"),
+        "{e}"
+    );
+    let e = err(&["algorithm.adv_estimator=ppo"]);
+    assert!(
+        e.contains("algorithm.adv_estimator") && e.contains("`ppo`") && e.contains("grpo"),
+        "{e}"
+    );
+    let e = err(&["actor_rollout_ref.actor.kl_loss_type=k9"]);
+    assert!(
+        e.contains("actor_rollout_ref.actor.kl_loss_type") && e.contains("k9"),
+        "{e}"
+    );
+    let e = err(&["actor_rollout_ref.actor.optim.betas=[0.9]"]);
+    assert!(e.contains("actor_rollout_ref.actor.optim.betas"), "{e}");
+}
+
+#[test]
+fn sweeps_and_malformed_overrides_are_errors() {
+    let e = err(&["trainer.logger=console,wandb"]);
+    assert!(
+        e.contains("override `trainer.logger=console,wandb`") && e.contains("[console,wandb]"),
+        "{e}"
+    );
+    let e = err(&["trainer.logger"]);
+    assert!(e.contains("key=value"), "{e}");
+}
+
+#[test]
+fn legacy_reward_keys_map_onto_reward() {
+    let l = with(&[
+        "custom_reward_function.path=/x/r.py",
+        "custom_reward_function.name=my_fn",
+    ])
+    .unwrap();
+    assert_eq!(
+        l.config.reward.custom_reward_function.path.as_deref(),
+        Some("/x/r.py")
+    );
+    assert_eq!(
+        l.config.reward.custom_reward_function.name.as_deref(),
+        Some("my_fn")
+    );
+    assert!(l
+        .notices
+        .iter()
+        .any(|n| n.contains("custom_reward_function.path")
+            && n.contains("reward.custom_reward_function.path")));
+    // Without a legacy name, the new key's default (compute_score) stays.
+    let c = cfg(&["custom_reward_function.path=/x/r.py"]);
+    assert_eq!(
+        c.reward.custom_reward_function.name.as_deref(),
+        Some("compute_score")
+    );
+    // Legacy reward kwargs move too.
+    let c = cfg(&["+custom_reward_function.reward_kwargs.k=2"]);
+    assert_eq!(
+        c.reward.custom_reward_function.reward_kwargs["k"],
+        serde_json::json!(2)
+    );
+    // Both spellings, same value: fine. Different: an error naming both.
+    cfg(&[
+        "custom_reward_function.path=/x/r.py",
+        "reward.custom_reward_function.path=/x/r.py",
+    ]);
+    let e = err(&[
+        "custom_reward_function.path=/x/a.py",
+        "reward.custom_reward_function.path=/x/b.py",
+    ]);
+    assert!(
+        e.contains("`custom_reward_function.path`")
+            && e.contains("`reward.custom_reward_function.path`"),
+        "{e}"
+    );
+    // The legacy reward-manager spelling.
+    assert_eq!(
+        cfg(&["reward_model.reward_manager=dapo"])
+            .reward
+            .reward_manager
+            .name,
+        RewardManagerName::Dapo
+    );
+}
+
+#[test]
+fn no_effect_keys_are_reported_and_unsupported_values_refused() {
+    let l = with(&[
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+        "+actor_rollout_ref.actor.fsdp_config.anything.below=1",
+        "trainer.nnodes=1",
+        "ray_kwargs.ray_init.num_cpus=4",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        "trainer.default_hdfs_dir=null",
+        "actor_rollout_ref.model.lora_rank=0",
+    ])
+    .unwrap();
+    for k in [
+        "actor_rollout_ref.rollout.name",
+        "actor_rollout_ref.rollout.gpu_memory_utilization",
+        "actor_rollout_ref.actor.fsdp_config.param_offload",
+        "trainer.nnodes",
+        "ray_kwargs.ray_init.num_cpus",
+        "actor_rollout_ref.model.use_remove_padding",
+        "actor_rollout_ref.model.lora_rank",
+    ] {
+        assert!(
+            l.no_effect.iter().any(|n| n == k),
+            "{k} not in {:?}",
+            l.no_effect
+        );
+    }
+    assert!(
+        !l.no_effect.iter().any(|n| n == "trainer.default_hdfs_dir"),
+        "null is verl's unset value"
+    );
+    assert_eq!(l.config, Config::default(), "no-effect keys change nothing");
+    let e = err(&["actor_rollout_ref.model.lora_rank=8"]);
+    assert!(
+        e.contains("actor_rollout_ref.model.lora_rank = 8") && e.contains("LoRA"),
+        "{e}"
+    );
+    let e = err(&["algorithm.filter_groups.enable=True"]);
+    assert!(e.contains("not supported"), "{e}");
+}
+
+#[test]
+fn interpolations_resolve() {
+    let c = cfg(&[
+        "trainer.project_name=p",
+        "trainer.default_local_dir=/ck/${trainer.project_name}/${trainer.experiment_name}",
+    ]);
+    assert_eq!(c.trainer.default_local_dir.as_deref(), Some("/ck/p/gsm8k"));
+    let c = cfg(&[
+        "data.max_response_length=77",
+        "actor_rollout_ref.rollout.response_length=${oc.select:data.max_response_length,512}",
+    ]);
+    assert_eq!(c.actor_rollout_ref.rollout.response_length, Some(77));
+    let c = cfg(&["actor_rollout_ref.rollout.response_length=${oc.select:data.nope,33}"]);
+    assert_eq!(c.actor_rollout_ref.rollout.response_length, Some(33));
+    let e = err(&["trainer.default_local_dir=${oc.eval:1+1}"]);
+    assert!(
+        e.contains("trainer.default_local_dir") && e.contains("oc.eval"),
+        "{e}"
+    );
+}
+
+#[test]
+fn yaml_files_with_a_defaults_list() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("base.yaml"),
+        "data:\n  train_batch_size: 32\n  max_prompt_length: 128\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("exp.yaml"),
+        "defaults:\n  - ppo_trainer\n  - base\n  - _self_\ndata:\n  max_prompt_length: 256\ntrainer:\n  total_epochs: 2\n",
+    )
+    .unwrap();
+    let l = load(
+        &ConfigSource::File(dir.path().join("exp.yaml")),
+        &["trainer.total_epochs=3".into()],
+    )
+    .unwrap();
+    assert_eq!(l.config.data.train_batch_size, 32, "from base.yaml");
+    assert_eq!(
+        l.config.data.max_prompt_length, 256,
+        "the file's own keys win over its defaults"
+    );
+    assert_eq!(l.config.trainer.total_epochs, 3, "overrides win over files");
+    assert!(l.user_set.contains("data.train_batch_size"));
+
+    std::fs::write(dir.path().join("bad.yaml"), "data:\n  train_bach_size: 3\n").unwrap();
+    let e = load(&ConfigSource::File(dir.path().join("bad.yaml")), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("bad.yaml")
+            && e.contains("data.train_bach_size")
+            && e.contains("data.train_batch_size"),
+        "{e}"
+    );
+    std::fs::write(dir.path().join("broken.yaml"), "data: [\n").unwrap();
+    let e = load(&ConfigSource::File(dir.path().join("broken.yaml")), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("broken.yaml"), "{e}");
+    let e = load(&ConfigSource::File(dir.path().join("missing.yaml")), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("missing.yaml"), "{e}");
+}
+
+// ---- verl's validation rules (verl-reference §1.4), one test each ----
+
+#[test]
+fn valid_plan_arithmetic() {
+    let p = resolved(&[
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_epochs=2",
+    ])
+    .unwrap();
+    assert_eq!(p.responses_per_step(), 1024);
+    assert_eq!(p.actor.mini_batches_per_epoch, 4);
+    assert_eq!(p.actor.mini_batch_responses, 256);
+    assert_eq!(p.actor.grad_accum, Some(64));
+    assert_eq!(p.actor.optimizer_steps_per_step(), 8);
+    assert!(p.need_critic && !p.need_reference);
+    assert_eq!(
+        p.critic.as_ref().unwrap().epochs,
+        2,
+        "critic.ppo_epochs falls back to the actor's"
+    );
+    assert_eq!(p.steps_per_epoch(7473), 29);
+    assert_eq!(p.response_length, 512);
+}
+
+#[test]
+fn rule_train_batch_vs_mini_batch() {
+    let e = rule_error(&["data.train_batch_size=32"]);
+    assert!(e.contains("`data.train_batch_size` (32) must be >= `actor_rollout_ref.actor.ppo_mini_batch_size` (64)"), "{e}");
+    let e = rule_error(&[
+        "data.train_batch_size=6",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "critic.ppo_mini_batch_size=2",
+    ]);
+    assert!(e.contains("`data.train_batch_size` (6) must be divisible by `actor_rollout_ref.actor.ppo_mini_batch_size` (4)"), "{e}");
+}
+
+#[test]
+fn rule_micro_batch_keys() {
+    let e = rule_error(&["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"]);
+    assert!(
+        e.contains("set `actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`"),
+        "{e}"
+    );
+    let e = rule_error(&["actor_rollout_ref.actor.ppo_micro_batch_size=8"]);
+    assert!(e.contains("are both set"), "{e}");
+    // The deprecated global key alone is accepted.
+    let p = resolved(&[
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
+        "actor_rollout_ref.actor.ppo_micro_batch_size=8",
+    ])
+    .unwrap();
+    assert_eq!(p.actor.micro, MicroBatching::Sequences(8));
+    // Dynamic batch size needs neither.
+    let p = resolved(&[
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
+        "actor_rollout_ref.actor.use_dynamic_bsz=True",
+    ])
+    .unwrap();
+    assert_eq!(p.actor.micro, MicroBatching::TokenBudget(16384));
+    let e = rule_error(&["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6"]);
+    assert!(e.contains("64 × 1 = 64 responses per mini-batch must be divisible by `actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu` (6)"), "{e}");
+    let e = rule_error(&[
+        "actor_rollout_ref.actor.use_dynamic_bsz=True",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100",
+    ]);
+    assert!(e.contains("ppo_max_token_len_per_gpu"), "{e}");
+}
+
+#[test]
+fn rule_rollout_and_ref_log_prob_micro() {
+    let e = rule_error(&["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=null"]);
+    assert!(
+        e.contains("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),
+        "{e}"
+    );
+    // The reference's key matters only when a reference is needed.
+    resolved(&[]).unwrap();
+    let e = rule_error(&["actor_rollout_ref.actor.use_kl_loss=True"]);
+    assert!(
+        e.contains("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
+        "{e}"
+    );
+    let p = resolved(&[
+        "algorithm.use_kl_in_reward=True",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+    ])
+    .unwrap();
+    assert!(p.need_reference);
+    let p = resolved(&[
+        "algorithm.use_kl_in_reward=True",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+    ])
+    .unwrap();
+    assert!(p.warnings.iter().any(|w| w.contains("penalised twice")));
+}
+
+#[test]
+fn rule_critic() {
+    let e = rule_error(&["critic.ppo_micro_batch_size_per_gpu=null"]);
+    assert!(e.contains("critic.ppo_micro_batch_size_per_gpu"), "{e}");
+    let e = rule_error(&["critic.ppo_mini_batch_size=512"]);
+    assert!(
+        e.contains("`data.train_batch_size` (256) must be >= `critic.ppo_mini_batch_size` (512)"),
+        "{e}"
+    );
+    let e = rule_error(&["critic.enable=False"]);
+    assert!(e.contains("critic.enable") && e.contains("gae"), "{e}");
+    // GRPO needs no critic, so its keys do not matter.
+    let p = resolved(&[
+        "algorithm.adv_estimator=grpo",
+        "critic.ppo_micro_batch_size_per_gpu=null",
+        "actor_rollout_ref.rollout.n=2",
+    ])
+    .unwrap();
+    assert!(!p.need_critic && p.critic.is_none());
+    let p = resolved(&[
+        "algorithm.adv_estimator=grpo",
+        "critic.enable=True",
+        "actor_rollout_ref.rollout.n=2",
+    ])
+    .unwrap();
+    assert!(p.need_critic);
+}
+
+#[test]
+fn rule_sampling() {
+    let e = rule_error(&[
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+        "actor_rollout_ref.rollout.temperature=0",
+    ]);
+    assert!(
+        e.contains("val_kwargs.do_sample=True")
+            && e.contains("actor_rollout_ref.rollout.temperature"),
+        "{e}"
+    );
+    assert!(rule_error(&["actor_rollout_ref.rollout.top_p=0"]).contains("top_p"));
+    assert!(rule_error(&["actor_rollout_ref.rollout.n=0"]).contains("rollout.n"));
+    assert!(rule_error(&["algorithm.adv_estimator=grpo_passk"]).contains("at least 2 responses"));
+}
+
+#[test]
+fn rule_clip_kl_and_optim() {
+    assert!(rule_error(&["actor_rollout_ref.actor.clip_ratio_c=1.0"]).contains("clip_ratio_c"));
+    let e = rule_error(&[
+        "algorithm.use_kl_in_reward=True",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.horizon=0",
+    ]);
+    assert!(e.contains("algorithm.kl_ctrl.horizon"), "{e}");
+    assert!(rule_error(&["actor_rollout_ref.actor.optim.optimizer=SGD"]).contains("AdamW"));
+    assert!(rule_error(&["critic.optim.betas=[0.9, 1.5]"]).contains("critic.optim.betas[1]"));
+    let e = rule_error(&[
+        "actor_rollout_ref.actor.grad_clip=0.5",
+        "actor_rollout_ref.actor.optim.clip_grad=2.0",
+    ]);
+    assert!(e.contains("grad_clip") && e.contains("clip_grad"), "{e}");
+    // clip_ratio_low/high follow clip_ratio unless set.
+    let c = cfg(&[
+        "actor_rollout_ref.actor.clip_ratio=0.3",
+        "actor_rollout_ref.actor.clip_ratio_high=0.28",
+    ]);
+    assert_eq!(
+        (
+            c.actor_rollout_ref.actor.clip_low(),
+            c.actor_rollout_ref.actor.clip_high()
+        ),
+        (0.3, 0.28)
+    );
+}
+
+#[test]
+fn rule_reward_and_trainer() {
+    let e = rule_error(&[
+        "reward.custom_reward_function.path=/r.py",
+        "reward.custom_reward_function.name=",
+    ]);
+    assert!(e.contains("reward.custom_reward_function.name"), "{e}");
+    let e = rule_error(&["reward.sources=[{name: a, type: builtin}, {name: a, type: python, path: x.py, weight: -1}]"]);
+    assert!(
+        e.contains("reward.sources[0]` has type builtin but no `scorer`"),
+        "{e}"
+    );
+    assert!(
+        e.contains("used by another source") && e.contains("reward.sources[1].weight"),
+        "{e}"
+    );
+    assert!(rule_error(&["reward.reward_model.enable=True"]).contains("reward models"));
+    let e = rule_error(&[
+        "trainer.resume_mode=resume_path",
+        "trainer.resume_from_path=/ck/latest",
+    ]);
+    assert!(e.contains("global_step_"), "{e}");
+    assert!(rule_error(&["trainer.resume_mode=resume_path"]).contains("trainer.resume_from_path"));
+    assert!(rule_error(&["trainer.device=tpu"]).contains("trainer.device"));
+    // Every violation is reported at once.
+    let e = rule_error(&["trainer.device=tpu", "actor_rollout_ref.rollout.top_p=2"]);
+    assert!(e.contains("trainer.device") && e.contains("top_p"), "{e}");
+}
+
+#[test]
+fn checkpoint_dir_defaults_to_project_and_experiment() {
+    let p = resolved(&["trainer.project_name=proj", "trainer.experiment_name=exp"]).unwrap();
+    assert_eq!(p.default_local_dir, PathBuf::from("checkpoints/proj/exp"));
+}
+
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::super::overrides::parse_override;
+    use super::super::tree;
+    use super::*;
+
+    fn leaf_keys() -> Vec<String> {
+        let defaults = serde_yaml_ng::to_value(Config::default()).unwrap();
+        let mut leaves = Vec::new();
+        tree::leaves(&defaults, &mut Vec::new(), &mut leaves);
+        leaves.iter().map(|l| tree::join(l)).collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+        #[test]
+        fn override_parser_never_panics(s in "\\PC{0,60}") {
+            let _ = parse_override(&s);
+        }
+
+        #[test]
+        fn loader_never_panics_on_arbitrary_overrides(args in proptest::collection::vec("[~+]{0,2}[a-z_.]{0,24}(=\\PC{0,24})?", 0..4)) {
+            if let Ok(l) = load(&ConfigSource::Builtin, &args) {
+                let _ = resolve(&l.config);
+            }
+        }
+
+        #[test]
+        fn loader_never_panics_on_real_keys_with_arbitrary_values(
+            picks in proptest::collection::vec((0usize..1000, "\\PC{0,30}"), 1..4),
+            op in prop::sample::select(vec!["", "+", "++", "~"]),
+        ) {
+            let keys = leaf_keys();
+            let args: Vec<String> = picks.iter().map(|(i, v)| format!("{op}{}={v}", keys[i % keys.len()])).collect();
+            if let Ok(l) = load(&ConfigSource::Builtin, &args) {
+                let _ = resolve(&l.config);
+            }
+        }
+
+        #[test]
+        fn yaml_files_never_panic(text in "\\PC{0,200}") {
+            let dir = tempfile::tempdir().unwrap();
+            let f = dir.path().join("c.yaml");
+            std::fs::write(&f, &text).unwrap();
+            let _ = load(&ConfigSource::File(f), &[]);
+        }
+
+        #[test]
+        fn integers_round_trip(n in any::<i64>()) {
+            let v = super::super::overrides::parse_value(&n.to_string()).unwrap();
+            prop_assert_eq!(v.as_i64(), Some(n));
+        }
+    }
+}

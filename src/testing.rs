@@ -1,0 +1,99 @@
+//! Fixtures for tests (unit and integration): a tiny byte-level tokenizer and an HF-style model
+//! directory holding it. Not part of the public API.
+
+use std::path::Path;
+
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::{AddedToken, Tokenizer};
+
+/// Qwen2-style ChatML template (system turn defaulted, generation prompt on request).
+pub const CHATML: &str = "{%- if messages[0]['role'] == 'system' %}\n    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n{%- else %}\n    {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}\n{%- endif %}\n{%- for message in messages %}\n    {%- if not (message.role == 'system' and loop.first) %}\n        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n";
+
+/// GPT-2's byte → printable-character table.
+fn byte_chars() -> Vec<char> {
+    let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
+    let mut map: Vec<Option<char>> = vec![None; 256];
+    for &b in &printable {
+        map[b as usize] = char::from_u32(b);
+    }
+    let mut n = 0;
+    for b in 0..256u32 {
+        if map[b as usize].is_none() {
+            map[b as usize] = char::from_u32(256 + n);
+            printable.push(b);
+            n += 1;
+        }
+    }
+    map.into_iter()
+        .map(|c| c.expect("every byte mapped"))
+        .collect()
+}
+
+/// A byte-level BPE tokenizer without merges: one token per UTF-8 byte (ids 0..256), plus the
+/// special tokens `<|endoftext|>` (256), `<|im_start|>` (257), `<|im_end|>` (258).
+pub fn byte_tokenizer() -> Tokenizer {
+    let vocab: tokenizers::models::bpe::Vocab = byte_chars()
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, vec![])
+        .build()
+        .expect("valid BPE");
+    let mut tok = Tokenizer::new(bpe);
+    tok.with_pre_tokenizer(Some(ByteLevel::new(false, true, false)));
+    tok.with_decoder(Some(ByteLevel::default()));
+    tok.add_special_tokens([
+        AddedToken::from("<|endoftext|>", true),
+        AddedToken::from("<|im_start|>", true),
+        AddedToken::from("<|im_end|>", true),
+    ])
+    .expect("special tokens are added");
+    tok
+}
+
+/// Writes tokenizer.json, tokenizer_config.json (ChatML template, `<|im_end|>` as EOS) and
+/// generation_config.json into `dir`.
+pub fn write_tokenizer_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    byte_tokenizer()
+        .save(dir.join("tokenizer.json"), false)
+        .map_err(std::io::Error::other)?;
+    let cfg = serde_json::json!({
+        "bos_token": null,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHATML,
+    });
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::to_string_pretty(&cfg)?,
+    )?;
+    std::fs::write(
+        dir.join("generation_config.json"),
+        r#"{"eos_token_id": [258, 256]}"#,
+    )?;
+    Ok(())
+}
+
+/// A verl-format row with a user prompt and a gsm8k-style ground truth.
+pub fn verl_row(question: &str, answer: &str) -> serde_json::Value {
+    serde_json::json!({
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": question}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": "test", "index": 0},
+    })
+}
+
+/// Writes rows as JSONL.
+pub fn write_jsonl(path: &Path, rows: &[serde_json::Value]) -> std::io::Result<()> {
+    let text: String = rows.iter().map(|r| format!("{r}\n")).collect();
+    std::fs::write(path, text)
+}

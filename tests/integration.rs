@@ -1,0 +1,264 @@
+//! End-to-end tests of the `main_ppo` binary (one integration test binary for the crate).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use main_ppo::testing::write_tokenizer_dir;
+
+fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_main_ppo"));
+    c.env("RUST_LOG", "info").env_remove("NO_COLOR");
+    c
+}
+
+fn data_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/gsm8k")
+}
+
+fn run(args: &[String]) -> Output {
+    bin().args(args).output().expect("run main_ppo")
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// verl's GSM8K quickstart command line (docs/start/quickstart.rst), with the paths filled in.
+fn quickstart(model: &Path, reward: &Path) -> Vec<String> {
+    let data = data_dir();
+    let m = model.display();
+    [
+        format!("data.train_files={}/train.parquet", data.display()),
+        format!("data.val_files={}/test.parquet", data.display()),
+        "data.train_batch_size=256".into(),
+        "data.max_prompt_length=512".into(),
+        "data.max_response_length=256".into(),
+        format!("actor_rollout_ref.model.path={m}"),
+        "actor_rollout_ref.actor.optim.lr=1e-6".into(),
+        "actor_rollout_ref.actor.ppo_mini_batch_size=64".into(),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4".into(),
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8".into(),
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1".into(),
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.4".into(),
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4".into(),
+        "critic.optim.lr=1e-5".into(),
+        format!("critic.model.path={m}"),
+        "critic.ppo_micro_batch_size_per_gpu=4".into(),
+        "algorithm.kl_ctrl.kl_coef=0.001".into(),
+        "trainer.logger=['console']".into(),
+        "trainer.val_before_train=False".into(),
+        "trainer.default_hdfs_dir=null".into(),
+        "trainer.n_gpus_per_node=1".into(),
+        "trainer.nnodes=1".into(),
+        "trainer.save_freq=10".into(),
+        "trainer.test_freq=10".into(),
+        "trainer.total_epochs=15".into(),
+        "custom_reward_function.name=compute_score".into(),
+        format!("custom_reward_function.path={}", reward.display()),
+    ]
+    .to_vec()
+}
+
+fn fixture() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    let reward = dir.path().join("reward.py");
+    std::fs::write(&reward, "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n").unwrap();
+    (dir, model, reward)
+}
+
+fn config_check(args: &[String]) -> Output {
+    let mut all = vec!["config".to_string(), "check".to_string()];
+    all.extend_from_slice(args);
+    run(&all)
+}
+
+#[test]
+fn quickstart_command_line_is_accepted_and_explained() {
+    let (_d, model, reward) = fixture();
+    let out = config_check(&quickstart(&model, &reward));
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    for expected in [
+        "prompts per step: 256 (data.train_batch_size)",
+        "responses per step: 256 prompts × 1 (actor_rollout_ref.rollout.n) = 256",
+        "actor update: 4 mini-batch(es) per step, each 64 prompts × 1 = 64 responses",
+        "each mini-batch runs as 16 micro-batch(es) of 4 sequences",
+        "optimizer steps per training step: 4 mini-batch(es) × 1 epoch(s) = 4",
+        "steps per epoch: 7473 prompts / 256 per step = 29",
+        "total training steps: 29 × 15 epoch(s) (trainer.total_epochs) = 435",
+        "reference: not loaded",
+        "critic (value model, trained)",
+        "custom function compute_score from",
+        "training prompts: 7473",
+        "validation prompts: 1319",
+    ] {
+        assert!(
+            stdout.contains(expected),
+            "missing `{expected}` in:\n{stdout}"
+        );
+    }
+    // The no-effect keys, reported once, in one line.
+    let warn: Vec<&str> = stderr.lines().filter(|l| l.contains("no effect")).collect();
+    assert_eq!(warn.len(), 1, "{stderr}");
+    for k in [
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        "actor_rollout_ref.rollout.gpu_memory_utilization",
+        "trainer.n_gpus_per_node",
+        "trainer.nnodes",
+    ] {
+        assert!(warn[0].contains(k), "{k} not in {}", warn[0]);
+    }
+    // The legacy reward keys are mapped with an info line.
+    assert!(stderr.contains("legacy key `custom_reward_function.path` is read as `reward.custom_reward_function.path`"), "{stderr}");
+}
+
+#[test]
+fn train_stops_where_the_model_would_load() {
+    let (_d, model, reward) = fixture();
+    let out = run(&quickstart(&model, &reward));
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("data ready: 7473 training prompts, 1319 validation prompts"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("error: cannot load the model"), "{stderr}");
+}
+
+#[test]
+fn usage_errors_exit_2_and_name_the_problem() {
+    let (_d, model, reward) = fixture();
+    let mut args = quickstart(&model, &reward);
+    args.push("data.train_batch_sise=3".into());
+    let out = config_check(&args);
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr.contains("did you mean `data.train_batch_size`"),
+        "{stderr}"
+    );
+
+    let mut args = quickstart(&model, &reward);
+    args[0] = "data.train_files=/nonexistent/train.parquet".into();
+    let out = config_check(&args);
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr.contains("`data.train_files`: /nonexistent/train.parquet does not exist"),
+        "{stderr}"
+    );
+
+    let out = run(&["--no-such-flag".into()]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn cfg_job_prints_the_resolved_config() {
+    let out = run(&[
+        "data.train_batch_size=8".into(),
+        "--cfg".into(),
+        "job".into(),
+    ]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_yaml_ng::Value = serde_yaml_ng::from_str(&stdout).unwrap();
+    assert_eq!(v["data"]["train_batch_size"].as_u64(), Some(8));
+    // Printing it and loading it back gives the same configuration.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("job.yaml"), &stdout).unwrap();
+    let again = run(&[
+        "--config".into(),
+        dir.path().join("job.yaml").display().to_string(),
+        "--cfg".into(),
+        "job".into(),
+    ]);
+    assert_eq!(text(&again).0, stdout);
+}
+
+#[test]
+fn hydra_config_path_and_name() {
+    let (d, model, reward) = fixture();
+    let yaml = format!(
+        "defaults:\n  - ppo_trainer\n  - _self_\ndata:\n  train_files: {0}/train.parquet\n  val_files: {0}/test.parquet\n  train_batch_size: 16\n",
+        data_dir().display()
+    );
+    std::fs::write(d.path().join("exp.yaml"), yaml).unwrap();
+    let mut args: Vec<String> = vec![
+        "config".into(),
+        "check".into(),
+        "-cp".into(),
+        d.path().display().to_string(),
+        "-cn".into(),
+        "exp".into(),
+    ];
+    args.extend(quickstart(&model, &reward).into_iter().skip(3));
+    // The YAML sets the data; the overrides (minus the first three) keep the rest.
+    let args: Vec<String> = args
+        .into_iter()
+        .map(|a| {
+            if a.starts_with("actor_rollout_ref.actor.ppo_mini_batch_size=") {
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4".into()
+            } else {
+                a
+            }
+        })
+        .collect();
+    let out = run(&args);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("prompts per step: 16"), "{stdout}");
+    assert!(
+        stdout.contains("steps per epoch: 7473 prompts / 16 per step = 467"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn config_check_with_a_tokenizer_filters_overlong_prompts() {
+    let (_d, model, reward) = fixture();
+    write_tokenizer_dir(&model).unwrap();
+    let mut args = quickstart(&model, &reward);
+    // One token per byte: most GSM8K prompts exceed 300 bytes with the template.
+    args.push("data.filter_overlong_prompts=True".into());
+    args.push("data.max_prompt_length=300".into());
+    let out = config_check(&args);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let dropped: usize = stdout
+        .lines()
+        .find_map(|l| {
+            l.trim()
+                .strip_prefix("dropped as longer than 300 prompt tokens: ")
+        })
+        .expect("a dropped count")
+        .parse()
+        .unwrap();
+    let kept: usize = stdout
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("training prompts: "))
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(kept + dropped, 7473);
+    assert!(dropped > 0 && kept > 0, "{stdout}");
+    // Without filtering, the default truncation=error names the first overlong row.
+    let mut args = quickstart(&model, &reward);
+    args.push("data.max_prompt_length=300".into());
+    let out = config_check(&args);
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr.contains("train.parquet, row ")
+            && stderr.contains("column `prompt`")
+            && stderr.contains("data.max_prompt_length (300)"),
+        "{stderr}"
+    );
+}
