@@ -5,8 +5,10 @@
 //! exit codes). The model, rollout, reward, algorithm, trainer, checkpoint and metrics layers
 //! plug in between data and cli.
 
+pub mod algo;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod reward;
 #[doc(hidden)]
 pub mod testing;

@@ -17,9 +17,10 @@ pub enum AdvEstimator {
     /// Group-normalised outcome reward (needs n > 1 responses per prompt to be useful).
     #[serde(alias = "grpo_vectorized")]
     Grpo,
-    /// REINFORCE leave-one-out baseline.
-    #[serde(alias = "rloo_vectorized")]
+    /// REINFORCE leave-one-out baseline (a group of one keeps its score).
     Rloo,
+    /// RLOO as verl's vectorised version computes it (a group of one gets 0).
+    RlooVectorized,
     /// Discounted returns, whitened over the batch.
     ReinforcePlusPlus,
     /// Group-mean baseline, then whitened over the batch.
@@ -41,6 +42,7 @@ impl AdvEstimator {
             AdvEstimator::Gae => "gae",
             AdvEstimator::Grpo => "grpo",
             AdvEstimator::Rloo => "rloo",
+            AdvEstimator::RlooVectorized => "rloo_vectorized",
             AdvEstimator::ReinforcePlusPlus => "reinforce_plus_plus",
             AdvEstimator::ReinforcePlusPlusBaseline => "reinforce_plus_plus_baseline",
             AdvEstimator::Remax => "remax",

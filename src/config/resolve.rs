@@ -356,7 +356,11 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
             "`algorithm.adv_estimator=grpo_passk` needs at least 2 responses per prompt; `actor_rollout_ref.rollout.n` is {n}"
         ));
     }
-    if matches!(algo.adv_estimator, AdvEstimator::Grpo | AdvEstimator::Rloo) && n == 1 {
+    if matches!(
+        algo.adv_estimator,
+        AdvEstimator::Grpo | AdvEstimator::Rloo | AdvEstimator::RlooVectorized
+    ) && n == 1
+    {
         warnings.push(format!(
             "`algorithm.adv_estimator={}` compares responses to the same prompt, but `actor_rollout_ref.rollout.n` is 1",
             algo.adv_estimator.as_str()

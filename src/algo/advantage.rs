@@ -1,0 +1,358 @@
+//! Advantage estimators (`algorithm.adv_estimator`), ports of verl's
+//! `verl/trainer/ppo/core_algos.py` `compute_*_advantage*` functions (newest snapshot; see
+//! verl-reference §5.1). Each returns `(advantages, returns)`, both `[batch, response_len]`.
+//!
+//! No gradient flows through an estimator, so each runs as a single pass over host memory
+//! (GAE is a backward scan per row; a per-timestep chain of tensor ops would launch `T` kernels).
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+
+use super::masked::host;
+use super::{bail, Result};
+use crate::config::{AdvEstimator, AlgorithmConfig};
+
+/// What the estimators read. Shapes: `[batch, response_len]`, `index` and `reward_baselines` `[batch]`.
+#[derive(Debug, Clone, Copy)]
+pub struct AdvantageInputs<'a> {
+    /// Rewards placed on tokens (scores, minus the KL penalty when it is in the reward).
+    pub token_level_rewards: &'a Tensor,
+    /// 1 on response tokens, 0 on padding.
+    pub response_mask: &'a Tensor,
+    /// Critic values (gae).
+    pub values: Option<&'a Tensor>,
+    /// Group id of each response: responses to the same prompt share one (verl's `uid`).
+    pub index: Option<&'a [u64]>,
+    /// Summed reward of the greedy response to the same prompt (remax).
+    pub reward_baselines: Option<&'a Tensor>,
+}
+
+/// Row-major host copy of a `[batch, len]` tensor.
+struct Mat {
+    b: usize,
+    t: usize,
+    v: Vec<f64>,
+}
+
+impl Mat {
+    fn from(t: &Tensor, name: &str) -> Result<Self> {
+        let (b, len) = t.dims2().map_err(|_| {
+            candle_core::Error::Msg(format!(
+                "{name} must be [batch, response_len], got {:?}",
+                t.dims()
+            ))
+        })?;
+        let v = t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+        Ok(Mat { b, t: len, v })
+    }
+    fn row(&self, i: usize) -> &[f64] {
+        &self.v[i * self.t..(i + 1) * self.t]
+    }
+    fn zeros(b: usize, t: usize) -> Self {
+        Mat {
+            b,
+            t,
+            v: vec![0.0; b * t],
+        }
+    }
+    fn to_tensor(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+        Tensor::from_vec(self.v.clone(), (self.b, self.t), &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)
+    }
+}
+
+/// Computes `(advantages, returns)` with the estimator `est`.
+pub fn compute_advantage(
+    est: AdvEstimator,
+    inp: &AdvantageInputs,
+    cfg: &AlgorithmConfig,
+) -> Result<(Tensor, Tensor)> {
+    let r = Mat::from(inp.token_level_rewards, "token_level_rewards")?;
+    let m = Mat::from(inp.response_mask, "response_mask")?;
+    if (r.b, r.t) != (m.b, m.t) {
+        return bail(format!(
+            "token_level_rewards {:?} and response_mask {:?} differ in shape",
+            (r.b, r.t),
+            (m.b, m.t)
+        ));
+    }
+    let index = || -> Result<&[u64]> {
+        match inp.index {
+            Some(ix) if ix.len() == r.b => Ok(ix),
+            Some(ix) => bail(format!(
+                "index has {} entries for {} responses",
+                ix.len(),
+                r.b
+            )),
+            None => bail(format!(
+                "adv_estimator={} needs the group index (uid) of each response",
+                est.as_str()
+            )),
+        }
+    };
+    let scores: Vec<f64> = (0..r.b).map(|i| r.row(i).iter().sum()).collect();
+    let (adv, ret) = match est {
+        AdvEstimator::Gae => {
+            let values = inp.values.ok_or_else(|| {
+                candle_core::Error::Msg("adv_estimator=gae needs critic values".into())
+            })?;
+            let v = Mat::from(values, "values")?;
+            if (v.b, v.t) != (r.b, r.t) {
+                return bail("values and token_level_rewards differ in shape");
+            }
+            gae(&r, &v, &m, cfg.gamma, cfg.lam)?
+        }
+        AdvEstimator::Grpo => {
+            let a = grpo_scalars(&scores, index()?, cfg.norm_adv_by_std_in_grpo, 1e-6);
+            let adv = broadcast(&a, &m);
+            (adv.v.clone(), adv.v)
+        }
+        AdvEstimator::Rloo | AdvEstimator::RlooVectorized => {
+            let single_gets_score = est == AdvEstimator::Rloo;
+            let a = rloo_scalars(&scores, index()?, single_gets_score);
+            let adv = broadcast(&a, &m);
+            (adv.v.clone(), adv.v)
+        }
+        AdvEstimator::ReinforcePlusPlus => reinforce_pp(&r, &m, cfg.gamma)?,
+        AdvEstimator::ReinforcePlusPlusBaseline => {
+            let groups = group_rows(index()?);
+            let mut a = scores.clone();
+            for rows in groups.values() {
+                let mean = if rows.len() > 1 {
+                    rows.iter().map(|&i| scores[i]).sum::<f64>() / rows.len() as f64
+                } else {
+                    0.0
+                };
+                for &i in rows {
+                    a[i] = scores[i] - mean;
+                }
+            }
+            let mut adv = broadcast(&a, &m);
+            host::whiten(&mut adv.v, &m.v).map_err(candle_core::Error::Msg)?;
+            for (x, mk) in adv.v.iter_mut().zip(&m.v) {
+                *x *= mk;
+            }
+            (adv.v.clone(), adv.v)
+        }
+        AdvEstimator::Remax => {
+            let base = inp.reward_baselines.ok_or_else(|| {
+                candle_core::Error::Msg(
+                    "adv_estimator=remax needs the greedy baseline rewards".into(),
+                )
+            })?;
+            let base = base.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+            if base.len() != r.b {
+                return bail(format!(
+                    "reward_baselines has {} entries for {} responses",
+                    base.len(),
+                    r.b
+                ));
+            }
+            let mut ret = Mat::zeros(r.b, r.t);
+            let mut adv = Mat::zeros(r.b, r.t);
+            for (i, b) in base.iter().enumerate() {
+                let (rr, mm) = (r.row(i), m.row(i));
+                let mut acc = 0.0;
+                for t in (0..r.t).rev() {
+                    acc += rr[t] * mm[t];
+                    ret.v[i * r.t + t] = acc;
+                    adv.v[i * r.t + t] = acc - b * mm[t];
+                }
+            }
+            (adv.v, ret.v)
+        }
+        AdvEstimator::Opo => {
+            let lens: Vec<f64> = (0..r.b).map(|i| m.row(i).iter().sum()).collect();
+            let mut a = scores.clone();
+            for rows in group_rows(index()?).values() {
+                let b = if rows.len() > 1 {
+                    let num: f64 = rows.iter().map(|&i| lens[i] * scores[i]).sum();
+                    let den: f64 = rows.iter().map(|&i| lens[i]).sum();
+                    num / den
+                } else {
+                    0.0
+                };
+                for &i in rows {
+                    a[i] = scores[i] - b;
+                }
+            }
+            let adv = broadcast(&a, &m);
+            (adv.v.clone(), adv.v)
+        }
+        AdvEstimator::GrpoPassk => {
+            let mut a = vec![0.0; r.b];
+            for (g, rows) in group_rows(index()?) {
+                if rows.len() < 2 {
+                    return bail(format!("adv_estimator=grpo_passk needs at least 2 responses per prompt; group {g} has {}", rows.len()));
+                }
+                // The first maximum wins ties; a tie for the maximum gives advantage 0 anyway.
+                let mut best = rows[0];
+                for &i in &rows[1..] {
+                    if scores[i] > scores[best] {
+                        best = i;
+                    }
+                }
+                let second = rows
+                    .iter()
+                    .filter(|&&i| i != best)
+                    .map(|&i| scores[i])
+                    .fold(f64::NEG_INFINITY, f64::max);
+                let mut adv = scores[best] - second;
+                if cfg.norm_adv_by_std_in_grpo {
+                    adv /= std_unbiased(rows.iter().map(|&i| scores[i])) + 1e-6;
+                }
+                a[best] = adv;
+            }
+            let adv = broadcast(&a, &m);
+            (adv.v.clone(), adv.v)
+        }
+        AdvEstimator::Gpg => {
+            let nonzero = scores.iter().filter(|s| **s != 0.0).count().max(1);
+            let alpha = r.b as f64 / nonzero as f64;
+            let mut a = scores.clone();
+            for rows in group_rows(index()?).values() {
+                let mean = if rows.len() > 1 {
+                    rows.iter().map(|&i| scores[i]).sum::<f64>() / rows.len() as f64
+                } else {
+                    0.0
+                };
+                for &i in rows {
+                    a[i] = alpha * (scores[i] - mean);
+                }
+            }
+            let adv = broadcast(&a, &m);
+            (adv.v.clone(), adv.v)
+        }
+    };
+    let dtype = inp.token_level_rewards.dtype();
+    let device = inp.token_level_rewards.device();
+    let adv = Mat {
+        b: r.b,
+        t: r.t,
+        v: adv,
+    }
+    .to_tensor(dtype, device)?;
+    let ret = Mat {
+        b: r.b,
+        t: r.t,
+        v: ret,
+    }
+    .to_tensor(dtype, device)?;
+    Ok((adv, ret))
+}
+
+/// GAE backward scan; positions with mask 0 carry `nextvalues` and `lastgaelam` through.
+/// Returns are computed before the advantages are whitened.
+fn gae(r: &Mat, v: &Mat, m: &Mat, gamma: f64, lam: f64) -> Result<(Vec<f64>, Vec<f64>)> {
+    let mut adv = vec![0.0; r.b * r.t];
+    let mut ret = vec![0.0; r.b * r.t];
+    for i in 0..r.b {
+        let (rr, vv, mm) = (r.row(i), v.row(i), m.row(i));
+        let mut next_v = 0.0;
+        let mut last = 0.0;
+        for t in (0..r.t).rev() {
+            let delta = rr[t] + gamma * next_v - vv[t];
+            let cand = delta + gamma * lam * last;
+            next_v = vv[t] * mm[t] + (1.0 - mm[t]) * next_v;
+            last = cand * mm[t] + (1.0 - mm[t]) * last;
+            adv[i * r.t + t] = last;
+            ret[i * r.t + t] = last + vv[t];
+        }
+    }
+    host::whiten(&mut adv, &m.v).map_err(candle_core::Error::Msg)?;
+    Ok((adv, ret))
+}
+
+/// REINFORCE++ returns: `G_t = R_t + γ G_{t+1}` on response tokens; masked positions get
+/// return 0 and pass G through. Advantages are the whitened returns, masked.
+fn reinforce_pp(r: &Mat, m: &Mat, gamma: f64) -> Result<(Vec<f64>, Vec<f64>)> {
+    let mut ret = vec![0.0; r.b * r.t];
+    for i in 0..r.b {
+        let (rr, mm) = (r.row(i), m.row(i));
+        let mut g = 0.0;
+        for t in (0..r.t).rev() {
+            if mm[t] != 0.0 {
+                g = rr[t] + gamma * g;
+                ret[i * r.t + t] = g;
+            }
+        }
+    }
+    let mut adv = ret.clone();
+    host::whiten(&mut adv, &m.v).map_err(candle_core::Error::Msg)?;
+    for (a, mk) in adv.iter_mut().zip(&m.v) {
+        *a *= mk;
+    }
+    Ok((adv, ret))
+}
+
+/// Rows of each group, in order of first appearance within the group.
+fn group_rows(index: &[u64]) -> HashMap<u64, Vec<usize>> {
+    let mut g: HashMap<u64, Vec<usize>> = HashMap::new();
+    for (i, &id) in index.iter().enumerate() {
+        g.entry(id).or_default().push(i);
+    }
+    g
+}
+
+/// torch.std (Bessel-corrected) of at least two values.
+fn std_unbiased(xs: impl Iterator<Item = f64> + Clone) -> f64 {
+    let n = xs.clone().count() as f64;
+    let mean = xs.clone().sum::<f64>() / n;
+    (xs.map(|x| (x - mean) * (x - mean)).sum::<f64>() / (n - 1.0)).sqrt()
+}
+
+/// GRPO per-response scalars: `(s - mean_g) / (std_g + eps)` (or without the division);
+/// a group of one uses mean 0 and std 1.
+fn grpo_scalars(scores: &[f64], index: &[u64], norm: bool, eps: f64) -> Vec<f64> {
+    let mut a = scores.to_vec();
+    for rows in group_rows(index).values() {
+        let (mean, std) = if rows.len() > 1 {
+            let vals = rows.iter().map(|&i| scores[i]);
+            (
+                vals.clone().sum::<f64>() / rows.len() as f64,
+                std_unbiased(vals),
+            )
+        } else {
+            (0.0, 1.0)
+        };
+        for &i in rows {
+            a[i] = if norm {
+                (scores[i] - mean) / (std + eps)
+            } else {
+                scores[i] - mean
+            };
+        }
+    }
+    a
+}
+
+/// RLOO: `s·n/(n-1) - mean·n/(n-1)` in groups of n > 1; a group of one keeps its score
+/// (`rloo`) or gets 0 (`rloo_vectorized`).
+fn rloo_scalars(scores: &[f64], index: &[u64], single_gets_score: bool) -> Vec<f64> {
+    let mut a = scores.to_vec();
+    for rows in group_rows(index).values() {
+        let n = rows.len() as f64;
+        if rows.len() > 1 {
+            let mean = rows.iter().map(|&i| scores[i]).sum::<f64>() / n;
+            for &i in rows {
+                a[i] = scores[i] * n / (n - 1.0) - mean * n / (n - 1.0);
+            }
+        } else if !single_gets_score {
+            a[rows[0]] = 0.0;
+        }
+    }
+    a
+}
+
+/// One scalar per row, times the mask.
+fn broadcast(a: &[f64], m: &Mat) -> Mat {
+    let mut out = Mat::zeros(m.b, m.t);
+    for (i, ai) in a.iter().enumerate() {
+        for t in 0..m.t {
+            out.v[i * m.t + t] = ai * m.v[i * m.t + t];
+        }
+    }
+    out
+}

@@ -1,0 +1,75 @@
+//! Loss aggregation (`loss_agg_mode`), verl's `core_algos.agg_loss` (newest semantics).
+
+use candle_core::{Tensor, D};
+
+use super::masked::{masked_sum, masked_values};
+use super::Result;
+use crate::config::LossAggMode;
+
+/// Normalisers of a global mini-batch, so that micro-batches accumulated with gradient
+/// accumulation add up to the mini-batch loss. `None` = this micro-batch's own count.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct AggNorm {
+    /// Valid tokens in the whole mini-batch (token-mean).
+    pub batch_num_tokens: Option<f64>,
+    /// Sequences with at least one valid token in the whole mini-batch (seq-mean-*).
+    pub global_batch_size: Option<f64>,
+    /// Divisor of seq-mean-token-sum-norm; `None` = the padded response length.
+    pub loss_scale_factor: Option<f64>,
+}
+
+/// Aggregates `loss_mat` `[batch, len]` over `mask` `[batch, len]` into a scalar.
+///
+/// - `token-mean`: Σ_M L / tokens,
+/// - `token-sum`: Σ_M L,
+/// - `seq-mean-token-sum`: per-row Σ_M L, averaged over rows with a valid token,
+/// - `seq-mean-token-mean`: per-row mean_M L (denominator + 1e-8), averaged likewise,
+/// - `seq-mean-token-sum-norm`: seq-mean-token-sum / loss_scale_factor (default: len).
+///
+/// A zero denominator (no valid token at all) gives 0 rather than verl's NaN.
+pub fn agg_loss(
+    loss_mat: &Tensor,
+    mask: &Tensor,
+    mode: LossAggMode,
+    norm: AggNorm,
+) -> Result<Tensor> {
+    let safe = |d: f64| if d == 0.0 { 1.0 } else { d };
+    match mode {
+        LossAggMode::TokenMean => {
+            let tokens = match norm.batch_num_tokens {
+                Some(n) => n,
+                None => scalar(&mask.sum_all()?)?,
+            };
+            masked_sum(loss_mat, mask)? / safe(tokens)
+        }
+        LossAggMode::TokenSum => masked_sum(loss_mat, mask),
+        LossAggMode::SeqMeanTokenSum
+        | LossAggMode::SeqMeanTokenSumNorm
+        | LossAggMode::SeqMeanTokenMean => {
+            let tokens_per_row = mask.sum(D::Minus1)?; // [batch]
+            let mut seq_losses = (masked_values(loss_mat, mask)? * mask)?.sum(D::Minus1)?; // [batch]
+            if mode == LossAggMode::SeqMeanTokenMean {
+                seq_losses = seq_losses.div(&(&tokens_per_row + 1e-8)?)?;
+            }
+            let seq_mask = tokens_per_row.gt(0.0)?.to_dtype(mask.dtype())?;
+            let seqs = match norm.global_batch_size {
+                Some(n) => n,
+                None => scalar(&seq_mask.sum_all()?)?,
+            };
+            let loss = (masked_sum(&seq_losses, &seq_mask)? / safe(seqs))?;
+            if mode == LossAggMode::SeqMeanTokenSumNorm {
+                let horizon = norm
+                    .loss_scale_factor
+                    .unwrap_or(loss_mat.dim(D::Minus1)? as f64);
+                loss / horizon
+            } else {
+                Ok(loss)
+            }
+        }
+    }
+}
+
+/// A 0-d tensor's value as f64, whatever its dtype.
+pub fn scalar(t: &Tensor) -> Result<f64> {
+    t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()
+}

@@ -1,0 +1,294 @@
+//! Gradient checks: autograd against central finite differences in f64, for the PPO, value
+//! and KL losses (inputs kept away from the clip boundaries, where the loss has kinks).
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use super::agg::{agg_loss, scalar, AggNorm};
+use super::kl::kl_loss;
+use super::*;
+use crate::config::{KlPenalty, LossAggMode, PolicyLossMode};
+
+const B: usize = 3;
+const T: usize = 4;
+
+fn t(v: &[f64]) -> Tensor {
+    Tensor::from_vec(v.to_vec(), (B, T), &Device::Cpu).unwrap()
+}
+
+/// Deterministic pseudo-random values in [-1, 1).
+fn vals(seed: u64) -> Vec<f64> {
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..B * T)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn mask() -> Tensor {
+    t(&[1., 1., 1., 1., 1., 1., 0., 0., 1., 0., 1., 0.])
+}
+
+/// Compares d f / d x from autograd with central differences of f at `x0`.
+fn check(name: &str, x0: &[f64], f: impl Fn(&Tensor) -> Tensor) {
+    check_surrogate(name, x0, &f, &f)
+}
+
+/// Compares the autograd gradient of `f` at `x0` with central differences of `surrogate`: for
+/// losses with stop-gradients, the function whose true gradient autograd must produce.
+fn check_surrogate(
+    name: &str,
+    x0: &[f64],
+    f: &dyn Fn(&Tensor) -> Tensor,
+    surrogate: &dyn Fn(&Tensor) -> Tensor,
+) {
+    let var = Var::from_tensor(&t(x0)).unwrap();
+    let loss = f(var.as_tensor());
+    let grads = loss.backward().unwrap();
+    let g: Vec<f64> = grads
+        .get(var.as_tensor())
+        .expect("a gradient")
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let h = 1e-6;
+    for i in 0..x0.len() {
+        let mut up = x0.to_vec();
+        up[i] += h;
+        let mut down = x0.to_vec();
+        down[i] -= h;
+        let fd = (scalar(&surrogate(&t(&up))).unwrap() - scalar(&surrogate(&t(&down))).unwrap())
+            / (2.0 * h);
+        assert!(
+            (g[i] - fd).abs() < 1e-6 * (1.0 + fd.abs()),
+            "{name}: d/dx[{i}] autograd {} vs finite difference {fd}",
+            g[i]
+        );
+    }
+}
+
+fn params(mode: PolicyLossMode, agg: LossAggMode) -> PolicyLossParams {
+    PolicyLossParams {
+        mode,
+        clip_low: 0.2,
+        clip_high: 0.28,
+        clip_ratio_c: 3.0,
+        tau_pos: 1.0,
+        tau_neg: 1.05,
+        clip_cov_ratio: 0.0002,
+        clip_cov_lb: 1.0,
+        clip_cov_ub: 5.0,
+        kl_cov_ratio: 0.0002,
+        ppo_kl_coef: 0.1,
+        loss_agg_mode: agg,
+        norm: AggNorm::default(),
+        seed: 0,
+    }
+}
+
+#[test]
+fn policy_loss_gradients_match_finite_differences() {
+    let old: Vec<f64> = vals(1).iter().map(|v| v - 1.5).collect();
+    let adv = t(&vals(2));
+    // Ratios exp(±0.1): inside the clip range, so the unclipped branch is active and smooth;
+    // plus two tokens far outside where the clipped branch is active (gradient 0 there).
+    let mut logp: Vec<f64> = old.iter().zip(vals(3)).map(|(o, d)| o + 0.1 * d).collect();
+    logp[1] = old[1] + 1.0;
+    logp[5] = old[5] - 1.0;
+    let old_t = t(&old);
+    for mode in [
+        PolicyLossMode::Vanilla,
+        PolicyLossMode::Gpg,
+        PolicyLossMode::Sapo,
+        PolicyLossMode::GeoMean,
+        PolicyLossMode::KlCov,
+        PolicyLossMode::ClipCov,
+    ] {
+        for agg in [
+            LossAggMode::TokenMean,
+            LossAggMode::SeqMeanTokenMean,
+            LossAggMode::SeqMeanTokenSumNorm,
+        ] {
+            let p = params(mode, agg);
+            check(&format!("{mode:?}/{agg:?}"), &logp, |x| {
+                policy_loss(&old_t, x, &adv, &mask(), &p).unwrap().loss
+            });
+        }
+    }
+    let x0 = t(&logp);
+
+    // CISPO's ratio is a stop-gradient: the gradient is that of −c₀·A·logp with c₀ frozen at x0.
+    let p = params(PolicyLossMode::Cispo, LossAggMode::TokenMean);
+    let c0 = x0
+        .sub(&old_t)
+        .unwrap()
+        .exp()
+        .unwrap()
+        .clamp(0.8, 1.28)
+        .unwrap();
+    check_surrogate(
+        "Cispo",
+        &logp,
+        &|x| policy_loss(&old_t, x, &adv, &mask(), &p).unwrap().loss,
+        &|x| {
+            let l = c0.mul(&adv).unwrap().mul(x).unwrap().neg().unwrap();
+            agg_loss(&l, &mask(), LossAggMode::TokenMean, AggNorm::default()).unwrap()
+        },
+    );
+
+    // GSPO: each token carries the frozen sequence ratio s₀ times exp(logp − logp₀).
+    let p = params(PolicyLossMode::Gspo, LossAggMode::TokenMean);
+    let m = mask();
+    let seq0 = x0
+        .sub(&old_t)
+        .unwrap()
+        .mul(&m)
+        .unwrap()
+        .sum(1)
+        .unwrap()
+        .div(&m.sum(1).unwrap())
+        .unwrap();
+    check_surrogate(
+        "Gspo",
+        &logp,
+        &|x| policy_loss(&old_t, x, &adv, &m, &p).unwrap().loss,
+        &|x| {
+            let r = x
+                .sub(&x0)
+                .unwrap()
+                .broadcast_add(&seq0.unsqueeze(1).unwrap())
+                .unwrap()
+                .exp()
+                .unwrap();
+            let l1 = r.mul(&adv).unwrap().neg().unwrap();
+            let l2 = r
+                .clamp(0.8, 1.28)
+                .unwrap()
+                .mul(&adv)
+                .unwrap()
+                .neg()
+                .unwrap();
+            agg_loss(
+                &l1.maximum(&l2).unwrap(),
+                &m,
+                LossAggMode::SeqMeanTokenMean,
+                AggNorm::default(),
+            )
+            .unwrap()
+        },
+    );
+}
+
+#[test]
+fn value_loss_gradient_matches_finite_differences() {
+    let values = t(&vals(4));
+    let returns = t(&vals(5));
+    // New values within ±0.3 of the old ones (clip range 0.5): unclipped and smooth; one far off.
+    let mut vp: Vec<f64> = vals(4)
+        .iter()
+        .zip(vals(6))
+        .map(|(v, d)| v + 0.3 * d)
+        .collect();
+    vp[2] += 2.0;
+    check("value_loss", &vp, |x| {
+        value_loss(
+            x,
+            &returns,
+            &values,
+            &mask(),
+            0.5,
+            LossAggMode::TokenMean,
+            AggNorm::default(),
+        )
+        .unwrap()
+        .0
+    });
+}
+
+#[test]
+fn kl_loss_gradients() {
+    let reference = t(&vals(7));
+    let logp: Vec<f64> = vals(7)
+        .iter()
+        .zip(vals(8))
+        .map(|(r, d)| r + 0.5 * d)
+        .collect();
+    for kind in ["kl", "abs", "mse", "low_var_kl"] {
+        let pen: KlPenalty = kind.parse().unwrap();
+        check(kind, &logp, |x| {
+            kl_loss(
+                x,
+                &reference,
+                &mask(),
+                pen,
+                LossAggMode::TokenMean,
+                AggNorm::default(),
+            )
+            .unwrap()
+        });
+    }
+    // `k3+` has k3's value but k2's gradient: d/dlogp of mean_M ½(logp−ref)² = (logp−ref)·m / Σm.
+    let pen: KlPenalty = "k3+".parse().unwrap();
+    let var = Var::from_tensor(&t(&logp)).unwrap();
+    let loss = kl_loss(
+        var.as_tensor(),
+        &reference,
+        &mask(),
+        pen,
+        LossAggMode::TokenMean,
+        AggNorm::default(),
+    )
+    .unwrap();
+    let g: Vec<f64> = loss
+        .backward()
+        .unwrap()
+        .get(var.as_tensor())
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let m: Vec<f64> = mask().flatten_all().unwrap().to_vec1().unwrap();
+    let r: Vec<f64> = reference.flatten_all().unwrap().to_vec1().unwrap();
+    let n: f64 = m.iter().sum();
+    for i in 0..g.len() {
+        let want = (logp[i] - r[i]) * m[i] / n;
+        assert!(
+            (g[i] - want).abs() < 1e-12,
+            "k3+ gradient [{i}]: {} vs {want}",
+            g[i]
+        );
+    }
+    let k3: KlPenalty = "k3".parse().unwrap();
+    let v3 = scalar(
+        &kl_loss(
+            &t(&logp),
+            &reference,
+            &mask(),
+            k3,
+            LossAggMode::TokenMean,
+            AggNorm::default(),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    assert!(
+        (scalar(&loss).unwrap() - v3).abs() < 1e-12,
+        "k3+ keeps k3's value"
+    );
+}
+
+#[test]
+fn entropy_gradient_matches_finite_differences() {
+    let x0 = vals(9);
+    check("entropy", &x0, |x| {
+        entropy_from_logits(x).unwrap().sum_all().unwrap()
+    });
+    let _ = DType::F64;
+}

@@ -1,0 +1,368 @@
+//! Policy losses (`actor.policy_loss.loss_mode`), ports of verl's `core_algos.compute_policy_loss_*`.
+//! All inputs `[batch, len]`: `old_log_prob` (no gradient), `log_prob` (differentiable),
+//! `advantages`, `mask`. Each returns the scalar loss and verl's metrics.
+
+use candle_core::{DType, Tensor, D};
+use rand::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::agg::{agg_loss, scalar, AggNorm};
+use super::masked::masked_mean;
+use super::Result;
+use crate::config::{ActorConfig, LossAggMode, PolicyLossMode};
+
+/// The settings a policy loss reads (from `actor_rollout_ref.actor`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyLossParams {
+    pub mode: PolicyLossMode,
+    pub clip_low: f64,
+    pub clip_high: f64,
+    /// Dual-clip bound for negative advantages (vanilla).
+    pub clip_ratio_c: f64,
+    pub tau_pos: f64,
+    pub tau_neg: f64,
+    pub clip_cov_ratio: f64,
+    pub clip_cov_lb: f64,
+    pub clip_cov_ub: f64,
+    pub kl_cov_ratio: f64,
+    pub ppo_kl_coef: f64,
+    pub loss_agg_mode: LossAggMode,
+    pub norm: AggNorm,
+    /// Seed of clip_cov's random choice of tokens.
+    pub seed: u64,
+}
+
+impl PolicyLossParams {
+    pub fn from_actor(a: &ActorConfig) -> Self {
+        Self {
+            mode: a.policy_loss.loss_mode,
+            clip_low: a.clip_low(),
+            clip_high: a.clip_high(),
+            clip_ratio_c: a.clip_ratio_c,
+            tau_pos: a.tau_pos,
+            tau_neg: a.tau_neg,
+            clip_cov_ratio: a.policy_loss.clip_cov_ratio,
+            clip_cov_lb: a.policy_loss.clip_cov_lb,
+            clip_cov_ub: a.policy_loss.clip_cov_ub,
+            kl_cov_ratio: a.policy_loss.kl_cov_ratio,
+            ppo_kl_coef: a.policy_loss.ppo_kl_coef,
+            loss_agg_mode: a.loss_agg_mode,
+            norm: AggNorm {
+                loss_scale_factor: a.loss_scale_factor,
+                ..AggNorm::default()
+            },
+            seed: a.data_loader_seed,
+        }
+    }
+}
+
+/// A policy loss and its metrics (`actor/pg_clipfrac`, `actor/ppo_kl`, `actor/pg_clipfrac_lower`;
+/// `None` where verl reports nothing for the mode).
+#[derive(Debug, Clone)]
+pub struct PolicyLossOutput {
+    pub loss: Tensor,
+    pub pg_clipfrac: Option<f64>,
+    pub ppo_kl: Option<f64>,
+    pub pg_clipfrac_lower: Option<f64>,
+}
+
+/// 0/1 tensor in `like`'s dtype from a comparison result.
+fn float(cond: &Tensor, like: &Tensor) -> Result<Tensor> {
+    cond.to_dtype(like.dtype())
+}
+
+fn mean_m(x: &Tensor, mask: &Tensor) -> Result<f64> {
+    scalar(&masked_mean(x, mask)?)
+}
+
+/// Computes the loss selected by `p.mode`.
+pub fn policy_loss(
+    old_log_prob: &Tensor,
+    log_prob: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    p: &PolicyLossParams,
+) -> Result<PolicyLossOutput> {
+    match p.mode {
+        PolicyLossMode::Vanilla => vanilla(old_log_prob, log_prob, advantages, mask, p),
+        PolicyLossMode::Gspo => gspo(old_log_prob, log_prob, advantages, mask, p),
+        PolicyLossMode::Gpg => {
+            let losses = log_prob.mul(advantages)?.neg()?;
+            let loss = agg_loss(&losses, mask, p.loss_agg_mode, p.norm)?;
+            Ok(PolicyLossOutput {
+                loss,
+                pg_clipfrac: None,
+                ppo_kl: None,
+                pg_clipfrac_lower: None,
+            })
+        }
+        PolicyLossMode::ClipCov => clip_cov(old_log_prob, log_prob, advantages, mask, p),
+        PolicyLossMode::KlCov => kl_cov(old_log_prob, log_prob, advantages, mask, p),
+        PolicyLossMode::Sapo => sapo(old_log_prob, log_prob, advantages, mask, p),
+        PolicyLossMode::Cispo => cispo(old_log_prob, log_prob, advantages, mask, p),
+        PolicyLossMode::GeoMean => geo_mean(old_log_prob, log_prob, advantages, mask, p),
+    }
+}
+
+/// Dual-clip PPO: `max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high))`, and for A < 0 at most `−A·c`;
+/// `r = exp(clamp(logp − old, ±20))`.
+fn vanilla(
+    old: &Tensor,
+    logp: &Tensor,
+    adv: &Tensor,
+    mask: &Tensor,
+    p: &PolicyLossParams,
+) -> Result<PolicyLossOutput> {
+    let neg_kl = logp.sub(old)?.clamp(-20.0, 20.0)?;
+    let ratio = neg_kl.exp()?;
+    let ppo_kl = mean_m(&neg_kl.neg()?, mask)?;
+    let l1 = ratio.mul(adv)?.neg()?;
+    let l2 = ratio
+        .clamp(1.0 - p.clip_low, 1.0 + p.clip_high)?
+        .mul(adv)?
+        .neg()?;
+    let clip1 = l1.maximum(&l2)?;
+    let pg_clipfrac = mean_m(&float(&l2.gt(&l1)?, adv)?, mask)?;
+    let l3 = (adv.neg()? * p.clip_ratio_c)?;
+    let clip2 = l3.minimum(&clip1)?;
+    let negative = adv.lt(0.0)?;
+    let lower = (float(&clip1.gt(&l3)?, adv)? * float(&negative, adv)?)?;
+    let pg_clipfrac_lower = mean_m(&lower, mask)?;
+    let losses = negative.where_cond(&clip2, &clip1)?;
+    let loss = agg_loss(&losses, mask, p.loss_agg_mode, p.norm)?;
+    Ok(PolicyLossOutput {
+        loss,
+        pg_clipfrac: Some(pg_clipfrac),
+        ppo_kl: Some(ppo_kl),
+        pg_clipfrac_lower: Some(pg_clipfrac_lower),
+    })
+}
+
+/// GSPO: the sequence ratio `exp(mean_M(logp − old))` carried by each token as
+/// `sg(seq) + logp − sg(logp)` (clamped ≤ 10 in log space), PPO-clipped, always aggregated
+/// seq-mean-token-mean.
+fn gspo(
+    old: &Tensor,
+    logp: &Tensor,
+    adv: &Tensor,
+    mask: &Tensor,
+    p: &PolicyLossParams,
+) -> Result<PolicyLossOutput> {
+    let neg_kl = logp.sub(old)?;
+    let lens = mask.sum(D::Minus1)?.clamp(1.0, f64::INFINITY)?; // [batch]
+    let seq = (&neg_kl * mask)?.sum(D::Minus1)?.div(&lens)?; // [batch]
+    let log_ratio = logp
+        .sub(&logp.detach())?
+        .broadcast_add(&seq.detach().unsqueeze(1)?)?
+        .minimum(10.0)?;
+    let ratio = log_ratio.exp()?;
+    let l1 = ratio.mul(adv)?.neg()?;
+    let l2 = ratio
+        .clamp(1.0 - p.clip_low, 1.0 + p.clip_high)?
+        .mul(adv)?
+        .neg()?;
+    let losses = l1.maximum(&l2)?;
+    let loss = agg_loss(&losses, mask, LossAggMode::SeqMeanTokenMean, p.norm)?;
+    let pg_clipfrac = mean_m(&float(&l2.gt(&l1)?, adv)?, mask)?;
+    let ppo_kl = mean_m(&neg_kl.neg()?, mask)?;
+    Ok(PolicyLossOutput {
+        loss,
+        pg_clipfrac: Some(pg_clipfrac),
+        ppo_kl: Some(ppo_kl),
+        pg_clipfrac_lower: Some(0.0),
+    })
+}
+
+/// SAPO: a soft gate `sigmoid(τ(r − 1))·4/τ` instead of clipping (τ = tau_pos if A > 0 else
+/// tau_neg); aggregated seq-mean-token-mean.
+fn sapo(
+    old: &Tensor,
+    logp: &Tensor,
+    adv: &Tensor,
+    mask: &Tensor,
+    p: &PolicyLossParams,
+) -> Result<PolicyLossOutput> {
+    let neg_kl = logp.sub(old)?.clamp(-20.0, 20.0)?;
+    let ratio = neg_kl.exp()?;
+    let pos = adv.gt(0.0)?;
+    let taus = pos.where_cond(
+        &adv.ones_like()?.affine(p.tau_pos, 0.0)?,
+        &adv.ones_like()?.affine(p.tau_neg, 0.0)?,
+    )?;
+    let z = (ratio - 1.0)?.mul(&taus)?;
+    let sigmoid = (z.neg()?.exp()? + 1.0)?.recip()?;
+    let gates = sigmoid.mul(&taus.recip()?.affine(4.0, 0.0)?)?;
+    let losses = gates.mul(adv)?.neg()?;
+    let loss = agg_loss(&losses, mask, LossAggMode::SeqMeanTokenMean, p.norm)?;
+    let ppo_kl = mean_m(&neg_kl.neg()?, mask)?;
+    Ok(PolicyLossOutput {
+        loss,
+        pg_clipfrac: Some(0.0),
+        ppo_kl: Some(ppo_kl),
+        pg_clipfrac_lower: Some(0.0),
+    })
+}
+
+/// CISPO: `−sg(clip(r, 1−ε_low, 1+ε_high))·A·logp`.
+fn cispo(
+    old: &Tensor,
+    logp: &Tensor,
+    adv: &Tensor,
+    mask: &Tensor,
+    p: &PolicyLossParams,
+) -> Result<PolicyLossOutput> {
+    let neg_kl = logp.sub(old)?.clamp(-20.0, 20.0)?;
+    let ratio = neg_kl.exp()?;
+    let clipped = ratio.clamp(1.0 - p.clip_low, 1.0 + p.clip_high)?.detach();
+    let losses = clipped.mul(adv)?.mul(logp)?.neg()?;
+    let loss = agg_loss(&losses, mask, p.loss_agg_mode, p.norm)?;
+    let pg_clipfrac = mean_m(&float(&ratio.ne(&clipped)?, adv)?, mask)?;
+    let ppo_kl = mean_m(&neg_kl.neg()?, mask)?;
+    Ok(PolicyLossOutput {
+        loss,
+        pg_clipfrac: Some(pg_clipfrac),
+        ppo_kl: Some(ppo_kl),
+        pg_clipfrac_lower: Some(0.0),
+    })
+}
+
+/// GMPO (geo_mean): a per-sequence geometric-mean ratio of token ratios clipped in log space
+/// on the side the advantage's sign selects; loss `−mean_seq(Ā·ratio)` over all rows.
+fn geo_mean(
+    old: &Tensor,
+    logp: &Tensor,
+    adv: &Tensor,
+    mask: &Tensor,
+    p: &PolicyLossParams,
+) -> Result<PolicyLossOutput> {
+    let neg_kl = logp.sub(old)?;
+    let ppo_kl = mean_m(&neg_kl.neg()?, mask)?;
+    let sgn = (float(&adv.gt(0.0)?, adv)? - float(&adv.lt(0.0)?, adv)?)?;
+    let clamped = neg_kl.clamp(-p.clip_low, p.clip_high)?;
+    let min = sgn.mul(&neg_kl)?.minimum(&sgn.mul(&clamped)?)?.mul(&sgn)?;
+    let lens = (mask.sum(D::Minus1)? + 1e-8)?;
+    let ratio = (&min * mask)?.sum(D::Minus1)?.div(&lens)?.exp()?;
+    let seq_adv = (adv * mask)?.sum(D::Minus1)?.div(&lens)?;
+    let loss = seq_adv.mul(&ratio)?.neg()?.mean_all()?;
+    let clipped = float(&neg_kl.ne(&clamped)?, adv)?;
+    let pg_clipfrac = mean_m(&clipped.mul(&float(&adv.gt(0.0)?, adv)?)?, mask)?;
+    let pg_clipfrac_lower = mean_m(&clipped.mul(&float(&adv.lt(0.0)?, adv)?)?, mask)?;
+    Ok(PolicyLossOutput {
+        loss,
+        pg_clipfrac: Some(pg_clipfrac),
+        ppo_kl: Some(ppo_kl),
+        pg_clipfrac_lower: Some(pg_clipfrac_lower),
+    })
+}
+
+/// Host copies of `[batch, len]` tensors for the token selections of clip_cov / kl_cov.
+fn host(t: &Tensor) -> Result<Vec<f64>> {
+    t.detach()
+        .to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1::<f64>()
+}
+
+/// Clip-Cov: PPO-clip, but a random `clip_cov_ratio` share of the valid, unclipped tokens whose
+/// covariance `(A − mean A)(logp − mean logp)` lies in `(clip_cov_lb, clip_cov_ub)` get no gradient.
+fn clip_cov(
+    old: &Tensor,
+    logp: &Tensor,
+    adv: &Tensor,
+    mask: &Tensor,
+    p: &PolicyLossParams,
+) -> Result<PolicyLossOutput> {
+    let neg_kl = logp.sub(old)?;
+    let ratio = neg_kl.exp()?;
+    let ppo_kl = mean_m(&neg_kl.neg()?, mask)?;
+    let l1 = ratio.mul(adv)?.neg()?;
+    let l2 = ratio
+        .clamp(1.0 - p.clip_low, 1.0 + p.clip_high)?
+        .mul(adv)?
+        .neg()?;
+    let (a, lp, m, h1, h2) = (host(adv)?, host(logp)?, host(mask)?, host(&l1)?, host(&l2)?);
+    let mean = |x: &[f64]| -> f64 {
+        let s: f64 = x
+            .iter()
+            .zip(&m)
+            .filter(|(_, mk)| **mk != 0.0)
+            .map(|(v, mk)| v * mk)
+            .sum();
+        s / (m.iter().sum::<f64>() + 1e-8)
+    };
+    let (ma, ml) = (mean(&a), mean(&lp));
+    let mut candidates = Vec::new();
+    for i in 0..a.len() {
+        let clipped_by_origin = h2[i] > h1[i] && m[i] > 0.0;
+        if m[i] == 0.0 || clipped_by_origin {
+            continue;
+        }
+        let cov = (a[i] - ma) * (lp[i] - ml);
+        if cov < p.clip_cov_ub && cov > p.clip_cov_lb {
+            candidates.push(i);
+        }
+    }
+    let clip_num = ((p.clip_cov_ratio * m.iter().sum::<f64>()) as usize).max(1);
+    let mut rng = ChaCha8Rng::seed_from_u64(p.seed);
+    for i in (1..candidates.len()).rev() {
+        let j = ((rng.next_u64() as u128 * (i as u128 + 1)) >> 64) as usize;
+        candidates.swap(i, j);
+    }
+    let mut corr = vec![1.0; a.len()];
+    for &i in candidates.iter().take(clip_num) {
+        corr[i] = 0.0;
+    }
+    let corr = Tensor::from_vec(corr, adv.shape(), adv.device())?.to_dtype(adv.dtype())?;
+    let pg_clipfrac = mean_m(&float(&corr.eq(0.0)?, adv)?, mask)?;
+    let losses = l1.maximum(&l2)?.mul(&corr)?;
+    let loss = agg_loss(&losses, mask, p.loss_agg_mode, p.norm)?;
+    Ok(PolicyLossOutput {
+        loss,
+        pg_clipfrac: Some(pg_clipfrac),
+        ppo_kl: Some(ppo_kl),
+        pg_clipfrac_lower: None,
+    })
+}
+
+/// KL-Cov: `−A·r`, plus `ppo_kl_coef·|logp − old|` on the `kl_cov_ratio` share of valid tokens
+/// with the largest covariance `(A − mean A)(logp − mean logp)` (ties: the earlier token).
+fn kl_cov(
+    old: &Tensor,
+    logp: &Tensor,
+    adv: &Tensor,
+    mask: &Tensor,
+    p: &PolicyLossParams,
+) -> Result<PolicyLossOutput> {
+    let neg_kl = logp.sub(old)?;
+    let abs_kl = neg_kl.abs()?;
+    let ratio = neg_kl.exp()?;
+    let ppo_kl = mean_m(&abs_kl, mask)?;
+    let l1 = ratio.mul(adv)?.neg()?;
+    let lkl = (&l1 + (&abs_kl * p.ppo_kl_coef)?)?;
+    let (a, lp, m) = (host(adv)?, host(logp)?, host(mask)?);
+    let valid: Vec<usize> = (0..a.len()).filter(|&i| m[i] > 0.0).collect();
+    let mut pick = vec![0.0; a.len()];
+    if !valid.is_empty() {
+        let n = valid.len() as f64;
+        let ma = valid.iter().map(|&i| a[i]).sum::<f64>() / n;
+        let ml = valid.iter().map(|&i| lp[i]).sum::<f64>() / n;
+        let k = ((n * p.kl_cov_ratio) as usize).max(1);
+        let mut order: Vec<(f64, usize)> = valid
+            .iter()
+            .map(|&i| ((a[i] - ma) * (lp[i] - ml), i))
+            .collect();
+        order.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
+        for &(_, i) in order.iter().take(k) {
+            pick[i] = 1.0;
+        }
+    }
+    let pick = Tensor::from_vec(pick, adv.shape(), adv.device())?.to_dtype(DType::U8)?;
+    let losses = pick.where_cond(&lkl, &l1)?;
+    let loss = agg_loss(&losses, mask, p.loss_agg_mode, p.norm)?;
+    Ok(PolicyLossOutput {
+        loss,
+        pg_clipfrac: None,
+        ppo_kl: Some(ppo_kl),
+        pg_clipfrac_lower: None,
+    })
+}
