@@ -56,8 +56,8 @@ impl Mat {
             v: vec![0.0; b * t],
         }
     }
-    fn to_tensor(&self, dtype: DType, device: &Device) -> Result<Tensor> {
-        Tensor::from_vec(self.v.clone(), (self.b, self.t), &Device::Cpu)?
+    fn into_tensor(self, dtype: DType, device: &Device) -> Result<Tensor> {
+        Tensor::from_vec(self.v, (self.b, self.t), &Device::Cpu)?
             .to_dtype(dtype)?
             .to_device(device)
     }
@@ -102,20 +102,22 @@ pub fn compute_advantage(
             if (v.b, v.t) != (r.b, r.t) {
                 return bail("values and token_level_rewards differ in shape");
             }
-            gae(&r, &v, &m, cfg.gamma, cfg.lam)?
+            let (adv, ret) = gae(&r, &v, &m, cfg.gamma, cfg.lam)?;
+            (adv, Some(ret))
         }
         AdvEstimator::Grpo => {
             let a = grpo_scalars(&scores, index()?, cfg.norm_adv_by_std_in_grpo, 1e-6);
-            let adv = broadcast(&a, &m);
-            (adv.v.clone(), adv.v)
+            (broadcast(&a, &m).v, None)
         }
         AdvEstimator::Rloo | AdvEstimator::RlooVectorized => {
             let single_gets_score = est == AdvEstimator::Rloo;
             let a = rloo_scalars(&scores, index()?, single_gets_score);
-            let adv = broadcast(&a, &m);
-            (adv.v.clone(), adv.v)
+            (broadcast(&a, &m).v, None)
         }
-        AdvEstimator::ReinforcePlusPlus => reinforce_pp(&r, &m, cfg.gamma)?,
+        AdvEstimator::ReinforcePlusPlus => {
+            let (adv, ret) = reinforce_pp(&r, &m, cfg.gamma)?;
+            (adv, Some(ret))
+        }
         AdvEstimator::ReinforcePlusPlusBaseline => {
             let groups = group_rows(index()?);
             let mut a = scores.clone();
@@ -134,7 +136,7 @@ pub fn compute_advantage(
             for (x, mk) in adv.v.iter_mut().zip(&m.v) {
                 *x *= mk;
             }
-            (adv.v.clone(), adv.v)
+            (adv.v, None)
         }
         AdvEstimator::Remax => {
             let base = inp.reward_baselines.ok_or_else(|| {
@@ -161,7 +163,7 @@ pub fn compute_advantage(
                     adv.v[i * r.t + t] = acc - b * mm[t];
                 }
             }
-            (adv.v, ret.v)
+            (adv.v, Some(ret.v))
         }
         AdvEstimator::Opo => {
             let lens: Vec<f64> = (0..r.b).map(|i| m.row(i).iter().sum()).collect();
@@ -178,8 +180,7 @@ pub fn compute_advantage(
                     a[i] = scores[i] - b;
                 }
             }
-            let adv = broadcast(&a, &m);
-            (adv.v.clone(), adv.v)
+            (broadcast(&a, &m).v, None)
         }
         AdvEstimator::GrpoPassk => {
             let mut a = vec![0.0; r.b];
@@ -205,8 +206,7 @@ pub fn compute_advantage(
                 }
                 a[best] = adv;
             }
-            let adv = broadcast(&a, &m);
-            (adv.v.clone(), adv.v)
+            (broadcast(&a, &m).v, None)
         }
         AdvEstimator::Gpg => {
             let nonzero = scores.iter().filter(|s| **s != 0.0).count().max(1);
@@ -222,8 +222,7 @@ pub fn compute_advantage(
                     a[i] = alpha * (scores[i] - mean);
                 }
             }
-            let adv = broadcast(&a, &m);
-            (adv.v.clone(), adv.v)
+            (broadcast(&a, &m).v, None)
         }
     };
     let dtype = inp.token_level_rewards.dtype();
@@ -233,13 +232,17 @@ pub fn compute_advantage(
         t: r.t,
         v: adv,
     }
-    .to_tensor(dtype, device)?;
-    let ret = Mat {
-        b: r.b,
-        t: r.t,
-        v: ret,
-    }
-    .to_tensor(dtype, device)?;
+    .into_tensor(dtype, device)?;
+    let ret = match ret {
+        Some(ret) => Mat {
+            b: r.b,
+            t: r.t,
+            v: ret,
+        }
+        .into_tensor(dtype, device)?,
+        // Outcome estimators return the advantages as the returns (verl's `return scores, scores`).
+        None => adv.clone(),
+    };
     Ok((adv, ret))
 }
 

@@ -4,13 +4,18 @@
 //! - `scorers`: verl's built-in rule scorers and the `default` data_source dispatch,
 //! - `native`: Rust reward functions registered by name.
 
+pub mod manager;
 pub mod native;
+pub mod placement;
 pub mod pystr;
+pub mod python;
 pub mod scorers;
 
 use serde_json::{Map, Value};
 
+pub use manager::{FailurePolicy, RewardManager, SampleReward};
 pub use native::{NativeRegistry, RewardFn};
+pub use python::Item;
 pub use scorers::Builtin;
 
 /// What a reward function sees for one response (verl's keyword arguments).

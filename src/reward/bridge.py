@@ -1,0 +1,199 @@
+# main_ppo reward worker: loads a user reward function and scores requests read as JSON lines
+# on stdin, writing one JSON line per scored item to the original stdout. Shipped inside the
+# main_ppo binary and run as `python3 -u -c <this file>`; the user's own prints go to stderr.
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+
+_proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
+
+def _watch_parent(ppid):
+    # Exit when main_ppo goes away, even while user code is stuck.
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != ppid:
+            os._exit(1)
+
+
+threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+
+VERL = ("data_source", "solution_str", "ground_truth", "extra_info")
+ROW_NAMES = ("data", "row", "item")
+TEXT_NAMES = ("generation", "response", "completion")
+BATCH = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
+
+
+def send(obj):
+    _proto.write(json.dumps(obj, default=str, allow_nan=True) + "\n")
+    _proto.flush()
+
+
+def load_function(path, name):
+    if path.startswith("pkg://"):
+        module = importlib.import_module(path[len("pkg://"):])
+    else:
+        if path.startswith("file://"):
+            path = path[len("file://"):]
+        path = os.path.abspath(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"reward function file not found: {path}")
+        mod_name = "main_ppo_reward_" + str(abs(hash(path)))
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module  # importable by name, so pickling works
+        sys.path.insert(0, os.path.dirname(path))
+        spec.loader.exec_module(module)
+    if not hasattr(module, name):
+        public = [n for n in dir(module) if callable(getattr(module, n)) and not n.startswith("_")]
+        raise AttributeError(f"{path} has no function `{name}` (it defines: {', '.join(public) or 'nothing callable'})")
+    return getattr(module, name)
+
+
+class Binding:
+    """How each request item becomes keyword arguments of the user's function."""
+
+    def __init__(self, fn, name, kwargs, batch):
+        self.fn, self.name, self.kwargs, self.batch = fn, name, dict(kwargs), batch
+        self.is_async = inspect.iscoroutinefunction(fn)
+        sig = inspect.signature(fn)
+        params = list(sig.parameters.values())
+        self.var_kw = any(p.kind == p.VAR_KEYWORD for p in params)
+        self.plan = []  # (parameter name, source)
+        names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        for p in params:
+            if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                continue
+            if p.kind == p.POSITIONAL_ONLY:
+                raise TypeError(f"{name}: parameter `{p.name}` is positional-only; reward functions are called by keyword")
+            if p.name in self.kwargs:
+                continue
+            if batch:
+                known = BATCH
+                src = p.name if p.name in BATCH else None
+            else:
+                known = VERL + ROW_NAMES + TEXT_NAMES
+                src = p.name if p.name in VERL else ("row" if p.name in ROW_NAMES else ("solution_str" if p.name in TEXT_NAMES else None))
+            if src is not None:
+                self.plan.append((p.name, src))
+            elif p.default is p.empty:
+                raise TypeError(
+                    f"{name}: cannot bind parameter `{p.name}`; main_ppo passes {', '.join(known)}"
+                    + ("" if batch else " (data/row/item receive the whole row, generation/response/completion the response text)")
+                    + ", and the configured reward kwargs"
+                )
+        if self.var_kw:
+            have = {n for n, _ in self.plan}
+            for v in (BATCH if batch else VERL):
+                if v not in have:
+                    self.plan.append((v, v))
+        for k in self.kwargs:
+            if k not in names and not self.var_kw:
+                raise TypeError(f"{name}: the configured reward kwarg `{k}` is not a parameter of the function")
+        self.params = [n for n, _ in self.plan] + list(self.kwargs)
+
+    def call_args(self, item):
+        args = {n: item[src] for n, src in self.plan}
+        args.update(self.kwargs)  # the configuration wins over call-time values
+        return args
+
+
+def convert(name, result):
+    if isinstance(result, bool):
+        return {"score": float(result), "extra": {}}
+    if isinstance(result, (int, float)):
+        score = float(result)
+        extra = {}
+    elif isinstance(result, dict):
+        if "score" not in result:
+            raise TypeError(f"{name} returned a dict without `score` (keys: {', '.join(map(str, result)) or 'none'})")
+        score = result["score"]
+        if isinstance(score, bool) or not isinstance(score, (int, float)):
+            try:
+                score = float(score)  # numpy scalars, tensors with .item()
+            except Exception:
+                raise TypeError(f"{name} returned `score` of type {type(score).__name__}, expected a number")
+        score = float(score)
+        extra = {k: v for k, v in result.items() if k != "score"}
+    else:
+        try:
+            import numbers
+
+            if isinstance(result, numbers.Number):
+                return convert(name, float(result))
+        except Exception:
+            pass
+        raise TypeError(f"{name} returned {type(result).__name__}, expected a number, a bool or a dict with `score`")
+    if math.isnan(score) or math.isinf(score):
+        raise ValueError(f"{name} returned a non-finite score ({score})")
+    return {"score": score, "extra": extra}
+
+
+def error_reply(req_id, index, exc):
+    return {"id": req_id, "index": index, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+
+
+def main():
+    binding = None
+    for line in sys.stdin:
+        msg = json.loads(line)
+        op = msg.get("op")
+        if op == "load":
+            try:
+                fn = load_function(msg["path"], msg["name"])
+                binding = Binding(fn, msg["name"], msg.get("kwargs") or {}, msg.get("batch", False))
+                send({"ok": True, "params": binding.params, "async": binding.is_async})
+            except BaseException as exc:  # noqa: BLE001 - reported to main_ppo
+                send({"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+        elif op == "score":
+            req_id, items = msg["id"], msg["items"]
+            if binding.batch:
+                try:
+                    columns = {plural: [it[single] for it in items] for plural, single in zip(BATCH, VERL)}
+                    args = binding.call_args(columns)
+                    out = binding.fn(**args)
+                    if binding.is_async:
+                        out = asyncio.run(out)
+                    out = list(out)
+                    if len(out) != len(items):
+                        raise ValueError(f"{binding.name} returned {len(out)} scores for {len(items)} responses")
+                    for i, r in enumerate(out):
+                        try:
+                            send({"id": req_id, "index": i, **convert(binding.name, r)})
+                        except Exception as exc:  # noqa: BLE001
+                            send(error_reply(req_id, i, exc))
+                except Exception as exc:  # noqa: BLE001
+                    for i in range(len(items)):
+                        send(error_reply(req_id, i, exc))
+            elif binding.is_async:
+                async def one(i, it):
+                    try:
+                        send({"id": req_id, "index": i, **convert(binding.name, await binding.fn(**binding.call_args(it)))})
+                    except Exception as exc:  # noqa: BLE001
+                        send(error_reply(req_id, i, exc))
+
+                async def all_items():
+                    await asyncio.gather(*(one(i, it) for i, it in enumerate(items)))
+
+                asyncio.run(all_items())
+            else:
+                for i, it in enumerate(items):
+                    try:
+                        send({"id": req_id, "index": i, **convert(binding.name, binding.fn(**binding.call_args(it)))})
+                    except Exception as exc:  # noqa: BLE001
+                        send(error_reply(req_id, i, exc))
+        elif op == "quit":
+            break
+
+
+main()

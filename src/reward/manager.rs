@@ -1,0 +1,352 @@
+//! The reward manager: builds the configured sources (verl's default when none are listed),
+//! scores a batch of responses with every source, combines them by weight, applies the `dapo`
+//! overlong penalty, and applies `reward.on_error` to failed calls.
+//! verl: `verl/experimental/reward_loop/reward_manager/{naive,dapo}.py`, legacy `batch.py`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Map, Value};
+
+use super::python::{CallError, Item, PoolSettings, PythonFunction, PythonPool};
+use super::{Builtin, NativeRegistry, RewardError, RewardFn, ScoreInput, ScoreResult};
+use crate::config::{OnError, RewardConfig, RewardManagerName, RewardSourceType};
+
+enum Kind {
+    Builtin(Builtin),
+    Python(Box<PythonPool>),
+    Native(Arc<dyn RewardFn>, Map<String, Value>),
+}
+
+/// One weighted source.
+pub struct Source {
+    pub name: String,
+    pub weight: f64,
+    /// What it runs, for messages (`compute_score (rewards.py)`, `built-in gsm8k`, ...).
+    pub label: String,
+    kind: Kind,
+}
+
+/// DAPO's overlong-response penalty (`reward_kwargs.overlong_buffer_cfg`, `max_resp_len`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Overlong {
+    pub len: f64,
+    pub penalty_factor: f64,
+    pub max_resp_len: f64,
+    pub log: bool,
+}
+
+/// One response's reward.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SampleReward {
+    /// The final reward; `None` when the sample is skipped (`on_error=skip`) or failed.
+    pub score: Option<f64>,
+    /// Each source's score (`None` where it failed).
+    pub per_source: Vec<(String, Option<f64>)>,
+    /// Extra values reported by the scorers (`acc`, `pred`, ...).
+    pub extra: Map<String, Value>,
+    /// The failure message, if a source failed.
+    pub error: Option<String>,
+    /// Left out of the policy update.
+    pub skipped: bool,
+}
+
+/// Counters since the manager started (`reward/errors`, `reward/timeouts`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RewardStats {
+    pub errors: usize,
+    pub timeouts: usize,
+}
+
+/// What happens to a failed call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailurePolicy {
+    /// `reward.on_error`.
+    Config(OnError),
+    /// Keep going and report each failure on its sample (the `reward score` tool).
+    Collect,
+}
+
+pub struct RewardManager {
+    pub sources: Vec<Source>,
+    on_error: OnError,
+    overlong: Option<Overlong>,
+    pub stats: RewardStats,
+}
+
+fn num(v: Option<&Value>, key: &str) -> Result<Option<f64>, RewardError> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x.as_f64().map(Some).ok_or_else(|| {
+            RewardError::Config(format!(
+                "reward.reward_kwargs.{key} must be a number, got {x}"
+            ))
+        }),
+    }
+}
+
+impl RewardManager {
+    /// Builds the sources of `cfg`, starting Python workers (which loads the user's functions:
+    /// a missing file or function fails here, before any model is loaded).
+    pub fn from_config(cfg: &RewardConfig, native: &NativeRegistry) -> Result<Self, RewardError> {
+        let settings = PoolSettings {
+            python: cfg.python.clone(),
+            num_workers: cfg.num_workers,
+            timeout: Duration::from_secs_f64(cfg.timeout_s),
+        };
+        let batch = cfg.reward_manager.name == RewardManagerName::Batch;
+        let mut sources = Vec::new();
+        if cfg.sources.is_empty() {
+            let custom = &cfg.custom_reward_function;
+            match &custom.path {
+                Some(path) => {
+                    let name = custom.name.clone().unwrap_or_else(|| "compute_score".into());
+                    let func = PythonFunction { path: path.clone(), name: name.clone(), kwargs: custom.reward_kwargs.clone(), batch };
+                    let pool = PythonPool::start(func, settings.clone())?;
+                    sources.push(Source { label: format!("{name} ({path})"), name, weight: 1.0, kind: Kind::Python(Box::new(pool)) });
+                }
+                None if batch => {
+                    return Err(RewardError::Config(
+                        "reward.reward_manager.name=batch calls a batch function (data_sources, solution_strs, ground_truths, extra_infos) and has no built-in default; set reward.custom_reward_function.path".into(),
+                    ))
+                }
+                None => sources.push(Source { name: "default".into(), weight: 1.0, label: "built-in scorers by data_source".into(), kind: Kind::Builtin(Builtin::Default) }),
+            }
+        } else {
+            for (i, s) in cfg.sources.iter().enumerate() {
+                let at = format!("reward.sources[{i}] ({})", s.name);
+                let (label, kind) = match s.kind {
+                    RewardSourceType::Builtin => {
+                        let scorer = s.scorer.as_deref().ok_or_else(|| {
+                            RewardError::Config(format!("{at}: type builtin needs `scorer`"))
+                        })?;
+                        let b = Builtin::from_name(scorer, &s.kwargs)
+                            .map_err(|e| RewardError::Config(format!("{at}: {e}")))?;
+                        (format!("built-in {scorer}"), Kind::Builtin(b))
+                    }
+                    RewardSourceType::Python => {
+                        let path = s.path.clone().ok_or_else(|| {
+                            RewardError::Config(format!("{at}: type python needs `path`"))
+                        })?;
+                        let name = s.function.clone().unwrap_or_else(|| "compute_score".into());
+                        let func = PythonFunction {
+                            path: path.clone(),
+                            name: name.clone(),
+                            kwargs: s.kwargs.clone(),
+                            batch,
+                        };
+                        let pool = PythonPool::start(func, settings.clone())
+                            .map_err(|e| RewardError::Config(format!("{at}: {e}")))?;
+                        (format!("{name} ({path})"), Kind::Python(Box::new(pool)))
+                    }
+                    RewardSourceType::Native => {
+                        let name = s.function.as_deref().ok_or_else(|| {
+                            RewardError::Config(format!("{at}: type native needs `function`"))
+                        })?;
+                        let f = native
+                            .get(name)
+                            .map_err(|e| RewardError::Config(format!("{at}: {e}")))?;
+                        (format!("native {name}"), Kind::Native(f, s.kwargs.clone()))
+                    }
+                };
+                sources.push(Source {
+                    name: s.name.clone(),
+                    weight: s.weight,
+                    label,
+                    kind,
+                });
+            }
+        }
+        let overlong = if cfg.reward_manager.name == RewardManagerName::Dapo {
+            Self::overlong(&cfg.reward_kwargs)?
+        } else {
+            None
+        };
+        Ok(Self {
+            sources,
+            on_error: cfg.on_error,
+            overlong,
+            stats: RewardStats::default(),
+        })
+    }
+
+    fn overlong(kw: &Map<String, Value>) -> Result<Option<Overlong>, RewardError> {
+        let Some(cfg) = kw.get("overlong_buffer_cfg") else {
+            return Ok(None);
+        };
+        if !cfg.get("enable").and_then(Value::as_bool).unwrap_or(false) {
+            return Ok(None);
+        }
+        let len = num(cfg.get("len"), "overlong_buffer_cfg.len")?.unwrap_or(0.0);
+        let penalty_factor = num(
+            cfg.get("penalty_factor"),
+            "overlong_buffer_cfg.penalty_factor",
+        )?
+        .unwrap_or(1.0);
+        let max_resp_len = num(kw.get("max_resp_len"), "max_resp_len")?.ok_or_else(|| {
+            RewardError::Config(
+                "reward.reward_kwargs.max_resp_len is required with overlong_buffer_cfg.enable"
+                    .into(),
+            )
+        })?;
+        if !(len > 0.0 && max_resp_len >= len) {
+            return Err(RewardError::Config(format!(
+                "overlong buffer: need max_resp_len ({max_resp_len}) >= overlong_buffer_cfg.len ({len}) > 0"
+            )));
+        }
+        let log = cfg.get("log").and_then(Value::as_bool).unwrap_or(false);
+        Ok(Some(Overlong {
+            len,
+            penalty_factor,
+            max_resp_len,
+            log,
+        }))
+    }
+
+    /// The failure policy `reward.on_error` configures.
+    pub fn policy(&self) -> FailurePolicy {
+        FailurePolicy::Config(self.on_error)
+    }
+
+    /// Process ids of every Python worker (for tests).
+    pub fn python_pids(&self) -> Vec<u32> {
+        self.sources
+            .iter()
+            .flat_map(|s| {
+                if let Kind::Python(p) = &s.kind {
+                    p.pids()
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect()
+    }
+
+    /// Scores `items` (with their response lengths in tokens, for the overlong penalty).
+    /// Under `on_error=raise` the first failure is returned as an error naming the function,
+    /// the sample and its data_source.
+    pub fn score(
+        &mut self,
+        items: &[Item],
+        response_lens: &[usize],
+        policy: FailurePolicy,
+    ) -> Result<Vec<SampleReward>, RewardError> {
+        let mut out: Vec<SampleReward> =
+            (0..items.len()).map(|_| SampleReward::default()).collect();
+        let single = self.sources.len() == 1;
+        for src in &mut self.sources {
+            let results: Vec<Result<ScoreResult, CallError>> = match &mut src.kind {
+                Kind::Python(pool) => {
+                    let before = pool.stats;
+                    let r = pool.score(items);
+                    self.stats.timeouts += pool.stats.timeouts - before.timeouts;
+                    r
+                }
+                Kind::Builtin(b) => items
+                    .iter()
+                    .map(|it| {
+                        b.score(&input(it)).map_err(|e| CallError::Exception {
+                            message: e.to_string(),
+                            traceback: String::new(),
+                        })
+                    })
+                    .collect(),
+                Kind::Native(f, kw) => items
+                    .iter()
+                    .map(|it| {
+                        f.score(&input(it), kw).map_err(|e| CallError::Exception {
+                            message: e.to_string(),
+                            traceback: String::new(),
+                        })
+                    })
+                    .collect(),
+            };
+            for (i, (r, sample)) in results.into_iter().zip(out.iter_mut()).enumerate() {
+                match r {
+                    Ok(res) if res.score.is_finite() => {
+                        sample.per_source.push((src.name.clone(), Some(res.score)));
+                        if res.extra.is_empty() && single {
+                            sample.extra.insert("acc".into(), Value::from(res.score));
+                        }
+                        for (k, v) in res.extra {
+                            sample.extra.insert(
+                                if single {
+                                    k
+                                } else {
+                                    format!("{}/{k}", src.name)
+                                },
+                                v,
+                            );
+                        }
+                    }
+                    other => {
+                        let err = match other {
+                            Ok(res) => format!("returned a non-finite score ({})", res.score),
+                            Err(e) => e.to_string(),
+                        };
+                        self.stats.errors += 1;
+                        let msg = format!("reward source `{}` ({}) failed on sample {i} (data_source `{}`): {err}", src.name, src.label, items[i].data_source);
+                        match policy {
+                            FailurePolicy::Config(OnError::Raise) => {
+                                return Err(RewardError::Score(msg))
+                            }
+                            FailurePolicy::Config(OnError::Zero) => {
+                                sample.per_source.push((src.name.clone(), Some(0.0)))
+                            }
+                            FailurePolicy::Config(OnError::Skip) => {
+                                sample.per_source.push((src.name.clone(), None));
+                                sample.skipped = true;
+                            }
+                            FailurePolicy::Collect => {
+                                sample.per_source.push((src.name.clone(), None))
+                            }
+                        }
+                        sample.error.get_or_insert(msg);
+                    }
+                }
+            }
+        }
+        let weights: Vec<f64> = self.sources.iter().map(|s| s.weight).collect();
+        for (i, sample) in out.iter_mut().enumerate() {
+            if sample.skipped || sample.per_source.iter().any(|(_, s)| s.is_none()) {
+                continue;
+            }
+            let mut total: f64 = sample
+                .per_source
+                .iter()
+                .zip(&weights)
+                .map(|((_, s), w)| s.unwrap_or(0.0) * w)
+                .sum();
+            if let Some(o) = self.overlong {
+                let len = response_lens.get(i).copied().unwrap_or(0) as f64;
+                let expected = o.max_resp_len - o.len;
+                let exceed = len - expected;
+                let penalty = (-exceed / o.len * o.penalty_factor).min(0.0);
+                total += penalty;
+                if o.log {
+                    sample
+                        .extra
+                        .insert("overlong_reward".into(), Value::from(penalty));
+                    sample
+                        .extra
+                        .insert("overlong".into(), Value::from(exceed > 0.0));
+                }
+            }
+            sample.score = Some(total);
+        }
+        Ok(out)
+    }
+}
+
+fn input(it: &Item) -> ScoreInput<'_> {
+    ScoreInput {
+        data_source: &it.data_source,
+        solution_str: &it.solution_str,
+        ground_truth: &it.ground_truth,
+        extra_info: &it.extra_info,
+    }
+}
+
+#[cfg(test)]
+#[path = "manager_tests.rs"]
+mod tests;

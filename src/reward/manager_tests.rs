@@ -1,0 +1,213 @@
+//! Sources, weights, failure policies and the dapo penalty.
+
+use serde_json::json;
+
+use super::*;
+use crate::config::{Config, ConfigSource};
+
+fn cfg(overrides: &[String]) -> RewardConfig {
+    crate::config::load(&ConfigSource::Builtin, overrides)
+        .unwrap()
+        .config
+        .reward
+}
+
+fn item(sol: &str, gt: &str) -> Item {
+    Item {
+        data_source: "openai/gsm8k".into(),
+        solution_str: sol.into(),
+        ground_truth: json!(gt),
+        extra_info: json!({}),
+        row: json!({}),
+    }
+}
+
+fn length_registry() -> NativeRegistry {
+    let mut reg = NativeRegistry::new();
+    reg.register("short", |i: &ScoreInput, _: &Map<String, Value>| {
+        Ok(ScoreResult::number(if i.solution_str.len() < 10 {
+            1.0
+        } else {
+            0.0
+        }))
+    })
+    .unwrap();
+    reg
+}
+
+#[test]
+fn default_is_verls_dispatch() {
+    let mut m =
+        RewardManager::from_config(&Config::default().reward, &NativeRegistry::new()).unwrap();
+    let out = m
+        .score(
+            &[item("#### 42", "42"), item("42", "42")],
+            &[3, 2],
+            m.policy(),
+        )
+        .unwrap();
+    assert_eq!(out[0].score, Some(1.0));
+    assert_eq!(
+        out[0].extra["acc"],
+        json!(1.0),
+        "a numeric result is also `acc`, as verl"
+    );
+    assert_eq!(out[1].score, Some(0.0), "strict gsm8k needs ####");
+}
+
+#[test]
+fn weighted_builtin_python_and_native_sources() {
+    let dir = tempfile::tempdir().unwrap();
+    let py = dir.path().join("steps.py");
+    std::fs::write(&py, "def compute_score(solution_str, ground_truth, per_step=0.1):\n    return {'score': per_step * solution_str.count('\\n'), 'steps': solution_str.count('\\n')}\n").unwrap();
+    let c = cfg(&[format!(
+        "reward.sources=[{{name: acc, weight: 1.0, type: builtin, scorer: gsm8k, kwargs: {{method: flexible}}}}, {{name: steps, weight: 0.5, type: python, path: {}, kwargs: {{per_step: 0.2}}}}, {{name: short, weight: 2.0, type: native, function: short}}]",
+        py.display()
+    )]);
+    let mut m = RewardManager::from_config(&c, &length_registry()).unwrap();
+    let out = m
+        .score(
+            &[
+                item("a\nb\nso 42", "42"),
+                item("long answer without it\n7", "42"),
+            ],
+            &[5, 9],
+            m.policy(),
+        )
+        .unwrap();
+    // Hand sums: row 0 = 1.0·1 + 0.5·(0.2·2) + 2.0·0 (9 bytes < 10 → 1) → 1 + 0.2 + 2 = 3.2.
+    assert_eq!(
+        out[0].per_source,
+        vec![
+            ("acc".into(), Some(1.0)),
+            ("steps".into(), Some(0.4)),
+            ("short".into(), Some(1.0))
+        ]
+    );
+    assert!((out[0].score.unwrap() - 3.2).abs() < 1e-12);
+    // Row 1: gsm8k 0 (7 != 42, format_score 0), steps 0.2·1, short 0 → 0.1.
+    assert!((out[1].score.unwrap() - 0.1).abs() < 1e-12);
+    assert_eq!(
+        out[0].extra["steps/steps"],
+        json!(2),
+        "extras are prefixed by the source when there are several"
+    );
+    let pids = m.python_pids();
+    drop(m);
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    for pid in pids {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "worker {pid} left behind"
+        );
+    }
+}
+
+fn failing(policy: &str) -> (Result<Vec<SampleReward>, RewardError>, RewardStats) {
+    let dir = tempfile::tempdir().unwrap();
+    let py = dir.path().join("r.py");
+    std::fs::write(
+        &py,
+        "def compute_score(solution_str, ground_truth):\n    return 1 / int(solution_str)\n",
+    )
+    .unwrap();
+    let c = cfg(&[
+        format!("reward.custom_reward_function.path={}", py.display()),
+        format!("reward.on_error={policy}"),
+        "reward.num_workers=1".into(),
+    ]);
+    let mut m = RewardManager::from_config(&c, &NativeRegistry::new()).unwrap();
+    let r = m.score(
+        &[item("2", ""), item("0", ""), item("4", "")],
+        &[1, 1, 1],
+        m.policy(),
+    );
+    (r, m.stats)
+}
+
+#[test]
+fn on_error_raise_zero_skip() {
+    let (r, _) = failing("raise");
+    let e = r.unwrap_err().to_string();
+    assert!(
+        e.contains("`compute_score`")
+            && e.contains("sample 1")
+            && e.contains("openai/gsm8k")
+            && e.contains("ZeroDivisionError")
+            && e.contains("Traceback"),
+        "{e}"
+    );
+    let (r, stats) = failing("zero");
+    let out = r.unwrap();
+    assert_eq!(
+        out.iter().map(|s| s.score).collect::<Vec<_>>(),
+        vec![Some(0.5), Some(0.0), Some(0.25)]
+    );
+    assert!(out[1].error.is_some() && !out[1].skipped);
+    assert_eq!(stats.errors, 1);
+    let (r, _) = failing("skip");
+    let out = r.unwrap();
+    assert_eq!(out[1].score, None);
+    assert!(out[1].skipped && !out[0].skipped);
+}
+
+#[test]
+fn dapo_overlong_penalty() {
+    let c = cfg(&[
+        "reward.reward_manager.name=dapo".into(),
+        "+reward.reward_kwargs.overlong_buffer_cfg={enable: true, len: 4, penalty_factor: 1.0, log: true}".into(),
+        "+reward.reward_kwargs.max_resp_len=10".into(),
+    ]);
+    let mut m = RewardManager::from_config(&c, &NativeRegistry::new()).unwrap();
+    let out = m
+        .score(
+            &[
+                item("#### 1", "1"),
+                item("#### 1", "1"),
+                item("#### 1", "1"),
+            ],
+            &[6, 8, 10],
+            m.policy(),
+        )
+        .unwrap();
+    // expected = 10 − 4 = 6; exceed = len − 6; penalty = min(−exceed/4, 0): 0, −0.5, −1.
+    assert_eq!(
+        out.iter().map(|s| s.score.unwrap()).collect::<Vec<_>>(),
+        vec![1.0, 0.5, 0.0]
+    );
+    assert_eq!(out[1].extra["overlong"], json!(true));
+    let bad = cfg(&[
+        "reward.reward_manager.name=dapo".into(),
+        "+reward.reward_kwargs.overlong_buffer_cfg={enable: true, len: 4}".into(),
+    ]);
+    assert!(RewardManager::from_config(&bad, &NativeRegistry::new())
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("max_resp_len"));
+}
+
+#[test]
+fn start_up_errors() {
+    let c = cfg(&["reward.reward_manager.name=batch".into()]);
+    assert!(RewardManager::from_config(&c, &NativeRegistry::new())
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("batch function"));
+    let c = cfg(&["reward.sources=[{name: a, type: native, function: nope}]".into()]);
+    let e = RewardManager::from_config(&c, &length_registry())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("reward.sources[0] (a)") && e.contains("short"),
+        "{e}"
+    );
+    let c = cfg(&["reward.custom_reward_function.path=/nonexistent/r.py".into()]);
+    assert!(RewardManager::from_config(&c, &NativeRegistry::new())
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("FileNotFoundError"));
+}

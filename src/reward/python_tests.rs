@@ -1,0 +1,304 @@
+//! The worker pool with a real `python3`.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{json, Map, Value};
+
+use super::*;
+
+fn write(dir: &Path, name: &str, code: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, code).unwrap();
+    p.display().to_string()
+}
+
+fn pool(
+    path: &str,
+    name: &str,
+    kwargs: Map<String, Value>,
+    batch: bool,
+    workers: usize,
+    timeout_s: f64,
+) -> Result<PythonPool, RewardError> {
+    PythonPool::start(
+        PythonFunction {
+            path: path.into(),
+            name: name.into(),
+            kwargs,
+            batch,
+        },
+        PoolSettings {
+            python: "python3".into(),
+            num_workers: workers,
+            timeout: Duration::from_secs_f64(timeout_s),
+        },
+    )
+}
+
+fn item(sol: &str, gt: &str) -> Item {
+    Item {
+        data_source: "openai/gsm8k".into(),
+        solution_str: sol.into(),
+        ground_truth: json!(gt),
+        extra_info: json!({"index": 3}),
+        row: json!({"data_source": "openai/gsm8k", "reward_model": {"ground_truth": gt}, "extra_info": {"index": 3}}),
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    // A reaped child has no /proc entry; a zombie would show state Z.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.contains(") Z "))
+        .unwrap_or(false)
+}
+
+fn assert_all_gone(pids: &[u32]) {
+    for pid in pids {
+        assert!(!alive(*pid), "python worker {pid} is still running");
+    }
+}
+
+const VERL: &str = r#"
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+    return {"score": float(solution_str == ground_truth) + bonus, "source": data_source, "idx": extra_info["index"]}
+"#;
+
+#[test]
+fn verl_signature_dict_return_and_kwargs() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(dir.path(), "r.py", VERL);
+    let mut kw = Map::new();
+    kw.insert("bonus".into(), json!(0.5));
+    let mut p = pool(&f, "compute_score", kw, false, 2, 30.0).unwrap();
+    let pids = p.pids();
+    assert_eq!(pids.len(), 2);
+    let items: Vec<Item> = (0..7).map(|i| item(&i.to_string(), "3")).collect();
+    let out = p.score(&items);
+    assert_eq!(out.len(), 7);
+    for (i, r) in out.iter().enumerate() {
+        let r = r.as_ref().unwrap();
+        assert_eq!(r.score, if i == 3 { 1.5 } else { 0.5 }, "item {i}");
+        assert_eq!(r.extra["source"], json!("openai/gsm8k"));
+        assert_eq!(r.extra["idx"], json!(3));
+    }
+    // Workers are reused across calls.
+    assert_eq!(p.score(&items[..2]).len(), 2);
+    assert_eq!(p.pids(), pids);
+    drop(p);
+    assert_all_gone(&pids);
+}
+
+#[test]
+fn blog_style_signatures_bind_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(
+        dir.path(),
+        "r.py",
+        "def compute_score(data, generation):\n    return len(generation) + (data['reward_model']['ground_truth'] == '3')\n\ndef two(row, response):\n    return True\n",
+    );
+    let mut p = pool(&f, "compute_score", Map::new(), false, 1, 30.0).unwrap();
+    assert_eq!(
+        p.score(&[item("abcd", "3")])[0].as_ref().unwrap().score,
+        5.0
+    );
+    let mut p2 = pool(&f, "two", Map::new(), false, 1, 30.0).unwrap();
+    assert_eq!(
+        p2.score(&[item("x", "3")])[0].as_ref().unwrap().score,
+        1.0,
+        "a bool is a score"
+    );
+    let bad = write(
+        dir.path(),
+        "bad.py",
+        "def f(prediction, label):\n    return 0\n",
+    );
+    let e = pool(&bad, "f", Map::new(), false, 1, 30.0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cannot bind parameter `prediction`"), "{e}");
+    let e = pool(
+        &f,
+        "compute_score",
+        Map::from_iter([("nope".to_string(), json!(1))]),
+        false,
+        1,
+        30.0,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("reward kwarg `nope`"), "{e}");
+}
+
+#[test]
+fn async_and_batch_functions() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(
+        dir.path(),
+        "r.py",
+        "import asyncio\nasync def a(solution_str, ground_truth, **kw):\n    await asyncio.sleep(0.01)\n    return float(solution_str == ground_truth)\n\n\
+         def b(data_sources, solution_strs, ground_truths, extra_infos, scale=1.0):\n    return [scale * (s == g) for s, g in zip(solution_strs, ground_truths)]\n",
+    );
+    let mut p = pool(&f, "a", Map::new(), false, 2, 30.0).unwrap();
+    let out: Vec<f64> = p
+        .score(&[item("1", "1"), item("2", "1"), item("1", "1")])
+        .into_iter()
+        .map(|r| r.unwrap().score)
+        .collect();
+    assert_eq!(out, vec![1.0, 0.0, 1.0]);
+    let mut kw = Map::new();
+    kw.insert("scale".into(), json!(2.0));
+    let mut p = pool(&f, "b", kw, true, 2, 30.0).unwrap();
+    let out: Vec<f64> = p
+        .score(&[item("1", "1"), item("2", "1"), item("1", "1")])
+        .into_iter()
+        .map(|r| r.unwrap().score)
+        .collect();
+    assert_eq!(out, vec![2.0, 0.0, 2.0]);
+}
+
+#[test]
+fn exceptions_nan_and_wrong_types_are_per_item_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(
+        dir.path(),
+        "r.py",
+        "def f(solution_str, ground_truth):\n    if solution_str == 'boom':\n        return 1 / 0\n    if solution_str == 'nan':\n        return float('nan')\n    if solution_str == 'str':\n        return 'high'\n    if solution_str == 'nodict':\n        return {'acc': 1}\n    return 1.0\n",
+    );
+    let mut p = pool(&f, "f", Map::new(), false, 1, 30.0).unwrap();
+    let out = p.score(&[
+        item("boom", ""),
+        item("ok", ""),
+        item("nan", ""),
+        item("str", ""),
+        item("nodict", ""),
+    ]);
+    let e = out[0].as_ref().unwrap_err().to_string();
+    assert!(
+        e.contains("ZeroDivisionError") && e.contains("Traceback") && e.contains("line 3"),
+        "{e}"
+    );
+    assert_eq!(
+        out[1].as_ref().unwrap().score,
+        1.0,
+        "the run continues after an exception"
+    );
+    assert!(out[2]
+        .as_ref()
+        .unwrap_err()
+        .to_string()
+        .contains("non-finite"));
+    assert!(out[3]
+        .as_ref()
+        .unwrap_err()
+        .to_string()
+        .contains("returned str"));
+    assert!(out[4]
+        .as_ref()
+        .unwrap_err()
+        .to_string()
+        .contains("without `score`"));
+    assert_eq!(p.stats.errors, 4);
+}
+
+#[test]
+fn a_slow_call_times_out_and_the_worker_is_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(dir.path(), "r.py", "import time\ndef f(solution_str):\n    if solution_str == 'slow':\n        time.sleep(60)\n    return 1.0\n");
+    let mut kw = Map::new();
+    let _ = &mut kw;
+    let mut p = pool(&f, "f", Map::new(), false, 1, 0.5).unwrap();
+    let before = p.pids();
+    let t0 = std::time::Instant::now();
+    let out = p.score(&[item("a", ""), item("slow", ""), item("b", "")]);
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "the hung call was cut short"
+    );
+    assert_eq!(out[0].as_ref().unwrap().score, 1.0);
+    assert!(
+        matches!(out[1], Err(CallError::Timeout { .. })),
+        "{:?}",
+        out[1]
+    );
+    assert_eq!(
+        out[2].as_ref().unwrap().score,
+        1.0,
+        "the rest ran on a fresh worker"
+    );
+    assert_eq!((p.stats.timeouts, p.stats.restarts), (1, 1));
+    assert_ne!(p.pids(), before);
+    assert_all_gone(&before);
+    let after = p.pids();
+    drop(p);
+    assert_all_gone(&after);
+}
+
+#[test]
+fn a_dying_worker_is_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(dir.path(), "r.py", "import os\ndef f(solution_str):\n    if solution_str == 'die':\n        os._exit(1)\n    return 2.0\n");
+    let mut p = pool(&f, "f", Map::new(), false, 1, 30.0).unwrap();
+    let out = p.score(&[item("a", ""), item("die", ""), item("b", "")]);
+    assert_eq!(out[0].as_ref().unwrap().score, 2.0);
+    let e = out[1].as_ref().unwrap_err().to_string();
+    assert!(e.contains("died") && e.contains("exit status: 1"), "{e}");
+    assert_eq!(out[2].as_ref().unwrap().score, 2.0);
+    assert_eq!(p.stats.restarts, 1);
+}
+
+#[test]
+fn start_up_failures_carry_the_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = pool(
+        &dir.path().join("missing.py").display().to_string(),
+        "f",
+        Map::new(),
+        false,
+        1,
+        30.0,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("FileNotFoundError") && e.contains("missing.py"),
+        "{e}"
+    );
+    let f = write(dir.path(), "r.py", "def g(solution_str):\n    return 0\n");
+    let e = pool(&f, "compute_score", Map::new(), false, 1, 30.0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("has no function `compute_score`") && e.contains("g"),
+        "{e}"
+    );
+    let f = write(dir.path(), "imp.py", "import no_such_module_xyz\n");
+    let e = pool(&f, "f", Map::new(), false, 1, 30.0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("ModuleNotFoundError")
+            && e.contains("no_such_module_xyz")
+            && e.contains("Traceback"),
+        "{e}"
+    );
+    let e = PythonPool::start(
+        PythonFunction {
+            path: f.clone(),
+            name: "f".into(),
+            kwargs: Map::new(),
+            batch: false,
+        },
+        PoolSettings {
+            python: "/no/such/python".into(),
+            num_workers: 1,
+            timeout: Duration::from_secs(1),
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("/no/such/python") && e.contains("reward.python"),
+        "{e}"
+    );
+}
