@@ -262,3 +262,188 @@ fn config_check_with_a_tokenizer_filters_overlong_prompts() {
         "{stderr}"
     );
 }
+
+fn write_jsonl(path: &Path, rows: &[serde_json::Value]) {
+    std::fs::write(
+        path,
+        rows.iter().map(|r| format!("{r}\n")).collect::<String>(),
+    )
+    .unwrap();
+}
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn reward_score_gives_every_gsm8k_reference_solution_full_marks() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_path = dir.path().join("scores.jsonl");
+    let out = run(&[
+        "reward".into(),
+        "score".into(),
+        "--input".into(),
+        data_dir().join("test.parquet").display().to_string(),
+        "--response-key".into(),
+        "extra_info.answer".into(),
+        "--output".into(),
+        out_path.display().to_string(),
+        "reward.sources=[{name: acc, type: builtin, scorer: gsm8k}]".into(),
+    ]);
+    let (_, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&out_path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1319);
+    assert!(lines
+        .iter()
+        .all(|l| l["score"] == serde_json::json!(1.0) && l["error"].is_null()));
+    assert!(
+        stderr.contains("openai/gsm8k: mean score 1.0000 over 1319 rows"),
+        "{stderr}"
+    );
+
+    // The example composite reward runs on the same rows next to the built-in scorer.
+    let out = bin()
+        .current_dir(repo())
+        .args([
+            "reward",
+            "score",
+            "--config",
+            "examples/gsm8k_composite_reward.yaml",
+            "--input",
+            "data/gsm8k/test.parquet",
+            "--response-key",
+            "extra_info.answer",
+            "--output",
+        ])
+        .arg(&out_path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out).1);
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&out_path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1319);
+    let rows = main_ppo::data::read_rows(&data_dir().join("test.parquet")).unwrap();
+    for (l, row) in lines.iter().zip(&rows) {
+        // Flexible extraction keeps commas (verl's rule): "#### 1,234" extracts "1,234", which
+        // is not "1234" and earns the format score 0.1.
+        let answer = row["extra_info"]["answer"].as_str().unwrap();
+        let final_number = answer.rsplit("#### ").next().unwrap();
+        let expected_acc = if final_number.contains(',') { 0.1 } else { 1.0 };
+        assert_eq!(
+            l["score/acc"],
+            serde_json::json!(expected_acc),
+            "{final_number}"
+        );
+        assert_eq!(l["composite/correct"], serde_json::json!(1.0), "{l}");
+        let total = l["score"].as_f64().unwrap();
+        let expected = expected_acc + 0.5 * l["score/composite"].as_f64().unwrap();
+        assert!((total - expected).abs() < 1e-9, "weights: {l}");
+    }
+}
+
+#[test]
+fn reward_score_reports_failed_rows_and_exits_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("rows.jsonl");
+    write_jsonl(
+        &input,
+        &[
+            serde_json::json!({"data_source": "openai/gsm8k", "solution_str": "#### 4", "ground_truth": "4"}),
+            serde_json::json!({"data_source": "unknown/source", "response": "#### 4", "reward_model": {"ground_truth": "4"}}),
+            serde_json::json!({"data_source": "openai/gsm8k", "ground_truth": "4"}),
+        ],
+    );
+    let out = run(&[
+        "reward".into(),
+        "score".into(),
+        "--input".into(),
+        input.display().to_string(),
+    ]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let lines: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3, "every row is written, in order");
+    assert_eq!(lines[0]["score"], serde_json::json!(1.0));
+    assert!(
+        lines[1]["score"].is_null()
+            && lines[1]["error"]
+                .as_str()
+                .unwrap()
+                .contains("unknown/source")
+    );
+    assert!(lines[2]["error"]
+        .as_str()
+        .unwrap()
+        .contains("row 2: no response"));
+    assert!(stderr.contains("errors: 2"), "{stderr}");
+}
+
+#[test]
+fn reward_test_shows_mismatches() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("cases.jsonl");
+    write_jsonl(
+        &input,
+        &[
+            serde_json::json!({"data_source": "openai/gsm8k", "solution_str": "#### 4", "ground_truth": "4", "expected": 1.0}),
+            serde_json::json!({"data_source": "openai/gsm8k", "solution_str": "4", "ground_truth": "4", "expected": {"min": 0.5, "max": 1.0}}),
+            serde_json::json!({"data_source": "math", "solution_str": "Answer: 5", "ground_truth": "5", "expected": {"min": 0.5}}),
+        ],
+    );
+    let out = run(&["reward".into(), "test".into(), input.display().to_string()]);
+    let (stdout, _) = text(&out);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stdout.contains("row 1 (openai/gsm8k): FAILED") && stdout.contains("actual:   0"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("2 passed, 1 failed"), "{stdout}");
+}
+
+#[test]
+fn eval_reports_mean_and_best_at_n() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("gen.jsonl");
+    write_jsonl(
+        &input,
+        &[
+            serde_json::json!({"data_source": "openai/gsm8k", "reward_model": {"ground_truth": "4"}, "responses": ["#### 4", "#### 5"]}),
+            serde_json::json!({"data_source": "openai/gsm8k", "reward_model": {"ground_truth": "7"}, "responses": ["#### 1", "#### 2"]}),
+        ],
+    );
+    let output = dir.path().join("scored.jsonl");
+    let out = run(&[
+        "eval".into(),
+        "--input".into(),
+        input.display().to_string(),
+        "--output".into(),
+        output.display().to_string(),
+    ]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    // Hand values: per-prompt means 0.5 and 0 → mean@2 0.25; bests 1 and 0 → best@2 0.5.
+    assert!(
+        stdout.contains("openai/gsm8k: mean@2 0.2500  best@2 0.5000  (2 prompts)"),
+        "{stdout}"
+    );
+    let first: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(&output)
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(first["scores"], serde_json::json!([1.0, 0.0]));
+}

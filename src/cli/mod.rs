@@ -5,6 +5,7 @@
 
 mod check;
 pub mod logging;
+mod reward;
 
 use std::path::PathBuf;
 
@@ -59,6 +60,19 @@ pub enum Command {
     /// Inspect a configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Run the configured reward on files of responses.
+    #[command(subcommand)]
+    Reward(RewardCommand),
+    /// Score a file of generations: mean@n and best@n per data_source (verl's main_eval).
+    Eval(reward::EvalArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RewardCommand {
+    /// Score each row; exit status 1 if any row failed.
+    Score(reward::ScoreArgs),
+    /// Compare each row's score with its `expected` value; exit status 1 on any mismatch.
+    Test(reward::TestArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -135,6 +149,12 @@ fn normalise_args(args: impl IntoIterator<Item = String>) -> Vec<String> {
 
 /// Runs the program with `args` (argv[0] first) and returns the exit status.
 pub fn main_with_args(args: Vec<String>) -> i32 {
+    main_with(args, crate::reward::NativeRegistry::new())
+}
+
+/// As [`main_with_args`], with native reward functions registered by a binary built on this
+/// library (selected with `{type: native, function: <name>}` in `reward.sources`).
+pub fn main_with(args: Vec<String>, natives: crate::reward::NativeRegistry) -> i32 {
     let cli = match Cli::try_parse_from(normalise_args(args)) {
         Ok(c) => c,
         Err(e) => {
@@ -143,8 +163,9 @@ pub fn main_with_args(args: Vec<String>) -> i32 {
         }
     };
     logging::init();
-    match run(cli) {
-        Ok(()) => 0,
+    match run(cli, &natives) {
+        Ok(true) => 0,
+        Ok(false) => 1,
         Err(e) => {
             eprintln!("error: {e}");
             for cause in e.chain().skip(1) {
@@ -159,15 +180,19 @@ pub fn main_with_args(args: Vec<String>) -> i32 {
     }
 }
 
-fn run(cli: Cli) -> anyhow::Result<()> {
+/// Runs a command; `Ok(false)` is a completed run that found failures (exit status 1).
+fn run(cli: Cli, natives: &crate::reward::NativeRegistry) -> anyhow::Result<bool> {
     match cli.command {
-        None => train(&cli.config),
-        Some(Command::Train(args)) => train(&args),
-        Some(Command::Config(ConfigCommand::Check(args))) => check::run(&args),
+        None => train(&cli.config).map(|_| true),
+        Some(Command::Train(args)) => train(&args).map(|_| true),
+        Some(Command::Config(ConfigCommand::Check(args))) => check::run(&args).map(|_| true),
         Some(Command::Config(ConfigCommand::Show(args))) => {
             print!("{}", args.load()?.config.to_yaml());
-            Ok(())
+            Ok(true)
         }
+        Some(Command::Reward(RewardCommand::Score(args))) => reward::score(&args, natives),
+        Some(Command::Reward(RewardCommand::Test(args))) => reward::test(&args, natives),
+        Some(Command::Eval(args)) => reward::eval(&args, natives),
     }
 }
 

@@ -18,24 +18,23 @@ pub enum Method {
     Flexible,
 }
 
+// verl's patterns are `#### (\-?[0-9\.\,]+)` and `(\-?[0-9\.\,]+)`. The capture is the match
+// minus the fixed `#### ` prefix, so plain matching (no capture groups, faster) finds the same.
 static STRICT: LazyLock<Regex> =
-    LazyLock::new(|| Regex::new(r"#### (\-?[0-9\.\,]+)").expect("valid regex"));
+    LazyLock::new(|| Regex::new(r"#### -?[0-9.,]+").expect("valid regex"));
 static FLEXIBLE: LazyLock<Regex> =
-    LazyLock::new(|| Regex::new(r"(\-?[0-9\.\,]+)").expect("valid regex"));
+    LazyLock::new(|| Regex::new(r"-?[0-9.,]+").expect("valid regex"));
 
 /// The extracted answer, as verl's `extract_solution` returns it.
 pub fn extract_solution(solution: &str, method: Method) -> Option<String> {
     let s = last_chars(solution, 300);
     match method {
         Method::Strict => STRICT
-            .captures_iter(s)
+            .find_iter(s)
             .last()
-            .map(|c| c[1].replace([',', '$'], "")),
+            .map(|m| m.as_str()["#### ".len()..].replace([',', '$'], "")),
         Method::Flexible => {
-            let all: Vec<&str> = FLEXIBLE
-                .captures_iter(s)
-                .map(|c| c.get(1).map_or("", |m| m.as_str()))
-                .collect();
+            let all: Vec<&str> = FLEXIBLE.find_iter(s).map(|m| m.as_str()).collect();
             if all.is_empty() {
                 return None;
             }
