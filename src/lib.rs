@@ -9,6 +9,7 @@ pub mod algo;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod model;
 pub mod reward;
 #[doc(hidden)]
 pub mod testing;

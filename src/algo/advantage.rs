@@ -43,7 +43,13 @@ impl Mat {
                 t.dims()
             ))
         })?;
-        let v = t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+        // One pass from the tensor's own dtype (no intermediate f64 tensor).
+        let flat = t.flatten_all()?.to_device(&Device::Cpu)?;
+        let v = match t.dtype() {
+            DType::F32 => flat.to_vec1::<f32>()?.into_iter().map(f64::from).collect(),
+            DType::F64 => flat.to_vec1::<f64>()?,
+            _ => flat.to_dtype(DType::F64)?.to_vec1::<f64>()?,
+        };
         Ok(Mat { b, t: len, v })
     }
     fn row(&self, i: usize) -> &[f64] {
@@ -57,9 +63,17 @@ impl Mat {
         }
     }
     fn into_tensor(self, dtype: DType, device: &Device) -> Result<Tensor> {
-        Tensor::from_vec(self.v, (self.b, self.t), &Device::Cpu)?
-            .to_dtype(dtype)?
-            .to_device(device)
+        let shape = (self.b, self.t);
+        let t = match dtype {
+            DType::F32 => Tensor::from_vec(
+                self.v.into_iter().map(|x| x as f32).collect::<Vec<f32>>(),
+                shape,
+                &Device::Cpu,
+            )?,
+            DType::F64 => Tensor::from_vec(self.v, shape, &Device::Cpu)?,
+            other => Tensor::from_vec(self.v, shape, &Device::Cpu)?.to_dtype(other)?,
+        };
+        t.to_device(device)
     }
 }
 

@@ -1,0 +1,396 @@
+//! The decoder-only transformer shared by actor, reference, critic and reward model: Llama /
+//! Qwen2 blocks (RMSNorm, rotary attention with grouped KV heads, SiLU-gated MLP), written with
+//! candle ops that all have a backward pass (candle's fused softmax / rms_norm / rope kernels
+//! have none: see DESIGN.md). Shapes are noted as `[batch, seq, hidden]` etc.
+//!
+//! Follows HF transformers' `modeling_llama.py` / `modeling_qwen2.py` (weight names and math).
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{Init, Linear, VarBuilder};
+
+use super::config::ModelArgs;
+
+/// Keys and values of past positions, one entry per layer: `[batch, kv_heads, past, head_dim]`.
+/// Owned by the caller, so one model serves many concurrent decodes.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl KvCache {
+    pub fn new(num_layers: usize) -> Self {
+        Self {
+            layers: vec![None; num_layers],
+        }
+    }
+
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.layers
+            .first()
+            .and_then(|l| l.as_ref())
+            .map(|(k, _)| k.dim(2).unwrap_or(0))
+            .unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Keeps only the rows `keep` (batch indices), e.g. after some sequences finished.
+    pub fn select_rows(&mut self, keep: &Tensor) -> Result<()> {
+        for (k, v) in self.layers.iter_mut().flatten() {
+            *k = k.index_select(keep, 0)?;
+            *v = v.index_select(keep, 0)?;
+        }
+        Ok(())
+    }
+}
+
+fn linear(vb: &VarBuilder, inp: usize, out: usize, bias: bool, name: &str) -> Result<Linear> {
+    let w = vb.get_with_hints(
+        (out, inp),
+        &format!("{name}.weight"),
+        Init::Randn {
+            mean: 0.0,
+            stdev: 0.02,
+        },
+    )?;
+    let b = if bias {
+        Some(vb.get_with_hints(out, &format!("{name}.bias"), Init::Const(0.0))?)
+    } else {
+        None
+    };
+    Ok(Linear::new(w, b))
+}
+
+/// `x · rsqrt(mean(x²) + eps) · w`, computed in f32.
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x32 = upcast(x)?;
+    let inv = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+        .sqrt()?
+        .recip()?;
+    x32.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(w)
+}
+
+/// Half-precision values in f32 for softmax-type reductions; f32 and f64 stay as they are.
+fn upcast(x: &Tensor) -> Result<Tensor> {
+    match x.dtype() {
+        DType::BF16 | DType::F16 => x.to_dtype(DType::F32),
+        _ => Ok(x.clone()),
+    }
+}
+
+/// `[-x2, x1]` for `x = [x1, x2]` split in half on the last axis.
+fn rotate_half(x: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
+    let x2 = x.narrow(D::Minus1, d / 2, d - d / 2)?;
+    Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)
+}
+
+struct Block {
+    ln1: Tensor,
+    ln2: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// The transformer with an optional LM head (`None` for a critic / reward backbone).
+pub struct CausalLm {
+    pub args: ModelArgs,
+    embed: Tensor,
+    layers: Vec<Block>,
+    norm: Tensor,
+    /// `[vocab, hidden]` when the output embedding is not tied.
+    lm_head: Option<Tensor>,
+    has_lm_head: bool,
+    device: Device,
+    dtype: DType,
+}
+
+impl CausalLm {
+    /// Builds the model from `vb` (weights named as HF checkpoints: `model.layers.N...`,
+    /// `lm_head.weight`). From a `VarMap` the weights are trainable `Var`s.
+    pub fn new(args: &ModelArgs, vb: VarBuilder, with_lm_head: bool) -> Result<Self> {
+        let (h, hd) = (args.hidden_size, args.head_dim);
+        let m = vb.pp("model");
+        let embed = m.get_with_hints(
+            (args.vocab_size, h),
+            "embed_tokens.weight",
+            Init::Randn {
+                mean: 0.0,
+                stdev: 0.02,
+            },
+        )?;
+        let mut layers = Vec::with_capacity(args.num_hidden_layers);
+        for i in 0..args.num_hidden_layers {
+            let l = m.pp(format!("layers.{i}"));
+            let a = l.pp("self_attn");
+            let p = l.pp("mlp");
+            layers.push(Block {
+                ln1: l.get_with_hints(h, "input_layernorm.weight", Init::Const(1.0))?,
+                ln2: l.get_with_hints(h, "post_attention_layernorm.weight", Init::Const(1.0))?,
+                q: linear(
+                    &a,
+                    h,
+                    args.num_attention_heads * hd,
+                    args.qkv_bias,
+                    "q_proj",
+                )?,
+                k: linear(
+                    &a,
+                    h,
+                    args.num_key_value_heads * hd,
+                    args.qkv_bias,
+                    "k_proj",
+                )?,
+                v: linear(
+                    &a,
+                    h,
+                    args.num_key_value_heads * hd,
+                    args.qkv_bias,
+                    "v_proj",
+                )?,
+                o: linear(&a, args.num_attention_heads * hd, h, false, "o_proj")?,
+                gate: linear(&p, h, args.intermediate_size, false, "gate_proj")?,
+                up: linear(&p, h, args.intermediate_size, false, "up_proj")?,
+                down: linear(&p, args.intermediate_size, h, false, "down_proj")?,
+            });
+        }
+        let norm = m.get_with_hints(h, "norm.weight", Init::Const(1.0))?;
+        let lm_head = if with_lm_head && !args.tie_word_embeddings {
+            Some(vb.get_with_hints(
+                (args.vocab_size, h),
+                "lm_head.weight",
+                Init::Randn {
+                    mean: 0.0,
+                    stdev: 0.02,
+                },
+            )?)
+        } else {
+            None
+        };
+        Ok(Self {
+            args: args.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            has_lm_head: with_lm_head,
+            device: vb.device().clone(),
+            dtype: vb.dtype(),
+        })
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The output projection `[vocab, hidden]` (the embedding when tied).
+    pub fn output_weight(&self) -> Result<&Tensor> {
+        if !self.has_lm_head {
+            return Err(candle_core::Error::Msg(
+                "this model was built without an LM head".into(),
+            ));
+        }
+        Ok(self.lm_head.as_ref().unwrap_or(&self.embed))
+    }
+
+    /// Final hidden states `[batch, seq, hidden]` of `input_ids` `[batch, seq]` (u32) at
+    /// `position_ids` `[batch, seq]` (u32). `key_mask` `[batch, past + seq]` marks real tokens
+    /// (1) and padding (0) over the cached and the new positions. With a cache, its keys and
+    /// values are used and extended.
+    pub fn forward_hidden(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        key_mask: &Tensor,
+        mut cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let (b, t) = input_ids.dims2()?;
+        let past = cache.as_ref().map(|c| c.len()).unwrap_or(0);
+        let s = past + t;
+        if key_mask.dims2()? != (b, s) {
+            return Err(candle_core::Error::Msg(format!(
+                "key_mask must be [{b}, {s}] (batch, past + new), got {:?}",
+                key_mask.dims()
+            )));
+        }
+        let (cos, sin) = self.rotary(position_ids)?; // [b, 1, t, head_dim]
+        let mask = self.attention_bias(key_mask, b, t, past)?; // [b, 1, t, s]
+        let mut x = self.embed.embedding(&input_ids.flatten_all()?)?.reshape((
+            b,
+            t,
+            self.args.hidden_size,
+        ))?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let slot = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            x = self.block(layer, &x, &cos, &sin, &mask, slot)?;
+        }
+        rms_norm(&x, &self.norm, self.args.rms_norm_eps)
+    }
+
+    /// Logits `[batch, seq, vocab]` (f32 for half-precision models) from hidden states. Prefer
+    /// [`CausalLm::token_logprobs`] for long sequences: it never holds all the logits at once.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        upcast(&hidden.broadcast_matmul(&self.output_weight()?.t()?)?)
+    }
+
+    /// Log-probabilities of `targets` `[batch, seq]` under the logits at `hidden`
+    /// `[batch, seq, hidden]`, and the entropy of each position's distribution when asked,
+    /// computed `chunk` positions at a time: `[batch, seq]` each (f32 for half-precision models).
+    pub fn token_logprobs(
+        &self,
+        hidden: &Tensor,
+        targets: &Tensor,
+        chunk: usize,
+        with_entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (b, t, h) = hidden.dims3()?;
+        let rows = hidden.reshape((b * t, h))?;
+        let tgt = targets.flatten_all()?;
+        let w = self.output_weight()?.t()?;
+        let chunk = chunk.max(1);
+        let (mut lps, mut ents) = (Vec::new(), Vec::new());
+        let mut start = 0;
+        while start < b * t {
+            let n = chunk.min(b * t - start);
+            let logits = upcast(&rows.narrow(0, start, n)?.matmul(&w)?)?; // [n, vocab]
+            let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+            let idx = tgt.narrow(0, start, n)?.unsqueeze(1)?;
+            lps.push(lsm.contiguous()?.gather(&idx, 1)?.squeeze(1)?);
+            if with_entropy {
+                ents.push((lsm.exp()? * &lsm)?.sum(D::Minus1)?.neg()?);
+            }
+            start += n;
+        }
+        let lp = Tensor::cat(&lps, 0)?.reshape((b, t))?;
+        let ent = if with_entropy {
+            Some(Tensor::cat(&ents, 0)?.reshape((b, t))?)
+        } else {
+            None
+        };
+        Ok((lp, ent))
+    }
+
+    /// cos and sin of each row's positions: `[batch, 1, seq, head_dim]` (HF's half-split layout).
+    fn rotary(&self, position_ids: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (b, t) = position_ids.dims2()?;
+        let hd = self.args.head_dim;
+        let pos: Vec<u32> = position_ids
+            .to_dtype(DType::U32)?
+            .flatten_all()?
+            .to_vec1()?;
+        let half = hd / 2;
+        let inv: Vec<f64> = (0..half)
+            .map(|i| 1.0 / self.args.rope_theta.powf(2.0 * i as f64 / hd as f64))
+            .collect();
+        let mut cos = Vec::with_capacity(b * t * hd);
+        let mut sin = Vec::with_capacity(b * t * hd);
+        for &p in &pos {
+            for rep in 0..2 {
+                let _ = rep;
+                for f in &inv {
+                    let a = p as f64 * f;
+                    cos.push(a.cos() as f32);
+                    sin.push(a.sin() as f32);
+                }
+            }
+        }
+        let shape = (b, 1, t, hd);
+        let cos = Tensor::from_vec(cos, shape, &Device::Cpu)?
+            .to_dtype(self.dtype)?
+            .to_device(&self.device)?;
+        let sin = Tensor::from_vec(sin, shape, &Device::Cpu)?
+            .to_dtype(self.dtype)?
+            .to_device(&self.device)?;
+        Ok((cos, sin))
+    }
+
+    /// Additive attention bias `[batch, 1, seq, past + seq]`: 0 where query `i` may attend key
+    /// `j` (causal: `j <= past + i`, and key `j` is a real token), −1e9 elsewhere.
+    fn attention_bias(&self, key_mask: &Tensor, b: usize, t: usize, past: usize) -> Result<Tensor> {
+        let s = past + t;
+        let km: Vec<f32> = key_mask.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let mut bias = vec![0f32; b * t * s];
+        for r in 0..b {
+            for i in 0..t {
+                for j in 0..s {
+                    if j > past + i || km[r * s + j] == 0.0 {
+                        bias[(r * t + i) * s + j] = -1e9;
+                    }
+                }
+            }
+        }
+        Tensor::from_vec(bias, (b, 1, t, s), &Device::Cpu)?
+            .to_dtype(self.dtype)?
+            .to_device(&self.device)
+    }
+
+    fn block(
+        &self,
+        l: &Block,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let a = &self.args;
+        let (nh, nkv, hd) = (a.num_attention_heads, a.num_key_value_heads, a.head_dim);
+        let h = rms_norm(x, &l.ln1, a.rms_norm_eps)?;
+        let q = l.q.forward(&h)?.reshape((b, t, nh, hd))?.transpose(1, 2)?; // [b, nh, t, hd]
+        let k = l.k.forward(&h)?.reshape((b, t, nkv, hd))?.transpose(1, 2)?; // [b, nkv, t, hd]
+        let v = l.v.forward(&h)?.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
+        let q = (q.broadcast_mul(cos)? + rotate_half(&q)?.broadcast_mul(sin)?)?;
+        let k = (k.broadcast_mul(cos)? + rotate_half(&k)?.broadcast_mul(sin)?)?;
+        let (k, v) = match cache {
+            Some(slot) => {
+                let (k, v) = match slot.take() {
+                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+                    None => (k.contiguous()?, v.contiguous()?),
+                };
+                *slot = Some((k.clone(), v.clone()));
+                (k, v)
+            }
+            None => (k, v),
+        };
+        let s = k.dim(2)?;
+        let rep = nh / nkv;
+        let repeat = |x: Tensor| -> Result<Tensor> {
+            if rep == 1 {
+                x.contiguous()
+            } else {
+                x.unsqueeze(2)?
+                    .expand((b, nkv, rep, s, hd))?
+                    .reshape((b, nh, s, hd))
+            }
+        };
+        let (k, v) = (repeat(k)?, repeat(v)?);
+        let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?
+            .broadcast_add(mask)?; // [b, nh, t, s]
+        let probs = candle_nn::ops::softmax(&upcast(&scores)?, D::Minus1)?.to_dtype(self.dtype)?;
+        let attn = probs
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((b, t, nh * hd))?; // [b, t, nh·hd]
+        let x = (x + l.o.forward(&attn)?)?;
+        let h = rms_norm(&x, &l.ln2, a.rms_norm_eps)?;
+        let mlp = l
+            .down
+            .forward(&(l.gate.forward(&h)?.silu()? * l.up.forward(&h)?)?)?;
+        x + mlp
+    }
+}
