@@ -300,3 +300,139 @@ fn gradients_match_finite_differences_in_f64() {
         }
     }
 }
+
+#[test]
+fn save_and_load_round_trip_single_and_sharded() {
+    for (arch, shard) in [(Arch::Llama, None), (Arch::Qwen2, Some(20_000usize))] {
+        let (vm, m) = model(arch, DType::F32);
+        let dir = tempfile::tempdir().unwrap();
+        let tok = tempfile::tempdir().unwrap();
+        crate::testing::write_tokenizer_dir(tok.path()).unwrap();
+        hf::save_dir(&vm, &m.args, dir.path(), &[258], Some(tok.path()), shard).unwrap();
+        if shard.is_some() {
+            assert!(dir.path().join("model.safetensors.index.json").is_file());
+            let n = std::fs::read_dir(dir.path())
+                .unwrap()
+                .filter(|e| {
+                    e.as_ref()
+                        .unwrap()
+                        .file_name()
+                        .to_string_lossy()
+                        .ends_with(".safetensors")
+                })
+                .count();
+            assert!(n > 1, "sharded into {n} files");
+        }
+        assert!(
+            dir.path().join("tokenizer.json").is_file()
+                && dir.path().join("generation_config.json").is_file()
+        );
+        let loaded = hf::load_dir(
+            dir.path(),
+            &Default::default(),
+            DType::F32,
+            &Device::Cpu,
+            true,
+        )
+        .unwrap();
+        assert_eq!(loaded.model.args, m.args);
+        let (pi, pm, pp) = left_pad(&[vec![3, 1, 4, 1, 5], vec![9, 2]], 0);
+        let a = m
+            .logits(&m.forward_hidden(&pi, &pp, &pm, None).unwrap())
+            .unwrap();
+        let b = loaded
+            .model
+            .logits(&loaded.model.forward_hidden(&pi, &pp, &pm, None).unwrap())
+            .unwrap();
+        assert_eq!(
+            max_diff(&a, &b),
+            0.0,
+            "{arch:?}: identical outputs after the round trip"
+        );
+        // The tokenizer bundle reads the saved directory.
+        let bundle = crate::data::TokenizerBundle::from_dir(dir.path()).unwrap();
+        assert_eq!(bundle.eos_token_ids, vec![258]);
+    }
+}
+
+#[test]
+fn load_errors_name_the_file_and_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = hf::load_dir(
+        dir.path(),
+        &Default::default(),
+        DType::F32,
+        &Device::Cpu,
+        true,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("no config.json"), "{e}");
+    let (vm, m) = model(Arch::Llama, DType::F32);
+    hf::save_dir(&vm, &m.args, dir.path(), &[1], None, None).unwrap();
+    // Unsupported architecture.
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap())
+            .unwrap();
+    cfg["architectures"] = serde_json::json!(["GPT2LMHeadModel"]);
+    cfg["model_type"] = serde_json::json!("gpt2");
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let e = hf::load_dir(
+        dir.path(),
+        &Default::default(),
+        DType::F32,
+        &Device::Cpu,
+        true,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("GPT2LMHeadModel") && e.contains("LlamaForCausalLM"),
+        "{e}"
+    );
+    // A shape mismatch names the tensor.
+    cfg["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
+    cfg["model_type"] = serde_json::json!("llama");
+    cfg["intermediate_size"] = serde_json::json!(64);
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let e = hf::load_dir(
+        dir.path(),
+        &Default::default(),
+        DType::F32,
+        &Device::Cpu,
+        true,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("mlp") && e.contains("[64, 32]") && e.contains("[48, 32]"),
+        "{e}"
+    );
+    // override_config applies before the check.
+    hf::load_dir(
+        dir.path(),
+        &serde_json::Map::from_iter([("intermediate_size".to_string(), serde_json::json!(48))]),
+        DType::F32,
+        &Device::Cpu,
+        true,
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("model.safetensors"), b"garbage").unwrap();
+    let e = hf::load_dir(
+        dir.path(),
+        &Default::default(),
+        DType::F32,
+        &Device::Cpu,
+        true,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("model.safetensors") && e.contains("safetensors"),
+        "{e}"
+    );
+}

@@ -1,0 +1,222 @@
+//! HF model directories: `config.json` + `model.safetensors` (or shards listed in
+//! `model.safetensors.index.json`), loaded into trainable variables, and saved back in the same
+//! layout (with the tokenizer files and `generation_config.json`) so that this program and HF
+//! transformers both load the result.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use serde_json::Value;
+
+use super::config::ModelArgs;
+use super::transformer::CausalLm;
+use super::ModelError;
+
+/// A model with its variables (the trainer's optimizer updates these).
+pub struct Loaded {
+    pub model: CausalLm,
+    pub varmap: VarMap,
+}
+
+fn read_json(path: &Path) -> Result<Value, ModelError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ModelError::file(path, e.to_string()))?;
+    serde_json::from_str(&text).map_err(|e| ModelError::file(path, format!("not valid JSON: {e}")))
+}
+
+/// `config.json` with `override_config` entries applied.
+pub fn read_config(
+    dir: &Path,
+    overrides: &serde_json::Map<String, Value>,
+) -> Result<ModelArgs, ModelError> {
+    let path = dir.join("config.json");
+    if !path.is_file() {
+        return Err(ModelError::file(
+            dir,
+            "no config.json (an HF model directory has config.json and model.safetensors)".into(),
+        ));
+    }
+    let mut v = read_json(&path)?;
+    if let Some(obj) = v.as_object_mut() {
+        for (k, val) in overrides {
+            obj.insert(k.clone(), val.clone());
+        }
+    }
+    ModelArgs::from_hf(&v).map_err(|m| ModelError::file(&path, m))
+}
+
+/// The safetensors files of a checkpoint directory.
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let v = read_json(&index)?;
+        let map = v
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| ModelError::file(&index, "no `weight_map` object".into()))?;
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(Value::as_str)
+            .map(str::to_string)
+            .collect();
+        files.sort();
+        files.dedup();
+        let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
+        if let Some(missing) = paths.iter().find(|p| !p.is_file()) {
+            return Err(ModelError::file(
+                missing,
+                "listed in model.safetensors.index.json but missing".into(),
+            ));
+        }
+        return Ok(paths);
+    }
+    Err(ModelError::file(dir, "no model.safetensors or model.safetensors.index.json (PyTorch .bin checkpoints are not supported: convert them to safetensors)".into()))
+}
+
+/// Copies `tensors` into the model's variables; every variable must be found with its shape.
+pub fn assign(
+    varmap: &VarMap,
+    tensors: &HashMap<String, Tensor>,
+    source: &Path,
+) -> Result<(), ModelError> {
+    let data = varmap.data().lock().expect("varmap lock");
+    for (name, var) in data.iter() {
+        let t = tensors.get(name).ok_or_else(|| ModelError::Missing {
+            name: name.clone(),
+            file: source.display().to_string(),
+        })?;
+        if t.dims() != var.as_tensor().dims() {
+            return Err(ModelError::Shape {
+                name: name.clone(),
+                expected: var.as_tensor().dims().to_vec(),
+                found: t.dims().to_vec(),
+            });
+        }
+        var.set(
+            &t.to_dtype(var.as_tensor().dtype())?
+                .to_device(var.as_tensor().device())?,
+        )?;
+    }
+    Ok(())
+}
+
+/// Loads an HF directory as trainable variables of `dtype` on `device`. Without an LM head the
+/// backbone is loaded alone (critic, reward model).
+pub fn load_dir(
+    dir: &Path,
+    overrides: &serde_json::Map<String, Value>,
+    dtype: DType,
+    device: &Device,
+    with_lm_head: bool,
+) -> Result<Loaded, ModelError> {
+    let args = read_config(dir, overrides)?;
+    let varmap = VarMap::new();
+    let model = CausalLm::new(
+        &args,
+        VarBuilder::from_varmap(&varmap, dtype, device),
+        with_lm_head,
+    )?;
+    let mut tensors = HashMap::new();
+    for f in weight_files(dir)? {
+        let part = candle_core::safetensors::load(&f, &Device::Cpu)
+            .map_err(|e| ModelError::file(&f, format!("not a readable safetensors file: {e}")))?;
+        tensors.extend(part);
+    }
+    assign(&varmap, &tensors, dir)?;
+    Ok(Loaded { model, varmap })
+}
+
+/// Token files copied next to saved weights.
+const TOKENIZER_FILES: [&str; 5] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "vocab.json",
+];
+
+/// Writes an HF directory: `config.json`, weights (one `model.safetensors`, or shards of at most
+/// `shard_bytes` with `model.safetensors.index.json`), `generation_config.json`, and the
+/// tokenizer files found in `tokenizer_dir`.
+pub fn save_dir(
+    varmap: &VarMap,
+    args: &ModelArgs,
+    dir: &Path,
+    eos_token_ids: &[u32],
+    tokenizer_dir: Option<&Path>,
+    shard_bytes: Option<usize>,
+) -> Result<(), ModelError> {
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::file(dir, e.to_string()))?;
+    let io = |p: &Path, e: std::io::Error| ModelError::file(p, e.to_string());
+    let cfg = dir.join("config.json");
+    std::fs::write(
+        &cfg,
+        serde_json::to_string_pretty(&args.to_hf()).expect("json"),
+    )
+    .map_err(|e| io(&cfg, e))?;
+    let gen = dir.join("generation_config.json");
+    std::fs::write(
+        &gen,
+        serde_json::to_string_pretty(&serde_json::json!({"eos_token_id": eos_token_ids}))
+            .expect("json"),
+    )
+    .map_err(|e| io(&gen, e))?;
+    let data = varmap.data().lock().expect("varmap lock");
+    let named: BTreeMap<String, Tensor> = data
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    drop(data);
+    let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+    let mut shards: Vec<Vec<(String, Tensor)>> = vec![Vec::new()];
+    let mut size = 0;
+    for (k, t) in named {
+        if let Some(limit) = shard_bytes {
+            if size > 0 && size + bytes(&t) > limit {
+                shards.push(Vec::new());
+                size = 0;
+            }
+        }
+        size += bytes(&t);
+        shards.last_mut().expect("non-empty").push((k, t));
+    }
+    if shards.len() == 1 {
+        let p = dir.join("model.safetensors");
+        let map: HashMap<String, Tensor> = shards.pop().expect("one").into_iter().collect();
+        candle_core::safetensors::save(&map, &p)
+            .map_err(|e| ModelError::file(&p, e.to_string()))?;
+    } else {
+        let n = shards.len();
+        let mut weight_map = serde_json::Map::new();
+        let mut total = 0usize;
+        for (i, shard) in shards.into_iter().enumerate() {
+            let name = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+            for (k, t) in &shard {
+                weight_map.insert(k.clone(), Value::String(name.clone()));
+                total += bytes(t);
+            }
+            let p = dir.join(&name);
+            let map: HashMap<String, Tensor> = shard.into_iter().collect();
+            candle_core::safetensors::save(&map, &p)
+                .map_err(|e| ModelError::file(&p, e.to_string()))?;
+        }
+        let idx = dir.join("model.safetensors.index.json");
+        let v = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        std::fs::write(&idx, serde_json::to_string_pretty(&v).expect("json"))
+            .map_err(|e| io(&idx, e))?;
+    }
+    if let Some(src) = tokenizer_dir {
+        for f in TOKENIZER_FILES {
+            let from = src.join(f);
+            if from.is_file() && src != dir {
+                std::fs::copy(&from, dir.join(f)).map_err(|e| io(&from, e))?;
+            }
+        }
+    }
+    Ok(())
+}
