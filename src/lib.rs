@@ -11,5 +11,6 @@ pub mod config;
 pub mod data;
 pub mod model;
 pub mod reward;
+pub mod rollout;
 #[doc(hidden)]
 pub mod testing;

@@ -1,0 +1,303 @@
+//! Batched generation with a KV cache: left-padded prompts in, sampled responses out, with the
+//! log-probability of each sampled token and why each row stopped. Rows that finish leave the
+//! batch (their cache rows are dropped), so they stop costing compute.
+//!
+//! Sampling follows vLLM/HF semantics: temperature, then top-k, then top-p (nucleus) on the
+//! remaining probabilities; `do_sample=false` or temperature 0 decodes greedily.
+
+use candle_core::{DType, Device, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::config::{RolloutConfig, SamplingConfig};
+use crate::model::{CausalLm, KvCache};
+
+/// How tokens are chosen.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    pub greedy: bool,
+    pub temperature: f64,
+    /// Keep the k most likely tokens (`None` = all).
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of tokens whose probability reaches p.
+    pub top_p: f64,
+    pub max_new_tokens: usize,
+    pub eos_ids: Vec<u32>,
+    /// Keep generating after EOS, up to max_new_tokens.
+    pub ignore_eos: bool,
+}
+
+impl SamplingParams {
+    fn from_parts(
+        do_sample: bool,
+        temperature: f64,
+        top_k: i64,
+        top_p: f64,
+        max_new_tokens: usize,
+        eos_ids: &[u32],
+        ignore_eos: bool,
+    ) -> Self {
+        Self {
+            greedy: !do_sample || temperature <= 0.0,
+            temperature,
+            top_k: if top_k > 0 {
+                Some(top_k as usize)
+            } else {
+                None
+            },
+            top_p,
+            max_new_tokens,
+            eos_ids: eos_ids.to_vec(),
+            ignore_eos,
+        }
+    }
+
+    /// Training rollouts (`actor_rollout_ref.rollout.*`).
+    pub fn train(r: &RolloutConfig, max_new_tokens: usize, eos_ids: &[u32]) -> Self {
+        Self::from_parts(
+            r.do_sample,
+            r.temperature,
+            r.top_k,
+            r.top_p,
+            max_new_tokens,
+            eos_ids,
+            r.ignore_eos,
+        )
+    }
+
+    /// Validation (`rollout.val_kwargs`).
+    pub fn validation(
+        v: &SamplingConfig,
+        max_new_tokens: usize,
+        eos_ids: &[u32],
+        ignore_eos: bool,
+    ) -> Self {
+        Self::from_parts(
+            v.do_sample,
+            v.temperature,
+            v.top_k,
+            v.top_p,
+            max_new_tokens,
+            eos_ids,
+            ignore_eos,
+        )
+    }
+}
+
+/// Why a response ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// An EOS token was sampled (it is the response's last token).
+    Eos,
+    /// `max_new_tokens` were generated.
+    Length,
+}
+
+/// Generated responses, one per prompt row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rollout {
+    /// Sampled tokens, EOS included when it ended the row.
+    pub responses: Vec<Vec<u32>>,
+    /// Log-probability of each sampled token under the model's full distribution
+    /// (before temperature and filtering).
+    pub log_probs: Vec<Vec<f32>>,
+    pub stop: Vec<StopReason>,
+}
+
+/// The sampler's random state: a seed and a position in its stream, so a checkpoint can resume
+/// the exact sequence of draws.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SamplerState {
+    pub seed: u64,
+    pub word_pos: u128,
+}
+
+/// A seeded sampler RNG.
+pub struct Sampler {
+    rng: ChaCha8Rng,
+    seed: u64,
+}
+
+impl Sampler {
+    pub fn new(seed: u64) -> Self {
+        Self {
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            seed,
+        }
+    }
+    pub fn state(&self) -> SamplerState {
+        SamplerState {
+            seed: self.seed,
+            word_pos: self.rng.get_word_pos(),
+        }
+    }
+    pub fn restore(s: SamplerState) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(s.seed);
+        rng.set_word_pos(s.word_pos);
+        Self { rng, seed: s.seed }
+    }
+}
+
+/// Chooses a token from one row of logits; returns (token, log-prob under the raw distribution).
+pub fn sample_row(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> (u32, f32) {
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
+    let pick = if p.greedy {
+        // First maximum (lowest id) on ties.
+        logits
+            .iter()
+            .enumerate()
+            .fold(0, |best, (i, &l)| if l > logits[best] { i } else { best })
+    } else {
+        let t = p.temperature as f32;
+        let mut cand: Vec<(usize, f32)> = logits.iter().map(|&l| l / t).enumerate().collect();
+        let filtering = p.top_k.is_some_and(|k| k < cand.len()) || p.top_p < 1.0;
+        if filtering {
+            cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            if let Some(k) = p.top_k {
+                cand.truncate(k.max(1));
+            }
+        }
+        let m = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+        let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 - m) as f64).exp()).collect();
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= total);
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let mut keep = probs.len();
+            for (i, x) in probs.iter().enumerate() {
+                acc += x;
+                if acc >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            cand.truncate(keep);
+            probs.truncate(keep);
+            let t: f64 = probs.iter().sum();
+            probs.iter_mut().for_each(|x| *x /= t);
+        }
+        let u: f64 = rng.random();
+        let mut acc = 0.0;
+        let mut chosen = cand[cand.len() - 1].0;
+        for (c, pr) in cand.iter().zip(&probs) {
+            acc += pr;
+            if u < acc {
+                chosen = c.0;
+                break;
+            }
+        }
+        chosen
+    };
+    (pick as u32, logits[pick] - lse)
+}
+
+/// Generates for a left-padded batch: `input_ids`, `attention_mask` (1 real / 0 pad) and
+/// `position_ids`, all `[batch, width]` u32 row-major.
+pub fn generate(
+    model: &CausalLm,
+    input_ids: &[u32],
+    attention_mask: &[u8],
+    batch: usize,
+    width: usize,
+    p: &SamplingParams,
+    sampler: &mut Sampler,
+) -> candle_core::Result<Rollout> {
+    let dev = model.device().clone();
+    let mut rollout = Rollout {
+        responses: vec![Vec::new(); batch],
+        log_probs: vec![Vec::new(); batch],
+        stop: vec![StopReason::Length; batch],
+    };
+    if batch == 0 || p.max_new_tokens == 0 {
+        return Ok(rollout);
+    }
+    let u32s = |v: Vec<u32>, shape: (usize, usize)| {
+        Tensor::from_vec(v, shape, &Device::Cpu).and_then(|t| t.to_device(&dev))
+    };
+    let prompt_len: Vec<usize> = (0..batch)
+        .map(|r| {
+            attention_mask[r * width..(r + 1) * width]
+                .iter()
+                .filter(|&&m| m == 1)
+                .count()
+        })
+        .collect();
+    let mut positions = Vec::with_capacity(batch * width);
+    for r in 0..batch {
+        let pad = width - prompt_len[r];
+        positions.extend(std::iter::repeat_n(0u32, pad));
+        positions.extend(0..prompt_len[r] as u32);
+    }
+    let mut masks: Vec<Vec<u32>> = (0..batch)
+        .map(|r| {
+            attention_mask[r * width..(r + 1) * width]
+                .iter()
+                .map(|&m| m as u32)
+                .collect()
+        })
+        .collect();
+    let mut cache = KvCache::new(model.args.num_hidden_layers);
+    let hidden = model.forward_hidden(
+        &u32s(input_ids.to_vec(), (batch, width))?,
+        &u32s(positions, (batch, width))?,
+        &u32s(masks.concat(), (batch, width))?,
+        Some(&mut cache),
+    )?;
+    let mut last = hidden.narrow(1, width - 1, 1)?.squeeze(1)?; // [active, hidden]
+    let mut active: Vec<usize> = (0..batch).collect();
+    for step in 0..p.max_new_tokens {
+        let logits: Vec<Vec<f32>> = model
+            .logits(&last.unsqueeze(1)?)?
+            .squeeze(1)?
+            .to_dtype(DType::F32)?
+            .to_vec2()?;
+        let mut next = Vec::with_capacity(active.len());
+        let mut still = Vec::with_capacity(active.len());
+        for (slot, &row) in active.iter().enumerate() {
+            let (tok, lp) = sample_row(&logits[slot], p, &mut sampler.rng);
+            rollout.responses[row].push(tok);
+            rollout.log_probs[row].push(lp);
+            if !p.ignore_eos && p.eos_ids.contains(&tok) {
+                rollout.stop[row] = StopReason::Eos;
+            } else if step + 1 < p.max_new_tokens {
+                still.push(slot);
+                next.push(tok);
+            }
+        }
+        if still.is_empty() {
+            break;
+        }
+        if still.len() < active.len() {
+            let keep = Tensor::from_vec(
+                still.iter().map(|&s| s as u32).collect::<Vec<u32>>(),
+                still.len(),
+                &Device::Cpu,
+            )?
+            .to_device(&dev)?;
+            cache.select_rows(&keep)?;
+        }
+        active = still.iter().map(|&s| active[s]).collect();
+        let n = active.len();
+        let pos: Vec<u32> = active
+            .iter()
+            .map(|&r| (prompt_len[r] + step) as u32)
+            .collect();
+        for &r in &active {
+            masks[r].push(1);
+        }
+        let key_mask: Vec<u32> = active.iter().flat_map(|&r| masks[r].clone()).collect();
+        let w = masks[active[0]].len();
+        let h = model.forward_hidden(
+            &u32s(next, (n, 1))?,
+            &u32s(pos, (n, 1))?,
+            &u32s(key_mask, (n, w))?,
+            Some(&mut cache),
+        )?;
+        last = h.squeeze(1)?;
+    }
+    Ok(rollout)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,186 @@
+//! Generation on tiny random models.
+
+use candle_nn::{VarBuilder, VarMap};
+
+use super::*;
+use crate::model::{Arch, ModelArgs};
+
+fn model() -> (VarMap, CausalLm) {
+    let vm = VarMap::new();
+    let args = ModelArgs::tiny(Arch::Llama, 50);
+    let m = CausalLm::new(
+        &args,
+        VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
+        true,
+    )
+    .unwrap();
+    for (_, var) in vm.data().lock().unwrap().iter() {
+        let t = var.as_tensor();
+        if t.rank() == 2 {
+            var.set(&Tensor::randn(0f32, 0.5, t.shape(), &Device::Cpu).unwrap())
+                .unwrap();
+        }
+    }
+    (vm, m)
+}
+
+fn left_pad(prompts: &[Vec<u32>]) -> (Vec<u32>, Vec<u8>, usize) {
+    let w = prompts.iter().map(Vec::len).max().unwrap();
+    let mut ids = Vec::new();
+    let mut mask = Vec::new();
+    for p in prompts {
+        ids.extend(std::iter::repeat_n(0u32, w - p.len()));
+        ids.extend(p);
+        mask.extend(std::iter::repeat_n(0u8, w - p.len()));
+        mask.extend(std::iter::repeat_n(1u8, p.len()));
+    }
+    (ids, mask, w)
+}
+
+fn run(m: &CausalLm, prompts: &[Vec<u32>], p: &SamplingParams, seed: u64) -> Rollout {
+    let (ids, mask, w) = left_pad(prompts);
+    generate(m, &ids, &mask, prompts.len(), w, p, &mut Sampler::new(seed)).unwrap()
+}
+
+fn greedy(max: usize, eos: Vec<u32>) -> SamplingParams {
+    SamplingParams {
+        greedy: true,
+        temperature: 0.0,
+        top_k: None,
+        top_p: 1.0,
+        max_new_tokens: max,
+        eos_ids: eos,
+        ignore_eos: false,
+    }
+}
+
+#[test]
+fn batched_greedy_equals_each_prompt_alone() {
+    let (_vm, m) = model();
+    let prompts = vec![vec![3u32, 14, 15, 9, 26], vec![5, 35], vec![8, 9, 7, 9]];
+    let p = greedy(12, vec![]);
+    let batched = run(&m, &prompts, &p, 0);
+    for (i, pr) in prompts.iter().enumerate() {
+        let alone = run(&m, std::slice::from_ref(pr), &p, 0);
+        assert_eq!(batched.responses[i], alone.responses[0], "prompt {i}");
+        for (a, b) in batched.log_probs[i].iter().zip(&alone.log_probs[0]) {
+            assert!((a - b).abs() < 1e-4);
+        }
+    }
+}
+
+#[test]
+fn eos_stops_a_row_and_others_continue() {
+    let (_vm, m) = model();
+    let prompts = vec![vec![3u32, 14, 15], vec![5, 35, 2, 7]];
+    let free = run(&m, &prompts, &greedy(10, vec![]), 0);
+    // Make row 0's third greedy token an EOS id: row 0 stops there, row 1 is unaffected
+    // unless it emits that token too.
+    let eos = free.responses[0][2];
+    let with_eos = run(&m, &prompts, &greedy(10, vec![eos]), 0);
+    let first = free.responses[0].iter().position(|&t| t == eos).unwrap();
+    assert_eq!(with_eos.responses[0], free.responses[0][..=first].to_vec());
+    assert_eq!(with_eos.stop[0], StopReason::Eos);
+    let cut1 = free.responses[1]
+        .iter()
+        .position(|&t| t == eos)
+        .map(|i| i + 1)
+        .unwrap_or(10);
+    assert_eq!(with_eos.responses[1], free.responses[1][..cut1].to_vec());
+    assert_eq!(free.stop[1], StopReason::Length);
+    assert_eq!(free.responses[1].len(), 10);
+    // ignore_eos generates on.
+    let mut ig = greedy(10, vec![eos]);
+    ig.ignore_eos = true;
+    assert_eq!(run(&m, &prompts, &ig, 0).responses[0], free.responses[0]);
+}
+
+#[test]
+fn sampling_is_seeded_and_log_probs_are_the_models() {
+    let (_vm, m) = model();
+    let prompts = vec![vec![1u32, 2, 3], vec![1, 2, 3]];
+    let p = SamplingParams {
+        greedy: false,
+        temperature: 1.0,
+        top_k: None,
+        top_p: 1.0,
+        max_new_tokens: 8,
+        eos_ids: vec![],
+        ignore_eos: false,
+    };
+    let a = run(&m, &prompts, &p, 7);
+    assert_eq!(a, run(&m, &prompts, &p, 7), "same seed, same samples");
+    assert_ne!(
+        a.responses,
+        run(&m, &prompts, &p, 8).responses,
+        "another seed, other samples"
+    );
+    // The recorded log-probs equal a full forward's log-softmax at the sampled tokens.
+    let seq: Vec<u32> = [prompts[0].clone(), a.responses[0].clone()].concat();
+    let n = seq.len();
+    let ids = Tensor::new(vec![seq.clone()], &Device::Cpu).unwrap();
+    let pos = Tensor::new(vec![(0..n as u32).collect::<Vec<_>>()], &Device::Cpu).unwrap();
+    let mask = Tensor::new(vec![vec![1u32; n]], &Device::Cpu).unwrap();
+    let h = m.forward_hidden(&ids, &pos, &mask, None).unwrap();
+    let tgt = Tensor::new(vec![[seq[1..].to_vec(), vec![0]].concat()], &Device::Cpu).unwrap();
+    let (lp, _) = m.token_logprobs(&h, &tgt, 4, false).unwrap();
+    let lp: Vec<f32> = lp.get(0).unwrap().to_vec1().unwrap();
+    for (k, got) in a.log_probs[0].iter().enumerate() {
+        assert!(
+            (got - lp[2 + k]).abs() < 1e-4,
+            "token {k}: {got} vs {}",
+            lp[2 + k]
+        );
+    }
+}
+
+#[test]
+fn top_k_one_and_tiny_top_p_are_greedy() {
+    let logits = [0.1f32, 2.0, -1.0, 1.9, 0.0];
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let k1 = SamplingParams {
+        greedy: false,
+        temperature: 1.0,
+        top_k: Some(1),
+        top_p: 1.0,
+        max_new_tokens: 1,
+        eos_ids: vec![],
+        ignore_eos: false,
+    };
+    let p0 = SamplingParams {
+        top_k: None,
+        top_p: 1e-6,
+        ..k1.clone()
+    };
+    for _ in 0..20 {
+        assert_eq!(sample_row(&logits, &k1, &mut rng).0, 1);
+        assert_eq!(sample_row(&logits, &p0, &mut rng).0, 1);
+    }
+    // top_k=2 never picks outside the two best; the frequencies follow softmax over them.
+    let k2 = SamplingParams {
+        top_k: Some(2),
+        ..k1.clone()
+    };
+    let mut counts = [0usize; 5];
+    for _ in 0..20_000 {
+        counts[sample_row(&logits, &k2, &mut rng).0 as usize] += 1;
+    }
+    assert_eq!(counts[0] + counts[2] + counts[4], 0);
+    let want = 1.0 / (1.0 + (-0.1f64).exp()); // p(1) = e^2 / (e^2 + e^1.9)
+    let got = counts[1] as f64 / 20_000.0;
+    assert!((got - want).abs() < 0.02, "{got} vs {want}");
+    // The log-prob is always under the raw distribution.
+    let lse = logits.iter().map(|l| l.exp()).sum::<f32>().ln();
+    assert!((sample_row(&logits, &k1, &mut rng).1 - (2.0 - lse)).abs() < 1e-6);
+}
+
+#[test]
+fn sampler_state_resumes_the_stream() {
+    let mut a = Sampler::new(3);
+    let _: f64 = a.rng.random();
+    let saved = a.state();
+    let x: Vec<f64> = (0..5).map(|_| a.rng.random()).collect();
+    let mut b = Sampler::restore(saved);
+    let y: Vec<f64> = (0..5).map(|_| b.rng.random()).collect();
+    assert_eq!(x, y);
+}
