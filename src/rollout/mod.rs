@@ -224,10 +224,9 @@ pub fn generate(
         })
         .collect();
     let mut positions = Vec::with_capacity(batch * width);
-    for r in 0..batch {
-        let pad = width - prompt_len[r];
-        positions.extend(std::iter::repeat_n(0u32, pad));
-        positions.extend(0..prompt_len[r] as u32);
+    for &len in &prompt_len {
+        positions.extend(std::iter::repeat_n(0u32, width - len));
+        positions.extend(0..len as u32);
     }
     let mut masks: Vec<Vec<u32>> = (0..batch)
         .map(|r| {
