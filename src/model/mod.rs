@@ -2,9 +2,11 @@
 //!
 //! - `config`: architecture hyper-parameters from an HF `config.json`,
 //! - `transformer`: the differentiable decoder, caller-owned KV cache, chunked log-probs,
+//! - `gguf`: llama.cpp files (dequantised; tokenizer and chat template from the metadata),
 //! - `hf`: HF directories (config.json + safetensors, sharded or not), load and save.
 
 pub mod config;
+pub mod gguf;
 pub mod hf;
 pub mod transformer;
 

@@ -436,3 +436,196 @@ fn load_errors_name_the_file_and_tensor() {
         "{e}"
     );
 }
+
+/// Writes a model as llama.cpp would: GGUF names, permuted Llama Q/K rows, `dtype` storage,
+/// and a byte-level tokenizer in the metadata.
+fn write_gguf(
+    vm: &VarMap,
+    args: &ModelArgs,
+    path: &std::path::Path,
+    dtype: candle_core::quantized::GgmlDType,
+) {
+    use candle_core::quantized::gguf_file::Value as G;
+    use candle_core::quantized::QTensor;
+    let data = vm.data().lock().unwrap();
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    for (name, var) in data.iter() {
+        let t = var.as_tensor().clone();
+        let gg = if name == "model.embed_tokens.weight" {
+            "token_embd.weight".to_string()
+        } else if name == "model.norm.weight" {
+            "output_norm.weight".to_string()
+        } else if name == "lm_head.weight" {
+            "output.weight".to_string()
+        } else {
+            let rest = name.strip_prefix("model.layers.").unwrap();
+            let (n, part) = rest.split_once('.').unwrap();
+            let p = match part {
+                "input_layernorm.weight" => "attn_norm.weight",
+                "post_attention_layernorm.weight" => "ffn_norm.weight",
+                "self_attn.q_proj.weight" => "attn_q.weight",
+                "self_attn.k_proj.weight" => "attn_k.weight",
+                "self_attn.v_proj.weight" => "attn_v.weight",
+                "self_attn.o_proj.weight" => "attn_output.weight",
+                "mlp.gate_proj.weight" => "ffn_gate.weight",
+                "mlp.up_proj.weight" => "ffn_up.weight",
+                "mlp.down_proj.weight" => "ffn_down.weight",
+                other => panic!("unexpected {other}"),
+            };
+            format!("blk.{n}.{p}")
+        };
+        let t = if gg.ends_with("attn_q.weight") {
+            gguf::permute(&t, args.num_attention_heads).unwrap()
+        } else if gg.ends_with("attn_k.weight") {
+            gguf::permute(&t, args.num_key_value_heads).unwrap()
+        } else {
+            t
+        };
+        // 1-D tensors stay F32, as llama.cpp keeps norms.
+        let q = QTensor::quantize(
+            &t,
+            if t.rank() == 1 {
+                candle_core::quantized::GgmlDType::F32
+            } else {
+                dtype
+            },
+        )
+        .unwrap();
+        tensors.push((gg, q));
+    }
+    let tok = crate::testing::byte_tokenizer();
+    let vocab = tok.get_vocab(true);
+    let mut tokens = vec![String::new(); vocab.len()];
+    for (t, i) in &vocab {
+        tokens[*i as usize] = t.clone();
+    }
+    let types: Vec<G> = (0..tokens.len())
+        .map(|i| G::I32(if i >= 256 { 3 } else { 1 }))
+        .collect();
+    let u = |x: usize| G::U32(x as u32);
+    let meta: Vec<(&str, G)> = vec![
+        ("general.architecture", G::String("llama".into())),
+        ("llama.block_count", u(args.num_hidden_layers)),
+        ("llama.embedding_length", u(args.hidden_size)),
+        ("llama.feed_forward_length", u(args.intermediate_size)),
+        ("llama.attention.head_count", u(args.num_attention_heads)),
+        ("llama.attention.head_count_kv", u(args.num_key_value_heads)),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            G::F32(args.rms_norm_eps as f32),
+        ),
+        ("llama.rope.freq_base", G::F32(args.rope_theta as f32)),
+        ("llama.context_length", u(args.max_position_embeddings)),
+        ("llama.vocab_size", u(args.vocab_size)),
+        ("tokenizer.ggml.model", G::String("gpt2".into())),
+        ("tokenizer.ggml.pre", G::String("smollm".into())),
+        (
+            "tokenizer.ggml.tokens",
+            G::Array(tokens.iter().map(|t| G::String(t.clone())).collect()),
+        ),
+        ("tokenizer.ggml.merges", G::Array(vec![])),
+        ("tokenizer.ggml.token_type", G::Array(types)),
+        ("tokenizer.ggml.eos_token_id", u(258)),
+        (
+            "tokenizer.chat_template",
+            G::String(crate::testing::CHATML.into()),
+        ),
+    ];
+    let meta_refs: Vec<(&str, &G)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut f = std::fs::File::create(path).unwrap();
+    candle_core::quantized::gguf_file::write(&mut f, &meta_refs, &tensor_refs).unwrap();
+}
+
+#[test]
+fn a_gguf_loads_and_matches_the_same_weights_from_safetensors() {
+    use candle_core::quantized::GgmlDType;
+    let vm = VarMap::new();
+    let mut args = ModelArgs::tiny(Arch::Llama, 259);
+    args.tie_word_embeddings = false;
+    args.head_dim = 16; // d/2 = 8: the permutation is not its own inverse at this size
+    args.hidden_size = 64;
+    args.intermediate_size = 64; // row length a multiple of 32 for Q8_0 blocks
+    let m = CausalLm::new(
+        &args,
+        VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
+        true,
+    )
+    .unwrap();
+    for (_, var) in vm.data().lock().unwrap().iter() {
+        let t = var.as_tensor();
+        if t.rank() == 2 {
+            var.set(&Tensor::randn(0f32, 0.3, t.shape(), &Device::Cpu).unwrap())
+                .unwrap();
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (pi, pm, pp) = left_pad(&[vec![3, 1, 4, 1, 5, 9, 2], vec![6, 5]], 0);
+    drop(m);
+    for dtype in [GgmlDType::F32, GgmlDType::Q8_0] {
+        let path = dir.path().join(format!("m-{dtype:?}.gguf"));
+        write_gguf(&vm, &args, &path, dtype);
+        let (loaded, content) = gguf::load(&path, DType::F32, &Device::Cpu, true).unwrap();
+        assert_eq!(loaded.model.args, args);
+        let got = loaded
+            .model
+            .logits(&loaded.model.forward_hidden(&pi, &pp, &pm, None).unwrap())
+            .unwrap();
+        // The reference: the same weights after the same quantisation round trip, in the
+        // safetensors-style model (exact for F32).
+        let qvm = VarMap::new();
+        let qm = CausalLm::new(
+            &args,
+            VarBuilder::from_varmap(&qvm, DType::F32, &Device::Cpu),
+            true,
+        )
+        .unwrap();
+        for (name, var) in qvm.data().lock().unwrap().iter() {
+            let src = vm.data().lock().unwrap()[name].as_tensor().clone();
+            let t = if src.rank() == 2 {
+                candle_core::quantized::QTensor::quantize(&src, dtype)
+                    .unwrap()
+                    .dequantize(&Device::Cpu)
+                    .unwrap()
+            } else {
+                src
+            };
+            var.set(&t).unwrap();
+        }
+        let want = qm
+            .logits(&qm.forward_hidden(&pi, &pp, &pm, None).unwrap())
+            .unwrap();
+        let tol = 1e-5;
+        let d = max_diff(&got, &want);
+        assert!(d < tol, "{dtype:?}: max logit difference {d}");
+        if dtype == GgmlDType::F32 {
+            let bundle = gguf::tokenizer(&content, &path).unwrap();
+            let reference = crate::testing::byte_tokenizer();
+            for text in [
+                "Natalia sold 48 clips.<|im_end|>",
+                "ünïcödé 12345",
+                "<|im_start|>user\nhi",
+            ] {
+                let a = bundle
+                    .tokenizer
+                    .encode(text, false)
+                    .unwrap()
+                    .get_ids()
+                    .to_vec();
+                let b = reference.encode(text, false).unwrap().get_ids().to_vec();
+                // Digits are split one by one, the rest byte by byte: same ids here.
+                assert_eq!(a, b, "{text}");
+                assert_eq!(bundle.tokenizer.decode(&a, false).unwrap(), text);
+            }
+            assert_eq!(bundle.eos_token_ids, vec![258]);
+            assert!(bundle.template(None).is_ok());
+        }
+    }
+    // Not a GGUF.
+    std::fs::write(dir.path().join("bad.gguf"), b"nope").unwrap();
+    let e = gguf::load(&dir.path().join("bad.gguf"), DType::F32, &Device::Cpu, true)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("bad.gguf") && e.contains("GGUF"), "{e}");
+}

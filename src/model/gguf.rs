@@ -1,0 +1,287 @@
+//! `.gguf` files (llama.cpp): hyper-parameters from the metadata, tensors dequantised to the
+//! working dtype (any type candle reads: F32, F16, BF16, Q4_0, Q4_1, Q5_*, Q8_0, K-quants), Q/K
+//! rows un-permuted for the Llama layout, and the tokenizer and chat template rebuilt from the
+//! `tokenizer.ggml.*` metadata.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
+
+use super::config::{Arch, ModelArgs};
+use super::hf::{assign, Loaded};
+use super::transformer::CausalLm;
+use super::ModelError;
+use crate::data::{SpecialTokens, TokenizerBundle};
+
+fn meta<'a>(c: &'a Content, key: &str, path: &Path) -> Result<&'a Value, ModelError> {
+    c.metadata
+        .get(key)
+        .ok_or_else(|| ModelError::file(path, format!("GGUF metadata has no `{key}`")))
+}
+
+fn meta_u(c: &Content, key: &str, path: &Path) -> Result<usize, ModelError> {
+    let v = meta(c, key, path)?;
+    v.to_u64()
+        .map(|x| x as usize)
+        .or_else(|_| v.to_u32().map(|x| x as usize))
+        .map_err(|e| ModelError::file(path, format!("`{key}`: {e}")))
+}
+
+/// A float from the metadata; f32 values are read as their shortest decimal (1e-6, not
+/// 9.99999997e-7), which is what the HF config they came from said.
+fn meta_f(c: &Content, key: &str) -> Option<f64> {
+    let v = c.metadata.get(key)?;
+    v.to_f32()
+        .ok()
+        .and_then(|x| x.to_string().parse().ok())
+        .or_else(|| v.to_f64().ok())
+}
+
+fn open(path: &Path) -> Result<(File, Content), ModelError> {
+    let mut f = File::open(path).map_err(|e| ModelError::file(path, e.to_string()))?;
+    let c = Content::read(&mut f)
+        .map_err(|e| ModelError::file(path, format!("not a readable GGUF file: {e}")))?;
+    Ok((f, c))
+}
+
+/// Hyper-parameters from the metadata (`general.architecture` = llama or qwen2).
+pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
+    let arch_name = meta(c, "general.architecture", path)?
+        .to_string()
+        .map_err(|e| ModelError::file(path, e.to_string()))?
+        .clone();
+    let arch = match arch_name.as_str() {
+        "llama" => Arch::Llama,
+        "qwen2" => Arch::Qwen2,
+        other => {
+            return Err(ModelError::file(
+                path,
+                format!("unsupported GGUF architecture `{other}`; supported: llama, qwen2"),
+            ))
+        }
+    };
+    let k = |s: &str| format!("{arch_name}.{s}");
+    let hidden = meta_u(c, &k("embedding_length"), path)?;
+    let heads = meta_u(c, &k("attention.head_count"), path)?;
+    let kv = meta_u(c, &k("attention.head_count_kv"), path).unwrap_or(heads);
+    let vocab = match c.metadata.get(&k("vocab_size")) {
+        Some(_) => meta_u(c, &k("vocab_size"), path)?,
+        None => meta(c, "tokenizer.ggml.tokens", path)?
+            .to_vec()
+            .map_err(|e| ModelError::file(path, e.to_string()))?
+            .len(),
+    };
+    let tied = !c.tensor_infos.contains_key("output.weight");
+    Ok(ModelArgs {
+        arch,
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: meta_u(c, &k("feed_forward_length"), path)?,
+        num_hidden_layers: meta_u(c, &k("block_count"), path)?,
+        num_attention_heads: heads,
+        num_key_value_heads: kv,
+        head_dim: meta_u(c, &k("attention.key_length"), path).unwrap_or(hidden / heads),
+        rms_norm_eps: meta_f(c, &k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6),
+        rope_theta: meta_f(c, &k("rope.freq_base")).unwrap_or(10000.0),
+        tie_word_embeddings: tied,
+        qkv_bias: arch == Arch::Qwen2 || c.tensor_infos.contains_key("blk.0.attn_q.bias"),
+        max_position_embeddings: meta_u(c, &k("context_length"), path).unwrap_or(4096),
+        num_labels: None,
+    })
+}
+
+/// HF name of a GGUF tensor.
+fn hf_name(gguf: &str) -> Option<String> {
+    let direct = match gguf {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(d) = direct {
+        return Some(d.to_string());
+    }
+    let rest = gguf.strip_prefix("blk.")?;
+    let (n, part) = rest.split_once('.')?;
+    let hf = match part {
+        "attn_norm.weight" => "input_layernorm.weight",
+        "ffn_norm.weight" => "post_attention_layernorm.weight",
+        "attn_q.weight" => "self_attn.q_proj.weight",
+        "attn_k.weight" => "self_attn.k_proj.weight",
+        "attn_v.weight" => "self_attn.v_proj.weight",
+        "attn_q.bias" => "self_attn.q_proj.bias",
+        "attn_k.bias" => "self_attn.k_proj.bias",
+        "attn_v.bias" => "self_attn.v_proj.bias",
+        "attn_output.weight" => "self_attn.o_proj.weight",
+        "ffn_gate.weight" => "mlp.gate_proj.weight",
+        "ffn_up.weight" => "mlp.up_proj.weight",
+        "ffn_down.weight" => "mlp.down_proj.weight",
+        _ => return None,
+    };
+    Some(format!("model.layers.{n}.{hf}"))
+}
+
+/// llama.cpp stores Llama Q/K rows permuted (`[heads, 2, d/2] → [heads, d/2, 2]`); this is the
+/// inverse, back to HF's rotate-half layout. Works on weights `[rows, in]` and biases `[rows]`.
+pub fn unpermute(t: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+    let dims = t.dims().to_vec();
+    let rows = dims[0];
+    let d = rows / heads;
+    let rest: usize = dims[1..].iter().product();
+    t.reshape((heads, d / 2, 2, rest))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(dims)
+}
+
+/// The forward permutation (HF → GGUF), for writing test files the way llama.cpp does.
+pub fn permute(t: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+    let dims = t.dims().to_vec();
+    let d = dims[0] / heads;
+    let rest: usize = dims[1..].iter().product();
+    t.reshape((heads, 2, d / 2, rest))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(dims)
+}
+
+/// Loads a `.gguf` as trainable variables (dequantised to `dtype`).
+pub fn load(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+    with_lm_head: bool,
+) -> Result<(Loaded, Content), ModelError> {
+    let (mut f, c) = open(path)?;
+    let args = read_args(&c, path)?;
+    let mut tensors = HashMap::new();
+    for name in c.tensor_infos.keys() {
+        let Some(hf) = hf_name(name) else { continue };
+        let q = c
+            .tensor(&mut f, name, &Device::Cpu)
+            .map_err(|e| ModelError::file(path, format!("tensor `{name}`: {e}")))?;
+        let mut t = q.dequantize(&Device::Cpu)?;
+        if args.arch == Arch::Llama {
+            if name.contains("attn_q.") {
+                t = unpermute(&t, args.num_attention_heads)?;
+            } else if name.contains("attn_k.") {
+                t = unpermute(&t, args.num_key_value_heads)?;
+            }
+        }
+        tensors.insert(hf, t);
+    }
+    let varmap = VarMap::new();
+    let model = CausalLm::new(
+        &args,
+        VarBuilder::from_varmap(&varmap, dtype, device),
+        with_lm_head,
+    )?;
+    assign(&varmap, &tensors, path)?;
+    Ok((Loaded { model, varmap }, c))
+}
+
+/// The tokenizer, special tokens and chat template of a GGUF file's metadata (GPT-2 style
+/// byte-level BPE: `tokenizer.ggml.model = gpt2`).
+pub fn tokenizer(c: &Content, path: &Path) -> Result<TokenizerBundle, ModelError> {
+    let s = |key: &str| {
+        c.metadata
+            .get(key)
+            .and_then(|v| v.to_string().ok().cloned())
+    };
+    let model = s("tokenizer.ggml.model").unwrap_or_default();
+    if model != "gpt2" {
+        return Err(ModelError::file(path, format!("GGUF tokenizer model `{model}` is not supported (byte-level BPE `gpt2` is); use an HF directory with tokenizer.json")));
+    }
+    let strings = |key: &str| -> Result<Vec<String>, ModelError> {
+        meta(c, key, path)?
+            .to_vec()
+            .map_err(|e| ModelError::file(path, e.to_string()))?
+            .iter()
+            .map(|v| {
+                v.to_string()
+                    .cloned()
+                    .map_err(|e| ModelError::file(path, format!("`{key}`: {e}")))
+            })
+            .collect()
+    };
+    let tokens = strings("tokenizer.ggml.tokens")?;
+    let merges: Vec<(String, String)> = strings("tokenizer.ggml.merges")?
+        .into_iter()
+        .filter_map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+        })
+        .collect();
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(|e| ModelError::file(path, format!("cannot build the BPE tokenizer: {e}")))?;
+    let mut tok = Tokenizer::new(bpe);
+    let byte_level = ByteLevel::new(false, true, true);
+    let pre = s("tokenizer.ggml.pre").unwrap_or_default();
+    match pre.as_str() {
+        "smollm" | "smaug-bpe" => {
+            let seq = Sequence::new(vec![PreTokenizerWrapper::Digits(Digits::new(true)), PreTokenizerWrapper::ByteLevel(byte_level)]);
+            tok.with_pre_tokenizer(Some(seq));
+        }
+        "" | "default" | "gpt2" => {
+            tok.with_pre_tokenizer(Some(byte_level));
+        }
+        other => {
+            return Err(ModelError::file(path, format!("GGUF pre-tokenizer `{other}` is not supported (smollm, gpt2 are); use an HF directory with tokenizer.json")))
+        }
+    }
+    tok.with_decoder(Some(ByteLevel::default()));
+    let types: Vec<i64> = c
+        .metadata
+        .get("tokenizer.ggml.token_type")
+        .and_then(|v| v.to_vec().ok())
+        .map(|v| {
+            v.iter()
+                .map(|x| x.to_i32().map(i64::from).unwrap_or(1))
+                .collect()
+        })
+        .unwrap_or_default();
+    let specials: Vec<AddedToken> = types
+        .iter()
+        .enumerate()
+        .filter(|(_, &t)| t == 3)
+        .map(|(i, _)| AddedToken::from(tokens[i].clone(), true))
+        .collect();
+    tok.add_special_tokens(specials)
+        .map_err(|e| ModelError::file(path, format!("special tokens: {e}")))?;
+    let id = |key: &str| c.metadata.get(key).and_then(|v| v.to_u32().ok());
+    let name = |i: Option<u32>| i.and_then(|i| tokens.get(i as usize).cloned());
+    let eos = id("tokenizer.ggml.eos_token_id");
+    let special = SpecialTokens {
+        bos: name(id("tokenizer.ggml.bos_token_id")),
+        eos: name(eos),
+        pad: name(id("tokenizer.ggml.padding_token_id")),
+        unk: name(id("tokenizer.ggml.unknown_token_id")),
+    };
+    let eos_token_ids: Vec<u32> = eos.into_iter().collect();
+    let pad_token_id = id("tokenizer.ggml.padding_token_id").or(eos).unwrap_or(0);
+    Ok(TokenizerBundle {
+        tokenizer: tok,
+        chat_template: s("tokenizer.chat_template"),
+        chat_template_origin: format!("{} (tokenizer.chat_template)", path.display()),
+        special,
+        eos_token_ids,
+        pad_token_id,
+        source: path.to_path_buf(),
+    })
+}
