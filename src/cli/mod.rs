@@ -4,6 +4,7 @@
 //! still mean "train".
 
 mod check;
+mod generate;
 pub mod logging;
 mod reward;
 
@@ -65,6 +66,8 @@ pub enum Command {
     Reward(RewardCommand),
     /// Score a file of generations: mean@n and best@n per data_source (verl's main_eval).
     Eval(reward::EvalArgs),
+    /// Generate `rollout.n` responses per prompt of a dataset (verl's main_generation).
+    Generate(generate::GenerateArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -193,6 +196,7 @@ fn run(cli: Cli, natives: &crate::reward::NativeRegistry) -> anyhow::Result<bool
         Some(Command::Reward(RewardCommand::Score(args))) => reward::score(&args, natives),
         Some(Command::Reward(RewardCommand::Test(args))) => reward::test(&args, natives),
         Some(Command::Eval(args)) => reward::eval(&args, natives),
+        Some(Command::Generate(args)) => generate::run(&args).map(|_| true),
     }
 }
 

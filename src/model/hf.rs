@@ -85,7 +85,9 @@ pub fn assign(
     source: &Path,
 ) -> Result<(), ModelError> {
     let data = varmap.data().lock().expect("varmap lock");
-    for (name, var) in data.iter() {
+    // In name order, so the first problem reported is always the same one.
+    let sorted: BTreeMap<&String, &candle_core::Var> = data.iter().collect();
+    for (name, var) in sorted {
         let t = tensors.get(name).ok_or_else(|| ModelError::Missing {
             name: name.clone(),
             file: source.display().to_string(),

@@ -43,3 +43,71 @@ pub use transformer::{CausalLm, KvCache};
 
 #[cfg(test)]
 mod tests;
+
+/// A model and its tokenizer from `path`: a `.gguf` file or an HF directory (tokenizer from
+/// `tokenizer_path` when given). Hub ids are not fetched by this build.
+pub fn load_model_and_tokenizer(
+    path: &str,
+    tokenizer_path: Option<&str>,
+    overrides: &serde_json::Map<String, serde_json::Value>,
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+    with_lm_head: bool,
+) -> Result<(hf::Loaded, crate::data::TokenizerBundle), ModelError> {
+    let expanded = crate::config::resolve::expand_home(path);
+    let p = Path::new(&expanded);
+    let tok_from = |fallback: Option<crate::data::TokenizerBundle>| -> Result<crate::data::TokenizerBundle, ModelError> {
+        match tokenizer_path {
+            Some(t) => crate::data::TokenizerBundle::from_dir(Path::new(&crate::config::resolve::expand_home(t))).map_err(|e| ModelError::File { file: t.to_string(), message: e.to_string() }),
+            None => fallback.ok_or_else(|| ModelError::file(p, "no tokenizer".into())),
+        }
+    };
+    if p.is_file() && expanded.ends_with(".gguf") {
+        let (loaded, content) = gguf::load(p, dtype, device, with_lm_head)?;
+        let tok = if tokenizer_path.is_some() {
+            tok_from(None)?
+        } else {
+            gguf::tokenizer(&content, p)?
+        };
+        return Ok((loaded, tok));
+    }
+    if p.is_dir() {
+        let loaded = hf::load_dir(p, overrides, dtype, device, with_lm_head)?;
+        let own = if tokenizer_path.is_none() {
+            Some(
+                crate::data::TokenizerBundle::from_dir(p)
+                    .map_err(|e| ModelError::file(p, e.to_string()))?,
+            )
+        } else {
+            None
+        };
+        return Ok((loaded, tok_from(own)?));
+    }
+    if !p.exists() && !path.starts_with(['/', '.', '~']) && path.matches('/').count() == 1 {
+        return Err(ModelError::file(p, "looks like a model-hub id, but this build has no hub access: download the model and point the path at its directory or .gguf file".into()));
+    }
+    Err(ModelError::file(p, "no such model: expected an HF model directory (config.json, model.safetensors, tokenizer.json) or a .gguf file".into()))
+}
+
+/// The device `trainer.device` names (`auto`: CUDA when built with it and present, else CPU).
+pub fn device(spec: &str) -> Result<candle_core::Device, ModelError> {
+    let cuda = |i: usize| {
+        candle_core::Device::new_cuda(i).map_err(|e| ModelError::File { file: format!("trainer.device={spec}"), message: format!("CUDA device {i} is not available: {e} (build with --features cuda on a machine with an NVIDIA GPU)") })
+    };
+    match spec {
+        "cpu" => Ok(candle_core::Device::Cpu),
+        "auto" => Ok(if candle_core::utils::cuda_is_available() {
+            cuda(0)?
+        } else {
+            candle_core::Device::Cpu
+        }),
+        "cuda" => cuda(0),
+        s => match s.strip_prefix("cuda:").and_then(|i| i.parse().ok()) {
+            Some(i) => cuda(i),
+            None => Err(ModelError::File {
+                file: "trainer.device".into(),
+                message: format!("`{s}` is not cpu, cuda, cuda:N or auto"),
+            }),
+        },
+    }
+}

@@ -408,7 +408,8 @@ fn load_errors_name_the_file_and_tensor() {
     .unwrap()
     .to_string();
     assert!(
-        e.contains("mlp") && e.contains("[64, 32]") && e.contains("[48, 32]"),
+        e.contains("model.layers.0.mlp.down_proj.weight")
+            && e.contains("shape [32, 48], expected [32, 64]"),
         "{e}"
     );
     // override_config applies before the check.

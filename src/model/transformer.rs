@@ -5,7 +5,7 @@
 //!
 //! Follows HF transformers' `modeling_llama.py` / `modeling_qwen2.py` (weight names and math).
 
-use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::{Init, Linear, VarBuilder};
 
 use super::config::ModelArgs;
@@ -62,6 +62,18 @@ fn linear(vb: &VarBuilder, inp: usize, out: usize, bias: bool, name: &str) -> Re
         None
     };
     Ok(Linear::new(w, b))
+}
+
+/// A linear layer on `[batch, seq, in]` as one `[batch·seq, in] × [in, out]` product (candle's
+/// `Linear` on 3-D input runs one small product per batch row, which is several times slower).
+fn apply(l: &Linear, x: &Tensor) -> Result<Tensor> {
+    let (b, t, i) = x.dims3()?;
+    let y = x.reshape((b * t, i))?.matmul(&l.weight().t()?)?;
+    let y = match l.bias() {
+        Some(bias) => y.broadcast_add(bias)?,
+        None => y,
+    };
+    y.reshape((b, t, ()))
 }
 
 /// `x · rsqrt(mean(x²) + eps) · w`, computed in f32.
@@ -189,6 +201,37 @@ impl CausalLm {
         })
     }
 
+    /// A view of this model whose weights are detached from autograd: it shares their storage
+    /// (so it sees every optimizer update) but builds no backward graph, so forward passes keep
+    /// no activations alive. Use it for generation and for log-prob passes without gradient.
+    pub fn no_grad(&self) -> CausalLm {
+        let lin = |l: &Linear| Linear::new(l.weight().detach(), l.bias().map(Tensor::detach));
+        CausalLm {
+            args: self.args.clone(),
+            embed: self.embed.detach(),
+            layers: self
+                .layers
+                .iter()
+                .map(|b| Block {
+                    ln1: b.ln1.detach(),
+                    ln2: b.ln2.detach(),
+                    q: lin(&b.q),
+                    k: lin(&b.k),
+                    v: lin(&b.v),
+                    o: lin(&b.o),
+                    gate: lin(&b.gate),
+                    up: lin(&b.up),
+                    down: lin(&b.down),
+                })
+                .collect(),
+            norm: self.norm.detach(),
+            lm_head: self.lm_head.as_ref().map(Tensor::detach),
+            has_lm_head: self.has_lm_head,
+            device: self.device.clone(),
+            dtype: self.dtype,
+        }
+    }
+
     pub fn device(&self) -> &Device {
         &self.device
     }
@@ -244,7 +287,13 @@ impl CausalLm {
     /// Logits `[batch, seq, vocab]` (f32 for half-precision models) from hidden states. Prefer
     /// [`CausalLm::token_logprobs`] for long sequences: it never holds all the logits at once.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        upcast(&hidden.broadcast_matmul(&self.output_weight()?.t()?)?)
+        let (b, t, h) = hidden.dims3()?;
+        upcast(
+            &hidden
+                .reshape((b * t, h))?
+                .matmul(&self.output_weight()?.t()?)?
+                .reshape((b, t, ()))?,
+        )
     }
 
     /// Log-probabilities of `targets` `[batch, seq]` under the logits at `hidden`
@@ -351,9 +400,9 @@ impl CausalLm {
         let a = &self.args;
         let (nh, nkv, hd) = (a.num_attention_heads, a.num_key_value_heads, a.head_dim);
         let h = rms_norm(x, &l.ln1, a.rms_norm_eps)?;
-        let q = l.q.forward(&h)?.reshape((b, t, nh, hd))?.transpose(1, 2)?; // [b, nh, t, hd]
-        let k = l.k.forward(&h)?.reshape((b, t, nkv, hd))?.transpose(1, 2)?; // [b, nkv, t, hd]
-        let v = l.v.forward(&h)?.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
+        let q = apply(&l.q, &h)?.reshape((b, t, nh, hd))?.transpose(1, 2)?; // [b, nh, t, hd]
+        let k = apply(&l.k, &h)?.reshape((b, t, nkv, hd))?.transpose(1, 2)?; // [b, nkv, t, hd]
+        let v = apply(&l.v, &h)?.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
         let q = (q.broadcast_mul(cos)? + rotate_half(&q)?.broadcast_mul(sin)?)?;
         let k = (k.broadcast_mul(cos)? + rotate_half(&k)?.broadcast_mul(sin)?)?;
         let (k, v) = match cache {
@@ -362,35 +411,31 @@ impl CausalLm {
                     Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
                     None => (k.contiguous()?, v.contiguous()?),
                 };
-                *slot = Some((k.clone(), v.clone()));
+                // Cached keys/values are detached: no gradient flows through past positions, and
+                // the autograd graph of earlier steps is not kept alive by the cache.
+                *slot = Some((k.detach(), v.detach()));
                 (k, v)
             }
             None => (k, v),
         };
         let s = k.dim(2)?;
         let rep = nh / nkv;
-        let repeat = |x: Tensor| -> Result<Tensor> {
-            if rep == 1 {
-                x.contiguous()
-            } else {
-                x.unsqueeze(2)?
-                    .expand((b, nkv, rep, s, hd))?
-                    .reshape((b, nh, s, hd))
-            }
-        };
-        let (k, v) = (repeat(k)?, repeat(v)?);
-        let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?
-            .broadcast_add(mask)?; // [b, nh, t, s]
+        // Grouped-query attention without copying K/V per query head: the `rep` query heads that
+        // share a KV head are stacked along the query axis, [b, nkv, rep·t, hd].
+        let qg = q.contiguous()?.reshape((b, nkv, rep * t, hd))?;
+        let scores = (qg.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?; // [b, nkv, rep·t, s]
+        let scores = scores.reshape((b, nh, t, s))?.broadcast_add(mask)?; // [b, nh, t, s]
         let probs = candle_nn::ops::softmax(&upcast(&scores)?, D::Minus1)?.to_dtype(self.dtype)?;
         let attn = probs
-            .matmul(&v)?
+            .reshape((b, nkv, rep * t, s))?
+            .matmul(&v.contiguous()?)?; // [b, nkv, rep·t, hd]
+        let attn = attn
+            .reshape((b, nh, t, hd))?
             .transpose(1, 2)?
             .reshape((b, t, nh * hd))?; // [b, t, nh·hd]
-        let x = (x + l.o.forward(&attn)?)?;
+        let x = (x + apply(&l.o, &attn)?)?;
         let h = rms_norm(&x, &l.ln2, a.rms_norm_eps)?;
-        let mlp = l
-            .down
-            .forward(&(l.gate.forward(&h)?.silu()? * l.up.forward(&h)?)?)?;
+        let mlp = apply(&l.down, &(apply(&l.gate, &h)?.silu()? * apply(&l.up, &h)?)?)?;
         x + mlp
     }
 }

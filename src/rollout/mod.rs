@@ -203,6 +203,8 @@ pub fn generate(
     p: &SamplingParams,
     sampler: &mut Sampler,
 ) -> candle_core::Result<Rollout> {
+    // Generation needs no gradient: a detached view keeps no activations alive.
+    let model = &model.no_grad();
     let dev = model.device().clone();
     let mut rollout = Rollout {
         responses: vec![Vec::new(); batch],
@@ -243,7 +245,7 @@ pub fn generate(
         &u32s(masks.concat(), (batch, width))?,
         Some(&mut cache),
     )?;
-    let mut last = hidden.narrow(1, width - 1, 1)?.squeeze(1)?; // [active, hidden]
+    let mut last = hidden.narrow(1, width - 1, 1)?.squeeze(1)?.detach(); // [active, hidden]
     let mut active: Vec<usize> = (0..batch).collect();
     for step in 0..p.max_new_tokens {
         let logits: Vec<Vec<f32>> = model
@@ -293,7 +295,7 @@ pub fn generate(
             &u32s(key_mask, (n, w))?,
             Some(&mut cache),
         )?;
-        last = h.squeeze(1)?;
+        last = h.squeeze(1)?.detach();
     }
     Ok(rollout)
 }
