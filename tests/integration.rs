@@ -128,6 +128,26 @@ fn train_stops_where_the_model_would_load() {
         "{stderr}"
     );
     assert!(stderr.contains("error: cannot load the model"), "{stderr}");
+    assert!(
+        stderr.contains("reward ready: compute_score = compute_score ("),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_broken_reward_file_fails_before_any_model_loads() {
+    let (_d, model, reward) = fixture();
+    std::fs::write(&reward, "import no_such_module_for_rewards\n").unwrap();
+    let out = run(&quickstart(&model, &reward));
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr.contains("ModuleNotFoundError")
+            && stderr.contains("no_such_module_for_rewards")
+            && stderr.contains("Traceback"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("cannot load the model"), "{stderr}");
 }
 
 #[test]
@@ -542,3 +562,82 @@ fn smollm2_greedy_answer_is_the_recorded_one() {
 
 /// Recorded from this implementation's own greedy run (f32, dequantised Q4_1) on GSM8K test row 0.
 const RECORDED_SMOLLM2_ANSWER: &str = "To solve this problem, we need to break it down step by step and calculate the total amount of money Janet earns from selling the eggs and the money she earns from selling the remaining amount of money.\n\nJanet lays 1";
+
+/// A tiny random model saved as an HF directory with the byte-level test tokenizer.
+fn tiny_model_dir(dir: &Path) {
+    use candle_nn::{VarBuilder, VarMap};
+    use main_ppo::model::{Arch, CausalLm, ModelArgs};
+    let vm = VarMap::new();
+    let args = ModelArgs::tiny(Arch::Qwen2, 259);
+    let _m = CausalLm::new(
+        &args,
+        VarBuilder::from_varmap(&vm, candle_core::DType::F32, &candle_core::Device::Cpu),
+        true,
+    )
+    .unwrap();
+    write_tokenizer_dir(dir).unwrap();
+    main_ppo::model::hf::save_dir(&vm, &args, dir, &[258], Some(dir), None).unwrap();
+}
+
+#[test]
+fn generate_writes_n_responses_per_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    tiny_model_dir(&model);
+    for (ext, n) in [("jsonl", 2), ("parquet", 1)] {
+        let output = dir.path().join(format!("gen.{ext}"));
+        let out = run(&[
+            "generate".into(),
+            "--input".into(),
+            data_dir().join("test.parquet").display().to_string(),
+            "--output".into(),
+            output.display().to_string(),
+            format!("actor_rollout_ref.model.path={}", model.display()),
+            "data.val_max_samples=8".into(),
+            "data.max_prompt_length=1024".into(),
+            "data.max_response_length=6".into(),
+            format!("actor_rollout_ref.rollout.n={n}"),
+            "trainer.device=cpu".into(),
+        ]);
+        let (_, stderr) = text(&out);
+        assert!(out.status.success(), "{stderr}");
+        assert!(stderr.contains("tokens/s"), "{stderr}");
+        let rows = main_ppo::data::read_rows(&output).unwrap();
+        assert_eq!(rows.len(), 8);
+        for r in &rows {
+            let resp = r["responses"].as_array().unwrap();
+            assert_eq!(resp.len(), n);
+            assert!(
+                r["reward_model"]["ground_truth"].is_string(),
+                "input columns are kept"
+            );
+        }
+    }
+}
+
+#[test]
+fn smollm2_generate_writes_8_rows_with_responses() {
+    let Some(path) = smollm2() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("gen.jsonl");
+    let out = run(&[
+        "generate".into(),
+        "--input".into(),
+        data_dir().join("test.parquet").display().to_string(),
+        "--output".into(),
+        output.display().to_string(),
+        "--batch-size".into(),
+        "8".into(),
+        format!("actor_rollout_ref.model.path={}", path.display()),
+        "data.val_max_samples=8".into(),
+        "data.max_response_length=16".into(),
+        "trainer.device=cpu".into(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    let rows = main_ppo::data::read_rows(&output).unwrap();
+    assert_eq!(rows.len(), 8);
+    for r in &rows {
+        let resp = r["responses"][0].as_str().unwrap();
+        assert!(!resp.trim().is_empty(), "an empty response");
+    }
+}

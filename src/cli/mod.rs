@@ -186,8 +186,8 @@ pub fn main_with(args: Vec<String>, natives: crate::reward::NativeRegistry) -> i
 /// Runs a command; `Ok(false)` is a completed run that found failures (exit status 1).
 fn run(cli: Cli, natives: &crate::reward::NativeRegistry) -> anyhow::Result<bool> {
     match cli.command {
-        None => train(&cli.config).map(|_| true),
-        Some(Command::Train(args)) => train(&args).map(|_| true),
+        None => train(&cli.config, natives).map(|_| true),
+        Some(Command::Train(args)) => train(&args, natives).map(|_| true),
         Some(Command::Config(ConfigCommand::Check(args))) => check::run(&args).map(|_| true),
         Some(Command::Config(ConfigCommand::Show(args))) => {
             print!("{}", args.load()?.config.to_yaml());
@@ -216,7 +216,7 @@ fn print_cfg(args: &ConfigArgs, loaded: &Loaded) -> anyhow::Result<bool> {
     }
 }
 
-fn train(args: &ConfigArgs) -> anyhow::Result<()> {
+fn train(args: &ConfigArgs, natives: &crate::reward::NativeRegistry) -> anyhow::Result<()> {
     let loaded = args.load()?;
     if print_cfg(args, &loaded)? {
         return Ok(());
@@ -235,6 +235,14 @@ fn train(args: &ConfigArgs) -> anyhow::Result<()> {
             .map(|v| v.to_string())
             .unwrap_or_else(|| "no".into())
     );
+    // Reward functions load before any model: a missing file, function or import fails here.
+    let reward = crate::reward::RewardManager::from_config(&loaded.config.reward, natives)?;
+    let sources: Vec<String> = reward
+        .sources
+        .iter()
+        .map(|s| format!("{} = {} (weight {})", s.name, s.label, s.weight))
+        .collect();
+    tracing::info!("reward ready: {}", sources.join(", "));
     anyhow::bail!(
         "cannot load the model `{}`: the model loader and the PPO trainer are not part of this build yet \
          (configuration and data are valid; `main_ppo config check` explains the run)",

@@ -3,10 +3,12 @@
 //! - `config`: architecture hyper-parameters from an HF `config.json`,
 //! - `transformer`: the differentiable decoder, caller-owned KV cache, chunked log-probs,
 //! - `gguf`: llama.cpp files (dequantised; tokenizer and chat template from the metadata),
+//! - `heads`: the critic's value head and a reward model's score head,
 //! - `hf`: HF directories (config.json + safetensors, sharded or not), load and save.
 
 pub mod config;
 pub mod gguf;
+pub mod heads;
 pub mod hf;
 pub mod transformer;
 
@@ -39,6 +41,7 @@ impl ModelError {
 }
 
 pub use config::{Arch, ModelArgs};
+pub use heads::{ScoreHead, ValueHead};
 pub use transformer::{CausalLm, KvCache};
 
 #[cfg(test)]

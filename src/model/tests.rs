@@ -630,3 +630,67 @@ fn a_gguf_loads_and_matches_the_same_weights_from_safetensors() {
         .to_string();
     assert!(e.contains("bad.gguf") && e.contains("GGUF"), "{e}");
 }
+
+#[test]
+fn value_and_score_heads() {
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    let args = ModelArgs::tiny(Arch::Llama, 40);
+    let backbone = CausalLm::new(&args, vb.clone(), false).unwrap();
+    assert!(
+        backbone.output_weight().is_err(),
+        "a critic backbone has no LM head"
+    );
+    let value = ValueHead::new(args.hidden_size, vb.clone()).unwrap();
+    let score = ScoreHead::new(args.hidden_size, 1, vb.pp("rm")).unwrap();
+    let (pi, pm, pp) = left_pad(&[vec![1, 2, 3, 4], vec![5, 6]], 0);
+    let h = backbone.forward_hidden(&pi, &pp, &pm, None).unwrap();
+    let v = value.forward(&h).unwrap();
+    assert_eq!(v.dims(), &[2, 4]);
+    // Every parameter of backbone + value head gets a gradient from a value loss.
+    let grads = v.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+    for (name, var) in vm
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(n, _)| !n.starts_with("rm."))
+    {
+        assert!(
+            grads.get(var.as_tensor()).is_some(),
+            "no gradient for {name}"
+        );
+    }
+    // The score is read at the last real token: for left padding the last position, and a row
+    // scored alone gives the same value.
+    let s = score.forward(&h, &pm).unwrap().to_vec2::<f32>().unwrap();
+    let alone_h = backbone
+        .forward_hidden(
+            &ids(&[vec![5, 6]]),
+            &ids(&[vec![0, 1]]),
+            &ids(&[vec![1, 1]]),
+            None,
+        )
+        .unwrap();
+    let alone = score
+        .forward(&alone_h, &ids(&[vec![1, 1]]))
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    assert!((s[1][0] - alone[0][0]).abs() < 1e-5);
+    // Right padding: the last 1 of the mask.
+    let rh = backbone
+        .forward_hidden(
+            &ids(&[vec![5, 6, 0, 0]]),
+            &ids(&[vec![0, 1, 2, 3]]),
+            &ids(&[vec![1, 1, 0, 0]]),
+            None,
+        )
+        .unwrap();
+    let r = score
+        .forward(&rh, &ids(&[vec![1, 1, 0, 0]]))
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    assert!((r[0][0] - alone[0][0]).abs() < 1e-5);
+}

@@ -211,3 +211,41 @@ fn start_up_errors() {
         .to_string()
         .contains("FileNotFoundError"));
 }
+
+#[test]
+fn a_timed_out_call_follows_on_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let py = dir.path().join("slow.py");
+    std::fs::write(&py, "import time\ndef compute_score(solution_str, ground_truth):\n    if solution_str == 'slow':\n        time.sleep(60)\n    return 1.0\n").unwrap();
+    let items = [item("a", ""), item("slow", ""), item("b", "")];
+    for policy in ["zero", "skip", "raise"] {
+        let c = cfg(&[
+            format!("reward.custom_reward_function.path={}", py.display()),
+            format!("reward.on_error={policy}"),
+            "reward.num_workers=1".into(),
+            "reward.timeout_s=0.5".into(),
+        ]);
+        let mut m = RewardManager::from_config(&c, &NativeRegistry::new()).unwrap();
+        let r = m.score(&items, &[1, 1, 1], m.policy());
+        match policy {
+            "zero" => {
+                let out = r.unwrap();
+                assert_eq!(
+                    out.iter().map(|s| s.score).collect::<Vec<_>>(),
+                    vec![Some(1.0), Some(0.0), Some(1.0)],
+                    "the run continues"
+                );
+                assert!(out[1].error.as_deref().unwrap().contains("timed out"));
+            }
+            "skip" => {
+                let out = r.unwrap();
+                assert!(out[1].skipped && out[1].score.is_none() && out[2].score == Some(1.0));
+            }
+            _ => {
+                let e = r.unwrap_err().to_string();
+                assert!(e.contains("sample 1") && e.contains("timed out"), "{e}");
+            }
+        }
+        assert_eq!(m.stats.timeouts, 1, "{policy}");
+    }
+}
