@@ -15,3 +15,4 @@ pub mod reward;
 pub mod rollout;
 #[doc(hidden)]
 pub mod testing;
+pub mod trainer;
