@@ -71,6 +71,23 @@ fn float(cond: &Tensor, like: &Tensor) -> Result<Tensor> {
     cond.to_dtype(like.dtype())
 }
 
+/// `logp − old` clamped to ±20 (verl's guard) and the importance ratio `exp` of it.
+fn clamped_ratio(old: &Tensor, logp: &Tensor) -> Result<(Tensor, Tensor)> {
+    let neg_kl = logp.sub(old)?.clamp(-20.0, 20.0)?;
+    let ratio = neg_kl.exp()?;
+    Ok((neg_kl, ratio))
+}
+
+/// PPO's two candidate losses: `−A·r` and `−A·clip(r, 1 − ε_low, 1 + ε_high)`.
+fn clip_pair(ratio: &Tensor, adv: &Tensor, p: &PolicyLossParams) -> Result<(Tensor, Tensor)> {
+    let l1 = ratio.mul(adv)?.neg()?;
+    let l2 = ratio
+        .clamp(1.0 - p.clip_low, 1.0 + p.clip_high)?
+        .mul(adv)?
+        .neg()?;
+    Ok((l1, l2))
+}
+
 fn mean_m(x: &Tensor, mask: &Tensor) -> Result<f64> {
     scalar(&masked_mean(x, mask)?)
 }
@@ -113,14 +130,9 @@ fn vanilla(
     mask: &Tensor,
     p: &PolicyLossParams,
 ) -> Result<PolicyLossOutput> {
-    let neg_kl = logp.sub(old)?.clamp(-20.0, 20.0)?;
-    let ratio = neg_kl.exp()?;
+    let (neg_kl, ratio) = clamped_ratio(old, logp)?;
     let ppo_kl = mean_m(&neg_kl.neg()?, mask)?;
-    let l1 = ratio.mul(adv)?.neg()?;
-    let l2 = ratio
-        .clamp(1.0 - p.clip_low, 1.0 + p.clip_high)?
-        .mul(adv)?
-        .neg()?;
+    let (l1, l2) = clip_pair(&ratio, adv, p)?;
     let clip1 = l1.maximum(&l2)?;
     let pg_clipfrac = mean_m(&float(&l2.gt(&l1)?, adv)?, mask)?;
     let l3 = (adv.neg()? * p.clip_ratio_c)?;
@@ -156,11 +168,7 @@ fn gspo(
         .broadcast_add(&seq.detach().unsqueeze(1)?)?
         .minimum(10.0)?;
     let ratio = log_ratio.exp()?;
-    let l1 = ratio.mul(adv)?.neg()?;
-    let l2 = ratio
-        .clamp(1.0 - p.clip_low, 1.0 + p.clip_high)?
-        .mul(adv)?
-        .neg()?;
+    let (l1, l2) = clip_pair(&ratio, adv, p)?;
     let losses = l1.maximum(&l2)?;
     let loss = agg_loss(&losses, mask, LossAggMode::SeqMeanTokenMean, p.norm)?;
     let pg_clipfrac = mean_m(&float(&l2.gt(&l1)?, adv)?, mask)?;
@@ -182,8 +190,7 @@ fn sapo(
     mask: &Tensor,
     p: &PolicyLossParams,
 ) -> Result<PolicyLossOutput> {
-    let neg_kl = logp.sub(old)?.clamp(-20.0, 20.0)?;
-    let ratio = neg_kl.exp()?;
+    let (neg_kl, ratio) = clamped_ratio(old, logp)?;
     let pos = adv.gt(0.0)?;
     let taus = pos.where_cond(
         &adv.ones_like()?.affine(p.tau_pos, 0.0)?,
@@ -211,8 +218,7 @@ fn cispo(
     mask: &Tensor,
     p: &PolicyLossParams,
 ) -> Result<PolicyLossOutput> {
-    let neg_kl = logp.sub(old)?.clamp(-20.0, 20.0)?;
-    let ratio = neg_kl.exp()?;
+    let (neg_kl, ratio) = clamped_ratio(old, logp)?;
     let clipped = ratio.clamp(1.0 - p.clip_low, 1.0 + p.clip_high)?.detach();
     let losses = clipped.mul(adv)?.mul(logp)?.neg()?;
     let loss = agg_loss(&losses, mask, p.loss_agg_mode, p.norm)?;
@@ -275,11 +281,7 @@ fn clip_cov(
     let neg_kl = logp.sub(old)?;
     let ratio = neg_kl.exp()?;
     let ppo_kl = mean_m(&neg_kl.neg()?, mask)?;
-    let l1 = ratio.mul(adv)?.neg()?;
-    let l2 = ratio
-        .clamp(1.0 - p.clip_low, 1.0 + p.clip_high)?
-        .mul(adv)?
-        .neg()?;
+    let (l1, l2) = clip_pair(&ratio, adv, p)?;
     let (a, lp, m, h1, h2) = (host(adv)?, host(logp)?, host(mask)?, host(&l1)?, host(&l2)?);
     let mean = |x: &[f64]| -> f64 {
         let s: f64 = x

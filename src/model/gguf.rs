@@ -9,7 +9,6 @@ use std::path::Path;
 
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{VarBuilder, VarMap};
 use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
@@ -17,8 +16,7 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
 
 use super::config::{Arch, ModelArgs};
-use super::hf::{assign, Loaded};
-use super::transformer::CausalLm;
+use super::hf::{build, Loaded};
 use super::ModelError;
 use crate::data::{SpecialTokens, TokenizerBundle};
 
@@ -179,14 +177,10 @@ pub fn load(
         }
         tensors.insert(hf, t);
     }
-    let varmap = VarMap::new();
-    let model = CausalLm::new(
-        &args,
-        VarBuilder::from_varmap(&varmap, dtype, device),
-        with_lm_head,
-    )?;
-    assign(&varmap, &tensors, path)?;
-    Ok((Loaded { model, varmap }, c))
+    Ok((
+        build(&args, &tensors, path, dtype, device, with_lm_head)?,
+        c,
+    ))
 }
 
 /// The tokenizer, special tokens and chat template of a GGUF file's metadata (GPT-2 style

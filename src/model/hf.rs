@@ -117,19 +117,31 @@ pub fn load_dir(
     with_lm_head: bool,
 ) -> Result<Loaded, ModelError> {
     let args = read_config(dir, overrides)?;
-    let varmap = VarMap::new();
-    let model = CausalLm::new(
-        &args,
-        VarBuilder::from_varmap(&varmap, dtype, device),
-        with_lm_head,
-    )?;
     let mut tensors = HashMap::new();
     for f in weight_files(dir)? {
         let part = candle_core::safetensors::load(&f, &Device::Cpu)
             .map_err(|e| ModelError::file(&f, format!("not a readable safetensors file: {e}")))?;
         tensors.extend(part);
     }
-    assign(&varmap, &tensors, dir)?;
+    build(&args, &tensors, dir, dtype, device, with_lm_head)
+}
+
+/// A model of `args` whose variables take the values of `tensors` (HF names) read from `source`.
+pub fn build(
+    args: &ModelArgs,
+    tensors: &HashMap<String, Tensor>,
+    source: &Path,
+    dtype: DType,
+    device: &Device,
+    with_lm_head: bool,
+) -> Result<Loaded, ModelError> {
+    let varmap = VarMap::new();
+    let model = CausalLm::new(
+        args,
+        VarBuilder::from_varmap(&varmap, dtype, device),
+        with_lm_head,
+    )?;
+    assign(&varmap, tensors, source)?;
     Ok(Loaded { model, varmap })
 }
 

@@ -10,19 +10,7 @@ pub fn last_boxed_only_string(s: &str) -> Option<String> {
         return Some(format!("\\boxed {}", after.split('$').next().unwrap_or("")));
     }
     let idx = s.rfind("\\boxed").or_else(|| s.rfind("\\fbox"))?;
-    let mut open = 0i64;
-    for (i, c) in s[idx..].char_indices() {
-        if c == '{' {
-            open += 1;
-        }
-        if c == '}' {
-            open -= 1;
-            if open == 0 {
-                return Some(s[idx..idx + i + 1].to_string());
-            }
-        }
-    }
-    None
+    super::balanced_from(s, idx).map(str::to_string)
 }
 
 /// `remove_boxed`; `None` where verl's assertions fail.

@@ -105,19 +105,7 @@ pub fn normalize_final_answer(answer: &str) -> String {
 /// The last `\boxed{...}` (braces balanced), as math_dapo's `last_boxed_only_string`.
 fn last_boxed(s: &str) -> Option<&str> {
     let idx = s.rfind("\\boxed{")?;
-    let mut open = 0i64;
-    for (i, c) in s[idx..].char_indices() {
-        if c == '{' {
-            open += 1;
-        }
-        if c == '}' {
-            open -= 1;
-            if open == 0 {
-                return Some(&s[idx..idx + i + 1]);
-            }
-        }
-    }
-    None
+    super::balanced_from(s, idx)
 }
 
 /// The verdict and the prediction.

@@ -67,6 +67,24 @@ const PYTHON_ONLY: [&str; 11] = [
     "hiyouga/geometry3k",
 ];
 
+/// `s[start..=end]` where `end` is the `}` that closes the first `{` at or after `start`
+/// (counting nested braces, as the MATH scorers' `last_boxed_only_string` scan does).
+pub(crate) fn balanced_from(s: &str, start: usize) -> Option<&str> {
+    let mut open = 0i64;
+    for (i, c) in s[start..].char_indices() {
+        if c == '{' {
+            open += 1;
+        }
+        if c == '}' {
+            open -= 1;
+            if open == 0 {
+                return Some(&s[start..start + i + 1]);
+            }
+        }
+    }
+    None
+}
+
 fn kw_f64(kwargs: &Map<String, Value>, key: &str, default: f64) -> Result<f64, RewardError> {
     match kwargs.get(key) {
         None => Ok(default),
