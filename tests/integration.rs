@@ -641,3 +641,45 @@ fn smollm2_generate_writes_8_rows_with_responses() {
         assert!(!resp.trim().is_empty(), "an empty response");
     }
 }
+
+#[test]
+fn smollm2_config_check_filters_with_the_gguf_tokenizer() {
+    let Some(path) = smollm2() else { return };
+    let m = path.display().to_string();
+    let d = data_dir();
+    let out = config_check(&[
+        format!("actor_rollout_ref.model.path={m}"),
+        format!("critic.model.path={m}"),
+        format!("data.train_files={}/train.parquet", d.display()),
+        format!("data.val_files={}/test.parquet", d.display()),
+        "data.train_batch_size=64".into(),
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16".into(),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4".into(),
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8".into(),
+        "critic.ppo_micro_batch_size_per_gpu=4".into(),
+        "data.max_prompt_length=160".into(),
+        "data.filter_overlong_prompts=True".into(),
+    ]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let dropped: usize = stdout
+        .lines()
+        .find_map(|l| {
+            l.trim()
+                .strip_prefix("dropped as longer than 160 prompt tokens: ")
+        })
+        .expect("a dropped count")
+        .parse()
+        .unwrap();
+    let kept: usize = stdout
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("training prompts: "))
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(kept + dropped, 7473);
+    assert!(dropped > 0 && kept > 7000, "{stdout}");
+}

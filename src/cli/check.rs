@@ -2,6 +2,8 @@
 //! arithmetic of one training step in plain words. Loads no model.
 
 use std::fmt::Write as _;
+
+use anyhow::Context;
 use std::path::{Path, PathBuf};
 
 use crate::config::resolve::expand_home;
@@ -107,7 +109,8 @@ impl DataSummary {
             .or_else(|| cfg.actor_rollout_ref.model.tokenizer_path.clone())
             .unwrap_or_else(|| cfg.actor_rollout_ref.model.path.clone());
         let tok_dir = PathBuf::from(expand_home(&tok_dir));
-        if !tok_dir.join("tokenizer.json").is_file() {
+        let is_gguf = tok_dir.is_file() && tok_dir.extension().is_some_and(|e| e == "gguf");
+        if !is_gguf && !tok_dir.join("tokenizer.json").is_file() {
             return Ok(Self {
                 train_rows: train.len(),
                 val_rows: val.map(|v| v.len()),
@@ -118,7 +121,18 @@ impl DataSummary {
                 )),
             });
         }
-        let bundle = TokenizerBundle::from_dir(&tok_dir)?;
+        let bundle = if is_gguf {
+            // Only the metadata is read, not the weights.
+            let mut f =
+                std::fs::File::open(&tok_dir).with_context(|| tok_dir.display().to_string())?;
+            let content =
+                candle_core::quantized::gguf_file::Content::read(&mut f).map_err(|e| {
+                    anyhow::anyhow!("{}: not a readable GGUF file: {e}", tok_dir.display())
+                })?;
+            crate::model::gguf::tokenizer(&content, &tok_dir)?
+        } else {
+            TokenizerBundle::from_dir(&tok_dir)?
+        };
         let template =
             bundle.template(cfg.actor_rollout_ref.model.custom_chat_template.as_deref())?;
         let train = PromptDataset::build(train, &bundle, &template, &train_opts)?;
