@@ -14,27 +14,27 @@ use super::config::ModelArgs;
 /// Owned by the caller, so one model serves many concurrent decodes.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
+    /// Per layer: key and value buffers `[batch, kv_heads, capacity, head_dim]`, of which the
+    /// first `len` positions are filled. New positions are written in place (no copy of the past).
     layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
 }
 
 impl KvCache {
     pub fn new(num_layers: usize) -> Self {
         Self {
             layers: vec![None; num_layers],
+            len: 0,
         }
     }
 
     /// Positions held.
     pub fn len(&self) -> usize {
-        self.layers
-            .first()
-            .and_then(|l| l.as_ref())
-            .map(|(k, _)| k.dim(2).unwrap_or(0))
-            .unwrap_or(0)
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.len == 0
     }
 
     /// Keeps only the rows `keep` (batch indices), e.g. after some sequences finished.
@@ -44,6 +44,40 @@ impl KvCache {
             *v = v.index_select(keep, 0)?;
         }
         Ok(())
+    }
+
+    /// Appends `k`, `v` `[batch, kv_heads, t, head_dim]` to layer `i` (growing the buffers by
+    /// doubling when full) and returns views of all positions so far. The views are detached: no
+    /// gradient flows through past positions and no autograd graph is kept alive by the cache.
+    fn append(&mut self, i: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let past = self.len;
+        let t = k.dim(2)?;
+        let need = past + t;
+        let (k, v) = (k.detach().contiguous()?, v.detach().contiguous()?);
+        let last_layer = i + 1 == self.layers.len();
+        let slot = &mut self.layers[i];
+        let grow = match slot {
+            Some((kb, _)) => kb.dim(2)? < need,
+            None => true,
+        };
+        if grow {
+            let (b, h, _, d) = k.dims4()?;
+            let cap = (2 * need).max(need + 64);
+            let kb = Tensor::zeros((b, h, cap, d), k.dtype(), k.device())?;
+            let vb = Tensor::zeros((b, h, cap, d), v.dtype(), v.device())?;
+            if let Some((ok, ov)) = slot.take() {
+                kb.slice_set(&ok.narrow(2, 0, past)?.contiguous()?, 2, 0)?;
+                vb.slice_set(&ov.narrow(2, 0, past)?.contiguous()?, 2, 0)?;
+            }
+            *slot = Some((kb, vb));
+        }
+        let (kb, vb) = slot.as_ref().expect("allocated above");
+        kb.slice_set(&k, 2, past)?;
+        vb.slice_set(&v, 2, past)?;
+        if last_layer {
+            self.len = need;
+        }
+        Ok((kb.narrow(2, 0, need)?, vb.narrow(2, 0, need)?))
     }
 }
 
@@ -278,7 +312,7 @@ impl CausalLm {
             self.args.hidden_size,
         ))?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let slot = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let slot = cache.as_deref_mut().map(|c| (c, i));
             x = self.block(layer, &x, &cos, &sin, &mask, slot)?;
         }
         rms_norm(&x, &self.norm, self.args.rms_norm_eps)
@@ -394,7 +428,7 @@ impl CausalLm {
         cos: &Tensor,
         sin: &Tensor,
         mask: &Tensor,
-        cache: Option<&mut Option<(Tensor, Tensor)>>,
+        cache: Option<(&mut KvCache, usize)>,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let a = &self.args;
@@ -406,16 +440,7 @@ impl CausalLm {
         let q = (q.broadcast_mul(cos)? + rotate_half(&q)?.broadcast_mul(sin)?)?;
         let k = (k.broadcast_mul(cos)? + rotate_half(&k)?.broadcast_mul(sin)?)?;
         let (k, v) = match cache {
-            Some(slot) => {
-                let (k, v) = match slot.take() {
-                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
-                    None => (k.contiguous()?, v.contiguous()?),
-                };
-                // Cached keys/values are detached: no gradient flows through past positions, and
-                // the autograd graph of earlier steps is not kept alive by the cache.
-                *slot = Some((k.detach(), v.detach()));
-                (k, v)
-            }
+            Some((c, i)) => c.append(i, &k, &v)?,
             None => (k, v),
         };
         let s = k.dim(2)?;
@@ -423,7 +448,7 @@ impl CausalLm {
         // Grouped-query attention without copying K/V per query head: the `rep` query heads that
         // share a KV head are stacked along the query axis, [b, nkv, rep·t, hd].
         let qg = q.contiguous()?.reshape((b, nkv, rep * t, hd))?;
-        let scores = (qg.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?; // [b, nkv, rep·t, s]
+        let scores = (qg.matmul(&k.t()?)? / (hd as f64).sqrt())?; // [b, nkv, rep·t, s]
         let scores = scores.reshape((b, nh, t, s))?.broadcast_add(mask)?; // [b, nh, t, s]
         let probs = candle_nn::ops::softmax(&upcast(&scores)?, D::Minus1)?.to_dtype(self.dtype)?;
         let attn = probs
