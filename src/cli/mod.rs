@@ -244,8 +244,8 @@ fn train(args: &ConfigArgs, natives: &crate::reward::NativeRegistry) -> anyhow::
         .collect();
     tracing::info!("reward ready: {}", sources.join(", "));
     anyhow::bail!(
-        "cannot load the model `{}`: the model loader and the PPO trainer are not part of this build yet \
-         (configuration and data are valid; `main_ppo config check` explains the run)",
+        "the PPO training loop is not part of this build yet; configuration, data and reward functions are ready \
+         (`main_ppo config check` explains the run; `main_ppo generate` and `main_ppo eval` work with `{}`)",
         loaded.config.actor_rollout_ref.model.path
     )
 }
