@@ -97,3 +97,32 @@ pub fn write_jsonl(path: &Path, rows: &[serde_json::Value]) -> std::io::Result<(
     let text: String = rows.iter().map(|r| format!("{r}\n")).collect();
     std::fs::write(path, text)
 }
+
+/// A model of `args` with trainable weights drawn from N(0, `stdev`²) (norm weights stay 1),
+/// larger than the 0.02 init so attention patterns and logits are far from uniform.
+pub fn tiny_model(
+    args: &crate::model::ModelArgs,
+    dtype: candle_core::DType,
+    stdev: f32,
+) -> (candle_nn::VarMap, crate::model::CausalLm) {
+    use candle_core::{Device, Tensor};
+    let varmap = candle_nn::VarMap::new();
+    let m = crate::model::CausalLm::new(
+        args,
+        candle_nn::VarBuilder::from_varmap(&varmap, dtype, &Device::Cpu),
+        true,
+    )
+    .expect("tiny model");
+    for (name, var) in varmap.data().lock().expect("varmap lock").iter() {
+        if !name.ends_with("norm.weight") {
+            let t = var.as_tensor();
+            var.set(
+                &Tensor::randn(0f32, stdev, t.shape(), &Device::Cpu)
+                    .and_then(|r| r.to_dtype(dtype))
+                    .expect("random weights"),
+            )
+            .expect("set");
+        }
+    }
+    (varmap, m)
+}

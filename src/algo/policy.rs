@@ -3,8 +3,6 @@
 //! `advantages`, `mask`. Each returns the scalar loss and verl's metrics.
 
 use candle_core::{DType, Tensor, D};
-use rand::{RngCore, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 
 use super::agg::{agg_loss, scalar, AggNorm};
 use super::masked::masked_mean;
@@ -293,7 +291,7 @@ fn clip_cov(
         s / (m.iter().sum::<f64>() + 1e-8)
     };
     let (ma, ml) = (mean(&a), mean(&lp));
-    let mut candidates = Vec::new();
+    let mut candidates: Vec<usize> = Vec::new();
     for i in 0..a.len() {
         let clipped_by_origin = h2[i] > h1[i] && m[i] > 0.0;
         if m[i] == 0.0 || clipped_by_origin {
@@ -305,14 +303,11 @@ fn clip_cov(
         }
     }
     let clip_num = ((p.clip_cov_ratio * m.iter().sum::<f64>()) as usize).max(1);
-    let mut rng = ChaCha8Rng::seed_from_u64(p.seed);
-    for i in (1..candidates.len()).rev() {
-        let j = ((rng.next_u64() as u128 * (i as u128 + 1)) >> 64) as usize;
-        candidates.swap(i, j);
-    }
+    // A seeded random choice of `clip_num` candidates (the loader's portable shuffle).
+    let order = crate::data::loader::permutation(candidates.len(), p.seed, 0);
     let mut corr = vec![1.0; a.len()];
-    for &i in candidates.iter().take(clip_num) {
-        corr[i] = 0.0;
+    for &k in order.iter().take(clip_num) {
+        corr[candidates[k]] = 0.0;
     }
     let corr = Tensor::from_vec(corr, adv.shape(), adv.device())?.to_dtype(adv.dtype())?;
     let pg_clipfrac = mean_m(&float(&corr.eq(0.0)?, adv)?, mask)?;

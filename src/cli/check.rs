@@ -30,7 +30,7 @@ pub fn check_paths(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
     }
     let model = &cfg.actor_rollout_ref.model;
     // A hub id (org/name) that is not a local path is fetched by the model loader.
-    if !looks_like_hub_id(&model.path) {
+    if !crate::model::is_hub_id(&model.path) {
         need("actor_rollout_ref.model.path", &model.path);
     }
     if let Some(t) = &model.tokenizer_path {
@@ -39,7 +39,7 @@ pub fn check_paths(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
     if let Some(t) = &cfg.data.tokenizer {
         need("data.tokenizer", t);
     }
-    if plan.need_critic && !looks_like_hub_id(&cfg.critic.model.path) {
+    if plan.need_critic && !crate::model::is_hub_id(&cfg.critic.model.path) {
         need("critic.model.path", &cfg.critic.model.path);
     }
     if let Some(p) = &cfg.reward.custom_reward_function.path {
@@ -65,15 +65,6 @@ pub fn check_paths(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
     } else {
         Err(ConfigError::Invalid(missing))
     }
-}
-
-/// `org/name` with no such local path: a model-hub id.
-fn looks_like_hub_id(p: &str) -> bool {
-    let expanded = expand_home(p);
-    !Path::new(&expanded).exists()
-        && !p.starts_with(['/', '.', '~'])
-        && p.matches('/').count() == 1
-        && !p.ends_with(".gguf")
 }
 
 /// What `config check` learns from the data files.

@@ -86,10 +86,19 @@ pub fn load_model_and_tokenizer(
         };
         return Ok((loaded, tok_from(own)?));
     }
-    if !p.exists() && !path.starts_with(['/', '.', '~']) && path.matches('/').count() == 1 {
+    if is_hub_id(path) {
         return Err(ModelError::file(p, "looks like a model-hub id, but this build has no hub access: download the model and point the path at its directory or .gguf file".into()));
     }
     Err(ModelError::file(p, "no such model: expected an HF model directory (config.json, model.safetensors, tokenizer.json) or a .gguf file".into()))
+}
+
+/// `org/name` that is no local path and no `.gguf` file: a model-hub id.
+pub fn is_hub_id(path: &str) -> bool {
+    let expanded = crate::config::resolve::expand_home(path);
+    !Path::new(&expanded).exists()
+        && !path.starts_with(['/', '.', '~'])
+        && path.matches('/').count() == 1
+        && !path.ends_with(".gguf")
 }
 
 /// The device `trainer.device` names (`auto`: CUDA when built with it and present, else CPU).

@@ -6,25 +6,9 @@ use candle_nn::{VarBuilder, VarMap};
 use super::*;
 
 fn model(arch: Arch, dtype: DType) -> (VarMap, CausalLm) {
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, dtype, &Device::Cpu);
     let mut args = ModelArgs::tiny(arch, 61);
     args.tie_word_embeddings = arch == Arch::Llama;
-    let m = CausalLm::new(&args, vb, true).unwrap();
-    // Larger weights than the 0.02 init, so attention patterns and logits are far from uniform.
-    for (name, var) in varmap.data().lock().unwrap().iter() {
-        if !name.contains("layernorm") && !name.ends_with("norm.weight") {
-            let t = var.as_tensor();
-            var.set(
-                &(Tensor::randn(0f32, 0.3, t.shape(), &Device::Cpu)
-                    .unwrap()
-                    .to_dtype(dtype)
-                    .unwrap()),
-            )
-            .unwrap();
-        }
-    }
-    (varmap, m)
+    crate::testing::tiny_model(&args, dtype, 0.3)
 }
 
 fn ids(rows: &[Vec<u32>]) -> Tensor {
@@ -541,25 +525,12 @@ fn write_gguf(
 #[test]
 fn a_gguf_loads_and_matches_the_same_weights_from_safetensors() {
     use candle_core::quantized::GgmlDType;
-    let vm = VarMap::new();
     let mut args = ModelArgs::tiny(Arch::Llama, 259);
     args.tie_word_embeddings = false;
     args.head_dim = 16; // d/2 = 8: the permutation is not its own inverse at this size
     args.hidden_size = 64;
     args.intermediate_size = 64; // row length a multiple of 32 for Q8_0 blocks
-    let m = CausalLm::new(
-        &args,
-        VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
-        true,
-    )
-    .unwrap();
-    for (_, var) in vm.data().lock().unwrap().iter() {
-        let t = var.as_tensor();
-        if t.rank() == 2 {
-            var.set(&Tensor::randn(0f32, 0.3, t.shape(), &Device::Cpu).unwrap())
-                .unwrap();
-        }
-    }
+    let (vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
     let dir = tempfile::tempdir().unwrap();
     let (pi, pm, pp) = left_pad(&[vec![3, 1, 4, 1, 5, 9, 2], vec![6, 5]], 0);
     drop(m);

@@ -287,7 +287,10 @@ pub fn generate(
         for &r in &active {
             masks[r].push(1);
         }
-        let key_mask: Vec<u32> = active.iter().flat_map(|&r| masks[r].clone()).collect();
+        let key_mask: Vec<u32> = active
+            .iter()
+            .flat_map(|&r| masks[r].iter().copied())
+            .collect();
         let w = masks[active[0]].len();
         let h = model.forward_hidden(
             &u32s(next, (n, 1))?,

@@ -1,27 +1,12 @@
 //! Generation on tiny random models.
 
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::VarMap;
 
 use super::*;
 use crate::model::{Arch, ModelArgs};
 
 fn model() -> (VarMap, CausalLm) {
-    let vm = VarMap::new();
-    let args = ModelArgs::tiny(Arch::Llama, 50);
-    let m = CausalLm::new(
-        &args,
-        VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
-        true,
-    )
-    .unwrap();
-    for (_, var) in vm.data().lock().unwrap().iter() {
-        let t = var.as_tensor();
-        if t.rank() == 2 {
-            var.set(&Tensor::randn(0f32, 0.5, t.shape(), &Device::Cpu).unwrap())
-                .unwrap();
-        }
-    }
-    (vm, m)
+    crate::testing::tiny_model(&ModelArgs::tiny(Arch::Llama, 50), DType::F32, 0.5)
 }
 
 fn left_pad(prompts: &[Vec<u32>]) -> (Vec<u32>, Vec<u8>, usize) {
