@@ -7,9 +7,11 @@
 //! come between these and `cli`.
 
 pub mod algo;
+pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod metrics;
 pub mod model;
 pub mod reward;
 pub mod rollout;

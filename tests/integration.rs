@@ -118,21 +118,17 @@ fn quickstart_command_line_is_accepted_and_explained() {
 }
 
 #[test]
-fn train_stops_where_the_model_would_load() {
+fn train_loads_rewards_first_then_names_the_missing_model_file() {
     let (_d, model, reward) = fixture();
     let out = run(&quickstart(&model, &reward));
     let (_, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
-        stderr.contains("data ready: 7473 training prompts, 1319 validation prompts"),
-        "{stderr}"
-    );
-    assert!(
-        stderr.contains("error: the PPO training loop is not part of this build yet"),
-        "{stderr}"
-    );
-    assert!(
         stderr.contains("reward ready: compute_score = compute_score ("),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("error: {}", model.display())) && stderr.contains("config.json"),
         "{stderr}"
     );
 }
@@ -150,7 +146,7 @@ fn a_broken_reward_file_fails_before_any_model_loads() {
             && stderr.contains("Traceback"),
         "{stderr}"
     );
-    assert!(!stderr.contains("training loop"), "{stderr}");
+    assert!(!stderr.contains("reward ready"), "{stderr}");
 }
 
 #[test]
@@ -685,4 +681,228 @@ fn smollm2_config_check_filters_with_the_gguf_tokenizer() {
         .unwrap();
     assert_eq!(kept + dropped, 7473);
     assert!(dropped > 0 && kept > 7000, "{stdout}");
+}
+
+/// A tiny model, 8 GSM8K-style prompts and a Python reward in `dir`; the arguments of a short
+/// PPO run there (checkpoints and metric files land under `dir`, the working directory).
+fn tiny_run(dir: &Path, steps: u64, extra: &[&str]) -> Vec<String> {
+    let model = dir.join("model");
+    if !model.exists() {
+        tiny_model_dir(&model);
+        let rows: Vec<serde_json::Value> = (0..8)
+            .map(|i| {
+                main_ppo::testing::verl_row(&format!("What is {i} + {i}?"), &(2 * i).to_string())
+            })
+            .collect();
+        write_jsonl(&dir.join("train.jsonl"), &rows);
+        std::fs::write(
+            dir.join("reward.py"),
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float(len(solution_str) % 3) / 2\n",
+        )
+        .unwrap();
+    }
+    let m = model.display().to_string();
+    let mut args: Vec<String> = vec![
+        format!("data.train_files={}", dir.join("train.jsonl").display()),
+        format!("data.val_files={}", dir.join("train.jsonl").display()),
+        "data.train_batch_size=4".into(),
+        "data.max_prompt_length=128".into(),
+        "data.max_response_length=5".into(),
+        format!("actor_rollout_ref.model.path={m}"),
+        "actor_rollout_ref.actor.optim.lr=1e-3".into(),
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2".into(),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2".into(),
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4".into(),
+        "actor_rollout_ref.rollout.n=2".into(),
+        format!("critic.model.path={m}"),
+        "critic.optim.lr=1e-3".into(),
+        "critic.ppo_micro_batch_size_per_gpu=2".into(),
+        "custom_reward_function.path=reward.py".into(),
+        "trainer.val_before_train=False".into(),
+        "trainer.device=cpu".into(),
+        format!("trainer.total_training_steps={steps}"),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn bin_in(dir: &Path) -> Command {
+    let mut c = bin();
+    c.current_dir(dir)
+        .env_remove("VERL_FILE_LOGGER_PATH")
+        .env_remove("VERL_FILE_LOGGER_ROOT")
+        .env_remove("TENSORBOARD_DIR");
+    c
+}
+
+#[test]
+fn train_writes_every_sink_and_an_actor_that_generate_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = tiny_run(
+        dir.path(),
+        2,
+        &[
+            "trainer.logger=[console,file,tensorboard,wandb]",
+            "trainer.save_freq=2",
+            "trainer.test_freq=2",
+        ],
+    );
+    let out = bin_in(dir.path()).args(&args).output().unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    // console: verl's line per step.
+    let steps: Vec<&str> = stdout.lines().filter(|l| l.starts_with("step:")).collect();
+    assert_eq!(steps.len(), 2, "{stdout}");
+    assert!(steps[0].starts_with("step:1 - actor/"), "{}", steps[0]);
+    for k in [
+        "critic/score/mean:",
+        "critic/vf_loss:",
+        "actor/pg_loss:",
+        "timing_s/gen:",
+        "val-core/openai/gsm8k/acc/mean@1:",
+    ] {
+        assert!(steps[1].contains(k), "{k} not in {}", steps[1]);
+    }
+    // wandb is skipped with one warning.
+    assert_eq!(stderr.matches("wandb not available").count(), 1, "{stderr}");
+    // file: one JSON object per step.
+    let jsonl = std::fs::read_to_string(dir.path().join("verl_examples/gsm8k.jsonl")).unwrap();
+    let rows: Vec<serde_json::Value> = jsonl
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[1]["step"], 2);
+    assert!(rows[1]["data"]["critic/score/mean"].is_number());
+    // tensorboard: an event file with the same scalars.
+    let tb = dir.path().join("tensorboard_log/verl_examples/gsm8k");
+    let file = std::fs::read_dir(&tb)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let scalars = main_ppo::metrics::tensorboard::read_scalars(&file).unwrap();
+    let score2 = scalars
+        .iter()
+        .find(|(s, t, _)| *s == 2 && t == "critic/score/mean")
+        .map(|(_, _, v)| *v)
+        .unwrap();
+    assert_eq!(
+        score2,
+        rows[1]["data"]["critic/score/mean"].as_f64().unwrap() as f32
+    );
+    // The checkpoint's actor is an HF directory `main_ppo generate` loads.
+    let ckpt = dir.path().join("checkpoints/verl_examples/gsm8k");
+    assert_eq!(
+        std::fs::read_to_string(ckpt.join("latest_checkpointed_iteration.txt")).unwrap(),
+        "2"
+    );
+    let actor = ckpt.join("global_step_2/actor/huggingface");
+    let out = bin_in(dir.path())
+        .args([
+            "generate".to_string(),
+            "--input".into(),
+            "train.jsonl".into(),
+            "--output".into(),
+            "gen.jsonl".into(),
+            format!("actor_rollout_ref.model.path={}", actor.display()),
+            "data.max_response_length=4".into(),
+            "trainer.device=cpu".into(),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out).1);
+    let gen = main_ppo::data::read_rows(&dir.path().join("gen.jsonl")).unwrap();
+    assert_eq!(gen.len(), 8);
+}
+
+fn wait_for(path: &Path, secs: u64) {
+    let t = std::time::Instant::now();
+    while !path.exists() {
+        assert!(
+            t.elapsed().as_secs() < secs,
+            "{} did not appear",
+            path.display()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn sigkill_during_a_save_leaves_the_previous_checkpoint_usable() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = tiny_run(dir.path(), 2, &["trainer.logger=[]", "trainer.save_freq=1"]);
+    let marker = dir.path().join("saving");
+    let mut child = bin_in(dir.path())
+        .args(&args)
+        .env(
+            "MAIN_PPO_TEST_PAUSE_IN_SAVE",
+            format!("2:{}", marker.display()),
+        )
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(&marker, 120);
+    child.kill().unwrap(); // SIGKILL in the middle of writing global_step_2
+    child.wait().unwrap();
+    let ckpt = dir.path().join("checkpoints/verl_examples/gsm8k");
+    assert!(
+        ckpt.join(".global_step_2.partial").exists(),
+        "the save was cut short"
+    );
+    assert!(!ckpt.join("global_step_2").exists());
+    assert_eq!(
+        std::fs::read_to_string(ckpt.join("latest_checkpointed_iteration.txt")).unwrap(),
+        "1"
+    );
+    // The same command resumes from step 1 and finishes.
+    let out = bin_in(dir.path()).args(&args).output().unwrap();
+    let (_, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("global_step_1 (step 1)"), "{stderr}");
+    assert!(
+        stderr.contains("removing an unfinished checkpoint save"),
+        "{stderr}"
+    );
+    assert!(!ckpt.join(".global_step_2.partial").exists());
+    assert_eq!(
+        std::fs::read_to_string(ckpt.join("latest_checkpointed_iteration.txt")).unwrap(),
+        "2"
+    );
+}
+
+#[test]
+fn sigint_finishes_the_step_saves_and_exits_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = tiny_run(dir.path(), 1000, &["trainer.logger=[file]"]);
+    let child = bin_in(dir.path())
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let metrics = dir.path().join("verl_examples/gsm8k.jsonl");
+    wait_for(&metrics, 120);
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let ckpt = dir.path().join("checkpoints/verl_examples/gsm8k");
+    let step: u64 = std::fs::read_to_string(ckpt.join("latest_checkpointed_iteration.txt"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let logged = std::fs::read_to_string(&metrics).unwrap().lines().count() as u64;
+    assert_eq!(step, logged, "the checkpoint is of the last finished step");
+    assert!(step < 1000);
+    assert!(
+        stderr.contains(&format!("stopped after step {step}")),
+        "{stderr}"
+    );
 }

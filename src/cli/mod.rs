@@ -217,35 +217,68 @@ fn print_cfg(args: &ConfigArgs, loaded: &Loaded) -> anyhow::Result<bool> {
 }
 
 fn train(args: &ConfigArgs, natives: &crate::reward::NativeRegistry) -> anyhow::Result<()> {
+    use crate::trainer::{FitOutcome, Trainer, TrainerError, TrainerOptions};
     let loaded = args.load()?;
     if print_cfg(args, &loaded)? {
         return Ok(());
     }
     let plan = config::resolve(&loaded.config)?;
-    for w in &plan.warnings {
-        tracing::warn!("{w}");
-    }
     check::check_paths(&loaded.config, &plan)?;
-    let summary = check::DataSummary::load(&loaded.config, &plan)?;
+    let stop = stop_on_signals();
+    let opts = TrainerOptions {
+        natives: natives.clone(),
+        stop,
+        tracker: None,
+    };
+    // Configuration errors keep their own type (exit status 2).
+    let lift = |e: TrainerError| match e {
+        TrainerError::Config(c) => anyhow::Error::from(c),
+        other => anyhow::Error::from(other),
+    };
+    let mut trainer = Trainer::new(loaded.config, opts).map_err(lift)?;
     tracing::info!(
-        "data ready: {} training prompts, {} validation prompts",
-        summary.train_rows,
-        summary
-            .val_rows
-            .map(|v| v.to_string())
-            .unwrap_or_else(|| "no".into())
+        "training: steps {}..{} of {}, checkpoints in {}",
+        trainer.global_step + 1,
+        trainer.total_steps,
+        trainer.total_steps,
+        plan.default_local_dir.display()
     );
-    // Reward functions load before any model: a missing file, function or import fails here.
-    let reward = crate::reward::RewardManager::from_config(&loaded.config.reward, natives)?;
-    let sources: Vec<String> = reward
-        .sources
-        .iter()
-        .map(|s| format!("{} = {} (weight {})", s.name, s.label, s.weight))
-        .collect();
-    tracing::info!("reward ready: {}", sources.join(", "));
-    anyhow::bail!(
-        "the PPO training loop is not part of this build yet; configuration, data and reward functions are ready \
-         (`main_ppo config check` explains the run; `main_ppo generate` and `main_ppo eval` work with `{}`)",
-        loaded.config.actor_rollout_ref.model.path
-    )
+    match trainer.fit().map_err(lift)? {
+        FitOutcome::Finished { steps } => tracing::info!("training finished after {steps} steps"),
+        FitOutcome::ValidatedOnly => tracing::info!("validation done (trainer.val_only)"),
+        FitOutcome::Interrupted { step, checkpoint } => tracing::info!(
+            "stopped after step {step}{}",
+            checkpoint
+                .map(|c| format!(
+                    "; resume with the same command (checkpoint {})",
+                    c.display()
+                ))
+                .unwrap_or_default()
+        ),
+    }
+    Ok(())
+}
+
+/// A flag set by the first Ctrl-C or SIGTERM (the trainer finishes its step, saves and exits
+/// 0); a second signal exits at once with status 130.
+fn stop_on_signals() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, OnceLock};
+    static FLAG: OnceLock<Arc<AtomicBool>> = OnceLock::new();
+    FLAG.get_or_init(|| {
+        let flag = Arc::new(AtomicBool::new(false));
+        let f = flag.clone();
+        let installed = ctrlc::set_handler(move || {
+            if f.swap(true, Ordering::SeqCst) {
+                eprintln!("second interrupt: exiting without saving");
+                std::process::exit(130);
+            }
+            eprintln!("interrupt: finishing the current step, then saving a checkpoint (interrupt again to quit now)");
+        });
+        if let Err(e) = installed {
+            tracing::warn!("cannot install the Ctrl-C handler: {e}");
+        }
+        flag
+    })
+    .clone()
 }

@@ -177,6 +177,47 @@ impl TokenizerBundle {
         })
     }
 
+    /// Writes `tokenizer.json`, `tokenizer_config.json` (special tokens and the chat template)
+    /// and `chat_template.jinja` into `dir`, so the folder loads with [`TokenizerBundle::from_dir`]
+    /// and with HF transformers (a GGUF model's tokenizer becomes an HF one this way).
+    pub fn save(&self, dir: &Path) -> Result<(), DataError> {
+        let err = |p: &Path, e: String| DataError::File {
+            file: p.display().to_string(),
+            message: e,
+        };
+        std::fs::create_dir_all(dir).map_err(|e| err(dir, e.to_string()))?;
+        let tok = dir.join("tokenizer.json");
+        self.tokenizer
+            .save(&tok, false)
+            .map_err(|e| err(&tok, e.to_string()))?;
+        let mut cfg = serde_json::Map::new();
+        for (k, v) in [
+            ("bos_token", &self.special.bos),
+            ("eos_token", &self.special.eos),
+            ("pad_token", &self.special.pad),
+            ("unk_token", &self.special.unk),
+        ] {
+            if let Some(v) = v {
+                cfg.insert(k.into(), Value::String(v.clone()));
+            }
+        }
+        cfg.insert(
+            "tokenizer_class".into(),
+            Value::String("PreTrainedTokenizerFast".into()),
+        );
+        if let Some(t) = &self.chat_template {
+            cfg.insert("chat_template".into(), Value::String(t.clone()));
+            let jinja = dir.join("chat_template.jinja");
+            std::fs::write(&jinja, t).map_err(|e| err(&jinja, e.to_string()))?;
+        }
+        let path = dir.join("tokenizer_config.json");
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&Value::Object(cfg)).expect("json"),
+        )
+        .map_err(|e| err(&path, e.to_string()))
+    }
+
     /// The chat template to use: `custom` (actor_rollout_ref.model.custom_chat_template) if
     /// given, else the model's own.
     pub fn template(&self, custom: Option<&str>) -> Result<ChatTemplate, DataError> {

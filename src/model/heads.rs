@@ -27,6 +27,16 @@ impl ValueHead {
         })
     }
 
+    /// A view whose weights are detached from autograd (shares their storage).
+    pub fn no_grad(&self) -> ValueHead {
+        ValueHead {
+            lin: Linear::new(
+                self.lin.weight().detach(),
+                self.lin.bias().map(Tensor::detach),
+            ),
+        }
+    }
+
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
         let (b, t, h) = hidden.dims3()?;
         let v = hidden

@@ -117,13 +117,19 @@ pub fn load_dir(
     with_lm_head: bool,
 ) -> Result<Loaded, ModelError> {
     let args = read_config(dir, overrides)?;
+    let tensors = read_weights(dir)?;
+    build(&args, &tensors, dir, dtype, device, with_lm_head)
+}
+
+/// Every tensor of an HF directory's safetensors weights (one file or shards), on the CPU.
+pub fn read_weights(dir: &Path) -> Result<HashMap<String, Tensor>, ModelError> {
     let mut tensors = HashMap::new();
     for f in weight_files(dir)? {
         let part = candle_core::safetensors::load(&f, &Device::Cpu)
             .map_err(|e| ModelError::file(&f, format!("not a readable safetensors file: {e}")))?;
         tensors.extend(part);
     }
-    build(&args, &tensors, dir, dtype, device, with_lm_head)
+    Ok(tensors)
 }
 
 /// A model of `args` whose variables take the values of `tensors` (HF names) read from `source`.

@@ -1,0 +1,316 @@
+//! The checkpoint folder (verl's layout) and its safety rules.
+//!
+//! ```text
+//! {default_local_dir}/
+//!   latest_checkpointed_iteration.txt      the newest complete step, N
+//!   global_step_N/
+//!     actor/huggingface/                   HF model directory (config, weights, tokenizer)
+//!     actor/optim.safetensors, optim.json  AdamW moments and step
+//!     critic/huggingface/, critic/optim.*  the same for the critic (value head `score.*`)
+//!     trainer_state.json                   step, loader cursor, sampler RNG, KL controller
+//!     config.yaml                          the resolved configuration
+//! ```
+//!
+//! A save writes everything into a hidden `.global_step_N.partial` folder, then renames it into
+//! place and only then rewrites the tracker file (itself through a temporary file and a rename),
+//! so a crash at any moment leaves the previous checkpoint and tracker intact.
+
+use std::path::{Path, PathBuf};
+
+use crate::config::trainer::ResumeMode;
+
+pub const TRACKER: &str = "latest_checkpointed_iteration.txt";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("{path}: {message}")]
+    Io { path: String, message: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn io(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
+    CheckpointError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    }
+}
+
+pub fn step_dir(root: &Path, step: u64) -> PathBuf {
+    root.join(format!("global_step_{step}"))
+}
+
+/// The step number of a `global_step_N` folder.
+pub fn parse_step(dir: &Path) -> Option<u64> {
+    dir.file_name()?
+        .to_str()?
+        .strip_prefix("global_step_")?
+        .parse()
+        .ok()
+}
+
+/// Writes a checkpoint for `step` with `write` (given the folder to fill), atomically.
+pub fn save_atomic<E: std::fmt::Display>(
+    root: &Path,
+    step: u64,
+    write: impl FnOnce(&Path) -> Result<(), E>,
+) -> Result<PathBuf, CheckpointError> {
+    std::fs::create_dir_all(root).map_err(|e| io(root, e))?;
+    let tmp = root.join(format!(".global_step_{step}.partial"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    write(&tmp).map_err(|e| CheckpointError::Io {
+        path: tmp.display().to_string(),
+        message: format!("writing the checkpoint failed: {e}"),
+    })?;
+    sync_dir(&tmp);
+    let dst = step_dir(root, step);
+    if dst.exists() {
+        // Saving the same step again (a resumed run that re-saves): move the old one aside
+        // first, so there is never a moment without a complete copy.
+        let old = root.join(format!(".global_step_{step}.old"));
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+        }
+        std::fs::rename(&dst, &old).map_err(|e| io(&dst, e))?;
+        std::fs::rename(&tmp, &dst).map_err(|e| io(&tmp, e))?;
+        std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+    } else {
+        std::fs::rename(&tmp, &dst).map_err(|e| io(&tmp, e))?;
+    }
+    sync_dir(root);
+    write_tracker(root, step)?;
+    Ok(dst)
+}
+
+/// Best-effort fsync of a folder's entries (durability across power loss; the rename order
+/// already gives safety against a crash of the process).
+fn sync_dir(dir: &Path) {
+    if let Ok(f) = std::fs::File::open(dir) {
+        let _ = f.sync_all();
+    }
+}
+
+fn write_tracker(root: &Path, step: u64) -> Result<(), CheckpointError> {
+    let tmp = root.join(format!(".{TRACKER}.tmp"));
+    std::fs::write(&tmp, step.to_string()).map_err(|e| io(&tmp, e))?;
+    let dst = root.join(TRACKER);
+    std::fs::rename(&tmp, &dst).map_err(|e| io(&dst, e))
+}
+
+/// Complete checkpoints under `root` (partial and moved-aside folders are hidden), by step.
+pub fn list(root: &Path) -> Vec<(u64, PathBuf)> {
+    let mut out: Vec<(u64, PathBuf)> = std::fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .filter_map(|p| parse_step(&p).map(|s| (s, p)))
+        .collect();
+    out.sort();
+    out
+}
+
+/// The checkpoint to resume from under `trainer.resume_mode`: `None` = start fresh.
+pub fn find_resume(
+    root: &Path,
+    mode: ResumeMode,
+    resume_from_path: Option<&str>,
+) -> Result<Option<(u64, PathBuf)>, CheckpointError> {
+    match mode {
+        ResumeMode::Disable => Ok(None),
+        ResumeMode::ResumePath => {
+            let p = resume_from_path.ok_or_else(|| {
+                CheckpointError::Invalid(
+                    "trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)".into(),
+                )
+            })?;
+            let path = PathBuf::from(crate::config::resolve::expand_home(p));
+            let step = parse_step(&path).ok_or_else(|| {
+                CheckpointError::Invalid(format!(
+                    "trainer.resume_from_path={p}: the folder name must be global_step_N"
+                ))
+            })?;
+            if !path.is_dir() {
+                return Err(CheckpointError::Invalid(format!(
+                    "trainer.resume_from_path={p}: no such folder"
+                )));
+            }
+            Ok(Some((step, path)))
+        }
+        ResumeMode::Auto => {
+            let tracker = root.join(TRACKER);
+            let Ok(text) = std::fs::read_to_string(&tracker) else {
+                if let Some((s, p)) = list(root).pop() {
+                    tracing::warn!(
+                        "{} is missing; resuming from the newest checkpoint folder {}",
+                        tracker.display(),
+                        p.display()
+                    );
+                    return Ok(Some((s, p)));
+                }
+                return Ok(None);
+            };
+            let step: u64 = text.trim().parse().map_err(|_| {
+                CheckpointError::Invalid(format!(
+                    "{}: expected a step number, found `{}`",
+                    tracker.display(),
+                    text.trim()
+                ))
+            })?;
+            let dir = step_dir(root, step);
+            if dir.is_dir() {
+                return Ok(Some((step, dir)));
+            }
+            match list(root).pop() {
+                Some((s, p)) => {
+                    tracing::warn!(
+                        "{} names step {step} but {} is missing; resuming from {}",
+                        tracker.display(),
+                        dir.display(),
+                        p.display()
+                    );
+                    Ok(Some((s, p)))
+                }
+                None => Err(CheckpointError::Invalid(format!(
+                    "{} names step {step} but there is no global_step_* folder in {}; set trainer.resume_mode=disable to start fresh",
+                    tracker.display(),
+                    root.display()
+                ))),
+            }
+        }
+    }
+}
+
+/// Deletes `part` (`actor` or `critic`) of all but the newest `keep` checkpoints, and folders
+/// left with nothing to resume from.
+pub fn prune(root: &Path, part: &str, keep: Option<usize>) -> Result<(), CheckpointError> {
+    let Some(keep) = keep else { return Ok(()) };
+    let all = list(root);
+    let n = all.len();
+    for (_, dir) in all.into_iter().take(n.saturating_sub(keep.max(1))) {
+        let p = dir.join(part);
+        if p.exists() {
+            std::fs::remove_dir_all(&p).map_err(|e| io(&p, e))?;
+        }
+        if !dir.join("actor").exists() && !dir.join("critic").exists() {
+            std::fs::remove_dir_all(&dir).map_err(|e| io(&dir, e))?;
+        }
+    }
+    Ok(())
+}
+
+/// Removes folders of saves that never finished (a crash or kill during a save).
+pub fn remove_partials(root: &Path) {
+    for e in std::fs::read_dir(root).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".global_step_")
+            && (name.ends_with(".partial") || name.ends_with(".old"))
+        {
+            tracing::warn!(
+                "removing an unfinished checkpoint save: {}",
+                e.path().display()
+            );
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn save(root: &Path, step: u64, body: &str) {
+        save_atomic(root, step, |d| std::fs::write(d.join("x"), body)).unwrap();
+    }
+
+    #[test]
+    fn save_writes_folder_and_tracker() {
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), 2, "a");
+        save(dir.path(), 4, "b");
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join(TRACKER)).unwrap(),
+            "4"
+        );
+        let found = find_resume(dir.path(), ResumeMode::Auto, None)
+            .unwrap()
+            .unwrap();
+        assert_eq!(found.0, 4);
+        assert_eq!(std::fs::read_to_string(found.1.join("x")).unwrap(), "b");
+        assert!(find_resume(dir.path(), ResumeMode::Disable, None)
+            .unwrap()
+            .is_none());
+        // Re-saving a step replaces it.
+        save(dir.path(), 4, "c");
+        assert_eq!(
+            std::fs::read_to_string(step_dir(dir.path(), 4).join("x")).unwrap(),
+            "c"
+        );
+    }
+
+    #[test]
+    fn a_failed_save_keeps_the_previous_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), 1, "a");
+        let r = save_atomic(dir.path(), 2, |d| {
+            std::fs::write(d.join("x"), "half")?;
+            Err::<(), _>(std::io::Error::other("disk full"))
+        });
+        assert!(r.unwrap_err().to_string().contains("disk full"));
+        let (step, p) = find_resume(dir.path(), ResumeMode::Auto, None)
+            .unwrap()
+            .unwrap();
+        assert_eq!(step, 1);
+        assert_eq!(std::fs::read_to_string(p.join("x")).unwrap(), "a");
+        assert_eq!(list(dir.path()).len(), 1, "the partial folder is hidden");
+        remove_partials(dir.path());
+        assert!(!dir.path().join(".global_step_2.partial").exists());
+    }
+
+    #[test]
+    fn resume_path_and_tracker_errors_name_the_problem() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = find_resume(dir.path(), ResumeMode::ResumePath, Some("/x/step_3")).unwrap_err();
+        assert!(e.to_string().contains("global_step_N"), "{e}");
+        let e = find_resume(dir.path(), ResumeMode::ResumePath, None).unwrap_err();
+        assert!(e.to_string().contains("resume_from_path"), "{e}");
+        std::fs::write(dir.path().join(TRACKER), "seven").unwrap();
+        let e = find_resume(dir.path(), ResumeMode::Auto, None).unwrap_err();
+        assert!(e.to_string().contains("seven"), "{e}");
+        std::fs::write(dir.path().join(TRACKER), "7").unwrap();
+        let e = find_resume(dir.path(), ResumeMode::Auto, None).unwrap_err();
+        assert!(e.to_string().contains("resume_mode=disable"), "{e}");
+        save(dir.path(), 3, "a");
+        std::fs::write(dir.path().join(TRACKER), "7").unwrap();
+        assert_eq!(
+            find_resume(dir.path(), ResumeMode::Auto, None)
+                .unwrap()
+                .unwrap()
+                .0,
+            3
+        );
+    }
+
+    #[test]
+    fn prune_keeps_the_newest() {
+        let dir = tempfile::tempdir().unwrap();
+        for s in 1..=4 {
+            save_atomic(dir.path(), s, |d| {
+                std::fs::create_dir_all(d.join("actor"))?;
+                std::fs::create_dir_all(d.join("critic"))
+            })
+            .unwrap();
+        }
+        prune(dir.path(), "actor", Some(2)).unwrap();
+        assert!(!step_dir(dir.path(), 1).join("actor").exists());
+        assert!(step_dir(dir.path(), 1).join("critic").exists());
+        assert!(step_dir(dir.path(), 3).join("actor").exists());
+        prune(dir.path(), "critic", Some(2)).unwrap();
+        let left: Vec<u64> = list(dir.path()).into_iter().map(|(s, _)| s).collect();
+        assert_eq!(left, vec![3, 4]);
+    }
+}

@@ -1,0 +1,261 @@
+//! TensorBoard event files, written directly: a TFRecord stream (`u64` length, masked CRC-32C
+//! of the length, the bytes, masked CRC-32C of the bytes) of `tensorflow.Event` protocol-buffer
+//! messages, each holding scalar summaries. Only the handful of protobuf fields TensorBoard
+//! reads for scalars are encoded, so no protobuf toolchain is needed.
+//!
+//! Fields (tensorflow/core/util/event.proto, summary.proto): `Event.wall_time` = 1 (double),
+//! `Event.step` = 2 (int64), `Event.file_version` = 3 (string), `Event.summary` = 5;
+//! `Summary.value` = 1; `Summary.Value.tag` = 1 (string), `simple_value` = 2 (float).
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+/// TFRecord's checksum: CRC-32C rotated right by 15 bits plus a constant.
+pub fn masked_crc(data: &[u8]) -> u32 {
+    let crc = crc32c::crc32c(data);
+    crc.rotate_right(15).wrapping_add(0xa282_ead8)
+}
+
+fn varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn key(out: &mut Vec<u8>, field: u32, wire: u8) {
+    varint(out, u64::from(field << 3 | u32::from(wire)));
+}
+
+fn bytes_field(out: &mut Vec<u8>, field: u32, data: &[u8]) {
+    key(out, field, 2);
+    varint(out, data.len() as u64);
+    out.extend_from_slice(data);
+}
+
+/// An `Event` with a wall time and either a file version or a step with scalars.
+fn event(
+    wall_time: f64,
+    step: Option<i64>,
+    version: Option<&str>,
+    scalars: &[(&str, f32)],
+) -> Vec<u8> {
+    let mut e = Vec::new();
+    key(&mut e, 1, 1);
+    e.extend_from_slice(&wall_time.to_le_bytes());
+    if let Some(s) = step {
+        key(&mut e, 2, 0);
+        varint(&mut e, s as u64);
+    }
+    if let Some(v) = version {
+        bytes_field(&mut e, 3, v.as_bytes());
+    }
+    if !scalars.is_empty() {
+        let mut summary = Vec::new();
+        for (tag, val) in scalars {
+            let mut value = Vec::new();
+            bytes_field(&mut value, 1, tag.as_bytes());
+            key(&mut value, 2, 5);
+            value.extend_from_slice(&val.to_le_bytes());
+            bytes_field(&mut summary, 1, &value);
+        }
+        bytes_field(&mut e, 5, &summary);
+    }
+    e
+}
+
+/// Appends scalar events to `events.out.tfevents.<time>.<host>` in a log folder.
+pub struct EventWriter {
+    out: BufWriter<File>,
+    pub path: PathBuf,
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+impl EventWriter {
+    pub fn create(dir: &Path) -> std::io::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let host = std::fs::read_to_string("/etc/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "localhost".into());
+        let t = now();
+        let path = dir.join(format!(
+            "events.out.tfevents.{}.{host}.{}",
+            t as u64,
+            std::process::id()
+        ));
+        let mut w = Self {
+            out: BufWriter::new(File::create(&path)?),
+            path,
+        };
+        w.record(&event(t, None, Some("brain.Event:2"), &[]))?;
+        Ok(w)
+    }
+
+    fn record(&mut self, data: &[u8]) -> std::io::Result<()> {
+        let len = (data.len() as u64).to_le_bytes();
+        self.out.write_all(&len)?;
+        self.out.write_all(&masked_crc(&len).to_le_bytes())?;
+        self.out.write_all(data)?;
+        self.out.write_all(&masked_crc(data).to_le_bytes())
+    }
+
+    /// One event at `step` holding every scalar.
+    pub fn scalars(&mut self, step: i64, scalars: &[(&str, f32)]) -> std::io::Result<()> {
+        self.record(&event(now(), Some(step), None, scalars))?;
+        self.out.flush()
+    }
+}
+
+/// Reads back the scalars of an event file: `(step, tag, value)`; checks every checksum.
+/// For tests and `main_ppo` users without TensorBoard at hand.
+pub fn read_scalars(path: &Path) -> Result<Vec<(i64, String, f32)>, String> {
+    let data = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut out = Vec::new();
+    let mut at = 0;
+    let take = |at: &mut usize, n: usize| -> Result<&[u8], String> {
+        let s = data.get(*at..*at + n).ok_or("truncated record")?;
+        *at += n;
+        Ok(s)
+    };
+    let u32le = |b: &[u8]| u32::from_le_bytes(b.try_into().expect("4 bytes"));
+    while at < data.len() {
+        let len_bytes = take(&mut at, 8)?;
+        let len = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes")) as usize;
+        if u32le(take(&mut at, 4)?) != masked_crc(len_bytes) {
+            return Err("bad length checksum".into());
+        }
+        let body = take(&mut at, len)?.to_vec();
+        if u32le(take(&mut at, 4)?) != masked_crc(&body) {
+            return Err("bad data checksum".into());
+        }
+        let (step, values) = parse_event(&body)?;
+        for (tag, v) in values {
+            out.push((step, tag, v));
+        }
+    }
+    Ok(out)
+}
+
+fn read_varint(b: &[u8], at: &mut usize) -> Result<u64, String> {
+    let mut v = 0u64;
+    for shift in (0..64).step_by(7) {
+        let byte = *b.get(*at).ok_or("truncated varint")?;
+        *at += 1;
+        v |= u64::from(byte & 0x7f) << shift;
+        if byte < 0x80 {
+            return Ok(v);
+        }
+    }
+    Err("varint too long".into())
+}
+
+/// Fields of one message: `(field, wire type, payload)`; fixed64/fixed32 payloads as bytes.
+fn fields(b: &[u8]) -> Result<Vec<(u32, u8, Vec<u8>)>, String> {
+    let mut at = 0;
+    let mut out = Vec::new();
+    while at < b.len() {
+        let k = read_varint(b, &mut at)?;
+        let (field, wire) = ((k >> 3) as u32, (k & 7) as u8);
+        let payload = match wire {
+            0 => read_varint(b, &mut at)?.to_le_bytes().to_vec(),
+            1 => {
+                at += 8;
+                b.get(at - 8..at).ok_or("truncated fixed64")?.to_vec()
+            }
+            2 => {
+                let n = read_varint(b, &mut at)? as usize;
+                at += n;
+                b.get(at - n..at).ok_or("truncated bytes")?.to_vec()
+            }
+            5 => {
+                at += 4;
+                b.get(at - 4..at).ok_or("truncated fixed32")?.to_vec()
+            }
+            w => return Err(format!("unsupported wire type {w}")),
+        };
+        out.push((field, wire, payload));
+    }
+    Ok(out)
+}
+
+fn parse_event(b: &[u8]) -> Result<(i64, Vec<(String, f32)>), String> {
+    let mut step = 0i64;
+    let mut values = Vec::new();
+    for (field, _, payload) in fields(b)? {
+        match field {
+            2 => step = i64::from_le_bytes(payload[..8].try_into().expect("8 bytes")),
+            5 => {
+                for (f, _, value) in fields(&payload)? {
+                    if f != 1 {
+                        continue;
+                    }
+                    let (mut tag, mut v) = (String::new(), f32::NAN);
+                    for (vf, _, p) in fields(&value)? {
+                        match vf {
+                            1 => tag = String::from_utf8_lossy(&p).into_owned(),
+                            2 => v = f32::from_le_bytes(p[..4].try_into().expect("4 bytes")),
+                            _ => {}
+                        }
+                    }
+                    values.push((tag, v));
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok((step, values))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn masked_crc_of_the_tfrecord_spec() {
+        // CRC-32C check value of "123456789" is 0xE3069283 (RFC 3720 / iSCSI); masking is
+        // rotr15 + 0xa282ead8 (tensorflow/core/lib/hash/crc32c.h).
+        assert_eq!(crc32c::crc32c(b"123456789"), 0xE306_9283);
+        let want = 0xE306_9283u32.rotate_right(15).wrapping_add(0xa282_ead8);
+        assert_eq!(masked_crc(b"123456789"), want);
+    }
+
+    #[test]
+    fn varint_and_event_encoding_by_hand() {
+        let mut v = Vec::new();
+        varint(&mut v, 300);
+        assert_eq!(v, vec![0xac, 0x02]); // protobuf's documented example
+                                         // Event{step: 3, summary{value{tag:"a", simple_value: 1.0}}} with wall time 0.
+        let e = event(0.0, Some(3), None, &[("a", 1.0)]);
+        let mut want = vec![0x09];
+        want.extend_from_slice(&0f64.to_le_bytes());
+        want.extend_from_slice(&[0x10, 3, 0x2a, 10, 0x0a, 8, 0x0a, 1, b'a', 0x15]);
+        want.extend_from_slice(&1f32.to_le_bytes());
+        assert_eq!(e, want);
+    }
+
+    #[test]
+    fn written_events_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = EventWriter::create(dir.path()).unwrap();
+        w.scalars(1, &[("critic/score/mean", 0.5), ("actor/lr", 1e-6)])
+            .unwrap();
+        w.scalars(2, &[("critic/score/mean", 0.75)]).unwrap();
+        let got = read_scalars(&w.path).unwrap();
+        assert_eq!(
+            got,
+            vec![
+                (1, "critic/score/mean".to_string(), 0.5),
+                (1, "actor/lr".to_string(), 1e-6),
+                (2, "critic/score/mean".to_string(), 0.75),
+            ]
+        );
+    }
+}

@@ -1,0 +1,137 @@
+//! verl's per-step data metrics (`metric_utils.compute_data_metrics`): scores, rewards,
+//! advantages, returns, values, lengths, entropy, and the reward sources' means.
+
+use std::collections::BTreeMap;
+
+use candle_core::Device;
+
+use super::batch::{dense, Ragged, StepBatch};
+use crate::algo::{agg_loss, AggNorm};
+use crate::config::LossAggMode;
+use crate::metrics::{add_stats, Metrics};
+use crate::reward::{RewardManager, SampleReward};
+
+pub struct StepData<'a> {
+    pub batch: &'a StepBatch,
+    pub token_scores: &'a Ragged,
+    pub token_rewards: &'a Ragged,
+    pub advantages: &'a Ragged,
+    pub returns: &'a Ragged,
+    pub values: Option<&'a Ragged>,
+    pub entropy: Option<&'a Ragged>,
+    pub max_prompt_length: usize,
+    pub max_response_length: usize,
+    pub loss_agg_mode: LossAggMode,
+}
+
+/// Values at the loss-mask positions of every row.
+fn valid(values: &Ragged, batch: &StepBatch) -> Vec<f64> {
+    (0..batch.len())
+        .filter(|&r| !batch.excluded[r])
+        .flat_map(|r| values[r].iter().map(|&x| x as f64))
+        .collect()
+}
+
+fn variance(x: &[f64]) -> f64 {
+    if x.len() < 2 {
+        return f64::NAN;
+    }
+    let m = x.iter().sum::<f64>() / x.len() as f64;
+    // Unbiased, as torch.var.
+    x.iter().map(|v| (v - m).powi(2)).sum::<f64>() / (x.len() - 1) as f64
+}
+
+pub fn data_metrics(m: &mut Metrics, d: &StepData) -> candle_core::Result<()> {
+    let b = d.batch;
+    let rows: Vec<usize> = (0..b.len()).filter(|&r| !b.excluded[r]).collect();
+    let seq_sum = |v: &Ragged| -> Vec<f64> {
+        rows.iter()
+            .map(|&r| v[r].iter().map(|&x| x as f64).sum())
+            .collect()
+    };
+    add_stats(m, "critic/score", &seq_sum(d.token_scores));
+    add_stats(m, "critic/rewards", &seq_sum(d.token_rewards));
+    add_stats(m, "critic/advantages", &valid(d.advantages, b));
+    let returns = valid(d.returns, b);
+    add_stats(m, "critic/returns", &returns);
+    if let Some(values) = d.values {
+        let v = valid(values, b);
+        add_stats(m, "critic/values", &v);
+        let diff: Vec<f64> = returns.iter().zip(&v).map(|(r, v)| r - v).collect();
+        let ev = 1.0 - variance(&diff) / (variance(&returns) + 1e-5);
+        m.insert("critic/vf_explained_var".into(), ev);
+    }
+    let resp: Vec<f64> = (0..b.len()).map(|r| b.response_len(r) as f64).collect();
+    add_stats(m, "response_length", &resp);
+    let clip = |lens: &[f64], max: usize| {
+        lens.iter().filter(|&&l| l as usize >= max).count() as f64 / lens.len().max(1) as f64
+    };
+    m.insert(
+        "response_length/clip_ratio".into(),
+        clip(&resp, d.max_response_length),
+    );
+    let aborted = resp.iter().filter(|&&l| l == 0.0).count() as f64 / resp.len().max(1) as f64;
+    m.insert("response/aborted_ratio".into(), aborted);
+    let prompt: Vec<f64> = b.prompts.iter().map(|p| p.len() as f64).collect();
+    add_stats(m, "prompt_length", &prompt);
+    m.insert(
+        "prompt_length/clip_ratio".into(),
+        clip(&prompt, d.max_prompt_length),
+    );
+    if let Some(ent) = d.entropy {
+        // verl's `actor/entropy`: the entropy of the rollout policy, aggregated like the loss.
+        let width = b.max_response_len();
+        let mask_rows: Ragged = (0..b.len())
+            .map(|r| vec![if b.excluded[r] { 0.0 } else { 1.0 }; b.response_len(r)])
+            .collect();
+        let e = agg_loss(
+            &dense(ent, width, &Device::Cpu)?,
+            &dense(&mask_rows, width, &Device::Cpu)?,
+            d.loss_agg_mode,
+            AggNorm::default(),
+        )?;
+        m.insert("actor/entropy".into(), crate::algo::agg::scalar(&e)?);
+    }
+    Ok(())
+}
+
+/// `reward/<source>/mean` per source, `reward/errors` and `reward/skipped` of this step, and
+/// the means of numeric extra values scorers reported (`reward_extra/<key>/mean`).
+pub fn reward_metrics(m: &mut Metrics, manager: &RewardManager, rewards: &[SampleReward]) {
+    for (k, src) in manager.sources.iter().enumerate() {
+        let vals: Vec<f64> = rewards
+            .iter()
+            .filter_map(|r| r.per_source.get(k).and_then(|(_, s)| *s))
+            .collect();
+        if !vals.is_empty() {
+            m.insert(
+                format!("reward/{}/mean", src.name),
+                vals.iter().sum::<f64>() / vals.len() as f64,
+            );
+        }
+        m.insert(format!("reward/weight/{}", src.name), src.weight);
+    }
+    let errors = rewards.iter().filter(|r| r.error.is_some()).count();
+    m.insert("reward/errors".into(), errors as f64);
+    m.insert(
+        "reward/skipped".into(),
+        rewards.iter().filter(|r| r.skipped).count() as f64,
+    );
+    let mut extra: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for r in rewards {
+        for (k, v) in &r.extra {
+            let x = v
+                .as_f64()
+                .or_else(|| v.as_bool().map(|b| f64::from(u8::from(b))));
+            if let Some(x) = x {
+                extra.entry(k.as_str()).or_default().push(x);
+            }
+        }
+    }
+    for (k, v) in extra {
+        m.insert(
+            format!("reward_extra/{k}/mean"),
+            v.iter().sum::<f64>() / v.len() as f64,
+        );
+    }
+}

@@ -1,0 +1,554 @@
+//! End-to-end tests of the loop on a tiny random Llama (byte tokenizer, CPU, seconds).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Device, Tensor};
+use serde_json::Map;
+
+use super::*;
+use crate::metrics::{MetricSink, Metrics};
+use crate::model::{Arch, ModelArgs};
+use crate::reward::{ScoreInput, ScoreResult};
+use crate::testing::{tiny_model, verl_row, write_jsonl, write_tokenizer_dir};
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    model: PathBuf,
+    data: PathBuf,
+}
+
+/// A tiny Llama (byte vocabulary) saved as an HF directory, and 16 short prompts.
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    let args = ModelArgs::tiny(Arch::Llama, 259);
+    let (vm, _) = tiny_model(&args, DType::F32, 0.1);
+    write_tokenizer_dir(&model).unwrap();
+    crate::model::hf::save_dir(&vm, &args, &model, &[258], Some(&model), None).unwrap();
+    let data = dir.path().join("train.jsonl");
+    let rows: Vec<_> = (0..16)
+        .map(|i| verl_row(&format!("q{i}"), &i.to_string()))
+        .collect();
+    write_jsonl(&data, &rows).unwrap();
+    Fixture { dir, model, data }
+}
+
+/// The share of `a` characters in the response: a reward a policy can learn by itself.
+fn natives() -> NativeRegistry {
+    let mut n = NativeRegistry::new();
+    n.register(
+        "share_of_a",
+        |inp: &ScoreInput, _: &Map<String, serde_json::Value>| {
+            let chars: Vec<char> = inp.solution_str.chars().collect();
+            let a = chars.iter().filter(|&&c| c == 'a').count();
+            Ok(ScoreResult {
+                score: if chars.is_empty() {
+                    0.0
+                } else {
+                    a as f64 / chars.len() as f64
+                },
+                extra: Map::new(),
+            })
+        },
+    )
+    .unwrap();
+    n
+}
+
+fn config(fx: &Fixture, extra: &[&str]) -> Config {
+    let m = fx.model.display().to_string();
+    let d = fx.data.display().to_string();
+    let ckpt = fx.dir.path().join("ckpt").display().to_string();
+    let mut o: Vec<String> = vec![
+        format!("data.train_files={d}"),
+        format!("data.val_files={d}"),
+        "data.train_batch_size=4".into(),
+        "data.max_prompt_length=128".into(),
+        "data.max_response_length=6".into(),
+        format!("actor_rollout_ref.model.path={m}"),
+        "actor_rollout_ref.actor.optim.lr=1e-3".into(),
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2".into(),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2".into(),
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4".into(),
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4".into(),
+        "actor_rollout_ref.rollout.n=2".into(),
+        format!("critic.model.path={m}"),
+        "critic.optim.lr=1e-3".into(),
+        "critic.ppo_micro_batch_size_per_gpu=2".into(),
+        "reward.sources=[{name: a, type: native, function: share_of_a}]".into(),
+        "trainer.logger=[]".into(),
+        format!("trainer.default_local_dir={ckpt}"),
+        "trainer.total_training_steps=3".into(),
+        "trainer.val_before_train=False".into(),
+        "trainer.device=cpu".into(),
+    ];
+    o.extend(extra.iter().map(|s| s.to_string()));
+    crate::config::load(&crate::config::ConfigSource::Builtin, &o)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .config
+}
+
+fn trainer(fx: &Fixture, extra: &[&str], tracker: Option<Tracker>) -> Trainer {
+    Trainer::new(
+        config(fx, extra),
+        TrainerOptions {
+            natives: natives(),
+            stop: Arc::new(AtomicBool::new(false)),
+            tracker: Some(tracker.unwrap_or_else(|| Tracker::with_sinks(Vec::new()))),
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn weights(vm: &candle_nn::VarMap) -> Vec<(String, Vec<f32>)> {
+    let data = vm.data().lock().unwrap();
+    let mut v: Vec<(String, Vec<f32>)> = data
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                v.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
+            )
+        })
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+fn assert_finite(m: &Metrics, keys: &[&str], what: &str) {
+    for k in keys {
+        let v = m
+            .get(*k)
+            .unwrap_or_else(|| panic!("{what}: no {k} in {:?}", m.keys().collect::<Vec<_>>()));
+        assert!(v.is_finite(), "{what}: {k} = {v}");
+    }
+}
+
+#[test]
+fn three_steps_with_each_estimator_and_kl_variant() {
+    let fx = fixture();
+    let cases: [(&str, &[&str]); 6] = [
+        ("gae", &["algorithm.adv_estimator=gae"]),
+        ("grpo", &["algorithm.adv_estimator=grpo"]),
+        ("rloo", &["algorithm.adv_estimator=rloo"]),
+        (
+            "reinforce_plus_plus",
+            &["algorithm.adv_estimator=reinforce_plus_plus"],
+        ),
+        (
+            "grpo + use_kl_loss",
+            &[
+                "algorithm.adv_estimator=grpo",
+                "actor_rollout_ref.actor.use_kl_loss=True",
+            ],
+        ),
+        (
+            "gae + use_kl_in_reward",
+            &[
+                "algorithm.adv_estimator=gae",
+                "algorithm.use_kl_in_reward=True",
+            ],
+        ),
+    ];
+    for (name, extra) in cases {
+        let mut t = trainer(&fx, extra, None);
+        let before = weights(&t.actor.varmap);
+        let outcome = t.fit().unwrap();
+        assert_eq!(outcome, FitOutcome::Finished { steps: 3 }, "{name}");
+        assert_eq!(t.history.len(), 3, "{name}");
+        let m = &t.history[2].1;
+        assert_finite(
+            m,
+            &[
+                "critic/score/mean",
+                "critic/advantages/mean",
+                "critic/returns/mean",
+                "actor/pg_loss",
+                "actor/grad_norm",
+                "actor/entropy",
+                "actor/lr",
+                "response_length/mean",
+                "response_length/clip_ratio",
+                "prompt_length/mean",
+                "timing_s/gen",
+                "timing_s/update_actor",
+                "timing_s/step",
+                "perf/throughput",
+                "reward/a/mean",
+                "training/global_step",
+            ],
+            name,
+        );
+        assert_eq!(m["training/global_step"], 3.0);
+        let critic = name.starts_with("gae");
+        assert_eq!(m.contains_key("critic/vf_loss"), critic, "{name}");
+        assert_eq!(m.contains_key("critic/vf_explained_var"), critic, "{name}");
+        assert_eq!(t.critic.is_some(), critic, "{name}");
+        assert_eq!(
+            m.contains_key("actor/kl_loss"),
+            name.contains("kl_loss"),
+            "{name}"
+        );
+        assert_eq!(
+            m.contains_key("actor/reward_kl_penalty"),
+            name.contains("kl_in_reward"),
+            "{name}"
+        );
+        assert_eq!(t.reference.is_some(), name.contains("kl"), "{name}");
+        let after = weights(&t.actor.varmap);
+        let changed = before
+            .iter()
+            .zip(&after)
+            .filter(|(a, b)| a.1 != b.1)
+            .count();
+        assert_eq!(changed, before.len(), "{name}: every actor parameter moves");
+        assert!(m["actor/lr"] == 1e-3, "{name}");
+    }
+}
+
+/// Metrics that do not depend on the wall clock.
+fn deterministic(m: &Metrics) -> Metrics {
+    m.iter()
+        .filter(|(k, _)| !k.starts_with("timing_") && !k.starts_with("perf/"))
+        .map(|(k, v)| (k.clone(), *v))
+        .collect()
+}
+
+/// Sets a stop flag once a given step is logged (a Ctrl-C at a known moment).
+struct StopAt(u64, Arc<AtomicBool>);
+impl MetricSink for StopAt {
+    fn log(&mut self, _: &Metrics, step: u64) -> std::io::Result<()> {
+        if step == self.0 {
+            self.1.store(true, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+}
+
+fn optimizer_files(dir: &Path) -> Vec<Vec<u8>> {
+    [
+        "actor/optim.safetensors",
+        "critic/optim.safetensors",
+        "actor/optim.json",
+        "critic/optim.json",
+    ]
+    .iter()
+    .map(|f| std::fs::read(dir.join(f)).unwrap())
+    .collect()
+}
+
+#[test]
+fn resume_is_bit_exact() {
+    // PPO with a critic, shuffled mini-batches, sampling, KL loss and an adaptive KL in reward:
+    // every piece of state a checkpoint must carry.
+    let extra: &[&str] = &[
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "algorithm.use_kl_in_reward=True",
+        "algorithm.kl_ctrl.type=adaptive",
+        "actor_rollout_ref.actor.shuffle=True",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps=2",
+        "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=2",
+    ];
+    // Straight: 4 steps.
+    let fx = fixture();
+    let mut a = trainer(&fx, extra, None);
+    a.fit().unwrap();
+    let straight_dir = crate::checkpoint::step_dir(&a.plan.default_local_dir, 4);
+    let straight = (
+        weights(&a.actor.varmap),
+        weights(&a.critic.as_ref().unwrap().varmap),
+        optimizer_files(&straight_dir),
+        a.history
+            .iter()
+            .map(|(s, m)| (*s, deterministic(m)))
+            .collect::<Vec<_>>(),
+        a.kl_ctrl,
+    );
+    drop(a);
+
+    // Interrupted after step 2 (a fresh checkpoint folder), then resumed for steps 3 and 4.
+    let fx2 = fixture_like(&fx);
+    let stop = Arc::new(AtomicBool::new(false));
+    let sink: Box<dyn MetricSink + Send> = Box::new(StopAt(2, stop.clone()));
+    let mut b = Trainer::new(
+        config(&fx2, extra),
+        TrainerOptions {
+            natives: natives(),
+            stop: stop.clone(),
+            tracker: Some(Tracker::with_sinks(vec![("stop".into(), sink)])),
+        },
+    )
+    .unwrap();
+    let out = b.fit().unwrap();
+    assert!(
+        matches!(out, FitOutcome::Interrupted { step: 2, .. }),
+        "{out:?}"
+    );
+    let mut history = b.history.clone();
+    drop(b);
+    let mut c = trainer(&fx2, extra, None);
+    assert_eq!(c.global_step, 2, "resumed from step 2");
+    assert_eq!(c.fit().unwrap(), FitOutcome::Finished { steps: 4 });
+    history.extend(c.history.iter().cloned());
+    let resumed_dir = crate::checkpoint::step_dir(&c.plan.default_local_dir, 4);
+    let resumed = (
+        weights(&c.actor.varmap),
+        weights(&c.critic.as_ref().unwrap().varmap),
+        optimizer_files(&resumed_dir),
+        history
+            .iter()
+            .map(|(s, m)| (*s, deterministic(m)))
+            .collect::<Vec<_>>(),
+        c.kl_ctrl,
+    );
+    assert!(straight.0 == resumed.0, "actor weights differ after resume");
+    assert!(
+        straight.1 == resumed.1,
+        "critic weights differ after resume"
+    );
+    assert!(
+        straight.2 == resumed.2,
+        "optimizer state differs after resume"
+    );
+    assert_eq!(straight.3.len(), 4);
+    for (x, y) in straight.3.iter().zip(&resumed.3) {
+        assert_eq!(x, y, "metrics of step {} differ", x.0);
+    }
+    assert_eq!(straight.4, resumed.4, "KL controller");
+}
+
+/// The same model and data as `fx` in a new folder (its own checkpoints).
+fn fixture_like(fx: &Fixture) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    for e in std::fs::read_dir(&fx.model).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), model.join(e.file_name())).unwrap();
+    }
+    let data = dir.path().join("train.jsonl");
+    std::fs::copy(&fx.data, &data).unwrap();
+    Fixture { dir, model, data }
+}
+
+#[test]
+fn checkpoint_exports_an_actor_that_loads_with_identical_outputs() {
+    let fx = fixture();
+    let mut t = trainer(
+        &fx,
+        &[
+            "algorithm.adv_estimator=grpo",
+            "trainer.save_freq=3",
+            "trainer.max_actor_ckpt_to_keep=1",
+        ],
+        None,
+    );
+    t.fit().unwrap();
+    let root = t.plan.default_local_dir.clone();
+    assert_eq!(
+        std::fs::read_to_string(root.join(crate::checkpoint::TRACKER)).unwrap(),
+        "3"
+    );
+    let hf_dir = crate::checkpoint::step_dir(&root, 3).join("actor/huggingface");
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        assert!(hf_dir.join(f).is_file(), "{f} missing");
+    }
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(crate::checkpoint::step_dir(&root, 3).join("trainer_state.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["global_step"], 3);
+    let (loaded, tok) = crate::model::load_model_and_tokenizer(
+        &hf_dir.display().to_string(),
+        None,
+        &Map::new(),
+        DType::F32,
+        &Device::Cpu,
+        true,
+    )
+    .unwrap();
+    assert_eq!(tok.eos_token_ids, t.tokenizer.eos_token_ids);
+    assert!(tok.chat_template.is_some());
+    let ids = Tensor::new(&[[1u32, 5, 9, 200, 17]], &Device::Cpu).unwrap();
+    let pos = Tensor::new(&[[0u32, 1, 2, 3, 4]], &Device::Cpu).unwrap();
+    let mask = Tensor::ones((1, 5), DType::U32, &Device::Cpu).unwrap();
+    let logits = |m: &crate::model::CausalLm| -> Vec<f32> {
+        let h = m.forward_hidden(&ids, &pos, &mask, None).unwrap();
+        m.logits(&h)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    assert_eq!(
+        logits(&loaded.model),
+        logits(&t.actor.model),
+        "bit-identical after export"
+    );
+}
+
+#[test]
+fn it_learns_a_native_reward() {
+    // Reward: the share of `a` in the response. GRPO with a high learning rate; the mean
+    // reward must climb from its initial level (about 1/259) to at least 0.6.
+    let fx = fixture();
+    let mut t = trainer(
+        &fx,
+        &[
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.rollout.n=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
+            "actor_rollout_ref.actor.optim.lr=3e-2",
+            "trainer.total_training_steps=40",
+        ],
+        None,
+    );
+    let mut scores = Vec::new();
+    while t.global_step < t.total_steps {
+        let m = t.step().unwrap();
+        scores.push(m["critic/score/mean"]);
+        if scores.len() >= 3 && scores[scores.len() - 3..].iter().all(|&s| s >= 0.6) {
+            break;
+        }
+    }
+    eprintln!("scores: {scores:?}");
+    let first = scores[0];
+    let last = *scores.last().unwrap();
+    assert!(first < 0.2, "initial score {first}");
+    assert!(
+        last >= 0.6,
+        "mean reward after {} steps is {last}: {scores:?}",
+        scores.len()
+    );
+}
+
+#[test]
+fn validation_metrics_and_sample_dumps() {
+    let fx = fixture();
+    let dumps = fx.dir.path().join("dumps");
+    let vdumps = fx.dir.path().join("vdumps");
+    let lines = Arc::new(Mutex::new(Vec::<String>::new()));
+    struct Capture(Arc<Mutex<Vec<String>>>);
+    impl MetricSink for Capture {
+        fn log(&mut self, m: &Metrics, step: u64) -> std::io::Result<()> {
+            self.0
+                .lock()
+                .unwrap()
+                .push(crate::metrics::sinks::console_line(m, step));
+            Ok(())
+        }
+    }
+    let sink: Box<dyn MetricSink + Send> = Box::new(Capture(lines.clone()));
+    let mut t = trainer(
+        &fx,
+        &[
+            "algorithm.adv_estimator=grpo",
+            "trainer.val_before_train=True",
+            "trainer.test_freq=2",
+            "actor_rollout_ref.rollout.val_kwargs.n=2",
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+            "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+            "data.val_max_samples=4",
+            &format!("trainer.rollout_data_dir={}", dumps.display()),
+            &format!("trainer.validation_data_dir={}", vdumps.display()),
+        ],
+        Some(Tracker::with_sinks(vec![("capture".into(), sink)])),
+    );
+    t.fit().unwrap();
+    // Validation at step 0 (before training), 2 (test_freq) and 3 (the last step).
+    let val_steps: Vec<u64> = t
+        .history
+        .iter()
+        .filter(|(_, m)| m.contains_key("val-core/openai/gsm8k/acc/mean@2"))
+        .map(|(s, _)| *s)
+        .collect();
+    assert_eq!(val_steps, vec![0, 2, 3]);
+    let m = &t.history[0].1;
+    for k in [
+        "val-core/openai/gsm8k/acc/best@2/mean",
+        "val-aux/openai/gsm8k/acc/worst@2/mean",
+        "val-aux/openai/gsm8k/reward/mean@2",
+    ] {
+        assert!(
+            m.contains_key(k),
+            "{k} in {:?}",
+            m.keys().collect::<Vec<_>>()
+        );
+    }
+    assert!(m["val-core/openai/gsm8k/acc/best@2/mean"] >= m["val-core/openai/gsm8k/acc/mean@2"]);
+    // One rollout dump per step with every response; one validation dump per validation.
+    for s in 1..=3 {
+        let text = std::fs::read_to_string(dumps.join(format!("{s}.jsonl"))).unwrap();
+        let rows: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), 8, "4 prompts x n=2");
+        for r in &rows {
+            for k in ["input", "output", "gts", "score", "advantage", "reward/a"] {
+                assert!(r.get(k).is_some(), "{k} in {r}");
+            }
+        }
+    }
+    let v0 = std::fs::read_to_string(vdumps.join("0.jsonl")).unwrap();
+    assert_eq!(v0.lines().count(), 8, "4 validation prompts x 2");
+    let lines = lines.lock().unwrap();
+    assert!(lines[0].starts_with("step:0 - val-"), "{}", lines[0]);
+    assert!(lines.iter().any(|l| l.starts_with("step:1 - actor/")));
+}
+
+#[test]
+fn a_broken_setup_is_reported_before_training() {
+    let fx = fixture();
+    // More prompts per step than the data holds.
+    let cfg = config(
+        &fx,
+        &[
+            "data.train_batch_size=32",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+        ],
+    );
+    let err = Trainer::new(
+        cfg,
+        TrainerOptions {
+            natives: natives(),
+            ..Default::default()
+        },
+    )
+    .err()
+    .unwrap();
+    assert!(
+        err.to_string()
+            .contains("fewer than data.train_batch_size (32)"),
+        "{err}"
+    );
+    // A checkpoint tracker that names a step with no folder.
+    let root = fx.dir.path().join("ckpt");
+    std::fs::create_dir_all(&root).unwrap();
+    std::fs::write(root.join(crate::checkpoint::TRACKER), "5").unwrap();
+    let err = Trainer::new(
+        config(&fx, &["algorithm.adv_estimator=grpo"]),
+        TrainerOptions {
+            natives: natives(),
+            ..Default::default()
+        },
+    )
+    .err()
+    .unwrap();
+    assert!(err.to_string().contains("resume_mode=disable"), "{err}");
+}

@@ -1,0 +1,114 @@
+//! The PPO update schedule shared by actor and critic (verl's `update_policy` /
+//! `update_critic` loops): `ppo_epochs` passes over the step's rows, each cut into mini-batches
+//! (one optimizer step each) and micro-batches (one forward/backward each, gradients summed).
+//! Loss normalisers are those of the whole mini-batch, so the summed micro-batch gradients are
+//! exactly the mini-batch loss's gradient whatever the micro-batch size.
+
+use std::collections::BTreeMap;
+
+use candle_core::backprop::GradStore;
+use candle_core::Tensor;
+
+use super::batch::StepBatch;
+use super::optim::{clip_grad_norm, AdamW};
+use crate::algo::AggNorm;
+use crate::config::UpdatePlan;
+use crate::data::loader::permutation;
+use crate::metrics::{mean, Metrics};
+
+/// What one micro-batch's loss reports: the loss to backpropagate and named scalars
+/// (summed over a mini-batch's micro-batches when `summed`, else averaged).
+pub struct MicroLoss {
+    pub loss: Tensor,
+    pub scalars: Vec<(&'static str, f64)>,
+}
+
+/// Metric keys whose micro-batch values add up to the mini-batch value (losses computed with
+/// the mini-batch's normalisers); the others are averaged.
+fn summed(key: &str) -> bool {
+    key.ends_with("loss")
+}
+
+/// Runs the schedule. `micro_loss(rows, norm)` builds one micro-batch's loss; `prefix` is
+/// `actor` or `critic` (for `{prefix}/grad_norm` and `{prefix}/lr`).
+#[allow(clippy::too_many_arguments)]
+pub fn run(
+    prefix: &str,
+    plan: &UpdatePlan,
+    batch: &StepBatch,
+    seed: u64,
+    step: u64,
+    loss_scale_factor: Option<f64>,
+    optimizer: &mut AdamW,
+    lr: f64,
+    mut micro_loss: impl FnMut(&[usize], AggNorm) -> candle_core::Result<MicroLoss>,
+) -> candle_core::Result<Metrics> {
+    let rows = batch.len();
+    let mut lists: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut skipped = 0usize;
+    for epoch in 0..plan.epochs {
+        let order: Vec<usize> = if plan.shuffle {
+            // A fresh, reproducible order per (step, epoch): resuming needs no RNG state.
+            permutation(
+                rows,
+                seed,
+                step.wrapping_mul(1_000_003).wrapping_add(epoch as u64),
+            )
+        } else {
+            (0..rows).collect()
+        };
+        for mini in order.chunks(plan.mini_batch_responses.max(1)) {
+            let tokens: usize = mini.iter().map(|&r| batch.mask_len(r)).sum();
+            if tokens == 0 {
+                continue;
+            }
+            let seqs = mini.iter().filter(|&&r| batch.mask_len(r) > 0).count();
+            let norm = AggNorm {
+                batch_num_tokens: Some(tokens as f64),
+                global_batch_size: Some(seqs as f64),
+                loss_scale_factor,
+            };
+            let mut grads: Option<GradStore> = None;
+            let mut sums: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
+            for micro in batch.micro_batches(mini, plan.micro) {
+                let out = micro_loss(&micro, norm)?;
+                let g = out.loss.backward()?;
+                match grads.as_mut() {
+                    None => grads = Some(g),
+                    Some(acc) => acc.extend(g)?,
+                }
+                for (k, v) in out.scalars {
+                    sums.entry(k).or_default().push(v);
+                }
+            }
+            let Some(mut grads) = grads else { continue };
+            for (k, vs) in sums {
+                let v = if summed(k) {
+                    vs.iter().sum()
+                } else {
+                    mean(&vs)
+                };
+                lists.entry(k.to_string()).or_default().push(v);
+            }
+            let norm = clip_grad_norm(optimizer.vars(), &mut grads, plan.grad_clip)?;
+            lists
+                .entry(format!("{prefix}/grad_norm"))
+                .or_default()
+                .push(norm);
+            if norm.is_finite() {
+                optimizer.step(&grads, lr)?;
+            } else {
+                skipped += 1;
+                tracing::warn!(
+                    "{prefix}: gradient norm is {norm} at step {step}; this mini-batch's update is skipped"
+                );
+            }
+        }
+    }
+    let mut m: Metrics = lists.into_iter().map(|(k, v)| (k, mean(&v))).collect();
+    m.insert(format!("{prefix}/lr"), lr);
+    if skipped > 0 {
+        m.insert(format!("{prefix}/skipped_updates"), skipped as f64);
+    }
+    Ok(m)
+}
