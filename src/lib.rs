@@ -3,8 +3,8 @@
 //! Layers, lowest first (a module never imports one above it):
 //! `config` (every key and default) → `data` (rows → tokenised prompts) → `model` (the
 //! transformer and its files) → `rollout` (generation) → `reward` (scores) and `algo` (PPO
-//! mathematics) → `cli` (argv, logging, exit codes). The trainer, checkpoint and metrics layers
-//! come between these and `cli`.
+//! mathematics) → `metrics` (names, sinks) and `checkpoint` (folder layout, atomic saves) →
+//! `trainer` (the loop) → `cli` (argv, logging, signals, exit codes).
 
 pub mod algo;
 pub mod checkpoint;

@@ -514,6 +514,18 @@ fn smollm2_gguf_tokenizer_round_trips_gsm8k_prompts() {
         let ids = bundle.encode(&text).unwrap();
         assert_eq!(bundle.tokenizer.decode(&ids, false).unwrap(), text);
     }
+    // Saved as HF tokenizer files (what a checkpoint's actor/huggingface holds), it reads back
+    // with the same ids, special tokens and template.
+    let dir = tempfile::tempdir().unwrap();
+    bundle.save(dir.path()).unwrap();
+    let back = main_ppo::data::TokenizerBundle::from_dir(dir.path()).unwrap();
+    assert_eq!(back.eos_token_ids, bundle.eos_token_ids);
+    assert_eq!(back.pad_token_id, bundle.pad_token_id);
+    assert_eq!(back.chat_template, bundle.chat_template);
+    for row in rows.iter().take(50) {
+        let q = row["prompt"][0]["content"].as_str().unwrap();
+        assert_eq!(back.encode(q).unwrap(), bundle.encode(q).unwrap());
+    }
 }
 
 #[test]
@@ -905,4 +917,50 @@ fn sigint_finishes_the_step_saves_and_exits_0() {
         stderr.contains(&format!("stopped after step {step}")),
         "{stderr}"
     );
+}
+
+#[test]
+fn smollm2_one_ppo_step_with_a_critic() {
+    let Some(path) = smollm2() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let m = path.display().to_string();
+    let data = data_dir();
+    let out = bin_in(dir.path())
+        .args([
+            format!("data.train_files={}/test.parquet", data.display()),
+            format!("data.val_files={}/test.parquet", data.display()),
+            "data.train_batch_size=2".into(),
+            "data.max_prompt_length=512".into(),
+            "data.max_response_length=8".into(),
+            format!("actor_rollout_ref.model.path={m}"),
+            "actor_rollout_ref.actor.optim.lr=1e-6".into(),
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2".into(),
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2".into(),
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2".into(),
+            format!("critic.model.path={m}"),
+            "critic.optim.lr=1e-5".into(),
+            "critic.ppo_micro_batch_size_per_gpu=2".into(),
+            "trainer.logger=[console]".into(),
+            "trainer.val_before_train=False".into(),
+            "trainer.total_training_steps=1".into(),
+            "trainer.device=cpu".into(),
+        ])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("step:1 - "))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    for k in [
+        "critic/score/mean:",
+        "critic/vf_loss:",
+        "actor/pg_loss:",
+        "actor/grad_norm:",
+        "response_length/mean:",
+    ] {
+        assert!(line.contains(k), "{k} not in {line}");
+    }
+    eprintln!("{line}");
 }
