@@ -31,6 +31,7 @@ STRUCTS = {
     "reward.custom_reward_function": "CustomRewardFunction",
     "reward.reward_manager": "RewardManagerConfig",
     "reward.reward_model": "RewardModelConfig",
+    "reward.control": "RewardControlConfig",
     "algorithm": "AlgorithmConfig",
     "algorithm.kl_ctrl": "KlCtrlConfig",
     "trainer": "TrainerConfig",

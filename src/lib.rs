@@ -10,6 +10,7 @@ pub mod algo;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;
+pub mod control;
 pub mod data;
 pub mod metrics;
 pub mod model;

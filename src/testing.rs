@@ -126,3 +126,23 @@ pub fn tiny_model(
     }
     (varmap, m)
 }
+
+/// A tiny sequence-classification reward model (random backbone, random `score.weight` with
+/// one label) saved as an HF directory with the byte-level test tokenizer.
+pub fn tiny_reward_model_dir(dir: &Path, seed_stdev: f32) {
+    use candle_core::{DType, Device, Tensor};
+    let args = crate::model::ModelArgs::tiny(crate::model::Arch::Llama, 259);
+    let varmap = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let _m = crate::model::CausalLm::new(&args, vb.clone(), false).expect("backbone");
+    let _h = crate::model::ScoreHead::new(args.hidden_size, 1, vb).expect("score head");
+    for (name, var) in varmap.data().lock().expect("varmap lock").iter() {
+        if !name.ends_with("norm.weight") {
+            let t = var.as_tensor();
+            var.set(&Tensor::randn(0f32, seed_stdev, t.shape(), &Device::Cpu).expect("randn"))
+                .expect("set");
+        }
+    }
+    write_tokenizer_dir(dir).expect("tokenizer files");
+    crate::model::hf::save_dir(&varmap, &args, dir, &[258], Some(dir), None).expect("save");
+}

@@ -964,3 +964,45 @@ fn smollm2_one_ppo_step_with_a_critic() {
     }
     eprintln!("{line}");
 }
+
+#[test]
+fn gated_reward_model_example_scores_the_reference_solutions() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = dir.path().join("rm");
+    main_ppo::testing::tiny_reward_model_dir(&rm, 0.3);
+    // 24 GSM8K test rows (the tiny reward model reads byte tokens: keep the debug build quick).
+    let rows = main_ppo::data::read_rows(&data_dir().join("test.parquet")).unwrap();
+    let input = dir.path().join("rows.jsonl");
+    write_jsonl(&input, &rows[..24]);
+    let out_path = dir.path().join("scored.jsonl");
+    let out = bin()
+        .current_dir(repo())
+        .args([
+            "reward",
+            "score",
+            "--config",
+            "examples/gated_reward_with_model.yaml",
+            "--response-key",
+            "extra_info.answer",
+            "--input",
+        ])
+        .arg(&input)
+        .arg("--output")
+        .arg(&out_path)
+        .arg(format!("reward.sources.1.path={}", rm.display()))
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let scored = main_ppo::data::read_rows(&out_path).unwrap();
+    assert_eq!(scored.len(), 24);
+    for r in &scored {
+        assert_eq!(r["score/acc"], 1.0, "{r}");
+        assert_eq!(r["score/safety"], 1.0, "{r}");
+        let rm = r["score/rm"].as_f64().unwrap();
+        assert!(rm.abs() <= 3.0, "clipped: {r}");
+        // Total: 1.0·acc + 0.5·rm + 0·safety.
+        let total = r["score"].as_f64().unwrap();
+        assert!((total - (1.0 + 0.5 * rm)).abs() < 1e-9, "{r}");
+    }
+}

@@ -368,8 +368,24 @@ pub fn explain(cfg: &Config, plan: &Plan, data: &DataSummary) -> String {
                 RewardSourceType::Native => {
                     format!("native function {}", s.function.as_deref().unwrap_or("?"))
                 }
+                RewardSourceType::Model => {
+                    format!("reward model {}", s.path.as_deref().unwrap_or("?"))
+                }
             };
-            let _ = writeln!(o, "  {} (weight {}): {what}", s.name, s.weight);
+            let gate = s
+                .gate
+                .map(|g| {
+                    format!(
+                        "; gate: below {} -> {}",
+                        g.below,
+                        serde_json::to_value(g.action)
+                            .ok()
+                            .and_then(|v| v.as_str().map(str::to_string))
+                            .unwrap_or_default()
+                    )
+                })
+                .unwrap_or_default();
+            let _ = writeln!(o, "  {} (weight {}): {what}{gate}", s.name, s.weight);
         }
     } else if let Some(p) = &r.custom_reward_function.path {
         let _ = writeln!(

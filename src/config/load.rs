@@ -193,7 +193,9 @@ impl Schema<'_> {
         }
         for i in (1..path.len()).rev() {
             if let Some(v) = tree::get(self.defaults, &path[..i]) {
-                if v.as_mapping().is_some_and(|m| m.is_empty()) {
+                // Inside a free-form mapping, or inside a list's elements (`reward.sources.1.path`):
+                // the typed deserialisation checks those fields.
+                if v.as_mapping().is_some_and(|m| m.is_empty()) || v.is_sequence() {
                     return KeyKind::FreeMap;
                 }
                 break;
@@ -330,6 +332,33 @@ fn apply_override(
             })
         }
         KeyKind::Typed | KeyKind::FreeMap | KeyKind::Compat => {}
+    }
+    // A list index must name an element (or the next one, which appends).
+    let mut node = &*tree;
+    for (i, seg) in ov.key.iter().enumerate() {
+        match node {
+            Value::Sequence(seq) => {
+                let n = seq.len();
+                match seg.parse::<usize>() {
+                    Ok(k) if k < n => node = &seq[k],
+                    Ok(k) if k == n && i + 1 == ov.key.len() => break,
+                    _ => {
+                        return Err(ConfigError::Override {
+                            raw: ov.raw.clone(),
+                            message: format!(
+                                "`{}` is a list of {n} entries: `{seg}` is not an index of one (0..{n})",
+                                tree::join(&ov.key[..i])
+                            ),
+                        })
+                    }
+                }
+            }
+            Value::Mapping(m) => match m.get(seg.as_str()) {
+                Some(v) => node = v,
+                None => break,
+            },
+            _ => break,
+        }
     }
     match ov.op {
         OverrideOp::Delete => {

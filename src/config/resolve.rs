@@ -471,8 +471,17 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
             reward.timeout_s
         ));
     }
-    if reward.reward_model.enable {
-        errors.push("`reward.reward_model.enable=True`: reward models are not implemented yet in main_ppo; use rule, Python or native reward sources".into());
+    if reward.reward_model.enable && reward.reward_model.model_path.is_none() {
+        errors.push("`reward.reward_model.enable=True` needs `reward.reward_model.model_path` (legacy: `reward_model.model.path`)".into());
+    }
+    let ctl = &reward.control;
+    if ctl.enable {
+        if ctl.max_body_bytes == 0 {
+            errors.push("`reward.control.max_body_bytes` must be at least 1".into());
+        }
+        if ctl.token.as_deref() == Some("") {
+            errors.push("`reward.control.token` is empty: set a secret or null".into());
+        }
     }
     let mut names = std::collections::BTreeSet::new();
     for (i, s) in reward.sources.iter().enumerate() {
@@ -491,6 +500,16 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
                 s.weight
             ));
         }
+        if let Some(g) = s.gate {
+            if !g.below.is_finite() || !g.penalty.is_finite() {
+                errors.push(format!(
+                    "`{at}.gate`: `below` and `penalty` must be finite numbers"
+                ));
+            }
+        }
+        if s.micro_batch_size == Some(0) {
+            errors.push(format!("`{at}.micro_batch_size` must be at least 1"));
+        }
         match s.kind {
             RewardSourceType::Builtin if s.scorer.is_none() => {
                 errors.push(format!("`{at}` has type builtin but no `scorer`"))
@@ -500,6 +519,9 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
             }
             RewardSourceType::Native if s.function.is_none() => {
                 errors.push(format!("`{at}` has type native but no `function`"))
+            }
+            RewardSourceType::Model if s.path.is_none() => {
+                errors.push(format!("`{at}` has type model but no `path` (an HF directory of a sequence-classification model)"))
             }
             _ => {}
         }

@@ -88,6 +88,33 @@ pub enum RewardSourceType {
     Python,
     /// A Rust function registered in the binary (`function`).
     Native,
+    /// A sequence-classification reward model (`path`: HF directory with a `score` head).
+    Model,
+}
+
+/// What a gate does to a sample whose source scored below `below`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GateAction {
+    /// Leave the sample out of the policy update (loss mask and advantage zeroed).
+    SkipUpdate,
+    /// Set the sample's total reward to 0.
+    ZeroReward,
+    /// Add `penalty` to the sample's total reward.
+    Penalty,
+}
+
+/// A veto on one source's score (e.g. a safety classifier).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Gate {
+    /// The gate fires when the source's (weighted-before) score is below this.
+    pub below: f64,
+    /// skip_update | zero_reward | penalty.
+    pub action: GateAction,
+    /// Added to the total reward by `action: penalty` (usually negative).
+    #[serde(default)]
+    pub penalty: f64,
 }
 
 /// One entry of `reward.sources`.
@@ -114,11 +141,50 @@ pub struct RewardSource {
     /// Keyword arguments of the scorer or function.
     #[serde(default)]
     pub kwargs: FreeMap,
+    /// model: responses scored per forward pass.
+    #[serde(default)]
+    pub micro_batch_size: Option<usize>,
+    /// model: device of the reward model (null = trainer.device).
+    #[serde(default)]
+    pub device: Option<String>,
+    /// model: normalise scores by the running mean and standard deviation of all scores so far.
+    #[serde(default)]
+    pub normalize: bool,
+    /// model: clip the (normalised) score to [-clip, clip].
+    #[serde(default)]
+    pub clip: Option<f64>,
+    /// Any source: a veto when its score is below a threshold.
+    #[serde(default)]
+    pub gate: Option<Gate>,
 }
 
 fn one() -> f64 {
     1.0
 }
+
+/// `reward.control`: the HTTP API that changes source weights during a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RewardControlConfig {
+    /// Serve GET/POST /api/v1/reward/weights and GET /api/v1/status during training.
+    pub enable: bool,
+    /// Address to bind; a non-loopback address requires a token.
+    pub host: String,
+    /// Port to bind (0 = any free port, logged at start-up).
+    pub port: u16,
+    /// Bearer token every request must carry (Authorization: Bearer <token>); null = none.
+    pub token: Option<String>,
+    /// Largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
+}
+
+defaults!(RewardControlConfig {
+    enable: false,
+    host: "127.0.0.1".into(),
+    port: 8000,
+    token: None,
+    max_body_bytes: 65536,
+});
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -141,6 +207,8 @@ pub struct RewardConfig {
     pub timeout_s: f64,
     /// raise | zero | skip: what a failed or timed-out reward call does.
     pub on_error: OnError,
+    /// Live reward weights over HTTP.
+    pub control: RewardControlConfig,
 }
 
 defaults!(RewardConfig {
@@ -153,4 +221,5 @@ defaults!(RewardConfig {
     python: "python3".into(),
     timeout_s: 60.0,
     on_error: OnError::Raise,
+    control: RewardControlConfig::default(),
 });

@@ -625,7 +625,22 @@ fn rule_reward_and_trainer() {
         e.contains("used by another source") && e.contains("reward.sources[1].weight"),
         "{e}"
     );
-    assert!(rule_error(&["reward.reward_model.enable=True"]).contains("reward models"));
+    assert!(
+        rule_error(&["reward.reward_model.enable=True"]).contains("reward.reward_model.model_path")
+    );
+    let e = rule_error(&[
+        "reward.sources=[{name: rm, type: model, micro_batch_size: 0, gate: {below: .inf, action: skip_update}}]",
+        "reward.control.enable=True",
+        "reward.control.token=",
+    ]);
+    for k in [
+        "has type model but no `path`",
+        "micro_batch_size` must be at least 1",
+        "gate`: `below`",
+        "reward.control.token",
+    ] {
+        assert!(e.contains(k), "{k}: {e}");
+    }
     let e = rule_error(&[
         "trainer.resume_mode=resume_path",
         "trainer.resume_from_path=/ck/latest",

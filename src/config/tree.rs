@@ -11,11 +11,14 @@ pub fn join(path: &[String]) -> String {
     path.join(".")
 }
 
-/// The node at `path`, if every segment exists and each parent is a mapping.
+/// The node at `path`, if every segment exists (mapping keys, or list indices).
 pub fn get<'a>(root: &'a Value, path: &[String]) -> Option<&'a Value> {
     let mut node = root;
     for seg in path {
-        node = node.as_mapping()?.get(seg.as_str())?;
+        node = match node {
+            Value::Sequence(seq) => seq.get(seg.parse::<usize>().ok()?)?,
+            _ => node.as_mapping()?.get(seg.as_str())?,
+        };
     }
     Some(node)
 }
@@ -24,19 +27,49 @@ pub fn get<'a>(root: &'a Value, path: &[String]) -> Option<&'a Value> {
 pub fn set(root: &mut Value, path: &[String], value: Value) {
     let mut node = root;
     for seg in &path[..path.len() - 1] {
+        // A list element by index (`reward.sources.1.path`, as Hydra writes it); the index one
+        // past the end appends an element.
+        let index = match (node.as_sequence(), seg.parse::<usize>()) {
+            (Some(seq), Ok(i)) if i <= seq.len() => Some(i),
+            _ => None,
+        };
+        if let Some(i) = index {
+            let seq = node.as_sequence_mut().expect("checked above");
+            if i == seq.len() {
+                seq.push(Value::Mapping(Mapping::new()));
+            }
+            node = &mut seq[i];
+            continue;
+        }
         if !node.is_mapping() {
             *node = Value::Mapping(Mapping::new());
         }
         let map = node.as_mapping_mut().expect("just made a mapping");
-        if !map.get(seg.as_str()).is_some_and(Value::is_mapping) {
+        if !map
+            .get(seg.as_str())
+            .is_some_and(|v| v.is_mapping() || v.is_sequence())
+        {
             map.insert(Value::String(seg.clone()), Value::Mapping(Mapping::new()));
         }
         node = map.get_mut(seg.as_str()).expect("just inserted");
     }
+    let last = path.last().expect("non-empty path").clone();
+    let index = match (node.as_sequence(), last.parse::<usize>()) {
+        (Some(seq), Ok(i)) if i <= seq.len() => Some(i),
+        _ => None,
+    };
+    if let Some(i) = index {
+        let seq = node.as_sequence_mut().expect("checked above");
+        if i == seq.len() {
+            seq.push(value);
+        } else {
+            seq[i] = value;
+        }
+        return;
+    }
     if !node.is_mapping() {
         *node = Value::Mapping(Mapping::new());
     }
-    let last = path.last().expect("non-empty path").clone();
     node.as_mapping_mut()
         .expect("mapping")
         .insert(Value::String(last), value);

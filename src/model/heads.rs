@@ -69,6 +69,11 @@ impl ScoreHead {
         })
     }
 
+    /// A head over a given `[labels, hidden]` weight (read from a checkpoint).
+    pub fn from_weight(weight: Tensor) -> Self {
+        Self { weight }
+    }
+
     /// `attention_mask` `[batch, seq]` (1 real, 0 padding, left or right).
     pub fn forward(&self, hidden: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
         let (b, t, h) = hidden.dims3()?;

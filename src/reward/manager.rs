@@ -8,14 +8,17 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 
+use super::model_source::{RewardModel, RewardModelOptions, RunningStats};
 use super::python::{CallError, Item, PoolSettings, PythonFunction, PythonPool};
 use super::{Builtin, NativeRegistry, RewardError, RewardFn, ScoreInput, ScoreResult};
+use crate::config::reward::{Gate, GateAction};
 use crate::config::{OnError, RewardConfig, RewardManagerName, RewardSourceType};
 
 enum Kind {
     Builtin(Builtin),
     Python(Box<PythonPool>),
     Native(Arc<dyn RewardFn>, Map<String, Value>),
+    Model(Box<RewardModel>),
 }
 
 /// One weighted source.
@@ -24,6 +27,8 @@ pub struct Source {
     pub weight: f64,
     /// What it runs, for messages (`compute_score (rewards.py)`, `built-in gsm8k`, ...).
     pub label: String,
+    /// A veto on this source's score.
+    pub gate: Option<Gate>,
     kind: Kind,
 }
 
@@ -47,8 +52,12 @@ pub struct SampleReward {
     pub extra: Map<String, Value>,
     /// The failure message, if a source failed.
     pub error: Option<String>,
-    /// Left out of the policy update.
+    /// Left out of the policy update (`on_error=skip`).
     pub skipped: bool,
+    /// Sources whose gate fired on this sample.
+    pub gated: Vec<String>,
+    /// Left out of the policy update by a `skip_update` gate.
+    pub gate_skip: bool,
 }
 
 /// Counters since the manager started (`reward/errors`, `reward/timeouts`).
@@ -65,6 +74,24 @@ pub enum FailurePolicy {
     Config(OnError),
     /// Keep going and report each failure on its sample (the `reward score` tool).
     Collect,
+}
+
+/// Where reward models run and what they read (from the trainer's configuration).
+#[derive(Debug, Clone)]
+pub struct ModelContext {
+    /// `trainer.device` (a source's own `device` wins).
+    pub device: String,
+    /// `data.prompt_key`: the chat messages a reward model sees before the response.
+    pub prompt_key: String,
+}
+
+impl Default for ModelContext {
+    fn default() -> Self {
+        Self {
+            device: "cpu".into(),
+            prompt_key: "prompt".into(),
+        }
+    }
 }
 
 pub struct RewardManager {
@@ -89,6 +116,15 @@ impl RewardManager {
     /// Builds the sources of `cfg`, starting Python workers (which loads the user's functions:
     /// a missing file or function fails here, before any model is loaded).
     pub fn from_config(cfg: &RewardConfig, native: &NativeRegistry) -> Result<Self, RewardError> {
+        Self::from_config_with(cfg, native, &ModelContext::default())
+    }
+
+    /// [`RewardManager::from_config`] with reward models placed and fed as `ctx` says.
+    pub fn from_config_with(
+        cfg: &RewardConfig,
+        native: &NativeRegistry,
+        ctx: &ModelContext,
+    ) -> Result<Self, RewardError> {
         let settings = PoolSettings {
             python: cfg.python.clone(),
             num_workers: cfg.num_workers,
@@ -103,14 +139,14 @@ impl RewardManager {
                     let name = custom.name.clone().unwrap_or_else(|| "compute_score".into());
                     let func = PythonFunction { path: path.clone(), name: name.clone(), kwargs: custom.reward_kwargs.clone(), batch };
                     let pool = PythonPool::start(func, settings.clone())?;
-                    sources.push(Source { label: format!("{name} ({path})"), name, weight: 1.0, kind: Kind::Python(Box::new(pool)) });
+                    sources.push(Source { label: format!("{name} ({path})"), name, weight: 1.0, gate: None, kind: Kind::Python(Box::new(pool)) });
                 }
                 None if batch => {
                     return Err(RewardError::Config(
                         "reward.reward_manager.name=batch calls a batch function (data_sources, solution_strs, ground_truths, extra_infos) and has no built-in default; set reward.custom_reward_function.path".into(),
                     ))
                 }
-                None => sources.push(Source { name: "default".into(), weight: 1.0, label: "built-in scorers by data_source".into(), kind: Kind::Builtin(Builtin::Default) }),
+                None => sources.push(Source { name: "default".into(), weight: 1.0, label: "built-in scorers by data_source".into(), gate: None, kind: Kind::Builtin(Builtin::Default) }),
             }
         } else {
             for (i, s) in cfg.sources.iter().enumerate() {
@@ -148,14 +184,54 @@ impl RewardManager {
                             .map_err(|e| RewardError::Config(format!("{at}: {e}")))?;
                         (format!("native {name}"), Kind::Native(f, s.kwargs.clone()))
                     }
+                    RewardSourceType::Model => {
+                        let path = s.path.as_deref().ok_or_else(|| {
+                            RewardError::Config(format!("{at}: type model needs `path`"))
+                        })?;
+                        let rm = RewardModel::load(&RewardModelOptions {
+                            path,
+                            device: s.device.as_deref().unwrap_or(&ctx.device),
+                            micro_batch_size: s.micro_batch_size.unwrap_or(8),
+                            normalize: s.normalize,
+                            clip: s.clip,
+                            prompt_key: &ctx.prompt_key,
+                        })
+                        .map_err(|e| RewardError::Config(format!("{at}: {e}")))?;
+                        (format!("reward model {path}"), Kind::Model(Box::new(rm)))
+                    }
                 };
                 sources.push(Source {
                     name: s.name.clone(),
                     weight: s.weight,
                     label,
+                    gate: s.gate,
                     kind,
                 });
             }
+        }
+        // verl's `reward_model.enable`: the model's score is added to the rule/custom reward.
+        let rm = &cfg.reward_model;
+        if rm.enable {
+            let path = rm.model_path.as_deref().ok_or_else(|| {
+                RewardError::Config(
+                    "reward.reward_model.enable=True needs reward.reward_model.model_path (legacy: reward_model.model.path)".into(),
+                )
+            })?;
+            let model = RewardModel::load(&RewardModelOptions {
+                path,
+                device: &ctx.device,
+                micro_batch_size: 8,
+                normalize: false,
+                clip: None,
+                prompt_key: &ctx.prompt_key,
+            })?;
+            sources.push(Source {
+                name: "reward_model".into(),
+                weight: 1.0,
+                label: format!("reward model {path}"),
+                gate: None,
+                kind: Kind::Model(Box::new(model)),
+            });
         }
         let overlong = if cfg.reward_manager.name == RewardManagerName::Dapo {
             Self::overlong(&cfg.reward_kwargs)?
@@ -201,6 +277,70 @@ impl RewardManager {
             max_resp_len,
             log,
         }))
+    }
+
+    /// Each source's weight, by name.
+    pub fn weights(&self) -> std::collections::BTreeMap<String, f64> {
+        self.sources
+            .iter()
+            .map(|s| (s.name.clone(), s.weight))
+            .collect()
+    }
+
+    /// Sets the weights of the named sources; an unknown name or a negative or non-finite
+    /// weight changes nothing and is an error.
+    pub fn set_weights(
+        &mut self,
+        weights: &std::collections::BTreeMap<String, f64>,
+    ) -> Result<(), RewardError> {
+        for (name, w) in weights {
+            if !self.sources.iter().any(|s| &s.name == name) {
+                return Err(RewardError::Config(format!(
+                    "unknown reward source `{name}` (sources: {})",
+                    self.sources
+                        .iter()
+                        .map(|s| s.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            }
+            if !(w.is_finite() && *w >= 0.0) {
+                return Err(RewardError::Config(format!(
+                    "the weight of `{name}` must be a finite number >= 0, got {w}"
+                )));
+            }
+        }
+        for s in &mut self.sources {
+            if let Some(w) = weights.get(&s.name) {
+                s.weight = *w;
+            }
+        }
+        Ok(())
+    }
+
+    /// Running statistics of the normalising reward models, by source name (for checkpoints).
+    pub fn model_stats(&self) -> std::collections::BTreeMap<String, RunningStats> {
+        self.sources
+            .iter()
+            .filter_map(|s| match &s.kind {
+                Kind::Model(m) => m.normalize.map(|st| (s.name.clone(), st)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Restores what [`RewardManager::model_stats`] returned.
+    pub fn restore_model_stats(
+        &mut self,
+        stats: &std::collections::BTreeMap<String, RunningStats>,
+    ) {
+        for s in &mut self.sources {
+            if let (Kind::Model(m), Some(st)) = (&mut s.kind, stats.get(&s.name)) {
+                if m.normalize.is_some() {
+                    m.normalize = Some(*st);
+                }
+            }
+        }
     }
 
     /// The failure policy `reward.on_error` configures.
@@ -260,6 +400,7 @@ impl RewardManager {
                         })
                     })
                     .collect(),
+                Kind::Model(m) => m.score(items),
             };
             for (i, (r, sample)) in results.into_iter().zip(out.iter_mut()).enumerate() {
                 match r {
@@ -330,6 +471,19 @@ impl RewardManager {
                     sample
                         .extra
                         .insert("overlong".into(), Value::from(exceed > 0.0));
+                }
+            }
+            for (src, (_, score)) in self.sources.iter().zip(&sample.per_source) {
+                let (Some(g), Some(score)) = (src.gate, score) else {
+                    continue;
+                };
+                if *score < g.below {
+                    sample.gated.push(src.name.clone());
+                    match g.action {
+                        GateAction::SkipUpdate => sample.gate_skip = true,
+                        GateAction::ZeroReward => total = 0.0,
+                        GateAction::Penalty => total += g.penalty,
+                    }
                 }
             }
             sample.score = Some(total);

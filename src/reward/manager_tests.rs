@@ -249,3 +249,216 @@ fn a_timed_out_call_follows_on_error() {
         assert_eq!(m.stats.timeouts, 1, "{policy}");
     }
 }
+
+fn chat_item(question: &str, sol: &str) -> Item {
+    Item {
+        data_source: "openai/gsm8k".into(),
+        solution_str: sol.into(),
+        ground_truth: json!("42"),
+        extra_info: json!({}),
+        row: json!({"prompt": [{"role": "user", "content": question}]}),
+    }
+}
+
+#[test]
+fn a_reward_model_scores_batches_as_one_by_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = dir.path().join("rm");
+    crate::testing::tiny_reward_model_dir(&rm, 0.3);
+    let src = |mb: usize| {
+        cfg(&[format!(
+            "reward.sources=[{{name: rm, type: model, path: {}, micro_batch_size: {mb}}}]",
+            rm.display()
+        )])
+    };
+    let items: Vec<Item> = [
+        ("What is 6 x 7?", "42"),
+        (
+            "Name a colour.",
+            "Blue, and a much longer answer than the others.",
+        ),
+        ("Hi", ""),
+        ("2+2?", "4"),
+        ("Tell me a story.", "Once upon a time."),
+    ]
+    .iter()
+    .map(|(q, a)| chat_item(q, a))
+    .collect();
+    let lens = vec![1; items.len()];
+    let mut batched = RewardManager::from_config(&src(2), &NativeRegistry::new()).unwrap();
+    let b = batched.score(&items, &lens, batched.policy()).unwrap();
+    let mut single = RewardManager::from_config(&src(1), &NativeRegistry::new()).unwrap();
+    for (i, it) in items.iter().enumerate() {
+        let one = single
+            .score(std::slice::from_ref(it), &[1], single.policy())
+            .unwrap();
+        let (x, y) = (b[i].score.unwrap(), one[0].score.unwrap());
+        // Left padding changes only the masked positions: equal up to f32 summation order.
+        assert!((x - y).abs() < 1e-5, "row {i}: batched {x} vs alone {y}");
+    }
+    let distinct: std::collections::BTreeSet<String> = b
+        .iter()
+        .map(|r| format!("{:.6}", r.score.unwrap()))
+        .collect();
+    assert!(
+        distinct.len() > 1,
+        "the model distinguishes responses: {b:?}"
+    );
+
+    // Normalisation: scores of one batch become z-scores of the running statistics; clipping.
+    let mut norm = RewardManager::from_config(
+        &cfg(&[format!(
+            "reward.sources=[{{name: rm, type: model, path: {}, normalize: true, clip: 1.0}}]",
+            rm.display()
+        )]),
+        &NativeRegistry::new(),
+    )
+    .unwrap();
+    let n = norm.score(&items, &lens, norm.policy()).unwrap();
+    let raw: Vec<f64> = b.iter().map(|r| r.score.unwrap()).collect();
+    let mean = raw.iter().sum::<f64>() / raw.len() as f64;
+    let std = (raw.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / raw.len() as f64).sqrt();
+    for (r, x) in n.iter().zip(&raw) {
+        let want = ((x - mean) / (std + 1e-8)).clamp(-1.0, 1.0);
+        assert!(
+            (r.score.unwrap() - want).abs() < 1e-4,
+            "{} vs {want}",
+            r.score.unwrap()
+        );
+    }
+    assert_eq!(norm.model_stats()["rm"].count, 5.0);
+}
+
+#[test]
+fn rule_python_and_model_sources_sum_by_weight() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = dir.path().join("rm");
+    crate::testing::tiny_reward_model_dir(&rm, 0.3);
+    let py = dir.path().join("len.py");
+    std::fs::write(
+        &py,
+        "def compute_score(solution_str, **kw):\n    return len(solution_str) / 10\n",
+    )
+    .unwrap();
+    let items = vec![
+        chat_item("What is 6 x 7?", "#### 42"),
+        chat_item("Q", "#### 7"),
+    ];
+    let mut alone = RewardManager::from_config(
+        &cfg(&[format!(
+            "reward.sources=[{{name: rm, type: model, path: {}}}]",
+            rm.display()
+        )]),
+        &NativeRegistry::new(),
+    )
+    .unwrap();
+    let rm_scores: Vec<f64> = alone
+        .score(&items, &[1, 1], alone.policy())
+        .unwrap()
+        .iter()
+        .map(|r| r.score.unwrap())
+        .collect();
+    let mut m = RewardManager::from_config(
+        &cfg(&[format!(
+            "reward.sources=[{{name: acc, weight: 2.0, type: builtin, scorer: gsm8k}}, {{name: len, weight: 0.5, type: python, path: {}}}, {{name: rm, weight: 0.25, type: model, path: {}}}]",
+            py.display(),
+            rm.display()
+        )]),
+        &NativeRegistry::new(),
+    )
+    .unwrap();
+    let out = m.score(&items, &[1, 1], m.policy()).unwrap();
+    // Row 0: gsm8k 1 (answer 42), len 7/10; row 1: gsm8k 0, len 6/10.
+    let want = [
+        2.0 * 1.0 + 0.5 * 0.7 + 0.25 * rm_scores[0],
+        0.5 * 0.6 + 0.25 * rm_scores[1],
+    ];
+    for (r, w) in out.iter().zip(want) {
+        assert!((r.score.unwrap() - w).abs() < 1e-9, "{r:?} vs {w}");
+    }
+}
+
+#[test]
+fn reward_model_errors_name_the_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    // A causal LM (no score head) is not a reward model.
+    let lm = dir.path().join("lm");
+    let args = crate::model::ModelArgs::tiny(crate::model::Arch::Llama, 259);
+    let (vm, _) = crate::testing::tiny_model(&args, candle_core::DType::F32, 0.1);
+    crate::testing::write_tokenizer_dir(&lm).unwrap();
+    crate::model::hf::save_dir(&vm, &args, &lm, &[258], Some(&lm), None).unwrap();
+    let c = cfg(&[format!(
+        "reward.sources=[{{name: rm, type: model, path: {}}}]",
+        lm.display()
+    )]);
+    let e = RewardManager::from_config(&c, &NativeRegistry::new())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("score.weight") && e.contains("reward.sources[0] (rm)"),
+        "{e}"
+    );
+    let c = cfg(&["reward.sources=[{name: rm, type: model, path: /no/such/dir}]".into()]);
+    let e = RewardManager::from_config(&c, &NativeRegistry::new())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("/no/such/dir"), "{e}");
+    // The legacy spelling adds the model to the default scorer.
+    let rm = dir.path().join("rm");
+    crate::testing::tiny_reward_model_dir(&rm, 0.3);
+    let c = cfg(&[
+        "reward_model.enable=True".into(),
+        format!("reward_model.model.path={}", rm.display()),
+    ]);
+    let m = RewardManager::from_config(&c, &NativeRegistry::new()).unwrap();
+    let names: Vec<&str> = m.sources.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, vec!["default", "reward_model"]);
+}
+
+#[test]
+fn gates_act_on_exactly_the_samples_below_the_threshold() {
+    let reg = length_registry(); // `short`: 1 when the response is under 10 bytes, else 0
+    let items = vec![
+        item("#### 42", "42"),
+        item("a long wrong answer #### 7", "42"),
+        item("#### 7", "42"),
+    ];
+    let run = |gate: &str| {
+        let c = cfg(&[format!(
+            "reward.sources=[{{name: acc, type: builtin, scorer: gsm8k}}, {{name: short, weight: 0.5, type: native, function: short, gate: {gate}}}]"
+        )]);
+        let mut m = RewardManager::from_config(&c, &reg).unwrap();
+        m.score(&items, &[1, 1, 1], m.policy()).unwrap()
+    };
+    // Without a gate the totals are acc + 0.5·short: 1.5, 0, 0.5. Only row 1 is long.
+    let skip = run("{below: 0.5, action: skip_update}");
+    let gated: Vec<bool> = skip.iter().map(|r| r.gate_skip).collect();
+    assert_eq!(gated, vec![false, true, false]);
+    assert_eq!(
+        skip.iter().map(|r| r.score.unwrap()).collect::<Vec<_>>(),
+        vec![1.5, 0.0, 0.5]
+    );
+    assert_eq!(skip[1].gated, vec!["short".to_string()]);
+    let zero = run("{below: 0.5, action: zero_reward}");
+    assert_eq!(
+        zero.iter().map(|r| r.score.unwrap()).collect::<Vec<_>>(),
+        vec![1.5, 0.0, 0.5]
+    );
+    assert!(zero.iter().all(|r| !r.gate_skip));
+    let pen = run("{below: 0.5, action: penalty, penalty: -2.0}");
+    assert_eq!(
+        pen.iter().map(|r| r.score.unwrap()).collect::<Vec<_>>(),
+        vec![1.5, -2.0, 0.5]
+    );
+    // zero_reward on a sample with a positive total: the long row of a looser threshold.
+    let zero_all = run("{below: 1.5, action: zero_reward}");
+    assert_eq!(
+        zero_all
+            .iter()
+            .map(|r| r.score.unwrap())
+            .collect::<Vec<_>>(),
+        vec![0.0, 0.0, 0.0]
+    );
+}

@@ -5,6 +5,7 @@
 //! - `native`: Rust reward functions registered by name.
 
 pub mod manager;
+pub mod model_source;
 pub mod native;
 pub mod placement;
 pub mod pystr;
@@ -13,7 +14,7 @@ pub mod scorers;
 
 use serde_json::{Map, Value};
 
-pub use manager::{FailurePolicy, RewardManager, SampleReward};
+pub use manager::{FailurePolicy, ModelContext, RewardManager, SampleReward};
 pub use native::{NativeRegistry, RewardFn};
 pub use python::Item;
 pub use scorers::Builtin;

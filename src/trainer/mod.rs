@@ -37,6 +37,7 @@ use self::critic::{Critic, ValueData};
 use crate::algo::{apply_kl_penalty, compute_advantage, AdvantageInputs, KlController};
 use crate::checkpoint::CheckpointError;
 use crate::config::{AdvEstimator, Config, ConfigError, Plan};
+use crate::control::ControlServer;
 use crate::data::dataset::{load_samples, DatasetOptions};
 use crate::data::{BatchLoader, DataError, PromptDataset, TokenizerBundle};
 use crate::metrics::{Metrics, Timings, Tracker};
@@ -119,6 +120,8 @@ pub struct Trainer {
     stop: Arc<AtomicBool>,
     params: SamplingParams,
     last_saved: Option<u64>,
+    /// The live-weights HTTP API (`reward.control.enable`).
+    pub control: Option<ControlServer>,
     /// Every step's metrics (also sent to the sinks).
     pub history: Vec<(u64, Metrics)>,
 }
@@ -141,7 +144,14 @@ impl Trainer {
         for w in &plan.warnings {
             tracing::warn!("{w}");
         }
-        let reward = RewardManager::from_config(&cfg.reward, &opts.natives)?;
+        let reward = RewardManager::from_config_with(
+            &cfg.reward,
+            &opts.natives,
+            &crate::reward::ModelContext {
+                device: cfg.trainer.device.clone(),
+                prompt_key: cfg.data.prompt_key.clone(),
+            },
+        )?;
         let sources: Vec<String> = reward
             .sources
             .iter()
@@ -296,9 +306,16 @@ impl Trainer {
             stop: opts.stop,
             params,
             last_saved: None,
+            control: None,
             history: Vec::new(),
         };
         t.resume()?;
+        if t.cfg.reward.control.enable {
+            let server =
+                ControlServer::start(&t.cfg.reward.control, t.reward.weights(), t.total_steps)
+                    .map_err(TrainerError::Other)?;
+            t.control = Some(server);
+        }
         Ok(t)
     }
 
@@ -361,6 +378,9 @@ impl Trainer {
 
     fn log(&mut self, m: Metrics, step: u64) {
         self.tracker.log(&m, step);
+        if let Some(c) = &self.control {
+            c.publish(step, &m);
+        }
         self.history.push((step, m));
     }
 
@@ -368,6 +388,11 @@ impl Trainer {
     pub fn step(&mut self) -> Result<Metrics> {
         let step = self.global_step + 1;
         let t_step = Instant::now();
+        // Weights posted to the control API apply from this step on.
+        if let Some(w) = self.control.as_ref().and_then(ControlServer::take_changes) {
+            self.reward.set_weights(&w)?;
+            tracing::info!("step {step}: reward weights {w:?}");
+        }
         let mut timing = Timings::default();
         let mut m = Metrics::new();
         let epoch = self.loader.cursor().epoch;
@@ -384,7 +409,7 @@ impl Trainer {
         // Reward.
         let rewards = timing.time("reward", || self.score(&batch, &responses))?;
         for (i, r) in rewards.iter().enumerate() {
-            batch.excluded[i] = r.skipped || r.score.is_none();
+            batch.excluded[i] = r.skipped || r.score.is_none() || r.gate_skip;
         }
         let scores: Vec<f64> = rewards.iter().map(|r| r.score.unwrap_or(0.0)).collect();
         let token_scores = place_scores(&batch, &scores);
@@ -678,6 +703,8 @@ impl Trainer {
             },
             alg,
         )?;
+        // Rows left out of the update carry no advantage either (mask is 1 on every other row).
+        let adv = (adv * &mask)?;
         let lens: Vec<usize> = (0..batch.len()).map(|r| batch.response_len(r)).collect();
         let all: Vec<usize> = (0..batch.len()).collect();
         let mut out = (
@@ -730,6 +757,8 @@ impl Trainer {
                 if let Some(e) = &rewards[i].error {
                     obj.insert("reward_error".into(), json!(e));
                 }
+                obj.insert("gated".into(), json!(rewards[i].gated));
+                obj.insert("excluded".into(), json!(batch.excluded[i]));
                 o
             })
             .collect();

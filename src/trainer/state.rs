@@ -2,6 +2,7 @@
 //! resuming from it: weights, optimizer moments, LR-scheduler position, loader cursor, sampler
 //! RNG and KL controller, so a resumed run continues bit for bit.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -11,6 +12,7 @@ use crate::algo::KlController;
 use crate::checkpoint;
 use crate::data::{BatchLoader, LoaderCursor};
 use crate::model::hf;
+use crate::reward::model_source::RunningStats;
 use crate::rollout::{Sampler, SamplerState};
 
 /// `trainer_state.json`.
@@ -24,6 +26,12 @@ pub struct TrainerState {
     pub kl_ctrl: KlController,
     pub actor_updates: u64,
     pub critic_updates: Option<u64>,
+    /// Reward-source weights (changed through reward.control, kept across a resume).
+    #[serde(default)]
+    pub reward_weights: BTreeMap<String, f64>,
+    /// Running statistics of normalising reward models.
+    #[serde(default)]
+    pub reward_model_stats: BTreeMap<String, RunningStats>,
 }
 
 /// Test hook `STEP:FILE`: the save of step STEP stops half-way (after the actor weights),
@@ -46,6 +54,8 @@ impl Trainer {
             kl_ctrl: self.kl_ctrl,
             actor_updates: self.actor.updates,
             critic_updates: self.critic.as_ref().map(|c| c.updates),
+            reward_weights: self.reward.weights(),
+            reward_model_stats: self.reward.model_stats(),
         };
         let config_yaml = serde_yaml_ng::to_string(&self.cfg).map_err(other)?;
         let dir = checkpoint::save_atomic(&root, self.global_step, |dir: &Path| -> Result<()> {
@@ -160,6 +170,15 @@ impl Trainer {
             BatchLoader::resume(self.train.len(), self.plan.train_batch_size, state.loader);
         self.sampler = Sampler::restore(state.sampler);
         self.kl_ctrl = KlController { ..state.kl_ctrl };
+        // Weights of sources that still exist; a source added since keeps its configured weight.
+        let known = self.reward.weights();
+        let weights: BTreeMap<String, f64> = state
+            .reward_weights
+            .into_iter()
+            .filter(|(k, _)| known.contains_key(k))
+            .collect();
+        self.reward.set_weights(&weights)?;
+        self.reward.restore_model_stats(&state.reward_model_stats);
         self.global_step = state.global_step;
         self.last_saved = Some(state.global_step);
         Ok(())

@@ -110,6 +110,13 @@ pub fn reward_metrics(m: &mut Metrics, manager: &RewardManager, rewards: &[Sampl
             );
         }
         m.insert(format!("reward/weight/{}", src.name), src.weight);
+        if src.gate.is_some() {
+            let fired = rewards
+                .iter()
+                .filter(|r| r.gated.contains(&src.name))
+                .count();
+            m.insert(format!("reward/gated/{}", src.name), fired as f64);
+        }
     }
     let errors = rewards.iter().filter(|r| r.error.is_some()).count();
     m.insert("reward/errors".into(), errors as f64);

@@ -54,6 +54,30 @@ fn natives() -> NativeRegistry {
         },
     )
     .unwrap();
+    n.register(
+        "even_length",
+        |inp: &ScoreInput, _: &Map<String, serde_json::Value>| {
+            Ok(ScoreResult {
+                score: if inp.solution_str.chars().count() % 2 == 0 {
+                    1.0
+                } else {
+                    0.0
+                },
+                extra: Map::new(),
+            })
+        },
+    )
+    .unwrap();
+    n.register(
+        "one",
+        |_: &ScoreInput, _: &Map<String, serde_json::Value>| {
+            Ok(ScoreResult {
+                score: 1.0,
+                extra: Map::new(),
+            })
+        },
+    )
+    .unwrap();
     n
 }
 
@@ -551,4 +575,103 @@ fn a_broken_setup_is_reported_before_training() {
     .err()
     .unwrap();
     assert!(err.to_string().contains("resume_mode=disable"), "{err}");
+}
+
+#[test]
+fn a_skip_update_gate_zeroes_loss_mask_and_advantage_of_gated_samples() {
+    let fx = fixture();
+    let dumps = fx.dir.path().join("dumps");
+    let mut t = trainer(
+        &fx,
+        &[
+            "algorithm.adv_estimator=grpo",
+            "reward.sources=[{name: a, type: native, function: share_of_a}, {name: even, weight: 0.0, type: native, function: even_length, gate: {below: 0.5, action: skip_update}}]",
+            &format!("trainer.rollout_data_dir={}", dumps.display()),
+            "trainer.total_training_steps=2",
+        ],
+        None,
+    );
+    t.fit().unwrap();
+    let mut gated_total = 0usize;
+    for step in 1..=2u64 {
+        let text = std::fs::read_to_string(dumps.join(format!("{step}.jsonl"))).unwrap();
+        let rows: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let mut gated = 0;
+        for r in &rows {
+            let odd = r["reward/even"].as_f64().unwrap() < 0.5;
+            assert_eq!(r["excluded"].as_bool().unwrap(), odd, "{r}");
+            if odd {
+                gated += 1;
+                assert_eq!(r["gated"], serde_json::json!(["even"]));
+                assert_eq!(r["advantage"].as_f64().unwrap_or(0.0), 0.0, "{r}");
+            }
+        }
+        let m = &t.history[(step - 1) as usize].1;
+        assert_eq!(m["reward/gated/even"], gated as f64);
+        gated_total += gated;
+    }
+    assert!(gated_total > 0, "some responses have an odd length");
+}
+
+#[test]
+fn control_api_changes_weights_between_steps_and_they_survive_resume() {
+    let fx = fixture();
+    let extra: &[&str] = &[
+        "algorithm.adv_estimator=grpo",
+        "reward.sources=[{name: a, type: native, function: share_of_a}, {name: one, weight: 1.0, type: native, function: one}]",
+        "reward.control.enable=True",
+        "reward.control.port=0",
+        "reward.control.token=tok",
+        "trainer.total_training_steps=3",
+    ];
+    let mut t = trainer(&fx, extra, None);
+    let addr = t.control.as_ref().unwrap().addr;
+    let m1 = t.step().unwrap();
+    t.log(m1.clone(), 1);
+    let http = crate::control::tests::http;
+    let (st, body) = http(addr, "GET", "/api/v1/status", Some("tok"), b"");
+    assert_eq!(st, 200);
+    let status: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(status["step"], 1);
+    assert_eq!(status["metrics"]["reward/weight/one"], 1.0);
+    let (st, _) = http(
+        addr,
+        "POST",
+        "/api/v1/reward/weights",
+        None,
+        br#"{"one": 0}"#,
+    );
+    assert_eq!(st, 401, "the token is required");
+    let (st, body) = http(
+        addr,
+        "POST",
+        "/api/v1/reward/weights",
+        Some("tok"),
+        br#"{"one": 0.25}"#,
+    );
+    assert_eq!(st, 200, "{body}");
+    let m2 = t.step().unwrap();
+    assert_eq!(m1["reward/weight/one"], 1.0);
+    assert_eq!(m2["reward/weight/one"], 0.25);
+    // The total is a + 0.25 · 1 for every response.
+    assert!((m2["critic/score/mean"] - (m2["reward/a/mean"] + 0.25)).abs() < 1e-9);
+    t.save_checkpoint().unwrap();
+    drop(t);
+    let r = trainer(&fx, extra, None);
+    assert_eq!(r.global_step, 2);
+    assert_eq!(r.reward.weights()["one"], 0.25, "weights survive resume");
+    let (_, body) = http(
+        r.control.as_ref().unwrap().addr,
+        "GET",
+        "/api/v1/reward/weights",
+        Some("tok"),
+        b"",
+    );
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()["one"],
+        0.25
+    );
 }
