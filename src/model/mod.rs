@@ -10,6 +10,7 @@ pub mod config;
 pub mod gguf;
 pub mod heads;
 pub mod hf;
+pub mod hub;
 pub mod transformer;
 
 use std::path::Path;
@@ -47,8 +48,8 @@ pub use transformer::{CausalLm, KvCache};
 #[cfg(test)]
 mod tests;
 
-/// A model and its tokenizer from `path`: a `.gguf` file or an HF directory (tokenizer from
-/// `tokenizer_path` when given). Hub ids are not fetched by this build.
+/// A model and its tokenizer from `path`: a `.gguf` file, an HF directory, or a hub id found in
+/// the HF cache (downloaded with the `hub` feature); tokenizer from `tokenizer_path` when given.
 pub fn load_model_and_tokenizer(
     path: &str,
     tokenizer_path: Option<&str>,
@@ -87,7 +88,17 @@ pub fn load_model_and_tokenizer(
         return Ok((loaded, tok_from(own)?));
     }
     if is_hub_id(path) {
-        return Err(ModelError::file(p, "looks like a model-hub id, but this build has no hub access: download the model and point the path at its directory or .gguf file".into()));
+        let dir = hub::resolve(path)?;
+        let loaded = hf::load_dir(&dir, overrides, dtype, device, with_lm_head)?;
+        let own = if tokenizer_path.is_none() {
+            Some(
+                crate::data::TokenizerBundle::from_dir(&dir)
+                    .map_err(|e| ModelError::file(&dir, e.to_string()))?,
+            )
+        } else {
+            None
+        };
+        return Ok((loaded, tok_from(own)?));
     }
     Err(ModelError::file(p, "no such model: expected an HF model directory (config.json, model.safetensors, tokenizer.json) or a .gguf file".into()))
 }

@@ -614,6 +614,42 @@ fn a_skip_update_gate_zeroes_loss_mask_and_advantage_of_gated_samples() {
         gated_total += gated;
     }
     assert!(gated_total > 0, "some responses have an odd length");
+
+    // zero_reward / penalty: gated samples stay in the update with their total replaced/shifted.
+    for (action, want) in [
+        ("zero_reward", None),
+        ("penalty, penalty: -3.0", Some(-3.0)),
+    ] {
+        let dumps = fx.dir.path().join(format!("dumps-{}", &action[..4]));
+        let mut t = trainer(
+            &fx,
+            &[
+                "algorithm.adv_estimator=grpo",
+                &format!("reward.sources=[{{name: a, type: native, function: share_of_a}}, {{name: even, weight: 0.0, type: native, function: even_length, gate: {{below: 0.5, action: {action}}}}}]"),
+                &format!("trainer.rollout_data_dir={}", dumps.display()),
+                "trainer.total_training_steps=1",
+                "trainer.resume_mode=disable",
+            ],
+            None,
+        );
+        t.fit().unwrap();
+        let text = std::fs::read_to_string(dumps.join("1.jsonl")).unwrap();
+        for l in text.lines() {
+            let r: serde_json::Value = serde_json::from_str(l).unwrap();
+            let a = r["reward/a"].as_f64().unwrap();
+            let odd = r["reward/even"].as_f64().unwrap() < 0.5;
+            let expected = match (odd, want) {
+                (false, _) => a,
+                (true, None) => 0.0,
+                (true, Some(p)) => a + p,
+            };
+            assert!(
+                (r["score"].as_f64().unwrap() - expected).abs() < 1e-9,
+                "{action}: {r}"
+            );
+            assert_eq!(r["excluded"], false, "{action}: {r}");
+        }
+    }
 }
 
 #[test]
