@@ -665,3 +665,63 @@ fn value_and_score_heads() {
         .unwrap();
     assert!((r[0][0] - alone[0][0]).abs() < 1e-5);
 }
+
+#[test]
+fn bf16_model_tracks_the_f32_model_and_trains() {
+    // The same weights in f32 and bf16 (the CUDA working dtype); bf16 keeps 8 bits of mantissa,
+    // so logits agree to about 2^-8 relative. Gradients flow to every bf16 parameter too.
+    let (vm32, m32) = model(Arch::Qwen2, DType::F32);
+    let vm16 = VarMap::new();
+    let m16 = CausalLm::new(
+        &m32.args,
+        VarBuilder::from_varmap(&vm16, DType::BF16, &Device::Cpu),
+        true,
+    )
+    .unwrap();
+    {
+        let src = vm32.data().lock().unwrap();
+        for (name, var) in vm16.data().lock().unwrap().iter() {
+            var.set(&src[name].as_tensor().to_dtype(DType::BF16).unwrap())
+                .unwrap();
+        }
+    }
+    let (i, mask, pos) = left_pad(&[vec![3, 7, 11, 2, 9], vec![5, 1, 8]], 0);
+    let h32 = m32.forward_hidden(&i, &pos, &mask, None).unwrap();
+    let h16 = m16.forward_hidden(&i, &pos, &mask, None).unwrap();
+    let l32 = m32.logits(&h32).unwrap();
+    let l16 = m16.logits(&h16).unwrap();
+    assert_eq!(l16.dtype(), DType::F32, "logits are upcast");
+    // Compare the real positions of the padded row (the padding's outputs are never read).
+    let diff = max_diff(&l32.narrow(1, 2, 3).unwrap(), &l16.narrow(1, 2, 3).unwrap());
+    let scale = l32
+        .abs()
+        .unwrap()
+        .max_keepdim(2)
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(
+        diff < 0.05 * scale.max(1.0),
+        "bf16 vs f32 logits differ by {diff} (scale {scale})"
+    );
+    let (lp, _) = m16.token_logprobs(&h16, &i, 7, false).unwrap();
+    let grads = lp.sum_all().unwrap().backward().unwrap();
+    for (name, var) in vm16.data().lock().unwrap().iter() {
+        let g = grads
+            .get(var.as_tensor())
+            .unwrap_or_else(|| panic!("{name}: no gradient"));
+        assert_eq!(g.dtype(), DType::BF16, "{name}");
+        let norm = g
+            .to_dtype(DType::F32)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(norm > 0.0, "{name}: zero gradient");
+    }
+}
