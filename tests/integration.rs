@@ -896,7 +896,12 @@ fn sigint_finishes_the_step_saves_and_exits_0() {
         .spawn()
         .unwrap();
     let metrics = dir.path().join("verl_examples/gsm8k.jsonl");
-    wait_for(&metrics, 120);
+    // The file exists from start-up; wait for the first step's line, then interrupt.
+    let t = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(true, |s| s.lines().count() == 0) {
+        assert!(t.elapsed().as_secs() < 120, "no step finished");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     let status = Command::new("kill")
         .args(["-INT", &child.id().to_string()])
         .status()

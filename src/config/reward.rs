@@ -70,7 +70,7 @@ defaults!(RewardModelConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OnError {
-    /// Stop the run with the error (after a checkpoint).
+    /// Stop the run with the error (a rerun resumes from the newest checkpoint).
     Raise,
     /// Score the sample 0.
     Zero,
