@@ -50,6 +50,14 @@ impl Timings {
         let t = Instant::now();
         let out = f();
         *self.seconds.entry(name).or_default() += t.elapsed().as_secs_f64();
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            tracing::debug!(
+                "{name}: {:.1} s, resident {:.2} GB, peak {:.2} GB",
+                t.elapsed().as_secs_f64(),
+                rss_bytes().unwrap_or(0) as f64 / (1u64 << 30) as f64,
+                peak_rss_bytes().unwrap_or(0) as f64 / (1u64 << 30) as f64
+            );
+        }
         out
     }
 
@@ -88,12 +96,21 @@ impl Timings {
     }
 }
 
-/// Peak resident memory of this process in bytes (Linux `VmHWM`), when the OS tells.
-pub fn peak_rss_bytes() -> Option<u64> {
+fn proc_status_bytes(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+/// Peak resident memory of this process in bytes (Linux `VmHWM`), when the OS tells.
+pub fn peak_rss_bytes() -> Option<u64> {
+    proc_status_bytes("VmHWM:")
+}
+
+/// Resident memory of this process now (Linux `VmRSS`).
+pub fn rss_bytes() -> Option<u64> {
+    proc_status_bytes("VmRSS:")
 }
 
 /// A number as Python's `repr` prints it (`1.0`, `0.25`, `1e-05`, `nan`), as verl's console line
