@@ -160,15 +160,19 @@ impl Trainer {
         tracing::info!("reward ready: {}", sources.join(", "));
         let device = crate::model::device(&cfg.trainer.device)?;
         let m = &cfg.actor_rollout_ref.model;
+        // The policy's weights from `model.path`: the actor, and again the frozen reference.
+        let load_policy = || {
+            crate::model::load_model_and_tokenizer(
+                &m.path,
+                m.tokenizer_path.as_deref(),
+                &m.override_config,
+                DType::F32,
+                &device,
+                true,
+            )
+        };
         let t0 = Instant::now();
-        let (loaded, tok) = crate::model::load_model_and_tokenizer(
-            &m.path,
-            m.tokenizer_path.as_deref(),
-            &m.override_config,
-            DType::F32,
-            &device,
-            true,
-        )?;
+        let (loaded, tok) = load_policy()?;
         tracing::info!(
             "actor: {} loaded in {:.1} s",
             m.path,
@@ -222,14 +226,7 @@ impl Trainer {
             tok.pad_token_id,
         );
         let reference = if plan.need_reference {
-            let (l, _) = crate::model::load_model_and_tokenizer(
-                &m.path,
-                m.tokenizer_path.as_deref(),
-                &m.override_config,
-                DType::F32,
-                &device,
-                true,
-            )?;
+            let (l, _) = load_policy()?;
             Some(Reference::new(l.model, l.varmap))
         } else {
             None
@@ -404,7 +401,7 @@ impl Trainer {
 
         // Rollout: each prompt n times, consecutively; one uid per prompt.
         let mut batch = timing.time("gen", || self.rollout(&prompts))?;
-        let responses: Vec<String> = self.decode(&batch)?;
+        let responses: Vec<String> = self.decode(&batch.responses)?;
 
         // Reward.
         let rewards = timing.time("reward", || self.score(&batch, &responses))?;
@@ -576,9 +573,8 @@ impl Trainer {
     }
 
     /// Responses as text, special tokens removed (what reward functions see).
-    fn decode(&self, batch: &StepBatch) -> Result<Vec<String>> {
-        batch
-            .responses
+    fn decode(&self, responses: &[Vec<u32>]) -> Result<Vec<String>> {
+        responses
             .iter()
             .map(|r| {
                 self.tokenizer
@@ -629,11 +625,7 @@ impl Trainer {
             &greedy,
             &mut unused,
         )?;
-        let texts: Vec<String> = out
-            .responses
-            .iter()
-            .map(|r| self.tokenizer.tokenizer.decode(r, true).unwrap_or_default())
-            .collect();
+        let texts = self.decode(&out.responses)?;
         let items = self.items(&self.train, &firsts, &texts);
         let lens: Vec<usize> = out.responses.iter().map(Vec::len).collect();
         let policy = self.reward.policy();

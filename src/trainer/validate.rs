@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use serde_json::json;
 
-use super::{write_jsonl, Result, Trainer, TrainerError};
+use super::{write_jsonl, Result, Trainer};
 use crate::metrics::Metrics;
 use crate::rollout::{generate, Sampler, SamplingParams};
 
@@ -77,16 +77,7 @@ impl Trainer {
                 &params,
                 &mut sampler,
             )?;
-            let texts: Vec<String> = out
-                .responses
-                .iter()
-                .map(|r| {
-                    self.tokenizer
-                        .tokenizer
-                        .decode(r, true)
-                        .map_err(|e| TrainerError::Other(format!("decoding a response: {e}")))
-                })
-                .collect::<Result<_>>()?;
+            let texts = self.decode(&out.responses)?;
             let items = self.items(ds, &rows, &texts);
             let lens: Vec<usize> = out.responses.iter().map(Vec::len).collect();
             let policy = self.reward.policy();
