@@ -655,6 +655,10 @@ fn a_skip_update_gate_zeroes_loss_mask_and_advantage_of_gated_samples() {
 #[test]
 fn control_api_changes_weights_between_steps_and_they_survive_resume() {
     let fx = fixture();
+    let dump_arg = format!(
+        "trainer.rollout_data_dir={}",
+        fx.dir.path().join("ctl-dumps").display()
+    );
     let extra: &[&str] = &[
         "algorithm.adv_estimator=grpo",
         "reward.sources=[{name: a, type: native, function: share_of_a}, {name: one, weight: 1.0, type: native, function: one}]",
@@ -662,6 +666,7 @@ fn control_api_changes_weights_between_steps_and_they_survive_resume() {
         "reward.control.port=0",
         "reward.control.token=tok",
         "trainer.total_training_steps=3",
+        &dump_arg,
     ];
     let mut t = trainer(&fx, extra, None);
     let addr = t.control.as_ref().unwrap().addr;
@@ -692,8 +697,14 @@ fn control_api_changes_weights_between_steps_and_they_survive_resume() {
     let m2 = t.step().unwrap();
     assert_eq!(m1["reward/weight/one"], 1.0);
     assert_eq!(m2["reward/weight/one"], 0.25);
-    // The total is a + 0.25 · 1 for every response.
-    assert!((m2["critic/score/mean"] - (m2["reward/a/mean"] + 0.25)).abs() < 1e-9);
+    // The total is a + 0.25 · 1 for every response of step 2 (from its rollout dump; the
+    // step's `critic/score/mean` would miss responses of length 0, which carry no token).
+    let text = std::fs::read_to_string(fx.dir.path().join("ctl-dumps/2.jsonl")).unwrap();
+    for l in text.lines() {
+        let r: serde_json::Value = serde_json::from_str(l).unwrap();
+        let want = r["reward/a"].as_f64().unwrap() + 0.25 * r["reward/one"].as_f64().unwrap();
+        assert!((r["score"].as_f64().unwrap() - want).abs() < 1e-12, "{r}");
+    }
     t.save_checkpoint().unwrap();
     drop(t);
     let r = trainer(&fx, extra, None);
