@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use crate::data::dataset::{load_samples, DatasetOptions};
 use crate::data::PromptDataset;
-use crate::rollout::{generate, Sampler, SamplingParams};
+use crate::rollout::{generate_rows, repeat_rows, Sampler, SamplingParams};
 
 use super::ConfigArgs;
 
@@ -79,17 +79,12 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let indices: Vec<usize> = (0..ds.len()).collect();
     for chunk in indices.chunks(per_batch) {
         // Each prompt n times, consecutively.
-        let rows: Vec<usize> = chunk
-            .iter()
-            .flat_map(|&i| std::iter::repeat_n(i, n))
-            .collect();
-        let batch = crate::data::collate(&ds, &rows, tok.pad_token_id);
-        let out = generate(
+        let rows = repeat_rows(chunk, n);
+        let out = generate_rows(
             &model.model,
-            &batch.input_ids,
-            &batch.attention_mask,
-            batch.batch,
-            batch.width,
+            &ds,
+            &rows,
+            tok.pad_token_id,
             &params,
             &mut sampler,
         )?;

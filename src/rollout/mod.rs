@@ -192,6 +192,35 @@ pub fn sample_row(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> (
     (pick as u32, logits[pick] - lse)
 }
 
+/// Each dataset row of `prompts` `n` times in a row (the rows of one prompt's group together).
+pub fn repeat_rows(prompts: &[usize], n: usize) -> Vec<usize> {
+    prompts
+        .iter()
+        .flat_map(|&i| std::iter::repeat_n(i, n.max(1)))
+        .collect()
+}
+
+/// Generates for dataset rows `rows` of `ds` (left-padded together with `pad_id`).
+pub fn generate_rows(
+    model: &CausalLm,
+    ds: &crate::data::PromptDataset,
+    rows: &[usize],
+    pad_id: u32,
+    p: &SamplingParams,
+    sampler: &mut Sampler,
+) -> candle_core::Result<Rollout> {
+    let pb = crate::data::collate(ds, rows, pad_id);
+    generate(
+        model,
+        &pb.input_ids,
+        &pb.attention_mask,
+        pb.batch,
+        pb.width,
+        p,
+        sampler,
+    )
+}
+
 /// Generates for a left-padded batch: `input_ids`, `attention_mask` (1 real / 0 pad) and
 /// `position_ids`, all `[batch, width]` u32 row-major.
 pub fn generate(

@@ -56,6 +56,13 @@ impl StepBatch {
         }
     }
 
+    /// Each row's loss mask: 1 per response token, all 0 for an excluded row.
+    pub fn loss_mask_rows(&self) -> Ragged {
+        (0..self.len())
+            .map(|r| vec![if self.excluded[r] { 0.0 } else { 1.0 }; self.response_len(r)])
+            .collect()
+    }
+
     /// The longest response (at least 1, so tensors are never empty).
     pub fn max_response_len(&self) -> usize {
         self.responses

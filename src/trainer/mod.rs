@@ -44,7 +44,7 @@ use crate::metrics::{Metrics, Timings, Tracker};
 use crate::model::ModelError;
 use crate::reward::python::Item;
 use crate::reward::{NativeRegistry, RewardError, RewardManager, SampleReward};
-use crate::rollout::{generate, Sampler, SamplingParams, StopReason};
+use crate::rollout::{generate_rows, repeat_rows, Sampler, SamplingParams, StopReason};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainerError {
@@ -545,17 +545,12 @@ impl Trainer {
     /// Generates `n` responses per prompt with the actor's current weights.
     fn rollout(&mut self, prompts: &[usize]) -> Result<StepBatch> {
         let n = self.plan.n.max(1);
-        let rows: Vec<usize> = prompts
-            .iter()
-            .flat_map(|&i| std::iter::repeat_n(i, n))
-            .collect();
-        let pb = crate::data::collate(&self.train, &rows, self.tokenizer.pad_token_id);
-        let out = generate(
+        let rows = repeat_rows(prompts, n);
+        let out = generate_rows(
             self.actor.view(),
-            &pb.input_ids,
-            &pb.attention_mask,
-            pb.batch,
-            pb.width,
+            &self.train,
+            &rows,
+            self.tokenizer.pad_token_id,
             &self.params,
             &mut self.sampler,
         )?;
@@ -612,18 +607,15 @@ impl Trainer {
     fn remax_baselines(&mut self, batch: &StepBatch) -> Result<Vec<f64>> {
         let n = self.plan.n.max(1);
         let firsts: Vec<usize> = batch.sample.iter().step_by(n).copied().collect();
-        let pb = crate::data::collate(&self.train, &firsts, self.tokenizer.pad_token_id);
         let mut greedy = self.params.clone();
         greedy.greedy = true;
-        let mut unused = Sampler::new(0);
-        let out = generate(
+        let out = generate_rows(
             self.actor.view(),
-            &pb.input_ids,
-            &pb.attention_mask,
-            pb.batch,
-            pb.width,
+            &self.train,
+            &firsts,
+            self.tokenizer.pad_token_id,
             &greedy,
-            &mut unused,
+            &mut Sampler::new(0),
         )?;
         let texts = self.decode(&out.responses)?;
         let items = self.items(&self.train, &firsts, &texts);
@@ -650,10 +642,7 @@ impl Trainer {
     ) -> Result<(Ragged, Ragged, Ragged)> {
         let dev = self.device();
         let width = batch.max_response_len();
-        let mask_rows: Ragged = (0..batch.len())
-            .map(|r| vec![if batch.excluded[r] { 0.0 } else { 1.0 }; batch.response_len(r)])
-            .collect();
-        let mask = dense(&mask_rows, width, &dev)?; // [B, R]
+        let mask = dense(&batch.loss_mask_rows(), width, &dev)?; // [B, R]
         let scores = dense(token_scores, width, &dev)?; // [B, R]
         let alg = &self.cfg.algorithm;
         let rewards = if alg.use_kl_in_reward {

@@ -169,7 +169,7 @@ impl Trainer {
         self.loader =
             BatchLoader::resume(self.train.len(), self.plan.train_batch_size, state.loader);
         self.sampler = Sampler::restore(state.sampler);
-        self.kl_ctrl = KlController { ..state.kl_ctrl };
+        self.kl_ctrl = state.kl_ctrl;
         // Weights of sources that still exist; a source added since keeps its configured weight.
         let known = self.reward.weights();
         let weights: BTreeMap<String, f64> = state

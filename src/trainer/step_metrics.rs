@@ -81,12 +81,9 @@ pub fn data_metrics(m: &mut Metrics, d: &StepData) -> candle_core::Result<()> {
     if let Some(ent) = d.entropy {
         // verl's `actor/entropy`: the entropy of the rollout policy, aggregated like the loss.
         let width = b.max_response_len();
-        let mask_rows: Ragged = (0..b.len())
-            .map(|r| vec![if b.excluded[r] { 0.0 } else { 1.0 }; b.response_len(r)])
-            .collect();
         let e = agg_loss(
             &dense(ent, width, &Device::Cpu)?,
-            &dense(&mask_rows, width, &Device::Cpu)?,
+            &dense(&b.loss_mask_rows(), width, &Device::Cpu)?,
             d.loss_agg_mode,
             AggNorm::default(),
         )?;

@@ -13,7 +13,7 @@ use serde_json::json;
 
 use super::{write_jsonl, Result, Trainer};
 use crate::metrics::Metrics;
-use crate::rollout::{generate, Sampler, SamplingParams};
+use crate::rollout::{generate_rows, repeat_rows, Sampler, SamplingParams};
 
 /// Reads one variable (reward, acc) of a scored response.
 type Getter = fn(&Scored) -> f64;
@@ -63,17 +63,12 @@ impl Trainer {
         let mut scored = Vec::new();
         let mut dumps = Vec::new();
         for chunk in indices.chunks(per_batch) {
-            let rows: Vec<usize> = chunk
-                .iter()
-                .flat_map(|&i| std::iter::repeat_n(i, n))
-                .collect();
-            let pb = crate::data::collate(ds, &rows, self.tokenizer.pad_token_id);
-            let out = generate(
+            let rows = repeat_rows(chunk, n);
+            let out = generate_rows(
                 self.actor.view(),
-                &pb.input_ids,
-                &pb.attention_mask,
-                pb.batch,
-                pb.width,
+                ds,
+                &rows,
+                self.tokenizer.pad_token_id,
                 &params,
                 &mut sampler,
             )?;
