@@ -1,12 +1,15 @@
 //! SmolLM2-135M on this machine: generation tokens/s at batch 1, 8 and 32 with 128 new tokens
 //! (greedy, EOS ignored so every row generates 128), forward+backward tokens/s at 8 × 256
-//! tokens, and peak memory (VmHWM). Needs the model: `scripts/fetch_smollm2.sh` (or
+//! tokens, an AdamW step over all parameters, and peak memory (VmHWM). `cargo bench --bench
+//! model -- gen|train|adamw` runs one part. Needs the model: `scripts/fetch_smollm2.sh` (or
 //! MAIN_PPO_SMOLLM2). Run: `cargo bench --bench model`.
 
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use main_ppo::rollout::{generate, Sampler, SamplingParams};
+use main_ppo::config::OptimConfig;
+use main_ppo::rollout::{generate, generate_all, Sampler, SamplingParams};
+use main_ppo::trainer::AdamW;
 
 fn peak_rss_mib() -> f64 {
     std::fs::read_to_string("/proc/self/status")
@@ -32,6 +35,10 @@ fn main() {
         eprintln!("model bench skipped: no {path} (run scripts/fetch_smollm2.sh)");
         return;
     }
+    // As the binary does (MAIN_PPO_GLIBC_MALLOC=1 keeps glibc's defaults, to measure the difference).
+    if std::env::var_os("MAIN_PPO_GLIBC_MALLOC").is_none() {
+        main_ppo::model::alloc::keep_freed_memory();
+    }
     let only: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let (loaded, content) =
         main_ppo::model::gguf::load(std::path::Path::new(&path), DType::F32, &Device::Cpu, true)
@@ -51,11 +58,14 @@ fn main() {
         max_new_tokens: 128,
         eos_ids: tok.eos_token_ids.clone(),
         ignore_eos: true,
+        limits: main_ppo::rollout::Limits::default(),
     };
     for batch in [1usize, 8, 32] {
         if only.as_deref().is_some_and(|o| o != "gen") {
             break;
         }
+        // Back to back: the tensor composition (one padded batch) and the scheduler's packed
+        // decode path, on the same prompts.
         let ids: Vec<u32> = (0..batch).flat_map(|_| prompt.clone()).collect();
         let mask = vec![1u8; ids.len()];
         let t0 = Instant::now();
@@ -71,7 +81,38 @@ fn main() {
         .unwrap();
         let secs = t0.elapsed().as_secs_f64();
         let n: usize = out.responses.iter().map(Vec::len).sum();
-        println!("generation batch {batch:>2}: {n} tokens in {secs:.1} s = {:.1} tokens/s (prefill included), peak RSS {:.0} MiB", n as f64 / secs, peak_rss_mib());
+        println!("generation batch {batch:>2} (composition): {n} tokens in {secs:.1} s = {:.1} tokens/s (prefill included), peak RSS {:.0} MiB", n as f64 / secs, peak_rss_mib());
+        let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt.as_slice()).collect();
+        let t0 = Instant::now();
+        let fast = generate_all(&loaded.model, &prompts, &p, &mut Sampler::new(0), None).unwrap();
+        let secs = t0.elapsed().as_secs_f64();
+        let n: usize = fast.responses.iter().map(Vec::len).sum();
+        let same = fast.responses == out.responses;
+        println!("generation batch {batch:>2} (scheduler):   {n} tokens in {secs:.1} s = {:.1} tokens/s (prefill included), peak RSS {:.0} MiB, same tokens: {same}", n as f64 / secs, peak_rss_mib());
+    }
+    if only.as_deref().is_none_or(|o| o == "adamw") {
+        let vars = loaded.varmap.all_vars();
+        let named: std::collections::HashMap<String, candle_core::Var> = vars
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (format!("p{i:04}"), v.clone()))
+            .collect();
+        let params: usize = vars.iter().map(|v| v.elem_count()).sum();
+        let loss = vars
+            .iter()
+            .map(|v| v.as_tensor().sqr().unwrap().sum_all().unwrap())
+            .reduce(|a, b| (a + b).unwrap())
+            .unwrap();
+        let grads = loss.backward().unwrap();
+        let mut opt = AdamW::new(named, &OptimConfig::default());
+        for i in 0..3 {
+            let t0 = Instant::now();
+            opt.step(&grads, 1e-6).unwrap();
+            println!(
+                "AdamW step {i} over {params} parameters: {:.3} s",
+                t0.elapsed().as_secs_f64()
+            );
+        }
     }
     if only.as_deref().is_none_or(|o| o == "train") {
         let (b, t) = (8usize, 256usize);

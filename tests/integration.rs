@@ -555,6 +555,7 @@ fn smollm2_greedy_answer_is_the_recorded_one() {
         max_new_tokens: 48,
         eos_ids: bundle.eos_token_ids.clone(),
         ignore_eos: false,
+        limits: main_ppo::rollout::Limits::default(),
     };
     let out = main_ppo::rollout::generate(
         &loaded.model,

@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use crate::data::dataset::{load_samples, DatasetOptions};
 use crate::data::PromptDataset;
-use crate::rollout::{generate_rows, repeat_rows, Sampler, SamplingParams};
+use crate::rollout::{generate_all, repeat_rows, Sampler, SamplingParams};
 
 use super::ConfigArgs;
 
@@ -24,9 +24,10 @@ pub struct GenerateArgs {
     /// Output: the input columns plus `responses`; `.parquet` writes parquet, anything else JSONL.
     #[arg(long, value_name = "FILE")]
     pub output: PathBuf,
-    /// Prompts generated together.
-    #[arg(long, default_value_t = 16)]
-    pub batch_size: usize,
+    /// Sequences generated together at most (default: actor_rollout_ref.rollout.max_num_seqs;
+    /// the key/value memory budget rollout.kv_cache_memory_gb applies as well).
+    #[arg(long, value_name = "N")]
+    pub batch_size: Option<usize>,
     #[command(flatten)]
     pub config: ConfigArgs,
 }
@@ -65,38 +66,31 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let samples = load_samples(&[args.input.display().to_string()], &opts)?;
     let ds = PromptDataset::build(samples, &tok, &template, &opts)?;
     let r = &cfg.actor_rollout_ref.rollout;
-    let params = SamplingParams::train(r, response_len, &tok.eos_token_ids);
+    let mut params = SamplingParams::train(r, response_len, &tok.eos_token_ids);
+    if let Some(b) = args.batch_size {
+        params.limits.max_num_seqs = b.max(1);
+    }
     let n = r.n.max(1);
     let mut sampler = Sampler::new(r.seed);
-    let bar = indicatif::ProgressBar::new(ds.len() as u64);
+    // Each prompt n times, consecutively; the scheduler keeps the batch full and bounded.
+    let indices: Vec<usize> = (0..ds.len()).collect();
+    let rows = repeat_rows(&indices, n);
+    let bar = indicatif::ProgressBar::new(rows.len() as u64);
     if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
+    let prompts: Vec<&[u32]> = rows.iter().map(|&i| ds.prompt_ids[i].as_slice()).collect();
+    let t1 = Instant::now();
+    let out = generate_all(&model.model, &prompts, &params, &mut sampler, Some(&bar))?;
     let mut responses: Vec<Vec<String>> = vec![Vec::new(); ds.len()];
     let mut tokens = 0usize;
-    let t1 = Instant::now();
-    let per_batch = args.batch_size.max(1);
-    let indices: Vec<usize> = (0..ds.len()).collect();
-    for chunk in indices.chunks(per_batch) {
-        // Each prompt n times, consecutively.
-        let rows = repeat_rows(chunk, n);
-        let out = generate_rows(
-            &model.model,
-            &ds,
-            &rows,
-            tok.pad_token_id,
-            &params,
-            &mut sampler,
-        )?;
-        for (k, resp) in out.responses.iter().enumerate() {
-            tokens += resp.len();
-            let text = tok
-                .tokenizer
-                .decode(resp, true)
-                .map_err(|e| anyhow::anyhow!("decoding a response: {e}"))?;
-            responses[rows[k]].push(text);
-        }
-        bar.inc(chunk.len() as u64);
+    for (k, resp) in out.responses.iter().enumerate() {
+        tokens += resp.len();
+        let text = tok
+            .tokenizer
+            .decode(resp, true)
+            .map_err(|e| anyhow::anyhow!("decoding a response: {e}"))?;
+        responses[rows[k]].push(text);
     }
     bar.finish_and_clear();
     let secs = t1.elapsed().as_secs_f64();

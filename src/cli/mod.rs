@@ -166,6 +166,7 @@ pub fn main_with(args: Vec<String>, natives: crate::reward::NativeRegistry) -> i
         }
     };
     logging::init();
+    crate::model::alloc::keep_freed_memory();
     match run(cli, &natives) {
         Ok(true) => 0,
         Ok(false) => 1,

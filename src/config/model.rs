@@ -17,6 +17,8 @@ pub struct ModelConfig {
     pub custom_chat_template: Option<String>,
     /// Entries that replace fields of the model's config.json (e.g. rope_theta).
     pub override_config: FreeMap,
+    /// Recompute each layer in backward instead of keeping its activations (CPU): same gradients, much less memory, about one extra forward.
+    pub enable_gradient_checkpointing: bool,
 }
 
 defaults!(ModelConfig {
@@ -24,4 +26,5 @@ defaults!(ModelConfig {
     tokenizer_path: None,
     custom_chat_template: None,
     override_config: FreeMap::new(),
+    enable_gradient_checkpointing: true,
 });

@@ -180,7 +180,7 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
         errors.push(format!(
             "`data.train_batch_size` ({tbs}) must be >= `{A}.ppo_mini_batch_size` ({mini}); both count prompts"
         ));
-    } else if tbs % mini != 0 {
+    } else if !tbs.is_multiple_of(mini) {
         errors.push(format!(
             "`data.train_batch_size` ({tbs}) must be divisible by `{A}.ppo_mini_batch_size` ({mini}) so each step splits into whole mini-batches"
         ));
@@ -383,7 +383,7 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
             errors.push("`critic.ppo_mini_batch_size` must be at least 1".into());
         } else if tbs < cmini {
             errors.push(format!("`data.train_batch_size` ({tbs}) must be >= `critic.ppo_mini_batch_size` ({cmini}); both count prompts"));
-        } else if tbs % cmini != 0 {
+        } else if !tbs.is_multiple_of(cmini) {
             errors.push(format!("`data.train_batch_size` ({tbs}) must be divisible by `critic.ppo_mini_batch_size` ({cmini})"));
         }
         let dynamic = critic.use_dynamic_bsz.unwrap_or(actor.use_dynamic_bsz);
@@ -607,7 +607,7 @@ fn micro_divides(
     match micro {
         MicroBatching::Sequences(m) if mini > 0 && m > 0 => {
             let responses = mini * n;
-            if responses % m != 0 {
+            if !responses.is_multiple_of(m) {
                 errors.push(format!(
                     "`{mini_key}` × rollout.n = {mini} × {n} = {responses} responses per mini-batch must be divisible by `{micro_key}` ({m})"
                 ));

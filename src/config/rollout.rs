@@ -53,6 +53,12 @@ pub struct RolloutConfig {
     pub response_length: Option<u64>,
     /// Keep generating past EOS up to response_length.
     pub ignore_eos: bool,
+    /// Sequences generated at once at most (continuous batching: finished ones make room).
+    pub max_num_seqs: usize,
+    /// Prompt tokens prefilled in one generation step at most.
+    pub max_num_batched_tokens: usize,
+    /// Key/value cache memory of the sequences in flight at most, in GB (ours: vLLM sizes it from gpu_memory_utilization).
+    pub kv_cache_memory_gb: f64,
     /// Deprecated global micro-batch size of the old-log-prob pass; use the _per_gpu key.
     pub log_prob_micro_batch_size: Option<usize>,
     /// Sequences per forward pass when recomputing old log-probs.
@@ -75,6 +81,9 @@ defaults!(RolloutConfig {
     prompt_length: None,
     response_length: None,
     ignore_eos: false,
+    max_num_seqs: 1024,
+    max_num_batched_tokens: 8192,
+    kv_cache_memory_gb: 2.0,
     log_prob_micro_batch_size: None,
     log_prob_micro_batch_size_per_gpu: None,
     log_prob_use_dynamic_bsz: None,

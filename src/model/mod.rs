@@ -6,11 +6,15 @@
 //! - `heads`: the critic's value head and a reward model's score head,
 //! - `hf`: HF directories (config.json + safetensors, sharded or not), load and save.
 
+pub mod alloc;
 pub mod config;
+pub mod decode;
 pub mod gguf;
 pub mod heads;
 pub mod hf;
 pub mod hub;
+pub mod ops;
+mod recompute;
 pub mod transformer;
 
 use std::path::Path;

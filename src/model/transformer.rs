@@ -136,16 +136,17 @@ fn rotate_half(x: &Tensor) -> Result<Tensor> {
     Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)
 }
 
-struct Block {
-    ln1: Tensor,
-    ln2: Tensor,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+#[derive(Clone)]
+pub(super) struct Block {
+    pub(super) ln1: Tensor,
+    pub(super) ln2: Tensor,
+    pub(super) q: Linear,
+    pub(super) k: Linear,
+    pub(super) v: Linear,
+    pub(super) o: Linear,
+    pub(super) gate: Linear,
+    pub(super) up: Linear,
+    pub(super) down: Linear,
 }
 
 /// The transformer with an optional LM head (`None` for a critic / reward backbone).
@@ -159,6 +160,8 @@ pub struct CausalLm {
     has_lm_head: bool,
     device: Device,
     dtype: DType,
+    /// Per-layer recomputation in training forwards (`enable_gradient_checkpointing`).
+    recompute: bool,
 }
 
 impl CausalLm {
@@ -232,6 +235,7 @@ impl CausalLm {
             has_lm_head: with_lm_head,
             device: vb.device().clone(),
             dtype: vb.dtype(),
+            recompute: false,
         })
     }
 
@@ -263,6 +267,7 @@ impl CausalLm {
             has_lm_head: self.has_lm_head,
             device: self.device.clone(),
             dtype: self.dtype,
+            recompute: false,
         }
     }
 
@@ -272,6 +277,40 @@ impl CausalLm {
 
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// Per-layer recomputation (verl's `enable_gradient_checkpointing`): a training forward
+    /// keeps only each layer's input, and backward runs the layer again to get its gradients
+    /// (see `recompute.rs`). Same gradients, far less memory, about one more forward of compute.
+    /// Applies on the CPU; elsewhere every activation is kept as without it.
+    pub fn set_gradient_checkpointing(&mut self, on: bool) {
+        self.recompute = on;
+    }
+
+    pub fn gradient_checkpointing(&self) -> bool {
+        self.recompute
+    }
+
+    pub(super) fn blocks(&self) -> &[Block] {
+        &self.layers
+    }
+
+    /// The input embedding `[vocab, hidden]`.
+    pub(super) fn embedding(&self) -> &Tensor {
+        &self.embed
+    }
+
+    /// The final RMSNorm weight `[hidden]`.
+    pub(super) fn final_norm(&self) -> &Tensor {
+        &self.norm
+    }
+
+    /// RoPE inverse frequencies `[head_dim / 2]`: `theta^(-2i / head_dim)`.
+    pub fn inv_freq(&self) -> Vec<f64> {
+        let hd = self.args.head_dim;
+        (0..hd / 2)
+            .map(|i| 1.0 / self.args.rope_theta.powf(2.0 * i as f64 / hd as f64))
+            .collect()
     }
 
     /// The output projection `[vocab, hidden]` (the embedding when tied).
@@ -313,7 +352,15 @@ impl CausalLm {
         ))?;
         for (i, layer) in self.layers.iter().enumerate() {
             let slot = cache.as_deref_mut().map(|c| (c, i));
-            x = self.block(layer, &x, &cos, &sin, &mask, slot)?;
+            x = if self.recompute
+                && slot.is_none()
+                && matches!(self.device, Device::Cpu)
+                && layer.ln1.track_op()
+            {
+                super::recompute::block(&self.args, layer, &x, &cos, &sin, &mask)?
+            } else {
+                block_forward(&self.args, self.dtype, layer, &x, &cos, &sin, &mask, slot)?
+            };
         }
         rms_norm(&x, &self.norm, self.args.rms_norm_eps)
     }
@@ -333,7 +380,37 @@ impl CausalLm {
     /// Log-probabilities of `targets` `[batch, seq]` under the logits at `hidden`
     /// `[batch, seq, hidden]`, and the entropy of each position's distribution when asked,
     /// computed `chunk` positions at a time: `[batch, seq]` each (f32 for half-precision models).
+    ///
+    /// On the CPU (f32, f64) this is the fused op of `ops.rs` (backward recomputes the logits
+    /// chunk by chunk, so nothing of size `[positions, vocab]` is kept for it); elsewhere the
+    /// composition [`CausalLm::token_logprobs_composed`].
     pub fn token_logprobs(
+        &self,
+        hidden: &Tensor,
+        targets: &Tensor,
+        chunk: usize,
+        with_entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        if !super::ops::fused_supported(hidden.device(), hidden.dtype()) {
+            return self.token_logprobs_composed(hidden, targets, chunk, with_entropy);
+        }
+        let (b, t, h) = hidden.dims3()?;
+        let (lp, ent) = super::ops::token_logprobs_fused(
+            &hidden.reshape((b * t, h))?,
+            self.output_weight()?,
+            targets,
+            chunk,
+            with_entropy,
+        )?;
+        Ok((
+            lp.reshape((b, t))?,
+            ent.map(|e| e.reshape((b, t))).transpose()?,
+        ))
+    }
+
+    /// [`CausalLm::token_logprobs`] as a composition of candle ops (the reference the fused op
+    /// is tested against; the path on CUDA and for half precision).
+    pub fn token_logprobs_composed(
         &self,
         hidden: &Tensor,
         targets: &Tensor,
@@ -375,10 +452,7 @@ impl CausalLm {
             .to_dtype(DType::U32)?
             .flatten_all()?
             .to_vec1()?;
-        let half = hd / 2;
-        let inv: Vec<f64> = (0..half)
-            .map(|i| 1.0 / self.args.rope_theta.powf(2.0 * i as f64 / hd as f64))
-            .collect();
+        let inv = self.inv_freq();
         let mut cos = Vec::with_capacity(b * t * hd);
         let mut sin = Vec::with_capacity(b * t * hd);
         for &p in &pos {
@@ -420,47 +494,51 @@ impl CausalLm {
             .to_dtype(self.dtype)?
             .to_device(&self.device)
     }
+}
 
-    fn block(
-        &self,
-        l: &Block,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: &Tensor,
-        cache: Option<(&mut KvCache, usize)>,
-    ) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
-        let a = &self.args;
-        let (nh, nkv, hd) = (a.num_attention_heads, a.num_key_value_heads, a.head_dim);
-        let h = rms_norm(x, &l.ln1, a.rms_norm_eps)?;
-        let q = apply(&l.q, &h)?.reshape((b, t, nh, hd))?.transpose(1, 2)?; // [b, nh, t, hd]
-        let k = apply(&l.k, &h)?.reshape((b, t, nkv, hd))?.transpose(1, 2)?; // [b, nkv, t, hd]
-        let v = apply(&l.v, &h)?.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
-        let q = (q.broadcast_mul(cos)? + rotate_half(&q)?.broadcast_mul(sin)?)?;
-        let k = (k.broadcast_mul(cos)? + rotate_half(&k)?.broadcast_mul(sin)?)?;
-        let (k, v) = match cache {
-            Some((c, i)) => c.append(i, &k, &v)?,
-            None => (k, v),
-        };
-        let s = k.dim(2)?;
-        let rep = nh / nkv;
-        // Grouped-query attention without copying K/V per query head: the `rep` query heads that
-        // share a KV head are stacked along the query axis, [b, nkv, rep·t, hd].
-        let qg = q.contiguous()?.reshape((b, nkv, rep * t, hd))?;
-        let scores = (qg.matmul(&k.t()?)? / (hd as f64).sqrt())?; // [b, nkv, rep·t, s]
-        let scores = scores.reshape((b, nh, t, s))?.broadcast_add(mask)?; // [b, nh, t, s]
-        let probs = candle_nn::ops::softmax(&upcast(&scores)?, D::Minus1)?.to_dtype(self.dtype)?;
-        let attn = probs
-            .reshape((b, nkv, rep * t, s))?
-            .matmul(&v.contiguous()?)?; // [b, nkv, rep·t, hd]
-        let attn = attn
-            .reshape((b, nh, t, hd))?
-            .transpose(1, 2)?
-            .reshape((b, t, nh * hd))?; // [b, t, nh·hd]
-        let x = (x + apply(&l.o, &attn)?)?;
-        let h = rms_norm(&x, &l.ln2, a.rms_norm_eps)?;
-        let mlp = apply(&l.down, &(apply(&l.gate, &h)?.silu()? * apply(&l.up, &h)?)?)?;
-        x + mlp
-    }
+/// One decoder layer on `x` `[batch, seq, hidden]` with rotary tables `cos`/`sin`
+/// `[batch, 1, seq, head_dim]` and attention bias `mask` `[batch, 1, seq, past + seq]`; with a
+/// cache, its past keys and values are read and the new ones appended.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn block_forward(
+    a: &ModelArgs,
+    dtype: DType,
+    l: &Block,
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    mask: &Tensor,
+    cache: Option<(&mut KvCache, usize)>,
+) -> Result<Tensor> {
+    let (b, t, _) = x.dims3()?;
+    let (nh, nkv, hd) = (a.num_attention_heads, a.num_key_value_heads, a.head_dim);
+    let h = rms_norm(x, &l.ln1, a.rms_norm_eps)?;
+    let q = apply(&l.q, &h)?.reshape((b, t, nh, hd))?.transpose(1, 2)?; // [b, nh, t, hd]
+    let k = apply(&l.k, &h)?.reshape((b, t, nkv, hd))?.transpose(1, 2)?; // [b, nkv, t, hd]
+    let v = apply(&l.v, &h)?.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
+    let q = (q.broadcast_mul(cos)? + rotate_half(&q)?.broadcast_mul(sin)?)?;
+    let k = (k.broadcast_mul(cos)? + rotate_half(&k)?.broadcast_mul(sin)?)?;
+    let (k, v) = match cache {
+        Some((c, i)) => c.append(i, &k, &v)?,
+        None => (k, v),
+    };
+    let s = k.dim(2)?;
+    let rep = nh / nkv;
+    // Grouped-query attention without copying K/V per query head: the `rep` query heads that
+    // share a KV head are stacked along the query axis, [b, nkv, rep·t, hd].
+    let qg = q.contiguous()?.reshape((b, nkv, rep * t, hd))?;
+    let scores = (qg.matmul(&k.t()?)? / (hd as f64).sqrt())?; // [b, nkv, rep·t, s]
+    let scores = scores.reshape((b, nh, t, s))?.broadcast_add(mask)?; // [b, nh, t, s]
+    let probs = candle_nn::ops::softmax(&upcast(&scores)?, D::Minus1)?.to_dtype(dtype)?;
+    let attn = probs
+        .reshape((b, nkv, rep * t, s))?
+        .matmul(&v.contiguous()?)?; // [b, nkv, rep·t, hd]
+    let attn = attn
+        .reshape((b, nh, t, hd))?
+        .transpose(1, 2)?
+        .reshape((b, t, nh * hd))?; // [b, t, nh·hd]
+    let x = (x + apply(&l.o, &attn)?)?;
+    let h = rms_norm(&x, &l.ln2, a.rms_norm_eps)?;
+    let mlp = apply(&l.down, &(apply(&l.gate, &h)?.silu()? * apply(&l.up, &h)?)?)?;
+    x + mlp
 }

@@ -5,9 +5,13 @@
 //! Sampling follows vLLM/HF semantics: temperature, then top-k, then top-p (nucleus) on the
 //! remaining probabilities; `do_sample=false` or temperature 0 decodes greedily.
 
+pub mod scheduler;
+
 use candle_core::{DType, Device, Tensor};
-use rand::{Rng, SeedableRng};
+use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+
+pub use scheduler::{generate_all, Limits};
 
 use crate::config::{RolloutConfig, SamplingConfig};
 use crate::model::{CausalLm, KvCache};
@@ -25,6 +29,8 @@ pub struct SamplingParams {
     pub eos_ids: Vec<u32>,
     /// Keep generating after EOS, up to max_new_tokens.
     pub ignore_eos: bool,
+    /// How many sequences and how much key/value memory generation may hold at once.
+    pub limits: Limits,
 }
 
 impl SamplingParams {
@@ -49,6 +55,7 @@ impl SamplingParams {
             max_new_tokens,
             eos_ids: eos_ids.to_vec(),
             ignore_eos,
+            limits: Limits::default(),
         }
     }
 
@@ -63,15 +70,12 @@ impl SamplingParams {
             eos_ids,
             r.ignore_eos,
         )
+        .with_limits(r)
     }
 
-    /// Validation (`rollout.val_kwargs`).
-    pub fn validation(
-        v: &SamplingConfig,
-        max_new_tokens: usize,
-        eos_ids: &[u32],
-        ignore_eos: bool,
-    ) -> Self {
+    /// Validation (`rollout.val_kwargs`, with the rollout's `ignore_eos` and limits).
+    pub fn validation(r: &RolloutConfig, max_new_tokens: usize, eos_ids: &[u32]) -> Self {
+        let v: &SamplingConfig = &r.val_kwargs;
         Self::from_parts(
             v.do_sample,
             v.temperature,
@@ -79,8 +83,19 @@ impl SamplingParams {
             v.top_p,
             max_new_tokens,
             eos_ids,
-            ignore_eos,
+            r.ignore_eos,
         )
+        .with_limits(r)
+    }
+
+    /// `rollout.max_num_seqs`, `max_num_batched_tokens` and `kv_cache_memory_gb`.
+    fn with_limits(mut self, r: &RolloutConfig) -> Self {
+        self.limits = Limits {
+            max_num_seqs: r.max_num_seqs.max(1),
+            max_num_batched_tokens: r.max_num_batched_tokens.max(1),
+            kv_cache_bytes: (r.kv_cache_memory_gb.max(0.0) * 1e9) as usize,
+        };
+        self
     }
 }
 
@@ -118,7 +133,25 @@ pub struct Sampler {
     seed: u64,
 }
 
+/// The random streams of one generation call: row `i` samples from ChaCha stream `i` of a seed
+/// drawn once from the [`Sampler`], so what a row draws depends on the sampler's position and
+/// the row's index only — not on which rows share its batch, nor on the scheduler's limits.
+pub struct RowStreams(u64);
+
+impl RowStreams {
+    pub fn rng(&self, row: usize) -> ChaCha8Rng {
+        let mut r = ChaCha8Rng::seed_from_u64(self.0);
+        r.set_stream(row as u64);
+        r
+    }
+}
+
 impl Sampler {
+    /// Starts a generation call (advances the sampler by one draw).
+    pub fn rows(&mut self) -> RowStreams {
+        RowStreams(self.rng.next_u64())
+    }
+
     pub fn new(seed: u64) -> Self {
         Self {
             rng: ChaCha8Rng::seed_from_u64(seed),
@@ -150,8 +183,28 @@ pub fn sample_row(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> (
             .fold(0, |best, (i, &l)| if l > logits[best] { i } else { best })
     } else {
         let t = p.temperature as f32;
+        let filtering = p.top_k.is_some_and(|k| k < logits.len()) || p.top_p < 1.0;
+        if !filtering {
+            // The whole distribution: two passes over the logits, no allocation; the same
+            // probabilities and cumulative order as the general path below.
+            let m = logits
+                .iter()
+                .map(|&l| l / t)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let total: f64 = logits.iter().map(|&l| ((l / t - m) as f64).exp()).sum();
+            let u: f64 = rng.random();
+            let mut acc = 0.0;
+            let mut chosen = logits.len() - 1;
+            for (i, &l) in logits.iter().enumerate() {
+                acc += ((l / t - m) as f64).exp() / total;
+                if u < acc {
+                    chosen = i;
+                    break;
+                }
+            }
+            return (chosen as u32, logits[chosen] - lse);
+        }
         let mut cand: Vec<(usize, f32)> = logits.iter().map(|&l| l / t).enumerate().collect();
-        let filtering = p.top_k.is_some_and(|k| k < cand.len()) || p.top_p < 1.0;
         if filtering {
             cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
             if let Some(k) = p.top_k {
@@ -200,29 +253,35 @@ pub fn repeat_rows(prompts: &[usize], n: usize) -> Vec<usize> {
         .collect()
 }
 
-/// Generates for dataset rows `rows` of `ds` (left-padded together with `pad_id`).
+impl Rollout {
+    fn empty(rows: usize) -> Self {
+        Rollout {
+            responses: vec![Vec::new(); rows],
+            log_probs: vec![Vec::new(); rows],
+            stop: vec![StopReason::Length; rows],
+        }
+    }
+}
+
+/// Generates for dataset rows `rows` of `ds` through the scheduler ([`generate_all`]).
+/// `pad_id` is kept for callers; the scheduler pads only where a device needs it (with 0s it
+/// masks out).
 pub fn generate_rows(
     model: &CausalLm,
     ds: &crate::data::PromptDataset,
     rows: &[usize],
-    pad_id: u32,
+    _pad_id: u32,
     p: &SamplingParams,
     sampler: &mut Sampler,
 ) -> candle_core::Result<Rollout> {
-    let pb = crate::data::collate(ds, rows, pad_id);
-    generate(
-        model,
-        &pb.input_ids,
-        &pb.attention_mask,
-        pb.batch,
-        pb.width,
-        p,
-        sampler,
-    )
+    let prompts: Vec<&[u32]> = rows.iter().map(|&i| ds.prompt_ids[i].as_slice()).collect();
+    generate_all(model, &prompts, p, sampler, None)
 }
 
-/// Generates for a left-padded batch: `input_ids`, `attention_mask` (1 real / 0 pad) and
-/// `position_ids`, all `[batch, width]` u32 row-major.
+/// Generates for a left-padded batch: `input_ids`, `attention_mask` (1 real / 0 pad), both
+/// `[batch, width]` row-major, as one padded batch through the tensor composition (the
+/// reference the scheduler's packed path is tested against). Row `i` samples from stream `i` of
+/// this call, as in [`generate_all`].
 pub fn generate(
     model: &CausalLm,
     input_ids: &[u32],
@@ -232,14 +291,25 @@ pub fn generate(
     p: &SamplingParams,
     sampler: &mut Sampler,
 ) -> candle_core::Result<Rollout> {
+    let streams = sampler.rows();
+    let mut rngs: Vec<ChaCha8Rng> = (0..batch).map(|r| streams.rng(r)).collect();
+    generate_with(model, input_ids, attention_mask, batch, width, p, &mut rngs)
+}
+
+/// [`generate`] with one random stream per row.
+fn generate_with(
+    model: &CausalLm,
+    input_ids: &[u32],
+    attention_mask: &[u8],
+    batch: usize,
+    width: usize,
+    p: &SamplingParams,
+    rngs: &mut [ChaCha8Rng],
+) -> candle_core::Result<Rollout> {
     // Generation needs no gradient: a detached view keeps no activations alive.
     let model = &model.no_grad();
     let dev = model.device().clone();
-    let mut rollout = Rollout {
-        responses: vec![Vec::new(); batch],
-        log_probs: vec![Vec::new(); batch],
-        stop: vec![StopReason::Length; batch],
-    };
+    let mut rollout = Rollout::empty(batch);
     if batch == 0 || p.max_new_tokens == 0 {
         return Ok(rollout);
     }
@@ -285,7 +355,7 @@ pub fn generate(
         let mut next = Vec::with_capacity(active.len());
         let mut still = Vec::with_capacity(active.len());
         for (slot, &row) in active.iter().enumerate() {
-            let (tok, lp) = sample_row(&logits[slot], p, &mut sampler.rng);
+            let (tok, lp) = sample_row(&logits[slot], p, &mut rngs[row]);
             rollout.responses[row].push(tok);
             rollout.log_probs[row].push(lp);
             if !p.ignore_eos && p.eos_ids.contains(&tok) {

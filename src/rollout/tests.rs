@@ -36,6 +36,7 @@ fn greedy(max: usize, eos: Vec<u32>) -> SamplingParams {
         max_new_tokens: max,
         eos_ids: eos,
         ignore_eos: false,
+        limits: Limits::default(),
     }
 }
 
@@ -92,6 +93,7 @@ fn sampling_is_seeded_and_log_probs_are_the_models() {
         max_new_tokens: 8,
         eos_ids: vec![],
         ignore_eos: false,
+        limits: Limits::default(),
     };
     let a = run(&m, &prompts, &p, 7);
     assert_eq!(a, run(&m, &prompts, &p, 7), "same seed, same samples");
@@ -131,6 +133,7 @@ fn top_k_one_and_tiny_top_p_are_greedy() {
         max_new_tokens: 1,
         eos_ids: vec![],
         ignore_eos: false,
+        limits: Limits::default(),
     };
     let p0 = SamplingParams {
         top_k: None,
@@ -168,4 +171,34 @@ fn sampler_state_resumes_the_stream() {
     let mut b = Sampler::restore(saved);
     let y: Vec<f64> = (0..5).map(|_| b.rng.random()).collect();
     assert_eq!(x, y);
+}
+
+/// Unfiltered sampling (no top-k/top-p: the allocation-free path) draws each token with
+/// probability softmax(logits / temperature), computed here by hand.
+#[test]
+fn full_distribution_sampling_follows_the_tempered_softmax() {
+    let logits = [0.5f32, 1.5, -0.5, 1.0];
+    let t = 0.7f64;
+    let p = SamplingParams {
+        greedy: false,
+        temperature: t,
+        top_k: None,
+        top_p: 1.0,
+        max_new_tokens: 1,
+        eos_ids: vec![],
+        ignore_eos: false,
+        limits: Limits::default(),
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let n = 40_000;
+    let mut counts = [0usize; 4];
+    for _ in 0..n {
+        counts[sample_row(&logits, &p, &mut rng).0 as usize] += 1;
+    }
+    let z: f64 = logits.iter().map(|&l| (l as f64 / t).exp()).sum();
+    for (i, &l) in logits.iter().enumerate() {
+        let want = (l as f64 / t).exp() / z;
+        let got = counts[i] as f64 / n as f64;
+        assert!((got - want).abs() < 0.01, "token {i}: {got} vs {want}");
+    }
 }

@@ -215,8 +215,10 @@ impl Trainer {
         let params = SamplingParams::train(r, plan.response_length, &tok.eos_token_ids);
         let temperature = if params.greedy { 1.0 } else { r.temperature };
 
+        let mut actor_model = loaded.model;
+        actor_model.set_gradient_checkpointing(m.enable_gradient_checkpointing);
         let actor = Actor::new(
-            loaded.model,
+            actor_model,
             loaded.varmap,
             &cfg.actor_rollout_ref.actor,
             &plan.actor,
@@ -250,8 +252,10 @@ impl Trainer {
                         tok.tokenizer.get_vocab_size(true)
                     )));
                 }
+                let mut critic_model = l.model;
+                critic_model.set_gradient_checkpointing(c.enable_gradient_checkpointing);
                 Some(Critic::new(
-                    l.model,
+                    critic_model,
                     l.varmap,
                     &cfg.critic,
                     cplan,
@@ -489,12 +493,12 @@ impl Trainer {
 
         let last = step == self.total_steps;
         if let Some(freq) = self.cfg.trainer.save_freq {
-            if last || step % freq == 0 {
+            if last || step.is_multiple_of(freq) {
                 timing.time("save_checkpoint", || self.save_checkpoint())?;
             }
         }
         if let (Some(freq), true) = (self.cfg.trainer.test_freq, self.val.is_some()) {
-            if last || step % freq == 0 {
+            if last || step.is_multiple_of(freq) {
                 let vm = timing.time("testing", || self.validate())?;
                 m.extend(vm);
             }

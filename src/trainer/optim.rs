@@ -12,6 +12,7 @@ use std::path::Path;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{LrSchedulerType, OptimConfig};
@@ -170,12 +171,20 @@ impl AdamW {
                 .to_device(&Device::Cpu)?
                 .to_vec1()?;
             let (m, v) = (&mut self.m[i], &mut self.v[i]);
-            for k in 0..p.len() {
-                let gk = g[k];
-                m[k] = b1f * m[k] + (1.0 - b1f) * gk;
-                v[k] = b2f * v[k] + (1.0 - b2f) * gk * gk;
-                p[k] = p[k] * decay - step_size * m[k] / (v[k].sqrt() / sqrt_bc2 + eps);
-            }
+            // Element-wise, so chunks update in parallel with results identical to one loop.
+            const CHUNK: usize = 1 << 16;
+            p.par_chunks_mut(CHUNK)
+                .zip(m.par_chunks_mut(CHUNK))
+                .zip(v.par_chunks_mut(CHUNK))
+                .zip(g.par_chunks(CHUNK))
+                .for_each(|(((p, m), v), g)| {
+                    for k in 0..p.len() {
+                        let gk = g[k];
+                        m[k] = b1f * m[k] + (1.0 - b1f) * gk;
+                        v[k] = b2f * v[k] + (1.0 - b2f) * gk * gk;
+                        p[k] = p[k] * decay - step_size * m[k] / (v[k].sqrt() / sqrt_bc2 + eps);
+                    }
+                });
             let t = var.as_tensor();
             var.set(
                 &Tensor::from_vec(p, t.shape(), &Device::Cpu)?

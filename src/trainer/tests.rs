@@ -58,7 +58,7 @@ fn natives() -> NativeRegistry {
         "even_length",
         |inp: &ScoreInput, _: &Map<String, serde_json::Value>| {
             Ok(ScoreResult {
-                score: if inp.solution_str.chars().count() % 2 == 0 {
+                score: if inp.solution_str.chars().count().is_multiple_of(2) {
                     1.0
                 } else {
                     0.0

@@ -49,10 +49,9 @@ impl Trainer {
         let vk = &self.cfg.actor_rollout_ref.rollout.val_kwargs;
         let n = vk.n.max(1);
         let params = SamplingParams::validation(
-            vk,
+            &self.cfg.actor_rollout_ref.rollout,
             self.plan.response_length,
             &self.tokenizer.eos_token_ids,
-            self.cfg.actor_rollout_ref.rollout.ignore_eos,
         );
         // Its own stream: validation never moves the training sampler.
         let mut sampler = Sampler::new(

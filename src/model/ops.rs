@@ -1,0 +1,491 @@
+//! Fused operations with their own backward pass (candle `CustomOp`s), each next to the plain
+//! composition of candle ops it replaces and is tested against.
+//!
+//! [`token_logprobs_fused`]: the LM head, log-softmax, gather of the target token and the
+//! entropy in one pass over row chunks. Forward keeps nothing but its inputs (no `[rows, vocab]`
+//! logits survive a chunk); backward recomputes each chunk's logits and forms the gradient of
+//! the logits in place:
+//!
+//! ```text
+//! z = h · Wᵀ (row chunk),  p = softmax(z),  lse = log Σ exp z
+//! log p(t) = z_t − lse                       ∂/∂z_j = δ_jt − p_j
+//! H = −Σ p log p = lse − Σ p_j z_j           ∂H/∂z_j = −p_j (z_j − lse + H)
+//! ∂L/∂h = dz · W,   ∂L/∂W = dzᵀ · h          (dz = g_lp ∂log p(t)/∂z + g_H ∂H/∂z)
+//! ```
+//!
+//! CPU with f32/f64 runs this; other devices and dtypes use the composition
+//! (`CausalLm::token_logprobs_composed`).
+
+use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Tensor, WithDType};
+use rayon::prelude::*;
+
+use super::decode::Elem;
+
+/// Whether the fused op serves tensors on `device` of `dtype`.
+pub fn fused_supported(device: &Device, dtype: DType) -> bool {
+    matches!(device, Device::Cpu) && matches!(dtype, DType::F32 | DType::F64)
+}
+
+/// `dst[m, n] (+)= a · b` with explicit strides (row stride, column stride) for `a` and `b`;
+/// `dst` row-major contiguous.
+#[allow(clippy::too_many_arguments)]
+fn gemm_strided<T: Elem>(
+    dst: &mut [T],
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[T],
+    a_rs: usize,
+    a_cs: usize,
+    b: &[T],
+    b_rs: usize,
+    b_cs: usize,
+    acc: bool,
+) {
+    assert!(dst.len() >= m * n);
+    if m == 0 || n == 0 || k == 0 {
+        if !acc {
+            dst[..m * n].fill(T::zero());
+        }
+        return;
+    }
+    assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs);
+    assert!(b.len() > (k - 1) * b_rs + (n - 1) * b_cs);
+    let threads = rayon::current_num_threads();
+    let par = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the asserts bound the largest index read from `a` and `b` and written to `dst`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            acc,
+            a.as_ptr(),
+            a_cs as isize,
+            a_rs as isize,
+            b.as_ptr(),
+            b_cs as isize,
+            b_rs as isize,
+            T::one(),
+            T::one(),
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+/// Row statistics of logits `z` (one row): (max-shifted log-sum-exp, Σ p z).
+fn row_stats<T: Elem>(z: &[T]) -> (T, T) {
+    let mx = z
+        .iter()
+        .fold(T::neg_infinity(), |a, &v| num_traits::Float::max(a, v));
+    let mut s = T::zero();
+    let mut sz = T::zero();
+    for &v in z {
+        let e = (v - mx).exp();
+        s += e;
+        sz += e * v;
+    }
+    (mx + s.ln(), sz / s)
+}
+
+/// The fused LM-head op: inputs hidden `[rows, hidden]` and the output weight `[vocab, hidden]`
+/// (both contiguous); output `[rows, 2]` = (log-prob of the target, entropy).
+struct LogProbs {
+    targets: Vec<u32>,
+    chunk: usize,
+    with_entropy: bool,
+}
+
+fn contiguous<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
+        None => candle_core::bail!("fused log-probs: {what} must be contiguous"),
+    }
+}
+
+impl LogProbs {
+    fn forward<T: Elem>(&self, h: &[T], w: &[T], hid: usize) -> Result<Vec<T>> {
+        let n = self.targets.len();
+        let vocab = w.len() / hid;
+        let mut out = vec![T::zero(); n * 2];
+        for start in (0..n).step_by(self.chunk) {
+            let c = self.chunk.min(n - start);
+            let mut z = vec![T::zero(); c * vocab]; // [c, vocab]
+            gemm_strided(
+                &mut z,
+                c,
+                vocab,
+                hid,
+                &h[start * hid..],
+                hid,
+                1,
+                w,
+                1,
+                hid,
+                false,
+            );
+            let tg = &self.targets[start..start + c];
+            out[start * 2..(start + c) * 2]
+                .par_chunks_mut(2)
+                .zip(z.par_chunks(vocab))
+                .zip(tg.par_iter())
+                .for_each(|((o, zr), &t)| {
+                    let (lse, mean_z) = row_stats(zr);
+                    o[0] = zr[t as usize] - lse;
+                    o[1] = if self.with_entropy {
+                        lse - mean_z
+                    } else {
+                        T::zero()
+                    };
+                });
+        }
+        Ok(out)
+    }
+
+    /// Gradients of hidden `[rows, hidden]` and weight `[vocab, hidden]` from the output's
+    /// gradient `g` `[rows, 2]`.
+    fn backward<T: Elem>(&self, h: &[T], w: &[T], g: &[T], hid: usize) -> (Vec<T>, Vec<T>) {
+        let n = self.targets.len();
+        let vocab = w.len() / hid;
+        let mut gh = vec![T::zero(); n * hid];
+        let mut gw = vec![T::zero(); vocab * hid];
+        for start in (0..n).step_by(self.chunk) {
+            let c = self.chunk.min(n - start);
+            let hc = &h[start * hid..(start + c) * hid];
+            let mut z = vec![T::zero(); c * vocab]; // [c, vocab], becomes dz in place
+            gemm_strided(&mut z, c, vocab, hid, hc, hid, 1, w, 1, hid, false);
+            let tg = &self.targets[start..start + c];
+            let gc = &g[start * 2..(start + c) * 2];
+            z.par_chunks_mut(vocab)
+                .zip(tg.par_iter())
+                .zip(gc.par_chunks(2))
+                .for_each(|((zr, &t), gr)| {
+                    let (lse, mean_z) = row_stats(zr);
+                    let ent = lse - mean_z;
+                    let (g_lp, g_h) = (gr[0], if self.with_entropy { gr[1] } else { T::zero() });
+                    for v in zr.iter_mut() {
+                        let p = (*v - lse).exp();
+                        *v = -g_lp * p - g_h * p * (*v - lse + ent);
+                    }
+                    zr[t as usize] += g_lp;
+                });
+            // ∂h = dz [c, vocab] · W [vocab, hid]
+            gemm_strided(
+                &mut gh[start * hid..(start + c) * hid],
+                c,
+                hid,
+                vocab,
+                &z,
+                vocab,
+                1,
+                w,
+                hid,
+                1,
+                false,
+            );
+            // ∂W += dzᵀ [vocab, c] · h_c [c, hid]
+            gemm_strided(&mut gw, vocab, hid, c, &z, 1, vocab, hc, hid, 1, true);
+        }
+        (gh, gw)
+    }
+}
+
+fn host_vec<T: WithDType>(t: &Tensor) -> Result<Vec<T>> {
+    t.contiguous()?.flatten_all()?.to_vec1::<T>()
+}
+
+impl CustomOp2 for LogProbs {
+    fn name(&self) -> &'static str {
+        "fused-lm-head-logprobs"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (rows, hid) = l1.shape().dims2()?;
+        let (_, hid2) = l2.shape().dims2()?;
+        if hid != hid2 || rows != self.targets.len() {
+            candle_core::bail!(
+                "fused log-probs: hidden {:?}, weight {:?}, {} targets",
+                l1.shape(),
+                l2.shape(),
+                self.targets.len()
+            );
+        }
+        let out = match (s1, s2) {
+            (CpuStorage::F32(_), CpuStorage::F32(_)) => CpuStorage::F32(self.forward::<f32>(
+                contiguous(s1, l1, "hidden")?,
+                contiguous(s2, l2, "weight")?,
+                hid,
+            )?),
+            (CpuStorage::F64(_), CpuStorage::F64(_)) => CpuStorage::F64(self.forward::<f64>(
+                contiguous(s1, l1, "hidden")?,
+                contiguous(s2, l2, "weight")?,
+                hid,
+            )?),
+            _ => candle_core::bail!("fused log-probs: f32 or f64 inputs of one dtype only"),
+        };
+        Ok((out, Shape::from((rows, 2))))
+    }
+
+    fn bwd(
+        &self,
+        h: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (rows, hid) = h.dims2()?;
+        let vocab = w.dim(0)?;
+        let (gh, gw) = match h.dtype() {
+            DType::F64 => {
+                let (a, b) =
+                    self.backward::<f64>(&host_vec(h)?, &host_vec(w)?, &host_vec(grad)?, hid);
+                (
+                    Tensor::from_vec(a, (rows, hid), h.device())?,
+                    Tensor::from_vec(b, (vocab, hid), w.device())?,
+                )
+            }
+            _ => {
+                let (a, b) =
+                    self.backward::<f32>(&host_vec(h)?, &host_vec(w)?, &host_vec(grad)?, hid);
+                (
+                    Tensor::from_vec(a, (rows, hid), h.device())?,
+                    Tensor::from_vec(b, (vocab, hid), w.device())?,
+                )
+            }
+        };
+        Ok((Some(gh), Some(gw)))
+    }
+}
+
+/// Log-probabilities of `targets` `[rows]` under logits `hidden · weightᵀ` and, when asked, the
+/// entropy of each row's distribution: `[rows]` each. `hidden` `[rows, hidden]`, `weight`
+/// `[vocab, hidden]`; `chunk` rows at a time. Differentiable in both inputs.
+pub fn token_logprobs_fused(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    chunk: usize,
+    with_entropy: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let targets: Vec<u32> = targets.to_dtype(DType::U32)?.flatten_all()?.to_vec1()?;
+    let vocab = weight.dim(0)?;
+    if let Some(&t) = targets.iter().find(|&&t| t as usize >= vocab) {
+        candle_core::bail!("target token id {t} outside the vocabulary ({vocab})");
+    }
+    let op = LogProbs {
+        targets,
+        chunk: chunk.max(1),
+        with_entropy,
+    };
+    let out = hidden.contiguous()?.apply_op2(&weight.contiguous()?, op)?; // [rows, 2]
+    let lp = out.narrow(1, 0, 1)?.squeeze(1)?;
+    let ent = if with_entropy {
+        Some(out.narrow(1, 1, 1)?.squeeze(1)?)
+    } else {
+        None
+    };
+    Ok((lp, ent))
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor, Var};
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::token_logprobs_fused;
+
+    fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f64) -> Vec<f64> {
+        (0..n)
+            .map(|_| (rng.random::<f64>() * 2.0 - 1.0) * scale)
+            .collect()
+    }
+
+    /// L = Σ a·log p(t) + b·H over rows; rows with a = b = 0 stand for padding.
+    struct Case {
+        rows: usize,
+        hid: usize,
+        vocab: usize,
+        h: Vec<f64>,
+        w: Vec<f64>,
+        t: Vec<u32>,
+        a: Vec<f64>,
+        b: Vec<f64>,
+    }
+
+    fn case(seed: u64) -> Case {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let rows = rng.random_range(3..12);
+        let hid = rng.random_range(2..9);
+        let vocab = rng.random_range(3..40);
+        let mut a = randn(&mut rng, rows, 1.0);
+        let mut b = randn(&mut rng, rows, 1.0);
+        for r in 0..rows / 3 {
+            a[r * 3] = 0.0; // padding rows: no weight in the loss
+            b[r * 3] = 0.0;
+        }
+        Case {
+            rows,
+            hid,
+            vocab,
+            h: randn(&mut rng, rows * hid, 1.5),
+            w: randn(&mut rng, vocab * hid, 1.5),
+            t: (0..rows)
+                .map(|_| rng.random_range(0..vocab as u32))
+                .collect(),
+            a,
+            b,
+        }
+    }
+
+    /// Loss and gradients (hidden, weight) with the fused op or the composition, in `dtype`.
+    fn run(c: &Case, dtype: DType, fused: bool, chunk: usize) -> (f64, Vec<f64>, Vec<f64>) {
+        let dev = Device::Cpu;
+        let h = Var::from_tensor(
+            &Tensor::from_vec(c.h.clone(), (c.rows, c.hid), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        )
+        .unwrap();
+        let w = Var::from_tensor(
+            &Tensor::from_vec(c.w.clone(), (c.vocab, c.hid), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        )
+        .unwrap();
+        let t = Tensor::from_vec(c.t.clone(), c.rows, &dev).unwrap();
+        let (lp, ent) = if fused {
+            token_logprobs_fused(h.as_tensor(), w.as_tensor(), &t, chunk, true).unwrap()
+        } else {
+            // The composition of transformer.rs, on the same [rows, hidden] layout.
+            let z = h.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap();
+            let lsm = candle_nn::ops::log_softmax(&z, 1).unwrap();
+            let lp = lsm
+                .gather(&t.unsqueeze(1).unwrap(), 1)
+                .unwrap()
+                .squeeze(1)
+                .unwrap();
+            let ent = (lsm.exp().unwrap() * &lsm)
+                .unwrap()
+                .sum(1)
+                .unwrap()
+                .neg()
+                .unwrap();
+            (lp, Some(ent))
+        };
+        let a = Tensor::from_vec(c.a.clone(), c.rows, &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let b = Tensor::from_vec(c.b.clone(), c.rows, &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let loss = ((lp * a).unwrap() + (ent.unwrap() * b).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let grads = loss.backward().unwrap();
+        let v = |x: &Tensor| -> Vec<f64> {
+            x.to_dtype(DType::F64)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        (
+            loss.to_dtype(DType::F64).unwrap().to_scalar().unwrap(),
+            v(grads.get(h.as_tensor()).unwrap()),
+            v(grads.get(w.as_tensor()).unwrap()),
+        )
+    }
+
+    /// Central finite differences of the fused forward in f64 against its backward.
+    #[test]
+    fn fused_logprobs_gradients_match_finite_differences() {
+        for seed in 0..6 {
+            let c = case(seed);
+            let chunk = 1 + seed as usize % 4;
+            let (_, gh, gw) = run(&c, DType::F64, true, chunk);
+            let eps = 1e-6;
+            let fd = |c2: &Case| run(c2, DType::F64, true, chunk).0;
+            for i in (0..c.h.len()).step_by(3) {
+                let (mut p, mut m) = (case(seed), case(seed));
+                p.h[i] += eps;
+                m.h[i] -= eps;
+                let want = (fd(&p) - fd(&m)) / (2.0 * eps);
+                assert!(
+                    (gh[i] - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                    "seed {seed} dh[{i}]: {} vs {want}",
+                    gh[i]
+                );
+            }
+            for i in (0..c.w.len()).step_by(5) {
+                let (mut p, mut m) = (case(seed), case(seed));
+                p.w[i] += eps;
+                m.w[i] -= eps;
+                let want = (fd(&p) - fd(&m)) / (2.0 * eps);
+                assert!(
+                    (gw[i] - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                    "seed {seed} dW[{i}]: {} vs {want}",
+                    gw[i]
+                );
+            }
+            // Padding rows get exactly zero gradient.
+            for r in (0..c.rows).filter(|r| c.a[*r] == 0.0 && c.b[*r] == 0.0) {
+                assert!(gh[r * c.hid..(r + 1) * c.hid].iter().all(|&g| g == 0.0));
+            }
+        }
+    }
+
+    /// f32: the fused op equals the composition (values ≤ 1e-5 relative, gradients ≤ 1e-4).
+    #[test]
+    fn fused_logprobs_equal_the_composition_in_f32() {
+        for seed in 10..20 {
+            let c = case(seed);
+            let (l1, gh1, gw1) = run(&c, DType::F32, true, 1 + seed as usize % 5);
+            let (l2, gh2, gw2) = run(&c, DType::F32, false, 0);
+            assert!(
+                (l1 - l2).abs() <= 1e-5 * l2.abs().max(1.0),
+                "loss {l1} vs {l2}"
+            );
+            for (x, y) in gh1.iter().zip(&gh2).chain(gw1.iter().zip(&gw2)) {
+                assert!((x - y).abs() <= 1e-4 * y.abs().max(1.0), "grad {x} vs {y}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_target_outside_the_vocabulary_is_an_error() {
+        let dev = Device::Cpu;
+        let h = Tensor::zeros((2, 3), DType::F32, &dev).unwrap();
+        let w = Tensor::zeros((4, 3), DType::F32, &dev).unwrap();
+        let t = Tensor::new(&[1u32, 4], &dev).unwrap();
+        let err = token_logprobs_fused(&h, &w, &t, 2, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("target token id 4 outside the vocabulary (4)"),
+            "{err}"
+        );
+    }
+}

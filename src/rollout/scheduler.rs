@@ -1,0 +1,441 @@
+//! Continuous batching with bounded memory (what vLLM's scheduler does for verl's rollouts).
+//!
+//! Every generation — training rollouts, validation, ReMax baselines, `main_ppo generate` — goes
+//! through [`generate_all`]: prompts wait in a queue; at each model step the waiting ones enter
+//! while fewer than `max_num_seqs` sequences are in flight and their key/value memory fits the
+//! budget (each sequence reserves its prompt plus `max_new_tokens` positions when it enters, so
+//! the budget can never be overrun mid-flight); a finished sequence leaves at once and frees its
+//! room for the next. Entering prompts are prefilled in the same step as the running sequences
+//! decode (at most `max_num_batched_tokens` prompt tokens per step).
+//!
+//! Results do not depend on the limits: each row samples from its own random stream (see
+//! [`RowStreams`](super::RowStreams)) and its math never sees another row, so one-by-one and
+//! fully batched generation give the same tokens (up to floating-point summation order).
+//!
+//! On the CPU with f32/f64 weights the steps run on [`crate::model::decode::Packed`] (ragged
+//! batches, per-sequence caches). Other devices and dtypes run the tensor composition in waves:
+//! up to `max_num_seqs` rows that fit the budget are generated together as one padded batch,
+//! then the next wave.
+
+use std::collections::VecDeque;
+
+use candle_core::{DType, Result};
+use indicatif::ProgressBar;
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+
+use super::{generate_with, sample_row, Rollout, RowStreams, Sampler, SamplingParams, StopReason};
+use crate::model::decode::{self, Elem, Packed, SeqCache};
+use crate::model::CausalLm;
+
+/// How much generation may hold at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Sequences in flight at most (`rollout.max_num_seqs`).
+    pub max_num_seqs: usize,
+    /// Prompt tokens prefilled in one step at most (`rollout.max_num_batched_tokens`); a single
+    /// longer prompt is prefilled alone.
+    pub max_num_batched_tokens: usize,
+    /// Key/value cache bytes of the sequences in flight at most (`rollout.kv_cache_memory_gb`).
+    /// A single sequence larger than the budget still runs, alone.
+    pub kv_cache_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_num_seqs: 1024,
+            max_num_batched_tokens: 8192,
+            kv_cache_bytes: 2 << 30,
+        }
+    }
+}
+
+/// What a call held at its fullest (for tests and the debug log).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Most sequences in flight at once.
+    pub peak_seqs: usize,
+    /// Most key/value bytes reserved at once.
+    pub peak_kv_bytes: usize,
+    /// Model steps run.
+    pub steps: usize,
+}
+
+/// Generates a response to each of `prompts` (token ids, unpadded, non-empty) under
+/// `p.limits`; `progress` advances by one per finished row.
+pub fn generate_all(
+    model: &CausalLm,
+    prompts: &[&[u32]],
+    p: &SamplingParams,
+    sampler: &mut Sampler,
+    progress: Option<&ProgressBar>,
+) -> Result<Rollout> {
+    Ok(generate_all_with_stats(model, prompts, p, sampler, progress)?.0)
+}
+
+/// [`generate_all`], also returning how much it held at once.
+pub fn generate_all_with_stats(
+    model: &CausalLm,
+    prompts: &[&[u32]],
+    p: &SamplingParams,
+    sampler: &mut Sampler,
+    progress: Option<&ProgressBar>,
+) -> Result<(Rollout, Stats)> {
+    let streams = sampler.rows();
+    if let Some(i) = prompts.iter().position(|t| t.is_empty()) {
+        candle_core::bail!("prompt {i} has no tokens: nothing to continue from");
+    }
+    let mut out = Rollout::empty(prompts.len());
+    if prompts.is_empty() || p.max_new_tokens == 0 {
+        return Ok((out, Stats::default()));
+    }
+    let stats = if decode::supported(model) {
+        match model.dtype() {
+            DType::F64 => continuous::<f64>(model, prompts, p, &streams, progress, &mut out)?,
+            _ => continuous::<f32>(model, prompts, p, &streams, progress, &mut out)?,
+        }
+    } else {
+        waves(model, prompts, p, &streams, progress, &mut out)?
+    };
+    tracing::debug!(
+        "generation: {} rows, {} steps, at most {} sequences and {:.1} MB of keys/values in flight",
+        prompts.len(),
+        stats.steps,
+        stats.peak_seqs,
+        stats.peak_kv_bytes as f64 / 1e6
+    );
+    Ok((out, stats))
+}
+
+/// A sequence in flight.
+struct Live<T> {
+    row: usize,
+    cache: SeqCache<T>,
+    rng: ChaCha8Rng,
+    /// The token to feed next (the last one sampled).
+    next: u32,
+    reserved: usize,
+}
+
+/// Records a sampled token; returns whether the row goes on.
+fn record(out: &mut Rollout, row: usize, tok: u32, lp: f32, p: &SamplingParams) -> bool {
+    out.responses[row].push(tok);
+    out.log_probs[row].push(lp);
+    if !p.ignore_eos && p.eos_ids.contains(&tok) {
+        out.stop[row] = StopReason::Eos;
+        false
+    } else {
+        out.stop[row] = StopReason::Length;
+        out.responses[row].len() < p.max_new_tokens
+    }
+}
+
+fn continuous<T: Elem>(
+    model: &CausalLm,
+    prompts: &[&[u32]],
+    p: &SamplingParams,
+    streams: &RowStreams,
+    progress: Option<&ProgressBar>,
+    out: &mut Rollout,
+) -> Result<Stats> {
+    let packed = Packed::<T>::new(model)?;
+    let args = packed.args();
+    let per_pos = SeqCache::<T>::bytes_per_position(args);
+    let lim = p.limits;
+    let mut waiting: VecDeque<usize> = (0..prompts.len()).collect();
+    let mut active: Vec<Live<T>> = Vec::new();
+    let mut reserved = 0usize;
+    let mut stats = Stats::default();
+    loop {
+        // Admission: fill the free sequence slots within the memory and prefill budgets.
+        let mut entering: Vec<Live<T>> = Vec::new();
+        let mut prefill = 0usize;
+        while let Some(&row) = waiting.front() {
+            let len = prompts[row].len();
+            let need = (len + p.max_new_tokens) * per_pos;
+            let in_flight = active.len() + entering.len();
+            if in_flight >= lim.max_num_seqs.max(1)
+                || (in_flight > 0 && reserved + need > lim.kv_cache_bytes)
+                || (!entering.is_empty() && prefill + len > lim.max_num_batched_tokens)
+            {
+                break;
+            }
+            waiting.pop_front();
+            reserved += need;
+            prefill += len;
+            entering.push(Live {
+                row,
+                cache: SeqCache::with_capacity(args, len + p.max_new_tokens),
+                rng: streams.rng(row),
+                next: 0,
+                reserved: need,
+            });
+        }
+        if active.is_empty() && entering.is_empty() {
+            break;
+        }
+        stats.peak_seqs = stats.peak_seqs.max(active.len() + entering.len());
+        stats.peak_kv_bytes = stats.peak_kv_bytes.max(reserved);
+        stats.steps += 1;
+        // One step: running rows feed their last token, entering rows their whole prompt.
+        let nexts: Vec<u32> = active.iter().map(|l| l.next).collect();
+        let enter_rows: Vec<usize> = entering.iter().map(|l| l.row).collect();
+        let feeds: Vec<&[u32]> = nexts
+            .iter()
+            .map(std::slice::from_ref)
+            .chain(enter_rows.iter().map(|&r| prompts[r]))
+            .collect();
+        let mut caches: Vec<&mut SeqCache<T>> = active
+            .iter_mut()
+            .chain(entering.iter_mut())
+            .map(|l| &mut l.cache)
+            .collect();
+        let logits = packed.step(&feeds, &mut caches)?;
+        active.append(&mut entering);
+        // Sampling, in parallel: each row draws from its own stream.
+        let picks: Vec<(u32, f32)> = active
+            .par_iter_mut()
+            .zip(logits.par_iter())
+            .map(|(l, lg)| sample_row(lg, p, &mut l.rng))
+            .collect();
+        let mut still = Vec::with_capacity(active.len());
+        for (mut l, (tok, lp)) in active.drain(..).zip(picks) {
+            if record(out, l.row, tok, lp, p) {
+                l.next = tok;
+                still.push(l);
+            } else {
+                reserved -= l.reserved;
+                if let Some(b) = progress {
+                    b.inc(1);
+                }
+            }
+        }
+        active = still;
+    }
+    Ok(stats)
+}
+
+/// Waves of padded batches through the tensor composition (devices and dtypes without the
+/// packed path).
+fn waves(
+    model: &CausalLm,
+    prompts: &[&[u32]],
+    p: &SamplingParams,
+    streams: &RowStreams,
+    progress: Option<&ProgressBar>,
+    out: &mut Rollout,
+) -> Result<Stats> {
+    let a = &model.args;
+    let per_pos = 2
+        * a.num_hidden_layers
+        * a.num_key_value_heads
+        * a.head_dim
+        * model.dtype().size_in_bytes();
+    let lim = p.limits;
+    let mut stats = Stats::default();
+    let mut start = 0;
+    while start < prompts.len() {
+        // Grow the wave while the padded cache fits (the first row always goes).
+        let mut end = start + 1;
+        let mut width = prompts[start].len();
+        while end < prompts.len() && end - start < lim.max_num_seqs.max(1) {
+            let w = width.max(prompts[end].len());
+            if (end + 1 - start) * (w + p.max_new_tokens) * per_pos > lim.kv_cache_bytes {
+                break;
+            }
+            width = w;
+            end += 1;
+        }
+        let rows = end - start;
+        let mut ids = Vec::with_capacity(rows * width);
+        let mut mask = Vec::with_capacity(rows * width);
+        for t in &prompts[start..end] {
+            ids.extend(std::iter::repeat_n(0u32, width - t.len()));
+            ids.extend_from_slice(t);
+            mask.extend(std::iter::repeat_n(0u8, width - t.len()));
+            mask.extend(std::iter::repeat_n(1u8, t.len()));
+        }
+        let mut rngs: Vec<ChaCha8Rng> = (start..end).map(|r| streams.rng(r)).collect();
+        let wave = generate_with(model, &ids, &mask, rows, width, p, &mut rngs)?;
+        for (k, row) in (start..end).enumerate() {
+            out.responses[row] = wave.responses[k].clone();
+            out.log_probs[row] = wave.log_probs[k].clone();
+            out.stop[row] = wave.stop[k];
+        }
+        if let Some(b) = progress {
+            b.inc(rows as u64);
+        }
+        stats.peak_seqs = stats.peak_seqs.max(rows);
+        stats.peak_kv_bytes = stats
+            .peak_kv_bytes
+            .max(rows * (width + p.max_new_tokens) * per_pos);
+        stats.steps += wave.responses.iter().map(Vec::len).max().unwrap_or(0);
+        start = end;
+    }
+    Ok(stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::DType;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::model::{Arch, ModelArgs};
+    use crate::rollout::generate;
+
+    fn prompts(count: usize, vocab: u32, seed: u64) -> Vec<Vec<u32>> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        (0..count)
+            .map(|_| {
+                let len = rng.random_range(1..14);
+                (0..len).map(|_| rng.random_range(0..vocab)).collect()
+            })
+            .collect()
+    }
+
+    fn params(greedy: bool, max_new: usize, eos: Vec<u32>, limits: Limits) -> SamplingParams {
+        SamplingParams {
+            greedy,
+            temperature: if greedy { 0.0 } else { 1.0 },
+            top_k: None,
+            top_p: if greedy { 1.0 } else { 0.9 },
+            max_new_tokens: max_new,
+            eos_ids: eos,
+            ignore_eos: false,
+            limits,
+        }
+    }
+
+    fn run(m: &CausalLm, ps: &[Vec<u32>], p: &SamplingParams, seed: u64) -> (Rollout, Stats) {
+        let refs: Vec<&[u32]> = ps.iter().map(Vec::as_slice).collect();
+        generate_all_with_stats(m, &refs, p, &mut Sampler::new(seed), None).unwrap()
+    }
+
+    fn assert_same(a: &Rollout, b: &Rollout, tol: f32, what: &str) {
+        assert_eq!(a.responses, b.responses, "{what}: tokens");
+        assert_eq!(a.stop, b.stop, "{what}: stop reasons");
+        for (ra, rb) in a.log_probs.iter().zip(&b.log_probs) {
+            for (x, y) in ra.iter().zip(rb) {
+                assert!((x - y).abs() <= tol, "{what}: log-prob {x} vs {y}");
+            }
+        }
+    }
+
+    /// Many more rows than `max_num_seqs`: the scheduler never holds more sequences or key/value
+    /// bytes than allowed, and every row's tokens equal generating that row alone (f64 weights,
+    /// so summation order cannot flip a choice), greedy and sampled.
+    #[test]
+    fn bounded_and_equal_to_one_by_one() {
+        let args = ModelArgs::tiny(Arch::Llama, 40);
+        let (_vm, m) = crate::testing::tiny_model(&args, DType::F64, 0.5);
+        let ps = prompts(37, 40, 1);
+        let per_pos = SeqCache::<f64>::bytes_per_position(&args);
+        let budget = 3 * (13 + 9) * per_pos; // room for about three long rows
+                                             // An EOS id that row 0 emits early (weights are random per run).
+        let free = run(&m, &ps, &params(true, 9, vec![], Limits::default()), 3).0;
+        let eos = vec![free.responses[0][2]];
+        for greedy in [true, false] {
+            let tight = Limits {
+                max_num_seqs: 5,
+                max_num_batched_tokens: 20,
+                kv_cache_bytes: budget,
+            };
+            let (got, stats) = run(&m, &ps, &params(greedy, 9, eos.clone(), tight), 3);
+            assert!(stats.peak_seqs <= 5, "{stats:?}");
+            assert!(stats.peak_seqs >= 2, "rows shared steps: {stats:?}");
+            assert!(stats.peak_kv_bytes <= budget, "{stats:?}");
+            if greedy {
+                assert_eq!(got.stop[0], StopReason::Eos);
+            }
+            let one = Limits {
+                max_num_seqs: 1,
+                ..Limits::default()
+            };
+            let (alone, s1) = run(&m, &ps, &params(greedy, 9, eos.clone(), one), 3);
+            assert_eq!(s1.peak_seqs, 1);
+            assert_same(&got, &alone, 1e-9, "limited vs one by one");
+            let (all, s_all) = run(
+                &m,
+                &ps,
+                &params(greedy, 9, eos.clone(), Limits::default()),
+                3,
+            );
+            assert_eq!(s_all.peak_seqs, ps.len());
+            assert_same(&got, &all, 1e-9, "limited vs all at once");
+        }
+    }
+
+    /// The packed path against the tensor composition (`generate`, one padded batch), f32:
+    /// same tokens, log-probs within f32 noise; also for Qwen2 (q/k/v biases, untied head).
+    #[test]
+    fn packed_path_equals_the_composition() {
+        for arch in [Arch::Llama, Arch::Qwen2] {
+            let args = ModelArgs::tiny(arch, 50);
+            let (_vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.5);
+            let ps = prompts(6, 50, 2);
+            for greedy in [true, false] {
+                let p = params(greedy, 12, vec![], Limits::default());
+                let (packed, _) = run(&m, &ps, &p, 5);
+                let w = ps.iter().map(Vec::len).max().unwrap();
+                let mut ids = Vec::new();
+                let mut mask = Vec::new();
+                for t in &ps {
+                    ids.extend(std::iter::repeat_n(0u32, w - t.len()));
+                    ids.extend(t);
+                    mask.extend(std::iter::repeat_n(0u8, w - t.len()));
+                    mask.extend(std::iter::repeat_n(1u8, t.len()));
+                }
+                let composed =
+                    generate(&m, &ids, &mask, ps.len(), w, &p, &mut Sampler::new(5)).unwrap();
+                assert_same(
+                    &packed,
+                    &composed,
+                    1e-4,
+                    &format!("{arch:?} greedy={greedy}"),
+                );
+            }
+        }
+    }
+
+    /// The wave fallback (other devices and dtypes) honours the limits and gives the packed
+    /// path's results.
+    #[test]
+    fn waves_are_bounded_and_equal_the_packed_path() {
+        let args = ModelArgs::tiny(Arch::Qwen2, 40);
+        let (_vm, m) = crate::testing::tiny_model(&args, DType::F64, 0.5);
+        let ps = prompts(11, 40, 4);
+        let lim = Limits {
+            max_num_seqs: 3,
+            ..Limits::default()
+        };
+        for greedy in [true, false] {
+            let p = params(greedy, 7, vec![3], lim);
+            let refs: Vec<&[u32]> = ps.iter().map(Vec::as_slice).collect();
+            let mut sampler = Sampler::new(9);
+            let streams = sampler.rows();
+            let mut out = Rollout::empty(ps.len());
+            let stats = waves(&m, &refs, &p, &streams, None, &mut out).unwrap();
+            assert_eq!(stats.peak_seqs, 3);
+            let (packed, _) = run(&m, &ps, &p, 9);
+            assert_same(&out, &packed, 1e-9, &format!("waves greedy={greedy}"));
+        }
+    }
+
+    #[test]
+    fn empty_prompt_is_an_error_and_zero_tokens_is_empty() {
+        let args = ModelArgs::tiny(Arch::Llama, 30);
+        let (_vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.5);
+        let p = params(true, 4, vec![], Limits::default());
+        let empty: &[u32] = &[];
+        let err = generate_all(&m, &[&[1, 2], empty], &p, &mut Sampler::new(0), None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("prompt 1 has no tokens"), "{err}");
+        let none = params(true, 0, vec![], Limits::default());
+        let out = generate_all(&m, &[&[1, 2]], &none, &mut Sampler::new(0), None).unwrap();
+        assert_eq!(out.responses, vec![Vec::<u32>::new()]);
+    }
+}
