@@ -375,10 +375,7 @@ impl CausalLm {
             .to_dtype(DType::U32)?
             .flatten_all()?
             .to_vec1()?;
-        let half = hd / 2;
-        let inv: Vec<f64> = (0..half)
-            .map(|i| 1.0 / self.args.rope_theta.powf(2.0 * i as f64 / hd as f64))
-            .collect();
+        let inv = self.args.inv_freq(); // [head_dim / 2], RoPE scaling applied
         let mut cos = Vec::with_capacity(b * t * hd);
         let mut sin = Vec::with_capacity(b * t * hd);
         for &p in &pos {
