@@ -309,6 +309,9 @@ mod tests {
 
     const COMMIT: &str = "89abcdef0123456789abcdef0123456789abcdef";
 
+    /// Requests the fake hub saw: path and Authorization header.
+    type Log = Arc<Mutex<Vec<(String, Option<String>)>>>;
+
     /// A stand-in for the hub on 127.0.0.1, answering `/{org}/{name}/resolve/main/{file}` as
     /// huggingface.co does for the requests huggingface_hub makes: an `ETag` (the blob name),
     /// `X-Repo-Commit`, and `Range` requests answered 206 with `Content-Range`; 404 for files it
@@ -316,7 +319,7 @@ mod tests {
     /// request is logged with its Authorization header.
     struct FakeHub {
         addr: SocketAddr,
-        log: Arc<Mutex<Vec<(String, Option<String>)>>>,
+        log: Log,
         _stop: tokio::sync::oneshot::Sender<()>,
     }
 
@@ -333,7 +336,7 @@ mod tests {
             use axum::body::Body;
             use axum::http::{header, StatusCode};
             use axum::response::Response;
-            let log: Arc<Mutex<Vec<(String, Option<String>)>>> = Arc::default();
+            let log: Log = Arc::default();
             let repos = Arc::new(repos);
             let app = {
                 let log = log.clone();

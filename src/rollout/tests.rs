@@ -170,8 +170,10 @@ fn top_k_one_and_tiny_top_p_are_greedy() {
 /// samples although `val_kwargs.do_sample` stays false by default.
 #[test]
 fn temperature_alone_decides_between_greedy_and_sampling() {
-    let mut r = RolloutConfig::default();
-    r.do_sample = false;
+    let mut r = RolloutConfig {
+        do_sample: false,
+        ..Default::default()
+    };
     assert!(
         !SamplingParams::train(&r, 8, &[]).greedy,
         "temperature 1 samples"
