@@ -50,13 +50,13 @@ def agg(L, m, mode, scale=None):
     if mode == "token-sum":
         return float((L * m).sum())
     rows = (L * m).sum(-1)
+    if mode == "seq-mean-token-sum-norm":
+        # Every row's token sum added up (no mean over rows), over the constant horizon.
+        return float(rows.sum() / (scale if scale is not None else m.shape[-1]))
     if mode == "seq-mean-token-mean":
         rows = rows / (m.sum(-1) + 1e-8)
     seq_mask = (m.sum(-1) > 0).astype(float)
-    loss = float((rows * seq_mask).sum() / seq_mask.sum())
-    if mode == "seq-mean-token-sum-norm":
-        loss /= scale if scale is not None else m.shape[-1]
-    return loss
+    return float((rows * seq_mask).sum() / seq_mask.sum())
 
 
 # ---------------------------------------------------------------- estimators

@@ -572,6 +572,96 @@ fn smollm2_greedy_answer_is_the_recorded_one() {
     assert_eq!(answer, RECORDED_SMOLLM2_ANSWER);
 }
 
+/// SmolLM2 (rope_theta 100000) exported to an HF directory whose config.json is in the
+/// transformers 5 layout (`rope_parameters: {rope_theta, rope_type}`, no top-level
+/// `rope_theta`) greedy-decodes exactly what the GGUF decodes, on GSM8K prompts. Reading only
+/// the old key would run it with theta 10000 and diverge within a few tokens.
+#[test]
+fn smollm2_gguf_and_a_transformers_5_hf_dir_generate_alike() {
+    let Some(path) = smollm2() else { return };
+    let (gguf, content) = main_ppo::model::gguf::load(
+        &path,
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+        true,
+    )
+    .unwrap();
+    assert_eq!(gguf.model.args.rope_theta, 100_000.0);
+    let bundle = main_ppo::model::gguf::tokenizer(&content, &path).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let (tok_dir, hf_dir) = (tmp.path().join("tok"), tmp.path().join("hf"));
+    bundle.save(&tok_dir).unwrap();
+    main_ppo::model::hf::save_dir(
+        &gguf.varmap,
+        &gguf.model.args,
+        &hf_dir,
+        &bundle.eos_token_ids,
+        Some(&tok_dir),
+        None,
+    )
+    .unwrap();
+    let cfg_path = hf_dir.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let o = cfg.as_object_mut().unwrap();
+    o.remove("rope_theta");
+    o.remove("rope_scaling");
+    o.insert(
+        "rope_parameters".into(),
+        serde_json::json!({"rope_theta": 100000.0, "rope_type": "default"}),
+    );
+    std::fs::write(&cfg_path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    let hf = main_ppo::model::hf::load_dir(
+        &hf_dir,
+        &Default::default(),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+        true,
+    )
+    .unwrap();
+    assert_eq!(hf.model.args, gguf.model.args);
+    let rows = main_ppo::data::read_rows(&data_dir().join("test.parquet")).unwrap();
+    let template = bundle.template(None).unwrap();
+    let p = main_ppo::rollout::SamplingParams {
+        greedy: true,
+        temperature: 0.0,
+        top_k: None,
+        top_p: 1.0,
+        max_new_tokens: 24,
+        eos_ids: bundle.eos_token_ids.clone(),
+        ignore_eos: false,
+        limits: main_ppo::rollout::Limits::default(),
+    };
+    for row in rows.iter().take(3) {
+        let text = template
+            .render(&[row["prompt"][0].clone()], true, &Default::default())
+            .unwrap();
+        let ids = bundle.encode(&text).unwrap();
+        let mask = vec![1u8; ids.len()];
+        let gen = |m: &main_ppo::model::CausalLm| {
+            main_ppo::rollout::generate(
+                m,
+                &ids,
+                &mask,
+                1,
+                ids.len(),
+                &p,
+                &mut main_ppo::rollout::Sampler::new(0),
+            )
+            .unwrap()
+            .responses
+            .remove(0)
+        };
+        let (a, b) = (gen(&gguf.model), gen(&hf.model));
+        assert!(!a.is_empty());
+        assert_eq!(
+            bundle.tokenizer.decode(&a, true).unwrap(),
+            bundle.tokenizer.decode(&b, true).unwrap()
+        );
+        assert_eq!(a, b);
+    }
+}
+
 /// Recorded from this implementation's own greedy run (f32, dequantised Q4_1) on GSM8K test row 0.
 const RECORDED_SMOLLM2_ANSWER: &str = "To solve this problem, we need to break it down step by step and calculate the total amount of money Janet earns from selling the eggs and the money she earns from selling the remaining amount of money.\n\nJanet lays 1";
 
@@ -625,6 +715,60 @@ fn generate_writes_n_responses_per_prompt() {
             );
         }
     }
+}
+
+/// Prompt-only data (no data_source, no reward_model) generates; only `data.prompt_key` is
+/// required and the other columns come back unchanged (verl's main_generation reads only the
+/// prompt column).
+#[test]
+fn generate_reads_prompt_only_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    tiny_model_dir(&model);
+    let input = dir.path().join("prompts.jsonl");
+    write_jsonl(
+        &input,
+        &[
+            serde_json::json!({"question": [{"role": "user", "content": "Say hi."}], "id": "a"}),
+            serde_json::json!({"question": [{"role": "user", "content": "2+2?"}], "id": "b", "meta": {"k": [1, 2]}}),
+        ],
+    );
+    let output = dir.path().join("out.jsonl");
+    let out = run(&[
+        "generate".into(),
+        "--input".into(),
+        input.display().to_string(),
+        "--output".into(),
+        output.display().to_string(),
+        format!("actor_rollout_ref.model.path={}", model.display()),
+        "data.prompt_key=question".into(),
+        "data.max_response_length=4".into(),
+        "trainer.device=cpu".into(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    let rows = main_ppo::data::read_rows(&output).unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["id"], "a");
+    assert_eq!(rows[1]["meta"], serde_json::json!({"k": [1, 2]}));
+    for r in &rows {
+        assert_eq!(r["responses"].as_array().unwrap().len(), 1);
+        assert!(r.get("data_source").is_none(), "nothing is invented: {r}");
+    }
+    // A row without the prompt column is named.
+    write_jsonl(&input, &[serde_json::json!({"id": "c"})]);
+    let out = run(&[
+        "generate".into(),
+        "--input".into(),
+        input.display().to_string(),
+        "--output".into(),
+        output.display().to_string(),
+        format!("actor_rollout_ref.model.path={}", model.display()),
+        "data.prompt_key=question".into(),
+        "trainer.device=cpu".into(),
+    ]);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(stderr.contains("row 0, column `question`"), "{stderr}");
 }
 
 #[test]

@@ -24,7 +24,8 @@ pub struct AggNorm {
 /// - `token-sum`: Σ_M L,
 /// - `seq-mean-token-sum`: per-row Σ_M L, averaged over rows with a valid token,
 /// - `seq-mean-token-mean`: per-row mean_M L (denominator + 1e-8), averaged likewise,
-/// - `seq-mean-token-sum-norm`: seq-mean-token-sum / loss_scale_factor (default: len).
+/// - `seq-mean-token-sum-norm`: Σ_rows (per-row Σ_M L) / loss_scale_factor (default: the padded
+///   width `len`); no mean over rows, so the normaliser is a constant of the run, not of the batch.
 ///
 /// A zero denominator (no valid token at all) gives 0 rather than verl's NaN.
 pub fn agg_loss(
@@ -43,9 +44,13 @@ pub fn agg_loss(
             masked_sum(loss_mat, mask)? / safe(tokens)
         }
         LossAggMode::TokenSum => masked_sum(loss_mat, mask),
-        LossAggMode::SeqMeanTokenSum
-        | LossAggMode::SeqMeanTokenSumNorm
-        | LossAggMode::SeqMeanTokenMean => {
+        LossAggMode::SeqMeanTokenSumNorm => {
+            let horizon = norm
+                .loss_scale_factor
+                .unwrap_or(loss_mat.dim(D::Minus1)? as f64);
+            masked_sum(loss_mat, mask)? / horizon
+        }
+        LossAggMode::SeqMeanTokenSum | LossAggMode::SeqMeanTokenMean => {
             let tokens_per_row = mask.sum(D::Minus1)?; // [batch]
             let mut seq_losses = (masked_values(loss_mat, mask)? * mask)?.sum(D::Minus1)?; // [batch]
             if mode == LossAggMode::SeqMeanTokenMean {
@@ -56,15 +61,7 @@ pub fn agg_loss(
                 Some(n) => n,
                 None => scalar(&seq_mask.sum_all()?)?,
             };
-            let loss = (masked_sum(&seq_losses, &seq_mask)? / safe(seqs))?;
-            if mode == LossAggMode::SeqMeanTokenSumNorm {
-                let horizon = norm
-                    .loss_scale_factor
-                    .unwrap_or(loss_mat.dim(D::Minus1)? as f64);
-                loss / horizon
-            } else {
-                Ok(loss)
-            }
+            masked_sum(&seq_losses, &seq_mask)? / safe(seqs)
         }
     }
 }
@@ -72,4 +69,32 @@ pub fn agg_loss(
 /// A 0-d tensor's value as f64, whatever its dtype.
 pub fn scalar(t: &Tensor) -> Result<f64> {
     t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// seq-mean-token-sum-norm by hand: L = [[1, 2, 3], [4, 5, 6], [7, 8, 9]],
+    /// mask = [[1, 1, 0], [1, 0, 0], [0, 0, 0]]: row sums 3, 4, 0 add up to 7 (the empty row
+    /// counts nothing and is not averaged over), divided by the padded width 3 = 7/3, or by
+    /// loss_scale_factor 2 = 7/2 (verl's `agg_loss`: `sum(seq_losses) / loss_scale_factor`).
+    #[test]
+    fn seq_mean_token_sum_norm_sums_the_rows() {
+        let dev = Device::Cpu;
+        let l = Tensor::new(&[[1f64, 2., 3.], [4., 5., 6.], [7., 8., 9.]], &dev).unwrap();
+        let m = Tensor::new(&[[1f64, 1., 0.], [1., 0., 0.], [0., 0., 0.]], &dev).unwrap();
+        let mode = LossAggMode::SeqMeanTokenSumNorm;
+        let got = scalar(&agg_loss(&l, &m, mode, AggNorm::default()).unwrap()).unwrap();
+        assert!((got - 7.0 / 3.0).abs() < 1e-12, "{got}");
+        let norm = AggNorm {
+            loss_scale_factor: Some(2.0),
+            // The mini-batch counts of the other modes play no part here.
+            batch_num_tokens: Some(10.0),
+            global_batch_size: Some(5.0),
+        };
+        let got = scalar(&agg_loss(&l, &m, mode, norm).unwrap()).unwrap();
+        assert!((got - 3.5).abs() < 1e-12, "{got}");
+    }
 }

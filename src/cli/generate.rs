@@ -18,7 +18,8 @@ use super::ConfigArgs;
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
-    /// A verl dataset (parquet, JSONL or JSON with a chat `prompt` column).
+    /// A verl dataset, or any parquet/JSONL/JSON file with a chat `prompt` column
+    /// (`data.prompt_key`); other columns are optional and copied to the output.
     #[arg(long, value_name = "FILE")]
     pub input: PathBuf,
     /// Output: the input columns plus `responses`; `.parquet` writes parquet, anything else JSONL.
@@ -61,8 +62,12 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         t0.elapsed().as_secs_f64()
     );
     let template = tok.template(model_cfg.custom_chat_template.as_deref())?;
-    // `data.val_max_samples` limits the rows, as for validation.
-    let opts = DatasetOptions::val(&cfg.data, prompt_len);
+    // `data.val_max_samples` limits the rows, as for validation; only `data.prompt_key` is
+    // required (verl's main_generation), every other column passes through.
+    let opts = DatasetOptions {
+        prompts_only: true,
+        ..DatasetOptions::val(&cfg.data, prompt_len)
+    };
     let samples = load_samples(&[args.input.display().to_string()], &opts)?;
     let ds = PromptDataset::build(samples, &tok, &template, &opts)?;
     let r = &cfg.actor_rollout_ref.rollout;

@@ -22,7 +22,8 @@ pub enum LossAggMode {
     /// Per-sequence token mean, averaged over sequences.
     #[serde(rename = "seq-mean-token-mean")]
     SeqMeanTokenMean,
-    /// seq-mean-token-sum divided by loss_scale_factor (default: the padded response length).
+    /// Every sequence's token sum, added up and divided by loss_scale_factor (default: the
+    /// padded response length); no mean over sequences.
     #[serde(rename = "seq-mean-token-sum-norm")]
     SeqMeanTokenSumNorm,
 }
@@ -96,12 +97,12 @@ pub struct ActorConfig {
     pub use_dynamic_bsz: bool,
     /// Token budget per micro-batch when use_dynamic_bsz.
     pub ppo_max_token_len_per_gpu: usize,
-    /// PPO clip range ε (both sides unless clip_ratio_low/high are set).
+    /// PPO clip range ε; used for a side only where clip_ratio_low/high is null.
     pub clip_ratio: f64,
-    /// Lower clip range; null = clip_ratio. (verl defaults it to 0.2 itself, so setting only
-    /// clip_ratio silently changes nothing there; here it follows clip_ratio.)
+    /// Lower clip range ε_low (ratio ≥ 1 − ε_low); null = clip_ratio. 0.2 as in verl, so
+    /// changing only clip_ratio changes nothing: set these (or null them) to move the clip.
     pub clip_ratio_low: Option<f64>,
-    /// Upper clip range; null = clip_ratio (same deviation as clip_ratio_low).
+    /// Upper clip range ε_high (ratio ≤ 1 + ε_high); null = clip_ratio. 0.2 as in verl.
     pub clip_ratio_high: Option<f64>,
     /// Dual-clip bound c for negative advantages (> 1).
     pub clip_ratio_c: f64,
@@ -113,7 +114,8 @@ pub struct ActorConfig {
     pub policy_loss: PolicyLossConfig,
     /// token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm.
     pub loss_agg_mode: LossAggMode,
-    /// Divisor of seq-mean-token-sum-norm; null = the padded response length.
+    /// Divisor of seq-mean-token-sum-norm; null = the padded response length
+    /// (rollout.response_length).
     pub loss_scale_factor: Option<f64>,
     /// Entropy bonus coefficient (loss -= coeff × entropy).
     pub entropy_coeff: f64,
@@ -145,8 +147,8 @@ defaults!(ActorConfig {
     use_dynamic_bsz: false,
     ppo_max_token_len_per_gpu: 16384,
     clip_ratio: 0.2,
-    clip_ratio_low: None,
-    clip_ratio_high: None,
+    clip_ratio_low: Some(0.2),
+    clip_ratio_high: Some(0.2),
     clip_ratio_c: 3.0,
     tau_pos: 1.0,
     tau_neg: 1.05,

@@ -30,10 +30,12 @@ pub struct DataConfig {
     pub train_files: OneOrMany,
     /// Validation data: a path or a list of paths.
     pub val_files: OneOrMany,
-    /// Keep at most this many training rows (-1 = all).
+    /// Keep at most this many training rows (-1 = all): a random subset when data.shuffle
+    /// (NumPy's `default_rng(seed).choice`, the rows verl keeps), else the first rows.
     #[serde(with = "nonpositive_none")]
     pub train_max_samples: Option<u64>,
-    /// Keep at most this many validation rows (-1 = all).
+    /// Keep at most this many validation rows (-1 = all): chosen like train_max_samples
+    /// (data.shuffle decides, as in verl).
     #[serde(with = "nonpositive_none")]
     pub val_max_samples: Option<u64>,
     /// Column holding the chat prompt (a list of {role, content}).
@@ -48,11 +50,13 @@ pub struct DataConfig {
     pub train_batch_size: usize,
     /// Prompts per validation batch; null = the whole validation set at once.
     pub val_batch_size: Option<usize>,
-    /// Shuffle the training data each epoch.
+    /// Shuffle the training data each epoch; also makes *_max_samples keep a seeded random subset.
     pub shuffle: bool,
-    /// Seed of the training shuffle; null = 1 (verl's fallback).
+    /// Seed of the training shuffle and of the *_max_samples subset; null = 1 (verl's shuffle
+    /// fallback; verl draws an unseeded subset then, here it stays reproducible).
     pub seed: Option<u64>,
-    /// Shuffle the validation data.
+    /// verl shuffles its validation loader with it; validation here runs in file order. It
+    /// does not choose the val_max_samples subset (data.shuffle does).
     pub validation_shuffle: bool,
     /// Drop prompts longer than max_prompt_length when the dataset is built.
     pub filter_overlong_prompts: bool,

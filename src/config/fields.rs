@@ -64,6 +64,25 @@ pub mod negative_none {
     }
 }
 
+/// Serde adapter for verl integers where a negative value (or `null`) means "unset" and 0 is
+/// a value (`optim.lr_warmup_steps`: 0 = no warm-up, -1 = use the ratio). Unset is written
+/// back as `-1`, verl's spelling.
+pub mod negative_unset {
+    use super::*;
+
+    pub fn serialize<S: Serializer>(v: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(n) => s.serialize_u64(*n),
+            None => s.serialize_i64(-1),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        let v: Option<i64> = Option::deserialize(d)?;
+        Ok(v.and_then(|n| if n >= 0 { Some(n as u64) } else { None }))
+    }
+}
+
 /// A free-form mapping passed through to user code (`reward_kwargs`,
 /// `apply_chat_template_kwargs`, ...). Any keys are accepted.
 pub type FreeMap = serde_json::Map<String, serde_json::Value>;

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::fields::nonpositive_none;
+use super::fields::{negative_unset, nonpositive_none};
 use crate::defaults;
 
 /// Learning-rate schedule after warm-up.
@@ -30,8 +30,8 @@ pub struct OptimConfig {
     pub total_training_steps: Option<u64>,
     /// Decoupled weight decay.
     pub weight_decay: f64,
-    /// Warm-up steps; -1 = use lr_warmup_steps_ratio.
-    #[serde(with = "nonpositive_none")]
+    /// Warm-up steps; 0 = no warm-up; -1 (any negative) = use lr_warmup_steps_ratio.
+    #[serde(with = "negative_unset")]
     pub lr_warmup_steps: Option<u64>,
     /// Adam betas [beta1, beta2].
     pub betas: [f64; 2],

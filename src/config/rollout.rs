@@ -14,11 +14,12 @@ pub struct SamplingConfig {
     pub top_k: i64,
     /// Nucleus cut-off in (0, 1].
     pub top_p: f64,
-    /// Softmax temperature; 0 = greedy.
+    /// Softmax temperature; 0 = greedy, > 0 samples (whatever do_sample says, as in verl).
     pub temperature: f64,
     /// Responses per prompt.
     pub n: usize,
-    /// Sample (true) or decode greedily (false).
+    /// Accepted for verl's configs and not read by the rollout (verl's agent loop ignores it
+    /// too): temperature alone decides between greedy and sampling.
     pub do_sample: bool,
 }
 
@@ -33,13 +34,15 @@ defaults!(SamplingConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RolloutConfig {
-    /// Softmax temperature of training rollouts.
+    /// Softmax temperature of training rollouts (0 = greedy); old, reference and update
+    /// log-probs divide the logits by it too, as verl does.
     pub temperature: f64,
     /// Top-k cut-off; -1 (or 0) = off.
     pub top_k: i64,
     /// Nucleus cut-off in (0, 1].
     pub top_p: f64,
-    /// Sample (true) or decode greedily (false).
+    /// Accepted for verl's configs and not read by the rollout (verl's agent loop ignores it
+    /// too): temperature alone decides between greedy and sampling.
     pub do_sample: bool,
     /// Responses per prompt.
     pub n: usize,

@@ -595,18 +595,18 @@ fn rule_clip_kl_and_optim() {
         "actor_rollout_ref.actor.optim.clip_grad=2.0",
     ]);
     assert!(e.contains("grad_clip") && e.contains("clip_grad"), "{e}");
-    // clip_ratio_low/high follow clip_ratio unless set.
+    // verl's actor.yaml: clip_ratio_low and clip_ratio_high are 0.2 of their own, so
+    // clip_ratio alone moves neither side; a side follows clip_ratio only when nulled.
+    let c = cfg(&["actor_rollout_ref.actor.clip_ratio=0.3"]);
+    let a = &c.actor_rollout_ref.actor;
+    assert_eq!((a.clip_low(), a.clip_high()), (0.2, 0.2));
     let c = cfg(&[
         "actor_rollout_ref.actor.clip_ratio=0.3",
+        "actor_rollout_ref.actor.clip_ratio_low=null",
         "actor_rollout_ref.actor.clip_ratio_high=0.28",
     ]);
-    assert_eq!(
-        (
-            c.actor_rollout_ref.actor.clip_low(),
-            c.actor_rollout_ref.actor.clip_high()
-        ),
-        (0.3, 0.28)
-    );
+    let a = &c.actor_rollout_ref.actor;
+    assert_eq!((a.clip_low(), a.clip_high()), (0.3, 0.28));
 }
 
 #[test]

@@ -6,7 +6,7 @@ use std::path::Path;
 use crate::config::fields::FreeMap;
 use crate::config::{DataConfig, Truncation};
 
-use super::loader::permutation;
+use super::numpy_rng::Pcg64;
 use super::read::read_rows;
 use super::sample::Sample;
 use super::template::ChatTemplate;
@@ -20,13 +20,17 @@ pub struct DatasetOptions {
     pub source_key: String,
     /// Keep at most this many rows.
     pub max_samples: Option<u64>,
-    /// Draw that subset at random (seeded) rather than taking the first rows.
+    /// Draw that subset at random (NumPy's seeded `choice`, as verl) rather than taking the
+    /// first rows.
     pub random_subset: bool,
     pub seed: u64,
     pub max_prompt_length: usize,
     pub filter_overlong: bool,
     pub truncation: Truncation,
     pub template_kwargs: FreeMap,
+    /// Check only the prompt column (`main_ppo generate`); training and validation need the
+    /// reward columns too.
+    pub prompts_only: bool,
 }
 
 impl DatasetOptions {
@@ -35,14 +39,11 @@ impl DatasetOptions {
         Self::new(cfg, prompt_length, cfg.train_max_samples, cfg.shuffle)
     }
 
-    /// The validation split's options.
+    /// The validation split's options. As in verl (`RLHFDataset` is built from the same `data`
+    /// config for both splits), `data.shuffle` decides whether `val_max_samples` keeps a random
+    /// subset; `validation_shuffle` plays no part in it.
     pub fn val(cfg: &DataConfig, prompt_length: usize) -> Self {
-        Self::new(
-            cfg,
-            prompt_length,
-            cfg.val_max_samples,
-            cfg.validation_shuffle,
-        )
+        Self::new(cfg, prompt_length, cfg.val_max_samples, cfg.shuffle)
     }
 
     fn new(
@@ -61,6 +62,7 @@ impl DatasetOptions {
             filter_overlong: cfg.filter_overlong_prompts,
             truncation: cfg.truncation,
             template_kwargs: cfg.apply_chat_template_kwargs.clone(),
+            prompts_only: false,
         }
     }
 }
@@ -74,29 +76,27 @@ pub fn load_samples(files: &[String], opts: &DatasetOptions) -> Result<Vec<Sampl
     for f in files {
         let path = crate::config::resolve::expand_home(f);
         let rows = read_rows(Path::new(&path))?;
+        let read = if opts.prompts_only {
+            Sample::prompt_only
+        } else {
+            Sample::from_row
+        };
         for (i, row) in rows.into_iter().enumerate() {
-            samples.push(Sample::from_row(
-                &path,
-                i,
-                row,
-                &opts.prompt_key,
-                &opts.source_key,
-            )?);
+            samples.push(read(&path, i, row, &opts.prompt_key, &opts.source_key)?);
         }
     }
     if let Some(max) = opts.max_samples {
         let max = max as usize;
         if max < samples.len() {
             if opts.random_subset {
-                let order = permutation(samples.len(), opts.seed, u64::MAX);
+                // verl: `np.random.default_rng(seed).choice(total, size=max, replace=False)`,
+                // rows in the order drawn.
+                let order =
+                    Pcg64::from_seed(opts.seed).choice_without_replacement(samples.len(), max);
                 let mut slots: Vec<Option<Sample>> = samples.into_iter().map(Some).collect();
-                samples = order[..max]
+                samples = order
                     .iter()
-                    .map(|&i| {
-                        slots[i]
-                            .take()
-                            .expect("a permutation visits each index once")
-                    })
+                    .map(|&i| slots[i].take().expect("choice draws each index once"))
                     .collect();
             } else {
                 samples.truncate(max);

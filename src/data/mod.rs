@@ -5,12 +5,14 @@
 //! - `template`: the model's Jinja chat template (HF `apply_chat_template` semantics),
 //! - `tokenizer`: tokenizer, chat template and special tokens of an HF model directory,
 //! - `dataset`: rendering, tokenising, sample limits, overlong filtering and truncation,
-//! - `loader`: the seeded, resumable batch order and left-padded collation.
+//! - `loader`: the seeded, resumable batch order and left-padded collation,
+//! - `numpy_rng`: NumPy's seeded `choice`, for verl's exact `*_max_samples` subsets.
 //!
 //! verl: `verl/utils/dataset/rl_dataset.py` (`RLHFDataset`), `examples/data_preprocess/gsm8k.py`.
 
 pub mod dataset;
 pub mod loader;
+pub mod numpy_rng;
 pub mod read;
 pub mod sample;
 pub mod template;

@@ -48,41 +48,7 @@ impl Sample {
             )
         })?;
         let columns = || obj.keys().cloned().collect::<Vec<_>>().join(", ");
-
-        let prompt = match obj.get(prompt_key) {
-            None => return Err(err(prompt_key, format!("missing (the row has: {}); set data.prompt_key to the prompt column", columns()))),
-            Some(Value::Array(msgs)) if msgs.is_empty() => return Err(err(prompt_key, "the chat list is empty".into())),
-            Some(Value::Array(msgs)) => {
-                for (i, m) in msgs.iter().enumerate() {
-                    let Some(mo) = m.as_object() else {
-                        return Err(err(prompt_key, format!("message {i} must be an object with `role` and `content`, found {}", kind(m))));
-                    };
-                    match mo.get("role") {
-                        Some(Value::String(_)) => {}
-                        Some(v) => return Err(err(prompt_key, format!("message {i}: `role` must be a string, found {}", kind(v)))),
-                        None => return Err(err(prompt_key, format!("message {i} has no `role`"))),
-                    }
-                    match mo.get("content") {
-                        Some(Value::String(_)) => {}
-                        Some(v) => {
-                            return Err(err(
-                                prompt_key,
-                                format!("message {i}: `content` must be a string, found {} (multimodal content is not supported)", kind(v)),
-                            ))
-                        }
-                        None => return Err(err(prompt_key, format!("message {i} has no `content`"))),
-                    }
-                }
-                msgs.clone()
-            }
-            Some(Value::String(_)) => {
-                return Err(err(
-                    prompt_key,
-                    "expected a chat list like [{\"role\": \"user\", \"content\": \"...\"}], found a plain string".into(),
-                ))
-            }
-            Some(other) => return Err(err(prompt_key, format!("expected a chat list of {{role, content}} messages, found {}", kind(other)))),
-        };
+        let prompt = Self::prompt_of(obj, prompt_key, &err)?;
 
         let data_source = match obj.get(source_key) {
             Some(Value::String(s)) => s.clone(),
@@ -164,6 +130,102 @@ impl Sample {
             raw,
         })
     }
+
+    /// A row with only its prompt checked (`main_ppo generate`, verl's `main_generation`, needs
+    /// nothing else): the reward columns are read when present and well-formed, else left empty
+    /// (`data_source` "", `ground_truth` null, `extra_info` {}); every column is kept in `raw`.
+    pub fn prompt_only(
+        file: &str,
+        row: usize,
+        raw: Value,
+        prompt_key: &str,
+        source_key: &str,
+    ) -> Result<Sample, DataError> {
+        let err = |column: &str, message: String| DataError::Row {
+            file: file.to_string(),
+            row,
+            column: column.to_string(),
+            message,
+        };
+        let obj = raw.as_object().ok_or_else(|| {
+            err(
+                "*",
+                format!("a row must be an object, found {}", kind(&raw)),
+            )
+        })?;
+        let prompt = Self::prompt_of(obj, prompt_key, &err)?;
+        let data_source = obj
+            .get(source_key)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        let ground_truth = obj
+            .get("reward_model")
+            .and_then(|rm| rm.get("ground_truth"))
+            .cloned()
+            .unwrap_or(Value::Null);
+        let extra_info = match obj.get("extra_info") {
+            Some(v @ Value::Object(_)) => v.clone(),
+            _ => Value::Object(Default::default()),
+        };
+        let ability = obj
+            .get("ability")
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        Ok(Sample {
+            file: file.to_string(),
+            row,
+            data_source,
+            prompt,
+            ground_truth,
+            extra_info,
+            ability,
+            raw,
+        })
+    }
+
+    /// The chat messages in column `prompt_key`, checked: a non-empty list of objects with
+    /// string `role` and `content`.
+    fn prompt_of(
+        obj: &serde_json::Map<String, Value>,
+        prompt_key: &str,
+        err: &dyn Fn(&str, String) -> DataError,
+    ) -> Result<Vec<Value>, DataError> {
+        Ok(match obj.get(prompt_key) {
+            None => return Err(err(prompt_key, format!("missing (the row has: {}); set data.prompt_key to the prompt column", obj.keys().cloned().collect::<Vec<_>>().join(", ")))),
+            Some(Value::Array(msgs)) if msgs.is_empty() => return Err(err(prompt_key, "the chat list is empty".into())),
+            Some(Value::Array(msgs)) => {
+                for (i, m) in msgs.iter().enumerate() {
+                    let Some(mo) = m.as_object() else {
+                        return Err(err(prompt_key, format!("message {i} must be an object with `role` and `content`, found {}", kind(m))));
+                    };
+                    match mo.get("role") {
+                        Some(Value::String(_)) => {}
+                        Some(v) => return Err(err(prompt_key, format!("message {i}: `role` must be a string, found {}", kind(v)))),
+                        None => return Err(err(prompt_key, format!("message {i} has no `role`"))),
+                    }
+                    match mo.get("content") {
+                        Some(Value::String(_)) => {}
+                        Some(v) => {
+                            return Err(err(
+                                prompt_key,
+                                format!("message {i}: `content` must be a string, found {} (multimodal content is not supported)", kind(v)),
+                            ))
+                        }
+                        None => return Err(err(prompt_key, format!("message {i} has no `content`"))),
+                    }
+                }
+                msgs.clone()
+            }
+            Some(Value::String(_)) => {
+                return Err(err(
+                    prompt_key,
+                    "expected a chat list like [{\"role\": \"user\", \"content\": \"...\"}], found a plain string".into(),
+                ))
+            }
+            Some(other) => return Err(err(prompt_key, format!("expected a chat list of {{role, content}} messages, found {}", kind(other)))),
+        })
+    }
 }
 
 #[cfg(test)]
@@ -185,6 +247,33 @@ mod tests {
         Sample::from_row("f.parquet", 3, row, "prompt", "data_source")
             .unwrap_err()
             .to_string()
+    }
+
+    /// `generate` needs the prompt only: a row without reward columns is read, odd extra
+    /// columns are kept untouched in `raw`, and a bad prompt is still an error naming it.
+    #[test]
+    fn prompt_only_rows_need_just_the_prompt() {
+        let row = json!({"q": [{"role": "user", "content": "hi"}], "id": 7, "extra_info": "x"});
+        assert!(Sample::from_row("f", 0, row.clone(), "q", "data_source").is_err());
+        let s = Sample::prompt_only("f", 0, row.clone(), "q", "data_source").unwrap();
+        assert_eq!(s.prompt, vec![json!({"role": "user", "content": "hi"})]);
+        assert_eq!(
+            (s.data_source.as_str(), &s.ground_truth),
+            ("", &Value::Null)
+        );
+        assert_eq!(s.raw, row);
+        let full = Sample::prompt_only("f", 0, gsm8k_row(), "prompt", "data_source").unwrap();
+        assert_eq!(
+            full,
+            Sample::from_row("f", 0, gsm8k_row(), "prompt", "data_source").unwrap()
+        );
+        let e = Sample::prompt_only("f.jsonl", 2, json!({"id": 1}), "q", "data_source")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("f.jsonl, row 2, column `q`") && e.contains("data.prompt_key"),
+            "{e}"
+        );
     }
 
     #[test]

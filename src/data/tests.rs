@@ -357,8 +357,32 @@ fn sample_limits() {
         .map(|s| s.row)
         .collect();
     assert_eq!(a, b, "same seed, same subset");
-    assert_eq!(a.len(), 5);
-    assert_ne!(a, vec![0, 1, 2, 3, 4]);
+    // verl's rows: `np.random.default_rng(3).choice(20, size=5, replace=False)` printed
+    // [3, 12, 1, 4, 19] with NumPy 2.4.6, in that order.
+    assert_eq!(a, vec![3, 12, 1, 4, 19]);
+    // The validation split draws its subset when `data.shuffle` (as verl's RLHFDataset, built
+    // from the same data config), whatever `validation_shuffle` says; seed null falls back to 1.
+    let cfg = crate::config::DataConfig {
+        val_max_samples: Some(5),
+        shuffle: true,
+        validation_shuffle: false,
+        ..Default::default()
+    };
+    let val = DatasetOptions::val(&cfg, 999);
+    assert!(val.random_subset);
+    let rows: Vec<usize> = load_samples(std::slice::from_ref(&file), &val)
+        .unwrap()
+        .iter()
+        .map(|s| s.row)
+        .collect();
+    // `np.random.default_rng(1).choice(20, size=5, replace=False)`: [8, 0, 13, 18, 7].
+    assert_eq!(rows, vec![8, 0, 13, 18, 7]);
+    let cfg = crate::config::DataConfig {
+        shuffle: false,
+        validation_shuffle: true,
+        ..cfg
+    };
+    assert!(!DatasetOptions::val(&cfg, 999).random_subset);
 }
 
 #[test]

@@ -79,6 +79,28 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
             .len(),
     };
     let tied = !c.tensor_infos.contains_key("output.weight");
+    // Llama 3.1+ GGUFs carry their RoPE scaling as per-frequency divisors; refused rather than
+    // run with plain RoPE.
+    if let Some(kind) = c
+        .metadata
+        .get(&k("rope.scaling.type"))
+        .and_then(|v| v.to_string().ok())
+        .filter(|t| t.as_str() != "none")
+    {
+        return Err(ModelError::file(
+            path,
+            format!(
+                "metadata `{}` = {kind:?}: RoPE scaling is not supported in GGUF files",
+                k("rope.scaling.type")
+            ),
+        ));
+    }
+    if c.tensor_infos.contains_key("rope_freqs.weight") {
+        return Err(ModelError::file(
+            path,
+            "tensor `rope_freqs.weight` (RoPE frequency scaling, Llama 3.1+) is not supported in GGUF files; load the HF directory instead (its rope_scaling/rope_parameters llama3 entry is supported)".into(),
+        ));
+    }
     Ok(ModelArgs {
         arch,
         vocab_size: vocab,
@@ -90,6 +112,7 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         head_dim: meta_u(c, &k("attention.key_length"), path).unwrap_or(hidden / heads),
         rms_norm_eps: meta_f(c, &k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6),
         rope_theta: meta_f(c, &k("rope.freq_base")).unwrap_or(10000.0),
+        rope_scaling: None,
         tie_word_embeddings: tied,
         qkv_bias: arch == Arch::Qwen2 || c.tensor_infos.contains_key("blk.0.attn_q.bias"),
         max_position_embeddings: meta_u(c, &k("context_length"), path).unwrap_or(4096),

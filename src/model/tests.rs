@@ -725,3 +725,179 @@ fn bf16_model_tracks_the_f32_model_and_trains() {
         assert!(norm > 0.0, "{name}: zero gradient");
     }
 }
+
+/// Logits of a fixed left-padded batch under the model in `dir` (config.json as written).
+fn dir_logits(dir: &std::path::Path) -> Result<Tensor, String> {
+    let loaded = hf::load_dir(dir, &Default::default(), DType::F32, &Device::Cpu, true)
+        .map_err(|e| e.to_string())?;
+    let (pi, pm, pp) = left_pad(&[vec![3, 1, 4, 1, 5, 9, 2, 6], vec![9, 2]], 0);
+    let m = &loaded.model;
+    Ok(m.logits(&m.forward_hidden(&pi, &pp, &pm, None).unwrap())
+        .unwrap())
+}
+
+/// Rewrites `dir/config.json` through `edit`.
+fn edit_config(dir: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(&path, cfg.to_string()).unwrap();
+}
+
+/// transformers 5 writes `rope_parameters: {rope_theta, rope_type}` and no top-level
+/// `rope_theta`. A model saved that way must give the logits of the same model in the old
+/// layout (reading only the old key silently falls back to theta 10000: other logits).
+#[test]
+fn transformers_5_rope_parameters_load_like_the_old_layout() {
+    for arch in [Arch::Llama, Arch::Qwen2] {
+        let mut args = ModelArgs::tiny(arch, 61);
+        args.rope_theta = 100_000.0;
+        let (vm, _m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+        let tok = tempfile::tempdir().unwrap();
+        crate::testing::write_tokenizer_dir(tok.path()).unwrap();
+        let save = |edit: &dyn Fn(&mut serde_json::Value)| {
+            let dir = tempfile::tempdir().unwrap();
+            hf::save_dir(&vm, &args, dir.path(), &[258], Some(tok.path()), None).unwrap();
+            edit_config(dir.path(), edit);
+            dir
+        };
+        // What this crate writes: both layouts.
+        let both = save(&|_| {});
+        let written: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(both.path().join("config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(written["rope_theta"], 100_000.0);
+        assert_eq!(
+            written["rope_parameters"],
+            serde_json::json!({"rope_type": "default", "rope_theta": 100_000.0})
+        );
+        let old = save(&|c| {
+            let o = c.as_object_mut().unwrap();
+            o.remove("rope_parameters");
+            o.remove("rope_scaling");
+        });
+        let v5 = save(&|c| {
+            let o = c.as_object_mut().unwrap();
+            o.remove("rope_theta");
+            o.remove("rope_scaling");
+        });
+        let plain = save(&|c| {
+            let o = c.as_object_mut().unwrap();
+            o.remove("rope_theta");
+            o.remove("rope_parameters");
+            o.remove("rope_scaling");
+        });
+        let (a, b, c) = (
+            dir_logits(old.path()).unwrap(),
+            dir_logits(v5.path()).unwrap(),
+            dir_logits(both.path()).unwrap(),
+        );
+        assert_eq!(max_diff(&a, &b), 0.0, "{arch:?}: v5 layout = old layout");
+        assert_eq!(max_diff(&a, &c), 0.0, "{arch:?}: both layouts = old layout");
+        // The default (10000) really is another model: the test would see a lost theta.
+        let d = dir_logits(plain.path()).unwrap();
+        assert!(max_diff(&a, &d) > 1e-4, "{arch:?}: theta matters here");
+    }
+}
+
+/// Conflicting, unsupported or incomplete RoPE settings are refused with the key named.
+#[test]
+fn rope_settings_are_checked_by_name() {
+    let base = ModelArgs::tiny(Arch::Llama, 61).to_hf();
+    let err = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut v = base.clone();
+        edit(&mut v);
+        ModelArgs::from_hf(&v).unwrap_err()
+    };
+    let e = err(&|v| v["rope_parameters"]["rope_theta"] = serde_json::json!(5e5));
+    assert!(
+        e.contains("rope_theta (10000)") && e.contains("rope_parameters.rope_theta (500000)"),
+        "{e}"
+    );
+    let e =
+        err(&|v| v["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0}));
+    assert!(
+        e.contains("rope_parameters.rope_type \"yarn\" is not supported"),
+        "{e}"
+    );
+    let e = err(&|v| v["rope_scaling"] = serde_json::json!({"type": "linear", "factor": 2.0}));
+    assert!(e.contains("disagree"), "{e}");
+    let e = err(&|v| {
+        v.as_object_mut().unwrap().remove("rope_parameters");
+        v["rope_scaling"] = serde_json::json!({"type": "dynamic", "factor": 2.0});
+    });
+    assert!(
+        e.contains("rope_scaling.type \"dynamic\" is not supported"),
+        "{e}"
+    );
+    let e = err(
+        &|v| v["rope_parameters"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
+    );
+    assert!(
+        e.contains("rope_parameters.original_max_position_embeddings is missing"),
+        "{e}"
+    );
+    let e = err(&|v| v["partial_rotary_factor"] = serde_json::json!(0.5));
+    assert!(e.contains("partial_rotary_factor"), "{e}");
+    let e = err(&|v| v["hidden_act"] = serde_json::json!("gelu"));
+    assert!(e.contains("hidden_act"), "{e}");
+}
+
+/// Llama 3.1's RoPE scaling (theta 500000, head_dim 128, factor 8, low 1, high 4, original
+/// context 8192). Expected values from a plain-Python transcription of transformers'
+/// `_compute_llama3_parameters`, run for this test:
+/// `f = 1/θ^(2i/d); w = 2π/f; f if w < 8192/4 else f/8 if w > 8192/1 else
+/// (1−s)·f/8 + s·f with s = (8192/w − 1)/(4 − 1)`.
+/// Index 1 is a high frequency (kept), 30 and 33 lie in the smoothed band, 40 and 63 are
+/// divided by 8.
+#[test]
+fn llama3_scaled_inverse_frequencies() {
+    let mut v = ModelArgs::tiny(Arch::Llama, 61).to_hf();
+    let o = v.as_object_mut().unwrap();
+    o.insert("hidden_size".into(), serde_json::json!(256));
+    o.insert("num_attention_heads".into(), serde_json::json!(2));
+    o.insert("num_key_value_heads".into(), serde_json::json!(1));
+    o.insert("head_dim".into(), serde_json::json!(128));
+    o.insert("rope_theta".into(), serde_json::json!(500000.0));
+    // transformers 4 layout (rope_scaling with rope_type), no rope_parameters.
+    o.remove("rope_parameters");
+    o.insert(
+        "rope_scaling".into(),
+        serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    );
+    let args = ModelArgs::from_hf(&v).unwrap();
+    let inv = args.inv_freq();
+    assert_eq!(inv.len(), 64);
+    for (i, want) in [
+        (0, 1.0),
+        (1, 0.8146172338565447),
+        (30, 0.0013718935677611381),
+        (33, 0.00031269375038406517),
+        (40, 3.428102195952591e-05),
+        (63, 3.068925988914511e-07),
+    ] {
+        assert!(
+            (inv[i] - want).abs() <= 1e-12 * want,
+            "inv_freq[{i}] = {} vs {want}",
+            inv[i]
+        );
+    }
+    // The same settings in the transformers 5 layout read identically, and the saved config
+    // (both layouts) reads back to the same arguments.
+    let mut v5 = v.clone();
+    let o = v5.as_object_mut().unwrap();
+    o.remove("rope_theta");
+    let mut p = o.remove("rope_scaling").unwrap();
+    p["rope_theta"] = serde_json::json!(500000.0);
+    o.insert("rope_parameters".into(), p);
+    assert_eq!(ModelArgs::from_hf(&v5).unwrap(), args);
+    assert_eq!(ModelArgs::from_hf(&args.to_hf()).unwrap(), args);
+    assert_eq!(args.to_hf()["rope_scaling"]["rope_type"], "llama3");
+    assert_eq!(
+        args.to_hf()["rope_parameters"]["original_max_position_embeddings"],
+        8192
+    );
+}

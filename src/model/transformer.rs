@@ -305,12 +305,10 @@ impl CausalLm {
         &self.norm
     }
 
-    /// RoPE inverse frequencies `[head_dim / 2]`: `theta^(-2i / head_dim)`.
+    /// RoPE inverse frequencies `[head_dim / 2]` (`theta^(-2i / head_dim)`, scaled as the
+    /// config's `rope_scaling` says), shared by the composition and the packed decode path.
     pub fn inv_freq(&self) -> Vec<f64> {
-        let hd = self.args.head_dim;
-        (0..hd / 2)
-            .map(|i| 1.0 / self.args.rope_theta.powf(2.0 * i as f64 / hd as f64))
-            .collect()
+        self.args.inv_freq()
     }
 
     /// The output projection `[vocab, hidden]` (the embedding when tied).
@@ -452,7 +450,7 @@ impl CausalLm {
             .to_dtype(DType::U32)?
             .flatten_all()?
             .to_vec1()?;
-        let inv = self.inv_freq();
+        let inv = self.inv_freq(); // [head_dim / 2], RoPE scaling applied
         let mut cos = Vec::with_capacity(b * t * hd);
         let mut sin = Vec::with_capacity(b * t * hd);
         for &p in &pos {

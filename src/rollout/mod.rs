@@ -2,8 +2,10 @@
 //! log-probability of each sampled token and why each row stopped. Rows that finish leave the
 //! batch (their cache rows are dropped), so they stop costing compute.
 //!
-//! Sampling follows vLLM/HF semantics: temperature, then top-k, then top-p (nucleus) on the
-//! remaining probabilities; `do_sample=false` or temperature 0 decodes greedily.
+//! Sampling follows vLLM semantics: temperature, then top-k, then top-p (nucleus) on the
+//! remaining probabilities; temperature 0 decodes greedily. As in verl's agent loop, the
+//! temperature alone decides: `do_sample` is accepted in the config but never read here (verl
+//! passes only temperature, top-k and top-p to its rollout engine).
 
 pub mod scheduler;
 
@@ -35,7 +37,6 @@ pub struct SamplingParams {
 
 impl SamplingParams {
     fn from_parts(
-        do_sample: bool,
         temperature: f64,
         top_k: i64,
         top_p: f64,
@@ -44,7 +45,7 @@ impl SamplingParams {
         ignore_eos: bool,
     ) -> Self {
         Self {
-            greedy: !do_sample || temperature <= 0.0,
+            greedy: temperature <= 0.0,
             temperature,
             top_k: if top_k > 0 {
                 Some(top_k as usize)
@@ -62,7 +63,6 @@ impl SamplingParams {
     /// Training rollouts (`actor_rollout_ref.rollout.*`).
     pub fn train(r: &RolloutConfig, max_new_tokens: usize, eos_ids: &[u32]) -> Self {
         Self::from_parts(
-            r.do_sample,
             r.temperature,
             r.top_k,
             r.top_p,
@@ -77,7 +77,6 @@ impl SamplingParams {
     pub fn validation(r: &RolloutConfig, max_new_tokens: usize, eos_ids: &[u32]) -> Self {
         let v: &SamplingConfig = &r.val_kwargs;
         Self::from_parts(
-            v.do_sample,
             v.temperature,
             v.top_k,
             v.top_p,
@@ -113,8 +112,9 @@ pub enum StopReason {
 pub struct Rollout {
     /// Sampled tokens, EOS included when it ended the row.
     pub responses: Vec<Vec<u32>>,
-    /// Log-probability of each sampled token under the model's full distribution
-    /// (before temperature and filtering).
+    /// Log-probability of each sampled token under the distribution it was sampled from:
+    /// `log_softmax(logits / temperature)` over the full vocabulary (before top-k/top-p), the
+    /// quantity the trainer recomputes as old log-probs; greedy rows use temperature 1.
     pub log_probs: Vec<Vec<f32>>,
     pub stop: Vec<StopReason>,
 }
@@ -171,10 +171,21 @@ impl Sampler {
     }
 }
 
-/// Chooses a token from one row of logits; returns (token, log-prob under the raw distribution).
+/// Chooses a token from one row of logits; returns (token, its log-prob under
+/// `softmax(logits / temperature)`, temperature 1 when greedy).
 pub fn sample_row(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> (u32, f32) {
-    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let lse = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
+    let t = if p.greedy || p.temperature <= 0.0 {
+        1.0
+    } else {
+        p.temperature as f32
+    };
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) / t;
+    let lse = max
+        + logits
+            .iter()
+            .map(|&l| (l / t - max).exp())
+            .sum::<f32>()
+            .ln();
     let pick = if p.greedy {
         // First maximum (lowest id) on ties.
         logits
@@ -202,7 +213,7 @@ pub fn sample_row(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> (
                     break;
                 }
             }
-            return (chosen as u32, logits[chosen] - lse);
+            return (chosen as u32, logits[chosen] / t - lse);
         }
         let mut cand: Vec<(usize, f32)> = logits.iter().map(|&l| l / t).enumerate().collect();
         if filtering {
@@ -242,7 +253,7 @@ pub fn sample_row(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> (
         }
         chosen
     };
-    (pick as u32, logits[pick] - lse)
+    (pick as u32, logits[pick] / t - lse)
 }
 
 /// Each dataset row of `prompts` `n` times in a row (the rows of one prompt's group together).

@@ -157,9 +157,85 @@ fn top_k_one_and_tiny_top_p_are_greedy() {
     let want = 1.0 / (1.0 + (-0.1f64).exp()); // p(1) = e^2 / (e^2 + e^1.9)
     let got = counts[1] as f64 / 20_000.0;
     assert!((got - want).abs() < 0.02, "{got} vs {want}");
-    // The log-prob is always under the raw distribution.
+    // The log-prob is under the full (unfiltered) distribution at the sampling temperature.
     let lse = logits.iter().map(|l| l.exp()).sum::<f32>().ln();
     assert!((sample_row(&logits, &k1, &mut rng).1 - (2.0 - lse)).abs() < 1e-6);
+    let t2 = SamplingParams {
+        temperature: 0.5,
+        ..k1.clone()
+    };
+    let lse2 = logits.iter().map(|l| (l / 0.5).exp()).sum::<f32>().ln();
+    assert!((sample_row(&logits, &t2, &mut rng).1 - (2.0 / 0.5 - lse2)).abs() < 1e-5);
+}
+
+/// verl's agent loop hands only temperature, top-k and top-p to the rollout engine: do_sample
+/// is never read, and temperature 0 is greedy. `val_kwargs.temperature=0.6 val_kwargs.n=4`
+/// samples although `val_kwargs.do_sample` stays false by default.
+#[test]
+fn temperature_alone_decides_between_greedy_and_sampling() {
+    let mut r = RolloutConfig {
+        do_sample: false,
+        ..Default::default()
+    };
+    assert!(
+        !SamplingParams::train(&r, 8, &[]).greedy,
+        "temperature 1 samples"
+    );
+    r.do_sample = true;
+    r.temperature = 0.0;
+    assert!(
+        SamplingParams::train(&r, 8, &[]).greedy,
+        "temperature 0 is greedy"
+    );
+    let mut r = RolloutConfig::default();
+    let v = &mut r.val_kwargs;
+    assert!(!v.do_sample && v.temperature == 0.0);
+    assert!(SamplingParams::validation(&r, 8, &[]).greedy);
+    r.val_kwargs.temperature = 0.6;
+    r.val_kwargs.n = 4;
+    let v = &r.val_kwargs;
+    let p = SamplingParams::validation(&r, 8, &[]);
+    assert!(!p.greedy);
+    assert_eq!(p.temperature, 0.6);
+    // Four copies of one prompt give more than one distinct response.
+    let (_vm, m) = model();
+    let prompts = vec![vec![1u32, 2, 3]; v.n];
+    let out = run(&m, &prompts, &p, 11);
+    let distinct: std::collections::BTreeSet<&Vec<u32>> = out.responses.iter().collect();
+    assert!(distinct.len() > 1, "{:?}", out.responses);
+}
+
+/// The rollout's log-probs are the tempered ones (what the trainer recomputes as old log-probs
+/// with logits / temperature): checked against a full forward whose hidden state is divided by
+/// the temperature (h·W / T = (h / T)·W).
+#[test]
+fn sampled_log_probs_use_the_temperature() {
+    let (_vm, m) = model();
+    let prompt = vec![4u32, 9, 2];
+    let p = SamplingParams {
+        greedy: false,
+        temperature: 0.6,
+        top_k: None,
+        top_p: 1.0,
+        max_new_tokens: 6,
+        eos_ids: vec![],
+        ignore_eos: false,
+        limits: Limits::default(),
+    };
+    let a = run(&m, std::slice::from_ref(&prompt), &p, 5);
+    let seq: Vec<u32> = [prompt.clone(), a.responses[0].clone()].concat();
+    let n = seq.len();
+    let ids = Tensor::new(vec![seq.clone()], &Device::Cpu).unwrap();
+    let pos = Tensor::new(vec![(0..n as u32).collect::<Vec<_>>()], &Device::Cpu).unwrap();
+    let mask = Tensor::new(vec![vec![1u32; n]], &Device::Cpu).unwrap();
+    let h = (m.forward_hidden(&ids, &pos, &mask, None).unwrap() / 0.6).unwrap();
+    let tgt = Tensor::new(vec![[seq[1..].to_vec(), vec![0]].concat()], &Device::Cpu).unwrap();
+    let (lp, _) = m.token_logprobs(&h, &tgt, 4, false).unwrap();
+    let lp: Vec<f32> = lp.get(0).unwrap().to_vec1().unwrap();
+    for (k, got) in a.log_probs[0].iter().enumerate() {
+        let want = lp[prompt.len() - 1 + k];
+        assert!((got - want).abs() < 1e-4, "token {k}: {got} vs {want}");
+    }
 }
 
 #[test]

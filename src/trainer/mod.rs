@@ -719,7 +719,7 @@ impl Trainer {
                 let prompt = self
                     .tokenizer
                     .tokenizer
-                    .decode(&batch.prompts[i], false)
+                    .decode(&batch.prompts[i], true)
                     .unwrap_or_default();
                 let adv = &advantages[i];
                 let mut o = json!({

@@ -407,4 +407,30 @@ mod tests {
         };
         assert_eq!(LrSchedule::new(&o, 10).kind, LrSchedulerType::Cosine);
     }
+
+    /// verl's `fsdp_workers`: `num_warmup_steps = lr_warmup_steps`, and only when that is
+    /// negative `int(lr_warmup_steps_ratio × total)`. So 0 is "no warm-up" even with a ratio.
+    #[test]
+    fn zero_warmup_steps_means_none_and_negative_means_the_ratio() {
+        let sched = |yaml: &str| {
+            let o: OptimConfig = serde_yaml_ng::from_str(yaml).unwrap();
+            LrSchedule::new(&o, 100)
+        };
+        let s = sched("{lr: 1.0, lr_warmup_steps: 0, lr_warmup_steps_ratio: 0.1}");
+        assert_eq!(s.warmup_steps, 0);
+        assert_eq!(s.lr(0), 1.0, "the first update runs at the full rate");
+        for minus in ["-1", "-5", "null"] {
+            let s = sched(&format!(
+                "{{lr: 1.0, lr_warmup_steps: {minus}, lr_warmup_steps_ratio: 0.1}}"
+            ));
+            assert_eq!(s.warmup_steps, 10, "{minus}: int(0.1 × 100)");
+        }
+        let s = sched("{lr: 1.0, lr_warmup_steps: 3, lr_warmup_steps_ratio: 0.1}");
+        assert_eq!(s.warmup_steps, 3);
+        // Written back in verl's spelling.
+        let o: OptimConfig = serde_yaml_ng::from_str("{lr_warmup_steps: -1}").unwrap();
+        assert!(serde_yaml_ng::to_string(&o)
+            .unwrap()
+            .contains("lr_warmup_steps: -1"));
+    }
 }

@@ -527,10 +527,25 @@ fn validation_metrics_and_sample_dumps() {
             for k in ["input", "output", "gts", "score", "advantage", "reward/a"] {
                 assert!(r.get(k).is_some(), "{k} in {r}");
             }
+            // verl decodes prompts with skip_special_tokens=True: the ChatML markers
+            // (<|im_start|>, <|im_end|>) and left padding (<|endoftext|>) are not in `input`.
+            let input = r["input"].as_str().unwrap();
+            assert!(
+                input.contains("assistant") && !input.contains("<|"),
+                "{input}"
+            );
         }
     }
     let v0 = std::fs::read_to_string(vdumps.join("0.jsonl")).unwrap();
     assert_eq!(v0.lines().count(), 8, "4 validation prompts x 2");
+    for l in v0.lines() {
+        let r: serde_json::Value = serde_json::from_str(l).unwrap();
+        let input = r["input"].as_str().unwrap();
+        assert!(
+            input.contains("assistant") && !input.contains("<|"),
+            "{input}"
+        );
+    }
     let lines = lines.lock().unwrap();
     assert!(lines[0].starts_with("step:0 - val-"), "{}", lines[0]);
     assert!(lines.iter().any(|l| l.starts_with("step:1 - actor/")));

@@ -91,7 +91,7 @@ impl Trainer {
                     });
                 }
                 dumps.push(json!({
-                    "input": self.tokenizer.tokenizer.decode(&ds.prompt_ids[rows[k]], false).unwrap_or_default(),
+                    "input": self.tokenizer.tokenizer.decode(&ds.prompt_ids[rows[k]], true).unwrap_or_default(),
                     "output": texts[k],
                     "gts": sample.ground_truth,
                     "score": r.score,
