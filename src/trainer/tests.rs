@@ -722,3 +722,6 @@ fn control_api_changes_weights_between_steps_and_they_survive_resume() {
         0.25
     );
 }
+
+#[path = "tests_golden.rs"]
+mod golden;
