@@ -12,7 +12,8 @@ use candle_nn::VarMap;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
-use super::python::{CallError, Item};
+use super::python::CallError;
+use super::ScoreRequest as Item;
 use super::{RewardError, ScoreResult};
 use crate::data::{ChatTemplate, TokenizerBundle};
 use crate::model::{CausalLm, ScoreHead};

@@ -133,8 +133,8 @@ fn run_case(extra: &[&str]) -> Value {
         .collect();
     json!({
         "steps": steps,
-        "actor": weight_print(&t.actor.varmap),
-        "critic": t.critic.as_ref().map(|c| weight_print(&c.varmap)),
+        "actor": weight_print(&t.actor.trainable.varmap),
+        "critic": t.critic.as_ref().map(|c| weight_print(&c.trainable.varmap)),
     })
 }
 
