@@ -715,3 +715,27 @@ mod fuzz {
         }
     }
 }
+
+#[test]
+fn check_refuses_what_training_refuses() {
+    // `config check` used to call these valid; training then misbehaved or refused them.
+    for bad in ["nan", "-1", "0"] {
+        let e = rule_error(&[&format!("actor_rollout_ref.actor.grad_clip={bad}")]);
+        assert!(
+            e.contains("actor_rollout_ref.actor.grad_clip"),
+            "{bad}: {e}"
+        );
+    }
+    let e = rule_error(&["critic.grad_clip=inf"]);
+    assert!(e.contains("critic.grad_clip"), "{e}");
+    let public = ["reward.control.enable=True", "reward.control.host=0.0.0.0"];
+    let e = rule_error(&public);
+    assert!(e.contains("reward.control.token"), "{e}");
+    let mut with_token = public.to_vec();
+    with_token.push("reward.control.token=s3cret");
+    assert!(resolved(&with_token).is_ok());
+    assert!(
+        resolved(&["reward.control.enable=True"]).is_ok(),
+        "loopback needs no token"
+    );
+}

@@ -19,6 +19,7 @@ pub mod critic;
 mod dumps;
 pub mod optim;
 mod phases;
+pub mod setup;
 mod state;
 mod step_metrics;
 pub mod trainable;
@@ -31,8 +32,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::DType;
-
 pub use optim::{clip_grad_norm, AdamW, LrSchedule};
 
 use self::actor::{Actor, Reference};
@@ -42,7 +41,6 @@ use crate::algo::KlController;
 use crate::checkpoint::CheckpointError;
 use crate::config::{AdvEstimator, Config, ConfigError, Plan};
 use crate::control::ControlServer;
-use crate::data::dataset::{load_samples, DatasetOptions};
 use crate::data::{BatchLoader, DataError, PromptDataset, TokenizerBundle};
 use crate::metrics::{Metrics, Timings, Tracker};
 use crate::model::ModelError;
@@ -131,16 +129,6 @@ pub struct Trainer {
 /// Steps of metrics a [`Trainer`] keeps in memory.
 pub const HISTORY_LEN: usize = 1000;
 
-fn load_dataset(
-    files: &[String],
-    opts: &DatasetOptions,
-    tok: &TokenizerBundle,
-    template: &crate::data::ChatTemplate,
-) -> Result<PromptDataset> {
-    let samples = load_samples(files, opts)?;
-    Ok(PromptDataset::build(samples, tok, template, opts)?)
-}
-
 impl Trainer {
     /// Loads everything a run needs, reward functions first (a broken reward file fails before
     /// any model is read), then resumes from a checkpoint as `trainer.resume_mode` says.
@@ -149,143 +137,56 @@ impl Trainer {
         for w in &plan.warnings {
             tracing::warn!("{w}");
         }
-        let reward = RewardManager::from_config_with(
-            &cfg.reward,
-            &opts.natives,
-            &crate::reward::ModelContext {
-                device: cfg.trainer.device.clone(),
-                prompt_key: cfg.data.prompt_key.clone(),
-            },
-        )?;
-        let sources: Vec<String> = reward
-            .sources
-            .iter()
-            .map(|s| format!("{} = {} (weight {})", s.name, s.label, s.weight))
-            .collect();
-        tracing::info!("reward ready: {}", sources.join(", "));
+        setup::check_paths(&cfg, &plan)?;
+        let reward = setup::reward_manager(&cfg, &opts.natives)?;
         let device = crate::model::device(&cfg.trainer.device)?;
-        let m = &cfg.actor_rollout_ref.model;
-        // The policy's weights from `model.path`: the actor, and again the frozen reference.
-        let load_policy = || {
-            crate::model::load_model_and_tokenizer(
-                &m.path,
-                m.tokenizer_path.as_deref(),
-                &m.override_config,
-                DType::F32,
-                &device,
-                true,
-            )
-        };
-        let t0 = Instant::now();
-        let (loaded, tok) = load_policy()?;
-        tracing::info!(
-            "actor: {} loaded in {:.1} s",
-            m.path,
-            t0.elapsed().as_secs_f64()
-        );
-        let template = tok.template(m.custom_chat_template.as_deref())?;
-
-        let train = load_dataset(
-            &cfg.data.train_files.to_vec(),
-            &DatasetOptions::train(&cfg.data, plan.prompt_length),
-            &tok,
-            &template,
-        )?;
-        let steps_per_epoch = plan.steps_per_epoch(train.len()) as u64;
-        if steps_per_epoch == 0 {
-            return Err(TrainerError::Other(format!(
-                "data.train_files: {} prompts after filtering, fewer than data.train_batch_size ({}): not one step can run",
-                train.len(),
-                plan.train_batch_size
-            )));
-        }
-        let wants_val =
-            cfg.trainer.val_before_train || cfg.trainer.val_only || cfg.trainer.test_freq.is_some();
-        let val_files = cfg.data.val_files.to_vec();
-        let val = if wants_val && !val_files.is_empty() {
-            Some(load_dataset(
-                &val_files,
-                &DatasetOptions::val(&cfg.data, plan.prompt_length),
-                &tok,
-                &template,
-            )?)
-        } else {
-            None
-        };
-        let total_steps = cfg
-            .trainer
-            .total_training_steps
-            .unwrap_or(steps_per_epoch * cfg.trainer.total_epochs as u64);
+        let (loaded, tok) = setup::load_policy(&cfg, &device)?;
+        let template = tok.template(cfg.actor_rollout_ref.model.custom_chat_template.as_deref())?;
+        let with_val = setup::wants_validation(&cfg);
+        let (train, val) = setup::datasets(&cfg, &plan, &tok, &template, with_val)?;
+        let total_steps = setup::total_steps(&cfg, &plan, train.len())?;
         let r = &cfg.actor_rollout_ref.rollout;
         let params = SamplingParams::train(r, plan.response_length, &tok.eos_token_ids);
         let temperature = if params.greedy { 1.0 } else { r.temperature };
-
+        let pad = tok.pad_token_id;
         let actor = Actor::new(
             loaded,
             &cfg.actor_rollout_ref.actor,
             &plan,
             total_steps,
             temperature,
-            tok.pad_token_id,
+            pad,
         );
         let reference = match (plan.need_reference, plan.ref_log_prob_micro) {
-            (true, Some(micro)) => Some(Reference::new(
-                load_policy()?.0,
-                micro,
-                temperature,
-                tok.pad_token_id,
-            )),
+            (true, Some(micro)) => {
+                let (l, _) = setup::load_policy(&cfg, &device)?;
+                Some(Reference::new(l, micro, temperature, pad))
+            }
             _ => None,
         };
         let critic = if plan.need_critic {
-            let c = &cfg.critic.model;
-            let (l, ctok) = crate::model::load_model_and_tokenizer(
-                &c.path,
-                c.tokenizer_path.as_deref().or(m.tokenizer_path.as_deref()),
-                &c.override_config,
-                DType::F32,
-                &device,
-                false,
-            )?;
-            if ctok.tokenizer.get_vocab_size(true) != tok.tokenizer.get_vocab_size(true) {
-                return Err(TrainerError::Other(format!(
-                    "critic.model.path={}: its tokenizer has {} tokens, the actor's {}: the critic must read the actor's token ids",
-                    c.path,
-                    ctok.tokenizer.get_vocab_size(true),
-                    tok.tokenizer.get_vocab_size(true)
-                )));
-            }
+            let l = setup::load_critic(&cfg, &device, &tok)?;
             Some(Critic::new(
                 l,
                 &cfg.critic,
                 &plan,
                 total_steps,
-                tok.pad_token_id,
+                pad,
                 cfg.trainer.seed,
             )?)
         } else {
             None
         };
+        let data_seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
         let loader = BatchLoader::new(
             train.len(),
             plan.train_batch_size,
             cfg.data.shuffle,
-            cfg.data.seed.unwrap_or(cfg.trainer.seed),
+            data_seed,
         );
         let tracker = match opts.tracker {
             Some(t) => t,
-            None => {
-                let (t, warnings) = Tracker::new(
-                    &cfg.trainer.logger.to_vec(),
-                    &cfg.trainer.project_name,
-                    &cfg.trainer.experiment_name,
-                )
-                .map_err(TrainerError::Other)?;
-                for w in warnings {
-                    tracing::warn!("{w}");
-                }
-                t
-            }
+            None => setup::tracker(&cfg)?,
         };
         let mut t = Trainer {
             rollout: RolloutWorker::new(params, plan.n, r.seed),
