@@ -113,9 +113,13 @@ fn read_yaml_with_defaults(
         file: file.clone(),
         message: e.to_string(),
     })?;
+    super::overrides::check_nesting(&text).map_err(|message| ConfigError::File {
+        file: file.clone(),
+        message,
+    })?;
     let mut value: Value = serde_yaml_ng::from_str(&text).map_err(|e| ConfigError::File {
         file: file.clone(),
-        message: e.to_string(),
+        message: super::overrides::yaml_message(&e),
     })?;
     let Some(map) = value.as_mapping_mut() else {
         return Ok(value);
@@ -538,6 +542,10 @@ fn interpolate_tree(schema: &Schema, tree: &mut Value) -> Result<(), ConfigError
     Ok(())
 }
 
+/// The longest string an interpolation may expand to (a few references that each repeat
+/// others would otherwise grow exponentially with the nesting).
+const MAX_EXPANSION: usize = 1 << 20;
+
 fn resolve_string(root: &Value, at: &[String], s: &str, depth: usize) -> Result<Value, String> {
     if depth > 16 {
         return Err("interpolation nests more than 16 deep (a cycle?)".into());
@@ -586,6 +594,11 @@ fn resolve_string(root: &Value, at: &[String], s: &str, depth: usize) -> Result<
                 .to_string(),
         });
         rest = &rest[end + 1..];
+        if out.len() > MAX_EXPANSION {
+            return Err(format!(
+                "interpolation expands to more than {MAX_EXPANSION} bytes (references repeating references?)"
+            ));
+        }
     }
     if let Some(v) = whole {
         return Ok(v);

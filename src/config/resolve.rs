@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use super::{AdvEstimator, Config, ConfigError, LossAggMode, PolicyLossMode, RewardSourceType};
+use super::{AdvEstimator, Config, ConfigError, LossAggMode, PolicyLossMode};
 
 /// How a pass over many sequences is cut into forward passes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -360,7 +360,7 @@ fn rollout_rules(errors: &mut Vec<String>, cfg: &Config) -> MicroBatching {
             vk.top_p
         ));
     }
-    let log_prob_micro = one_micro_key(
+    one_micro_key(
         errors,
         "actor_rollout_ref.rollout.log_prob_micro_batch_size",
         rollout.log_prob_micro_batch_size,
@@ -372,9 +372,7 @@ fn rollout_rules(errors: &mut Vec<String>, cfg: &Config) -> MicroBatching {
         rollout
             .log_prob_max_token_len_per_gpu
             .unwrap_or(actor.ppo_max_token_len_per_gpu),
-    );
-
-    log_prob_micro
+    )
 }
 
 /// `actor_rollout_ref.ref.*`: whether a reference is loaded, and its forward passes.
@@ -621,20 +619,8 @@ fn reward_rules(errors: &mut Vec<String>, cfg: &Config) {
         if s.micro_batch_size == Some(0) {
             errors.push(format!("`{at}.micro_batch_size` must be at least 1"));
         }
-        match s.kind {
-            RewardSourceType::Builtin if s.scorer.is_none() => {
-                errors.push(format!("`{at}` has type builtin but no `scorer`"))
-            }
-            RewardSourceType::Python if s.path.is_none() => {
-                errors.push(format!("`{at}` has type python but no `path`"))
-            }
-            RewardSourceType::Native if s.function.is_none() => {
-                errors.push(format!("`{at}` has type native but no `function`"))
-            }
-            RewardSourceType::Model if s.path.is_none() => {
-                errors.push(format!("`{at}` has type model but no `path` (an HF directory of a sequence-classification model)"))
-            }
-            _ => {}
+        if let Err(rule) = s.spec() {
+            errors.push(format!("`{at}` {rule}"));
         }
     }
 }

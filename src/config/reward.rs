@@ -158,6 +158,57 @@ pub struct RewardSource {
     pub gate: Option<Gate>,
 }
 
+/// A source's type with the fields that type needs: what `reward.sources[i]` means once its
+/// rule holds. The wire format stays flat (`type` plus optional fields) so serde's errors name
+/// the field; this is the one place the per-type rule is written.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SourceSpec<'a> {
+    Builtin { scorer: &'a str },
+    Python { path: &'a str, function: &'a str },
+    Native { function: &'a str },
+    Model { path: &'a str },
+}
+
+impl RewardSource {
+    /// The typed source, or the rule its fields break (`has type builtin but no `scorer``).
+    pub fn spec(&self) -> Result<SourceSpec<'_>, String> {
+        let missing = |field: &str, what: &str| {
+            let kind = serde_yaml_ng::to_string(&self.kind).unwrap_or_default();
+            format!("has type {} but no `{field}`{what}", kind.trim())
+        };
+        match self.kind {
+            RewardSourceType::Builtin => self
+                .scorer
+                .as_deref()
+                .map(|scorer| SourceSpec::Builtin { scorer })
+                .ok_or_else(|| missing("scorer", "")),
+            RewardSourceType::Python => self
+                .path
+                .as_deref()
+                .map(|path| SourceSpec::Python {
+                    path,
+                    function: self.function.as_deref().unwrap_or("compute_score"),
+                })
+                .ok_or_else(|| missing("path", "")),
+            RewardSourceType::Native => self
+                .function
+                .as_deref()
+                .map(|function| SourceSpec::Native { function })
+                .ok_or_else(|| missing("function", "")),
+            RewardSourceType::Model => self
+                .path
+                .as_deref()
+                .map(|path| SourceSpec::Model { path })
+                .ok_or_else(|| {
+                    missing(
+                        "path",
+                        " (an HF directory of a sequence-classification model)",
+                    )
+                }),
+        }
+    }
+}
+
 fn one() -> f64 {
     1.0
 }

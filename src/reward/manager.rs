@@ -11,8 +11,9 @@ use serde_json::{Map, Value};
 use super::model_source::{RewardModel, RewardModelOptions, RunningStats};
 use super::python::{CallError, PoolSettings, PythonFunction, PythonPool};
 use super::{Builtin, NativeRegistry, RewardError, RewardFn, ScoreRequest, ScoreResult};
+use crate::config::reward::SourceSpec;
 use crate::config::reward::{Gate, GateAction};
-use crate::config::{OnError, RewardConfig, RewardManagerName, RewardSourceType};
+use crate::config::{OnError, RewardConfig, RewardManagerName};
 
 enum Kind {
     Builtin(Builtin),
@@ -163,43 +164,36 @@ impl RewardManager {
         } else {
             for (i, s) in cfg.sources.iter().enumerate() {
                 let at = format!("reward.sources[{i}] ({})", s.name);
-                let (label, kind) = match s.kind {
-                    RewardSourceType::Builtin => {
-                        let scorer = s.scorer.as_deref().ok_or_else(|| {
-                            RewardError::Config(format!("{at}: type builtin needs `scorer`"))
-                        })?;
+                let spec = s
+                    .spec()
+                    .map_err(|rule| RewardError::Config(format!("{at}: {rule}")))?;
+                let (label, kind) = match spec {
+                    SourceSpec::Builtin { scorer } => {
                         let b = Builtin::from_name(scorer, &s.kwargs)
                             .map_err(|e| RewardError::Config(format!("{at}: {e}")))?;
                         (format!("built-in {scorer}"), Kind::Builtin(b))
                     }
-                    RewardSourceType::Python => {
-                        let path = s.path.clone().ok_or_else(|| {
-                            RewardError::Config(format!("{at}: type python needs `path`"))
-                        })?;
-                        let name = s.function.clone().unwrap_or_else(|| "compute_score".into());
+                    SourceSpec::Python { path, function } => {
                         let func = PythonFunction {
-                            path: path.clone(),
-                            name: name.clone(),
+                            path: path.to_string(),
+                            name: function.to_string(),
                             kwargs: s.kwargs.clone(),
                             batch,
                         };
                         let pool = PythonPool::start(func, settings.clone())
                             .map_err(|e| RewardError::Config(format!("{at}: {e}")))?;
-                        (format!("{name} ({path})"), Kind::Python(Box::new(pool)))
+                        (format!("{function} ({path})"), Kind::Python(Box::new(pool)))
                     }
-                    RewardSourceType::Native => {
-                        let name = s.function.as_deref().ok_or_else(|| {
-                            RewardError::Config(format!("{at}: type native needs `function`"))
-                        })?;
+                    SourceSpec::Native { function } => {
                         let f = native
-                            .get(name)
+                            .get(function)
                             .map_err(|e| RewardError::Config(format!("{at}: {e}")))?;
-                        (format!("native {name}"), Kind::Native(f, s.kwargs.clone()))
+                        (
+                            format!("native {function}"),
+                            Kind::Native(f, s.kwargs.clone()),
+                        )
                     }
-                    RewardSourceType::Model => {
-                        let path = s.path.as_deref().ok_or_else(|| {
-                            RewardError::Config(format!("{at}: type model needs `path`"))
-                        })?;
+                    SourceSpec::Model { path } => {
                         let rm = RewardModel::load(&RewardModelOptions {
                             path,
                             device: s.device.as_deref().unwrap_or(&ctx.device),

@@ -97,7 +97,8 @@ pub fn data_metrics(
     Ok(())
 }
 
-/// `reward/<source>/mean` per source, `reward/errors` and `reward/skipped` of this step, and
+/// `reward/<source>/mean` per source, `reward/errors` and `reward/skipped` (samples left out of
+/// the update) of this step, and
 /// the means of numeric extra values scorers reported (`reward_extra/<key>/mean`).
 pub fn reward_metrics(m: &mut Metrics, manager: &RewardManager, rewards: &[SampleReward]) {
     for (k, src) in manager.sources.iter().enumerate() {
@@ -122,10 +123,12 @@ pub fn reward_metrics(m: &mut Metrics, manager: &RewardManager, rewards: &[Sampl
     }
     let errors = rewards.iter().filter(|r| r.error.is_some()).count();
     m.insert("reward/errors".into(), errors as f64);
-    m.insert(
-        "reward/skipped".into(),
-        rewards.iter().filter(|r| r.skipped).count() as f64,
-    );
+    // Samples left out of the update: no score (`on_error=skip`) or a `skip_update` gate.
+    let skipped = rewards
+        .iter()
+        .filter(|r| r.skipped || r.score.is_none() || r.gate_skip)
+        .count();
+    m.insert("reward/skipped".into(), skipped as f64);
     let mut extra: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for r in rewards {
         for (k, v) in &r.extra {

@@ -611,6 +611,10 @@ fn a_skip_update_gate_zeroes_loss_mask_and_advantage_of_gated_samples() {
         }
         let m = &t.history[(step - 1) as usize].1;
         assert_eq!(m["reward/gated/even"], gated as f64);
+        assert_eq!(
+            m["reward/skipped"], gated as f64,
+            "gated samples are left out"
+        );
         gated_total += gated;
     }
     assert!(gated_total > 0, "some responses have an odd length");
