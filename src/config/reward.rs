@@ -172,41 +172,40 @@ pub enum SourceSpec<'a> {
 impl RewardSource {
     /// The typed source, or the rule its fields break (`has type builtin but no `scorer``).
     pub fn spec(&self) -> Result<SourceSpec<'_>, String> {
-        let missing = |field: &str, what: &str| {
-            let kind = serde_yaml_ng::to_string(&self.kind).unwrap_or_default();
-            format!("has type {} but no `{field}`{what}", kind.trim())
-        };
-        match self.kind {
-            RewardSourceType::Builtin => self
-                .scorer
-                .as_deref()
-                .map(|scorer| SourceSpec::Builtin { scorer })
-                .ok_or_else(|| missing("scorer", "")),
-            RewardSourceType::Python => self
-                .path
-                .as_deref()
-                .map(|path| SourceSpec::Python {
-                    path,
-                    function: self.function.as_deref().unwrap_or("compute_score"),
-                })
-                .ok_or_else(|| missing("path", "")),
-            RewardSourceType::Native => self
-                .function
-                .as_deref()
-                .map(|function| SourceSpec::Native { function })
-                .ok_or_else(|| missing("function", "")),
-            RewardSourceType::Model => self
-                .path
-                .as_deref()
-                .map(|path| SourceSpec::Model { path })
-                .ok_or_else(|| {
-                    missing(
-                        "path",
-                        " (an HF directory of a sequence-classification model)",
-                    )
-                }),
-        }
+        let kind = serde_yaml_ng::to_string(&self.kind).unwrap_or_default();
+        let need = |field, name, what| required(field, kind.trim(), name, what);
+        Ok(match self.kind {
+            RewardSourceType::Builtin => SourceSpec::Builtin {
+                scorer: need(&self.scorer, "scorer", "")?,
+            },
+            RewardSourceType::Python => SourceSpec::Python {
+                path: need(&self.path, "path", "")?,
+                function: self.function.as_deref().unwrap_or("compute_score"),
+            },
+            RewardSourceType::Native => SourceSpec::Native {
+                function: need(&self.function, "function", "")?,
+            },
+            RewardSourceType::Model => SourceSpec::Model {
+                path: need(
+                    &self.path,
+                    "path",
+                    " (an HF directory of a sequence-classification model)",
+                )?,
+            },
+        })
     }
+}
+
+/// A field a source type needs, or the rule naming it.
+fn required<'a>(
+    field: &'a Option<String>,
+    kind: &str,
+    name: &str,
+    what: &str,
+) -> Result<&'a str, String> {
+    field
+        .as_deref()
+        .ok_or_else(|| format!("has type {kind} but no `{name}`{what}"))
 }
 
 fn one() -> f64 {
