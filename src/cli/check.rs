@@ -6,11 +6,11 @@ use std::fmt::Write as _;
 use anyhow::Context;
 use std::path::PathBuf;
 
-use crate::config::resolve::expand_home;
 use crate::config::{Config, MicroBatching, Plan, RewardSourceType, UpdatePlan};
 use crate::data::dataset::{load_samples, DatasetOptions};
 use crate::data::TokenizerBundle;
 use crate::trainer::setup;
+use crate::util::expand_home;
 
 use super::ConfigArgs;
 

@@ -737,16 +737,4 @@ fn loss_agg_str(m: LossAggMode) -> String {
         .to_string()
 }
 
-/// `~/x` → `$HOME/x` (verl's paths are written with `~`).
-pub fn expand_home(p: &str) -> String {
-    if let Some(rest) = p.strip_prefix("~/") {
-        if let Some(home) = std::env::var_os("HOME") {
-            return format!("{}/{rest}", home.to_string_lossy());
-        }
-    } else if p == "~" {
-        if let Some(home) = std::env::var_os("HOME") {
-            return home.to_string_lossy().into_owned();
-        }
-    }
-    p.to_string()
-}
+pub use crate::util::expand_home;

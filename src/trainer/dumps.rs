@@ -52,7 +52,7 @@ impl Trainer {
             })
             .collect();
         write_jsonl(
-            &PathBuf::from(crate::config::resolve::expand_home(dir)),
+            &PathBuf::from(crate::util::expand_home(dir)),
             self.global_step,
             &rows,
         )

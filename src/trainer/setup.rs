@@ -8,13 +8,13 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 
 use super::{Result, TrainerError};
-use crate::config::resolve::expand_home;
 use crate::config::{Config, ConfigError, Plan, RewardSourceType};
 use crate::data::dataset::{load_samples, DatasetOptions};
 use crate::data::{ChatTemplate, PromptDataset, TokenizerBundle};
 use crate::metrics::Tracker;
 use crate::model::hf::Loaded;
 use crate::reward::{ModelContext, NativeRegistry, RewardManager};
+use crate::util::expand_home;
 
 /// Every path the configuration names, checked together: inputs must exist, and the folders
 /// a run writes (checkpoints, sample dumps) must be creatable and writable, so a run never

@@ -13,8 +13,8 @@ use super::batch::{MicroInputs, StepBatch};
 use super::optim::clip_grad_norm;
 use super::trainable::{Network, Trainable};
 use crate::algo::AggNorm;
-use crate::data::loader::permutation;
 use crate::metrics::{mean, Metrics};
+use crate::util::permutation;
 
 /// What one micro-batch's loss reports: the loss to backpropagate and named scalars
 /// (summed over a mini-batch's micro-batches when `summed`, else averaged).

@@ -147,7 +147,7 @@ impl Trainer {
             );
         }
         if let Some(dir) = &self.cfg.trainer.validation_data_dir {
-            let dir = std::path::PathBuf::from(crate::config::resolve::expand_home(dir));
+            let dir = std::path::PathBuf::from(crate::util::expand_home(dir));
             write_jsonl(&dir, self.global_step, &dumps)?;
         }
         Ok(m)
