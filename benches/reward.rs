@@ -8,7 +8,8 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use main_ppo::reward::python::{Item, PoolSettings, PythonFunction, PythonPool};
+use main_ppo::reward::python::{PoolSettings, PythonFunction, PythonPool};
+use main_ppo::reward::ScoreRequest;
 use main_ppo::reward::{Builtin, ScoreInput};
 use serde_json::{json, Map};
 
@@ -48,8 +49,8 @@ fn bench(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("trivial.py");
     std::fs::write(&path, "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n").unwrap();
-    let items: Vec<Item> = (0..10_000)
-        .map(|i| Item {
+    let items: Vec<ScoreRequest> = (0..10_000)
+        .map(|i| ScoreRequest {
             data_source: "openai/gsm8k".into(),
             solution_str: response(i),
             ground_truth: json!("72"),

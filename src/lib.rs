@@ -4,7 +4,8 @@
 //! `config` (every key and default) → `data` (rows → tokenised prompts) → `model` (the
 //! transformer and its files) → `rollout` (generation) → `reward` (scores) and `algo` (PPO
 //! mathematics) → `metrics` (names, sinks) and `checkpoint` (folder layout, atomic saves) →
-//! `trainer` (the loop) → `cli` (argv, logging, signals, exit codes).
+//! `trainer` (the loop) → `cli` (argv, logging, signals, exit codes); `util` (paths, the
+//! seeded permutation) sits below them all.
 
 pub mod algo;
 pub mod checkpoint;
@@ -19,3 +20,4 @@ pub mod rollout;
 #[doc(hidden)]
 pub mod testing;
 pub mod trainer;
+pub mod util;

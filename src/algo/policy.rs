@@ -304,7 +304,7 @@ fn clip_cov(
     }
     let clip_num = ((p.clip_cov_ratio * m.iter().sum::<f64>()) as usize).max(1);
     // A seeded random choice of `clip_num` candidates (the loader's portable shuffle).
-    let order = crate::data::loader::permutation(candidates.len(), p.seed, 0);
+    let order = crate::util::permutation(candidates.len(), p.seed, 0);
     let mut corr = vec![1.0; a.len()];
     for &k in order.iter().take(clip_num) {
         corr[candidates[k]] = 0.0;

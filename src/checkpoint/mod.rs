@@ -128,7 +128,7 @@ pub fn find_resume(
                     "trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)".into(),
                 )
             })?;
-            let path = PathBuf::from(crate::config::resolve::expand_home(p));
+            let path = PathBuf::from(crate::util::expand_home(p));
             let step = parse_step(&path).ok_or_else(|| {
                 CheckpointError::Invalid(format!(
                     "trainer.resume_from_path={p}: the folder name must be global_step_N"

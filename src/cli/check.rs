@@ -4,68 +4,15 @@
 use std::fmt::Write as _;
 
 use anyhow::Context;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use crate::config::resolve::expand_home;
-use crate::config::{Config, ConfigError, MicroBatching, Plan, RewardSourceType, UpdatePlan};
+use crate::config::{Config, MicroBatching, Plan, RewardSourceType, UpdatePlan};
 use crate::data::dataset::{load_samples, DatasetOptions};
-use crate::data::{PromptDataset, TokenizerBundle};
+use crate::data::TokenizerBundle;
+use crate::trainer::setup;
+use crate::util::expand_home;
 
 use super::ConfigArgs;
-
-/// Every path the configuration names that must exist, checked together.
-pub fn check_paths(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
-    let mut missing = Vec::new();
-    let mut need = |key: &str, p: &str| {
-        let expanded = expand_home(p);
-        if !Path::new(&expanded).exists() {
-            missing.push(format!("`{key}`: {p} does not exist"));
-        }
-    };
-    for f in cfg.data.train_files.to_vec() {
-        need("data.train_files", &f);
-    }
-    for f in cfg.data.val_files.to_vec() {
-        need("data.val_files", &f);
-    }
-    let model = &cfg.actor_rollout_ref.model;
-    // A hub id (org/name) that is not a local path is fetched by the model loader.
-    if !crate::model::is_hub_id(&model.path) {
-        need("actor_rollout_ref.model.path", &model.path);
-    }
-    if let Some(t) = &model.tokenizer_path {
-        need("actor_rollout_ref.model.tokenizer_path", t);
-    }
-    if let Some(t) = &cfg.data.tokenizer {
-        need("data.tokenizer", t);
-    }
-    if plan.need_critic && !crate::model::is_hub_id(&cfg.critic.model.path) {
-        need("critic.model.path", &cfg.critic.model.path);
-    }
-    if let Some(p) = &cfg.reward.custom_reward_function.path {
-        if !p.starts_with("pkg://") {
-            need(
-                "reward.custom_reward_function.path",
-                p.trim_start_matches("file://"),
-            );
-        }
-    }
-    for (i, s) in cfg.reward.sources.iter().enumerate() {
-        if let (RewardSourceType::Python, Some(p)) = (s.kind, &s.path) {
-            if !p.starts_with("pkg://") {
-                need(
-                    &format!("reward.sources[{i}].path"),
-                    p.trim_start_matches("file://"),
-                );
-            }
-        }
-    }
-    if missing.is_empty() {
-        Ok(())
-    } else {
-        Err(ConfigError::Invalid(missing))
-    }
-}
 
 /// What `config check` learns from the data files.
 #[derive(Debug, Clone)]
@@ -80,12 +27,14 @@ pub struct DataSummary {
 }
 
 impl DataSummary {
-    /// Reads the data (and, when the model path is an HF directory, tokenises the prompts).
+    /// Reads the data (and, when the tokenizer is at hand, tokenises the prompts as training
+    /// does).
     pub fn load(cfg: &Config, plan: &Plan) -> anyhow::Result<Self> {
+        let with_val = setup::wants_validation(cfg);
         let train_opts = DatasetOptions::train(&cfg.data, plan.prompt_length);
         let train = load_samples(&cfg.data.train_files.to_vec(), &train_opts)?;
         let val_files = cfg.data.val_files.to_vec();
-        let val = if val_files.is_empty() {
+        let val = if val_files.is_empty() || !with_val {
             None
         } else {
             Some(load_samples(
@@ -93,15 +42,11 @@ impl DataSummary {
                 &DatasetOptions::val(&cfg.data, plan.prompt_length),
             )?)
         };
-        let tok_dir = cfg
-            .data
-            .tokenizer
-            .clone()
-            .or_else(|| cfg.actor_rollout_ref.model.tokenizer_path.clone())
-            .unwrap_or_else(|| cfg.actor_rollout_ref.model.path.clone());
-        let tok_dir = PathBuf::from(expand_home(&tok_dir));
+        let tok_dir = setup::tokenizer_override(cfg).unwrap_or(&cfg.actor_rollout_ref.model.path);
+        let tok_dir = PathBuf::from(expand_home(tok_dir));
         let is_gguf = tok_dir.is_file() && tok_dir.extension().is_some_and(|e| e == "gguf");
         if !is_gguf && !tok_dir.join("tokenizer.json").is_file() {
+            setup::total_steps(cfg, plan, train.len())?;
             return Ok(Self {
                 train_rows: train.len(),
                 val_rows: val.map(|v| v.len()),
@@ -126,19 +71,10 @@ impl DataSummary {
         };
         let template =
             bundle.template(cfg.actor_rollout_ref.model.custom_chat_template.as_deref())?;
-        let train = PromptDataset::build(train, &bundle, &template, &train_opts)?;
-        let val_rows = match val {
-            Some(v) => Some(
-                PromptDataset::build(
-                    v,
-                    &bundle,
-                    &template,
-                    &DatasetOptions::val(&cfg.data, plan.prompt_length),
-                )?
-                .len(),
-            ),
-            None => None,
-        };
+        // As training reads them (the raw rows above are only counted).
+        let (train, val) = setup::datasets(cfg, plan, &bundle, &template, with_val)?;
+        let val_rows = val.map(|v| v.len());
+        setup::total_steps(cfg, plan, train.len())?;
         Ok(Self {
             train_rows: train.len(),
             val_rows,
@@ -155,7 +91,7 @@ pub fn run(args: &ConfigArgs) -> anyhow::Result<()> {
     }
     let cfg = &loaded.config;
     let plan = crate::config::resolve(cfg)?;
-    check_paths(cfg, &plan)?;
+    setup::check_paths(cfg, &plan)?;
     let data = DataSummary::load(cfg, &plan)?;
     for w in &plan.warnings {
         tracing::warn!("{w}");

@@ -224,7 +224,6 @@ fn train(args: &ConfigArgs, natives: &crate::reward::NativeRegistry) -> anyhow::
         return Ok(());
     }
     let plan = config::resolve(&loaded.config)?;
-    check::check_paths(&loaded.config, &plan)?;
     let stop = stop_on_signals();
     let opts = TrainerOptions {
         natives: natives.clone(),

@@ -12,7 +12,9 @@ use clap::Args;
 use serde_json::{json, Map, Value};
 
 use crate::data::read_rows;
-use crate::reward::{FailurePolicy, Item, NativeRegistry, RewardManager, SampleReward};
+use crate::reward::{
+    FailurePolicy, NativeRegistry, RewardManager, SampleReward, ScoreRequest as Item,
+};
 
 use super::ConfigArgs;
 
@@ -125,9 +127,7 @@ fn score_rows(
         .filter(|(p, _)| p.is_ok())
         .map(|(_, l)| *l)
         .collect();
-    let mut scored = manager
-        .score(&items, &item_lens, FailurePolicy::Collect)?
-        .into_iter();
+    let mut scored = manager.score(&items, &item_lens)?.into_iter();
     Ok(prepared
         .iter()
         .map(|p| match p {
@@ -166,7 +166,9 @@ fn output_object(r: &SampleReward, several: bool) -> Value {
 
 fn manager(config: &ConfigArgs, natives: &NativeRegistry) -> anyhow::Result<RewardManager> {
     let loaded = config.load()?;
-    Ok(RewardManager::from_config(&loaded.config.reward, natives)?)
+    // Every row is scored; failures are reported on their rows.
+    Ok(RewardManager::from_config(&loaded.config.reward, natives)?
+        .with_policy(FailurePolicy::Collect))
 }
 
 fn writer(path: &Option<PathBuf>) -> anyhow::Result<Box<dyn Write>> {

@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use serde_yaml_ng::Value;
 
 use super::compat::{self, Compat};
+use super::interpolate::interpolate_tree;
 use super::overrides::{parse_override, Override, OverrideOp};
+use super::schema::{KeyKind, Schema};
 use super::tree;
 use super::{Config, ConfigError};
 
@@ -113,9 +115,13 @@ fn read_yaml_with_defaults(
         file: file.clone(),
         message: e.to_string(),
     })?;
+    super::overrides::check_nesting(&text).map_err(|message| ConfigError::File {
+        file: file.clone(),
+        message,
+    })?;
     let mut value: Value = serde_yaml_ng::from_str(&text).map_err(|e| ConfigError::File {
         file: file.clone(),
-        message: e.to_string(),
+        message: super::overrides::yaml_message(&e),
     })?;
     let Some(map) = value.as_mapping_mut() else {
         return Ok(value);
@@ -168,149 +174,6 @@ fn read_yaml_with_defaults(
         tree::merge(&mut merged, value);
     }
     Ok(merged)
-}
-
-/// What a dotted key is, relative to the typed defaults and the compat table.
-#[derive(Debug, PartialEq)]
-enum KeyKind {
-    /// A typed key (its default exists in the tree).
-    Typed,
-    /// Inside a free-form mapping (`reward_kwargs.x`).
-    FreeMap,
-    /// Covered by the compat table (or an ancestor of entries in it).
-    Compat,
-    Unknown,
-}
-
-struct Schema<'a> {
-    defaults: &'a Value,
-}
-
-impl Schema<'_> {
-    fn kind(&self, path: &[String]) -> KeyKind {
-        if tree::get(self.defaults, path).is_some() {
-            return KeyKind::Typed;
-        }
-        for i in (1..path.len()).rev() {
-            if let Some(v) = tree::get(self.defaults, &path[..i]) {
-                // Inside a free-form mapping, or inside a list's elements (`reward.sources.1.path`):
-                // the typed deserialisation checks those fields.
-                if v.as_mapping().is_some_and(|m| m.is_empty()) || v.is_sequence() {
-                    return KeyKind::FreeMap;
-                }
-                break;
-            }
-        }
-        if compat::lookup(path).is_some() || compat::is_table_prefix(path) {
-            return KeyKind::Compat;
-        }
-        KeyKind::Unknown
-    }
-
-    /// Rejects unknown keys in a user tree, with suggestions.
-    fn check_tree(&self, node: &Value, path: &mut Vec<String>) -> Result<(), ConfigError> {
-        let Some(map) = node.as_mapping() else {
-            return Ok(());
-        };
-        for (k, v) in map {
-            path.push(tree::key_str(k));
-            match self.kind(path) {
-                KeyKind::Unknown => return Err(self.unknown(path)),
-                KeyKind::Typed => {
-                    let is_struct = tree::get(self.defaults, path)
-                        .and_then(Value::as_mapping)
-                        .is_some_and(|m| !m.is_empty());
-                    if is_struct {
-                        self.check_tree(v, path)?;
-                    }
-                }
-                KeyKind::Compat if compat::is_table_prefix(path) => self.check_tree(v, path)?,
-                _ => {}
-            }
-            path.pop();
-        }
-        Ok(())
-    }
-
-    /// The unknown-key error for `path`, naming the closest valid keys.
-    fn unknown(&self, path: &[String]) -> ConfigError {
-        let key = tree::join(path);
-        // Deepest existing typed parent.
-        let mut depth = path.len() - 1;
-        while depth > 0 && tree::get(self.defaults, &path[..depth]).is_none() {
-            depth -= 1;
-        }
-        let parent = &path[..depth];
-        let name = &path[depth];
-        let mut siblings: Vec<String> = tree::get(self.defaults, parent)
-            .and_then(Value::as_mapping)
-            .map(|m| m.keys().map(tree::key_str).collect())
-            .unwrap_or_default();
-        siblings.extend(
-            compat::names_under(parent)
-                .into_iter()
-                .filter(|n| n != "_target_"),
-        );
-        let mut scored: Vec<(f64, String)> = siblings
-            .iter()
-            .map(|s| (strsim::jaro_winkler(name, s), s.clone()))
-            .filter(|(score, _)| *score >= 0.8)
-            .collect();
-        scored.sort_by(|a, b| b.0.total_cmp(&a.0));
-        let prefix = if parent.is_empty() {
-            String::new()
-        } else {
-            format!("{}.", tree::join(parent))
-        };
-        let mut suggestions: Vec<String> = scored
-            .iter()
-            .take(3)
-            .map(|(_, s)| format!("{prefix}{s}"))
-            .collect();
-        // The same leaf name elsewhere (a key given under the wrong section).
-        let mut all = Vec::new();
-        tree::leaves(self.defaults, &mut Vec::new(), &mut all);
-        let leaf = path.last().expect("non-empty");
-        for p in all {
-            if p.last() == Some(leaf) && depth + 1 == path.len() {
-                let full = tree::join(&p);
-                if full != key && !suggestions.contains(&full) && suggestions.len() < 5 {
-                    suggestions.push(full);
-                }
-            }
-        }
-        let hint = if !suggestions.is_empty() {
-            format!(
-                "; did you mean {}?",
-                suggestions
-                    .iter()
-                    .map(|s| format!("`{s}`"))
-                    .collect::<Vec<_>>()
-                    .join(" or ")
-            )
-        } else if depth + 1 < path.len() {
-            format!(
-                "; `{}` has no key `{}`",
-                tree::join(&path[..=depth]).trim_end_matches('.'),
-                path[depth + 1..].join(".")
-            )
-        } else {
-            let mut names: Vec<String> = siblings;
-            names.sort();
-            names.dedup();
-            if names.is_empty() {
-                String::new()
-            } else {
-                let under = if parent.is_empty() {
-                    "the top level".to_string()
-                } else {
-                    format!("`{}`", tree::join(parent))
-                };
-                format!("; the keys under {under} are: {}", names.join(", "))
-            }
-        };
-        ConfigError::UnknownKey { key, hint }
-    }
 }
 
 fn apply_override(
@@ -510,153 +373,6 @@ fn prune_untyped(schema: &Schema, node: &mut Value, path: &mut Vec<String>) {
         }
         path.pop();
     }
-}
-
-/// Resolves `${...}` interpolations in typed string values: `${a.b}`, `${oc.select:a.b,default}`,
-/// `${oc.env:VAR,default}`, relative `${.key}`. Other resolvers are errors naming the key.
-fn interpolate_tree(schema: &Schema, tree: &mut Value) -> Result<(), ConfigError> {
-    let mut leaves = Vec::new();
-    tree::leaves(tree, &mut Vec::new(), &mut leaves);
-    let snapshot = tree.clone();
-    for leaf in leaves {
-        if !matches!(schema.kind(&leaf), KeyKind::Typed | KeyKind::FreeMap) {
-            continue;
-        }
-        let Some(Value::String(s)) = tree::get(tree, &leaf) else {
-            continue;
-        };
-        if !s.contains("${") {
-            continue;
-        }
-        let resolved =
-            resolve_string(&snapshot, &leaf, s, 0).map_err(|message| ConfigError::Value {
-                key: tree::join(&leaf),
-                message,
-            })?;
-        tree::set(tree, &leaf, resolved);
-    }
-    Ok(())
-}
-
-fn resolve_string(root: &Value, at: &[String], s: &str, depth: usize) -> Result<Value, String> {
-    if depth > 16 {
-        return Err("interpolation nests more than 16 deep (a cycle?)".into());
-    }
-    let mut out = String::new();
-    let mut rest = s;
-    let mut whole: Option<Value> = None;
-    while let Some(start) = rest.find("${") {
-        out.push_str(&rest[..start]);
-        let body_start = start + 2;
-        let mut level = 1;
-        let mut end = None;
-        let bytes = rest.as_bytes();
-        let mut i = body_start;
-        while i < bytes.len() {
-            if bytes[i..].starts_with(b"${") {
-                level += 1;
-                i += 2;
-                continue;
-            }
-            if bytes[i] == b'}' {
-                level -= 1;
-                if level == 0 {
-                    end = Some(i);
-                    break;
-                }
-            }
-            i += 1;
-        }
-        let end = end.ok_or_else(|| format!("unclosed `${{` in {s:?}"))?;
-        let value = resolve_expr(root, at, &rest[body_start..end], depth)?;
-        if start == 0
-            && end + 1 == rest.len()
-            && out.is_empty()
-            && whole.is_none()
-            && rest.len() == s.len()
-        {
-            whole = Some(value.clone());
-        }
-        out.push_str(&match &value {
-            Value::String(v) => v.clone(),
-            Value::Null => "None".into(),
-            other => serde_yaml_ng::to_string(other)
-                .unwrap_or_default()
-                .trim()
-                .to_string(),
-        });
-        rest = &rest[end + 1..];
-    }
-    if let Some(v) = whole {
-        return Ok(v);
-    }
-    out.push_str(rest);
-    Ok(Value::String(out))
-}
-
-fn resolve_expr(root: &Value, at: &[String], expr: &str, depth: usize) -> Result<Value, String> {
-    let expr = expr.trim();
-    let (func, args) = match expr.split_once(':') {
-        Some((f, a)) if f.starts_with("oc.") => (Some(f), a),
-        _ => (None, expr),
-    };
-    let (first, default) = split_default(args);
-    let lookup = |path: &str| -> Option<Value> {
-        let p = path.trim();
-        let segs: Vec<String> = if let Some(rel) = p.strip_prefix('.') {
-            let ups = rel.chars().take_while(|c| *c == '.').count();
-            let mut base: Vec<String> = at[..at.len().saturating_sub(1 + ups)].to_vec();
-            base.extend(rel[ups..].split('.').map(str::to_string));
-            base
-        } else {
-            tree::split(p)
-        };
-        tree::get(root, &segs).cloned()
-    };
-    let parse_default = |d: &str| -> Result<Value, String> {
-        let d = d.trim();
-        if d.contains("${") {
-            resolve_string(root, at, d, depth + 1)
-        } else {
-            super::overrides::parse_value(d).or_else(|_| Ok(Value::String(d.to_string())))
-        }
-    };
-    let value = match func {
-        None => lookup(first).ok_or_else(|| format!("interpolation `${{{expr}}}`: no key `{first}`"))?,
-        Some("oc.select") => match lookup(first) {
-            Some(v) => v,
-            None => match default {
-                Some(d) => parse_default(d)?,
-                None => Value::Null,
-            },
-        },
-        Some("oc.env") => match std::env::var(first.trim()) {
-            Ok(v) => Value::String(v),
-            Err(_) => match default {
-                Some(d) => parse_default(d)?,
-                None => return Err(format!("interpolation `${{{expr}}}`: environment variable `{first}` is not set")),
-            },
-        },
-        Some(other) => return Err(format!("interpolation `${{{expr}}}`: resolver `{other}` is not supported (oc.select and oc.env are)")),
-    };
-    match value {
-        Value::String(s) if s.contains("${") => resolve_string(root, at, &s, depth + 1),
-        v => Ok(v),
-    }
-}
-
-/// Splits `path,default` at the first top-level comma.
-fn split_default(args: &str) -> (&str, Option<&str>) {
-    let mut level = 0;
-    for (i, c) in args.char_indices() {
-        match c {
-            '{' | '[' => level += 1,
-            '}' | ']' => level -= 1,
-            ',' if level == 0 => return (&args[..i], Some(&args[i + 1..])),
-            _ => {}
-        }
-    }
-    (args, None)
 }
 
 /// serde's messages speak Rust (`expected usize`); say it in words.

@@ -14,6 +14,7 @@ pub mod compat;
 pub mod critic;
 pub mod data;
 pub mod fields;
+mod interpolate;
 pub mod load;
 pub mod model;
 pub mod optim;
@@ -22,6 +23,7 @@ pub mod reference;
 pub mod resolve;
 pub mod reward;
 pub mod rollout;
+mod schema;
 pub mod trainer;
 pub mod tree;
 

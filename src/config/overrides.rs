@@ -62,9 +62,19 @@ pub fn parse_override(raw: &str) -> Result<Override, String> {
     })
 }
 
+/// The most nesting a configuration may have: dotted key parts here, YAML levels in
+/// `serde_yaml_ng` (its own limit, also 128).
+pub const MAX_DEPTH: usize = 128;
+
 fn parse_key(key: &str) -> Result<Vec<String>, String> {
     if key.is_empty() {
         return Err("the key is empty".into());
+    }
+    let parts = key.split('.').count();
+    if parts > MAX_DEPTH {
+        return Err(format!(
+            "the key has {parts} dotted parts; at most {MAX_DEPTH} are allowed"
+        ));
     }
     let segs: Vec<String> = key.split('.').map(str::to_string).collect();
     for seg in &segs {
@@ -134,6 +144,9 @@ pub fn parse_value(text: &str) -> Result<Value, String> {
     }
     let structured =
         t.starts_with('[') || t.starts_with('{') || t.starts_with('\'') || t.starts_with('"');
+    if structured {
+        check_nesting(t).map_err(|e| format!("cannot parse `{}`: {e}", clip(t)))?;
+    }
     match serde_yaml_ng::from_str::<Value>(t) {
         Ok(v @ (Value::Sequence(_) | Value::Mapping(_))) if structured => Ok(v),
         Ok(Value::String(s)) if structured => Ok(Value::String(s)),
@@ -141,8 +154,73 @@ pub fn parse_value(text: &str) -> Result<Value, String> {
         Ok(Value::Tagged(_)) => Ok(Value::String(t.to_string())),
         Ok(_) if !structured => Ok(Value::String(t.to_string())),
         Ok(v) => Ok(v),
-        Err(e) if structured => Err(format!("cannot parse `{t}`: {e}")),
+        Err(e) if structured => Err(format!("cannot parse `{}`: {}", clip(t), yaml_message(&e))),
         Err(_) => Ok(Value::String(t.to_string())),
+    }
+}
+
+/// Refuses YAML text that nests more than [`MAX_DEPTH`] levels, in one linear pass before the
+/// parser sees it (the parser's own limit is reached only after a scan that grows with the
+/// square of the depth). Counts flow brackets outside quotes and comments, plus block levels
+/// by indentation and `- ` items; generous for any real configuration.
+pub fn check_nesting(text: &str) -> Result<(), String> {
+    let mut indents: Vec<usize> = Vec::new();
+    let mut flow = 0usize;
+    for (n, line) in text.lines().enumerate() {
+        let body = line.trim_start_matches(' ');
+        if flow == 0 && !(body.is_empty() || body.starts_with('#')) {
+            let indent = line.len() - body.len();
+            while indents.last().is_some_and(|&i| i >= indent) {
+                indents.pop();
+            }
+            indents.push(indent);
+        }
+        let items = body
+            .as_bytes()
+            .chunks(2)
+            .take_while(|c| *c == b"- ")
+            .count();
+        let mut quote: Option<char> = None;
+        let (mut prev, mut escaped) = (' ', false);
+        for c in body.chars() {
+            match (quote, c) {
+                _ if escaped => escaped = false,
+                (Some('"'), '\\') => escaped = true,
+                (Some(q), c) if c == q => quote = None,
+                (Some(_), _) => {}
+                (None, '#') if prev == ' ' || prev == '\t' => break,
+                (None, '\'' | '"') => quote = Some(c),
+                (None, '[' | '{') => flow += 1,
+                (None, ']' | '}') => flow = flow.saturating_sub(1),
+                _ => {}
+            }
+            prev = c;
+            if indents.len() + items + flow > MAX_DEPTH {
+                return Err(format!(
+                    "line {}: the YAML nests more than {MAX_DEPTH} levels deep",
+                    n + 1
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A YAML parser message, with its nesting limit said in words.
+pub fn yaml_message(e: &serde_yaml_ng::Error) -> String {
+    let m = e.to_string();
+    if m.contains("recursion limit exceeded") {
+        format!("{m}: the value nests more than {MAX_DEPTH} levels deep")
+    } else {
+        m
+    }
+}
+
+/// At most 80 characters of `s` (an error message quotes the start of a long value).
+fn clip(s: &str) -> String {
+    match s.char_indices().nth(80) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s.to_string(),
     }
 }
 
@@ -257,5 +335,25 @@ mod tests {
             .unwrap_err()
             .contains("empty segment"));
         assert!(parse_override("a b=3").is_err());
+    }
+
+    #[test]
+    fn deep_nesting_fails_fast_with_the_limit_named() {
+        let t = std::time::Instant::now();
+        let deep = format!("a={}1{}", "[".repeat(200_000), "]".repeat(200_000));
+        let e = parse_override(&deep).unwrap_err();
+        assert!(
+            e.contains("more than 128 levels"),
+            "{}",
+            &e[..e.len().min(300)]
+        );
+        assert!(
+            e.len() < 400,
+            "the message quotes only the start of the value"
+        );
+        let key = vec!["a"; 10_000].join(".");
+        let e = parse_override(&format!("+{key}=1")).unwrap_err();
+        assert!(e.contains("10000 dotted parts"), "{e}");
+        assert!(t.elapsed().as_secs_f64() < 2.0, "{:?}", t.elapsed());
     }
 }

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use super::{AdvEstimator, Config, ConfigError, LossAggMode, PolicyLossMode, RewardSourceType};
+use super::{AdvEstimator, Config, ConfigError, LossAggMode, PolicyLossMode};
 
 /// How a pass over many sequences is cut into forward passes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,15 +139,54 @@ fn one_micro_key(
 
 /// Applies verl's validation rules and derives the [`Plan`]. All violations are reported together.
 pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
-    let mut errors = Vec::new();
-    let mut warnings = Vec::new();
-    let data = &cfg.data;
-    let arr = &cfg.actor_rollout_ref;
-    let actor = &arr.actor;
-    let rollout = &arr.rollout;
-    let algo = &cfg.algorithm;
-    let critic = &cfg.critic;
+    let mut f = Findings::default();
+    let l = lengths(&mut f.errors, cfg);
+    let actor = actor_rules(&mut f, cfg, &l);
+    let log_prob_micro = rollout_rules(&mut f.errors, cfg);
+    let (need_reference, ref_log_prob_micro) = reference_rules(&mut f, cfg);
+    algorithm_rules(&mut f, cfg, l.n);
+    let (need_critic, critic, critic_forward_micro) = critic_rules(&mut f.errors, cfg, &l);
+    reward_rules(&mut f.errors, cfg);
+    let default_local_dir = trainer_rules(&mut f, cfg);
+    if !f.errors.is_empty() {
+        return Err(ConfigError::Invalid(f.errors));
+    }
+    Ok(Plan {
+        prompt_length: l.prompt_length,
+        response_length: l.response_length,
+        n: l.n,
+        train_batch_size: l.train_batch_size,
+        actor,
+        critic,
+        log_prob_micro,
+        ref_log_prob_micro,
+        critic_forward_micro,
+        need_reference,
+        need_critic,
+        default_local_dir,
+        warnings: f.warnings,
+    })
+}
 
+/// Rule violations (fatal, reported together) and warnings found so far.
+#[derive(Default)]
+struct Findings {
+    errors: Vec<String>,
+    warnings: Vec<String>,
+}
+
+/// The step's sizes every section's rules read.
+struct Lengths {
+    prompt_length: usize,
+    response_length: usize,
+    /// Responses per prompt (at least 1).
+    n: usize,
+    train_batch_size: usize,
+}
+
+/// `data.*` lengths and batch size, `rollout.n`.
+fn lengths(errors: &mut Vec<String>, cfg: &Config) -> Lengths {
+    let (data, rollout) = (&cfg.data, &cfg.actor_rollout_ref.rollout);
     let prompt_length = rollout
         .prompt_length
         .map(|v| v as usize)
@@ -162,17 +201,27 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
     if response_length == 0 {
         errors.push("`data.max_response_length` (or `actor_rollout_ref.rollout.response_length`) must be at least 1".into());
     }
-    let n = rollout.n;
-    if n == 0 {
+    if rollout.n == 0 {
         errors.push("`actor_rollout_ref.rollout.n` must be at least 1".into());
     }
-    let n = n.max(1);
-    let tbs = data.train_batch_size;
-    if tbs == 0 {
+    if data.train_batch_size == 0 {
         errors.push("`data.train_batch_size` must be at least 1".into());
     }
+    Lengths {
+        prompt_length,
+        response_length,
+        n: rollout.n.max(1),
+        train_batch_size: data.train_batch_size,
+    }
+}
 
-    // Actor batching.
+/// `actor_rollout_ref.actor.*`: batching, clipping, loss and optimizer rules; the actor's
+/// update plan.
+fn actor_rules(f: &mut Findings, cfg: &Config, l: &Lengths) -> UpdatePlan {
+    let Findings { errors, warnings } = f;
+    let actor = &cfg.actor_rollout_ref.actor;
+    let (n, tbs, prompt_length, response_length) =
+        (l.n, l.train_batch_size, l.prompt_length, l.response_length);
     let mini = actor.ppo_mini_batch_size;
     if mini == 0 {
         errors.push(format!("`{A}.ppo_mini_batch_size` must be at least 1"));
@@ -186,7 +235,7 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
         ));
     }
     let actor_micro = one_micro_key(
-        &mut errors,
+        errors,
         &format!("{A}.ppo_micro_batch_size"),
         actor.ppo_micro_batch_size,
         &format!("{A}.ppo_micro_batch_size_per_gpu"),
@@ -196,7 +245,7 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
     );
     let mini_resp = mini * n;
     let actor_accum = micro_divides(
-        &mut errors,
+        errors,
         &format!("{A}.ppo_mini_batch_size"),
         mini,
         n,
@@ -243,7 +292,7 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
             loss_agg_str(actor.loss_agg_mode)
         ));
     }
-    check_optim(&mut errors, &format!("{A}.optim"), &actor.optim);
+    check_optim(errors, &format!("{A}.optim"), &actor.optim);
     if actor.optim.clip_grad != 1.0
         && actor.grad_clip != 1.0
         && actor.optim.clip_grad != actor.grad_clip
@@ -258,8 +307,28 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
     } else {
         actor.optim.clip_grad
     };
+    if !(actor_clip.is_finite() && actor_clip > 0.0) {
+        errors.push(format!(
+            "`{A}.grad_clip` ({actor_clip}) must be a positive number (the largest gradient norm kept)"
+        ));
+    }
 
-    // Rollout sampling.
+    UpdatePlan {
+        mini_batch_prompts: mini,
+        mini_batch_responses: mini_resp,
+        mini_batches_per_epoch: tbs.checked_div(mini).unwrap_or(0),
+        micro: actor_micro,
+        grad_accum: actor_accum,
+        epochs: actor.ppo_epochs,
+        loss_agg_mode: actor.loss_agg_mode,
+        shuffle: actor.shuffle,
+        grad_clip: actor_clip,
+    }
+}
+
+/// `actor_rollout_ref.rollout.*`: sampling settings; the old-log-prob forward passes.
+fn rollout_rules(errors: &mut Vec<String>, cfg: &Config) -> MicroBatching {
+    let (actor, rollout) = (&cfg.actor_rollout_ref.actor, &cfg.actor_rollout_ref.rollout);
     if rollout.temperature < 0.0 || !rollout.temperature.is_finite() {
         errors.push(format!(
             "`actor_rollout_ref.rollout.temperature` ({}) must be >= 0",
@@ -291,8 +360,8 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
             vk.top_p
         ));
     }
-    let log_prob_micro = one_micro_key(
-        &mut errors,
+    one_micro_key(
+        errors,
         "actor_rollout_ref.rollout.log_prob_micro_batch_size",
         rollout.log_prob_micro_batch_size,
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
@@ -303,9 +372,14 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
         rollout
             .log_prob_max_token_len_per_gpu
             .unwrap_or(actor.ppo_max_token_len_per_gpu),
-    );
+    )
+}
 
-    // Reference model: only when a KL term needs it.
+/// `actor_rollout_ref.ref.*`: whether a reference is loaded, and its forward passes.
+fn reference_rules(f: &mut Findings, cfg: &Config) -> (bool, Option<MicroBatching>) {
+    let Findings { errors, warnings } = f;
+    let (arr, algo) = (&cfg.actor_rollout_ref, &cfg.algorithm);
+    let actor = &arr.actor;
     let need_reference = actor.use_kl_loss || algo.use_kl_in_reward;
     if actor.use_kl_loss && algo.use_kl_in_reward {
         warnings.push(format!(
@@ -315,7 +389,7 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
     let reference = &arr.reference;
     let ref_log_prob_micro = need_reference.then(|| {
         one_micro_key(
-            &mut errors,
+            errors,
             "actor_rollout_ref.ref.log_prob_micro_batch_size",
             reference.log_prob_micro_batch_size,
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
@@ -329,7 +403,13 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
         )
     });
 
-    // KL controller.
+    (need_reference, ref_log_prob_micro)
+}
+
+/// `algorithm.*`: the KL controller, GAE's factors, the estimator against `rollout.n`.
+fn algorithm_rules(f: &mut Findings, cfg: &Config, n: usize) {
+    let Findings { errors, warnings } = f;
+    let algo = &cfg.algorithm;
     if algo.use_kl_in_reward
         && algo.kl_ctrl.kind == super::KlCtrlType::Adaptive
         && algo.kl_ctrl.horizon <= 0.0
@@ -366,8 +446,16 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
             algo.adv_estimator.as_str()
         ));
     }
+}
 
-    // Critic: on for GAE unless disabled; GAE cannot run without one.
+/// `critic.*`: whether there is a critic, its update plan and its forward passes.
+fn critic_rules(
+    errors: &mut Vec<String>,
+    cfg: &Config,
+    l: &Lengths,
+) -> (bool, Option<UpdatePlan>, Option<MicroBatching>) {
+    let (actor, algo, critic) = (&cfg.actor_rollout_ref.actor, &cfg.algorithm, &cfg.critic);
+    let (n, tbs, mini) = (l.n, l.train_batch_size, actor.ppo_mini_batch_size);
     let need_critic = critic
         .enable
         .unwrap_or(algo.adv_estimator == AdvEstimator::Gae);
@@ -388,7 +476,7 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
         }
         let dynamic = critic.use_dynamic_bsz.unwrap_or(actor.use_dynamic_bsz);
         let cmicro = one_micro_key(
-            &mut errors,
+            errors,
             "critic.ppo_micro_batch_size",
             critic.ppo_micro_batch_size,
             "critic.ppo_micro_batch_size_per_gpu",
@@ -397,14 +485,14 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
             critic.ppo_max_token_len_per_gpu,
         );
         let accum = micro_divides(
-            &mut errors,
+            errors,
             "critic.ppo_mini_batch_size",
             cmini,
             n,
             cmicro,
             "critic.ppo_micro_batch_size_per_gpu",
         );
-        check_optim(&mut errors, "critic.optim", &critic.optim);
+        check_optim(errors, "critic.optim", &critic.optim);
         if critic.cliprange_value < 0.0 {
             errors.push(format!(
                 "`critic.cliprange_value` ({}) must be >= 0",
@@ -439,12 +527,22 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
                 critic.optim.clip_grad
             },
         };
+        if !(plan.grad_clip.is_finite() && plan.grad_clip > 0.0) {
+            errors.push(format!(
+                "`critic.grad_clip` ({}) must be a positive number (the largest gradient norm kept)",
+                plan.grad_clip
+            ));
+        }
         (Some(plan), Some(forward))
     } else {
         (None, None)
     };
 
-    // Reward.
+    (need_critic, critic_plan, critic_forward_micro)
+}
+
+/// `reward.*`: sources, workers, the control API.
+fn reward_rules(errors: &mut Vec<String>, cfg: &Config) {
     let reward = &cfg.reward;
     if reward.custom_reward_function.path.is_some()
         && reward
@@ -482,6 +580,17 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
         if ctl.token.as_deref() == Some("") {
             errors.push("`reward.control.token` is empty: set a secret or null".into());
         }
+        // Hostnames are resolved at start-up, which applies the same rule to what they name.
+        let public = ctl
+            .host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| !ip.is_loopback());
+        if public && ctl.token.is_none() {
+            errors.push(format!(
+                "`reward.control.host` ({}) is reachable from other machines and `reward.control.token` is not set: set a token, or bind 127.0.0.1",
+                ctl.host
+            ));
+        }
     }
     let mut names = std::collections::BTreeSet::new();
     for (i, s) in reward.sources.iter().enumerate() {
@@ -510,24 +619,15 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
         if s.micro_batch_size == Some(0) {
             errors.push(format!("`{at}.micro_batch_size` must be at least 1"));
         }
-        match s.kind {
-            RewardSourceType::Builtin if s.scorer.is_none() => {
-                errors.push(format!("`{at}` has type builtin but no `scorer`"))
-            }
-            RewardSourceType::Python if s.path.is_none() => {
-                errors.push(format!("`{at}` has type python but no `path`"))
-            }
-            RewardSourceType::Native if s.function.is_none() => {
-                errors.push(format!("`{at}` has type native but no `function`"))
-            }
-            RewardSourceType::Model if s.path.is_none() => {
-                errors.push(format!("`{at}` has type model but no `path` (an HF directory of a sequence-classification model)"))
-            }
-            _ => {}
+        if let Err(rule) = s.spec() {
+            errors.push(format!("`{at}` {rule}"));
         }
     }
+}
 
-    // Trainer.
+/// `trainer.*`: schedule, resume, device; the checkpoint root.
+fn trainer_rules(f: &mut Findings, cfg: &Config) -> PathBuf {
+    let Findings { errors, warnings } = f;
     let tr = &cfg.trainer;
     if tr.total_epochs == 0 && tr.total_training_steps.is_none() {
         errors.push(
@@ -564,35 +664,7 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
             || format!("checkpoints/{}/{}", tr.project_name, tr.experiment_name),
         )));
 
-    if !errors.is_empty() {
-        return Err(ConfigError::Invalid(errors));
-    }
-    let actor_plan = UpdatePlan {
-        mini_batch_prompts: mini,
-        mini_batch_responses: mini_resp,
-        mini_batches_per_epoch: tbs / mini,
-        micro: actor_micro,
-        grad_accum: actor_accum,
-        epochs: actor.ppo_epochs,
-        loss_agg_mode: actor.loss_agg_mode,
-        shuffle: actor.shuffle,
-        grad_clip: actor_clip,
-    };
-    Ok(Plan {
-        prompt_length,
-        response_length,
-        n,
-        train_batch_size: tbs,
-        actor: actor_plan,
-        critic: critic_plan,
-        log_prob_micro,
-        ref_log_prob_micro,
-        critic_forward_micro,
-        need_reference,
-        need_critic,
-        default_local_dir,
-        warnings,
-    })
+    default_local_dir
 }
 
 /// verl's worker rule: the mini-batch in responses (mini × n) must split into whole micro-batches.
@@ -665,16 +737,4 @@ fn loss_agg_str(m: LossAggMode) -> String {
         .to_string()
 }
 
-/// `~/x` → `$HOME/x` (verl's paths are written with `~`).
-pub fn expand_home(p: &str) -> String {
-    if let Some(rest) = p.strip_prefix("~/") {
-        if let Some(home) = std::env::var_os("HOME") {
-            return format!("{}/{rest}", home.to_string_lossy());
-        }
-    } else if p == "~" {
-        if let Some(home) = std::env::var_os("HOME") {
-            return home.to_string_lossy().into_owned();
-        }
-    }
-    p.to_string()
-}
+pub use crate::util::expand_home;

@@ -158,6 +158,56 @@ pub struct RewardSource {
     pub gate: Option<Gate>,
 }
 
+/// A source's type with the fields that type needs: what `reward.sources[i]` means once its
+/// rule holds. The wire format stays flat (`type` plus optional fields) so serde's errors name
+/// the field; this is the one place the per-type rule is written.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SourceSpec<'a> {
+    Builtin { scorer: &'a str },
+    Python { path: &'a str, function: &'a str },
+    Native { function: &'a str },
+    Model { path: &'a str },
+}
+
+impl RewardSource {
+    /// The typed source, or the rule its fields break (`has type builtin but no `scorer``).
+    pub fn spec(&self) -> Result<SourceSpec<'_>, String> {
+        let kind = serde_yaml_ng::to_string(&self.kind).unwrap_or_default();
+        let need = |field, name, what| required(field, kind.trim(), name, what);
+        Ok(match self.kind {
+            RewardSourceType::Builtin => SourceSpec::Builtin {
+                scorer: need(&self.scorer, "scorer", "")?,
+            },
+            RewardSourceType::Python => SourceSpec::Python {
+                path: need(&self.path, "path", "")?,
+                function: self.function.as_deref().unwrap_or("compute_score"),
+            },
+            RewardSourceType::Native => SourceSpec::Native {
+                function: need(&self.function, "function", "")?,
+            },
+            RewardSourceType::Model => SourceSpec::Model {
+                path: need(
+                    &self.path,
+                    "path",
+                    " (an HF directory of a sequence-classification model)",
+                )?,
+            },
+        })
+    }
+}
+
+/// A field a source type needs, or the rule naming it.
+fn required<'a>(
+    field: &'a Option<String>,
+    kind: &str,
+    name: &str,
+    what: &str,
+) -> Result<&'a str, String> {
+    field
+        .as_deref()
+        .ok_or_else(|| format!("has type {kind} but no `{name}`{what}"))
+}
+
 fn one() -> f64 {
     1.0
 }

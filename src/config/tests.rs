@@ -715,3 +715,74 @@ mod fuzz {
         }
     }
 }
+
+#[test]
+fn check_refuses_what_training_refuses() {
+    // `config check` used to call these valid; training then misbehaved or refused them.
+    for bad in ["nan", "-1", "0"] {
+        let e = rule_error(&[&format!("actor_rollout_ref.actor.grad_clip={bad}")]);
+        assert!(
+            e.contains("actor_rollout_ref.actor.grad_clip"),
+            "{bad}: {e}"
+        );
+    }
+    let e = rule_error(&["critic.grad_clip=inf"]);
+    assert!(e.contains("critic.grad_clip"), "{e}");
+    let public = ["reward.control.enable=True", "reward.control.host=0.0.0.0"];
+    let e = rule_error(&public);
+    assert!(e.contains("reward.control.token"), "{e}");
+    let mut with_token = public.to_vec();
+    with_token.push("reward.control.token=s3cret");
+    assert!(resolved(&with_token).is_ok());
+    assert!(
+        resolved(&["reward.control.enable=True"]).is_ok(),
+        "loopback needs no token"
+    );
+}
+
+#[test]
+fn interpolation_that_multiplies_itself_is_refused_early() {
+    // Each level repeats the one below four times: 64 KiB × 4⁸ = 4 GiB if expanded.
+    let base = "x".repeat(1 << 16);
+    let key = "actor_rollout_ref.model.override_config";
+    let mut o = vec![format!("+{key}.l0={base}")];
+    for k in 1..=8 {
+        let r = format!("${{{key}.l{}}}", k - 1);
+        o.push(format!("+{key}.l{k}={r}{r}{r}{r}"));
+    }
+    let o: Vec<&str> = o.iter().map(String::as_str).collect();
+    let t = std::time::Instant::now();
+    let e = err(&o);
+    assert!(
+        e.contains("expands to more than 1048576 bytes"),
+        "{}",
+        &e[..e.len().min(300)]
+    );
+    assert!(
+        e.contains(key),
+        "the message names the key: {}",
+        &e[..e.len().min(300)]
+    );
+    assert!(t.elapsed().as_secs_f64() < 5.0, "{:?}", t.elapsed());
+}
+
+#[test]
+fn a_yaml_file_nested_too_deep_is_refused_with_its_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("deep.yaml");
+    std::fs::write(
+        &f,
+        format!("trainer: {}1{}\n", "[".repeat(100_000), "]".repeat(100_000)),
+    )
+    .unwrap();
+    let t = std::time::Instant::now();
+    let e = load(&ConfigSource::File(f.clone()), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("deep.yaml") && e.contains("more than 128 levels"),
+        "{}",
+        &e[..e.len().min(300)]
+    );
+    assert!(t.elapsed().as_secs_f64() < 2.0, "{:?}", t.elapsed());
+}

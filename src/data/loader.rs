@@ -1,25 +1,11 @@
 //! The training batch order: seeded per-epoch shuffles, `drop_last` like verl's loader, and a
 //! cursor that serialises into a checkpoint so a resumed run sees the same batches.
 
-use rand::{RngCore, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use super::dataset::PromptDataset;
 
-/// A permutation of `0..len` fixed by `(seed, stream)`: Fisher–Yates over ChaCha8, whose output
-/// is fixed by its specification (so orders stay the same across releases and platforms).
-pub fn permutation(len: usize, seed: u64, stream: u64) -> Vec<usize> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    rng.set_stream(stream);
-    let mut p: Vec<usize> = (0..len).collect();
-    for i in (1..len).rev() {
-        // Multiply-shift bounded draw in [0, i].
-        let j = ((rng.next_u64() as u128 * (i as u128 + 1)) >> 64) as usize;
-        p.swap(i, j);
-    }
-    p
-}
+pub use crate::util::permutation;
 
 /// Where the loader is: the epoch, the batches already served in it, and the shuffle seed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

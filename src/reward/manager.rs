@@ -9,10 +9,11 @@ use std::time::Duration;
 use serde_json::{Map, Value};
 
 use super::model_source::{RewardModel, RewardModelOptions, RunningStats};
-use super::python::{CallError, Item, PoolSettings, PythonFunction, PythonPool};
-use super::{Builtin, NativeRegistry, RewardError, RewardFn, ScoreInput, ScoreResult};
+use super::python::{CallError, PoolSettings, PythonFunction, PythonPool};
+use super::{Builtin, NativeRegistry, RewardError, RewardFn, ScoreRequest, ScoreResult};
+use crate::config::reward::SourceSpec;
 use crate::config::reward::{Gate, GateAction};
-use crate::config::{OnError, RewardConfig, RewardManagerName, RewardSourceType};
+use crate::config::{OnError, RewardConfig, RewardManagerName};
 
 enum Kind {
     Builtin(Builtin),
@@ -96,9 +97,21 @@ impl Default for ModelContext {
 
 pub struct RewardManager {
     pub sources: Vec<Source>,
-    on_error: OnError,
+    policy: FailurePolicy,
     overlong: Option<Overlong>,
     pub stats: RewardStats,
+}
+
+/// A scored batch (verl's reward output): each response's reward, the scores placed on
+/// tokens, and the rows left out of the update.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RewardBatch {
+    pub rewards: Vec<SampleReward>,
+    /// `token_level_scores`: each response's score on its last token (see
+    /// [`super::placement`]); a row without a score holds zeros.
+    pub token_level_scores: Vec<Vec<f32>>,
+    /// Rows without a score (`on_error=skip`) or vetoed by a `skip_update` gate.
+    pub excluded: Vec<bool>,
 }
 
 fn num(v: Option<&Value>, key: &str) -> Result<Option<f64>, RewardError> {
@@ -151,43 +164,36 @@ impl RewardManager {
         } else {
             for (i, s) in cfg.sources.iter().enumerate() {
                 let at = format!("reward.sources[{i}] ({})", s.name);
-                let (label, kind) = match s.kind {
-                    RewardSourceType::Builtin => {
-                        let scorer = s.scorer.as_deref().ok_or_else(|| {
-                            RewardError::Config(format!("{at}: type builtin needs `scorer`"))
-                        })?;
+                let spec = s
+                    .spec()
+                    .map_err(|rule| RewardError::Config(format!("{at}: {rule}")))?;
+                let (label, kind) = match spec {
+                    SourceSpec::Builtin { scorer } => {
                         let b = Builtin::from_name(scorer, &s.kwargs)
                             .map_err(|e| RewardError::Config(format!("{at}: {e}")))?;
                         (format!("built-in {scorer}"), Kind::Builtin(b))
                     }
-                    RewardSourceType::Python => {
-                        let path = s.path.clone().ok_or_else(|| {
-                            RewardError::Config(format!("{at}: type python needs `path`"))
-                        })?;
-                        let name = s.function.clone().unwrap_or_else(|| "compute_score".into());
+                    SourceSpec::Python { path, function } => {
                         let func = PythonFunction {
-                            path: path.clone(),
-                            name: name.clone(),
+                            path: path.to_string(),
+                            name: function.to_string(),
                             kwargs: s.kwargs.clone(),
                             batch,
                         };
                         let pool = PythonPool::start(func, settings.clone())
                             .map_err(|e| RewardError::Config(format!("{at}: {e}")))?;
-                        (format!("{name} ({path})"), Kind::Python(Box::new(pool)))
+                        (format!("{function} ({path})"), Kind::Python(Box::new(pool)))
                     }
-                    RewardSourceType::Native => {
-                        let name = s.function.as_deref().ok_or_else(|| {
-                            RewardError::Config(format!("{at}: type native needs `function`"))
-                        })?;
+                    SourceSpec::Native { function } => {
                         let f = native
-                            .get(name)
+                            .get(function)
                             .map_err(|e| RewardError::Config(format!("{at}: {e}")))?;
-                        (format!("native {name}"), Kind::Native(f, s.kwargs.clone()))
+                        (
+                            format!("native {function}"),
+                            Kind::Native(f, s.kwargs.clone()),
+                        )
                     }
-                    RewardSourceType::Model => {
-                        let path = s.path.as_deref().ok_or_else(|| {
-                            RewardError::Config(format!("{at}: type model needs `path`"))
-                        })?;
+                    SourceSpec::Model { path } => {
                         let rm = RewardModel::load(&RewardModelOptions {
                             path,
                             device: s.device.as_deref().unwrap_or(&ctx.device),
@@ -240,7 +246,7 @@ impl RewardManager {
         };
         Ok(Self {
             sources,
-            on_error: cfg.on_error,
+            policy: FailurePolicy::Config(cfg.on_error),
             overlong,
             stats: RewardStats::default(),
         })
@@ -343,9 +349,32 @@ impl RewardManager {
         }
     }
 
-    /// The failure policy `reward.on_error` configures.
-    pub fn policy(&self) -> FailurePolicy {
-        FailurePolicy::Config(self.on_error)
+    /// The manager with another failure policy (`reward.on_error` by default).
+    pub fn with_policy(mut self, policy: FailurePolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Scores `requests` and places the scores on their responses' tokens
+    /// (`response_lens[i]` tokens each).
+    pub fn score_batch(
+        &mut self,
+        requests: &[ScoreRequest],
+        response_lens: &[usize],
+    ) -> Result<RewardBatch, RewardError> {
+        let rewards = self.score(requests, response_lens)?;
+        let scores: Vec<f64> = rewards.iter().map(|r| r.score.unwrap_or(0.0)).collect();
+        let token_level_scores =
+            super::placement::place_rows(&scores, response_lens).map_err(RewardError::Score)?;
+        let excluded = rewards
+            .iter()
+            .map(|r| r.skipped || r.score.is_none() || r.gate_skip)
+            .collect();
+        Ok(RewardBatch {
+            rewards,
+            token_level_scores,
+            excluded,
+        })
     }
 
     /// Process ids of every Python worker (for tests).
@@ -367,10 +396,10 @@ impl RewardManager {
     /// the sample and its data_source.
     pub fn score(
         &mut self,
-        items: &[Item],
+        items: &[ScoreRequest],
         response_lens: &[usize],
-        policy: FailurePolicy,
     ) -> Result<Vec<SampleReward>, RewardError> {
+        let policy = self.policy;
         let mut out: Vec<SampleReward> =
             (0..items.len()).map(|_| SampleReward::default()).collect();
         let single = self.sources.len() == 1;
@@ -385,7 +414,7 @@ impl RewardManager {
                 Kind::Builtin(b) => items
                     .iter()
                     .map(|it| {
-                        b.score(&input(it)).map_err(|e| CallError::Exception {
+                        b.score(&it.input()).map_err(|e| CallError::Exception {
                             message: e.to_string(),
                             traceback: String::new(),
                         })
@@ -394,7 +423,7 @@ impl RewardManager {
                 Kind::Native(f, kw) => items
                     .iter()
                     .map(|it| {
-                        f.score(&input(it), kw).map_err(|e| CallError::Exception {
+                        f.score(&it.input(), kw).map_err(|e| CallError::Exception {
                             message: e.to_string(),
                             traceback: String::new(),
                         })
@@ -489,15 +518,6 @@ impl RewardManager {
             sample.score = Some(total);
         }
         Ok(out)
-    }
-}
-
-fn input(it: &Item) -> ScoreInput<'_> {
-    ScoreInput {
-        data_source: &it.data_source,
-        solution_str: &it.solution_str,
-        ground_truth: &it.ground_truth,
-        extra_info: &it.extra_info,
     }
 }
 

@@ -4,6 +4,7 @@ use serde_json::json;
 
 use super::*;
 use crate::config::{Config, ConfigSource};
+use crate::reward::ScoreInput;
 
 fn cfg(overrides: &[String]) -> RewardConfig {
     crate::config::load(&ConfigSource::Builtin, overrides)
@@ -12,8 +13,8 @@ fn cfg(overrides: &[String]) -> RewardConfig {
         .reward
 }
 
-fn item(sol: &str, gt: &str) -> Item {
-    Item {
+fn item(sol: &str, gt: &str) -> ScoreRequest {
+    ScoreRequest {
         data_source: "openai/gsm8k".into(),
         solution_str: sol.into(),
         ground_truth: json!(gt),
@@ -40,11 +41,7 @@ fn default_is_verls_dispatch() {
     let mut m =
         RewardManager::from_config(&Config::default().reward, &NativeRegistry::new()).unwrap();
     let out = m
-        .score(
-            &[item("#### 42", "42"), item("42", "42")],
-            &[3, 2],
-            m.policy(),
-        )
+        .score(&[item("#### 42", "42"), item("42", "42")], &[3, 2])
         .unwrap();
     assert_eq!(out[0].score, Some(1.0));
     assert_eq!(
@@ -72,7 +69,6 @@ fn weighted_builtin_python_and_native_sources() {
                 item("long answer without it\n7", "42"),
             ],
             &[5, 9],
-            m.policy(),
         )
         .unwrap();
     // Hand sums: row 0 = 1.0·1 + 0.5·(0.2·2) + 2.0·0 (9 bytes < 10 → 1) → 1 + 0.2 + 2 = 3.2.
@@ -117,11 +113,7 @@ fn failing(policy: &str) -> (Result<Vec<SampleReward>, RewardError>, RewardStats
         "reward.num_workers=1".into(),
     ]);
     let mut m = RewardManager::from_config(&c, &NativeRegistry::new()).unwrap();
-    let r = m.score(
-        &[item("2", ""), item("0", ""), item("4", "")],
-        &[1, 1, 1],
-        m.policy(),
-    );
+    let r = m.score(&[item("2", ""), item("0", ""), item("4", "")], &[1, 1, 1]);
     (r, m.stats)
 }
 
@@ -167,7 +159,6 @@ fn dapo_overlong_penalty() {
                 item("#### 1", "1"),
             ],
             &[6, 8, 10],
-            m.policy(),
         )
         .unwrap();
     // expected = 10 − 4 = 6; exceed = len − 6; penalty = min(−exceed/4, 0): 0, −0.5, −1.
@@ -226,7 +217,7 @@ fn a_timed_out_call_follows_on_error() {
             "reward.timeout_s=0.5".into(),
         ]);
         let mut m = RewardManager::from_config(&c, &NativeRegistry::new()).unwrap();
-        let r = m.score(&items, &[1, 1, 1], m.policy());
+        let r = m.score(&items, &[1, 1, 1]);
         match policy {
             "zero" => {
                 let out = r.unwrap();
@@ -250,8 +241,8 @@ fn a_timed_out_call_follows_on_error() {
     }
 }
 
-fn chat_item(question: &str, sol: &str) -> Item {
-    Item {
+fn chat_item(question: &str, sol: &str) -> ScoreRequest {
+    ScoreRequest {
         data_source: "openai/gsm8k".into(),
         solution_str: sol.into(),
         ground_truth: json!("42"),
@@ -271,7 +262,7 @@ fn a_reward_model_scores_batches_as_one_by_one() {
             rm.display()
         )])
     };
-    let items: Vec<Item> = [
+    let items: Vec<ScoreRequest> = [
         ("What is 6 x 7?", "42"),
         (
             "Name a colour.",
@@ -286,12 +277,10 @@ fn a_reward_model_scores_batches_as_one_by_one() {
     .collect();
     let lens = vec![1; items.len()];
     let mut batched = RewardManager::from_config(&src(2), &NativeRegistry::new()).unwrap();
-    let b = batched.score(&items, &lens, batched.policy()).unwrap();
+    let b = batched.score(&items, &lens).unwrap();
     let mut single = RewardManager::from_config(&src(1), &NativeRegistry::new()).unwrap();
     for (i, it) in items.iter().enumerate() {
-        let one = single
-            .score(std::slice::from_ref(it), &[1], single.policy())
-            .unwrap();
+        let one = single.score(std::slice::from_ref(it), &[1]).unwrap();
         let (x, y) = (b[i].score.unwrap(), one[0].score.unwrap());
         // Left padding changes only the masked positions: equal up to f32 summation order.
         assert!((x - y).abs() < 1e-5, "row {i}: batched {x} vs alone {y}");
@@ -314,7 +303,7 @@ fn a_reward_model_scores_batches_as_one_by_one() {
         &NativeRegistry::new(),
     )
     .unwrap();
-    let n = norm.score(&items, &lens, norm.policy()).unwrap();
+    let n = norm.score(&items, &lens).unwrap();
     let raw: Vec<f64> = b.iter().map(|r| r.score.unwrap()).collect();
     let mean = raw.iter().sum::<f64>() / raw.len() as f64;
     let std = (raw.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / raw.len() as f64).sqrt();
@@ -353,7 +342,7 @@ fn rule_python_and_model_sources_sum_by_weight() {
     )
     .unwrap();
     let rm_scores: Vec<f64> = alone
-        .score(&items, &[1, 1], alone.policy())
+        .score(&items, &[1, 1])
         .unwrap()
         .iter()
         .map(|r| r.score.unwrap())
@@ -367,7 +356,7 @@ fn rule_python_and_model_sources_sum_by_weight() {
         &NativeRegistry::new(),
     )
     .unwrap();
-    let out = m.score(&items, &[1, 1], m.policy()).unwrap();
+    let out = m.score(&items, &[1, 1]).unwrap();
     // Row 0: gsm8k 1 (answer 42), len 7/10; row 1: gsm8k 0, len 6/10.
     let want = [
         2.0 * 1.0 + 0.5 * 0.7 + 0.25 * rm_scores[0],
@@ -430,7 +419,7 @@ fn gates_act_on_exactly_the_samples_below_the_threshold() {
             "reward.sources=[{{name: acc, type: builtin, scorer: gsm8k}}, {{name: short, weight: 0.5, type: native, function: short, gate: {gate}}}]"
         )]);
         let mut m = RewardManager::from_config(&c, &reg).unwrap();
-        m.score(&items, &[1, 1, 1], m.policy()).unwrap()
+        m.score(&items, &[1, 1, 1]).unwrap()
     };
     // Without a gate the totals are acc + 0.5·short: 1.5, 0, 0.5. Only row 1 is long.
     let skip = run("{below: 0.5, action: skip_update}");

@@ -14,10 +14,43 @@ pub mod scorers;
 
 use serde_json::{Map, Value};
 
-pub use manager::{FailurePolicy, ModelContext, RewardManager, SampleReward};
+pub use manager::{FailurePolicy, ModelContext, RewardBatch, RewardManager, SampleReward};
 pub use native::{NativeRegistry, RewardFn};
-pub use python::Item;
 pub use scorers::Builtin;
+
+/// One response to score, with what a reward function may ask for.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ScoreRequest {
+    pub data_source: String,
+    pub solution_str: String,
+    pub ground_truth: Value,
+    pub extra_info: Value,
+    /// The whole dataset row (for `data` / `row` / `item` parameters).
+    pub row: Value,
+}
+
+impl ScoreRequest {
+    /// The request for `solution_str`, a response to `sample`'s prompt.
+    pub fn new(sample: &crate::data::Sample, solution_str: String) -> Self {
+        Self {
+            data_source: sample.data_source.clone(),
+            solution_str,
+            ground_truth: sample.ground_truth.clone(),
+            extra_info: sample.extra_info.clone(),
+            row: sample.raw.clone(),
+        }
+    }
+
+    /// What a reward function sees.
+    pub fn input(&self) -> ScoreInput<'_> {
+        ScoreInput {
+            data_source: &self.data_source,
+            solution_str: &self.solution_str,
+            ground_truth: &self.ground_truth,
+            extra_info: &self.extra_info,
+        }
+    }
+}
 
 /// What a reward function sees for one response (verl's keyword arguments).
 #[derive(Debug, Clone, Copy)]

@@ -12,7 +12,8 @@ use candle_nn::VarMap;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
-use super::python::{CallError, Item};
+use super::python::CallError;
+use super::ScoreRequest as Item;
 use super::{RewardError, ScoreResult};
 use crate::data::{ChatTemplate, TokenizerBundle};
 use crate::model::{CausalLm, ScoreHead};
@@ -75,7 +76,7 @@ impl RewardModel {
     /// Loads an HF directory holding a sequence-classification model (`score.weight`).
     pub fn load(o: &RewardModelOptions) -> Result<Self, RewardError> {
         let device = crate::model::device(o.device).map_err(|e| err(o.path, e))?;
-        let expanded = crate::config::resolve::expand_home(o.path);
+        let expanded = crate::util::expand_home(o.path);
         let dir = Path::new(&expanded);
         if !dir.is_dir() {
             return Err(err(

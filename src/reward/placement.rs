@@ -6,37 +6,27 @@
 //! we keep the padding clean). A response that is only an EOS token has length 1 and gets its
 //! score on that token.
 
-use candle_core::{DType, Device, Tensor};
-
-/// `[batch, width]` scores: row i holds `scores[i]` at column `lens[i] - 1`.
-pub fn place_on_tokens(
-    scores: &[f64],
-    lens: &[usize],
-    width: usize,
-    dtype: DType,
-    device: &Device,
-) -> candle_core::Result<Tensor> {
+/// Each row's scores, one value per response token: row i holds `scores[i]` on its last token
+/// (token `lens[i] - 1`) and zeros elsewhere; a zero-length response holds nothing.
+pub fn place_rows(scores: &[f64], lens: &[usize]) -> Result<Vec<Vec<f32>>, String> {
     if scores.len() != lens.len() {
-        return Err(candle_core::Error::Msg(format!(
+        return Err(format!(
             "{} scores for {} responses",
             scores.len(),
             lens.len()
-        )));
+        ));
     }
-    let mut m = vec![0f64; scores.len() * width];
-    for (i, (&s, &len)) in scores.iter().zip(lens).enumerate() {
-        if len > width {
-            return Err(candle_core::Error::Msg(format!(
-                "response {i} has {len} tokens, more than the width {width}"
-            )));
-        }
-        if len > 0 {
-            m[i * width + len - 1] = s;
-        }
-    }
-    Tensor::from_vec(m, (scores.len(), width), &Device::Cpu)?
-        .to_dtype(dtype)?
-        .to_device(device)
+    Ok(scores
+        .iter()
+        .zip(lens)
+        .map(|(&s, &len)| {
+            let mut row = vec![0f32; len];
+            if let Some(last) = row.last_mut() {
+                *last = s as f32;
+            }
+            row
+        })
+        .collect())
 }
 
 #[cfg(test)]
@@ -45,16 +35,10 @@ mod tests {
 
     #[test]
     fn last_valid_token_and_empty_rows() {
-        let t =
-            place_on_tokens(&[1.0, -2.0, 5.0], &[3, 0, 1], 4, DType::F32, &Device::Cpu).unwrap();
-        let rows: Vec<Vec<f32>> = t.to_vec2().unwrap();
-        assert_eq!(rows[0], vec![0.0, 0.0, 1.0, 0.0]);
-        assert_eq!(
-            rows[1],
-            vec![0.0; 4],
-            "an empty response writes no padded column"
-        );
-        assert_eq!(rows[2], vec![5.0, 0.0, 0.0, 0.0]);
-        assert!(place_on_tokens(&[1.0], &[5], 4, DType::F32, &Device::Cpu).is_err());
+        let rows = place_rows(&[1.0, -2.0, 5.0], &[3, 0, 1]).unwrap();
+        assert_eq!(rows[0], vec![0.0, 0.0, 1.0]);
+        assert!(rows[1].is_empty(), "an empty response holds no score");
+        assert_eq!(rows[2], vec![5.0]);
+        assert!(place_rows(&[1.0], &[5, 2]).is_err());
     }
 }

@@ -39,16 +39,8 @@ pub struct PoolSettings {
     pub timeout: Duration,
 }
 
-/// One response to score, with what the function may ask for.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct Item {
-    pub data_source: String,
-    pub solution_str: String,
-    pub ground_truth: Value,
-    pub extra_info: Value,
-    /// The whole dataset row (for `data` / `row` / `item` parameters).
-    pub row: Value,
-}
+// One response to score: the manager's request type.
+use super::ScoreRequest as Item;
 
 /// Why one call produced no score.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,13 +1,65 @@
 //! One training step's data on the host (verl's `DataProto` for a step), and how rows of it
 //! become the tensors of one forward pass.
 //!
-//! Every response keeps its own unpadded prompt and response ids and per-token values
-//! (`Vec<f32>` of the response's length); tensors are built per micro-batch, padded only to
-//! that micro-batch's longest prompt and response, so short rows never pay for long ones.
+//! The rollout creates the rows (prompt and response ids, group ids); every later phase adds
+//! per-token [`Column`]s (`old_log_probs`, `values`, `advantages`, ...). Every column has one
+//! storage format: each row's values unpadded (`Vec<f32>` of the response's length). Tensors
+//! are built from columns where math needs them (a micro-batch padded only to its own longest
+//! prompt and response, or the whole step `[rows, max_response_len]` for the estimators), and
+//! results are written back as columns.
+
+use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Result, Tensor};
 
 use crate::config::MicroBatching;
+use crate::reward::{RewardBatch, SampleReward};
+
+/// A per-token column of the step, named as verl's `DataProto` keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Column {
+    /// Each response's reward on its last token.
+    TokenLevelScores,
+    /// Log-probs of the responses under the policy that sampled them.
+    OldLogProbs,
+    /// Entropy of that policy at each response position.
+    Entropys,
+    /// Log-probs under the frozen reference policy.
+    RefLogProb,
+    /// The critic's value estimates.
+    Values,
+    /// Scores minus the KL penalty (the scores when the KL is not in the reward).
+    TokenLevelRewards,
+    Advantages,
+    Returns,
+}
+
+impl Column {
+    /// verl's key.
+    pub fn name(self) -> &'static str {
+        match self {
+            Column::TokenLevelScores => "token_level_scores",
+            Column::OldLogProbs => "old_log_probs",
+            Column::Entropys => "entropys",
+            Column::RefLogProb => "ref_log_prob",
+            Column::Values => "values",
+            Column::TokenLevelRewards => "token_level_rewards",
+            Column::Advantages => "advantages",
+            Column::Returns => "returns",
+        }
+    }
+
+    /// The phase (its `timing_s/*` name) that fills the column.
+    pub fn phase(self) -> &'static str {
+        match self {
+            Column::TokenLevelScores => "reward",
+            Column::OldLogProbs | Column::Entropys => "old_log_prob (actor)",
+            Column::RefLogProb => "ref (reference policy)",
+            Column::Values => "values (critic)",
+            Column::TokenLevelRewards | Column::Advantages | Column::Returns => "adv",
+        }
+    }
+}
 
 /// The responses of one step: `prompts × n` rows, each prompt's `n` rows consecutive.
 #[derive(Debug, Clone, Default)]
@@ -22,14 +74,114 @@ pub struct StepBatch {
     pub uid: Vec<u64>,
     /// Whether the response hit `response_length` without an EOS.
     pub truncated: Vec<bool>,
-    /// Rows whose loss mask is zero (a reward `on_error=skip` failure).
+    /// Rows whose loss mask is zero (a reward `on_error=skip` failure, a `skip_update` gate):
+    /// the `response_mask` column is 1 on every response token of the other rows.
     pub excluded: Vec<bool>,
+    /// Each response as text, special tokens removed (what reward functions read).
+    pub texts: Vec<String>,
+    /// Each row's reward (from the reward phase).
+    pub rewards: Vec<SampleReward>,
+    /// ReMax: each row's baseline (the reward of its prompt's greedy response).
+    pub reward_baselines: Option<Vec<f64>>,
+    /// The per-token columns filled so far.
+    columns: BTreeMap<Column, Ragged>,
 }
 
 /// Per-token values of every row, `[rows][response_len]`.
 pub type Ragged = Vec<Vec<f32>>;
 
 impl StepBatch {
+    /// The rows of a rollout: `uid` groups them, `truncated` says which hit the length limit.
+    pub fn new(
+        prompts: Vec<Vec<u32>>,
+        responses: Vec<Vec<u32>>,
+        sample: Vec<usize>,
+        uid: Vec<u64>,
+        truncated: Vec<bool>,
+    ) -> Self {
+        let rows = responses.len();
+        Self {
+            prompts,
+            responses,
+            sample,
+            uid,
+            truncated,
+            excluded: vec![false; rows],
+            ..Self::default()
+        }
+    }
+
+    /// Takes the reward phase's output: each row's reward, `token_level_scores`, and the rows
+    /// left out of the update.
+    pub fn add_rewards(&mut self, scored: RewardBatch) -> Result<()> {
+        if scored.rewards.len() != self.len() || scored.excluded.len() != self.len() {
+            return Err(candle_core::Error::Msg(format!(
+                "the reward stage returned {} rewards for {} responses",
+                scored.rewards.len(),
+                self.len()
+            )));
+        }
+        self.set(Column::TokenLevelScores, scored.token_level_scores)?;
+        self.rewards = scored.rewards;
+        self.excluded = scored.excluded;
+        Ok(())
+    }
+
+    /// A filled column; an error names the column and the phase that fills it.
+    pub fn column(&self, c: Column) -> Result<&Ragged> {
+        self.columns.get(&c).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "the step has no `{}` yet: the {} phase fills it",
+                c.name(),
+                c.phase()
+            ))
+        })
+    }
+
+    /// Whether a column is filled.
+    pub fn has(&self, c: Column) -> bool {
+        self.columns.contains_key(&c)
+    }
+
+    /// Fills (or replaces) a column; every row must hold one value per response token.
+    pub fn set(&mut self, c: Column, values: Ragged) -> Result<()> {
+        let bad =
+            (0..self.len()).find(|&r| values.get(r).map(Vec::len) != Some(self.response_len(r)));
+        if values.len() != self.len() || bad.is_some() {
+            return Err(candle_core::Error::Msg(format!(
+                "`{}` must hold one value per response token of each of the {} rows (row {} differs)",
+                c.name(),
+                self.len(),
+                bad.unwrap_or(values.len().min(self.len()))
+            )));
+        }
+        self.columns.insert(c, values);
+        Ok(())
+    }
+
+    /// A column as one zero-padded tensor `[rows, max_response_len]`.
+    pub fn dense(&self, c: Column, device: &Device) -> Result<Tensor> {
+        dense(self.column(c)?, self.max_response_len(), device)
+    }
+
+    /// Fills a column from a `[rows, max_response_len]` tensor (each row trimmed to its response).
+    pub fn set_dense(&mut self, c: Column, t: &Tensor) -> Result<()> {
+        let rows: Vec<usize> = (0..self.len()).collect();
+        let mut out: Ragged = vec![Vec::new(); self.len()];
+        scatter_rows(t, &rows, &self.response_lens(), &mut out)?;
+        self.set(c, out)
+    }
+
+    /// A column's values of `rows` as a zero-padded `[rows, width]` tensor (one micro-batch).
+    pub fn rows(&self, c: Column, rows: &[usize], width: usize, device: &Device) -> Result<Tensor> {
+        pad_rows(self.column(c)?, rows, width, device)
+    }
+
+    /// Each row's response length in tokens.
+    pub fn response_lens(&self) -> Vec<usize> {
+        self.responses.iter().map(Vec::len).collect()
+    }
+
     pub fn len(&self) -> usize {
         self.responses.len()
     }
@@ -56,8 +208,8 @@ impl StepBatch {
         }
     }
 
-    /// Each row's loss mask: 1 per response token, all 0 for an excluded row.
-    pub fn loss_mask_rows(&self) -> Ragged {
+    /// verl's `response_mask`: 1 per response token, all 0 for an excluded row.
+    pub fn response_mask(&self) -> Ragged {
         (0..self.len())
             .map(|r| vec![if self.excluded[r] { 0.0 } else { 1.0 }; self.response_len(r)])
             .collect()
@@ -222,14 +374,13 @@ mod tests {
     use super::*;
 
     fn batch() -> StepBatch {
-        StepBatch {
-            prompts: vec![vec![1, 2, 3], vec![4]],
-            responses: vec![vec![5], vec![6, 7, 8]],
-            sample: vec![0, 1],
-            uid: vec![0, 1],
-            truncated: vec![false, true],
-            excluded: vec![false, false],
-        }
+        StepBatch::new(
+            vec![vec![1, 2, 3], vec![4]],
+            vec![vec![5], vec![6, 7, 8]],
+            vec![0, 1],
+            vec![0, 1],
+            vec![false, true],
+        )
     }
 
     #[test]
@@ -262,14 +413,13 @@ mod tests {
 
     #[test]
     fn token_budget_packs_rows_by_padded_size() {
-        let b = StepBatch {
-            prompts: vec![vec![1; 4]; 5],
-            responses: vec![vec![1; 4], vec![1; 4], vec![1; 12], vec![1; 2], vec![1; 2]],
-            sample: vec![0; 5],
-            uid: vec![0; 5],
-            truncated: vec![false; 5],
-            excluded: vec![false; 5],
-        };
+        let b = StepBatch::new(
+            vec![vec![1; 4]; 5],
+            vec![vec![1; 4], vec![1; 4], vec![1; 12], vec![1; 2], vec![1; 2]],
+            vec![0; 5],
+            vec![0; 5],
+            vec![false; 5],
+        );
         // Budget 16: rows 0+1 (2 × 8 = 16); row 2 alone (16 > budget but alone); rows 3+4 (2 × 6).
         let mbs = b.micro_batches(&[0, 1, 2, 3, 4], MicroBatching::TokenBudget(16));
         assert_eq!(mbs, vec![vec![0, 1], vec![2], vec![3, 4]]);
@@ -288,5 +438,30 @@ mod tests {
         let mut back: Ragged = vec![vec![]; 2];
         scatter_rows(&t, &[1, 0], &[1, 3], &mut back).unwrap();
         assert_eq!(back, vals);
+    }
+
+    #[test]
+    fn a_missing_column_names_itself_and_its_phase() {
+        let mut b = batch();
+        let e = b.column(Column::Values).unwrap_err().to_string();
+        assert!(e.contains("`values`") && e.contains("critic"), "{e}");
+        // One value per response token of every row, or the column is refused.
+        let e = b
+            .set(Column::Advantages, vec![vec![1.0], vec![1.0, 2.0]])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("advantages") && e.contains("row 1"), "{e}");
+        b.set(Column::Advantages, vec![vec![1.0], vec![1.0, 2.0, 3.0]])
+            .unwrap();
+        let t = b.dense(Column::Advantages, &Device::Cpu).unwrap();
+        assert_eq!(
+            t.to_vec2::<f32>().unwrap(),
+            vec![vec![1., 0., 0.], vec![1., 2., 3.]]
+        );
+        b.set_dense(Column::Returns, &t).unwrap();
+        assert_eq!(
+            b.column(Column::Returns).unwrap(),
+            b.column(Column::Advantages).unwrap()
+        );
     }
 }

@@ -3,30 +3,24 @@
 //! update (verl's `DataParallelPPOCritic.compute_values` / `update_critic`).
 
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::VarBuilder;
 use rand::{Rng, SeedableRng};
 
-use super::batch::{pad_rows, scatter_rows, MicroInputs, Ragged, StepBatch};
-use super::optim::{AdamW, LrSchedule};
-use super::update::{self, MicroLoss};
-use crate::algo::{masked_mean, value_loss, AggNorm};
-use crate::config::{CriticConfig, MicroBatching, UpdatePlan};
+use super::batch::{pad_rows, Column, MicroInputs, StepBatch};
+use super::trainable::{Network, Trainable, UpdateSettings, ValueModel};
+use super::update::MicroLoss;
+use crate::algo::agg::scalar;
+use crate::algo::{masked_mean, value_loss};
+use crate::config::{CriticConfig, MicroBatching, Plan};
 use crate::metrics::Metrics;
-use crate::model::{CausalLm, ModelArgs, ValueHead};
+use crate::model::hf::Loaded;
+use crate::model::ValueHead;
 
 pub struct Critic {
-    pub backbone: CausalLm,
-    pub head: ValueHead,
-    pub varmap: VarMap,
-    pub args: ModelArgs,
-    view: (CausalLm, ValueHead),
-    pub optimizer: AdamW,
-    pub schedule: LrSchedule,
-    pub updates: u64,
-    cfg: CriticConfig,
-    plan: UpdatePlan,
-    response_length: usize,
-    pad_id: u32,
+    pub trainable: Trainable<ValueModel>,
+    cliprange_value: f64,
+    /// Forward passes of the value computation.
+    forward_micro: MicroBatching,
 }
 
 /// `n` draws of N(0, std²) from a seeded ChaCha stream (Box–Muller), so a run's initial value
@@ -43,32 +37,29 @@ fn seeded_normal(n: usize, std: f64, seed: u64) -> Vec<f32> {
 }
 
 /// Values of a micro-batch's response positions: `[m, r]` f32.
-fn values(backbone: &CausalLm, head: &ValueHead, mi: &MicroInputs) -> candle_core::Result<Tensor> {
-    let hidden = backbone.forward_hidden(&mi.input_ids, &mi.position_ids, &mi.key_mask, None)?; // [m, p + r − 1, h]
-    head.forward(&mi.response_hidden(&hidden)?)?
+fn values(model: &ValueModel, mi: &MicroInputs) -> candle_core::Result<Tensor> {
+    let hidden =
+        model
+            .backbone
+            .forward_hidden(&mi.input_ids, &mi.position_ids, &mi.key_mask, None)?; // [m, p + r − 1, h]
+    model
+        .head
+        .forward(&mi.response_hidden(&hidden)?)?
         .to_dtype(DType::F32) // [m, r]
 }
 
-/// What the value loss needs per row: `[rows][response_len]` each.
-pub struct ValueData<'a> {
-    pub values: &'a Ragged,
-    pub returns: &'a Ragged,
-}
-
 impl Critic {
-    /// A critic over `backbone` (its variables in `varmap`), adding a value head initialised
-    /// from `seed` (N(0, 0.02²) weight, zero bias) unless `varmap` already holds one.
-    #[allow(clippy::too_many_arguments)]
+    /// The critic of a run over the `loaded` backbone, adding a value head initialised from
+    /// `seed` (N(0, 0.02²) weight, zero bias) unless the weights already hold one.
     pub fn new(
-        backbone: CausalLm,
-        varmap: VarMap,
+        loaded: Loaded,
         cfg: &CriticConfig,
-        plan: &UpdatePlan,
+        plan: &Plan,
         total_steps: u64,
-        response_length: usize,
         pad_id: u32,
         seed: u64,
     ) -> candle_core::Result<Self> {
+        let (backbone, varmap) = (loaded.model, loaded.varmap);
         let (dtype, device) = (backbone.dtype(), backbone.device().clone());
         let hidden = backbone.args.hidden_size;
         let fresh = !varmap
@@ -82,89 +73,68 @@ impl Critic {
             let w = Tensor::from_vec(seeded_normal(hidden, 0.02, seed), (1, hidden), &Device::Cpu)?;
             vars["score.weight"].set(&w.to_dtype(dtype)?.to_device(&device)?)?;
         }
-        let vars = varmap.data().lock().expect("varmap lock").clone();
-        Ok(Self {
-            view: (backbone.no_grad(), head.no_grad()),
-            args: backbone.args.clone(),
-            backbone,
-            head,
-            varmap,
-            optimizer: AdamW::new(vars, &cfg.optim),
-            schedule: LrSchedule::new(&cfg.optim, total_steps),
-            updates: 0,
-            cfg: cfg.clone(),
-            plan: plan.clone(),
-            response_length,
+        let (Some(update_plan), Some(forward_micro)) = (&plan.critic, plan.critic_forward_micro)
+        else {
+            return Err(candle_core::Error::Msg(
+                "the resolved configuration plans no critic".into(),
+            ));
+        };
+        let settings = UpdateSettings {
+            prefix: "critic",
+            plan: update_plan.clone(),
+            seed: cfg.data_loader_seed,
+            loss_scale_factor: cfg.loss_scale_factor.or(Some(plan.response_length as f64)),
             pad_id,
+        };
+        let args = backbone.args.clone();
+        Ok(Self {
+            trainable: Trainable::new(
+                ValueModel { backbone, head },
+                varmap,
+                args,
+                &cfg.optim,
+                total_steps,
+                settings,
+            ),
+            cliprange_value: cfg.cliprange_value,
+            forward_micro,
         })
     }
 
-    /// Values of every row's response positions, without gradients.
-    pub fn compute_values(
-        &self,
-        batch: &StepBatch,
-        micro: MicroBatching,
-    ) -> candle_core::Result<Ragged> {
-        let n = batch.len();
-        let lens: Vec<usize> = (0..n).map(|r| batch.response_len(r)).collect();
-        let mut out: Ragged = vec![Vec::new(); n];
-        let rows: Vec<usize> = (0..n).collect();
-        for mb in batch.micro_batches(&rows, micro) {
-            let mi = batch.inputs(&mb, self.pad_id, self.backbone.device())?;
-            let v = values(&self.view.0, &self.view.1, &mi)?;
-            scatter_rows(&v, &mb, &lens, &mut out)?;
-        }
-        Ok(out)
+    /// The `values` phase: fills `values` (verl's `compute_values`).
+    pub fn compute_values(&self, batch: &mut StepBatch) -> candle_core::Result<()> {
+        let mut out = self
+            .trainable
+            .forward_rows(batch, self.forward_micro, 1, |m, mi| {
+                Ok(vec![values(m, mi)?])
+            })?;
+        batch.set(Column::Values, out.pop().unwrap_or_default())
     }
 
-    /// One clipped value-loss update; returns `critic/*` metrics.
-    pub fn update(
-        &mut self,
-        batch: &StepBatch,
-        data: &ValueData,
-        step: u64,
-    ) -> candle_core::Result<Metrics> {
-        let lr = self.schedule.lr(self.updates);
-        let device = self.backbone.device().clone();
-        let (backbone, head) = (&self.backbone, &self.head);
-        let cliprange = self.cfg.cliprange_value;
-        let mode = self.plan.loss_agg_mode;
-        let pad_id = self.pad_id;
-        let scale = self
-            .cfg
-            .loss_scale_factor
-            .or(Some(self.response_length as f64));
-        let m = update::run(
-            "critic",
-            &self.plan,
-            batch,
-            self.cfg.data_loader_seed,
-            step,
-            scale,
-            &mut self.optimizer,
-            lr,
-            |rows: &[usize], norm: AggNorm| {
-                let mi = batch.inputs(rows, pad_id, &device)?;
-                let vpreds = values(backbone, head, &mi)?;
-                let r = mi.response_width;
-                let old = pad_rows(data.values, rows, r, &device)?;
-                let ret = pad_rows(data.returns, rows, r, &device)?;
-                let mask = &mi.response_mask;
-                let (loss, clipfrac) =
-                    value_loss(&vpreds, &ret, &old, mask, cliprange, mode, norm)?;
-                let vpred_mean = crate::algo::agg::scalar(&masked_mean(&vpreds.detach(), mask)?)?;
-                Ok(MicroLoss {
-                    scalars: vec![
-                        ("critic/vf_loss", crate::algo::agg::scalar(&loss)?),
-                        ("critic/vf_clipfrac", clipfrac),
-                        ("critic/vpred_mean", vpred_mean),
-                    ],
-                    loss,
-                })
-            },
-        )?;
-        self.updates += 1;
-        Ok(m)
+    /// One clipped value-loss update (verl's `update_critic`); returns `critic/*` metrics.
+    pub fn update(&mut self, batch: &StepBatch, step: u64) -> candle_core::Result<Metrics> {
+        let cliprange = self.cliprange_value;
+        let mode = self.trainable.settings.plan.loss_agg_mode;
+        let old_values = batch.column(Column::Values)?;
+        let returns = batch.column(Column::Returns)?;
+        self.trainable.update(batch, step, |model, mi, rows, norm| {
+            let device = model.device();
+            let vpreds = values(model, mi)?;
+            let r = mi.response_width;
+            let old = pad_rows(old_values, rows, r, device)?;
+            let ret = pad_rows(returns, rows, r, device)?;
+            let mask = &mi.response_mask;
+            let (loss, clipfrac) = value_loss(&vpreds, &ret, &old, mask, cliprange, mode, norm)?;
+            let vpred_mean = scalar(&masked_mean(&vpreds.detach(), mask)?)?;
+            Ok(MicroLoss {
+                scalars: vec![
+                    ("critic/vf_loss", scalar(&loss)?),
+                    ("critic/vf_clipfrac", clipfrac),
+                    ("critic/vpred_mean", vpred_mean),
+                ],
+                loss,
+            })
+        })
     }
 }
 

@@ -11,7 +11,6 @@ use super::{Result, Trainer, TrainerError};
 use crate::algo::KlController;
 use crate::checkpoint;
 use crate::data::{BatchLoader, LoaderCursor};
-use crate::model::hf;
 use crate::reward::model_source::RunningStats;
 use crate::rollout::{Sampler, SamplerState};
 
@@ -34,9 +33,20 @@ pub struct TrainerState {
     pub reward_model_stats: BTreeMap<String, RunningStats>,
 }
 
-/// Test hook `STEP:FILE`: the save of step STEP stops half-way (after the actor weights),
-/// creates FILE and sleeps, so a test can kill the process in the middle of a save.
-const PAUSE_ENV: &str = "MAIN_PPO_TEST_PAUSE_IN_SAVE";
+/// Test hook `STEP:FILE` (debug builds only, which is what tests run): the save of step STEP
+/// stops half-way (after the actor), creates FILE and sleeps, so a test can kill the process
+/// in the middle of a save.
+#[cfg(debug_assertions)]
+fn pause_in_save(step: u64) -> Result<()> {
+    let var = std::env::var("MAIN_PPO_TEST_PAUSE_IN_SAVE").ok();
+    if let Some((at, marker)) = var.as_deref().and_then(|v| v.split_once(':')) {
+        if at.parse() == Ok(step) {
+            std::fs::write(marker, step.to_string()).map_err(other)?;
+            std::thread::sleep(std::time::Duration::from_secs(60));
+        }
+    }
+    Ok(())
+}
 
 fn other(e: impl std::fmt::Display) -> TrainerError {
     TrainerError::Other(e.to_string())
@@ -50,48 +60,22 @@ impl Trainer {
             global_step: self.global_step,
             loader: self.loader.cursor(),
             train_rows: self.train.len(),
-            sampler: self.sampler.state(),
+            sampler: self.rollout.sampler.state(),
             kl_ctrl: self.kl_ctrl,
-            actor_updates: self.actor.updates,
-            critic_updates: self.critic.as_ref().map(|c| c.updates),
+            actor_updates: self.actor.trainable.updates,
+            critic_updates: self.critic.as_ref().map(|c| c.trainable.updates),
             reward_weights: self.reward.weights(),
             reward_model_stats: self.reward.model_stats(),
         };
         let config_yaml = serde_yaml_ng::to_string(&self.cfg).map_err(other)?;
         let dir = checkpoint::save_atomic(&root, self.global_step, |dir: &Path| -> Result<()> {
-            let actor_hf = dir.join("actor").join("huggingface");
-            hf::save_dir(
-                &self.actor.varmap,
-                &self.actor.args,
-                &actor_hf,
-                &self.tokenizer.eos_token_ids,
-                None,
-                None,
-            )?;
-            self.tokenizer.save(&actor_hf)?;
-            if let Some((at, marker)) = std::env::var(PAUSE_ENV)
-                .ok()
-                .as_deref()
-                .and_then(|v| v.split_once(':'))
-            {
-                if at.parse() == Ok(self.global_step) {
-                    std::fs::write(marker, self.global_step.to_string()).map_err(other)?;
-                    std::thread::sleep(std::time::Duration::from_secs(60));
-                }
-            }
-            self.actor.optimizer.save(&dir.join("actor"))?;
+            self.actor
+                .trainable
+                .save(&dir.join("actor"), &self.tokenizer)?;
+            #[cfg(debug_assertions)]
+            pause_in_save(self.global_step)?;
             if let Some(c) = &self.critic {
-                let critic_hf = dir.join("critic").join("huggingface");
-                hf::save_dir(
-                    &c.varmap,
-                    &c.args,
-                    &critic_hf,
-                    &self.tokenizer.eos_token_ids,
-                    None,
-                    None,
-                )?;
-                self.tokenizer.save(&critic_hf)?;
-                c.optimizer.save(&dir.join("critic"))?;
+                c.trainable.save(&dir.join("critic"), &self.tokenizer)?;
             }
             std::fs::write(
                 dir.join("trainer_state.json"),
@@ -148,17 +132,11 @@ impl Trainer {
                 self.train.len()
             )));
         }
-        let actor_hf = dir.join("actor").join("huggingface");
-        hf::assign(&self.actor.varmap, &hf::read_weights(&actor_hf)?, &actor_hf)?;
-        self.actor.optimizer.load(&dir.join("actor"))?;
-        self.actor.updates = state.actor_updates;
+        self.actor
+            .trainable
+            .load(&dir.join("actor"), state.actor_updates)?;
         match (&mut self.critic, state.critic_updates) {
-            (Some(c), Some(updates)) => {
-                let critic_hf = dir.join("critic").join("huggingface");
-                hf::assign(&c.varmap, &hf::read_weights(&critic_hf)?, &critic_hf)?;
-                c.optimizer.load(&dir.join("critic"))?;
-                c.updates = updates;
-            }
+            (Some(c), Some(updates)) => c.trainable.load(&dir.join("critic"), updates)?,
             (Some(_), None) => {
                 return Err(other(
                     "the run has a critic but the checkpoint holds none (was it saved by a critic-free run?)",
@@ -168,7 +146,7 @@ impl Trainer {
         }
         self.loader =
             BatchLoader::resume(self.train.len(), self.plan.train_batch_size, state.loader);
-        self.sampler = Sampler::restore(state.sampler);
+        self.rollout.sampler = Sampler::restore(state.sampler);
         self.kl_ctrl = state.kl_ctrl;
         // Weights of sources that still exist; a source added since keeps its configured weight.
         let known = self.reward.weights();

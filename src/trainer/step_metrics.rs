@@ -5,24 +5,11 @@ use std::collections::BTreeMap;
 
 use candle_core::Device;
 
-use super::batch::{dense, Ragged, StepBatch};
+use super::batch::{dense, Column, Ragged, StepBatch};
 use crate::algo::{agg_loss, AggNorm};
-use crate::config::LossAggMode;
+use crate::config::{LossAggMode, Plan};
 use crate::metrics::{add_stats, Metrics};
 use crate::reward::{RewardManager, SampleReward};
-
-pub struct StepData<'a> {
-    pub batch: &'a StepBatch,
-    pub token_scores: &'a Ragged,
-    pub token_rewards: &'a Ragged,
-    pub advantages: &'a Ragged,
-    pub returns: &'a Ragged,
-    pub values: Option<&'a Ragged>,
-    pub entropy: Option<&'a Ragged>,
-    pub max_prompt_length: usize,
-    pub max_response_length: usize,
-    pub loss_agg_mode: LossAggMode,
-}
 
 /// Values at the loss-mask positions of every row.
 fn valid(values: &Ragged, batch: &StepBatch) -> Vec<f64> {
@@ -41,21 +28,39 @@ fn variance(x: &[f64]) -> f64 {
     x.iter().map(|v| (v - m).powi(2)).sum::<f64>() / (x.len() - 1) as f64
 }
 
-pub fn data_metrics(m: &mut Metrics, d: &StepData) -> candle_core::Result<()> {
-    let b = d.batch;
+/// The data metrics of a step whose `adv` phase ran; lengths are clipped at `plan`'s limits,
+/// `actor/entropy` is aggregated with `loss_agg_mode`.
+pub fn data_metrics(
+    m: &mut Metrics,
+    b: &StepBatch,
+    plan: &Plan,
+    loss_agg_mode: LossAggMode,
+) -> candle_core::Result<()> {
     let rows: Vec<usize> = (0..b.len()).filter(|&r| !b.excluded[r]).collect();
     let seq_sum = |v: &Ragged| -> Vec<f64> {
         rows.iter()
             .map(|&r| v[r].iter().map(|&x| x as f64).sum())
             .collect()
     };
-    add_stats(m, "critic/score", &seq_sum(d.token_scores));
-    add_stats(m, "critic/rewards", &seq_sum(d.token_rewards));
-    add_stats(m, "critic/advantages", &valid(d.advantages, b));
-    let returns = valid(d.returns, b);
+    add_stats(
+        m,
+        "critic/score",
+        &seq_sum(b.column(Column::TokenLevelScores)?),
+    );
+    add_stats(
+        m,
+        "critic/rewards",
+        &seq_sum(b.column(Column::TokenLevelRewards)?),
+    );
+    add_stats(
+        m,
+        "critic/advantages",
+        &valid(b.column(Column::Advantages)?, b),
+    );
+    let returns = valid(b.column(Column::Returns)?, b);
     add_stats(m, "critic/returns", &returns);
-    if let Some(values) = d.values {
-        let v = valid(values, b);
+    if b.has(Column::Values) {
+        let v = valid(b.column(Column::Values)?, b);
         add_stats(m, "critic/values", &v);
         let diff: Vec<f64> = returns.iter().zip(&v).map(|(r, v)| r - v).collect();
         let ev = 1.0 - variance(&diff) / (variance(&returns) + 1e-5);
@@ -68,7 +73,7 @@ pub fn data_metrics(m: &mut Metrics, d: &StepData) -> candle_core::Result<()> {
     };
     m.insert(
         "response_length/clip_ratio".into(),
-        clip(&resp, d.max_response_length),
+        clip(&resp, plan.response_length),
     );
     let aborted = resp.iter().filter(|&&l| l == 0.0).count() as f64 / resp.len().max(1) as f64;
     m.insert("response/aborted_ratio".into(), aborted);
@@ -76,15 +81,15 @@ pub fn data_metrics(m: &mut Metrics, d: &StepData) -> candle_core::Result<()> {
     add_stats(m, "prompt_length", &prompt);
     m.insert(
         "prompt_length/clip_ratio".into(),
-        clip(&prompt, d.max_prompt_length),
+        clip(&prompt, plan.prompt_length),
     );
-    if let Some(ent) = d.entropy {
+    if b.has(Column::Entropys) {
         // verl's `actor/entropy`: the entropy of the rollout policy, aggregated like the loss.
         let width = b.max_response_len();
         let e = agg_loss(
-            &dense(ent, width, &Device::Cpu)?,
-            &dense(&b.loss_mask_rows(), width, &Device::Cpu)?,
-            d.loss_agg_mode,
+            &dense(b.column(Column::Entropys)?, width, &Device::Cpu)?,
+            &dense(&b.response_mask(), width, &Device::Cpu)?,
+            loss_agg_mode,
             AggNorm::default(),
         )?;
         m.insert("actor/entropy".into(), crate::algo::agg::scalar(&e)?);
@@ -92,7 +97,8 @@ pub fn data_metrics(m: &mut Metrics, d: &StepData) -> candle_core::Result<()> {
     Ok(())
 }
 
-/// `reward/<source>/mean` per source, `reward/errors` and `reward/skipped` of this step, and
+/// `reward/<source>/mean` per source, `reward/errors` and `reward/skipped` (samples left out of
+/// the update) of this step, and
 /// the means of numeric extra values scorers reported (`reward_extra/<key>/mean`).
 pub fn reward_metrics(m: &mut Metrics, manager: &RewardManager, rewards: &[SampleReward]) {
     for (k, src) in manager.sources.iter().enumerate() {
@@ -117,10 +123,12 @@ pub fn reward_metrics(m: &mut Metrics, manager: &RewardManager, rewards: &[Sampl
     }
     let errors = rewards.iter().filter(|r| r.error.is_some()).count();
     m.insert("reward/errors".into(), errors as f64);
-    m.insert(
-        "reward/skipped".into(),
-        rewards.iter().filter(|r| r.skipped).count() as f64,
-    );
+    // Samples left out of the update: no score (`on_error=skip`) or a `skip_update` gate.
+    let skipped = rewards
+        .iter()
+        .filter(|r| r.skipped || r.score.is_none() || r.gate_skip)
+        .count();
+    m.insert("reward/skipped".into(), skipped as f64);
     let mut extra: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for r in rewards {
         for (k, v) in &r.extra {

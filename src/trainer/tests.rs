@@ -178,7 +178,7 @@ fn three_steps_with_each_estimator_and_kl_variant() {
     ];
     for (name, extra) in cases {
         let mut t = trainer(&fx, extra, None);
-        let before = weights(&t.actor.varmap);
+        let before = weights(&t.actor.trainable.varmap);
         let outcome = t.fit().unwrap();
         assert_eq!(outcome, FitOutcome::Finished { steps: 3 }, "{name}");
         assert_eq!(t.history.len(), 3, "{name}");
@@ -221,7 +221,7 @@ fn three_steps_with_each_estimator_and_kl_variant() {
             "{name}"
         );
         assert_eq!(t.reference.is_some(), name.contains("kl"), "{name}");
-        let after = weights(&t.actor.varmap);
+        let after = weights(&t.actor.trainable.varmap);
         let changed = before
             .iter()
             .zip(&after)
@@ -284,8 +284,8 @@ fn resume_is_bit_exact() {
     a.fit().unwrap();
     let straight_dir = crate::checkpoint::step_dir(&a.plan.default_local_dir, 4);
     let straight = (
-        weights(&a.actor.varmap),
-        weights(&a.critic.as_ref().unwrap().varmap),
+        weights(&a.actor.trainable.varmap),
+        weights(&a.critic.as_ref().unwrap().trainable.varmap),
         optimizer_files(&straight_dir),
         a.history
             .iter()
@@ -321,8 +321,8 @@ fn resume_is_bit_exact() {
     history.extend(c.history.iter().cloned());
     let resumed_dir = crate::checkpoint::step_dir(&c.plan.default_local_dir, 4);
     let resumed = (
-        weights(&c.actor.varmap),
-        weights(&c.critic.as_ref().unwrap().varmap),
+        weights(&c.actor.trainable.varmap),
+        weights(&c.critic.as_ref().unwrap().trainable.varmap),
         optimizer_files(&resumed_dir),
         history
             .iter()
@@ -419,7 +419,7 @@ fn checkpoint_exports_an_actor_that_loads_with_identical_outputs() {
     };
     assert_eq!(
         logits(&loaded.model),
-        logits(&t.actor.model),
+        logits(&t.actor.trainable.model),
         "bit-identical after export"
     );
 }
@@ -626,6 +626,10 @@ fn a_skip_update_gate_zeroes_loss_mask_and_advantage_of_gated_samples() {
         }
         let m = &t.history[(step - 1) as usize].1;
         assert_eq!(m["reward/gated/even"], gated as f64);
+        assert_eq!(
+            m["reward/skipped"], gated as f64,
+            "gated samples are left out"
+        );
         gated_total += gated;
     }
     assert!(gated_total > 0, "some responses have an odd length");
@@ -737,3 +741,6 @@ fn control_api_changes_weights_between_steps_and_they_survive_resume() {
         0.25
     );
 }
+
+#[path = "tests_golden.rs"]
+mod golden;

@@ -11,7 +11,9 @@ use std::collections::BTreeMap;
 
 use serde_json::json;
 
-use super::{write_jsonl, Result, Trainer};
+use super::dumps::write_jsonl;
+use super::phases::{decode, requests};
+use super::{Result, Trainer};
 use crate::metrics::Metrics;
 use crate::rollout::{generate_rows, repeat_rows, Sampler, SamplingParams};
 
@@ -71,11 +73,9 @@ impl Trainer {
                 &params,
                 &mut sampler,
             )?;
-            let texts = self.decode(&out.responses)?;
-            let items = self.items(ds, &rows, &texts);
+            let texts = decode(&self.tokenizer, &out.responses)?;
             let lens: Vec<usize> = out.responses.iter().map(Vec::len).collect();
-            let policy = self.reward.policy();
-            let rewards = self.reward.score(&items, &lens, policy)?;
+            let rewards = self.reward.score(&requests(ds, &rows, &texts), &lens)?;
             for (k, r) in rewards.iter().enumerate() {
                 let sample = &ds.samples[rows[k]];
                 let acc = r.extra.get("acc").and_then(|v| {
@@ -146,7 +146,7 @@ impl Trainer {
             );
         }
         if let Some(dir) = &self.cfg.trainer.validation_data_dir {
-            let dir = std::path::PathBuf::from(crate::config::resolve::expand_home(dir));
+            let dir = std::path::PathBuf::from(crate::util::expand_home(dir));
             write_jsonl(&dir, self.global_step, &dumps)?;
         }
         Ok(m)

@@ -1,0 +1,224 @@
+//! The `adv` phase (verl's `apply_kl_penalty` + `compute_advantage` in `ray_trainer.py`):
+//! token-level rewards (the scores, minus the KL to the reference when
+//! `algorithm.use_kl_in_reward`), then the configured estimator's advantages and returns.
+//!
+//! Rows left out of the update (`reward.on_error=skip`, a `skip_update` gate) are left out
+//! here too: the estimator runs on the other rows only, so they enter no group baseline
+//! (GRPO, RLOO, OPO, GPG, pass@k, REINFORCE++ baseline), no batch statistic (whitening, GPG's
+//! scale, the KL controller's mean) and a group whose rows are all left out contributes
+//! nothing. Left-out rows get advantage and return 0 and their scores as rewards.
+
+use candle_core::{Device, Tensor};
+
+use super::batch::{pad_rows, scatter_rows, Column, Ragged, StepBatch};
+use crate::algo::{apply_kl_penalty, compute_advantage, AdvantageInputs, KlController};
+use crate::config::AlgorithmConfig;
+use crate::metrics::Metrics;
+
+/// Fills `token_level_rewards`, `advantages` and `returns`; returns the KL-in-reward metrics.
+pub fn compute(
+    alg: &AlgorithmConfig,
+    kl_ctrl: &mut KlController,
+    batch: &mut StepBatch,
+    device: &Device,
+) -> candle_core::Result<Metrics> {
+    let mut m = Metrics::new();
+    let kept: Vec<usize> = (0..batch.len()).filter(|&r| !batch.excluded[r]).collect();
+    let lens = batch.response_lens();
+    let zeros: Ragged = lens.iter().map(|&l| vec![0f32; l]).collect();
+    let mut out = [
+        batch.column(Column::TokenLevelScores)?.clone(),
+        zeros.clone(),
+        zeros,
+    ];
+    if !kept.is_empty() {
+        let width = batch.max_response_len();
+        let b: &StepBatch = batch;
+        let rows = |c: Column| b.rows(c, &kept, width, device); // [K, R]
+        let mask = pad_rows(&b.response_mask(), &kept, width, device)?; // [K, R]
+        let scores = rows(Column::TokenLevelScores)?;
+        let rewards = if alg.use_kl_in_reward {
+            let old = rows(Column::OldLogProbs)?;
+            let reference = rows(Column::RefLogProb)?;
+            let penalty = alg.kl_penalty;
+            let (r, kl, beta) =
+                apply_kl_penalty(&scores, &old, &reference, &mask, penalty, kl_ctrl)?;
+            m.insert("actor/reward_kl_penalty".into(), kl);
+            m.insert("actor/reward_kl_penalty_coeff".into(), beta);
+            r
+        } else {
+            scores
+        };
+        let values = if b.has(Column::Values) {
+            Some(rows(Column::Values)?)
+        } else {
+            None
+        };
+        let index: Vec<u64> = kept.iter().map(|&r| b.uid[r]).collect();
+        let baselines = b
+            .reward_baselines
+            .as_ref()
+            .map(|base| {
+                let v: Vec<f32> = kept.iter().map(|&r| base[r] as f32).collect();
+                Tensor::from_vec(v, kept.len(), device) // [K]
+            })
+            .transpose()?;
+        let (adv, ret) = compute_advantage(
+            alg.adv_estimator,
+            &AdvantageInputs {
+                token_level_rewards: &rewards,
+                response_mask: &mask,
+                values: values.as_ref(),
+                index: Some(&index),
+                reward_baselines: baselines.as_ref(),
+            },
+            alg,
+        )?;
+        let adv = (adv * &mask)?;
+        for (dst, t) in out.iter_mut().zip([&rewards, &adv, &ret]) {
+            scatter_rows(t, &kept, &lens, dst)?;
+        }
+    }
+    let [rewards, adv, ret] = out;
+    batch.set(Column::TokenLevelRewards, rewards)?;
+    batch.set(Column::Advantages, adv)?;
+    batch.set(Column::Returns, ret)?;
+    Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::AdvEstimator;
+
+    /// Two prompts × four responses of 1–3 tokens; scores `scores`, row `skip` excluded
+    /// (or none), critic values and ReMax baselines that differ per row.
+    fn batch(scores: &[f64], skip: Option<usize>) -> StepBatch {
+        let rows = scores.len();
+        let lens: Vec<usize> = (0..rows).map(|r| 1 + r % 3).collect();
+        let mut b = StepBatch::new(
+            vec![vec![1, 2]; rows],
+            lens.iter().map(|&l| vec![7; l]).collect(),
+            (0..rows).collect(),
+            (0..rows).map(|r| (r / 4) as u64).collect(),
+            vec![false; rows],
+        );
+        let placed = crate::reward::placement::place_rows(scores, &lens).unwrap();
+        b.set(Column::TokenLevelScores, placed).unwrap();
+        let values: Ragged = lens
+            .iter()
+            .enumerate()
+            .map(|(r, &l)| (0..l).map(|t| 0.1 * (r + t) as f32).collect())
+            .collect();
+        b.set(Column::Values, values).unwrap();
+        b.reward_baselines = Some((0..rows).map(|r| 0.25 * (r / 4) as f64).collect());
+        if let Some(s) = skip {
+            b.excluded[s] = true;
+        }
+        b
+    }
+
+    /// `b` without row `r`, as if it had never been sampled.
+    fn without(b: &StepBatch, r: usize, scores: &[f64]) -> StepBatch {
+        let keep = |v: &Ragged| -> Ragged {
+            v.iter()
+                .enumerate()
+                .filter(|(i, _)| *i != r)
+                .map(|(_, x)| x.clone())
+                .collect()
+        };
+        let pick = move |n: usize| (0..n).filter(move |&i| i != r);
+        let mut out = StepBatch::new(
+            pick(b.len()).map(|i| b.prompts[i].clone()).collect(),
+            pick(b.len()).map(|i| b.responses[i].clone()).collect(),
+            pick(b.len()).map(|i| b.sample[i]).collect(),
+            pick(b.len()).map(|i| b.uid[i]).collect(),
+            vec![false; b.len() - 1],
+        );
+        let lens = out.response_lens();
+        let s: Vec<f64> = pick(b.len()).map(|i| scores[i]).collect();
+        let placed = crate::reward::placement::place_rows(&s, &lens).unwrap();
+        out.set(Column::TokenLevelScores, placed).unwrap();
+        out.set(Column::Values, keep(b.column(Column::Values).unwrap()))
+            .unwrap();
+        out.reward_baselines = b
+            .reward_baselines
+            .as_ref()
+            .map(|v| pick(b.len()).map(|i| v[i]).collect());
+        out
+    }
+
+    fn run(est: AdvEstimator, b: &mut StepBatch) -> Ragged {
+        let alg = AlgorithmConfig {
+            adv_estimator: est,
+            ..Default::default()
+        };
+        let mut kl = KlController::new(&alg.kl_ctrl);
+        compute(&alg, &mut kl, b, &Device::Cpu).unwrap();
+        b.column(Column::Advantages).unwrap().clone()
+    }
+
+    #[test]
+    fn a_skipped_sample_enters_no_baseline_or_batch_statistic() {
+        // Row 0 failed to score (its placed score is 0); rows 1–3 of its group all scored 1.
+        let scores = [0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0];
+        let all = [
+            AdvEstimator::Gae,
+            AdvEstimator::Grpo,
+            AdvEstimator::Rloo,
+            AdvEstimator::RlooVectorized,
+            AdvEstimator::ReinforcePlusPlus,
+            AdvEstimator::ReinforcePlusPlusBaseline,
+            AdvEstimator::Remax,
+            AdvEstimator::Opo,
+            AdvEstimator::GrpoPassk,
+            AdvEstimator::Gpg,
+        ];
+        for est in all {
+            let mut skipped = batch(&scores, Some(0));
+            let got = run(est, &mut skipped);
+            // Reference: the same batch with row 0 never sampled.
+            let want = run(est, &mut without(&skipped, 0, &scores));
+            assert!(got[0].iter().all(|&a| a == 0.0), "{est:?}: {:?}", got[0]);
+            for r in 1..scores.len() {
+                for (a, w) in got[r].iter().zip(&want[r - 1]) {
+                    assert!((a - w).abs() < 1e-6, "{est:?} row {r}: {a} vs {w}");
+                }
+            }
+        }
+        // Hand value (issue #17's example): GRPO on [skipped, 1, 1, 1] gives 0, not 0.5.
+        let mut b = batch(&scores, Some(0));
+        let grpo = run(AdvEstimator::Grpo, &mut b);
+        assert!(
+            grpo[1..4].iter().flatten().all(|&a| a.abs() < 1e-6),
+            "{grpo:?}"
+        );
+    }
+
+    #[test]
+    fn a_group_whose_samples_are_all_skipped_contributes_nothing() {
+        let scores = [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0];
+        let mut b = batch(&scores, None);
+        b.excluded[..4].fill(true);
+        let got = run(AdvEstimator::Gpg, &mut b);
+        // GPG's scale counts the rows with a non-zero score among the rows it sees (4 rows,
+        // 2 non-zero: α = 2); the group mean is 0.5: advantages ±α·0.5 = ±1.
+        for (r, row) in got.iter().enumerate() {
+            let want = match r {
+                0..=3 => 0.0,
+                5 | 7 => 1.0,
+                _ => -1.0,
+            };
+            assert!(
+                row.iter().all(|&a| (a - want).abs() < 1e-6),
+                "row {r}: {row:?}"
+            );
+        }
+        let mut none = batch(&scores, None);
+        none.excluded.fill(true);
+        assert!(run(AdvEstimator::Grpo, &mut none)
+            .iter()
+            .flatten()
+            .all(|&a| a == 0.0));
+    }
+}

@@ -1,0 +1,211 @@
+//! The phases of [`Trainer::step`] that are not a model's own: taking the next prompts,
+//! rollout, reward, ReMax's baseline, advantages, the after-update work (checkpoint,
+//! validation) and the step's metrics. Each fills the step's [`StepBatch`].
+
+use std::time::Instant;
+
+use super::batch::StepBatch;
+use super::{advantage, step_metrics, Result, Trainer, TrainerError};
+use crate::control::ControlServer;
+use crate::data::{PromptDataset, TokenizerBundle};
+use crate::metrics::{Metrics, Timings};
+use crate::model::CausalLm;
+use crate::reward::ScoreRequest;
+use crate::rollout::{generate_rows, repeat_rows, Sampler, SamplingParams, StopReason};
+
+/// The rollout worker: `n` sampled responses per prompt, one group id per prompt.
+pub struct RolloutWorker {
+    /// The training sampler's stream (saved in checkpoints).
+    pub sampler: Sampler,
+    params: SamplingParams,
+    n: usize,
+}
+
+impl RolloutWorker {
+    pub fn new(params: SamplingParams, n: usize, seed: u64) -> Self {
+        Self {
+            sampler: Sampler::new(seed),
+            params,
+            n: n.max(1),
+        }
+    }
+
+    /// The rows of a step: each prompt `n` times, consecutively, sampled from `model`.
+    pub fn generate(
+        &mut self,
+        model: &CausalLm,
+        ds: &PromptDataset,
+        pad_id: u32,
+        prompts: &[usize],
+    ) -> Result<StepBatch> {
+        let rows = repeat_rows(prompts, self.n);
+        let out = generate_rows(model, ds, &rows, pad_id, &self.params, &mut self.sampler)?;
+        Ok(StepBatch::new(
+            rows.iter().map(|&i| ds.prompt_ids[i].clone()).collect(),
+            out.responses,
+            rows.clone(),
+            (0..rows.len()).map(|k| (k / self.n) as u64).collect(),
+            out.stop.iter().map(|s| *s == StopReason::Length).collect(),
+        ))
+    }
+
+    /// One greedy response to each of `prompts` (ReMax's baseline), with the training limits.
+    pub fn greedy(
+        &self,
+        model: &CausalLm,
+        ds: &PromptDataset,
+        pad_id: u32,
+        prompts: &[usize],
+    ) -> Result<Vec<Vec<u32>>> {
+        let mut greedy = self.params.clone();
+        greedy.greedy = true;
+        let out = generate_rows(model, ds, prompts, pad_id, &greedy, &mut Sampler::new(0))?;
+        Ok(out.responses)
+    }
+}
+
+/// Responses as text, special tokens removed (what reward functions see).
+pub fn decode(tok: &TokenizerBundle, responses: &[Vec<u32>]) -> Result<Vec<String>> {
+    responses
+        .iter()
+        .map(|r| {
+            tok.tokenizer
+                .decode(r, true)
+                .map_err(|e| TrainerError::Other(format!("decoding a response: {e}")))
+        })
+        .collect()
+}
+
+/// The reward requests of responses `texts` to dataset rows `rows` of `ds`.
+pub fn requests(ds: &PromptDataset, rows: &[usize], texts: &[String]) -> Vec<ScoreRequest> {
+    rows.iter()
+        .zip(texts)
+        .map(|(&i, text)| ScoreRequest::new(&ds.samples[i], text.clone()))
+        .collect()
+}
+
+impl Trainer {
+    /// Weights posted to the control API apply from this step on.
+    pub(super) fn apply_weight_changes(&mut self, step: u64) -> Result<()> {
+        if let Some(w) = self.control.as_ref().and_then(ControlServer::take_changes) {
+            self.reward.set_weights(&w)?;
+            tracing::info!("step {step}: reward weights {w:?}");
+        }
+        Ok(())
+    }
+
+    /// The step's prompts and the epoch they belong to.
+    pub(super) fn next_prompts(&mut self) -> Result<(Vec<usize>, u64)> {
+        let epoch = self.loader.cursor().epoch;
+        let prompts = self
+            .loader
+            .next_batch()
+            .ok_or_else(|| TrainerError::Other("the training data holds no full batch".into()))?;
+        Ok((prompts, epoch.max(self.loader.cursor().epoch)))
+    }
+
+    /// The `gen` phase: the rows of the step, from the actor's current weights.
+    pub(super) fn generate(&mut self, prompts: &[usize]) -> Result<StepBatch> {
+        let pad = self.tokenizer.pad_token_id;
+        self.rollout
+            .generate(self.actor.view(), &self.train, pad, prompts)
+    }
+
+    /// The `reward` phase: decodes, scores, places the scores on tokens and leaves out the
+    /// rows the reward stage excluded.
+    pub(super) fn compute_rewards(&mut self, batch: &mut StepBatch) -> Result<()> {
+        batch.texts = decode(&self.tokenizer, &batch.responses)?;
+        let reqs = requests(&self.train, &batch.sample, &batch.texts);
+        let scored = self.reward.score_batch(&reqs, &batch.response_lens())?;
+        Ok(batch.add_rewards(scored)?)
+    }
+
+    /// The `gen_max` phase (ReMax): one greedy response per prompt, scored; each row gets its
+    /// prompt's baseline.
+    pub(super) fn remax_baselines(&mut self, batch: &mut StepBatch) -> Result<()> {
+        let n = self.plan.n.max(1);
+        let firsts: Vec<usize> = batch.sample.iter().step_by(n).copied().collect();
+        let pad = self.tokenizer.pad_token_id;
+        let responses = self
+            .rollout
+            .greedy(self.actor.view(), &self.train, pad, &firsts)?;
+        let texts = decode(&self.tokenizer, &responses)?;
+        let lens: Vec<usize> = responses.iter().map(Vec::len).collect();
+        let scored = self
+            .reward
+            .score(&requests(&self.train, &firsts, &texts), &lens)?;
+        batch.reward_baselines = Some(
+            (0..batch.len())
+                .map(|row| scored[row / n].score.unwrap_or(0.0))
+                .collect(),
+        );
+        Ok(())
+    }
+
+    /// The `adv` phase: token-level rewards, advantages and returns.
+    pub(super) fn compute_advantages(&mut self, batch: &mut StepBatch) -> Result<Metrics> {
+        let device = self.actor.device().clone();
+        Ok(advantage::compute(
+            &self.cfg.algorithm,
+            &mut self.kl_ctrl,
+            batch,
+            &device,
+        )?)
+    }
+
+    /// After the updates: a checkpoint every `save_freq` steps and validation every
+    /// `test_freq` steps (both at the last step).
+    pub(super) fn save_and_validate(
+        &mut self,
+        step: u64,
+        t: &mut Timings,
+        m: &mut Metrics,
+    ) -> Result<()> {
+        let last = step == self.total_steps;
+        if let Some(freq) = self.cfg.trainer.save_freq {
+            if last || step.is_multiple_of(freq) {
+                t.time("save_checkpoint", || self.save_checkpoint())?;
+            }
+        }
+        if let (Some(freq), true) = (self.cfg.trainer.test_freq, self.val.is_some()) {
+            if last || step.is_multiple_of(freq) {
+                m.extend(t.time("testing", || self.validate())?);
+            }
+        }
+        Ok(())
+    }
+
+    /// verl's data, reward, timing and throughput metrics of the step.
+    pub(super) fn step_metrics(
+        &self,
+        batch: &StepBatch,
+        epoch: u64,
+        started: Instant,
+        mut timing: Timings,
+        m: &mut Metrics,
+    ) -> Result<()> {
+        let loss_agg_mode = self.cfg.actor_rollout_ref.actor.loss_agg_mode;
+        step_metrics::data_metrics(m, batch, &self.plan, loss_agg_mode)?;
+        step_metrics::reward_metrics(m, &self.reward, &batch.rewards);
+        m.insert("training/global_step".into(), self.global_step as f64);
+        m.insert("training/epoch".into(), epoch as f64);
+        let elapsed = started.elapsed().as_secs_f64();
+        timing.seconds.insert("step", elapsed);
+        let response_tokens: usize = batch.response_lens().iter().sum();
+        let all_tokens: usize = (0..batch.len()).map(|r| batch.seq_len(r)).sum();
+        timing.write(m, response_tokens, all_tokens);
+        m.insert("perf/total_num_tokens".into(), all_tokens as f64);
+        m.insert("perf/time_per_step".into(), elapsed);
+        m.insert(
+            "perf/throughput".into(),
+            all_tokens as f64 / elapsed.max(1e-9),
+        );
+        if let Some(b) = crate::metrics::peak_rss_bytes() {
+            m.insert(
+                "perf/max_memory_rss_gb".into(),
+                b as f64 / (1u64 << 30) as f64,
+            );
+        }
+        Ok(())
+    }
+}

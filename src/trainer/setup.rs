@@ -1,0 +1,299 @@
+//! What a run sets up before its first step, shared by training, `config check` and
+//! `generate` so that all three apply the same rules: the paths the configuration names
+//! (inputs exist, output folders writable), the datasets, and the number of steps they allow.
+
+use std::path::Path;
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+
+use super::{Result, TrainerError};
+use crate::config::{Config, ConfigError, Plan, RewardSourceType};
+use crate::data::dataset::{load_samples, DatasetOptions};
+use crate::data::{ChatTemplate, PromptDataset, TokenizerBundle};
+use crate::metrics::Tracker;
+use crate::model::hf::Loaded;
+use crate::reward::{ModelContext, NativeRegistry, RewardManager};
+use crate::util::expand_home;
+
+/// Every path the configuration names, checked together: inputs must exist, and the folders
+/// a run writes (checkpoints, sample dumps) must be creatable and writable, so a run never
+/// finds out after its first step's compute.
+pub fn check_paths(cfg: &Config, plan: &Plan) -> std::result::Result<(), ConfigError> {
+    let mut problems = Vec::new();
+    let mut need = |key: &str, p: &str| {
+        let expanded = expand_home(p);
+        if !Path::new(&expanded).exists() {
+            problems.push(format!("`{key}`: {p} does not exist"));
+        }
+    };
+    for f in cfg.data.train_files.to_vec() {
+        need("data.train_files", &f);
+    }
+    for f in cfg.data.val_files.to_vec() {
+        need("data.val_files", &f);
+    }
+    let model = &cfg.actor_rollout_ref.model;
+    // A hub id (org/name) that is not a local path is fetched by the model loader.
+    if !crate::model::is_hub_id(&model.path) {
+        need("actor_rollout_ref.model.path", &model.path);
+    }
+    if let Some(t) = &model.tokenizer_path {
+        need("actor_rollout_ref.model.tokenizer_path", t);
+    }
+    if let Some(t) = &cfg.data.tokenizer {
+        need("data.tokenizer", t);
+    }
+    if plan.need_critic && !crate::model::is_hub_id(&cfg.critic.model.path) {
+        need("critic.model.path", &cfg.critic.model.path);
+    }
+    let python_files = cfg
+        .reward
+        .custom_reward_function
+        .path
+        .iter()
+        .map(|p| ("reward.custom_reward_function.path".to_string(), p))
+        .chain(cfg.reward.sources.iter().enumerate().filter_map(|(i, s)| {
+            (s.kind == RewardSourceType::Python)
+                .then_some(s.path.as_ref())
+                .flatten()
+                .map(|p| (format!("reward.sources[{i}].path"), p))
+        }));
+    for (key, p) in python_files {
+        if !p.starts_with("pkg://") {
+            need(&key, p.trim_start_matches("file://"));
+        }
+    }
+    let t = &cfg.trainer;
+    let outputs = [
+        (
+            "trainer.default_local_dir",
+            Some(plan.default_local_dir.display().to_string()),
+        ),
+        ("trainer.rollout_data_dir", t.rollout_data_dir.clone()),
+        ("trainer.validation_data_dir", t.validation_data_dir.clone()),
+    ];
+    for (key, dir) in outputs {
+        if let Some(dir) = dir {
+            if let Err(e) = writable(Path::new(&expand_home(&dir))) {
+                problems.push(format!("`{key}`: {dir}: {e}"));
+            }
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid(problems))
+    }
+}
+
+/// Whether `dir` exists as a writable folder or can be created: the nearest existing
+/// ancestor must be a folder a file can be created in. Creates nothing that stays.
+fn writable(dir: &Path) -> std::result::Result<(), String> {
+    let mut at = dir;
+    while !at.exists() {
+        match at.parent() {
+            Some(p) if !p.as_os_str().is_empty() => at = p,
+            _ => {
+                at = Path::new(".");
+                break;
+            }
+        }
+    }
+    if !at.is_dir() {
+        return Err(format!(
+            "{} is not a folder, so this folder cannot be created",
+            at.display()
+        ));
+    }
+    let probe = at.join(format!(".main_ppo_write_check_{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(|e| format!("cannot write in {}: {e}", at.display()))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// The training and (when `with_val` and files are named) validation prompts, read and
+/// tokenised as the run will read them.
+pub fn datasets(
+    cfg: &Config,
+    plan: &Plan,
+    tok: &TokenizerBundle,
+    template: &ChatTemplate,
+    with_val: bool,
+) -> Result<(PromptDataset, Option<PromptDataset>)> {
+    let build = |files: &[String], opts: &DatasetOptions| -> Result<PromptDataset> {
+        let samples = load_samples(files, opts)?;
+        Ok(PromptDataset::build(samples, tok, template, opts)?)
+    };
+    let train = build(
+        &cfg.data.train_files.to_vec(),
+        &DatasetOptions::train(&cfg.data, plan.prompt_length),
+    )?;
+    let val_files = cfg.data.val_files.to_vec();
+    let val = if with_val && !val_files.is_empty() {
+        Some(build(
+            &val_files,
+            &DatasetOptions::val(&cfg.data, plan.prompt_length),
+        )?)
+    } else {
+        None
+    };
+    Ok((train, val))
+}
+
+/// Training steps of the run for `train_rows` prompts: `trainer.total_training_steps`, else
+/// `trainer.total_epochs` × whole batches per epoch; an error when not one batch fits.
+pub fn total_steps(
+    cfg: &Config,
+    plan: &Plan,
+    train_rows: usize,
+) -> std::result::Result<u64, ConfigError> {
+    let steps_per_epoch = plan.steps_per_epoch(train_rows) as u64;
+    if steps_per_epoch == 0 {
+        return Err(ConfigError::Invalid(vec![format!(
+            "data.train_files: {train_rows} prompts after filtering, fewer than data.train_batch_size ({}): not one step can run",
+            plan.train_batch_size
+        )]));
+    }
+    Ok(cfg
+        .trainer
+        .total_training_steps
+        .unwrap_or(steps_per_epoch * cfg.trainer.total_epochs as u64))
+}
+
+/// Whether the run validates at all (before training, only, or every `test_freq` steps).
+pub fn wants_validation(cfg: &Config) -> bool {
+    let t = &cfg.trainer;
+    t.val_before_train || t.val_only || t.test_freq.is_some()
+}
+
+/// The reward stage, built first: a broken reward file fails before any model is read.
+pub fn reward_manager(cfg: &Config, natives: &NativeRegistry) -> Result<RewardManager> {
+    let ctx = ModelContext {
+        device: cfg.trainer.device.clone(),
+        prompt_key: cfg.data.prompt_key.clone(),
+    };
+    let reward = RewardManager::from_config_with(&cfg.reward, natives, &ctx)?;
+    let sources: Vec<String> = reward
+        .sources
+        .iter()
+        .map(|s| format!("{} = {} (weight {})", s.name, s.label, s.weight))
+        .collect();
+    tracing::info!("reward ready: {}", sources.join(", "));
+    Ok(reward)
+}
+
+/// The policy's weights from `actor_rollout_ref.model.path` (the actor, and again the frozen
+/// reference) and the tokenizer the run reads prompts with: `data.tokenizer`, else
+/// `model.tokenizer_path`, else the model's own.
+pub fn load_policy(cfg: &Config, device: &Device) -> Result<(Loaded, TokenizerBundle)> {
+    let m = &cfg.actor_rollout_ref.model;
+    let t0 = Instant::now();
+    let mut out = crate::model::load_model_and_tokenizer(
+        &m.path,
+        tokenizer_override(cfg),
+        &m.override_config,
+        DType::F32,
+        device,
+        true,
+    )?;
+    out.0
+        .model
+        .set_gradient_checkpointing(m.enable_gradient_checkpointing);
+    tracing::info!(
+        "policy: {} loaded in {:.1} s",
+        m.path,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(out)
+}
+
+/// The tokenizer prompts are read with when it is not the policy model's own:
+/// `data.tokenizer`, else `actor_rollout_ref.model.tokenizer_path`.
+pub fn tokenizer_override(cfg: &Config) -> Option<&str> {
+    let m = &cfg.actor_rollout_ref.model;
+    cfg.data
+        .tokenizer
+        .as_deref()
+        .or(m.tokenizer_path.as_deref())
+}
+
+/// The critic's backbone (`critic.model.path`), which must read the actor's token ids.
+pub fn load_critic(cfg: &Config, device: &Device, tok: &TokenizerBundle) -> Result<Loaded> {
+    let c = &cfg.critic.model;
+    let tokenizer =
+        c.tokenizer_path
+            .as_deref()
+            .or(cfg.actor_rollout_ref.model.tokenizer_path.as_deref());
+    let (mut l, ctok) = crate::model::load_model_and_tokenizer(
+        &c.path,
+        tokenizer,
+        &c.override_config,
+        DType::F32,
+        device,
+        false,
+    )?;
+    l.model
+        .set_gradient_checkpointing(c.enable_gradient_checkpointing);
+    let (theirs, ours) = (
+        ctok.tokenizer.get_vocab_size(true),
+        tok.tokenizer.get_vocab_size(true),
+    );
+    if theirs != ours {
+        return Err(TrainerError::Other(format!(
+            "critic.model.path={}: its tokenizer has {theirs} tokens, the actor's {ours}: the critic must read the actor's token ids",
+            c.path
+        )));
+    }
+    Ok(l)
+}
+
+/// The metric sinks of `trainer.logger`.
+pub fn tracker(cfg: &Config) -> Result<Tracker> {
+    let t = &cfg.trainer;
+    let (tracker, warnings) = Tracker::new(&t.logger.to_vec(), &t.project_name, &t.experiment_name)
+        .map_err(TrainerError::Other)?;
+    for w in warnings {
+        tracing::warn!("{w}");
+    }
+    Ok(tracker)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_output_folder_below_a_file_is_refused_before_any_compute() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a_file");
+        std::fs::write(&file, "x").unwrap();
+        assert!(writable(&dir.path().join("new/deeper")).is_ok());
+        assert!(
+            !dir.path().join("new").exists(),
+            "the check creates nothing"
+        );
+        let e = writable(&file.join("ckpt")).unwrap_err();
+        assert!(e.contains("a_file") && e.contains("not a folder"), "{e}");
+
+        let below = file.join("ckpt").display().to_string();
+        let cfg = crate::config::load(
+            &crate::config::ConfigSource::Builtin,
+            &[
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4".to_string(),
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8".into(),
+                "critic.ppo_micro_batch_size_per_gpu=4".into(),
+                format!("trainer.default_local_dir={below}"),
+                format!("trainer.rollout_data_dir={below}/dumps"),
+            ],
+        )
+        .unwrap()
+        .config;
+        let plan = crate::config::resolve(&cfg).unwrap();
+        let e = check_paths(&cfg, &plan).unwrap_err().to_string();
+        assert!(
+            e.contains("trainer.default_local_dir") && e.contains("trainer.rollout_data_dir"),
+            "{e}"
+        );
+    }
+}
