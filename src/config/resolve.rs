@@ -162,6 +162,7 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
     if response_length == 0 {
         errors.push("`data.max_response_length` (or `actor_rollout_ref.rollout.response_length`) must be at least 1".into());
     }
+    errors.extend(super::data::length_errors(prompt_length, response_length));
     let n = rollout.n;
     if n == 0 {
         errors.push("`actor_rollout_ref.rollout.n` must be at least 1".into());

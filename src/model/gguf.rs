@@ -44,7 +44,7 @@ fn meta_f(c: &Content, key: &str) -> Option<f64> {
         .or_else(|| v.to_f64().ok())
 }
 
-fn open(path: &Path) -> Result<(File, Content), ModelError> {
+pub(crate) fn open(path: &Path) -> Result<(File, Content), ModelError> {
     let mut f = File::open(path).map_err(|e| ModelError::file(path, e.to_string()))?;
     let c = Content::read(&mut f)
         .map_err(|e| ModelError::file(path, format!("not a readable GGUF file: {e}")))?;
@@ -71,6 +71,17 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
     let hidden = meta_u(c, &k("embedding_length"), path)?;
     let heads = meta_u(c, &k("attention.head_count"), path)?;
     let kv = meta_u(c, &k("attention.head_count_kv"), path).unwrap_or(heads);
+    if hidden == 0 || heads == 0 || kv == 0 || heads % kv != 0 {
+        return Err(ModelError::file(
+            path,
+            format!(
+                "GGUF metadata: `{}` ({heads}) must be a positive multiple of `{}` ({kv}) and `{}` ({hidden}) positive",
+                k("attention.head_count"),
+                k("attention.head_count_kv"),
+                k("embedding_length")
+            ),
+        ));
+    }
     let vocab = match c.metadata.get(&k("vocab_size")) {
         Some(_) => meta_u(c, &k("vocab_size"), path)?,
         None => meta(c, "tokenizer.ggml.tokens", path)?

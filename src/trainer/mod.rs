@@ -173,6 +173,15 @@ impl Trainer {
         };
         let t0 = Instant::now();
         let (loaded, tok) = load_policy()?;
+        let fits = |key: &str, path: &str, limit: usize| {
+            let (p, r) = (plan.prompt_length, plan.response_length);
+            crate::config::data::check_model_context(p, r, limit, key, path)
+        };
+        fits(
+            "actor_rollout_ref.model.path",
+            &m.path,
+            loaded.model.args.max_position_embeddings,
+        )?;
         tracing::info!(
             "actor: {} loaded in {:.1} s",
             m.path,
@@ -241,6 +250,11 @@ impl Trainer {
                     DType::F32,
                     &device,
                     false,
+                )?;
+                fits(
+                    "critic.model.path",
+                    &c.path,
+                    l.model.args.max_position_embeddings,
                 )?;
                 if ctok.tokenizer.get_vocab_size(true) != tok.tokenizer.get_vocab_size(true) {
                     return Err(TrainerError::Other(format!(
