@@ -116,4 +116,6 @@ pub enum ConfigError {
 }
 
 #[cfg(test)]
+mod props;
+#[cfg(test)]
 mod tests;
