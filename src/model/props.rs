@@ -102,3 +102,47 @@ proptest! {
         }
     }
 }
+
+/// Regression input: `general.alignment = 0` made candle's reader divide by zero (a panic);
+/// it is an error naming the file. Any other alignment value loads.
+#[test]
+fn a_zero_gguf_alignment_is_an_error_not_a_panic() {
+    use candle_core::quantized::gguf_file::Value as G;
+    use candle_core::quantized::QTensor;
+    let dir = tempfile::tempdir().unwrap();
+    let t = QTensor::quantize(
+        &candle_core::Tensor::zeros((2, 32), DType::F32, &Device::Cpu).unwrap(),
+        GgmlDType::F32,
+    )
+    .unwrap();
+    for (name, align, ok) in [
+        ("u32", G::U32(0), false),
+        ("u8", G::U8(0), false),
+        ("i32", G::I32(0), false),
+        ("good", G::U32(64), true),
+    ] {
+        let path = dir.path().join(format!("{name}.gguf"));
+        let arch = G::String("llama".into());
+        let tokens = G::Array(vec![G::String("a".into()), G::String("b".into())]);
+        let meta: Vec<(&str, &G)> = vec![
+            ("general.architecture", &arch),
+            ("tokenizer.ggml.tokens", &tokens),
+            ("general.alignment", &align),
+        ];
+        let mut f = std::fs::File::create(&path).unwrap();
+        candle_core::quantized::gguf_file::write(&mut f, &meta, &[("token_embd.weight", &t)])
+            .unwrap();
+        drop(f);
+        match gguf::open(&path) {
+            Ok(_) => assert!(ok, "{name}"),
+            Err(e) => {
+                assert!(!ok, "{name}: {e}");
+                let e = e.to_string();
+                assert!(
+                    e.contains("general.alignment") && e.contains(&format!("{name}.gguf")),
+                    "{e}"
+                );
+            }
+        }
+    }
+}
