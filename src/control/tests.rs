@@ -491,7 +491,7 @@ fn any_bytes_from_a_client_are_refused_without_a_trace() {
         ControlServer::start_with(&cfg(Some("s3cret")), weights(), 10, quick_limits()).unwrap();
     let addr = srv.addr;
     let mut runner = TestRunner::new(Config {
-        cases: 128,
+        cases: 256,
         ..Config::default()
     });
     runner

@@ -71,9 +71,42 @@ pub fn read_rows(path: &Path) -> Result<Vec<Value>, DataError> {
 }
 
 fn read_parquet(path: &Path) -> Result<Vec<Value>, String> {
+    // The parquet reader asserts on some damaged metadata instead of returning an error: the
+    // layout is checked first, and any panic left is still reported as a damaged file.
+    std::panic::catch_unwind(|| read_parquet_checked(path)).unwrap_or_else(|p| {
+        let why = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        Err(format!("not a readable parquet file (damaged: {why})"))
+    })
+}
+
+fn read_parquet_checked(path: &Path) -> Result<Vec<Value>, String> {
     let f = File::open(path).map_err(|e| e.to_string())?;
+    let file_len = f.metadata().map_err(|e| e.to_string())?.len();
     let builder = ParquetRecordBatchReaderBuilder::try_new(f)
         .map_err(|e| format!("not a readable parquet file: {e}"))?;
+    for (g, group) in builder.metadata().row_groups().iter().enumerate() {
+        for col in group.columns() {
+            let start = col
+                .dictionary_page_offset()
+                .unwrap_or_else(|| col.data_page_offset());
+            let len = col.compressed_size();
+            let fits = start >= 0
+                && len >= 0
+                && (start as u64)
+                    .checked_add(len as u64)
+                    .is_some_and(|end| end <= file_len);
+            if !fits {
+                return Err(format!(
+                    "not a readable parquet file: row group {g}, column `{}` claims bytes {start}..{start}+{len} of a {file_len}-byte file",
+                    col.column_path()
+                ));
+            }
+        }
+    }
     let reader = builder
         .build()
         .map_err(|e| format!("not a readable parquet file: {e}"))?;
@@ -225,7 +258,7 @@ mod tests {
     }
 
     proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig { cases: 128, ..Default::default() })]
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 256, ..Default::default() })]
 
         /// JSONL and JSON files of any bytes: rows that are all objects, or an error naming
         /// the file; never a panic.

@@ -56,6 +56,36 @@ pub(crate) fn open(path: &Path) -> Result<(File, Content), ModelError> {
     std::io::Seek::rewind(&mut f).map_err(|e| ModelError::file(path, e.to_string()))?;
     let c = Content::read(&mut f)
         .map_err(|e| ModelError::file(path, format!("not a readable GGUF file: {e}")))?;
+    // Each tensor's element count must not overflow and its bytes must lie inside the file
+    // (candle multiplies the dimensions unchecked when it reads a tensor).
+    let file_len = f
+        .metadata()
+        .map_err(|e| ModelError::file(path, e.to_string()))?
+        .len();
+    for (name, info) in &c.tensor_infos {
+        let elems = info
+            .shape
+            .dims()
+            .iter()
+            .try_fold(1u64, |acc, d| acc.checked_mul(*d as u64));
+        let block = info.ggml_dtype.block_size() as u64;
+        let bytes = elems
+            .filter(|e| block > 0 && e % block == 0)
+            .and_then(|e| (e / block).checked_mul(info.ggml_dtype.type_size() as u64));
+        let end = bytes
+            .and_then(|b| b.checked_add(info.offset))
+            .and_then(|b| b.checked_add(c.tensor_data_offset));
+        if !end.is_some_and(|end| end <= file_len) {
+            return Err(ModelError::file(
+                path,
+                format!(
+                    "not a readable GGUF file: tensor `{name}` (shape {:?}, {:?}) does not fit in the file ({file_len} bytes)",
+                    info.shape.dims(),
+                    info.ggml_dtype
+                ),
+            ));
+        }
+    }
     Ok((f, c))
 }
 

@@ -53,7 +53,7 @@ fn edits() -> impl Strategy<Value = Vec<(prop::sample::Index, u8)>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     #[test]
     fn a_damaged_gguf_header_is_an_error_naming_the_file(
@@ -119,7 +119,7 @@ fn a_zero_gguf_alignment_is_an_error_not_a_panic() {
         ("u32", G::U32(0), false),
         ("u8", G::U8(0), false),
         ("i32", G::I32(0), false),
-        ("good", G::U32(64), true),
+        ("good", G::U32(32), true),
     ] {
         let path = dir.path().join(format!("{name}.gguf"));
         let arch = G::String("llama".into());
