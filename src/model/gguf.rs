@@ -75,7 +75,7 @@ pub(crate) fn open(path: &Path) -> Result<(File, Content), ModelError> {
         let end = bytes
             .and_then(|b| b.checked_add(info.offset))
             .and_then(|b| b.checked_add(c.tensor_data_offset));
-        if !end.is_some_and(|end| end <= file_len) {
+        if end.is_none_or(|end| end > file_len) {
             return Err(ModelError::file(
                 path,
                 format!(
