@@ -32,8 +32,5 @@ fn main() {
     natives
         .register("brevity", brevity)
         .expect("registered once");
-    std::process::exit(main_ppo::cli::main_with(
-        std::env::args().collect(),
-        natives,
-    ));
+    std::process::exit(main_ppo::cli::main_with(std::env::args_os(), natives));
 }

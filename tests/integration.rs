@@ -670,7 +670,9 @@ fn tiny_model_dir(dir: &Path) {
     use candle_nn::{VarBuilder, VarMap};
     use main_ppo::model::{Arch, CausalLm, ModelArgs};
     let vm = VarMap::new();
-    let args = ModelArgs::tiny(Arch::Qwen2, 259);
+    let mut args = ModelArgs::tiny(Arch::Qwen2, 259);
+    // Room for `generate`'s 1024-token prompt budget (the context is checked at start-up).
+    args.max_position_embeddings = 2048;
     let _m = CausalLm::new(
         &args,
         VarBuilder::from_varmap(&vm, candle_core::DType::F32, &candle_core::Device::Cpu),
@@ -1154,5 +1156,146 @@ fn gated_reward_model_example_scores_the_reference_solutions() {
         // Total: 1.0·acc + 0.5·rm + 0·safety.
         let total = r["score"].as_f64().unwrap();
         assert!((total - (1.0 + 0.5 * rm)).abs() < 1e-9, "{r}");
+    }
+}
+
+#[cfg(unix)]
+#[test]
+fn a_non_utf8_argument_is_a_named_usage_error_not_a_panic() {
+    use std::os::unix::ffi::OsStrExt;
+    let bad = std::ffi::OsStr::from_bytes(b"data.train_files=/tmp/\xff\xfe.parquet");
+    for args in [
+        vec![
+            std::ffi::OsStr::new("config"),
+            std::ffi::OsStr::new("check"),
+            bad,
+        ],
+        vec![bad],
+    ] {
+        let out = bin().args(&args).output().unwrap();
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains("is not valid UTF-8") && stderr.contains("argument"),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
+
+#[test]
+fn an_output_that_is_the_input_is_refused_and_the_input_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("rows.jsonl");
+    write_jsonl(
+        &input,
+        &[
+            serde_json::json!({"data_source": "openai/gsm8k", "solution_str": "#### 4", "ground_truth": "4", "responses": ["#### 4"]}),
+        ],
+    );
+    let before = std::fs::read(&input).unwrap();
+    let same = input.display().to_string();
+    // The same file spelt another way.
+    let detour = dir
+        .path()
+        .join(".")
+        .join("rows.jsonl")
+        .display()
+        .to_string();
+    for args in [
+        vec!["reward", "score", "--input", &same, "--output", &same],
+        vec!["reward", "score", "--input", &same, "--output", &detour],
+        vec!["eval", "--input", &same, "--output", &same],
+        vec!["generate", "--input", &same, "--output", &detour],
+    ] {
+        let out = run(&args.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("--output") && stderr.contains("same file as --input"),
+            "{args:?}: {stderr}"
+        );
+        assert_eq!(std::fs::read(&input).unwrap(), before, "{args:?}");
+    }
+}
+
+#[test]
+fn reward_test_refuses_unknown_and_empty_expectations() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("cases.jsonl");
+    write_jsonl(
+        &input,
+        &[
+            serde_json::json!({"data_source": "openai/gsm8k", "solution_str": "#### 4", "ground_truth": "4", "expected": 1.0}),
+            // A typo and an empty object used to pass whatever the score.
+            serde_json::json!({"data_source": "openai/gsm8k", "solution_str": "#### 4", "ground_truth": "4", "expected": {"mni": 5}}),
+            serde_json::json!({"data_source": "openai/gsm8k", "solution_str": "#### 4", "ground_truth": "4", "expected": {}}),
+        ],
+    );
+    let out = run(&["reward".into(), "test".into(), input.display().to_string()]);
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}{stderr}");
+    assert!(
+        stderr.contains("row 1: `expected` has an unknown key `mni`")
+            && stderr.contains("row 2: `expected` is empty"),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("passed"), "nothing is scored: {stdout}");
+}
+
+#[test]
+fn budgets_beyond_any_or_the_models_context_are_refused() {
+    let (_d, model, reward) = fixture();
+    // No model needed: 4e9 tokens is beyond any context.
+    let mut args = quickstart(&model, &reward);
+    args.push("data.max_prompt_length=4000000000".into());
+    let out = config_check(&args);
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("data.max_prompt_length") && stderr.contains("4000000000"),
+        "{stderr}"
+    );
+    // A real (tiny) model with 512 positions, read without its weights by `config check` and
+    // at start-up by training.
+    let dir = tempfile::tempdir().unwrap();
+    let tiny = dir.path().join("tiny");
+    {
+        use candle_nn::{VarBuilder, VarMap};
+        use main_ppo::model::{Arch, CausalLm, ModelArgs};
+        let vm = VarMap::new();
+        let margs = ModelArgs::tiny(Arch::Qwen2, 259);
+        assert_eq!(margs.max_position_embeddings, 512);
+        let _m = CausalLm::new(
+            &margs,
+            VarBuilder::from_varmap(&vm, candle_core::DType::F32, &candle_core::Device::Cpu),
+            true,
+        )
+        .unwrap();
+        write_tokenizer_dir(&tiny).unwrap();
+        main_ppo::model::hf::save_dir(&vm, &margs, &tiny, &[258], Some(&tiny), None).unwrap();
+    }
+    let mut args = tiny_run(dir.path(), 1, &[]);
+    for a in args.iter_mut() {
+        if a.starts_with("actor_rollout_ref.model.path=") || a.starts_with("critic.model.path=") {
+            let key = a.split('=').next().unwrap().to_string();
+            *a = format!("{key}={}", tiny.display());
+        }
+    }
+    args.push("data.max_prompt_length=500".into());
+    args.push("data.max_response_length=13".into());
+    for sub in [vec!["config", "check"], vec![]] {
+        let mut all: Vec<String> = sub.iter().map(|s| s.to_string()).collect();
+        all.extend(args.clone());
+        let out = bin_in(dir.path()).args(&all).output().unwrap();
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{sub:?}: {stderr}");
+        for want in [
+            "`data.max_prompt_length` (500)",
+            "`data.max_response_length` (13)",
+            "max_position_embeddings = 512",
+        ] {
+            assert!(stderr.contains(want), "{sub:?}: {want} missing: {stderr}");
+        }
     }
 }

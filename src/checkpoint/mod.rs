@@ -121,7 +121,7 @@ pub fn find_resume(
     resume_from_path: Option<&str>,
 ) -> Result<Option<(u64, PathBuf)>, CheckpointError> {
     match mode {
-        ResumeMode::Disable => Ok(None),
+        ResumeMode::Disable => refuse_to_replace(root).map(|()| None),
         ResumeMode::ResumePath => {
             let p = resume_from_path.ok_or_else(|| {
                 CheckpointError::Invalid(
@@ -143,7 +143,18 @@ pub fn find_resume(
         }
         ResumeMode::Auto => {
             let tracker = root.join(TRACKER);
-            let Ok(text) = std::fs::read_to_string(&tracker) else {
+            let text = match std::fs::read(&tracker) {
+                Ok(bytes) => Some(String::from_utf8(bytes).map_err(|e| {
+                    CheckpointError::Invalid(format!(
+                        "{}: garbled (not UTF-8 text: {e}); it should hold the newest step number; \
+                         fix or delete it (the global_step_* folders beside it are kept)",
+                        tracker.display()
+                    ))
+                })?),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => return Err(io(&tracker, e)),
+            };
+            let Some(text) = text else {
                 if let Some((s, p)) = list(root).pop() {
                     tracing::warn!(
                         "{} is missing; resuming from the newest checkpoint folder {}",
@@ -155,10 +166,10 @@ pub fn find_resume(
                 return Ok(None);
             };
             let step: u64 = text.trim().parse().map_err(|_| {
+                let shown: String = text.trim().chars().take(80).collect();
                 CheckpointError::Invalid(format!(
-                    "{}: expected a step number, found `{}`",
+                    "{}: garbled: expected a step number, found `{shown}`",
                     tracker.display(),
-                    text.trim()
                 ))
             })?;
             let dir = step_dir(root, step);
@@ -183,6 +194,35 @@ pub fn find_resume(
             }
         }
     }
+}
+
+/// `trainer.resume_mode=disable` starts from step 0, and its saves would replace same-numbered
+/// `global_step_N` folders and rewind the tracker: refused while `root` holds any checkpoint.
+fn refuse_to_replace(root: &Path) -> Result<(), CheckpointError> {
+    let existing: Vec<u64> = list(root).into_iter().map(|(s, _)| s).collect();
+    if existing.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<String> = existing
+        .iter()
+        .map(|s| format!("global_step_{s}"))
+        .collect();
+    let shown = if names.len() > 4 {
+        format!(
+            "{}, {}, ..., {} ({} in all)",
+            names[0],
+            names[1],
+            names[names.len() - 1],
+            names.len()
+        )
+    } else {
+        names.join(", ")
+    };
+    Err(CheckpointError::Invalid(format!(
+        "trainer.resume_mode=disable starts a fresh run, but trainer.default_local_dir ({}) already holds checkpoints ({shown}) that its saves would replace; \
+         set trainer.default_local_dir to a new folder for the fresh run, or trainer.resume_mode=auto to continue from the newest one",
+        root.display()
+    )))
 }
 
 /// Deletes `part` (`actor` or `critic`) of all but the newest `keep` checkpoints, and folders
@@ -241,7 +281,8 @@ mod tests {
             .unwrap();
         assert_eq!(found.0, 4);
         assert_eq!(std::fs::read_to_string(found.1.join("x")).unwrap(), "b");
-        assert!(find_resume(dir.path(), ResumeMode::Disable, None)
+        let empty = tempfile::tempdir().unwrap();
+        assert!(find_resume(empty.path(), ResumeMode::Disable, None)
             .unwrap()
             .is_none());
         // Re-saving a step replaces it.
@@ -293,6 +334,61 @@ mod tests {
                 .0,
             3
         );
+    }
+
+    #[test]
+    fn disable_refuses_to_replace_existing_checkpoints() {
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), 2, "a");
+        save(dir.path(), 4, "b");
+        let e = find_resume(dir.path(), ResumeMode::Disable, None)
+            .unwrap_err()
+            .to_string();
+        for want in [
+            "global_step_2, global_step_4",
+            "trainer.default_local_dir",
+            "trainer.resume_mode=auto",
+        ] {
+            assert!(e.contains(want), "{want} missing from: {e}");
+        }
+        // Nothing was touched.
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join(TRACKER)).unwrap(),
+            "4"
+        );
+        assert_eq!(
+            std::fs::read_to_string(step_dir(dir.path(), 2).join("x")).unwrap(),
+            "a"
+        );
+        // Many checkpoints are summarised, newest named.
+        for s in [6, 8, 10] {
+            save(dir.path(), s, "c");
+        }
+        let e = find_resume(dir.path(), ResumeMode::Disable, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("global_step_10 (5 in all)"), "{e}");
+    }
+
+    #[test]
+    fn a_garbled_tracker_is_reported_as_garbled_not_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), 3, "a");
+        // Bytes that are not UTF-8 (a disk error, a binary file copied over it).
+        std::fs::write(dir.path().join(TRACKER), [0xff, 0xfe, 0x00, 0x33]).unwrap();
+        let e = find_resume(dir.path(), ResumeMode::Auto, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("garbled") && e.contains(TRACKER), "{e}");
+        // A tracker that is a folder cannot be read: an I/O error naming it, not "missing".
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), 3, "a");
+        std::fs::remove_file(dir.path().join(TRACKER)).unwrap();
+        std::fs::create_dir(dir.path().join(TRACKER)).unwrap();
+        let e = find_resume(dir.path(), ResumeMode::Auto, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(TRACKER), "{e}");
     }
 
     #[test]

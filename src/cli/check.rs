@@ -92,6 +92,7 @@ pub fn run(args: &ConfigArgs) -> anyhow::Result<()> {
     let cfg = &loaded.config;
     let plan = crate::config::resolve(cfg)?;
     setup::check_paths(cfg, &plan)?;
+    super::guard::model_context(cfg, &plan)?;
     let data = DataSummary::load(cfg, &plan)?;
     for w in &plan.warnings {
         tracing::warn!("{w}");

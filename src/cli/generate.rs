@@ -34,6 +34,7 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
+    super::guard::check_output_args(&args.output, &args.input, &args.config)?;
     let loaded = args.config.load()?;
     let cfg = &loaded.config;
     let plan = crate::config::resolve(cfg).ok();
@@ -55,6 +56,13 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         candle_core::DType::F32,
         &device,
         true,
+    )?;
+    crate::config::data::check_model_context(
+        prompt_len,
+        response_len,
+        model.model.args.max_position_embeddings,
+        "actor_rollout_ref.model.path",
+        &model_cfg.path,
     )?;
     tracing::info!(
         "loaded {} in {:.1} s",

@@ -5,9 +5,11 @@
 
 mod check;
 mod generate;
+mod guard;
 pub mod logging;
 mod reward;
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
@@ -150,14 +152,43 @@ fn normalise_args(args: impl IntoIterator<Item = String>) -> Vec<String> {
         .collect()
 }
 
-/// Runs the program with `args` (argv[0] first) and returns the exit status.
-pub fn main_with_args(args: Vec<String>) -> i32 {
+/// Runs the program with `args` (argv[0] first, as the OS gives them) and returns the exit
+/// status.
+pub fn main_with_args<A: Into<OsString>>(args: impl IntoIterator<Item = A>) -> i32 {
     main_with(args, crate::reward::NativeRegistry::new())
+}
+
+/// The arguments as UTF-8 strings; a first one that is not names its position and shows its
+/// bytes (lossily), since keys, values and paths are all read as text.
+pub fn utf8_args<A: Into<OsString>>(
+    args: impl IntoIterator<Item = A>,
+) -> Result<Vec<String>, String> {
+    args.into_iter()
+        .enumerate()
+        .map(|(i, a)| {
+            a.into().into_string().map_err(|raw| {
+                format!(
+                    "argument {i} ({:?}) is not valid UTF-8: main_ppo reads keys, values and paths as UTF-8 text; rename the file or re-encode the value",
+                    raw.to_string_lossy()
+                )
+            })
+        })
+        .collect()
 }
 
 /// As [`main_with_args`], with native reward functions registered by a binary built on this
 /// library (selected with `{type: native, function: <name>}` in `reward.sources`).
-pub fn main_with(args: Vec<String>, natives: crate::reward::NativeRegistry) -> i32 {
+pub fn main_with<A: Into<OsString>>(
+    args: impl IntoIterator<Item = A>,
+    natives: crate::reward::NativeRegistry,
+) -> i32 {
+    let args = match utf8_args(args) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
     let cli = match Cli::try_parse_from(normalise_args(args)) {
         Ok(c) => c,
         Err(e) => {

@@ -182,6 +182,9 @@ fn writer(path: &Option<PathBuf>) -> anyhow::Result<Box<dyn Write>> {
 
 /// `reward score`. Returns whether every row scored.
 pub fn score(args: &ScoreArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
+    if let Some(out) = &args.output {
+        super::guard::check_output_args(out, &args.input, &args.config)?;
+    }
     let mut manager = manager(&args.config, natives)?;
     let rows = read_rows(&args.input)?;
     let t0 = Instant::now();
@@ -232,10 +235,90 @@ pub fn score(args: &ScoreArgs, natives: &NativeRegistry) -> anyhow::Result<bool>
     Ok(failed == 0)
 }
 
+/// What a `reward test` row expects of its score.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Expected {
+    /// The score, to within 1e-9.
+    Exactly(f64),
+    /// `min <= score <= max`; a missing bound is open.
+    Within(f64, f64),
+}
+
+impl Expected {
+    /// Reads a row's `expected`: a number, or an object with `min` and/or `max` (numbers,
+    /// `min <= max`) and nothing else. Anything else is refused, so a typo (`{"mni": 5}`) or an
+    /// empty `{}` cannot make a row pass whatever its score.
+    fn parse(v: Option<&Value>) -> Result<Self, String> {
+        let bound = |o: &Map<String, Value>, k: &str| -> Result<Option<f64>, String> {
+            match o.get(k) {
+                None => Ok(None),
+                Some(b) => b
+                    .as_f64()
+                    .map(Some)
+                    .ok_or_else(|| format!("`expected.{k}` must be a number, found {b}")),
+            }
+        };
+        match v {
+            None => Err("no `expected` column".into()),
+            Some(Value::Number(n)) => n
+                .as_f64()
+                .map(Expected::Exactly)
+                .ok_or_else(|| format!("`expected` {n} is not a finite number")),
+            Some(Value::Object(o)) => {
+                if let Some(k) = o.keys().find(|k| *k != "min" && *k != "max") {
+                    return Err(format!(
+                        "`expected` has an unknown key `{k}` (allowed: min, max)"
+                    ));
+                }
+                let (lo, hi) = (bound(o, "min")?, bound(o, "max")?);
+                if lo.is_none() && hi.is_none() {
+                    return Err(
+                        "`expected` is empty: give a number, or {\"min\": a} and/or {\"max\": b}"
+                            .into(),
+                    );
+                }
+                let (lo, hi) = (lo.unwrap_or(f64::NEG_INFINITY), hi.unwrap_or(f64::INFINITY));
+                if lo > hi {
+                    return Err(format!(
+                        "`expected.min` ({lo}) is above `expected.max` ({hi})"
+                    ));
+                }
+                Ok(Expected::Within(lo, hi))
+            }
+            Some(other) => Err(format!(
+                "`expected` must be a number or {{\"min\": a, \"max\": b}}, found {other}"
+            )),
+        }
+    }
+
+    fn holds(self, score: f64) -> bool {
+        match self {
+            Expected::Exactly(x) => (score - x).abs() <= 1e-9,
+            Expected::Within(lo, hi) => lo <= score && score <= hi,
+        }
+    }
+}
+
 /// `reward test`. Returns whether every row matched its expectation.
 pub fn test(args: &TestArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
-    let mut manager = manager(&args.config, natives)?;
     let rows = read_rows(&args.file)?;
+    // Every expectation is checked before anything is scored.
+    let mut bad = Vec::new();
+    let mut expectations = Vec::with_capacity(rows.len());
+    for (i, row) in rows.iter().enumerate() {
+        match Expected::parse(row.get("expected")) {
+            Ok(e) => expectations.push(e),
+            Err(m) => bad.push(format!("{}, row {i}: {m}", args.file.display())),
+        }
+    }
+    if !bad.is_empty() {
+        anyhow::bail!(
+            "{} row(s) have no usable expectation:\n  {}",
+            bad.len(),
+            bad.join("\n  ")
+        );
+    }
+    let mut manager = manager(&args.config, natives)?;
     let prepared: Vec<Result<Item, String>> = rows
         .iter()
         .enumerate()
@@ -244,23 +327,9 @@ pub fn test(args: &TestArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
     let lens: Vec<usize> = rows.iter().map(response_len).collect();
     let results = score_rows(&mut manager, &prepared, &lens)?;
     let (mut passed, mut failed) = (0, 0);
-    for (i, (row, r)) in rows.iter().zip(&results).enumerate() {
+    for (i, ((row, r), want)) in rows.iter().zip(&results).zip(&expectations).enumerate() {
         let expected = row.get("expected");
-        let ok = match (expected, r.score) {
-            (Some(Value::Number(n)), Some(s)) => (s - n.as_f64().unwrap_or(f64::NAN)).abs() <= 1e-9,
-            (Some(Value::Object(o)), Some(s)) => {
-                let lo = o
-                    .get("min")
-                    .and_then(Value::as_f64)
-                    .unwrap_or(f64::NEG_INFINITY);
-                let hi = o
-                    .get("max")
-                    .and_then(Value::as_f64)
-                    .unwrap_or(f64::INFINITY);
-                lo <= s && s <= hi
-            }
-            _ => false,
-        };
+        let ok = r.score.is_some_and(|s| want.holds(s));
         if ok {
             passed += 1;
             continue;
@@ -304,6 +373,9 @@ pub fn test(args: &TestArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
 
 /// `eval`: mean@n and best@n per data_source over a file of generations.
 pub fn eval(args: &EvalArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
+    if let Some(out) = &args.output {
+        super::guard::check_output_args(out, &args.input, &args.config)?;
+    }
     let mut manager = manager(&args.config, natives)?;
     let rows = read_rows(&args.input)?;
     let mut prepared = Vec::new();
@@ -373,4 +445,37 @@ pub fn eval(args: &EvalArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
         out.flush()?;
     }
     Ok(failed == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expectations_refuse_unknown_keys_empty_objects_and_non_numbers() {
+        for (v, want) in [
+            (json!({"mni": 5}), "unknown key `mni`"),
+            (json!({"min": 0, "maximum": 1}), "unknown key `maximum`"),
+            (json!({}), "empty"),
+            (json!({"min": "0.5"}), "`expected.min` must be a number"),
+            (json!({"min": 2, "max": 1}), "above"),
+            (json!("1.0"), "must be a number"),
+            (json!(null), "must be a number"),
+            (json!([1]), "must be a number"),
+        ] {
+            let e = Expected::parse(Some(&v)).unwrap_err();
+            assert!(e.contains(want), "{v}: {e}");
+        }
+        assert!(Expected::parse(None).unwrap_err().contains("no `expected`"));
+    }
+
+    #[test]
+    fn valid_expectations_check_the_score() {
+        let exact = Expected::parse(Some(&json!(1))).unwrap();
+        assert!(exact.holds(1.0) && !exact.holds(0.999));
+        let lo = Expected::parse(Some(&json!({"min": 0.5}))).unwrap();
+        assert!(lo.holds(0.5) && lo.holds(7.0) && !lo.holds(0.49));
+        let both = Expected::parse(Some(&json!({"min": -1, "max": 1}))).unwrap();
+        assert!(both.holds(0.0) && !both.holds(1.5) && !both.holds(f64::NAN));
+    }
 }

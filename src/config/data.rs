@@ -85,3 +85,96 @@ defaults!(DataConfig {
     truncation: Truncation::Error,
     apply_chat_template_kwargs: FreeMap::new(),
 });
+
+/// The longest prompt + response budget accepted whatever the model (2^20 tokens, far beyond
+/// any context the supported models have): a budget above it is a typo, and honouring it would
+/// ask for terabytes of padding and KV cache before any model could refuse it.
+pub const MAX_SEQUENCE_TOKENS: usize = 1 << 20;
+
+/// Rules on the token budgets that need no model: each of them, and their sum, at most
+/// [`MAX_SEQUENCE_TOKENS`]. `prompt_length` / `response_length` are the resolved budgets
+/// (`actor_rollout_ref.rollout.prompt_length` / `response_length` when set, else the `data.*` keys).
+pub fn length_errors(prompt_length: usize, response_length: usize) -> Vec<String> {
+    let mut errors = Vec::new();
+    for (key, v) in [
+        ("data.max_prompt_length", prompt_length),
+        ("data.max_response_length", response_length),
+    ] {
+        if v > MAX_SEQUENCE_TOKENS {
+            errors.push(format!(
+                "`{key}` ({v}) is larger than any model's context; at most {MAX_SEQUENCE_TOKENS} tokens are accepted"
+            ));
+        }
+    }
+    let total = prompt_length.saturating_add(response_length);
+    if errors.is_empty() && total > MAX_SEQUENCE_TOKENS {
+        errors.push(format!(
+            "`data.max_prompt_length` ({prompt_length}) + `data.max_response_length` ({response_length}) = {total} tokens; at most {MAX_SEQUENCE_TOKENS} are accepted"
+        ));
+    }
+    errors
+}
+
+/// Prompt plus response must fit the model's context (`max_position_embeddings` of the model
+/// that `model_key` = `model_path` names): a longer sequence has positions the model never saw,
+/// and its caches and logits grow with the budget, not with the data.
+pub fn check_model_context(
+    prompt_length: usize,
+    response_length: usize,
+    max_position_embeddings: usize,
+    model_key: &str,
+    model_path: &str,
+) -> Result<(), super::ConfigError> {
+    let total = prompt_length.saturating_add(response_length);
+    if total <= max_position_embeddings {
+        return Ok(());
+    }
+    Err(super::ConfigError::Value {
+        key: "data.max_prompt_length".into(),
+        message: format!(
+            "`data.max_prompt_length` ({prompt_length}) + `data.max_response_length` ({response_length}) = {total} tokens, \
+             longer than the context of the model `{model_key}` = {model_path} (max_position_embeddings = {max_position_embeddings}); \
+             lower them to sum to at most {max_position_embeddings} (data.filter_overlong_prompts drops prompts longer than \
+             data.max_prompt_length, so it then keeps every sequence within the model's context)"
+        ),
+    })
+}
+
+#[cfg(test)]
+mod length_tests {
+    use super::*;
+
+    #[test]
+    fn huge_budgets_are_refused_without_a_model() {
+        assert!(length_errors(512, 512).is_empty());
+        assert!(length_errors(MAX_SEQUENCE_TOKENS - 1, 1).is_empty());
+        let e = length_errors(4_000_000_000, 512);
+        assert!(
+            e.len() == 1 && e[0].contains("data.max_prompt_length") && e[0].contains("4000000000"),
+            "{e:?}"
+        );
+        let e = length_errors(512, usize::MAX);
+        assert!(e[0].contains("data.max_response_length"), "{e:?}");
+        // Each fits, the sum does not.
+        let e = length_errors(MAX_SEQUENCE_TOKENS, 1);
+        assert!(e[0].contains("+"), "{e:?}");
+    }
+
+    #[test]
+    fn the_model_context_bounds_prompt_plus_response() {
+        check_model_context(8000, 192, 8192, "actor_rollout_ref.model.path", "m.gguf").unwrap();
+        let e = check_model_context(8000, 193, 8192, "actor_rollout_ref.model.path", "m.gguf")
+            .unwrap_err()
+            .to_string();
+        for want in [
+            "data.max_prompt_length` (8000)",
+            "data.max_response_length` (193)",
+            "max_position_embeddings = 8192",
+            "actor_rollout_ref.model.path` = m.gguf",
+        ] {
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        // No overflow at the extremes.
+        assert!(check_model_context(usize::MAX, usize::MAX, 8192, "k", "p").is_err());
+    }
+}

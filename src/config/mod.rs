@@ -118,4 +118,6 @@ pub enum ConfigError {
 }
 
 #[cfg(test)]
+mod props;
+#[cfg(test)]
 mod tests;

@@ -201,6 +201,7 @@ fn lengths(errors: &mut Vec<String>, cfg: &Config) -> Lengths {
     if response_length == 0 {
         errors.push("`data.max_response_length` (or `actor_rollout_ref.rollout.response_length`) must be at least 1".into());
     }
+    errors.extend(super::data::length_errors(prompt_length, response_length));
     if rollout.n == 0 {
         errors.push("`actor_rollout_ref.rollout.n` must be at least 1".into());
     }

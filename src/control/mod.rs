@@ -9,18 +9,30 @@
 //! Every rejected request (malformed JSON, not an object, unknown source, negative or non-number
 //! weight, oversized body, missing or wrong bearer token) gets a 4xx with `{"error": "..."}` and
 //! changes nothing. The trainer only ever takes a mutex for a copy, so it never waits on a client.
+//!
+//! What a client can hold is bounded ([`Limits`]): the token and a declared `Content-Length`
+//! are checked from the headers alone, before any body byte is read; the request line and headers
+//! must arrive within `header_timeout` and fit in 16 KiB; a connection that moves no byte for
+//! `idle_timeout` is closed, as is any connection older than `connection_lifetime`; and at most
+//! `max_connections` are open at once (more are closed on accept).
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use serde_json::{json, Value};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::config::reward::RewardControlConfig;
 use crate::metrics::Metrics;
@@ -40,7 +52,36 @@ struct Shared {
 struct AppState {
     shared: Arc<Mutex<Shared>>,
     token: Option<String>,
+    max_body_bytes: usize,
 }
+
+/// How much time and how many connections a client may hold.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    /// The request line and headers must be complete within this time.
+    pub header_timeout: Duration,
+    /// A connection that sends or receives nothing for this long is closed.
+    pub idle_timeout: Duration,
+    /// No connection stays open longer than this.
+    pub connection_lifetime: Duration,
+    /// Connections open at once; more are closed as soon as they are accepted.
+    pub max_connections: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            header_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(30),
+            connection_lifetime: Duration::from_secs(120),
+            max_connections: 64,
+        }
+    }
+}
+
+/// The request line plus headers may use at most this many bytes (hyper's smallest buffer is
+/// 8 KiB; a longer head is answered 431).
+const MAX_HEAD_BYTES: usize = 16 * 1024;
 
 /// A running control server; dropping it stops the server.
 pub struct ControlServer {
@@ -94,10 +135,33 @@ fn authorised(state: &AppState, headers: &HeaderMap) -> Result<(), Reject> {
     }
 }
 
-async fn get_weights(State(s): State<AppState>, headers: HeaderMap) -> Response {
-    if let Err(r) = authorised(&s, &headers) {
+/// Runs on the request head, before any handler reads the body: the token, then the declared
+/// body size. A rejected request's body is never read (hyper closes the connection instead).
+async fn check_head(State(s): State<AppState>, req: Request, next: Next) -> Response {
+    if let Err(r) = authorised(&s, req.headers()) {
         return r.into_response();
     }
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if let Some(n) = declared {
+        if n > s.max_body_bytes as u64 {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!(
+                    "the body declares {n} bytes, more than reward.control.max_body_bytes ({})",
+                    s.max_body_bytes
+                ),
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn get_weights(State(s): State<AppState>) -> Response {
     let w = s.shared.lock().expect("control state").weights.clone();
     axum::Json(w).into_response()
 }
@@ -146,10 +210,7 @@ fn parse_update(
     Ok(out)
 }
 
-async fn post_weights(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(r) = authorised(&s, &headers) {
-        return r.into_response();
-    }
+async fn post_weights(State(s): State<AppState>, body: Bytes) -> Response {
     let mut shared = s.shared.lock().expect("control state");
     let update = match parse_update(&body, &shared.weights) {
         Ok(u) => u,
@@ -165,10 +226,7 @@ async fn post_weights(State(s): State<AppState>, headers: HeaderMap, body: Bytes
     axum::Json(echo).into_response()
 }
 
-async fn status(State(s): State<AppState>, headers: HeaderMap) -> Response {
-    if let Err(r) = authorised(&s, &headers) {
-        return r.into_response();
-    }
+async fn status(State(s): State<AppState>) -> Response {
     let shared = s.shared.lock().expect("control state");
     let metrics: serde_json::Map<String, Value> = shared
         .metrics
@@ -200,6 +258,16 @@ impl ControlServer {
         weights: BTreeMap<String, f64>,
         total_steps: u64,
     ) -> Result<Self, String> {
+        Self::start_with(cfg, weights, total_steps, Limits::default())
+    }
+
+    /// As [`ControlServer::start`], with explicit connection limits.
+    pub fn start_with(
+        cfg: &RewardControlConfig,
+        weights: BTreeMap<String, f64>,
+        total_steps: u64,
+        limits: Limits,
+    ) -> Result<Self, String> {
         let at = format!("reward.control.host={}:{}", cfg.host, cfg.port);
         let addrs: Vec<SocketAddr> = (cfg.host.as_str(), cfg.port)
             .to_socket_addrs()
@@ -221,6 +289,7 @@ impl ControlServer {
         let state = AppState {
             shared: shared.clone(),
             token: cfg.token.clone(),
+            max_body_bytes: cfg.max_body_bytes,
         };
         let app = Router::new()
             .route(
@@ -229,7 +298,12 @@ impl ControlServer {
             )
             .route("/api/v1/status", get(status))
             .fallback(not_found)
+            // A body without a declared length (chunked) is cut off at the limit while read.
             .layer(DefaultBodyLimit::max(cfg.max_body_bytes))
+            .layer(axum::middleware::from_fn_with_state(
+                state.clone(),
+                check_head,
+            ))
             .with_state(state);
         let (tx_addr, rx_addr) = std::sync::mpsc::channel::<Result<SocketAddr, String>>();
         let (tx_stop, rx_stop) = tokio::sync::oneshot::channel::<()>();
@@ -238,6 +312,7 @@ impl ControlServer {
             .spawn(move || {
                 let rt = match tokio::runtime::Builder::new_current_thread()
                     .enable_io()
+                    .enable_time()
                     .build()
                 {
                     Ok(rt) => rt,
@@ -256,13 +331,9 @@ impl ControlServer {
                     };
                     let bound = listener.local_addr().map_err(|e| e.to_string());
                     let _ = tx_addr.send(bound);
-                    let serve = axum::serve(listener, app).with_graceful_shutdown(async {
-                        let _ = rx_stop.await;
-                    });
-                    if let Err(e) = serve.await {
-                        tracing::warn!("reward.control server stopped: {e}");
-                    }
+                    serve(listener, app, limits, rx_stop).await;
                 });
+                // Dropping the runtime here ends every open connection.
             })
             .map_err(|e| format!("cannot start the control thread: {e}"))?;
         let addr = rx_addr
@@ -301,6 +372,141 @@ impl ControlServer {
         let mut s = self.shared.lock().expect("control state");
         s.step = step;
         s.metrics = metrics.clone();
+    }
+}
+
+/// Accepts connections until `stop` fires; each is served by hyper's HTTP/1 with the header
+/// timeout, idle timeout, lifetime and connection cap of `limits`.
+async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    limits: Limits,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) {
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
+    loop {
+        let accepted = tokio::select! {
+            _ = &mut stop => return,
+            a = listener.accept() => a,
+        };
+        let stream = match accepted {
+            Ok((stream, _peer)) => stream,
+            Err(e) => {
+                // Out of file descriptors and the like: wait instead of spinning.
+                tracing::warn!("reward.control: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            tracing::warn!(
+                "reward.control: {} connections already open; closing a new one",
+                limits.max_connections
+            );
+            drop(stream);
+            continue;
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let _permit = permit;
+            let io = hyper_util::rt::TokioIo::new(IdleTimeout::new(stream, limits.idle_timeout));
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.header_timeout)
+                .max_buf_size(MAX_HEAD_BYTES);
+            let conn = http.serve_connection(io, service);
+            match tokio::time::timeout(limits.connection_lifetime, conn).await {
+                Ok(Err(e)) => tracing::debug!("reward.control: connection ended: {e}"),
+                Err(_) => tracing::debug!("reward.control: connection closed at its lifetime"),
+                Ok(Ok(())) => {}
+            }
+        });
+    }
+}
+
+/// A stream that fails with `TimedOut` once no byte has moved either way for `idle`.
+struct IdleTimeout<T> {
+    inner: T,
+    idle: Duration,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl<T> IdleTimeout<T> {
+    fn new(inner: T, idle: Duration) -> Self {
+        Self {
+            inner,
+            idle,
+            deadline: Box::pin(tokio::time::sleep(idle)),
+        }
+    }
+
+    fn moved(&mut self) {
+        let next = tokio::time::Instant::now() + self.idle;
+        self.deadline.as_mut().reset(next);
+    }
+
+    /// `Pending` from the stream becomes an error once the deadline has passed.
+    fn pending_or_expired<R>(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<R>> {
+        match self.deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "idle connection closed",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for IdleTimeout<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        match Pin::new(&mut this.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                if buf.filled().len() > before {
+                    this.moved();
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending => this.pending_or_expired(cx),
+            other => other,
+        }
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for IdleTimeout<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.inner).poll_write(cx, data) {
+            Poll::Ready(Ok(n)) => {
+                if n > 0 {
+                    this.moved();
+                }
+                Poll::Ready(Ok(n))
+            }
+            Poll::Pending => this.pending_or_expired(cx),
+            other => other,
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.inner).poll_flush(cx) {
+            Poll::Pending => this.pending_or_expired(cx),
+            other => other,
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
     }
 }
 

@@ -4,6 +4,8 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 
+use proptest::prelude::*;
+
 use super::*;
 
 /// One request with `Connection: close`; returns (status, body).
@@ -285,4 +287,275 @@ fn load_test_on_loopback() {
         "{final_acc} was never accepted"
     );
     assert_eq!(v["safety"], 0.5);
+}
+
+/// Sends `head` (no body follows) and returns what came back within `wait`, and how long it took.
+fn send_head_only(addr: SocketAddr, head: &str, wait: std::time::Duration) -> (String, f64) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(wait)).unwrap();
+    let t0 = std::time::Instant::now();
+    s.write_all(head.as_bytes()).unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    // Read until the server closes, or the wait runs out (the error ends the loop).
+    while let Ok(n) = s.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&buf[..n]);
+    }
+    (
+        String::from_utf8_lossy(&out).into_owned(),
+        t0.elapsed().as_secs_f64(),
+    )
+}
+
+#[test]
+fn token_and_declared_size_are_checked_before_the_body_is_read() {
+    let srv = ControlServer::start(&cfg(Some("s3cret")), weights(), 10).unwrap();
+    let wait = std::time::Duration::from_secs(8);
+    // No token, a 100-byte body declared and never sent: answered from the head alone.
+    let head = format!(
+        "POST /api/v1/reward/weights HTTP/1.1\r\nHost: {}\r\nContent-Length: 100\r\n\r\n",
+        srv.addr
+    );
+    let (reply, secs) = send_head_only(srv.addr, &head, wait);
+    assert!(
+        reply.starts_with("HTTP/1.1 401"),
+        "{reply:?} after {secs:.1} s"
+    );
+    assert!(
+        secs < 5.0,
+        "answered without waiting for the body: {secs:.1} s"
+    );
+    // The right token and a body far over the limit: 413 from the head alone.
+    let head = format!(
+        "POST /api/v1/reward/weights HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer s3cret\r\nContent-Length: 1000000000\r\n\r\n",
+        srv.addr
+    );
+    let (reply, secs) = send_head_only(srv.addr, &head, wait);
+    assert!(
+        reply.starts_with("HTTP/1.1 413"),
+        "{reply:?} after {secs:.1} s"
+    );
+    assert!(reply.contains("max_body_bytes"), "{reply}");
+    assert!(secs < 5.0, "{secs:.1} s");
+    assert!(srv.take_changes().is_none());
+}
+
+fn quick_limits() -> Limits {
+    Limits {
+        header_timeout: std::time::Duration::from_millis(1000),
+        idle_timeout: std::time::Duration::from_millis(1000),
+        connection_lifetime: std::time::Duration::from_secs(20),
+        max_connections: 4,
+    }
+}
+
+#[test]
+fn silent_and_slow_clients_are_disconnected() {
+    let srv = ControlServer::start_with(&cfg(None), weights(), 10, quick_limits()).unwrap();
+    let wait = std::time::Duration::from_secs(10);
+    // Connects and sends nothing.
+    let (reply, secs) = send_head_only(srv.addr, "", wait);
+    assert!(
+        secs < 5.0,
+        "a silent connection is closed: {secs:.1} s, {reply:?}"
+    );
+    // Sends its head one byte every 200 ms (never idle for long), so only the header timeout
+    // can end it.
+    let mut s = TcpStream::connect(srv.addr).unwrap();
+    s.set_write_timeout(Some(std::time::Duration::from_secs(1)))
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    let head = b"GET /api/v1/reward/weights HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n\r\n";
+    let mut cut_after = None;
+    for b in head.iter() {
+        // Once the server has closed, a write fails (the first may still be buffered).
+        if s.write_all(&[*b]).is_err() {
+            cut_after = Some(t0.elapsed().as_secs_f64());
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        if t0.elapsed().as_secs_f64() > 8.0 {
+            break;
+        }
+    }
+    let cut_after = cut_after.expect("the server closed a connection whose head took over 8 s");
+    assert!(
+        cut_after < 5.0,
+        "closed by the 1 s header timeout, noticed after {cut_after:.1} s"
+    );
+    // The server still serves.
+    let (st, _) = http(srv.addr, "GET", "/api/v1/reward/weights", None, b"");
+    assert_eq!(st, 200);
+}
+
+#[test]
+fn connections_beyond_the_cap_are_closed_and_the_server_recovers() {
+    let srv = ControlServer::start_with(&cfg(None), weights(), 10, quick_limits()).unwrap();
+    // Four idle connections take every slot; a fifth is closed on accept.
+    let held: Vec<TcpStream> = (0..4)
+        .map(|_| TcpStream::connect(srv.addr).unwrap())
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let head = format!(
+        "GET /api/v1/reward/weights HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+        srv.addr
+    );
+    let (reply, _) = send_head_only(srv.addr, &head, std::time::Duration::from_secs(3));
+    assert!(!reply.starts_with("HTTP/1.1 200"), "{reply:?}");
+    // Once the idle ones time out, slots free up.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let (st, _) = http(srv.addr, "GET", "/api/v1/reward/weights", None, b"");
+    assert_eq!(st, 200);
+    drop(held);
+}
+
+/// One raw request: a plausible head (methods, paths, header lines and lengths that lie) and a
+/// body, or bytes with no structure at all.
+fn raw_request() -> impl Strategy<Value = Vec<u8>> {
+    let method =
+        proptest::sample::select(vec!["GET", "POST", "PUT", "get", "", "POST POST", "\u{0}"]);
+    let path = prop_oneof![
+        proptest::sample::select(vec![
+            "/api/v1/reward/weights",
+            "/api/v1/status",
+            "/api/v1/reward/weights?x=1",
+            "//api/v1/reward/weights",
+            "/api/v1/reward/../reward/weights",
+            "*",
+            "",
+        ])
+        .prop_map(str::to_string),
+        "[ -~]{0,40}",
+    ];
+    let version = proptest::sample::select(vec![
+        "HTTP/1.1",
+        "HTTP/1.0",
+        "HTTP/2.0",
+        "HTTP/1.1 extra",
+        "",
+    ]);
+    let header = prop_oneof![
+        (0u64..5000).prop_map(|n| format!("Content-Length: {n}")),
+        Just("Content-Length: 18446744073709551616".to_string()),
+        Just("Content-Length: -1".to_string()),
+        Just("Content-Length: 5\r\nContent-Length: 7".to_string()),
+        Just("Transfer-Encoding: chunked".to_string()),
+        Just("Transfer-Encoding: gzip, chunked".to_string()),
+        Just("Authorization: Bearer wrong".to_string()),
+        Just("Authorization: Basic s3cret".to_string()),
+        Just("Authorization: Bearer ".to_string()),
+        Just("Expect: 100-continue".to_string()),
+        Just("Connection: keep-alive".to_string()),
+        Just("Host:".to_string()),
+        Just(" folded: header".to_string()),
+        Just("NoColon".to_string()),
+        "[ -~]{0,30}",
+    ];
+    let body = prop_oneof![
+        Just(br#"{"acc": 5}"#.to_vec()),
+        Just(b"5\r\n{\"ac\r\n0\r\n\r\n".to_vec()),
+        Just(b"ffffffffffffffff\r\n".to_vec()),
+        proptest::collection::vec(any::<u8>(), 0..64),
+    ];
+    let structured = (
+        method,
+        path,
+        version,
+        proptest::collection::vec(header, 0..5),
+        body,
+    )
+        .prop_map(|(m, p, v, hs, b)| {
+            let mut out = format!("{m} {p} {v}\r\n");
+            for h in hs {
+                out.push_str(&h);
+                out.push_str("\r\n");
+            }
+            out.push_str("\r\n");
+            let mut bytes = out.into_bytes();
+            bytes.extend_from_slice(&b);
+            bytes
+        });
+    prop_oneof![
+        4 => structured,
+        1 => proptest::collection::vec(any::<u8>(), 0..200),
+    ]
+}
+
+#[test]
+fn any_bytes_from_a_client_are_refused_without_a_trace() {
+    use proptest::test_runner::{Config, TestRunner};
+    let srv =
+        ControlServer::start_with(&cfg(Some("s3cret")), weights(), 10, quick_limits()).unwrap();
+    let addr = srv.addr;
+    let mut runner = TestRunner::new(Config {
+        cases: 256,
+        ..Config::default()
+    });
+    runner
+        .run(&raw_request(), |bytes| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+                .unwrap();
+            let _ = s.write_all(&bytes);
+            // End of request: the server sees EOF instead of waiting for more.
+            let _ = s.shutdown(std::net::Shutdown::Write);
+            let mut out = Vec::new();
+            let _ = s.read_to_end(&mut out);
+            let reply = String::from_utf8_lossy(&out);
+            if !reply.is_empty() {
+                let status: u16 = reply
+                    .strip_prefix("HTTP/1.1 ")
+                    .or_else(|| reply.strip_prefix("HTTP/1.0 "))
+                    .and_then(|r| r.get(..3))
+                    .and_then(|c| c.parse().ok())
+                    .unwrap_or(0);
+                // Nothing without the token is served; malformed requests are refused (4xx,
+                // or hyper's 501/505 for what HTTP/1.1 does not define); never a 5xx crash.
+                proptest::prop_assert!(
+                    (400..500).contains(&status) || status == 501 || status == 505,
+                    "{:?} → {:?}",
+                    String::from_utf8_lossy(&bytes),
+                    reply
+                );
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(srv.take_changes().is_none(), "nothing was changed");
+    let (st, body) = http(addr, "GET", "/api/v1/reward/weights", Some("s3cret"), b"");
+    assert_eq!(st, 200, "still serving");
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap(),
+        json!({"acc": 1.0, "safety": 0.5})
+    );
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 256, ..Default::default() })]
+
+    /// The body parser alone: accepted updates hold only known sources with finite weights >= 0.
+    #[test]
+    fn any_body_is_a_valid_update_or_a_4xx(body in proptest::prop_oneof![
+        proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+        "[ -~]{0,64}".prop_map(String::into_bytes),
+        (proptest::sample::select(vec!["acc", "safety", "other", ""]), proptest::sample::select(vec!["1", "-1", "0", "1e999", "\"2\"", "null", "[]", "0.5", "1e308"]))
+            .prop_map(|(k, v)| format!("{{\"{k}\": {v}}}").into_bytes()),
+    ]) {
+        match parse_update(&body, &weights()) {
+            Ok(u) => {
+                proptest::prop_assert!(!u.is_empty());
+                for (k, v) in &u {
+                    proptest::prop_assert!(weights().contains_key(k));
+                    proptest::prop_assert!(v.is_finite() && *v >= 0.0);
+                }
+            }
+            Err(Reject(st, msg)) => {
+                proptest::prop_assert!(st.is_client_error());
+                proptest::prop_assert!(!msg.is_empty());
+            }
+        }
+    }
 }

@@ -11,6 +11,12 @@ use serde_json::Value;
 use super::tokenizer::SpecialTokens;
 use super::DataError;
 
+/// The most VM instructions one rendering may run. Real chat templates use a few hundred per
+/// message (the ChatML template renders a 3-message chat in under 1,000; see the tests), so this leaves
+/// room for ~10^4 messages while a template that loops without end stops within a fraction of a
+/// second instead of hanging the run.
+pub const TEMPLATE_FUEL: u64 = 10_000_000;
+
 /// A compiled chat template with the special tokens it may reference.
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -35,6 +41,7 @@ impl ChatTemplate {
             .build()
             .map_err(|e| DataError::Other(format!("internal: Jinja syntax config: {e}")))?;
         env.set_syntax(syntax);
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<JValue, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
@@ -80,6 +87,11 @@ impl ChatTemplate {
         }
         tmpl.render(JValue::from(minijinja::value::Serde(&ctx)))
             .map_err(|e| {
+                if e.kind() == ErrorKind::OutOfFuel {
+                    return format!(
+                        "the chat template ran more than {TEMPLATE_FUEL} instructions without finishing and was stopped (a loop over a huge range?)"
+                    );
+                }
                 let mut msg = e.to_string();
                 let mut src = std::error::Error::source(&e);
                 while let Some(s) = src {
@@ -275,6 +287,33 @@ mod tests {
             out,
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
         );
+    }
+
+    #[test]
+    fn a_runaway_template_is_stopped_by_fuel_and_a_real_one_needs_little() {
+        // 10^10 loop iterations: without a bound this renders for hours.
+        let src = "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}";
+        let t = ChatTemplate::new(src, special(), "test").unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(t.render(&[], true, &Default::default()));
+        });
+        let out = rx
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .expect("the render returns within 30 s");
+        let e = out.unwrap_err();
+        assert!(e.contains("ran more than") && e.contains("stopped"), "{e}");
+
+        // The real template over a 3-message chat fits in 1,000 instructions (so the budget
+        // leaves four orders of magnitude of room).
+        let mut t = ChatTemplate::new(CHATML, special(), "test").unwrap();
+        t.env.set_fuel(Some(1_000));
+        let msgs = vec![
+            json!({"role": "system", "content": "Be brief."}),
+            json!({"role": "user", "content": "What is 2+3?"}),
+            json!({"role": "assistant", "content": "5"}),
+        ];
+        t.render(&msgs, true, &Default::default()).unwrap();
     }
 
     #[test]

@@ -44,11 +44,124 @@ fn meta_f(c: &Content, key: &str) -> Option<f64> {
         .or_else(|| v.to_f64().ok())
 }
 
-fn open(path: &Path) -> Result<(File, Content), ModelError> {
+pub(crate) fn open(path: &Path) -> Result<(File, Content), ModelError> {
     let mut f = File::open(path).map_err(|e| ModelError::file(path, e.to_string()))?;
+    // candle divides by `general.alignment` without checking it: refuse 0 before it reads.
+    if let Some(0) = declared_alignment(&mut std::io::BufReader::new(&mut f)) {
+        return Err(ModelError::file(
+            path,
+            "not a readable GGUF file: `general.alignment` is 0".into(),
+        ));
+    }
+    std::io::Seek::rewind(&mut f).map_err(|e| ModelError::file(path, e.to_string()))?;
     let c = Content::read(&mut f)
         .map_err(|e| ModelError::file(path, format!("not a readable GGUF file: {e}")))?;
+    // Each tensor's element count must not overflow and its bytes must lie inside the file
+    // (candle multiplies the dimensions unchecked when it reads a tensor).
+    let file_len = f
+        .metadata()
+        .map_err(|e| ModelError::file(path, e.to_string()))?
+        .len();
+    for (name, info) in &c.tensor_infos {
+        let elems = info
+            .shape
+            .dims()
+            .iter()
+            .try_fold(1u64, |acc, d| acc.checked_mul(*d as u64));
+        let block = info.ggml_dtype.block_size() as u64;
+        let bytes = elems
+            .filter(|e| block > 0 && e % block == 0)
+            .and_then(|e| (e / block).checked_mul(info.ggml_dtype.type_size() as u64));
+        let end = bytes
+            .and_then(|b| b.checked_add(info.offset))
+            .and_then(|b| b.checked_add(c.tensor_data_offset));
+        if end.is_none_or(|end| end > file_len) {
+            return Err(ModelError::file(
+                path,
+                format!(
+                    "not a readable GGUF file: tensor `{name}` (shape {:?}, {:?}) does not fit in the file ({file_len} bytes)",
+                    info.shape.dims(),
+                    info.ggml_dtype
+                ),
+            ));
+        }
+    }
     Ok((f, c))
+}
+
+/// The integer value of `general.alignment` in a GGUF header, if the header declares one.
+/// Walks the metadata entries only; anything unreadable gives `None` (candle's reader then
+/// reports it).
+fn declared_alignment(r: &mut impl std::io::Read) -> Option<u64> {
+    fn bytes<const N: usize>(r: &mut impl std::io::Read) -> Option<[u8; N]> {
+        let mut b = [0u8; N];
+        r.read_exact(&mut b).ok()?;
+        Some(b)
+    }
+    fn u32_(r: &mut impl std::io::Read) -> Option<u32> {
+        bytes::<4>(r).map(u32::from_le_bytes)
+    }
+    fn len(r: &mut impl std::io::Read, v1: bool) -> Option<u64> {
+        if v1 {
+            u32_(r).map(u64::from)
+        } else {
+            bytes::<8>(r).map(u64::from_le_bytes)
+        }
+    }
+    fn skip(r: &mut impl std::io::Read, n: u64) -> Option<()> {
+        let copied =
+            std::io::copy(&mut std::io::Read::take(&mut *r, n), &mut std::io::sink()).ok()?;
+        (copied == n).then_some(())
+    }
+    /// Skips one value of type `t`, or returns it when it is an integer.
+    fn value(r: &mut impl std::io::Read, t: u32, v1: bool, depth: usize) -> Option<Option<i128>> {
+        Some(match t {
+            0 => Some(i128::from(bytes::<1>(r)?[0])),
+            1 => Some(i128::from(bytes::<1>(r)?[0] as i8)),
+            2 => Some(i128::from(u16::from_le_bytes(bytes::<2>(r)?))),
+            3 => Some(i128::from(i16::from_le_bytes(bytes::<2>(r)?))),
+            4 => Some(i128::from(u32_(r)?)),
+            5 => Some(i128::from(u32_(r)? as i32)),
+            6 => skip(r, 4).map(|_| None)?,
+            7 => skip(r, 1).map(|_| None)?,
+            8 => {
+                let n = len(r, v1)?;
+                skip(r, n).map(|_| None)?
+            }
+            9 if depth < 4 => {
+                let inner = u32_(r)?;
+                let n = len(r, v1)?;
+                for _ in 0..n {
+                    value(r, inner, v1, depth + 1)?;
+                }
+                None
+            }
+            10..=12 => skip(r, 8).map(|_| None)?,
+            _ => return None,
+        })
+    }
+    let magic = u32_(r)?;
+    if magic != 0x4655_4747 && magic != 0x4747_5546 {
+        return None;
+    }
+    let v1 = u32_(r)? == 1;
+    let _tensors = len(r, v1)?;
+    let kvs = len(r, v1)?;
+    for _ in 0..kvs {
+        let n = len(r, v1)?;
+        if n > 1 << 20 {
+            return None;
+        }
+        let mut key = vec![0u8; n as usize];
+        r.read_exact(&mut key).ok()?;
+        let t = u32_(r)?;
+        let v = value(r, t, v1, 0)?;
+        if key == b"general.alignment" {
+            // candle uses the value of these integer types (signed ones when >= 0).
+            return v.filter(|x| *x >= 0).map(|x| x as u64);
+        }
+    }
+    None
 }
 
 /// Hyper-parameters from the metadata (`general.architecture` = llama or qwen2).
@@ -71,6 +184,17 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
     let hidden = meta_u(c, &k("embedding_length"), path)?;
     let heads = meta_u(c, &k("attention.head_count"), path)?;
     let kv = meta_u(c, &k("attention.head_count_kv"), path).unwrap_or(heads);
+    if hidden == 0 || heads == 0 || kv == 0 || heads % kv != 0 {
+        return Err(ModelError::file(
+            path,
+            format!(
+                "GGUF metadata: `{}` ({heads}) must be a positive multiple of `{}` ({kv}) and `{}` ({hidden}) positive",
+                k("attention.head_count"),
+                k("attention.head_count_kv"),
+                k("embedding_length")
+            ),
+        ));
+    }
     let vocab = match c.metadata.get(&k("vocab_size")) {
         Some(_) => meta_u(c, &k("vocab_size"), path)?,
         None => meta(c, "tokenizer.ggml.tokens", path)?

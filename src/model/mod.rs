@@ -50,6 +50,8 @@ pub use heads::{ScoreHead, ValueHead};
 pub use transformer::{CausalLm, KvCache};
 
 #[cfg(test)]
+mod props;
+#[cfg(test)]
 mod tests;
 
 /// A model and its tokenizer from `path`: a `.gguf` file, an HF directory, or a hub id found in
@@ -105,6 +107,32 @@ pub fn load_model_and_tokenizer(
         return Ok((loaded, tok_from(own)?));
     }
     Err(ModelError::file(p, "no such model: expected an HF model directory (config.json, model.safetensors, tokenizer.json) or a .gguf file".into()))
+}
+
+/// The hyper-parameters of the model at `path` (as [`load_model_and_tokenizer`] would read
+/// them) without reading any weights: a GGUF file's header, an HF directory's `config.json`
+/// (with `overrides`), or a hub id's cached `config.json`. `Ok(None)` when there is nothing to
+/// read without a download (a hub id not in the cache).
+pub fn read_args(
+    path: &str,
+    overrides: &serde_json::Map<String, serde_json::Value>,
+) -> Result<Option<ModelArgs>, ModelError> {
+    let expanded = crate::config::resolve::expand_home(path);
+    let p = Path::new(&expanded);
+    if p.is_file() && expanded.ends_with(".gguf") {
+        let (_, c) = gguf::open(p)?;
+        return gguf::read_args(&c, p).map(Some);
+    }
+    if p.is_dir() {
+        return hf::read_config(p, overrides).map(Some);
+    }
+    if is_hub_id(path) {
+        return match hub::cached_snapshot(path, &hub::cache_dir()) {
+            Ok(dir) => hf::read_config(&dir, overrides).map(Some),
+            Err(_) => Ok(None),
+        };
+    }
+    Ok(None)
 }
 
 /// `org/name` that is no local path and no `.gguf` file: a model-hub id.

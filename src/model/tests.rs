@@ -424,7 +424,7 @@ fn load_errors_name_the_file_and_tensor() {
 
 /// Writes a model as llama.cpp would: GGUF names, permuted Llama Q/K rows, `dtype` storage,
 /// and a byte-level tokenizer in the metadata.
-fn write_gguf(
+pub(super) fn write_gguf(
     vm: &VarMap,
     args: &ModelArgs,
     path: &std::path::Path,

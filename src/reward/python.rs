@@ -51,6 +51,10 @@ pub enum CallError {
     Timeout { seconds: f64 },
     /// The worker process exited during the call; it was replaced.
     Died { status: String },
+    /// The worker answered with a line that is not a reply of the protocol (not JSON, no
+    /// request id, an index out of range); it was replaced, since its replies can no longer be
+    /// matched to requests.
+    Protocol { function: String, detail: String },
 }
 
 impl std::fmt::Display for CallError {
@@ -70,6 +74,10 @@ impl std::fmt::Display for CallError {
             CallError::Died { status } => {
                 write!(f, "the Python worker died ({status}); it was replaced")
             }
+            CallError::Protocol { function, detail } => write!(
+                f,
+                "protocol error: the Python worker running `{function}` sent a malformed reply ({detail}); it was replaced"
+            ),
         }
     }
 }
@@ -115,8 +123,10 @@ impl Worker {
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
-                let msg = serde_json::from_str(&line)
-                    .unwrap_or_else(|e| json!({"protocol_error": format!("{e}: {line}")}));
+                let msg = serde_json::from_str(&line).unwrap_or_else(|e| {
+                    let shown: String = line.chars().take(200).collect();
+                    json!({"protocol_error": format!("not JSON ({e}): {shown}")})
+                });
                 if tx.send(Line::Msg(msg)).is_err() {
                     return;
                 }
@@ -286,6 +296,16 @@ impl PythonPool {
     }
 }
 
+/// A reply for a message, cut to a readable length.
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    if s.chars().count() > 200 {
+        format!("{}…", s.chars().take(200).collect::<String>())
+    } else {
+        s
+    }
+}
+
 /// Scores one worker's share, replacing the worker after a timeout or a crash.
 fn run_share(
     w: &mut Worker,
@@ -316,17 +336,34 @@ fn run_share(
                 .recv_timeout(deadline.saturating_duration_since(Instant::now()))
             {
                 Ok(Line::Msg(m)) => {
-                    if m["id"].as_u64() != Some(req_id) {
-                        continue; // a late line of an abandoned request
+                    let protocol = |detail: String| CallError::Protocol {
+                        function: format!("{} from {}", func.name, func.path),
+                        detail,
+                    };
+                    if let Some(p) = m.get("protocol_error").and_then(Value::as_str) {
+                        failure = Some(protocol(p.to_string()));
+                        break;
+                    }
+                    match m["id"].as_u64() {
+                        Some(id) if id == req_id => {}
+                        // A late line of an abandoned request (a replaced worker's ids are
+                        // all older).
+                        Some(id) if id < req_id => continue,
+                        _ => {
+                            failure = Some(protocol(format!("no id {req_id} in {}", short(&m))));
+                            break;
+                        }
                     }
                     let Some(i) = m["index"]
                         .as_u64()
                         .map(|i| i as usize)
                         .filter(|i| *i < pending.len())
                     else {
-                        failure = Some(CallError::Died {
-                            status: format!("protocol error: {m}"),
-                        });
+                        failure = Some(protocol(format!(
+                            "no index below {} in {}",
+                            pending.len(),
+                            short(&m)
+                        )));
                         break;
                     };
                     let r = if let Some(err) = m["error"].as_str() {
@@ -366,6 +403,9 @@ fn run_share(
             }
         }
         let Some(err) = failure else { break };
+        if matches!(err, CallError::Protocol { .. }) {
+            w.kill();
+        }
         // Sequential functions: the first unanswered item is the one in flight; it takes the
         // failure and the rest go to a fresh worker. Batch and async calls run together, so
         // every unanswered item takes it.
@@ -375,7 +415,7 @@ fn run_share(
             if slot.is_none() && (!blamed || together) {
                 *slot = Some(Err(err.clone()));
                 blamed = true;
-                if matches!(err, CallError::Died { .. }) {
+                if matches!(err, CallError::Died { .. } | CallError::Protocol { .. }) {
                     stats.errors += 1;
                 }
                 start = k + 1;

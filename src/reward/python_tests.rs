@@ -235,6 +235,46 @@ fn a_slow_call_times_out_and_the_worker_is_replaced() {
 }
 
 #[test]
+fn a_malformed_reply_is_a_protocol_error_at_once_not_a_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    // The function writes into the reply channel itself (the bridge's `_proto`, reachable as
+    // `__main__._proto`): a line that is not JSON, and a JSON line that is no reply.
+    for (line, want) in [("not json", "not JSON"), (r#"{\"hello\": 1}"#, "no id")] {
+        let code = format!(
+            "import __main__\ndef f(solution_str):\n    if solution_str == 'bad':\n        __main__._proto.write('{line}\\n')\n        __main__._proto.flush()\n        return 1.0\n    return 2.0\n"
+        );
+        let f = write(dir.path(), "r.py", &code);
+        let mut p = pool(&f, "f", Map::new(), false, 1, 30.0).unwrap();
+        let before = p.pids();
+        let t0 = std::time::Instant::now();
+        let out = p.score(&[item("a", ""), item("bad", ""), item("b", "")]);
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "reported at once, not after timeout_s (30 s): took {:?}",
+            t0.elapsed()
+        );
+        assert_eq!(out[0].as_ref().unwrap().score, 2.0);
+        let e = out[1].as_ref().unwrap_err();
+        assert!(matches!(e, CallError::Protocol { .. }), "{e:?}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("protocol error") && msg.contains("`f from ") && msg.contains(want),
+            "{msg}"
+        );
+        assert_eq!(
+            out[2].as_ref().unwrap().score,
+            2.0,
+            "the rest ran on a fresh worker"
+        );
+        assert_eq!(
+            (p.stats.errors, p.stats.timeouts, p.stats.restarts),
+            (1, 0, 1)
+        );
+        assert_all_gone(&before);
+    }
+}
+
+#[test]
 fn a_dying_worker_is_replaced() {
     let dir = tempfile::tempdir().unwrap();
     let f = write(dir.path(), "r.py", "import os\ndef f(solution_str):\n    if solution_str == 'die':\n        os._exit(1)\n    return 2.0\n");

@@ -141,6 +141,16 @@ impl Trainer {
         let reward = setup::reward_manager(&cfg, &opts.natives)?;
         let device = crate::model::device(&cfg.trainer.device)?;
         let (loaded, tok) = setup::load_policy(&cfg, &device)?;
+        // Prompt plus response must fit each model's context (max_position_embeddings).
+        let fits = |key: &str, path: &str, limit: usize| {
+            let (p, r) = (plan.prompt_length, plan.response_length);
+            crate::config::data::check_model_context(p, r, limit, key, path)
+        };
+        fits(
+            "actor_rollout_ref.model.path",
+            &cfg.actor_rollout_ref.model.path,
+            loaded.model.args.max_position_embeddings,
+        )?;
         let template = tok.template(cfg.actor_rollout_ref.model.custom_chat_template.as_deref())?;
         let with_val = setup::wants_validation(&cfg);
         let (train, val) = setup::datasets(&cfg, &plan, &tok, &template, with_val)?;
@@ -166,6 +176,11 @@ impl Trainer {
         };
         let critic = if plan.need_critic {
             let l = setup::load_critic(&cfg, &device, &tok)?;
+            fits(
+                "critic.model.path",
+                &cfg.critic.model.path,
+                l.model.args.max_position_embeddings,
+            )?;
             Some(Critic::new(
                 l,
                 &cfg.critic,

@@ -225,9 +225,16 @@ impl AdamW {
 
     /// Restores what [`AdamW::save`] wrote; every variable's moments must be there.
     pub fn load(&mut self, dir: &Path) -> candle_core::Result<()> {
-        let meta: Meta = serde_json::from_str(&std::fs::read_to_string(dir.join("optim.json"))?)
-            .map_err(candle_core::Error::wrap)?;
-        let tensors = candle_core::safetensors::load(dir.join("optim.safetensors"), &Device::Cpu)?;
+        // Every failure names the file (a truncated or garbled save is found by name).
+        let named = |f: &Path, e: &dyn std::fmt::Display| {
+            candle_core::Error::Msg(format!("{}: {e}", f.display()))
+        };
+        let meta_path = dir.join("optim.json");
+        let text = std::fs::read_to_string(&meta_path).map_err(|e| named(&meta_path, &e))?;
+        let meta: Meta = serde_json::from_str(&text).map_err(|e| named(&meta_path, &e))?;
+        let moments = dir.join("optim.safetensors");
+        let tensors = candle_core::safetensors::load(&moments, &Device::Cpu)
+            .map_err(|e| named(&moments, &e))?;
         for (i, (name, var)) in self.vars.iter().enumerate() {
             for (slot, prefix) in [(&mut self.m[i], "m"), (&mut self.v[i], "v")] {
                 let key = format!("{prefix}.{name}");
@@ -342,6 +349,26 @@ mod tests {
         let x: Vec<f32> = straight.as_tensor().to_vec1().unwrap();
         let y: Vec<f32> = resumed.as_tensor().to_vec1().unwrap();
         assert_eq!(x, y, "bit-identical after save, load and two more steps");
+    }
+
+    #[test]
+    fn a_truncated_or_garbled_optimizer_file_is_named() {
+        let var = Var::from_tensor(&Tensor::new(&[0.5f32, 1.0], &Device::Cpu).unwrap()).unwrap();
+        let make = || AdamW::new(HashMap::from([("p".to_string(), var.clone())]), &cfg());
+        let dir = tempfile::tempdir().unwrap();
+        make().save(dir.path()).unwrap();
+        let moments = dir.path().join("optim.safetensors");
+        let full = std::fs::read(&moments).unwrap();
+        std::fs::write(&moments, &full[..full.len() / 2]).unwrap();
+        let e = make().load(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("optim.safetensors"), "{e}");
+        std::fs::write(&moments, &full).unwrap();
+        std::fs::write(dir.path().join("optim.json"), "{\"step\": ").unwrap();
+        let e = make().load(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("optim.json"), "{e}");
+        std::fs::remove_file(dir.path().join("optim.json")).unwrap();
+        let e = make().load(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("optim.json"), "{e}");
     }
 
     #[test]

@@ -104,7 +104,7 @@ impl Trainer {
         };
         self.load_checkpoint(&dir).map_err(|e| {
             TrainerError::Other(format!(
-                "resuming from {} (trainer.resume_mode={}): {e}; set trainer.resume_mode=disable to start fresh",
+                "resuming from {} (trainer.resume_mode={}): {e}; to start fresh, set trainer.default_local_dir to a new folder",
                 dir.display(),
                 serde_json::to_value(t.resume_mode)
                     .ok()

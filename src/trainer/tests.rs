@@ -647,7 +647,12 @@ fn a_skip_update_gate_zeroes_loss_mask_and_advantage_of_gated_samples() {
                 &format!("reward.sources=[{{name: a, type: native, function: share_of_a}}, {{name: even, weight: 0.0, type: native, function: even_length, gate: {{below: 0.5, action: {action}}}}}]"),
                 &format!("trainer.rollout_data_dir={}", dumps.display()),
                 "trainer.total_training_steps=1",
+                // A fresh run in its own folder (disable refuses to replace checkpoints).
                 "trainer.resume_mode=disable",
+                &format!(
+                    "trainer.default_local_dir={}",
+                    fx.dir.path().join(format!("ckpt-{}", &action[..4])).display()
+                ),
             ],
             None,
         );
