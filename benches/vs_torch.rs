@@ -41,7 +41,10 @@ struct Args {
 impl Args {
     fn parse() -> Result<Self, BoxError> {
         // `cargo bench` appends `--bench`; it is not ours.
-        let raw: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
+        let raw: Vec<String> = std::env::args()
+            .skip(1)
+            .filter(|a| a != "--bench")
+            .collect();
         let mut it = raw.into_iter();
         let cmd = it.next().ok_or(
             "usage: vs_torch <check|fwdbwd|gen|adamw> [--option value ...] (see benches/vs_torch.rs)",
@@ -49,7 +52,9 @@ impl Args {
         let mut opts = HashMap::new();
         while let Some(k) = it.next() {
             let Some(name) = k.strip_prefix("--") else {
-                return Err(format!("unexpected argument `{k}`: options are `--name value`").into());
+                return Err(
+                    format!("unexpected argument `{k}`: options are `--name value`").into(),
+                );
             };
             let v = it
                 .next()
@@ -195,7 +200,9 @@ fn check(
         std::fs::write(Path::new(p), serde_json::to_vec(&v)?)
             .map_err(|e| format!("--out {p}: {e}"))?;
     }
-    Ok(json!({"what": "check", "out": a.str("out"), "greedy_ids": r.responses[0], "prompt_ids": prompt}))
+    Ok(
+        json!({"what": "check", "out": a.str("out"), "greedy_ids": r.responses[0], "prompt_ids": prompt}),
+    )
 }
 
 /// Forward + backward of the mean log-probability of `[batch, seq]` tokens (every position

@@ -505,7 +505,7 @@ def fmt(v, unit: str) -> str:
         return "failed"
     if unit == "GiB":
         return f"{v / GIB:.2f}"
-    if unit == "s" and v < 1:
+    if unit == "s" and v < 10:
         return f"{v:.3f}"
     return f"{v:.1f}"
 
@@ -521,6 +521,27 @@ def first_divergence(a: list[int], b: list[int]) -> str:
         if a[i] != b[i]:
             return f"first difference at token {i + 1} of {n}"
     return f"{n}/{n} tokens identical"
+
+
+def cpu_description() -> str:
+    """The CPU as /proc/cpuinfo names it (virtual machines may give a generic name), its
+    family/model and the SIMD extensions that matter for these kernels."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                k, _, v = line.partition(":")
+                fields[k.strip()] = v.strip()
+    except OSError:
+        return "unknown CPU"
+    flags = set(fields.get("flags", "").split())
+    simd = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if x in flags]
+    return (
+        f"{fields.get('model name', 'unknown CPU')} (family {fields.get('cpu family', '?')} "
+        f"model {fields.get('model', '?')}; {', '.join(simd) or 'no AVX2'})"
+    )
 
 
 def cmd_run(a) -> None:
@@ -554,11 +575,7 @@ def cmd_run(a) -> None:
     import transformers
     import trl
 
-    cpu = ""
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_description()
     info = {
         "when_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "threads": a.threads,
@@ -662,28 +679,30 @@ def table_rows(res: dict, only: list[str], quick: bool, gen_new: str) -> list[di
                      "theirs": theirs, "ratio": ratio, "note": note})
 
     if "fwdbwd" in only:
-        row("forward+backward 8x256, tokens/s", "tok/s", "higher",
+        row("forward+backward 8x256", "tokens/s", "higher",
             get("fwdbwd_ours", "tokens_per_s"), get("fwdbwd_pytorch", "tokens_per_s"))
         row("forward+backward 8x256, peak RSS", "GiB", "lower",
             get("fwdbwd_ours", "peak_rss_bytes"), get("fwdbwd_pytorch", "peak_rss_bytes"))
     if "gen" in only:
-        row(f"greedy generation 32x{gen_new}, tokens/s", "tok/s", "higher",
+        row(f"greedy generation 32x{gen_new}", "tokens/s", "higher",
             get("gen_ours", "tokens_per_s"), get("gen_pytorch", "tokens_per_s"), "prefill included")
         row(f"greedy generation 32x{gen_new}, peak RSS", "GiB", "lower",
             get("gen_ours", "peak_rss_bytes"), get("gen_pytorch", "peak_rss_bytes"))
     if "adamw" in only:
         row("AdamW step, 135M params", "s", "lower",
             get("adamw_ours", "step_s"), get("adamw_pytorch", "step_s"), "torch default (for-loop on CPU)")
-        row("AdamW step vs torch fused=True", "s", "lower",
+        row("AdamW step, vs torch fused=True", "s", "lower",
             get("adamw_ours", "step_s"), get("adamw_pytorch", "fused_step_s"))
     if "grpo" in only:
         timed = slice(1, None)  # steps 2.. (step 1 warms up)
         o = (res.get("grpo_ours") or {}).get("step_s") or []
         t = (res.get("grpo_trl") or {}).get("step_s") or []
         steps = "step 2" if quick else "steps 2-3"
-        row(f"GRPO step (8x4, <=128 tokens), s, mean of {steps}", "s", "lower", mean(o[timed]), mean(t[timed]),
+        row(f"GRPO step, 8x4 responses <= 128 tokens, mean of {steps}", "s", "lower", mean(o[timed]), mean(t[timed]),
             f"ours {' / '.join(f'{x:.1f}' for x in o)}; TRL {' / '.join(f'{x:.1f}' for x in t)}")
-        row("GRPO peak RSS", "GiB", "lower", get("grpo_ours", "peak_rss_bytes"), get("grpo_trl", "peak_rss_bytes"))
+        gc = ((res.get("grpo_trl") or {}).get("settings") or {}).get("gradient_checkpointing")
+        row("GRPO peak RSS", "GiB", "lower", get("grpo_ours", "peak_rss_bytes"), get("grpo_trl", "peak_rss_bytes"),
+            f"ours micro-batch {res['info']['micro_batch']}; TRL gradient_checkpointing={gc} (its default)")
         ol = (res.get("grpo_ours") or {}).get("completion_mean_length") or []
         tl = (res.get("grpo_trl") or {}).get("completion_mean_length") or []
         row(f"GRPO mean response length, {steps}", "tokens", "-", mean(ol[timed]), mean(tl[timed]),
