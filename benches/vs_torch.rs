@@ -46,9 +46,8 @@ impl Args {
             .filter(|a| a != "--bench")
             .collect();
         let mut it = raw.into_iter();
-        let cmd = it.next().ok_or(
-            "usage: vs_torch <check|fwdbwd|gen|adamw> [--option value ...] (see benches/vs_torch.rs)",
-        )?;
+        // A plain `cargo bench` (all benches) passes no command: nothing to do here.
+        let cmd = it.next().unwrap_or_default();
         let mut opts = HashMap::new();
         while let Some(k) = it.next() {
             let Some(name) = k.strip_prefix("--") else {
@@ -110,6 +109,13 @@ fn main() {
 
 fn run() -> Result<(), BoxError> {
     let a = Args::parse()?;
+    if a.cmd.is_empty() {
+        println!(
+            "vs_torch: no command, nothing measured (scripts/bench_vs_torch.sh drives it: \
+             `cargo bench --bench vs_torch -- check|fwdbwd|gen|adamw`)"
+        );
+        return Ok(());
+    }
     let path = model_path(&a);
     if !path.is_file() {
         return Err(format!(
