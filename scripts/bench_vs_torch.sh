@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# main_ppo next to PyTorch / transformers / TRL on this machine's CPU, back to back, one command:
+#   (a) forward+backward of SmolLM2-135M on 8 x 256 tokens: tokens/s and peak RSS
+#   (b) greedy generation, batch 32 x 128 new tokens (EOS ignored): tokens/s
+#   (c) one AdamW step over the 135M parameters (trainer::AdamW vs torch.optim.AdamW)
+#   (d) one GRPO step with TRL's settings (8 prompts x 4 responses, <= 128 new tokens, beta 0,
+#       lr 1e-6, per_device_train_batch_size 32, f32, GSM8K): main_ppo vs TRL's GRPOTrainer
+# Each measurement runs in its own process, both sides with the same thread count; the table
+# (metric, ours, theirs, ratio) is printed and written to results/bench_vs_torch/<time>/
+# (results.md, results.json, logs/). Numbers are reported, never asserted.
+#
+# Set-up, cached after the first run: a venv with the pinned versions of
+# scripts/bench/requirements.txt (PyPI; ~6 GB, torch's Linux wheel brings CUDA libraries),
+# SmolLM2-135M-Instruct (scripts/fetch_smollm2.sh) and an f32 HF copy of it made by
+# transformers from the same GGUF; the run first checks that both sides compute the same logits.
+#
+# Usage: scripts/bench_vs_torch.sh [--only fwdbwd,gen,adamw,grpo] [--quick] [--threads N]
+#          [--micro-batch N] [--data FILE.parquet] [--results DIR] [-- MAIN_PPO_OVERRIDE ...]
+#   --quick         fewer repetitions, 32 generated tokens, 2 GRPO steps (a few minutes)
+#   --threads N     threads for both sides (default: all cores)
+#   --micro-batch N main_ppo's ppo/log-prob micro-batch in (d) (default 8)
+#   -- ...          extra main_ppo overrides for (d)
+# Environment: BENCH_VENV (default ~/.cache/main_ppo/bench-venv), PYTHON (to create the venv,
+#   default python3), BENCH_LOCK=FILE (build and measure under `flock FILE`, so that nothing
+#   else that takes the same lock, e.g. compiles, runs during the measurement).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+only="" quick="" threads="$(nproc 2>/dev/null || echo 1)" micro=8 data="data/gsm8k/train.parquet"
+results="" extra=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --only) only="${2:?--only needs a list, e.g. fwdbwd,gen}"; shift 2 ;;
+    --only=*) only="${1#*=}"; shift ;;
+    --quick) quick="--quick"; shift ;;
+    --threads) threads="${2:?--threads needs a number}"; shift 2 ;;
+    --micro-batch) micro="${2:?--micro-batch needs a number}"; shift 2 ;;
+    --data) data="${2:?--data needs a file}"; shift 2 ;;
+    --results) results="${2:?--results needs a folder}"; shift 2 ;;
+    --) shift; extra=("$@"); break ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "bench_vs_torch.sh: unknown argument \`$1\` (see --help)" >&2; exit 2 ;;
+  esac
+done
+case "$threads" in ''|*[!0-9]*|0) echo "bench_vs_torch.sh: --threads must be a positive integer, got \`$threads\`" >&2; exit 2 ;; esac
+case "$micro" in ''|*[!0-9]*|0) echo "bench_vs_torch.sh: --micro-batch must be a positive integer, got \`$micro\`" >&2; exit 2 ;; esac
+for m in ${only//,/ }; do
+  case "$m" in fwdbwd|gen|adamw|grpo) ;; *) echo "bench_vs_torch.sh: --only: unknown measurement \`$m\` (expected fwdbwd, gen, adamw, grpo)" >&2; exit 2 ;; esac
+done
+[ -f "$data" ] || { echo "bench_vs_torch.sh: --data: no file $data" >&2; exit 2; }
+[ -x /usr/bin/time ] || echo "bench_vs_torch.sh: /usr/bin/time missing (apt-get install time): only in-process peak RSS is recorded" >&2
+
+locked() { if [ -n "${BENCH_LOCK:-}" ]; then flock "$BENCH_LOCK" "$@"; else "$@"; fi; }
+
+# 1. The Python reference, from PyPI, pinned; reinstalled when requirements.txt changes.
+venv="${BENCH_VENV:-$HOME/.cache/main_ppo/bench-venv}"
+req="scripts/bench/requirements.txt"
+want="$(sha256sum "$req" | cut -d' ' -f1)"
+if [ "$(cat "$venv/.requirements.sha256" 2>/dev/null)" != "$want" ]; then
+  echo "setting up the Python reference in $venv (first run: a few minutes, ~6 GB) ..." >&2
+  [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$req" >&2
+  echo "$want" > "$venv/.requirements.sha256"
+fi
+py="$venv/bin/python"
+
+# 2. The model: the GGUF for main_ppo, an f32 HF copy of the same weights for PyTorch.
+gguf="$(scripts/fetch_smollm2.sh)"
+hf="$(dirname "$gguf")/SmolLM2-135M-Instruct-f32-hf"
+TQDM_DISABLE=1 "$py" scripts/bench/vs_torch.py prepare-hf --gguf "$gguf" --out "$hf"
+
+# 3. Our side: the release binary and the bench executable (benches/vs_torch.rs).
+echo "building main_ppo (release) and benches/vs_torch.rs ..." >&2
+locked cargo build --release --locked --quiet --bin main_ppo
+bench_exe="$(locked cargo bench --locked --quiet --bench vs_torch --no-run --message-format=json \
+  | "$py" -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "vs_torch":
+        print(m["executable"])')"
+[ -x "$bench_exe" ] || { echo "bench_vs_torch.sh: could not build benches/vs_torch.rs" >&2; exit 1; }
+rev="$(git describe --always --dirty 2>/dev/null || echo unknown)"
+
+# 4. Measure, back to back.
+if [ -z "$results" ]; then
+  results="results/bench_vs_torch/$(date -u +%Y%m%dT%H%M%SZ)"
+fi
+mkdir -p "$results"
+ln -sfn "$(basename "$results")" "$(dirname "$results")/latest" 2>/dev/null || true
+ovr=()
+for o in "${extra[@]+"${extra[@]}"}"; do ovr+=("--ours-override=$o"); done
+locked "$py" scripts/bench/vs_torch.py run \
+  --ours-bench "$bench_exe" --ours-bin target/release/main_ppo --ours-rev "$rev" \
+  --gguf "$gguf" --hf "$hf" --data "$data" --results "$results" --threads "$threads" \
+  --micro-batch "$micro" ${only:+--only "$only"} $quick "${ovr[@]+"${ovr[@]}"}"
