@@ -20,7 +20,7 @@ use std::time::Instant;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use main_ppo::config::OptimConfig;
-use main_ppo::rollout::{generate, Sampler, SamplingParams};
+use main_ppo::rollout::{generate, generate_all, Limits, Sampler, SamplingParams};
 use main_ppo::trainer::AdamW;
 use serde_json::{json, Value};
 
@@ -101,6 +101,8 @@ fn emit(v: Value) {
 }
 
 fn main() {
+    // As the binary does at start-up.
+    main_ppo::model::alloc::keep_freed_memory();
     if let Err(e) = run() {
         eprintln!("vs_torch: {e}");
         std::process::exit(1);
@@ -139,7 +141,13 @@ fn run() -> Result<(), BoxError> {
     });
     let mut out = match a.cmd.as_str() {
         "check" => check(&a, &loaded.model, &prompt, &tok.eos_token_ids)?,
-        "fwdbwd" => fwdbwd(&a, &loaded.model)?,
+        "fwdbwd" => {
+            // Training's default (verl's enable_gradient_checkpointing=true); `--checkpointing 0`
+            // keeps every activation instead.
+            let mut model = loaded.model;
+            model.set_gradient_checkpointing(a.usize("checkpointing", 1)? != 0);
+            fwdbwd(&a, &model)?
+        }
         "gen" => gen(&a, &loaded.model, &prompt, &tok.eos_token_ids)?,
         "adamw" => adamw(&a, &loaded.varmap)?,
         other => {
@@ -166,6 +174,7 @@ fn greedy(max_new_tokens: usize, eos: &[u32]) -> SamplingParams {
         max_new_tokens,
         eos_ids: eos.to_vec(),
         ignore_eos: true,
+        limits: Limits::default(),
     }
 }
 
@@ -258,29 +267,24 @@ fn gen(
 ) -> Result<Value, BoxError> {
     let (batch, new) = (a.usize("batch", 32)?, a.usize("new", 128)?);
     let warm = a.usize("warmup-new", 4)?;
-    let n = prompt.len();
-    let ids: Vec<u32> = (0..batch).flat_map(|_| prompt.iter().copied()).collect();
-    let mask = vec![1u8; ids.len()];
+    // The production path: the scheduler (continuous batching, packed decode on the CPU).
+    let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt).collect();
     if warm > 0 {
-        generate(
+        generate_all(
             model,
-            &ids,
-            &mask,
-            batch,
-            n,
+            &prompts,
             &greedy(warm, eos),
             &mut Sampler::new(0),
+            None,
         )?;
     }
     let t0 = Instant::now();
-    let r = generate(
+    let r = generate_all(
         model,
-        &ids,
-        &mask,
-        batch,
-        n,
+        &prompts,
         &greedy(new, eos),
         &mut Sampler::new(0),
+        None,
     )?;
     let secs = t0.elapsed().as_secs_f64();
     let tokens: usize = r.responses.iter().map(Vec::len).sum();
