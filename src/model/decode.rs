@@ -112,49 +112,9 @@ fn flat<T: Elem>(w: &Tensor) -> Result<Vec<T>> {
     w.to_dtype(T::DTYPE)?.flatten_all()?.to_vec1()
 }
 
-/// `dst[m, n] (+)= a[m, k] · b[k, n]`, all row-major and contiguous; `accumulate` adds to `dst`.
+/// `dst[m, n] (+)= a[m, k] · b[k, n]`, all row-major and contiguous; `acc` adds to `dst`.
 fn matmul<T: Elem>(dst: &mut [T], a: &[T], b: &[T], m: usize, k: usize, n: usize, acc: bool) {
-    assert!(dst.len() >= m * n && a.len() >= m * k && b.len() >= k * n);
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !acc {
-            dst[..m * n].fill(T::zero());
-        }
-        return;
-    }
-    let threads = rayon::current_num_threads();
-    let par = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    // SAFETY: the asserts above bound every index gemm touches: dst has m·n elements with row
-    // stride n, a has m·k with row stride k, b has k·n with row stride n; unit column strides.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            acc,
-            a.as_ptr(),
-            1,
-            k as isize,
-            b.as_ptr(),
-            1,
-            n as isize,
-            T::one(),
-            T::one(),
-            false,
-            false,
-            false,
-            par,
-        )
-    }
+    super::ops::gemm_strided(dst, m, n, k, a, k, 1, b, n, 1, acc);
 }
 
 /// `out[r] = x[r] · rsqrt(mean(x[r]²) + eps) · w` for each row of width `w.len()`.

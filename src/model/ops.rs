@@ -26,10 +26,10 @@ pub fn fused_supported(device: &Device, dtype: DType) -> bool {
     matches!(device, Device::Cpu) && matches!(dtype, DType::F32 | DType::F64)
 }
 
-/// `dst[m, n] (+)= a · b` with explicit strides (row stride, column stride) for `a` and `b`;
-/// `dst` row-major contiguous.
+/// `dst[m, n] (+)= a[m, k] · b[k, n]` with explicit (row, column) strides for `a` and `b`;
+/// `dst` row-major contiguous; `acc` adds to `dst`. gemm on rayon's threads.
 #[allow(clippy::too_many_arguments)]
-fn gemm_strided<T: Elem>(
+pub(super) fn gemm_strided<T: Elem>(
     dst: &mut [T],
     m: usize,
     n: usize,

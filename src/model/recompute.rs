@@ -20,7 +20,6 @@ use candle_core::backend::BackendStorage;
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor, Var,
 };
-use candle_nn::Linear;
 
 use super::config::ModelArgs;
 use super::transformer::{block_forward, Block};
@@ -37,22 +36,6 @@ fn weights(b: &Block) -> Vec<Tensor> {
         }
     }
     w
-}
-
-/// The layer with weights cut from the graph (for the graph-free forward).
-fn detached(b: &Block) -> Block {
-    let lin = |l: &Linear| Linear::new(l.weight().detach(), l.bias().map(Tensor::detach));
-    Block {
-        ln1: b.ln1.detach(),
-        ln2: b.ln2.detach(),
-        q: lin(&b.q),
-        k: lin(&b.k),
-        v: lin(&b.v),
-        o: lin(&b.o),
-        gate: lin(&b.gate),
-        up: lin(&b.up),
-        down: lin(&b.down),
-    }
 }
 
 /// A tensor holding a copy of CPU storage viewed through `l`.
@@ -107,7 +90,7 @@ impl CustomOp2 for Layer {
         let y = block_forward(
             &self.args,
             x.dtype(),
-            &detached(&self.block),
+            &self.block.detached(),
             &x,
             &self.cos,
             &self.sin,

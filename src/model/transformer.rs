@@ -149,6 +149,24 @@ pub(super) struct Block {
     pub(super) down: Linear,
 }
 
+impl Block {
+    /// The layer with its weights cut from the autograd graph (same storage).
+    pub(super) fn detached(&self) -> Block {
+        let lin = |l: &Linear| Linear::new(l.weight().detach(), l.bias().map(Tensor::detach));
+        Block {
+            ln1: self.ln1.detach(),
+            ln2: self.ln2.detach(),
+            q: lin(&self.q),
+            k: lin(&self.k),
+            v: lin(&self.v),
+            o: lin(&self.o),
+            gate: lin(&self.gate),
+            up: lin(&self.up),
+            down: lin(&self.down),
+        }
+    }
+}
+
 /// The transformer with an optional LM head (`None` for a critic / reward backbone).
 pub struct CausalLm {
     pub args: ModelArgs,
@@ -243,25 +261,10 @@ impl CausalLm {
     /// (so it sees every optimizer update) but builds no backward graph, so forward passes keep
     /// no activations alive. Use it for generation and for log-prob passes without gradient.
     pub fn no_grad(&self) -> CausalLm {
-        let lin = |l: &Linear| Linear::new(l.weight().detach(), l.bias().map(Tensor::detach));
         CausalLm {
             args: self.args.clone(),
             embed: self.embed.detach(),
-            layers: self
-                .layers
-                .iter()
-                .map(|b| Block {
-                    ln1: b.ln1.detach(),
-                    ln2: b.ln2.detach(),
-                    q: lin(&b.q),
-                    k: lin(&b.k),
-                    v: lin(&b.v),
-                    o: lin(&b.o),
-                    gate: lin(&b.gate),
-                    up: lin(&b.up),
-                    down: lin(&b.down),
-                })
-                .collect(),
+            layers: self.layers.iter().map(Block::detached).collect(),
             norm: self.norm.detach(),
             lm_head: self.lm_head.as_ref().map(Tensor::detach),
             has_lm_head: self.has_lm_head,
