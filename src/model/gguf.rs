@@ -47,21 +47,32 @@ fn meta_f(c: &Content, key: &str) -> Option<f64> {
 pub(crate) fn open(path: &Path) -> Result<(File, Content), ModelError> {
     let mut f = File::open(path).map_err(|e| ModelError::file(path, e.to_string()))?;
     // candle divides by `general.alignment` without checking it: refuse 0 before it reads.
-    if let Some(0) = declared_alignment(&mut std::io::BufReader::new(&mut f)) {
-        return Err(ModelError::file(
-            path,
-            "not a readable GGUF file: `general.alignment` is 0".into(),
-        ));
+    let file_len = f
+        .metadata()
+        .map_err(|e| ModelError::file(path, e.to_string()))?
+        .len();
+    // candle allocates by the header's length fields and divides by `general.alignment`
+    // without checking them: refuse what would abort or panic before it reads.
+    match scan_header(&mut std::io::BufReader::new(&mut f), file_len) {
+        Ok(Some(0)) => {
+            return Err(ModelError::file(
+                path,
+                "not a readable GGUF file: `general.alignment` is 0".into(),
+            ))
+        }
+        Err(Stop::Bad(why)) => {
+            return Err(ModelError::file(
+                path,
+                format!("not a readable GGUF file: {why}"),
+            ))
+        }
+        _ => {}
     }
     std::io::Seek::rewind(&mut f).map_err(|e| ModelError::file(path, e.to_string()))?;
     let c = Content::read(&mut f)
         .map_err(|e| ModelError::file(path, format!("not a readable GGUF file: {e}")))?;
     // Each tensor's element count must not overflow and its bytes must lie inside the file
     // (candle multiplies the dimensions unchecked when it reads a tensor).
-    let file_len = f
-        .metadata()
-        .map_err(|e| ModelError::file(path, e.to_string()))?
-        .len();
     for (name, info) in &c.tensor_infos {
         let elems = info
             .shape
@@ -75,6 +86,17 @@ pub(crate) fn open(path: &Path) -> Result<(File, Content), ModelError> {
         let end = bytes
             .and_then(|b| b.checked_add(info.offset))
             .and_then(|b| b.checked_add(c.tensor_data_offset));
+        // A tensor without elements is never written by llama.cpp, and candle's reader builds
+        // a typed slice from its empty buffer, which panics on the dangling pointer's alignment.
+        if elems == Some(0) {
+            return Err(ModelError::file(
+                path,
+                format!(
+                    "not a readable GGUF file: tensor `{name}` has no elements (shape {:?})",
+                    info.shape.dims()
+                ),
+            ));
+        }
         if end.is_none_or(|end| end > file_len) {
             return Err(ModelError::file(
                 path,
@@ -89,33 +111,58 @@ pub(crate) fn open(path: &Path) -> Result<(File, Content), ModelError> {
     Ok((f, c))
 }
 
-/// The integer value of `general.alignment` in a GGUF header, if the header declares one.
-/// Walks the metadata entries only; anything unreadable gives `None` (candle's reader then
-/// reports it).
-fn declared_alignment(r: &mut impl std::io::Read) -> Option<u64> {
-    fn bytes<const N: usize>(r: &mut impl std::io::Read) -> Option<[u8; N]> {
+/// Why a header walk stopped early.
+enum Stop {
+    /// The header ends before the walk does: candle's reader reports it.
+    Short,
+    /// A length that cannot fit in the file (candle would try to allocate it and abort).
+    Bad(String),
+}
+
+/// Walks a GGUF header (metadata and tensor infos) as candle's reader will, checking every
+/// length field against the file size before candle allocates by it; returns the integer value
+/// of `general.alignment` when the header declares one.
+fn scan_header(r: &mut impl std::io::Read, file_len: u64) -> Result<Option<u64>, Stop> {
+    fn bytes<const N: usize>(r: &mut impl std::io::Read) -> Result<[u8; N], Stop> {
         let mut b = [0u8; N];
-        r.read_exact(&mut b).ok()?;
-        Some(b)
+        r.read_exact(&mut b).map_err(|_| Stop::Short)?;
+        Ok(b)
     }
-    fn u32_(r: &mut impl std::io::Read) -> Option<u32> {
+    fn u32_(r: &mut impl std::io::Read) -> Result<u32, Stop> {
         bytes::<4>(r).map(u32::from_le_bytes)
     }
-    fn len(r: &mut impl std::io::Read, v1: bool) -> Option<u64> {
-        if v1 {
-            u32_(r).map(u64::from)
+    /// A count or byte length, which can never exceed the file's size.
+    fn len(r: &mut impl std::io::Read, v1: bool, file_len: u64, what: &str) -> Result<u64, Stop> {
+        let n = if v1 {
+            u64::from(u32_(r)?)
         } else {
-            bytes::<8>(r).map(u64::from_le_bytes)
+            u64::from_le_bytes(bytes::<8>(r)?)
+        };
+        if n > file_len {
+            return Err(Stop::Bad(format!(
+                "{what} is {n}, more than the file's {file_len} bytes"
+            )));
+        }
+        Ok(n)
+    }
+    fn skip(r: &mut impl std::io::Read, n: u64) -> Result<(), Stop> {
+        let copied = std::io::copy(&mut std::io::Read::take(&mut *r, n), &mut std::io::sink())
+            .map_err(|_| Stop::Short)?;
+        if copied == n {
+            Ok(())
+        } else {
+            Err(Stop::Short)
         }
     }
-    fn skip(r: &mut impl std::io::Read, n: u64) -> Option<()> {
-        let copied =
-            std::io::copy(&mut std::io::Read::take(&mut *r, n), &mut std::io::sink()).ok()?;
-        (copied == n).then_some(())
-    }
     /// Skips one value of type `t`, or returns it when it is an integer.
-    fn value(r: &mut impl std::io::Read, t: u32, v1: bool, depth: usize) -> Option<Option<i128>> {
-        Some(match t {
+    fn value(
+        r: &mut impl std::io::Read,
+        t: u32,
+        v1: bool,
+        file_len: u64,
+        depth: usize,
+    ) -> Result<Option<i128>, Stop> {
+        Ok(match t {
             0 => Some(i128::from(bytes::<1>(r)?[0])),
             1 => Some(i128::from(bytes::<1>(r)?[0] as i8)),
             2 => Some(i128::from(u16::from_le_bytes(bytes::<2>(r)?))),
@@ -125,43 +172,53 @@ fn declared_alignment(r: &mut impl std::io::Read) -> Option<u64> {
             6 => skip(r, 4).map(|_| None)?,
             7 => skip(r, 1).map(|_| None)?,
             8 => {
-                let n = len(r, v1)?;
+                let n = len(r, v1, file_len, "a string's length")?;
                 skip(r, n).map(|_| None)?
             }
             9 if depth < 4 => {
                 let inner = u32_(r)?;
-                let n = len(r, v1)?;
+                let n = len(r, v1, file_len, "an array's length")?;
                 for _ in 0..n {
-                    value(r, inner, v1, depth + 1)?;
+                    value(r, inner, v1, file_len, depth + 1)?;
                 }
                 None
             }
             10..=12 => skip(r, 8).map(|_| None)?,
-            _ => return None,
+            _ => return Err(Stop::Short),
         })
     }
     let magic = u32_(r)?;
     if magic != 0x4655_4747 && magic != 0x4747_5546 {
-        return None;
+        return Err(Stop::Short);
     }
     let v1 = u32_(r)? == 1;
-    let _tensors = len(r, v1)?;
-    let kvs = len(r, v1)?;
+    let tensors = len(r, v1, file_len, "the tensor count")?;
+    let kvs = len(r, v1, file_len, "the metadata count")?;
+    let mut alignment = None;
     for _ in 0..kvs {
-        let n = len(r, v1)?;
-        if n > 1 << 20 {
-            return None;
-        }
+        let n = len(r, v1, file_len, "a metadata key's length")?;
         let mut key = vec![0u8; n as usize];
-        r.read_exact(&mut key).ok()?;
+        r.read_exact(&mut key).map_err(|_| Stop::Short)?;
         let t = u32_(r)?;
-        let v = value(r, t, v1, 0)?;
+        let v = value(r, t, v1, file_len, 0)?;
         if key == b"general.alignment" {
             // candle uses the value of these integer types (signed ones when >= 0).
-            return v.filter(|x| *x >= 0).map(|x| x as u64);
+            alignment = v.filter(|x| *x >= 0).map(|x| x as u64);
         }
     }
-    None
+    for _ in 0..tensors {
+        let n = len(r, v1, file_len, "a tensor name's length")?;
+        skip(r, n)?;
+        let dims = u32_(r)?;
+        if dims > 8 {
+            return Err(Stop::Bad(format!("a tensor has {dims} dimensions")));
+        }
+        for _ in 0..dims {
+            len(r, v1, file_len, "a tensor dimension")?;
+        }
+        skip(r, 4 + 8)?; // dtype, offset
+    }
+    Ok(alignment)
 }
 
 /// Hyper-parameters from the metadata (`general.architecture` = llama or qwen2).
