@@ -113,11 +113,25 @@ pub fn tiny_model(
         true,
     )
     .expect("tiny model");
+    // Normal(0, stdev) weights from a stream seeded by each tensor's name (Box-Muller), so every
+    // test sees the same model on every run (candle's randn is not seedable).
+    use rand::{Rng, SeedableRng};
     for (name, var) in varmap.data().lock().expect("varmap lock").iter() {
         if !name.ends_with("norm.weight") {
             let t = var.as_tensor();
+            let seed = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+            });
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let vals: Vec<f32> = (0..t.elem_count())
+                .map(|_| {
+                    let (u1, u2): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random());
+                    ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+                        * stdev
+                })
+                .collect();
             var.set(
-                &Tensor::randn(0f32, stdev, t.shape(), &Device::Cpu)
+                &Tensor::from_vec(vals, t.shape(), &Device::Cpu)
                     .and_then(|r| r.to_dtype(dtype))
                     .expect("random weights"),
             )

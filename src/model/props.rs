@@ -146,3 +146,24 @@ fn a_zero_gguf_alignment_is_an_error_not_a_panic() {
         }
     }
 }
+
+/// Regression input found by the property test above: a metadata key length of 2^40 made
+/// candle's reader allocate it and abort the process; it is an error naming the file and the
+/// field, before candle reads anything.
+#[test]
+fn a_huge_gguf_length_field_is_an_error_not_an_abort() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = tiny_gguf(dir.path());
+    let mut bytes = std::fs::read(&path).unwrap();
+    // GGUF v2/v3: magic, version (u32 each), tensor count, metadata count (u64 each), then the
+    // first key's length (u64) at byte 24.
+    assert!(u32::from_le_bytes(bytes[4..8].try_into().unwrap()) >= 2);
+    bytes[24..32].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    let err = gguf::open(&path).unwrap_err().to_string();
+    assert!(err.contains("m.gguf"), "{err}");
+    assert!(
+        err.contains("a metadata key's length is 1099511627776"),
+        "{err}"
+    );
+}
