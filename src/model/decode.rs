@@ -92,11 +92,14 @@ impl<T: Elem> SeqCache<T> {
 
     /// Bytes one position takes over all layers (keys and values).
     pub fn bytes_per_position(args: &ModelArgs) -> usize {
-        2 * args.num_hidden_layers
-            * args.num_key_value_heads
-            * args.head_dim
-            * std::mem::size_of::<T>()
+        kv_bytes_per_position(args, std::mem::size_of::<T>())
     }
+}
+
+/// Key/value bytes one position takes over all layers, for elements of `elem_bytes` (any cache
+/// layout: the packed path's per-sequence caches and the composition's padded ones).
+pub fn kv_bytes_per_position(args: &ModelArgs, elem_bytes: usize) -> usize {
+    2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * elem_bytes
 }
 
 /// A matrix `[rows, cols]` of `w` (`[out, in]` as stored) transposed to `[in, out]` row-major.

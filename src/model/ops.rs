@@ -159,11 +159,12 @@ impl LogProbs {
         let vocab = w.len() / hid;
         let mut gh = vec![T::zero(); n * hid];
         let mut gw = vec![T::zero(); vocab * hid];
+        let mut buf = vec![T::zero(); self.chunk.min(n) * vocab]; // [chunk, vocab], reused
         for start in (0..n).step_by(self.chunk) {
             let c = self.chunk.min(n - start);
             let hc = &h[start * hid..(start + c) * hid];
-            let mut z = vec![T::zero(); c * vocab]; // [c, vocab], becomes dz in place
-            gemm_strided(&mut z, c, vocab, hid, hc, hid, 1, w, 1, hid, false);
+            let z = &mut buf[..c * vocab]; // [c, vocab], becomes dz in place
+            gemm_strided(z, c, vocab, hid, hc, hid, 1, w, 1, hid, false);
             let tg = &self.targets[start..start + c];
             let gc = &g[start * 2..(start + c) * 2];
             z.par_chunks_mut(vocab)
@@ -185,7 +186,7 @@ impl LogProbs {
                 c,
                 hid,
                 vocab,
-                &z,
+                z,
                 vocab,
                 1,
                 w,
@@ -194,7 +195,7 @@ impl LogProbs {
                 false,
             );
             // ∂W += dzᵀ [vocab, c] · h_c [c, hid]
-            gemm_strided(&mut gw, vocab, hid, c, &z, 1, vocab, hc, hid, 1, true);
+            gemm_strided(&mut gw, vocab, hid, c, z, 1, vocab, hc, hid, 1, true);
         }
         (gh, gw)
     }
@@ -249,25 +250,23 @@ impl CustomOp2 for LogProbs {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (rows, hid) = h.dims2()?;
-        let vocab = w.dim(0)?;
+        fn run<T: Elem>(
+            op: &LogProbs,
+            h: &Tensor,
+            w: &Tensor,
+            grad: &Tensor,
+        ) -> Result<(Tensor, Tensor)> {
+            let (rows, hid) = h.dims2()?;
+            let vocab = w.dim(0)?;
+            let (a, b) = op.backward::<T>(&host_vec(h)?, &host_vec(w)?, &host_vec(grad)?, hid);
+            Ok((
+                Tensor::from_vec(a, (rows, hid), h.device())?,
+                Tensor::from_vec(b, (vocab, hid), w.device())?,
+            ))
+        }
         let (gh, gw) = match h.dtype() {
-            DType::F64 => {
-                let (a, b) =
-                    self.backward::<f64>(&host_vec(h)?, &host_vec(w)?, &host_vec(grad)?, hid);
-                (
-                    Tensor::from_vec(a, (rows, hid), h.device())?,
-                    Tensor::from_vec(b, (vocab, hid), w.device())?,
-                )
-            }
-            _ => {
-                let (a, b) =
-                    self.backward::<f32>(&host_vec(h)?, &host_vec(w)?, &host_vec(grad)?, hid);
-                (
-                    Tensor::from_vec(a, (rows, hid), h.device())?,
-                    Tensor::from_vec(b, (vocab, hid), w.device())?,
-                )
-            }
+            DType::F64 => run::<f64>(self, h, w, grad)?,
+            _ => run::<f32>(self, h, w, grad)?,
         };
         Ok((Some(gh), Some(gw)))
     }

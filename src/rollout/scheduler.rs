@@ -226,12 +226,7 @@ fn waves(
     progress: Option<&ProgressBar>,
     out: &mut Rollout,
 ) -> Result<Stats> {
-    let a = &model.args;
-    let per_pos = 2
-        * a.num_hidden_layers
-        * a.num_key_value_heads
-        * a.head_dim
-        * model.dtype().size_in_bytes();
+    let per_pos = decode::kv_bytes_per_position(&model.args, model.dtype().size_in_bytes());
     let lim = p.limits;
     let mut stats = Stats::default();
     let mut start = 0;
