@@ -70,12 +70,8 @@ pub mod negative_none {
 pub mod negative_unset {
     use super::*;
 
-    pub fn serialize<S: Serializer>(v: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
-        match v {
-            Some(n) => s.serialize_u64(*n),
-            None => s.serialize_i64(-1),
-        }
-    }
+    /// Written back as verl spells unset: `-1`.
+    pub use super::nonpositive_none::serialize;
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
         let v: Option<i64> = Option::deserialize(d)?;
