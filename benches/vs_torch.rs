@@ -146,6 +146,7 @@ fn run() -> Result<(), BoxError> {
             // keeps every activation instead.
             let mut model = loaded.model;
             model.set_gradient_checkpointing(a.usize("checkpointing", 1)? != 0);
+            model.set_composed_layers(a.usize("composed", 0)? != 0);
             fwdbwd(&a, &model)?
         }
         "gen" => gen(&a, &loaded.model, &prompt, &tok.eos_token_ids)?,

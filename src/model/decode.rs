@@ -117,7 +117,7 @@ fn flat<T: Elem>(w: &Tensor) -> Result<Vec<T>> {
 
 /// `dst[m, n] (+)= a[m, k] · b[k, n]`, all row-major and contiguous; `acc` adds to `dst`.
 fn matmul<T: Elem>(dst: &mut [T], a: &[T], b: &[T], m: usize, k: usize, n: usize, acc: bool) {
-    super::ops::gemm_strided(dst, m, n, k, a, k, 1, b, n, 1, acc);
+    super::ops::gemm_strided(dst, m, n, k, a, k, 1, b, n, 1, acc, super::ops::Par::Rayon);
 }
 
 /// `out[r] = x[r] · rsqrt(mean(x[r]²) + eps) · w` for each row of width `w.len()`.

@@ -13,6 +13,7 @@ pub mod gguf;
 pub mod heads;
 pub mod hf;
 pub mod hub;
+mod layer;
 pub mod ops;
 mod recompute;
 pub mod transformer;

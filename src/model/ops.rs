@@ -26,8 +26,16 @@ pub fn fused_supported(device: &Device, dtype: DType) -> bool {
     matches!(device, Device::Cpu) && matches!(dtype, DType::F32 | DType::F64)
 }
 
+/// Whether a product runs on rayon's threads or on the calling thread only (inside a task that
+/// is already one of many parallel tasks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Par {
+    Rayon,
+    None,
+}
+
 /// `dst[m, n] (+)= a[m, k] · b[k, n]` with explicit (row, column) strides for `a` and `b`;
-/// `dst` row-major contiguous; `acc` adds to `dst`. gemm on rayon's threads.
+/// `dst` row-major contiguous; `acc` adds to `dst`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gemm_strided<T: Elem>(
     dst: &mut [T],
@@ -41,6 +49,7 @@ pub(super) fn gemm_strided<T: Elem>(
     b_rs: usize,
     b_cs: usize,
     acc: bool,
+    par: Par,
 ) {
     assert!(dst.len() >= m * n);
     if m == 0 || n == 0 || k == 0 {
@@ -52,7 +61,7 @@ pub(super) fn gemm_strided<T: Elem>(
     assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs);
     assert!(b.len() > (k - 1) * b_rs + (n - 1) * b_cs);
     let threads = rayon::current_num_threads();
-    let par = if threads > 1 {
+    let par = if threads > 1 && par == Par::Rayon {
         gemm::Parallelism::Rayon(threads)
     } else {
         gemm::Parallelism::None
@@ -133,6 +142,7 @@ impl LogProbs {
                 1,
                 hid,
                 false,
+                Par::Rayon,
             );
             let tg = &self.targets[start..start + c];
             out[start * 2..(start + c) * 2]
@@ -164,7 +174,7 @@ impl LogProbs {
             let c = self.chunk.min(n - start);
             let hc = &h[start * hid..(start + c) * hid];
             let z = &mut buf[..c * vocab]; // [c, vocab], becomes dz in place
-            gemm_strided(z, c, vocab, hid, hc, hid, 1, w, 1, hid, false);
+            gemm_strided(z, c, vocab, hid, hc, hid, 1, w, 1, hid, false, Par::Rayon);
             let tg = &self.targets[start..start + c];
             let gc = &g[start * 2..(start + c) * 2];
             z.par_chunks_mut(vocab)
@@ -193,9 +203,23 @@ impl LogProbs {
                 hid,
                 1,
                 false,
+                Par::Rayon,
             );
             // ∂W += dzᵀ [vocab, c] · h_c [c, hid]
-            gemm_strided(&mut gw, vocab, hid, c, z, 1, vocab, hc, hid, 1, true);
+            gemm_strided(
+                &mut gw,
+                vocab,
+                hid,
+                c,
+                z,
+                1,
+                vocab,
+                hc,
+                hid,
+                1,
+                true,
+                Par::Rayon,
+            );
         }
         (gh, gw)
     }

@@ -22,6 +22,8 @@ use candle_core::{
 };
 
 use super::config::ModelArgs;
+use super::decode::Elem;
+use super::layer;
 use super::transformer::{block_forward, Block};
 
 type Stash = Arc<Mutex<Vec<Option<Tensor>>>>;
@@ -64,6 +66,143 @@ fn storage_of(t: &Tensor) -> Result<CpuStorage> {
     })
 }
 
+/// Whether [`super::layer`]'s hand-written layer serves `dtype` (CPU f32/f64); other dtypes
+/// run the candle composition.
+fn fused_dtype(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F64)
+}
+
+/// Read guards on the storage of CPU tensors, viewed as host slices of `T`.
+struct Host<'a>(Vec<(candle_core::StorageRef<'a>, &'a Layout)>);
+
+impl<'a> Host<'a> {
+    fn new(ts: &[&'a Tensor]) -> Result<Self> {
+        Ok(Host(ts.iter().map(|t| t.storage_and_layout()).collect()))
+    }
+
+    fn slice<T: Elem>(&self, i: usize) -> Result<&[T]> {
+        let (s, l) = &self.0[i];
+        let candle_core::Storage::Cpu(cpu) = &**s else {
+            candle_core::bail!("fused decoder layer: tensors must be on the CPU");
+        };
+        match l.contiguous_offsets() {
+            Some((a, b)) => Ok(&cpu.as_slice::<T>()?[a..b]),
+            None => candle_core::bail!("fused decoder layer: tensors must be contiguous"),
+        }
+    }
+}
+
+/// Runs `f` on [`super::layer`]'s view of layer `l` (weights borrowed from their storage) for
+/// input `x` `[batch, seq, hidden]` with rotary tables and attention bias `[batch, 1, seq, seq]`.
+#[allow(clippy::too_many_arguments)]
+fn with_layer<T: Elem, R>(
+    args: &ModelArgs,
+    l: &Block,
+    dims: (usize, usize),
+    cos: &Tensor,
+    sin: &Tensor,
+    mask: &Tensor,
+    f: impl FnOnce(&layer::Weights<T>, &layer::Dims, &layer::Context<T>) -> Result<R>,
+) -> Result<R> {
+    let (batch, seq) = dims;
+    if mask.dims() != [batch, 1, seq, seq] {
+        candle_core::bail!(
+            "fused decoder layer: attention bias {:?} is not [{batch}, 1, {seq}, {seq}]",
+            mask.dims()
+        );
+    }
+    let lins = [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down];
+    let mut ts: Vec<&Tensor> = vec![&l.ln1, &l.ln2, cos, sin, mask];
+    for lin in lins {
+        ts.push(lin.weight());
+    }
+    let biases: Vec<&Tensor> = lins.iter().filter_map(|lin| lin.bias()).collect();
+    ts.extend(biases.iter().copied());
+    let host = Host::new(&ts)?;
+    let mut next_bias = 12;
+    let mut lin = Vec::with_capacity(7);
+    for (i, l) in lins.iter().enumerate() {
+        let b = match l.bias() {
+            Some(_) => {
+                next_bias += 1;
+                Some(host.slice::<T>(next_bias - 1)?)
+            }
+            None => None,
+        };
+        lin.push(layer::Lin {
+            w: host.slice::<T>(5 + i)?,
+            b,
+        });
+    }
+    let w = layer::Weights {
+        ln1: host.slice::<T>(0)?,
+        ln2: host.slice::<T>(1)?,
+        lin: [lin[0], lin[1], lin[2], lin[3], lin[4], lin[5], lin[6]],
+    };
+    let d = layer::Dims {
+        batch,
+        seq,
+        hidden: args.hidden_size,
+        heads: args.num_attention_heads,
+        kv_heads: args.num_key_value_heads,
+        head_dim: args.head_dim,
+        inter: args.intermediate_size,
+        eps: args.rms_norm_eps,
+    };
+    let cx = layer::Context {
+        cos: host.slice::<T>(2)?,
+        sin: host.slice::<T>(3)?,
+        bias: host.slice::<T>(4)?,
+    };
+    f(&w, &d, &cx)
+}
+
+/// Layer `l` on `x` without a graph through the hand-written layer (CPU f32/f64; the caller
+/// checks), the no-grad forward used for rollout log-probs and the reference.
+pub(super) fn fused_forward(
+    args: &ModelArgs,
+    l: &Block,
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    mask: &Tensor,
+) -> Result<Tensor> {
+    let (b, t, h) = x.dims3()?;
+    let x = x.contiguous()?;
+    fn go<T: Elem>(
+        args: &ModelArgs,
+        l: &Block,
+        x: &Tensor,
+        c: (&Tensor, &Tensor, &Tensor),
+    ) -> Result<Vec<T>> {
+        let (b, t, _) = x.dims3()?;
+        let host = Host::new(&[x])?;
+        let xs = host.slice::<T>(0)?;
+        with_layer(args, l, (b, t), c.0, c.1, c.2, |w, d, cx| {
+            layer::forward(w, d, xs, cx)
+        })
+    }
+    let y = match x.dtype() {
+        DType::F32 => Tensor::from_vec(
+            go::<f32>(args, l, &x, (cos, sin, mask))?,
+            (b, t, h),
+            x.device(),
+        )?,
+        DType::F64 => Tensor::from_vec(
+            go::<f64>(args, l, &x, (cos, sin, mask))?,
+            (b, t, h),
+            x.device(),
+        )?,
+        d => candle_core::bail!("fused decoder layer: unsupported dtype {d:?}"),
+    };
+    Ok(y)
+}
+
+/// Supports [`fused_forward`]: CPU tensors of f32/f64.
+pub(super) fn fused_supported(x: &Tensor) -> bool {
+    x.device().is_cpu() && fused_dtype(x.dtype())
+}
+
 /// The layer as one op on `(x, tie)`.
 struct Layer {
     args: ModelArgs,
@@ -72,6 +211,87 @@ struct Layer {
     sin: Tensor,
     mask: Tensor,
     stash: Stash,
+    /// Without recomputation: the forward's activations (`layer::Acts<T>`), kept for backward.
+    keep: bool,
+    kept: Mutex<Option<Box<dyn std::any::Any + Send>>>,
+    /// The hand-written layer (f32/f64) rather than the composition.
+    fused: bool,
+}
+
+impl Layer {
+    /// The hand-written forward; keeps the activations when recomputation is off.
+    fn fused_fwd<T: Elem>(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, h) = x.dims3()?;
+        let host = Host::new(&[x])?;
+        let xs = host.slice::<T>(0)?;
+        let y =
+            with_layer(
+                &self.args,
+                &self.block,
+                (b, t),
+                &self.cos,
+                &self.sin,
+                &self.mask,
+                |w, d, cx| {
+                    if !self.keep {
+                        return layer::forward(w, d, xs, cx);
+                    }
+                    let (y, acts) = layer::forward_keep(w, d, xs, cx)?;
+                    *self.kept.lock().map_err(|_| {
+                        candle_core::Error::Msg("kept activations poisoned".into())
+                    })? = Some(Box::new(acts));
+                    Ok(y)
+                },
+            )?;
+        Tensor::from_vec(y, (b, t, h), x.device())
+    }
+
+    /// The hand-written backward: the input's gradient is returned, the weights' go to the stash
+    /// in [`weights`]' order.
+    fn fused_bwd<T: Elem>(&self, x: &Tensor, grad: &Tensor) -> Result<Tensor> {
+        let (b, t, h) = x.dims3()?;
+        let x = x.contiguous()?;
+        let grad = grad.contiguous()?;
+        let host = Host::new(&[&x, &grad])?;
+        let (xs, gs) = (host.slice::<T>(0)?, host.slice::<T>(1)?);
+        let kept = self
+            .kept
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("kept activations poisoned".into()))?
+            .take()
+            .and_then(|a| a.downcast::<layer::Acts<T>>().ok())
+            .map(|a| *a);
+        let (gx, g) = with_layer(
+            &self.args,
+            &self.block,
+            (b, t),
+            &self.cos,
+            &self.sin,
+            &self.mask,
+            |w, d, cx| layer::backward(w, d, xs, cx, gs, kept),
+        )?;
+        let ws = weights(&self.block);
+        let mut flat: Vec<Vec<T>> = vec![g.ln1, g.ln2];
+        for (w, bias) in g.lin {
+            flat.push(w);
+            flat.extend(bias);
+        }
+        let mut stash = self
+            .stash
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("recompute stash poisoned".into()))?;
+        if flat.len() != ws.len() || stash.len() != ws.len() {
+            candle_core::bail!(
+                "fused decoder layer: {} gradients for {} weights",
+                flat.len(),
+                ws.len()
+            );
+        }
+        for ((slot, w), gv) in stash.iter_mut().zip(&ws).zip(flat) {
+            *slot = Some(Tensor::from_vec(gv, w.shape(), w.device())?);
+        }
+        Tensor::from_vec(gx, (b, t, h), x.device())
+    }
 }
 
 impl CustomOp2 for Layer {
@@ -87,6 +307,13 @@ impl CustomOp2 for Layer {
         _l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let x = tensor_of(s1, l1)?;
+        if self.fused {
+            let y = match x.dtype() {
+                DType::F32 => self.fused_fwd::<f32>(&x)?,
+                _ => self.fused_fwd::<f64>(&x)?,
+            };
+            return Ok((storage_of(&y)?, y.shape().clone()));
+        }
         let y = block_forward(
             &self.args,
             x.dtype(),
@@ -107,6 +334,13 @@ impl CustomOp2 for Layer {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if self.fused {
+            let gx = match x.dtype() {
+                DType::F32 => self.fused_bwd::<f32>(x, grad)?,
+                _ => self.fused_bwd::<f64>(x, grad)?,
+            };
+            return Ok((Some(gx), Some(tie.zeros_like()?)));
+        }
         // The layer again, this time with a graph from a fresh leaf input to the weights.
         let input = Var::from_tensor(&x.detach())?;
         let y = block_forward(
@@ -162,15 +396,18 @@ impl CustomOp1 for Carrier {
     }
 }
 
-/// Layer `l` on `x` `[batch, seq, hidden]` with recomputation in backward (CPU tensors).
+/// Layer `l` on `x` `[batch, seq, hidden]` as one op (CPU tensors): with `recompute` its
+/// backward runs the layer again; without, the hand-written layer (f32/f64) keeps its
+/// activations from the forward.
 pub(super) fn block(
     args: &ModelArgs,
     l: &Block,
     x: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    mask: &Tensor,
+    rope_mask: (&Tensor, &Tensor, &Tensor),
+    recompute: bool,
+    fused: bool,
 ) -> Result<Tensor> {
+    let (cos, sin, mask) = rope_mask;
     let ws = weights(l);
     let stash: Stash = Arc::new(Mutex::new(vec![None; ws.len()]));
     let mut tie: Option<Tensor> = None;
@@ -197,19 +434,24 @@ pub(super) fn block(
             sin: sin.detach(),
             mask: mask.detach(),
             stash,
+            keep: !recompute,
+            kept: Mutex::new(None),
+            fused: fused && fused_dtype(x.dtype()),
         },
     )
 }
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{DType, Device, Tensor};
+    use candle_core::{DType, Device, Tensor, Var};
 
+    use super::{block, block_forward, fused_forward, weights};
     use crate::model::{Arch, ModelArgs};
 
     /// Gradients of a padded batch's summed log-probs and entropies with and without
-    /// recomputation: every weight's gradient agrees to 1e-6 relative (f32 and f64), and with
-    /// recomputation every weight still receives a non-zero gradient.
+    /// recomputation, for the hand-written layers and for the composition: every weight's
+    /// gradient agrees to 1e-6 relative (f32 and f64), and with recomputation every weight still
+    /// receives a non-zero gradient.
     #[test]
     fn recomputation_gives_the_same_gradients() {
         for (arch, dtype) in [
@@ -245,19 +487,197 @@ mod tests {
                 out.sort_by(|a, b| a.0.cmp(&b.0));
                 out
             };
-            let plain = grads(&m);
-            m.set_gradient_checkpointing(true);
-            let again = grads(&m);
-            for ((name, a), (_, b)) in plain.iter().zip(&again) {
-                let scale = a.iter().fold(0f64, |s, x| s.max(x.abs()));
-                assert!(scale > 0.0, "{name}: zero gradient");
-                for (x, y) in a.iter().zip(b) {
-                    assert!(
-                        (x - y).abs() <= 1e-6 * scale,
-                        "{arch:?} {dtype:?} {name}: {x} vs {y}"
-                    );
+            for composed in [false, true] {
+                m.set_composed_layers(composed);
+                m.set_gradient_checkpointing(false);
+                let plain = grads(&m);
+                m.set_gradient_checkpointing(true);
+                let again = grads(&m);
+                for ((name, a), (_, b)) in plain.iter().zip(&again) {
+                    let scale = a.iter().fold(0f64, |s, x| s.max(x.abs()));
+                    assert!(scale > 0.0, "{name}: zero gradient");
+                    for (x, y) in a.iter().zip(b) {
+                        assert!(
+                            (x - y).abs() <= 1e-6 * scale,
+                            "{arch:?} {dtype:?} composed {composed} {name}: {x} vs {y}"
+                        );
+                    }
                 }
             }
         }
+    }
+
+    /// Inputs for one layer call: x `[2, 6, hidden]`, rotary tables for row 0 at positions
+    /// 0..6 and row 1 left-padded by 2, the causal + padding bias (`masked` where a key is
+    /// hidden), and an output gradient.
+    fn layer_inputs(
+        args: &ModelArgs,
+        dtype: DType,
+        masked: f64,
+    ) -> (Tensor, Tensor, Tensor, Tensor, Tensor) {
+        let dev = Device::Cpu;
+        let (b, t, hd) = (2usize, 6usize, args.head_dim);
+        let pos = [[0u32, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3]];
+        let real = [[1u8, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]];
+        let inv: Vec<f64> = (0..hd / 2)
+            .map(|i| 1.0 / args.rope_theta.powf(2.0 * i as f64 / hd as f64))
+            .collect();
+        let (mut cos, mut sin, mut bias) = (Vec::new(), Vec::new(), Vec::new());
+        for (pr, kr) in pos.iter().zip(&real) {
+            for (i, &p) in pr.iter().enumerate() {
+                for _ in 0..2 {
+                    for f in &inv {
+                        cos.push((p as f64 * f).cos());
+                        sin.push((p as f64 * f).sin());
+                    }
+                }
+                for (j, &k) in kr.iter().enumerate() {
+                    bias.push(if j > i || k == 0 { masked } else { 0.0 });
+                }
+            }
+        }
+        let wave = |n: usize, k: f64| -> Vec<f64> {
+            (0..n)
+                .map(|i| ((i as f64 * k).sin() * 1.3 + 0.1).tanh())
+                .collect()
+        };
+        let h = args.hidden_size;
+        let mk = |v: Vec<f64>, shape: &[usize]| {
+            Tensor::from_vec(v, shape, &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
+        (
+            mk(wave(b * t * h, 0.37), &[b, t, h]),
+            mk(cos, &[b, 1, t, hd]),
+            mk(sin, &[b, 1, t, hd]),
+            mk(bias, &[b, 1, t, t]),
+            mk(wave(b * t * h, 1.91), &[b, t, h]),
+        )
+    }
+
+    fn to_f64(t: &Tensor) -> Vec<f64> {
+        t.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    /// The hand-written layer against candle's autograd through `block_forward` (the op
+    /// composition it replaces), f32, Llama and Qwen2 (q/k/v bias), GQA, a left-padded row:
+    /// outputs within 1e-5 and every gradient within 1e-4 of the tensor's largest value.
+    #[test]
+    fn the_hand_written_layer_equals_the_composition() {
+        for arch in [Arch::Llama, Arch::Qwen2] {
+            let args = ModelArgs::tiny(arch, 30);
+            let (_vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+            let l = &m.blocks()[0];
+            let (x, cos, sin, mask, g) = layer_inputs(&args, DType::F32, -1e9);
+            // Reference: the composition with a graph.
+            let xv = Var::from_tensor(&x).unwrap();
+            let y_ref = block_forward(
+                &args,
+                DType::F32,
+                l,
+                xv.as_tensor(),
+                &cos,
+                &sin,
+                &mask,
+                None,
+            )
+            .unwrap();
+            let grads = (&y_ref * &g)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let mut want = vec![("x".to_string(), to_f64(grads.get(xv.as_tensor()).unwrap()))];
+            for (k, w) in weights(l).iter().enumerate() {
+                want.push((format!("weight {k}"), to_f64(grads.get(w).unwrap())));
+            }
+            // Ours: the recomputing op through candle's backward (carriers included).
+            let xv2 = Var::from_tensor(&x).unwrap();
+            let y = block(&args, l, xv2.as_tensor(), (&cos, &sin, &mask), true, true).unwrap();
+            let g2 = (&y * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            let mut got = vec![("x".to_string(), to_f64(g2.get(xv2.as_tensor()).unwrap()))];
+            for (k, w) in weights(l).iter().enumerate() {
+                got.push((format!("weight {k}"), to_f64(g2.get(w).unwrap())));
+            }
+            let (a, b) = (to_f64(&y_ref), to_f64(&y));
+            let scale = a.iter().fold(0f64, |s, v| s.max(v.abs()));
+            for (u, v) in a.iter().zip(&b) {
+                assert!((u - v).abs() <= 1e-5 * scale, "{arch:?} output: {u} vs {v}");
+            }
+            for ((name, a), (_, b)) in want.iter().zip(&got) {
+                let scale = a.iter().fold(0f64, |s, v| s.max(v.abs()));
+                assert!(scale > 0.0, "{arch:?} {name}: zero gradient");
+                for (u, v) in a.iter().zip(b) {
+                    assert!((u - v).abs() <= 1e-4 * scale, "{arch:?} {name}: {u} vs {v}");
+                }
+            }
+        }
+    }
+
+    /// The hand-written backward against central finite differences of `Σ y·g` in f64, for
+    /// every input value and a spread of entries of every weight (Qwen2: biases included).
+    #[test]
+    fn the_hand_written_backward_matches_finite_differences() {
+        let args = ModelArgs::tiny(Arch::Qwen2, 30);
+        let (vm, m) = crate::testing::tiny_model(&args, DType::F64, 0.3);
+        let l = m.blocks()[0].clone();
+        // A mask value of −30 (the bias is an ordinary additive input to the layer, so the check
+        // holds for any value): near −1e9 a score's change would be lost to the spacing of f64
+        // numbers there, and a fully masked (padding) query row would blur the differences.
+        let (x, cos, sin, mask, g) = layer_inputs(&args, DType::F64, -30.0);
+        let loss = |x: &Tensor| -> f64 {
+            let y = fused_forward(&args, &l, x, &cos, &sin, &mask).unwrap();
+            (y * &g).unwrap().sum_all().unwrap().to_scalar().unwrap()
+        };
+        let xv = Var::from_tensor(&x).unwrap();
+        let y = block(&args, &l, xv.as_tensor(), (&cos, &sin, &mask), true, true).unwrap();
+        let grads = (&y * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        let eps = 1e-6;
+        let check = |name: &str, analytic: f64, plus: f64, minus: f64| {
+            let fd = (plus - minus) / (2.0 * eps);
+            assert!(
+                (analytic - fd).abs() <= 1e-6 * (1.0 + fd.abs()),
+                "{name}: analytic {analytic} vs finite difference {fd}"
+            );
+        };
+        let gx = to_f64(grads.get(xv.as_tensor()).unwrap());
+        let xs = to_f64(&x);
+        for k in 0..xs.len() {
+            let bump = |d: f64| {
+                let mut v = xs.clone();
+                v[k] += d;
+                loss(&Tensor::from_vec(v, x.shape(), x.device()).unwrap())
+            };
+            check(&format!("x[{k}]"), gx[k], bump(eps), bump(-eps));
+        }
+        let vars = vm.data().lock().unwrap().clone();
+        let mut checked = 0;
+        for (name, var) in vars.iter().filter(|(n, _)| n.contains("layers.0.")) {
+            let ga = to_f64(grads.get(var.as_tensor()).unwrap());
+            let w0 = to_f64(var.as_tensor());
+            for k in (0..w0.len()).step_by(w0.len().div_ceil(7)) {
+                let bump = |d: f64| {
+                    let mut v = w0.clone();
+                    v[k] += d;
+                    var.set(&Tensor::from_vec(v, var.shape(), var.device()).unwrap())
+                        .unwrap();
+                    let r = loss(&x);
+                    var.set(&Tensor::from_vec(w0.clone(), var.shape(), var.device()).unwrap())
+                        .unwrap();
+                    r
+                };
+                check(&format!("{name}[{k}]"), ga[k], bump(eps), bump(-eps));
+            }
+            checked += 1;
+        }
+        assert_eq!(checked, 12, "ln1, ln2, 7 weights and 3 biases of layer 0");
     }
 }

@@ -180,6 +180,9 @@ pub struct CausalLm {
     dtype: DType,
     /// Per-layer recomputation in training forwards (`enable_gradient_checkpointing`).
     recompute: bool,
+    /// Run every layer as the candle op composition (`block_forward`) instead of the
+    /// hand-written layer (`layer.rs`): the reference, for checks and benchmarks.
+    composed: bool,
 }
 
 impl CausalLm {
@@ -254,6 +257,7 @@ impl CausalLm {
             device: vb.device().clone(),
             dtype: vb.dtype(),
             recompute: false,
+            composed: false,
         })
     }
 
@@ -271,6 +275,7 @@ impl CausalLm {
             device: self.device.clone(),
             dtype: self.dtype,
             recompute: false,
+            composed: self.composed,
         }
     }
 
@@ -292,6 +297,14 @@ impl CausalLm {
 
     pub fn gradient_checkpointing(&self) -> bool {
         self.recompute
+    }
+
+    /// On the CPU in f32/f64, layers run as one hand-written op each (`layer.rs`: a fixed
+    /// sequence of matrix products and fused loops, with its own backward). `true` runs them as
+    /// the plain candle composition instead, the reference the hand-written layer is tested
+    /// against (slower; same results to rounding). Views from [`CausalLm::no_grad`] inherit it.
+    pub fn set_composed_layers(&mut self, on: bool) {
+        self.composed = on;
     }
 
     pub(super) fn blocks(&self) -> &[Block] {
@@ -353,12 +366,16 @@ impl CausalLm {
         ))?;
         for (i, layer) in self.layers.iter().enumerate() {
             let slot = cache.as_deref_mut().map(|c| (c, i));
-            x = if self.recompute
-                && slot.is_none()
-                && matches!(self.device, Device::Cpu)
-                && layer.ln1.track_op()
-            {
-                super::recompute::block(&self.args, layer, &x, &cos, &sin, &mask)?
+            let cpu_train = slot.is_none() && x.device().is_cpu() && layer.ln1.track_op();
+            let fused = !self.composed && super::recompute::fused_supported(&x);
+            x = if cpu_train && (self.recompute || fused) {
+                // Training on the CPU: one op per layer (hand-written for f32/f64), recomputed
+                // in backward when gradient checkpointing is on.
+                let rope_mask = (&cos, &sin, &mask);
+                super::recompute::block(&self.args, layer, &x, rope_mask, self.recompute, fused)?
+            } else if slot.is_none() && !layer.ln1.track_op() && fused {
+                // No graph wanted (rollout log-probs, reference): the hand-written layer.
+                super::recompute::fused_forward(&self.args, layer, &x, &cos, &sin, &mask)?
             } else {
                 block_forward(&self.args, self.dtype, layer, &x, &cos, &sin, &mask, slot)?
             };

@@ -1,0 +1,599 @@
+//! One decoder layer's forward and backward written out by hand over host memory (CPU, f32 and
+//! f64), for training without candle's autograd inside a layer.
+//!
+//! candle's backward allocates a zero tensor and an addition for every node of the graph and
+//! copies for every `narrow`/`cat`/broadcast; on a SmolLM2 layer that bookkeeping took more time
+//! than the matrix products. Here the layer is a fixed sequence of products (gemm) and fused
+//! element-wise loops, and its backward is the same sequence reversed, with the attention
+//! probabilities recomputed one (row, KV head) at a time so that no `[batch, heads, seq, seq]`
+//! tensor ever exists. [`super::transformer::block_forward`] stays the reference: the tests
+//! compare against it and against finite differences.
+//!
+//! ```text
+//! h1 = rms(x)·ln1                 q,k,v = h1·Wqᵀ(+bq), h1·Wkᵀ(+bk), h1·Wvᵀ(+bv)
+//! q̃ = q⊙cos + R(q)⊙sin, k̃ alike   R([u1, u2]) = [−u2, u1]  (Rᵀ([u1, u2]) = [u2, −u1])
+//! P = softmax(q̃·k̃ᵀ/√d + bias)     a = P·v  (query head h reads KV head h / (heads/kv_heads))
+//! x2 = x + a·Woᵀ                  h2 = rms(x2)·ln2
+//! y = x2 + (silu(h2·Wgᵀ) ⊙ h2·Wuᵀ)·Wdᵀ
+//!
+//! rms backward, with x̂ = x·r, r = (mean x² + ε)^−½, gh the gradient of h = x̂⊙w:
+//!   ∂w = Σ_rows gh⊙x̂,   ∂x = r·(gh⊙w − x̂·mean(gh⊙w⊙x̂))
+//! attention backward per head: dP = dA·vᵀ, dS = P⊙(dP − rowsum(P⊙dP)),
+//!   dq̃ = dS·k̃/√d, dk̃ += dSᵀ·q̃/√d, dv += Pᵀ·dA
+//! silu′(z) = σ(z)·(1 + z·(1 − σ(z)))
+//! ```
+
+use candle_core::Result;
+use rayon::prelude::*;
+
+use super::decode::Elem;
+use super::ops::{gemm_strided, Par};
+
+/// The sizes of one layer call: `rows = batch·seq` tokens, no KV cache (keys = queries).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Dims {
+    pub batch: usize,
+    pub seq: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub inter: usize,
+    pub eps: f64,
+}
+
+impl Dims {
+    fn rows(&self) -> usize {
+        self.batch * self.seq
+    }
+    fn q_width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+}
+
+/// A linear layer's weight `[out, in]` and optional bias `[out]`, borrowed.
+#[derive(Clone, Copy)]
+pub(super) struct Lin<'a, T> {
+    pub w: &'a [T],
+    pub b: Option<&'a [T]>,
+}
+
+/// A layer's weights, borrowed from their storage.
+#[derive(Clone, Copy)]
+pub(super) struct Weights<'a, T> {
+    pub ln1: &'a [T],
+    pub ln2: &'a [T],
+    /// q, k, v, o, gate, up, down.
+    pub lin: [Lin<'a, T>; 7],
+}
+
+/// Gradients in [`Weights`]' order: `ln1`, `ln2`, then each linear's weight and bias.
+pub(super) struct Grads<T> {
+    pub ln1: Vec<T>,
+    pub ln2: Vec<T>,
+    pub lin: Vec<(Vec<T>, Option<Vec<T>>)>,
+}
+
+/// The per-row rotary tables `[rows, head_dim]` and additive attention bias `[batch, seq, seq]`.
+#[derive(Clone, Copy)]
+pub(super) struct Context<'a, T> {
+    pub cos: &'a [T],
+    pub sin: &'a [T],
+    pub bias: &'a [T],
+}
+
+/// What the backward needs from the forward: recomputed in backward, or kept from the forward
+/// when recomputation is off.
+pub(super) struct Acts<T> {
+    r1: Vec<T>,   // [rows]
+    h1: Vec<T>,   // [rows, hidden]
+    q: Vec<T>,    // [rows, heads·hd], rotated
+    k: Vec<T>,    // [rows, kv·hd], rotated
+    v: Vec<T>,    // [rows, kv·hd]
+    a: Vec<T>,    // [rows, heads·hd]
+    x2: Vec<T>,   // [rows, hidden]
+    r2: Vec<T>,   // [rows]
+    h2: Vec<T>,   // [rows, hidden]
+    gate: Vec<T>, // [rows, inter]
+    up: Vec<T>,   // [rows, inter]
+}
+
+fn c<T: Elem>(v: f64) -> T {
+    T::from_f64(v)
+}
+
+/// `y[rows, out] = x[rows, in]·Wᵀ (+ b)`.
+fn linear_fwd<T: Elem>(l: Lin<T>, x: &[T], rows: usize, inp: usize) -> Vec<T> {
+    let out = l.w.len() / inp;
+    let mut y = vec![T::zero(); rows * out];
+    gemm_strided(
+        &mut y,
+        rows,
+        out,
+        inp,
+        x,
+        inp,
+        1,
+        l.w,
+        1,
+        inp,
+        false,
+        Par::Rayon,
+    );
+    if let Some(b) = l.b {
+        y.par_chunks_mut(out).for_each(|row| {
+            for (o, &bb) in row.iter_mut().zip(b) {
+                *o += bb;
+            }
+        });
+    }
+    y
+}
+
+/// Gradients of a linear layer from `dy [rows, out]`: `∂W = dyᵀ·x`, `∂b = Σ_rows dy`, and
+/// `dx (+)= dy·W`.
+fn linear_bwd<T: Elem>(
+    l: Lin<T>,
+    x: &[T],
+    dy: &[T],
+    rows: usize,
+    inp: usize,
+    dx: &mut [T],
+    acc: bool,
+) -> (Vec<T>, Option<Vec<T>>) {
+    let out = l.w.len() / inp;
+    let mut dw = vec![T::zero(); out * inp];
+    gemm_strided(
+        &mut dw,
+        out,
+        inp,
+        rows,
+        dy,
+        1,
+        out,
+        x,
+        inp,
+        1,
+        false,
+        Par::Rayon,
+    );
+    gemm_strided(dx, rows, inp, out, dy, out, 1, l.w, inp, 1, acc, Par::Rayon);
+    let db = l.b.map(|_| column_sums(dy, out));
+    (dw, db)
+}
+
+fn column_sums<T: Elem>(m: &[T], cols: usize) -> Vec<T> {
+    let mut s = vec![T::zero(); cols];
+    for row in m.chunks(cols) {
+        for (a, &b) in s.iter_mut().zip(row) {
+            *a += b;
+        }
+    }
+    s
+}
+
+/// `h = x·r·w` per row with `r = 1/√(mean x² + ε)`; returns `(h, r)`.
+fn rms_fwd<T: Elem>(x: &[T], w: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
+    let hid = w.len();
+    let mut h = vec![T::zero(); x.len()];
+    let mut r = vec![T::zero(); x.len() / hid];
+    h.par_chunks_mut(hid)
+        .zip(r.par_iter_mut())
+        .zip(x.par_chunks(hid))
+        .for_each(|((hr, rr), xr)| {
+            let ss = xr.iter().fold(T::zero(), |s, &v| s + v * v);
+            *rr = (ss / c(hid as f64) + c(eps)).sqrt().recip();
+            for ((o, &xv), &wv) in hr.iter_mut().zip(xr).zip(w) {
+                *o = xv * *rr * wv;
+            }
+        });
+    (h, r)
+}
+
+/// RMSNorm backward: adds `∂x` into `dx` and returns `∂w`.
+fn rms_bwd<T: Elem>(x: &[T], r: &[T], w: &[T], gh: &[T], dx: &mut [T]) -> Vec<T> {
+    let hid = w.len();
+    let inv_h: T = c(1.0 / hid as f64);
+    dx.par_chunks_mut(hid)
+        .zip(x.par_chunks(hid))
+        .zip(gh.par_chunks(hid))
+        .zip(r.par_iter())
+        .for_each(|(((dxr, xr), gr), &rr)| {
+            let dot = xr
+                .iter()
+                .zip(gr)
+                .zip(w)
+                .fold(T::zero(), |s, ((&xv, &g), &wv)| s + g * wv * xv * rr);
+            let m = dot * inv_h;
+            for (((d, &xv), &g), &wv) in dxr.iter_mut().zip(xr).zip(gr).zip(w) {
+                *d += rr * (g * wv - xv * rr * m);
+            }
+        });
+    // ∂w = Σ_rows gh ⊙ x̂, summed per thread over row blocks.
+    let rows = r.len();
+    let block = rows
+        .div_ceil(rayon::current_num_threads().max(1) * 4)
+        .max(1);
+    (0..rows.div_ceil(block))
+        .into_par_iter()
+        .map(|bi| {
+            let mut s = vec![T::zero(); hid];
+            for row in bi * block..((bi + 1) * block).min(rows) {
+                let rr = r[row];
+                let (xr, gr) = (&x[row * hid..][..hid], &gh[row * hid..][..hid]);
+                for ((a, &xv), &g) in s.iter_mut().zip(xr).zip(gr) {
+                    *a += g * xv * rr;
+                }
+            }
+            s
+        })
+        .reduce(
+            || vec![T::zero(); hid],
+            |mut a, b| {
+                for (x, y) in a.iter_mut().zip(b) {
+                    *x += y;
+                }
+                a
+            },
+        )
+}
+
+/// Rotates each head of `m [rows, heads·hd]` in place: `u⊙cos + R(u)⊙sin`; with `transpose`
+/// applies the adjoint, `u⊙cos + Rᵀ(u⊙sin)` (the backward).
+fn rope<T: Elem>(m: &mut [T], width: usize, hd: usize, cx: &Context<T>, transpose: bool) {
+    let half = hd / 2;
+    m.par_chunks_mut(width).enumerate().for_each(|(row, mr)| {
+        let (cs, sn) = (&cx.cos[row * hd..][..hd], &cx.sin[row * hd..][..hd]);
+        for u in mr.chunks_mut(hd) {
+            for j in 0..half {
+                let (a, b) = (u[j], u[j + half]);
+                if transpose {
+                    u[j] = a * cs[j] + b * sn[j + half];
+                    u[j + half] = b * cs[j + half] - a * sn[j];
+                } else {
+                    u[j] = a * cs[j] - b * sn[j];
+                    u[j + half] = b * cs[j + half] + a * sn[j + half];
+                }
+            }
+        }
+    });
+}
+
+/// `σ(z)`.
+fn sigmoid<T: Elem>(z: T) -> T {
+    T::one() / (T::one() + (-z).exp())
+}
+
+/// The softmax probabilities `P [rep·seq, seq]` of the `rep` query heads that read KV head `g`
+/// of batch row `r`: scores `q̃·k̃ᵀ/√d + bias`, max-shifted per row.
+fn probs<T: Elem>(d: &Dims, acts: &Acts<T>, cx: &Context<T>, r: usize, g: usize, p: &mut [T]) {
+    let (t, hd, rep) = (d.seq, d.head_dim, d.heads / d.kv_heads);
+    let (qw, kw) = (d.q_width(), d.kv_width());
+    let scale: T = c(1.0 / (hd as f64).sqrt());
+    for j in 0..rep {
+        let h = g * rep + j;
+        let s = &mut p[j * t * t..][..t * t];
+        let q = &acts.q[r * t * qw + h * hd..];
+        let k = &acts.k[r * t * kw + g * hd..];
+        gemm_strided(s, t, t, hd, q, qw, 1, k, 1, kw, false, Par::None);
+        let bias = &cx.bias[r * t * t..][..t * t];
+        for (srow, brow) in s.chunks_mut(t).zip(bias.chunks(t)) {
+            let mut mx = T::neg_infinity();
+            for (v, &b) in srow.iter_mut().zip(brow) {
+                *v = *v * scale + b;
+                mx = num_traits::Float::max(mx, *v);
+            }
+            let mut sum = T::zero();
+            for v in srow.iter_mut() {
+                *v = (*v - mx).exp();
+                sum += *v;
+            }
+            let inv = sum.recip();
+            for v in srow.iter_mut() {
+                *v *= inv;
+            }
+        }
+    }
+}
+
+/// The forward, keeping what the backward needs; returns `(y, acts)`.
+fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, Acts<T>) {
+    let (n, hid, hd) = (d.rows(), d.hidden, d.head_dim);
+    let (t, rep, qw) = (d.seq, d.heads / d.kv_heads, d.q_width());
+    let [lq, lk, lv, lo, lg, lu, ld] = w.lin;
+    let (h1, r1) = rms_fwd(x, w.ln1, d.eps);
+    let mut q = linear_fwd(lq, &h1, n, hid);
+    let mut k = linear_fwd(lk, &h1, n, hid);
+    let v = linear_fwd(lv, &h1, n, hid);
+    rope(&mut q, qw, hd, cx, false);
+    rope(&mut k, d.kv_width(), hd, cx, false);
+    let mut acts = Acts {
+        r1,
+        h1,
+        q,
+        k,
+        v,
+        a: Vec::new(),
+        x2: Vec::new(),
+        r2: Vec::new(),
+        h2: Vec::new(),
+        gate: Vec::new(),
+        up: Vec::new(),
+    };
+    // a = P·v per (row, KV head): each task writes its own heads' columns of its own rows.
+    let mut a = vec![T::zero(); n * qw];
+    let blocks: Vec<(usize, usize, Vec<T>)> = (0..d.batch * d.kv_heads)
+        .into_par_iter()
+        .map(|task| {
+            let (r, g) = (task / d.kv_heads, task % d.kv_heads);
+            let mut p = vec![T::zero(); rep * t * t];
+            probs(d, &acts, cx, r, g, &mut p);
+            let mut out = vec![T::zero(); rep * t * hd]; // [rep, t, hd]
+            let vv = &acts.v[r * t * d.kv_width() + g * hd..];
+            for j in 0..rep {
+                gemm_strided(
+                    &mut out[j * t * hd..][..t * hd],
+                    t,
+                    hd,
+                    t,
+                    &p[j * t * t..][..t * t],
+                    t,
+                    1,
+                    vv,
+                    d.kv_width(),
+                    1,
+                    false,
+                    Par::None,
+                );
+            }
+            (r, g, out)
+        })
+        .collect();
+    for (r, g, out) in blocks {
+        for j in 0..rep {
+            let h = g * rep + j;
+            for i in 0..t {
+                a[(r * t + i) * qw + h * hd..][..hd]
+                    .copy_from_slice(&out[(j * t + i) * hd..][..hd]);
+            }
+        }
+    }
+    let mut x2 = linear_fwd(lo, &a, n, qw);
+    x2.par_iter_mut()
+        .zip(x.par_iter())
+        .for_each(|(o, &xv)| *o += xv);
+    let (h2, r2) = rms_fwd(&x2, w.ln2, d.eps);
+    let gate = linear_fwd(lg, &h2, n, hid);
+    let up = linear_fwd(lu, &h2, n, hid);
+    let act: Vec<T> = gate
+        .par_iter()
+        .zip(up.par_iter())
+        .map(|(&z, &u)| z * sigmoid(z) * u)
+        .collect();
+    let mut y = linear_fwd(ld, &act, n, d.inter);
+    y.par_iter_mut()
+        .zip(x2.par_iter())
+        .for_each(|(o, &xv)| *o += xv);
+    acts.a = a;
+    acts.x2 = x2;
+    acts.r2 = r2;
+    acts.h2 = h2;
+    acts.gate = gate;
+    acts.up = up;
+    (y, acts)
+}
+
+/// Checks the slices against the sizes, so that a mismatch is an error, not an out-of-bounds.
+fn check<T>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> Result<()> {
+    let (n, hid) = (d.rows(), d.hidden);
+    let (qw, kw, it) = (d.q_width(), d.kv_width(), d.inter);
+    let shapes = [
+        (qw, hid),
+        (kw, hid),
+        (kw, hid),
+        (hid, qw),
+        (it, hid),
+        (it, hid),
+        (hid, it),
+    ];
+    let mut ok = d.head_dim.is_multiple_of(2)
+        && d.kv_heads > 0
+        && d.heads.is_multiple_of(d.kv_heads)
+        && w.ln1.len() == hid
+        && w.ln2.len() == hid
+        && x.len() == n * hid
+        && cx.cos.len() == n * d.head_dim
+        && cx.sin.len() == n * d.head_dim
+        && cx.bias.len() == d.batch * d.seq * d.seq;
+    for (l, (o, i)) in w.lin.iter().zip(shapes) {
+        ok &= l.w.len() == o * i && l.b.is_none_or(|b| b.len() == o);
+    }
+    if !ok {
+        candle_core::bail!("fused decoder layer: weights or inputs do not match {d:?}");
+    }
+    Ok(())
+}
+
+/// The layer's output `y [rows, hidden]`.
+pub(super) fn forward<T: Elem>(
+    w: &Weights<T>,
+    d: &Dims,
+    x: &[T],
+    cx: &Context<T>,
+) -> Result<Vec<T>> {
+    check(w, d, x, cx)?;
+    Ok(run(w, d, x, cx).0)
+}
+
+/// The layer's output and the activations its backward needs (training without recomputation).
+pub(super) fn forward_keep<T: Elem>(
+    w: &Weights<T>,
+    d: &Dims,
+    x: &[T],
+    cx: &Context<T>,
+) -> Result<(Vec<T>, Acts<T>)> {
+    check(w, d, x, cx)?;
+    Ok(run(w, d, x, cx))
+}
+
+/// The gradient of the input and of every weight from the output's gradient `gy [rows, hidden]`,
+/// with the activations kept by [`forward_keep`] or, without them, recomputed first (the same
+/// arithmetic either way, so both give the same bits).
+pub(super) fn backward<T: Elem>(
+    w: &Weights<T>,
+    d: &Dims,
+    x: &[T],
+    cx: &Context<T>,
+    gy: &[T],
+    kept: Option<Acts<T>>,
+) -> Result<(Vec<T>, Grads<T>)> {
+    check(w, d, x, cx)?;
+    if gy.len() != x.len() {
+        candle_core::bail!(
+            "fused decoder layer: output gradient has {} values, not {}",
+            gy.len(),
+            x.len()
+        );
+    }
+    let acts = match kept {
+        Some(a) if a.h1.len() == x.len() => a,
+        Some(_) => {
+            candle_core::bail!("fused decoder layer: kept activations are for another input")
+        }
+        None => run(w, d, x, cx).1,
+    };
+    let (n, hid, hd, it) = (d.rows(), d.hidden, d.head_dim, d.inter);
+    let (qw, kw) = (d.q_width(), d.kv_width());
+    let [lq, lk, lv, lo, lg, lu, ld] = w.lin;
+    // MLP: y = x2 + act·Wdᵀ.
+    let act: Vec<T> = acts
+        .gate
+        .par_iter()
+        .zip(acts.up.par_iter())
+        .map(|(&z, &u)| z * sigmoid(z) * u)
+        .collect();
+    let mut dact = vec![T::zero(); n * it];
+    let gd = linear_bwd(ld, &act, gy, n, it, &mut dact, false);
+    drop(act);
+    // dact → (dgate, dup), in place: dact becomes dgate, dup is new.
+    let mut dup = vec![T::zero(); n * it];
+    dact.par_iter_mut()
+        .zip(dup.par_iter_mut())
+        .zip(acts.gate.par_iter().zip(acts.up.par_iter()))
+        .for_each(|((dg, du), (&z, &u))| {
+            let s = sigmoid(z);
+            *du = *dg * z * s;
+            *dg = *dg * u * s * (T::one() + z * (T::one() - s));
+        });
+    let mut dh2 = vec![T::zero(); n * hid];
+    let gg = linear_bwd(lg, &acts.h2, &dact, n, hid, &mut dh2, false);
+    let gu = linear_bwd(lu, &acts.h2, &dup, n, hid, &mut dh2, true);
+    drop((dact, dup));
+    let mut dx2 = gy.to_vec();
+    let dln2 = rms_bwd(&acts.x2, &acts.r2, w.ln2, &dh2, &mut dx2);
+    drop(dh2);
+    // Attention output: x2 = x + a·Woᵀ.
+    let mut da = vec![T::zero(); n * qw];
+    let go = linear_bwd(lo, &acts.a, &dx2, n, qw, &mut da, false);
+    let (dq, dk, dv) = attention_bwd(d, &acts, cx, &da);
+    drop(da);
+    let (mut dq, mut dk) = (dq, dk);
+    rope(&mut dq, qw, hd, cx, true);
+    rope(&mut dk, kw, hd, cx, true);
+    let mut dh1 = vec![T::zero(); n * hid];
+    let gq = linear_bwd(lq, &acts.h1, &dq, n, hid, &mut dh1, false);
+    let gk = linear_bwd(lk, &acts.h1, &dk, n, hid, &mut dh1, true);
+    let gv = linear_bwd(lv, &acts.h1, &dv, n, hid, &mut dh1, true);
+    let mut dx = dx2;
+    let dln1 = rms_bwd(x, &acts.r1, w.ln1, &dh1, &mut dx);
+    Ok((
+        dx,
+        Grads {
+            ln1: dln1,
+            ln2: dln2,
+            lin: vec![gq, gk, gv, go, gg, gu, gd],
+        },
+    ))
+}
+
+/// Gradients of the rotated queries and keys and of the values from `da [rows, heads·hd]`.
+fn attention_bwd<T: Elem>(
+    d: &Dims,
+    acts: &Acts<T>,
+    cx: &Context<T>,
+    da: &[T],
+) -> (Vec<T>, Vec<T>, Vec<T>) {
+    let (n, t, hd, rep) = (d.rows(), d.seq, d.head_dim, d.heads / d.kv_heads);
+    let (qw, kw) = (d.q_width(), d.kv_width());
+    let scale: T = c(1.0 / (hd as f64).sqrt());
+    // Per (row, KV head): dq̃ of its `rep` heads `[rep, t, hd]`, dk̃ and dv `[t, hd]`.
+    type Part<T> = (usize, usize, Vec<T>, Vec<T>, Vec<T>);
+    let parts: Vec<Part<T>> = (0..d.batch * d.kv_heads)
+        .into_par_iter()
+        .map(|task| {
+            let (r, g) = (task / d.kv_heads, task % d.kv_heads);
+            let mut p = vec![T::zero(); rep * t * t];
+            probs(d, acts, cx, r, g, &mut p);
+            let kk = &acts.k[r * t * kw + g * hd..];
+            let vv = &acts.v[r * t * kw + g * hd..];
+            let mut dq = vec![T::zero(); rep * t * hd]; // [rep, t, hd]
+            let mut dk = vec![T::zero(); t * hd];
+            let mut dv = vec![T::zero(); t * hd];
+            let mut ds = vec![T::zero(); t * t];
+            for j in 0..rep {
+                let h = g * rep + j;
+                let pj = &p[j * t * t..][..t * t];
+                let dao = &da[r * t * qw + h * hd..];
+                let qq = &acts.q[r * t * qw + h * hd..];
+                // dv += Pᵀ·dA
+                gemm_strided(&mut dv, t, hd, t, pj, 1, t, dao, qw, 1, j > 0, Par::None);
+                // dP = dA·vᵀ
+                gemm_strided(&mut ds, t, t, hd, dao, qw, 1, vv, 1, kw, false, Par::None);
+                for (drow, prow) in ds.chunks_mut(t).zip(pj.chunks(t)) {
+                    let dot = drow
+                        .iter()
+                        .zip(prow)
+                        .fold(T::zero(), |s, (&a, &b)| s + a * b);
+                    for (dv_, &pv) in drow.iter_mut().zip(prow) {
+                        *dv_ = pv * (*dv_ - dot) * scale;
+                    }
+                }
+                // dq̃ = dS·k̃ (scale folded into dS); dk̃ += dSᵀ·q̃
+                gemm_strided(
+                    &mut dq[j * t * hd..][..t * hd],
+                    t,
+                    hd,
+                    t,
+                    &ds,
+                    t,
+                    1,
+                    kk,
+                    kw,
+                    1,
+                    false,
+                    Par::None,
+                );
+                gemm_strided(&mut dk, t, hd, t, &ds, 1, t, qq, qw, 1, j > 0, Par::None);
+            }
+            (r, g, dq, dk, dv)
+        })
+        .collect();
+    let mut dq = vec![T::zero(); n * qw];
+    let mut dk = vec![T::zero(); n * kw];
+    let mut dv = vec![T::zero(); n * kw];
+    for (r, g, pq, pk, pv) in parts {
+        for i in 0..t {
+            let row = r * t + i;
+            for j in 0..rep {
+                let h = g * rep + j;
+                dq[row * qw + h * hd..][..hd].copy_from_slice(&pq[(j * t + i) * hd..][..hd]);
+            }
+            dk[row * kw + g * hd..][..hd].copy_from_slice(&pk[i * hd..][..hd]);
+            dv[row * kw + g * hd..][..hd].copy_from_slice(&pv[i * hd..][..hd]);
+        }
+    }
+    (dq, dk, dv)
+}
