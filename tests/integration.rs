@@ -665,22 +665,10 @@ fn smollm2_gguf_and_a_transformers_5_hf_dir_generate_alike() {
 /// Recorded from this implementation's own greedy run (f32, dequantised Q4_1) on GSM8K test row 0.
 const RECORDED_SMOLLM2_ANSWER: &str = "To solve this problem, we need to break it down step by step and calculate the total amount of money Janet earns from selling the eggs and the money she earns from selling the remaining amount of money.\n\nJanet lays 1";
 
-/// A tiny random model saved as an HF directory with the byte-level test tokenizer.
+/// A tiny random model saved as an HF directory with the byte-level test tokenizer, with room
+/// for `generate`'s 1024-token prompt budget (the context is checked at start-up).
 fn tiny_model_dir(dir: &Path) {
-    use candle_nn::{VarBuilder, VarMap};
-    use main_ppo::model::{Arch, CausalLm, ModelArgs};
-    let vm = VarMap::new();
-    let mut args = ModelArgs::tiny(Arch::Qwen2, 259);
-    // Room for `generate`'s 1024-token prompt budget (the context is checked at start-up).
-    args.max_position_embeddings = 2048;
-    let _m = CausalLm::new(
-        &args,
-        VarBuilder::from_varmap(&vm, candle_core::DType::F32, &candle_core::Device::Cpu),
-        true,
-    )
-    .unwrap();
-    write_tokenizer_dir(dir).unwrap();
-    main_ppo::model::hf::save_dir(&vm, &args, dir, &[258], Some(dir), None).unwrap();
+    tiny_model_with_context(dir, 2048);
 }
 
 #[test]

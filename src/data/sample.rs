@@ -53,17 +53,6 @@ impl Sample {
         Self::parse(file, row, raw, prompt_key, source_key, Need::All)
     }
 
-    /// A row with only its prompt checked (see [`Need::Prompt`]); every column is kept in `raw`.
-    pub fn prompt_only(
-        file: &str,
-        row: usize,
-        raw: Value,
-        prompt_key: &str,
-        source_key: &str,
-    ) -> Result<Sample, DataError> {
-        Self::parse(file, row, raw, prompt_key, source_key, Need::Prompt)
-    }
-
     /// A row as `need` says: what it needs is checked and an error names the file, the row and
     /// the column; what it does not need is read when present and well-formed.
     pub fn parse(
@@ -119,13 +108,15 @@ impl Sample {
                 .cloned()
                 .unwrap_or(Value::Null),
             (_, Need::Reward) if top_level.is_some() => top_level.cloned().unwrap_or_default(),
-            (None | Some(Value::Null), Need::Reward) => return Err(err(
-                "ground_truth",
-                format!(
+            (None | Some(Value::Null), Need::Reward) => {
+                return Err(err(
+                    "ground_truth",
+                    format!(
                     "missing (the row has: {}); give `ground_truth` or `reward_model.ground_truth`",
                     columns()
                 ),
-            )),
+                ))
+            }
             (Some(Value::Object(rm)), _) => match rm.get("ground_truth") {
                 Some(Value::Null) | None => {
                     return Err(err(
@@ -259,21 +250,29 @@ mod tests {
     fn prompt_only_rows_need_just_the_prompt() {
         let row = json!({"q": [{"role": "user", "content": "hi"}], "id": 7, "extra_info": "x"});
         assert!(Sample::from_row("f", 0, row.clone(), "q", "data_source").is_err());
-        let s = Sample::prompt_only("f", 0, row.clone(), "q", "data_source").unwrap();
+        let s = Sample::parse("f", 0, row.clone(), "q", "data_source", Need::Prompt).unwrap();
         assert_eq!(s.prompt, vec![json!({"role": "user", "content": "hi"})]);
         assert_eq!(
             (s.data_source.as_str(), &s.ground_truth),
             ("", &Value::Null)
         );
         assert_eq!(s.raw, row);
-        let full = Sample::prompt_only("f", 0, gsm8k_row(), "prompt", "data_source").unwrap();
+        let full =
+            Sample::parse("f", 0, gsm8k_row(), "prompt", "data_source", Need::Prompt).unwrap();
         assert_eq!(
             full,
             Sample::from_row("f", 0, gsm8k_row(), "prompt", "data_source").unwrap()
         );
-        let e = Sample::prompt_only("f.jsonl", 2, json!({"id": 1}), "q", "data_source")
-            .unwrap_err()
-            .to_string();
+        let e = Sample::parse(
+            "f.jsonl",
+            2,
+            json!({"id": 1}),
+            "q",
+            "data_source",
+            Need::Prompt,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             e.contains("f.jsonl, row 2, column `q`") && e.contains("data.prompt_key"),
             "{e}"
