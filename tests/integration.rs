@@ -665,22 +665,10 @@ fn smollm2_gguf_and_a_transformers_5_hf_dir_generate_alike() {
 /// Recorded from this implementation's own greedy run (f32, dequantised Q4_1) on GSM8K test row 0.
 const RECORDED_SMOLLM2_ANSWER: &str = "To solve this problem, we need to break it down step by step and calculate the total amount of money Janet earns from selling the eggs and the money she earns from selling the remaining amount of money.\n\nJanet lays 1";
 
-/// A tiny random model saved as an HF directory with the byte-level test tokenizer.
+/// A tiny random model saved as an HF directory with the byte-level test tokenizer, with room
+/// for `generate`'s 1024-token prompt budget (the context is checked at start-up).
 fn tiny_model_dir(dir: &Path) {
-    use candle_nn::{VarBuilder, VarMap};
-    use main_ppo::model::{Arch, CausalLm, ModelArgs};
-    let vm = VarMap::new();
-    let mut args = ModelArgs::tiny(Arch::Qwen2, 259);
-    // Room for `generate`'s 1024-token prompt budget (the context is checked at start-up).
-    args.max_position_embeddings = 2048;
-    let _m = CausalLm::new(
-        &args,
-        VarBuilder::from_varmap(&vm, candle_core::DType::F32, &candle_core::Device::Cpu),
-        true,
-    )
-    .unwrap();
-    write_tokenizer_dir(dir).unwrap();
-    main_ppo::model::hf::save_dir(&vm, &args, dir, &[258], Some(dir), None).unwrap();
+    tiny_model_with_context(dir, 2048);
 }
 
 #[test]
@@ -1298,4 +1286,114 @@ fn budgets_beyond_any_or_the_models_context_are_refused() {
             assert!(stderr.contains(want), "{sub:?}: {want} missing: {stderr}");
         }
     }
+}
+
+/// A tiny random model with `positions` positions (`max_position_embeddings`), saved as an HF
+/// directory with the byte-level test tokenizer (one token per byte).
+fn tiny_model_with_context(dir: &Path, positions: usize) {
+    use candle_nn::{VarBuilder, VarMap};
+    use main_ppo::model::{Arch, CausalLm, ModelArgs};
+    let vm = VarMap::new();
+    let mut args = ModelArgs::tiny(Arch::Qwen2, 259);
+    args.max_position_embeddings = positions;
+    let _m = CausalLm::new(
+        &args,
+        VarBuilder::from_varmap(&vm, candle_core::DType::F32, &candle_core::Device::Cpu),
+        true,
+    )
+    .unwrap();
+    write_tokenizer_dir(dir).unwrap();
+    main_ppo::model::hf::save_dir(&vm, &args, dir, &[258], Some(dir), None).unwrap();
+}
+
+/// #17 item 3, "data.filter_overlong_prompts honours the model's context": with a model of 512
+/// positions and 13 response tokens, a prompt of more than 512 - 13 = 499 tokens cannot be
+/// trained on. Filtering on: it is dropped and the rest trains. Filtering off: the run is
+/// refused naming the file, the row and both keys. The prompt budget itself must fit the
+/// context whether or not filtering is on (filtering drops prompts by the budget, so the budget
+/// is what keeps the kept ones inside the context).
+#[test]
+fn filter_overlong_prompts_keeps_every_sequence_within_the_models_context() {
+    let dir = tempfile::tempdir().unwrap();
+    let tiny = dir.path().join("tiny512");
+    tiny_model_with_context(&tiny, 512);
+    // Row 5 is 600 bytes of question (≥ 600 tokens with the byte-level tokenizer); the others
+    // are short.
+    let rows: Vec<serde_json::Value> = (0..8)
+        .map(|i| {
+            let q = if i == 5 {
+                "9".repeat(600)
+            } else {
+                format!("What is {i} + {i}?")
+            };
+            main_ppo::testing::verl_row(&q, &(2 * i).to_string())
+        })
+        .collect();
+    let data = dir.path().join("long.jsonl");
+    write_jsonl(&data, &rows);
+    let mut args = tiny_run(dir.path(), 1, &[]);
+    for a in args.iter_mut() {
+        let key = a.split('=').next().unwrap().to_string();
+        match key.as_str() {
+            "actor_rollout_ref.model.path" | "critic.model.path" => {
+                *a = format!("{key}={}", tiny.display())
+            }
+            "data.train_files" | "data.val_files" => *a = format!("{key}={}", data.display()),
+            "data.max_prompt_length" => *a = format!("{key}=499"),
+            "data.max_response_length" => *a = format!("{key}=13"),
+            _ => {}
+        }
+    }
+    let with = |extra: &[&str], check: bool| {
+        let mut all: Vec<String> = if check {
+            vec!["config".into(), "check".into()]
+        } else {
+            Vec::new()
+        };
+        all.extend(args.iter().cloned());
+        all.extend(extra.iter().map(|s| s.to_string()));
+        bin_in(dir.path()).args(&all).output().unwrap()
+    };
+
+    // On: dropped, seven prompts kept, and one training step runs on them.
+    let out = with(&["data.filter_overlong_prompts=True"], true);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("dropped as longer than 499 prompt tokens: 1")
+            && stdout.contains("training prompts: 7"),
+        "{stdout}"
+    );
+    let out = with(&["data.filter_overlong_prompts=True"], false);
+    assert!(out.status.success(), "training: {}", text(&out).1);
+
+    // Off: refused before any step, naming the row and the keys that would admit it.
+    for check in [true, false] {
+        let out = with(&["data.filter_overlong_prompts=False"], check);
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(1), "check={check}: {stderr}");
+        for want in [
+            "long.jsonl, row 5, column `prompt`",
+            "data.max_prompt_length (499)",
+            "data.filter_overlong_prompts",
+        ] {
+            assert!(stderr.contains(want), "check={check}: {want}: {stderr}");
+        }
+    }
+
+    // A prompt budget beyond the context is refused even with filtering on.
+    let out = with(
+        &[
+            "data.filter_overlong_prompts=True",
+            "data.max_prompt_length=500",
+        ],
+        true,
+    );
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("`data.max_prompt_length` (500)")
+            && stderr.contains("max_position_embeddings = 512"),
+        "{stderr}"
+    );
 }

@@ -3,7 +3,6 @@
 
 use std::fmt::Write as _;
 
-use anyhow::Context;
 use std::path::PathBuf;
 
 use crate::config::{Config, MicroBatching, Plan, RewardSourceType, UpdatePlan};
@@ -59,12 +58,8 @@ impl DataSummary {
         }
         let bundle = if is_gguf {
             // Only the metadata is read, not the weights.
-            let mut f =
-                std::fs::File::open(&tok_dir).with_context(|| tok_dir.display().to_string())?;
-            let content =
-                candle_core::quantized::gguf_file::Content::read(&mut f).map_err(|e| {
-                    anyhow::anyhow!("{}: not a readable GGUF file: {e}", tok_dir.display())
-                })?;
+            // (through the same header checks as loading, so a damaged file is an error).
+            let (_, content) = crate::model::gguf::open(&tok_dir)?;
             crate::model::gguf::tokenizer(&content, &tok_dir)?
         } else {
             TokenizerBundle::from_dir(&tok_dir)?

@@ -10,9 +10,8 @@ use anyhow::Context;
 use clap::Args;
 use serde_json::Value;
 
-use crate::data::dataset::{load_samples, DatasetOptions};
-use crate::data::PromptDataset;
 use crate::rollout::{generate_all, repeat_rows, Sampler, SamplingParams};
+use crate::trainer::setup;
 
 use super::ConfigArgs;
 
@@ -37,26 +36,12 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     super::guard::check_output_args(&args.output, &args.input, &args.config)?;
     let loaded = args.config.load()?;
     let cfg = &loaded.config;
-    let plan = crate::config::resolve(cfg).ok();
-    let prompt_len = plan
-        .as_ref()
-        .map(|p| p.prompt_length)
-        .unwrap_or(cfg.data.max_prompt_length);
-    let response_len = plan
-        .as_ref()
-        .map(|p| p.response_length)
-        .unwrap_or(cfg.data.max_response_length);
+    // The budgets by training's rules; the other training keys need not be set here.
+    let (prompt_len, response_len) = crate::config::sequence_budgets(cfg)?;
     let device = crate::model::device(&cfg.trainer.device)?;
     let model_cfg = &cfg.actor_rollout_ref.model;
-    let t0 = Instant::now();
-    let (model, tok) = crate::model::load_model_and_tokenizer(
-        &model_cfg.path,
-        model_cfg.tokenizer_path.as_deref(),
-        &model_cfg.override_config,
-        candle_core::DType::F32,
-        &device,
-        true,
-    )?;
+    // The policy and tokenizer as training loads them (`data.tokenizer` included).
+    let (model, tok) = setup::load_policy(cfg, &device)?;
     crate::config::data::check_model_context(
         prompt_len,
         response_len,
@@ -64,20 +49,8 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         "actor_rollout_ref.model.path",
         &model_cfg.path,
     )?;
-    tracing::info!(
-        "loaded {} in {:.1} s",
-        model_cfg.path,
-        t0.elapsed().as_secs_f64()
-    );
     let template = tok.template(model_cfg.custom_chat_template.as_deref())?;
-    // `data.val_max_samples` limits the rows, as for validation; only `data.prompt_key` is
-    // required (verl's main_generation), every other column passes through.
-    let opts = DatasetOptions {
-        prompts_only: true,
-        ..DatasetOptions::val(&cfg.data, prompt_len)
-    };
-    let samples = load_samples(&[args.input.display().to_string()], &opts)?;
-    let ds = PromptDataset::build(samples, &tok, &template, &opts)?;
+    let ds = setup::generation_prompts(cfg, prompt_len, &args.input, &tok, &template)?;
     let r = &cfg.actor_rollout_ref.rollout;
     let mut params = SamplingParams::train(r, response_len, &tok.eos_token_ids);
     if let Some(b) = args.batch_size {

@@ -9,11 +9,12 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 
-use crate::data::read_rows;
+use crate::data::sample::Need;
+use crate::data::{read_rows, Sample};
 use crate::reward::{
-    FailurePolicy, NativeRegistry, RewardManager, SampleReward, ScoreRequest as Item,
+    FailurePolicy, ModelContext, NativeRegistry, RewardManager, SampleReward, ScoreRequest as Item,
 };
 
 use super::ConfigArgs;
@@ -57,18 +58,12 @@ pub struct EvalArgs {
     pub config: ConfigArgs,
 }
 
-/// A row that could not be turned into a reward request.
+/// The reward request of input row `i`: the dataset columns read as [`Sample`]s are (a
+/// `data_source`, a ground truth; see [`Need::Reward`]) plus the response, `response` when
+/// given, else the `solution_str` or `response` column. The error names the file, the row
+/// and the column.
 fn row_item(file: &Path, i: usize, row: &Value, response: Option<&Value>) -> Result<Item, String> {
     let at = format!("{}, row {i}", file.display());
-    let data_source = match row.get("data_source") {
-        Some(Value::String(s)) => s.clone(),
-        Some(other) => {
-            return Err(format!(
-                "{at}, column `data_source`: expected a string, found {other}"
-            ))
-        }
-        None => return Err(format!("{at}: no `data_source` column")),
-    };
     let response = response
         .or_else(|| row.get("solution_str"))
         .or_else(|| row.get("response"));
@@ -85,24 +80,10 @@ fn row_item(file: &Path, i: usize, row: &Value, response: Option<&Value>) -> Res
             ))
         }
     };
-    let ground_truth = row
-        .get("ground_truth")
-        .or_else(|| row.get("reward_model").and_then(|r| r.get("ground_truth")))
-        .cloned()
-        .ok_or_else(|| {
-            format!("{at}: no ground truth (`ground_truth` or `reward_model.ground_truth`)")
-        })?;
-    let extra_info = match row.get("extra_info") {
-        None | Some(Value::Null) => json!({}),
-        Some(v) => v.clone(),
-    };
-    Ok(Item {
-        data_source,
-        solution_str,
-        ground_truth,
-        extra_info,
-        row: row.clone(),
-    })
+    let file = file.display().to_string();
+    let sample = Sample::parse(&file, i, row.clone(), "prompt", "data_source", Need::Reward)
+        .map_err(|e| e.to_string())?;
+    Ok(Item::new(&sample, solution_str))
 }
 
 fn response_len(row: &Value) -> usize {
@@ -166,9 +147,16 @@ fn output_object(r: &SampleReward, several: bool) -> Value {
 
 fn manager(config: &ConfigArgs, natives: &NativeRegistry) -> anyhow::Result<RewardManager> {
     let loaded = config.load()?;
+    let plan = loaded
+        .config
+        .reward
+        .plan()
+        .map_err(crate::config::ConfigError::Invalid)?;
     // Every row is scored; failures are reported on their rows.
-    Ok(RewardManager::from_config(&loaded.config.reward, natives)?
-        .with_policy(FailurePolicy::Collect))
+    Ok(
+        RewardManager::new(&plan, natives, &ModelContext::default())?
+            .with_policy(FailurePolicy::Collect),
+    )
 }
 
 fn writer(path: &Option<PathBuf>) -> anyhow::Result<Box<dyn Write>> {
@@ -450,6 +438,7 @@ pub fn eval(args: &EvalArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn expectations_refuse_unknown_keys_empty_objects_and_non_numbers() {

@@ -37,7 +37,9 @@ pub use load::{load, ConfigSource, Loaded};
 pub use model::ModelConfig;
 pub use optim::{LrSchedulerType, OptimConfig};
 pub use reference::RefConfig;
-pub use resolve::{resolve, MicroBatching, Plan, UpdatePlan};
+pub use resolve::{
+    resolve, sequence_budgets, MicroBatching, Plan, Seeds, Temperatures, UpdatePlan,
+};
 pub use reward::{OnError, RewardConfig, RewardManagerName, RewardSource, RewardSourceType};
 pub use rollout::{RolloutConfig, SamplingConfig};
 pub use trainer::{ResumeMode, TrainerConfig};

@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 
+use super::reward::RewardPlan;
 use super::{AdvEstimator, Config, ConfigError, LossAggMode, PolicyLossMode};
 
 /// How a pass over many sequences is cut into forward passes.
@@ -73,8 +74,64 @@ pub struct Plan {
     pub need_critic: bool,
     /// Checkpoint root.
     pub default_local_dir: PathBuf,
+    /// Every seed of the run.
+    pub seeds: Seeds,
+    /// The sampling temperatures and the one log-probs are computed at.
+    pub temperatures: Temperatures,
+    /// The reward stage, its rules checked.
+    pub reward: RewardPlan,
     /// Non-fatal findings (printed as warnings).
     pub warnings: Vec<String>,
+}
+
+/// Every seed a run draws from, resolved once: each stream of randomness reads its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Seeds {
+    /// The training prompts' shuffle: `data.seed`, else `trainer.seed`.
+    pub data: u64,
+    /// The training sampler (`actor_rollout_ref.rollout.seed`); validation mixes in the step.
+    pub rollout: u64,
+    /// The actor's mini-batch shuffle and clip_cov draws
+    /// (`actor_rollout_ref.actor.data_loader_seed`).
+    pub actor: u64,
+    /// The critic's mini-batch shuffle (`critic.data_loader_seed`).
+    pub critic: u64,
+    /// A fresh critic value head's initial weights (`trainer.seed`).
+    pub value_head: u64,
+}
+
+/// Sampling temperatures (0 = greedy).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Temperatures {
+    /// Training rollouts (`actor_rollout_ref.rollout.temperature`).
+    pub rollout: f64,
+    /// What old, reference and update log-probs divide logits by: the rollout temperature the
+    /// tokens were sampled at, or 1 for greedy rollouts (which sample from no distribution).
+    pub log_prob: f64,
+    /// Validation (`actor_rollout_ref.rollout.val_kwargs.temperature`).
+    pub validation: f64,
+}
+
+/// [`Seeds`] and [`Temperatures`] from their keys.
+fn seeds_and_temperatures(cfg: &Config) -> (Seeds, Temperatures) {
+    let r = &cfg.actor_rollout_ref.rollout;
+    let seeds = Seeds {
+        data: cfg.data.seed.unwrap_or(cfg.trainer.seed),
+        rollout: r.seed,
+        actor: cfg.actor_rollout_ref.actor.data_loader_seed,
+        critic: cfg.critic.data_loader_seed,
+        value_head: cfg.trainer.seed,
+    };
+    let temperatures = Temperatures {
+        rollout: r.temperature,
+        log_prob: if r.temperature <= 0.0 {
+            1.0
+        } else {
+            r.temperature
+        },
+        validation: r.val_kwargs.temperature,
+    };
+    (seeds, temperatures)
 }
 
 impl Plan {
@@ -146,11 +203,12 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
     let (need_reference, ref_log_prob_micro) = reference_rules(&mut f, cfg);
     algorithm_rules(&mut f, cfg, l.n);
     let (need_critic, critic, critic_forward_micro) = critic_rules(&mut f.errors, cfg, &l);
-    reward_rules(&mut f.errors, cfg);
+    let reward = reward_rules(&mut f.errors, cfg);
     let default_local_dir = trainer_rules(&mut f, cfg);
-    if !f.errors.is_empty() {
+    let (seeds, temperatures) = seeds_and_temperatures(cfg);
+    let (true, Some(reward)) = (f.errors.is_empty(), reward) else {
         return Err(ConfigError::Invalid(f.errors));
-    }
+    };
     Ok(Plan {
         prompt_length: l.prompt_length,
         response_length: l.response_length,
@@ -164,6 +222,9 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
         need_reference,
         need_critic,
         default_local_dir,
+        seeds,
+        temperatures,
+        reward,
         warnings: f.warnings,
     })
 }
@@ -184,8 +245,21 @@ struct Lengths {
     train_batch_size: usize,
 }
 
-/// `data.*` lengths and batch size, `rollout.n`.
-fn lengths(errors: &mut Vec<String>, cfg: &Config) -> Lengths {
+/// The prompt and response budgets alone (`data.max_prompt_length`/`max_response_length`,
+/// the rollout's `prompt_length`/`response_length` winning), under the same rules as in
+/// [`resolve`]: what `generate` needs of a configuration that need not be one training accepts.
+pub fn sequence_budgets(cfg: &Config) -> Result<(usize, usize), ConfigError> {
+    let mut errors = Vec::new();
+    let budgets = budgets(&mut errors, cfg);
+    if errors.is_empty() {
+        Ok(budgets)
+    } else {
+        Err(ConfigError::Invalid(errors))
+    }
+}
+
+/// The prompt and response budgets and their rules.
+fn budgets(errors: &mut Vec<String>, cfg: &Config) -> (usize, usize) {
     let (data, rollout) = (&cfg.data, &cfg.actor_rollout_ref.rollout);
     let prompt_length = rollout
         .prompt_length
@@ -202,6 +276,13 @@ fn lengths(errors: &mut Vec<String>, cfg: &Config) -> Lengths {
         errors.push("`data.max_response_length` (or `actor_rollout_ref.rollout.response_length`) must be at least 1".into());
     }
     errors.extend(super::data::length_errors(prompt_length, response_length));
+    (prompt_length, response_length)
+}
+
+/// `data.*` lengths and batch size, `rollout.n`.
+fn lengths(errors: &mut Vec<String>, cfg: &Config) -> Lengths {
+    let (data, rollout) = (&cfg.data, &cfg.actor_rollout_ref.rollout);
+    let (prompt_length, response_length) = budgets(errors, cfg);
     if rollout.n == 0 {
         errors.push("`actor_rollout_ref.rollout.n` must be at least 1".into());
     }
@@ -543,35 +624,13 @@ fn critic_rules(
 }
 
 /// `reward.*`: sources, workers, the control API.
-fn reward_rules(errors: &mut Vec<String>, cfg: &Config) {
+fn reward_rules(errors: &mut Vec<String>, cfg: &Config) -> Option<RewardPlan> {
     let reward = &cfg.reward;
-    if reward.custom_reward_function.path.is_some()
-        && reward
-            .custom_reward_function
-            .name
-            .as_deref()
-            .unwrap_or("")
-            .is_empty()
-    {
-        errors.push("`reward.custom_reward_function.path` is set but `reward.custom_reward_function.name` is empty".into());
-    }
     if reward.reward_manager.source != "register" {
         errors.push(format!(
             "`reward.reward_manager.source` ({:?}) must be `register`; Python reward-manager classes cannot run here",
             reward.reward_manager.source
         ));
-    }
-    if reward.num_workers == 0 {
-        errors.push("`reward.num_workers` must be at least 1".into());
-    }
-    if !(reward.timeout_s > 0.0 && reward.timeout_s.is_finite()) {
-        errors.push(format!(
-            "`reward.timeout_s` ({}) must be a positive number of seconds",
-            reward.timeout_s
-        ));
-    }
-    if reward.reward_model.enable && reward.reward_model.model_path.is_none() {
-        errors.push("`reward.reward_model.enable=True` needs `reward.reward_model.model_path` (legacy: `reward_model.model.path`)".into());
     }
     let ctl = &reward.control;
     if ctl.enable {
@@ -593,37 +652,7 @@ fn reward_rules(errors: &mut Vec<String>, cfg: &Config) {
             ));
         }
     }
-    let mut names = std::collections::BTreeSet::new();
-    for (i, s) in reward.sources.iter().enumerate() {
-        let at = format!("reward.sources[{i}]");
-        if s.name.is_empty() {
-            errors.push(format!("`{at}.name` must not be empty"));
-        } else if !names.insert(s.name.clone()) {
-            errors.push(format!(
-                "`{at}.name` ({:?}) is used by another source; names must be unique",
-                s.name
-            ));
-        }
-        if !(s.weight.is_finite() && s.weight >= 0.0) {
-            errors.push(format!(
-                "`{at}.weight` ({}) must be a finite number >= 0",
-                s.weight
-            ));
-        }
-        if let Some(g) = s.gate {
-            if !g.below.is_finite() || !g.penalty.is_finite() {
-                errors.push(format!(
-                    "`{at}.gate`: `below` and `penalty` must be finite numbers"
-                ));
-            }
-        }
-        if s.micro_batch_size == Some(0) {
-            errors.push(format!("`{at}.micro_batch_size` must be at least 1"));
-        }
-        if let Err(rule) = s.spec() {
-            errors.push(format!("`{at}` {rule}"));
-        }
-    }
+    reward.plan().map_err(|e| errors.extend(e)).ok()
 }
 
 /// `trainer.*`: schedule, resume, device; the checkpoint root.

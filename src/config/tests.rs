@@ -786,3 +786,102 @@ fn a_yaml_file_nested_too_deep_is_refused_with_its_name() {
     );
     assert!(t.elapsed().as_secs_f64() < 2.0, "{:?}", t.elapsed());
 }
+
+/// Seeds and temperatures are resolved once, into the plan, by the rules their keys document:
+/// `data.seed` falls back to `trainer.seed`; log-probs use the rollout temperature, or 1 when
+/// rollouts are greedy (temperature 0).
+#[test]
+fn seeds_and_temperatures_are_part_of_the_plan() {
+    let p = resolved(&[
+        "trainer.seed=7",
+        "actor_rollout_ref.rollout.seed=11",
+        "actor_rollout_ref.actor.data_loader_seed=13",
+        "critic.data_loader_seed=17",
+        "actor_rollout_ref.rollout.temperature=0.7",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=0.2",
+    ])
+    .unwrap();
+    assert_eq!(
+        p.seeds,
+        Seeds {
+            data: 7,
+            rollout: 11,
+            actor: 13,
+            critic: 17,
+            value_head: 7,
+        }
+    );
+    assert_eq!(
+        p.temperatures,
+        Temperatures {
+            rollout: 0.7,
+            log_prob: 0.7,
+            validation: 0.2,
+        }
+    );
+    let p = resolved(&["data.seed=3", "actor_rollout_ref.rollout.temperature=0"]).unwrap();
+    assert_eq!((p.seeds.data, p.seeds.value_head), (3, 42));
+    assert_eq!(
+        p.temperatures.log_prob, 1.0,
+        "greedy rollouts: log-probs at 1"
+    );
+}
+
+/// Reward sources are typed once, in the plan: verl's default sources when none are listed,
+/// each listed entry with the fields its type needs, and every broken rule named.
+#[test]
+fn reward_sources_become_typed_in_the_plan() {
+    use super::reward::{CheckedSource, SourceKind};
+    let p = resolved(&[]).unwrap();
+    assert_eq!(p.reward.sources.len(), 1);
+    assert_eq!(p.reward.sources[0].name, "default");
+    assert!(
+        matches!(&p.reward.sources[0].kind, SourceKind::Builtin { scorer, .. } if scorer == "default")
+    );
+    let p = resolved(&[
+        "custom_reward_function.path=r.py",
+        "custom_reward_function.name=f",
+    ])
+    .unwrap();
+    assert!(
+        matches!(&p.reward.sources[0].kind, SourceKind::Python { path, function, .. } if path == "r.py" && function == "f")
+    );
+    let p = resolved(&["reward.sources=[{name: a, type: builtin, scorer: gsm8k}, {name: b, weight: 0.5, type: python, path: r.py}, {name: c, type: model, path: rm, micro_batch_size: 2}]"]).unwrap();
+    let kinds: Vec<(&str, Option<usize>)> = p
+        .reward
+        .sources
+        .iter()
+        .map(|s: &CheckedSource| (s.name.as_str(), s.index))
+        .collect();
+    assert_eq!(kinds, vec![("a", Some(0)), ("b", Some(1)), ("c", Some(2))]);
+    assert!(
+        matches!(&p.reward.sources[1].kind, SourceKind::Python { function, .. } if function == "compute_score")
+    );
+    assert!(matches!(
+        &p.reward.sources[2].kind,
+        SourceKind::Model {
+            micro_batch_size: 2,
+            device: None,
+            ..
+        }
+    ));
+    // Broken rules, all named at once, before anything starts.
+    let e = rule_error(&[
+        "reward.sources=[{name: a, type: builtin}, {name: a, type: native, function: f}]",
+    ]);
+    assert!(
+        e.contains("`reward.sources[0]` has type builtin but no `scorer`")
+            && e.contains("`reward.sources[1].name` (\"a\") is used by another source"),
+        "{e}"
+    );
+    let e = rule_error(&["reward.reward_manager.name=batch"]);
+    assert!(
+        e.contains("reward.reward_manager.name=batch") && e.contains("custom_reward_function.path"),
+        "{e}"
+    );
+    let e = rule_error(&[
+        "reward.reward_manager.name=dapo",
+        "+reward.reward_kwargs.overlong_buffer_cfg={enable: true, len: 4}",
+    ]);
+    assert!(e.contains("reward.reward_kwargs.max_resp_len"), "{e}");
+}

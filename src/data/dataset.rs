@@ -8,7 +8,7 @@ use crate::config::{DataConfig, Truncation};
 
 use super::numpy_rng::Pcg64;
 use super::read::read_rows;
-use super::sample::Sample;
+use super::sample::{Need, Sample};
 use super::template::ChatTemplate;
 use super::tokenizer::TokenizerBundle;
 use super::DataError;
@@ -76,13 +76,14 @@ pub fn load_samples(files: &[String], opts: &DatasetOptions) -> Result<Vec<Sampl
     for f in files {
         let path = crate::config::resolve::expand_home(f);
         let rows = read_rows(Path::new(&path))?;
-        let read = if opts.prompts_only {
-            Sample::prompt_only
+        let need = if opts.prompts_only {
+            Need::Prompt
         } else {
-            Sample::from_row
+            Need::All
         };
         for (i, row) in rows.into_iter().enumerate() {
-            samples.push(read(&path, i, row, &opts.prompt_key, &opts.source_key)?);
+            let (p, s) = (&opts.prompt_key, &opts.source_key);
+            samples.push(Sample::parse(&path, i, row, p, s, need)?);
         }
     }
     if let Some(max) = opts.max_samples {

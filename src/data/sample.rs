@@ -26,6 +26,21 @@ pub struct Sample {
     pub raw: Value,
 }
 
+/// Which columns a row must hold; the others are read when present and well-formed and left
+/// empty otherwise (`data_source` "", `ground_truth` null, `extra_info` {}, no prompt).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    /// Training and validation (verl's trainer): the prompt, the data_source and
+    /// `reward_model.ground_truth`, each checked.
+    All,
+    /// `generate` (verl's `main_generation`): the prompt only.
+    Prompt,
+    /// Scoring a response that already exists (`reward score|test`, `eval`): the data_source
+    /// and a ground truth (`reward_model.ground_truth`, or a top-level `ground_truth` column);
+    /// no prompt.
+    Reward,
+}
+
 impl Sample {
     /// Builds a sample from a row, checking the columns verl's trainer needs.
     pub fn from_row(
@@ -34,6 +49,19 @@ impl Sample {
         raw: Value,
         prompt_key: &str,
         source_key: &str,
+    ) -> Result<Sample, DataError> {
+        Self::parse(file, row, raw, prompt_key, source_key, Need::All)
+    }
+
+    /// A row as `need` says: what it needs is checked and an error names the file, the row and
+    /// the column; what it does not need is read when present and well-formed.
+    pub fn parse(
+        file: &str,
+        row: usize,
+        raw: Value,
+        prompt_key: &str,
+        source_key: &str,
+        need: Need,
     ) -> Result<Sample, DataError> {
         let err = |column: &str, message: String| DataError::Row {
             file: file.to_string(),
@@ -47,11 +75,15 @@ impl Sample {
                 format!("a row must be an object, found {}", kind(&raw)),
             )
         })?;
+        let strict = need != Need::Prompt;
         let columns = || obj.keys().cloned().collect::<Vec<_>>().join(", ");
-        let prompt = Self::prompt_of(obj, prompt_key, &err)?;
-
+        let prompt = match need {
+            Need::Reward => Vec::new(),
+            _ => Self::prompt_of(obj, prompt_key, &err)?,
+        };
         let data_source = match obj.get(source_key) {
             Some(Value::String(s)) => s.clone(),
+            _ if !strict => String::new(),
             Some(other) => {
                 return Err(err(
                     source_key,
@@ -68,9 +100,24 @@ impl Sample {
                 ))
             }
         };
-
-        let ground_truth = match obj.get("reward_model") {
-            Some(Value::Object(rm)) => match rm.get("ground_truth") {
+        let top_level = obj.get("ground_truth").filter(|v| !v.is_null());
+        let ground_truth = match (obj.get("reward_model"), need) {
+            (_, Need::Prompt) => obj
+                .get("reward_model")
+                .and_then(|rm| rm.get("ground_truth"))
+                .cloned()
+                .unwrap_or(Value::Null),
+            (_, Need::Reward) if top_level.is_some() => top_level.cloned().unwrap_or_default(),
+            (None | Some(Value::Null), Need::Reward) => {
+                return Err(err(
+                    "ground_truth",
+                    format!(
+                    "missing (the row has: {}); give `ground_truth` or `reward_model.ground_truth`",
+                    columns()
+                ),
+                ))
+            }
+            (Some(Value::Object(rm)), _) => match rm.get("ground_truth") {
                 Some(Value::Null) | None => {
                     return Err(err(
                         "reward_model.ground_truth",
@@ -79,7 +126,7 @@ impl Sample {
                 }
                 Some(v) => v.clone(),
             },
-            Some(Value::Null) | None => {
+            (Some(Value::Null) | None, _) => {
                 return Err(err(
                     "reward_model",
                     format!(
@@ -88,7 +135,7 @@ impl Sample {
                     ),
                 ))
             }
-            Some(other) => {
+            (Some(other), _) => {
                 return Err(err(
                     "reward_model",
                     format!(
@@ -98,10 +145,10 @@ impl Sample {
                 ))
             }
         };
-
         let extra_info = match obj.get("extra_info") {
             None | Some(Value::Null) => Value::Object(Default::default()),
             Some(v @ Value::Object(_)) => v.clone(),
+            Some(_) if !strict => Value::Object(Default::default()),
             Some(other) => {
                 return Err(err(
                     "extra_info",
@@ -112,6 +159,7 @@ impl Sample {
         let ability = match obj.get("ability") {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) => Some(s.clone()),
+            Some(_) if !strict => None,
             Some(other) => {
                 return Err(err(
                     "ability",
@@ -119,59 +167,6 @@ impl Sample {
                 ))
             }
         };
-        Ok(Sample {
-            file: file.to_string(),
-            row,
-            data_source,
-            prompt,
-            ground_truth,
-            extra_info,
-            ability,
-            raw,
-        })
-    }
-
-    /// A row with only its prompt checked (`main_ppo generate`, verl's `main_generation`, needs
-    /// nothing else): the reward columns are read when present and well-formed, else left empty
-    /// (`data_source` "", `ground_truth` null, `extra_info` {}); every column is kept in `raw`.
-    pub fn prompt_only(
-        file: &str,
-        row: usize,
-        raw: Value,
-        prompt_key: &str,
-        source_key: &str,
-    ) -> Result<Sample, DataError> {
-        let err = |column: &str, message: String| DataError::Row {
-            file: file.to_string(),
-            row,
-            column: column.to_string(),
-            message,
-        };
-        let obj = raw.as_object().ok_or_else(|| {
-            err(
-                "*",
-                format!("a row must be an object, found {}", kind(&raw)),
-            )
-        })?;
-        let prompt = Self::prompt_of(obj, prompt_key, &err)?;
-        let data_source = obj
-            .get(source_key)
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string();
-        let ground_truth = obj
-            .get("reward_model")
-            .and_then(|rm| rm.get("ground_truth"))
-            .cloned()
-            .unwrap_or(Value::Null);
-        let extra_info = match obj.get("extra_info") {
-            Some(v @ Value::Object(_)) => v.clone(),
-            _ => Value::Object(Default::default()),
-        };
-        let ability = obj
-            .get("ability")
-            .and_then(Value::as_str)
-            .map(str::to_string);
         Ok(Sample {
             file: file.to_string(),
             row,
@@ -255,21 +250,29 @@ mod tests {
     fn prompt_only_rows_need_just_the_prompt() {
         let row = json!({"q": [{"role": "user", "content": "hi"}], "id": 7, "extra_info": "x"});
         assert!(Sample::from_row("f", 0, row.clone(), "q", "data_source").is_err());
-        let s = Sample::prompt_only("f", 0, row.clone(), "q", "data_source").unwrap();
+        let s = Sample::parse("f", 0, row.clone(), "q", "data_source", Need::Prompt).unwrap();
         assert_eq!(s.prompt, vec![json!({"role": "user", "content": "hi"})]);
         assert_eq!(
             (s.data_source.as_str(), &s.ground_truth),
             ("", &Value::Null)
         );
         assert_eq!(s.raw, row);
-        let full = Sample::prompt_only("f", 0, gsm8k_row(), "prompt", "data_source").unwrap();
+        let full =
+            Sample::parse("f", 0, gsm8k_row(), "prompt", "data_source", Need::Prompt).unwrap();
         assert_eq!(
             full,
             Sample::from_row("f", 0, gsm8k_row(), "prompt", "data_source").unwrap()
         );
-        let e = Sample::prompt_only("f.jsonl", 2, json!({"id": 1}), "q", "data_source")
-            .unwrap_err()
-            .to_string();
+        let e = Sample::parse(
+            "f.jsonl",
+            2,
+            json!({"id": 1}),
+            "q",
+            "data_source",
+            Need::Prompt,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             e.contains("f.jsonl, row 2, column `q`") && e.contains("data.prompt_key"),
             "{e}"
@@ -328,5 +331,36 @@ mod tests {
         let mut r = gsm8k_row();
         r["extra_info"] = json!([1]);
         assert!(fail(r).contains("column `extra_info`: expected an object"));
+    }
+
+    /// A response file for `reward score|test`: no prompt needed, the ground truth from either
+    /// place (the top-level column first), and what is missing named with file, row and column.
+    #[test]
+    fn reward_rows_need_a_data_source_and_a_ground_truth() {
+        let parse =
+            |row: Value| Sample::parse("r.jsonl", 4, row, "prompt", "data_source", Need::Reward);
+        let s =
+            parse(json!({"data_source": "openai/gsm8k", "ground_truth": "4", "solution_str": "x"}))
+                .unwrap();
+        assert_eq!((s.ground_truth.clone(), s.prompt.len()), (json!("4"), 0));
+        assert_eq!(s.extra_info, json!({}));
+        let s = parse(json!({"data_source": "d", "reward_model": {"ground_truth": [1]}})).unwrap();
+        assert_eq!(s.ground_truth, json!([1]));
+        let s = parse(json!({"data_source": "d", "ground_truth": "top", "reward_model": {"ground_truth": "nested"}})).unwrap();
+        assert_eq!(s.ground_truth, json!("top"));
+        let e = parse(json!({"data_source": "d", "response": "x"}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("r.jsonl, row 4, column `ground_truth`")
+                && e.contains("reward_model.ground_truth"),
+            "{e}"
+        );
+        let e = parse(json!({"ground_truth": "4"})).unwrap_err().to_string();
+        assert!(e.contains("row 4, column `data_source`: missing"), "{e}");
+        let e = parse(json!({"data_source": 3, "ground_truth": "4"}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("column `data_source`: expected a string"), "{e}");
     }
 }

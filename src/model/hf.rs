@@ -142,13 +142,101 @@ pub fn build(
     with_lm_head: bool,
 ) -> Result<Loaded, ModelError> {
     let varmap = VarMap::new();
-    let model = CausalLm::new(
+    let vars = CheckpointVars {
+        varmap: &varmap,
+        tensors,
+        source,
+        problems: std::sync::Mutex::new(BTreeMap::new()),
+    };
+    let built = CausalLm::new(
         args,
-        VarBuilder::from_varmap(&varmap, dtype, device),
+        VarBuilder::from_backend(Box::new(&vars), dtype, device.clone()),
         with_lm_head,
-    )?;
-    assign(&varmap, tensors, source)?;
-    Ok(Loaded { model, varmap })
+    );
+    // The first problem in name order, so the one reported is always the same one.
+    let first = vars.problems.lock().expect("problems lock").pop_first();
+    match (built, first) {
+        (_, Some((_, problem))) => Err(problem),
+        (Err(e), None) => Err(ModelError::Candle(e)),
+        (Ok(model), None) => Ok(Loaded { model, varmap }),
+    }
+}
+
+/// The variables of a model built from a checkpoint. A variable the model asks for must be
+/// one of `tensors` with the shape asked for; it becomes a trainable variable of `varmap`
+/// holding that tensor. Anything else is a problem recorded under the variable's name and
+/// answered with a placeholder (the file's tensor, or one element) rather than allocated by
+/// the size asked for, so the sizes in a configuration or a GGUF header (layers, widths,
+/// vocabulary) can never make the model allocate more than the file holds.
+struct CheckpointVars<'a> {
+    varmap: &'a VarMap,
+    tensors: &'a HashMap<String, Tensor>,
+    source: &'a Path,
+    /// Missing tensors and shape mismatches, by variable name.
+    problems: std::sync::Mutex<BTreeMap<String, ModelError>>,
+}
+
+impl CheckpointVars<'_> {
+    fn var(
+        &self,
+        name: &str,
+        shape: Option<&[usize]>,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let problem = match self.tensors.get(name) {
+            None => ModelError::Missing {
+                name: name.to_string(),
+                file: self.source.display().to_string(),
+            },
+            Some(t) if shape.is_some_and(|s| s != t.dims()) => ModelError::Shape {
+                name: name.to_string(),
+                expected: shape.unwrap_or_default().to_vec(),
+                found: t.dims().to_vec(),
+            },
+            Some(t) => {
+                let var = candle_core::Var::from_tensor(&t.to_dtype(dtype)?.to_device(dev)?)?;
+                let tensor = var.as_tensor().clone();
+                self.varmap
+                    .data()
+                    .lock()
+                    .expect("varmap lock")
+                    .insert(name.to_string(), var);
+                return Ok(tensor);
+            }
+        };
+        let mut problems = self.problems.lock().expect("problems lock");
+        problems.insert(name.to_string(), problem);
+        // A header may ask for billions of layers: stop well before that many problems.
+        if problems.len() > self.tensors.len() + 64 {
+            candle_core::bail!("{}: far more variables than tensors", self.source.display());
+        }
+        match self.tensors.get(name) {
+            Some(t) => Ok(t.clone()),
+            None => Tensor::zeros(1, dtype, dev),
+        }
+    }
+}
+
+impl candle_nn::var_builder::SimpleBackend for &CheckpointVars<'_> {
+    fn get(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        self.var(name, Some(s.dims()), dtype, dev)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.var(name, None, dtype, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
 }
 
 /// Token files copied next to saved weights.

@@ -167,3 +167,180 @@ fn a_huge_gguf_length_field_is_an_error_not_an_abort() {
         "{err}"
     );
 }
+
+/// Regression input: a tensor whose header declares a zero dimension. candle's reader builds
+/// a typed slice from the empty buffer and panics on the dangling pointer's alignment (or
+/// divides by zero elements further on); opening the file is an error naming the file and the
+/// tensor instead. The same file with the dimension intact opens.
+#[test]
+fn a_gguf_tensor_without_elements_is_an_error_not_a_panic() {
+    use candle_core::quantized::gguf_file::Value as G;
+    use candle_core::quantized::QTensor;
+    let dir = tempfile::tempdir().unwrap();
+    let t = QTensor::quantize(
+        &candle_core::Tensor::ones((2, 32), DType::F32, &Device::Cpu).unwrap(),
+        GgmlDType::F32,
+    )
+    .unwrap();
+    let path = dir.path().join("empty.gguf");
+    let arch = G::String("llama".into());
+    let meta: Vec<(&str, &G)> = vec![("general.architecture", &arch)];
+    let mut f = std::fs::File::create(&path).unwrap();
+    candle_core::quantized::gguf_file::write(&mut f, &meta, &[("token_embd.weight", &t)]).unwrap();
+    drop(f);
+    let (mut f, c) = gguf::open(&path).expect("the intact file opens");
+    assert_eq!(
+        c.tensor(&mut f, "token_embd.weight", &Device::Cpu)
+            .unwrap()
+            .shape()
+            .dims(),
+        &[2, 32]
+    );
+    // The tensor info: dimension count (u32 2), then the dimensions innermost first (u64 32,
+    // u64 2). Set the outer one to 0.
+    let mut bytes = std::fs::read(&path).unwrap();
+    let mut info = 2u32.to_le_bytes().to_vec();
+    info.extend(32u64.to_le_bytes());
+    info.extend(2u64.to_le_bytes());
+    let at = bytes
+        .windows(info.len())
+        .position(|w| w == info.as_slice())
+        .expect("the tensor info in the header");
+    bytes[at + 12..at + 20].copy_from_slice(&0u64.to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    let e = gguf::open(&path).unwrap_err().to_string();
+    assert!(
+        e.contains("empty.gguf")
+            && e.contains("token_embd.weight")
+            && e.contains("has no elements"),
+        "{e}"
+    );
+    // Loading a model from it fails the same way (no panic on the way in).
+    match load_model_and_tokenizer(
+        &path.display().to_string(),
+        None,
+        &Default::default(),
+        DType::F32,
+        &Device::Cpu,
+        true,
+    ) {
+        Ok(_) => panic!("a model from a tensor without elements"),
+        Err(e) => assert!(e.to_string().contains("empty.gguf"), "{e}"),
+    }
+}
+
+/// Every scalar integer of a tiny model's GGUF metadata (sizes, counts, token ids).
+fn integer_keys(c: &candle_core::quantized::gguf_file::Content) -> Vec<String> {
+    use candle_core::quantized::gguf_file::Value as G;
+    let mut keys: Vec<String> = c
+        .metadata
+        .iter()
+        .filter(|(_, v)| matches!(v, G::U32(_) | G::I32(_) | G::U64(_) | G::I64(_)))
+        .map(|(k, _)| k.clone())
+        .collect();
+    keys.sort();
+    keys
+}
+
+/// A copy of the GGUF file `path` (`changed.gguf` beside it) with the integer metadata entry
+/// number `key` (of [`integer_keys`], taken modulo their count) set to `value` (cut to the
+/// entry's own type); returns the copy and the key.
+fn with_metadata_integer(path: &Path, key: usize, value: u64) -> (std::path::PathBuf, String) {
+    use candle_core::quantized::gguf_file::{self, Value as G};
+    use candle_core::quantized::QTensor;
+    let (mut f, c) = gguf::open(path).unwrap();
+    let keys = integer_keys(&c);
+    let key = keys[key % keys.len()].clone();
+    let mut meta = c.metadata.clone();
+    let changed = match &meta[&key] {
+        G::U32(_) => G::U32(value as u32),
+        G::I32(_) => G::I32(value as i32),
+        G::U64(_) => G::U64(value),
+        _ => G::I64(value as i64),
+    };
+    meta.insert(key.clone(), changed);
+    let mut names: Vec<&String> = c.tensor_infos.keys().collect();
+    names.sort();
+    let tensors: Vec<(String, QTensor)> = names
+        .iter()
+        .map(|n| ((*n).clone(), c.tensor(&mut f, n, &Device::Cpu).unwrap()))
+        .collect();
+    let out = path.with_file_name("changed.gguf");
+    let mut w = std::fs::File::create(&out).unwrap();
+    let meta_refs: Vec<(&str, &G)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut w, &meta_refs, &tensor_refs).unwrap();
+    (out, key)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// The header fuzz above changes bytes; this one changes meaning: one metadata integer the
+    /// model is built from (layer count, widths, head counts, context, vocabulary size, token
+    /// ids) set to any value, including sizes no file could back. Loading gives a model or an
+    /// error naming the file, never a panic or an abort from allocating by the value (run it
+    /// under a memory limit, e.g. `prlimit --as=4000000000`, to make such an allocation fail
+    /// fast).
+    #[test]
+    fn any_integer_in_the_gguf_metadata_loads_or_is_an_error(
+        key in 0usize..64,
+        value in prop_oneof![
+            Just(0u64), Just(1), Just(2), Just(3), Just(u64::from(u32::MAX)), Just(u64::MAX),
+            Just(1 << 31), Just(1 << 40), 0u64..100_000, any::<u64>(),
+        ],
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, _) = tiny_gguf(dir.path());
+        let (out, key) = with_metadata_integer(&path, key, value);
+        let shown = out.display().to_string();
+        if let Err(e) = read_args(&shown, &Default::default()) {
+            prop_assert!(e.to_string().contains("changed.gguf"), "{}: {}", key, e);
+        }
+        if let Err(e) = load_model_and_tokenizer(&shown, None, &Default::default(), DType::F32, &Device::Cpu, true) {
+            prop_assert!(!e.to_string().is_empty());
+        }
+    }
+}
+
+/// Regression input found by the metadata fuzz above: a width, layer count or vocabulary size
+/// of 2^32 - 1 in the header made the model allocate its variables by that size before the
+/// weights were compared with it (`memory allocation of 4449586117620 bytes failed`, an
+/// abort). Every variable is now one of the file's tensors, so each is an error naming the
+/// tensor whose shape disagrees (or the missing one), and the file is loaded nowhere else.
+#[test]
+fn a_gguf_size_the_weights_do_not_back_is_an_error_not_an_abort() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = tiny_gguf(dir.path());
+    let (_, c) = gguf::open(&path).unwrap();
+    let keys = integer_keys(&c);
+    for want in [
+        "llama.vocab_size",
+        "llama.embedding_length",
+        "llama.feed_forward_length",
+        "llama.block_count",
+        "llama.attention.head_count_kv",
+    ] {
+        let k = keys.iter().position(|k| k == want).unwrap();
+        let (out, _) = with_metadata_integer(&path, k, u64::from(u32::MAX));
+        match load_model_and_tokenizer(
+            &out.display().to_string(),
+            None,
+            &Default::default(),
+            DType::F32,
+            &Device::Cpu,
+            true,
+        ) {
+            Ok(_) => panic!("{want} = 2^32 - 1 loaded"),
+            Err(e) => {
+                let e = e.to_string();
+                assert!(
+                    e.contains("has shape")
+                        || e.contains("no tensor")
+                        || e.contains("changed.gguf"),
+                    "{want}: {e}"
+                );
+            }
+        }
+    }
+}

@@ -199,7 +199,9 @@ impl CausalLm {
                 stdev: 0.02,
             },
         )?;
-        let mut layers = Vec::with_capacity(args.num_hidden_layers);
+        // Grown layer by layer, not reserved: the count comes from a file's header, which a
+        // checkpoint's variables (see `hf::build`) must back one tensor at a time.
+        let mut layers = Vec::new();
         for i in 0..args.num_hidden_layers {
             let l = m.pp(format!("layers.{i}"));
             let a = l.pp("self_attn");

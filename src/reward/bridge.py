@@ -35,7 +35,9 @@ BATCH = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
 
 
 def send(obj):
-    _proto.write(json.dumps(obj, default=str, allow_nan=True) + "\n")
+    # JSON has no NaN or infinity; `finite` has replaced them, and a stray one is refused here
+    # (before anything is written) so that it becomes that sample's error, not a broken line.
+    _proto.write(json.dumps(obj, default=str, allow_nan=False) + "\n")
     _proto.flush()
 
 
@@ -136,7 +138,20 @@ def convert(name, result):
         raise TypeError(f"{name} returned {type(result).__name__}, expected a number, a bool or a dict with `score`")
     if math.isnan(score) or math.isinf(score):
         raise ValueError(f"{name} returned a non-finite score ({score})")
-    return {"score": score, "extra": extra}
+    return {"score": score, "extra": finite(extra)}
+
+
+def finite(value):
+    """`value` with every non-finite float (NaN, +-infinity) written as the string Python
+    prints for it ("nan", "inf", "-inf"): extras are reported as returned, and a metric that
+    averages numbers leaves such strings out."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(float(value))
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def error_reply(req_id, index, exc):

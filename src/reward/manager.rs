@@ -11,9 +11,10 @@ use serde_json::{Map, Value};
 use super::model_source::{RewardModel, RewardModelOptions, RunningStats};
 use super::python::{CallError, PoolSettings, PythonFunction, PythonPool};
 use super::{Builtin, NativeRegistry, RewardError, RewardFn, ScoreRequest, ScoreResult};
-use crate::config::reward::SourceSpec;
-use crate::config::reward::{Gate, GateAction};
-use crate::config::{OnError, RewardConfig, RewardManagerName};
+use crate::config::reward::{CheckedSource, Gate, GateAction, RewardPlan, SourceKind};
+use crate::config::OnError;
+
+pub use crate::config::reward::Overlong;
 
 enum Kind {
     Builtin(Builtin),
@@ -33,13 +34,87 @@ pub struct Source {
     kind: Kind,
 }
 
-/// DAPO's overlong-response penalty (`reward_kwargs.overlong_buffer_cfg`, `max_resp_len`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Overlong {
-    pub len: f64,
-    pub penalty_factor: f64,
-    pub max_resp_len: f64,
-    pub log: bool,
+impl Source {
+    /// Starts what `s` runs: Python workers, a registered function, a loaded reward model.
+    fn build(
+        s: &CheckedSource,
+        batch: bool,
+        settings: &PoolSettings,
+        native: &NativeRegistry,
+        ctx: &ModelContext,
+    ) -> Result<Self, RewardError> {
+        let kind = match &s.kind {
+            SourceKind::Builtin { scorer, kwargs } => {
+                Kind::Builtin(Builtin::from_name(scorer, kwargs)?)
+            }
+            SourceKind::Python {
+                path,
+                function,
+                kwargs,
+            } => {
+                let func = PythonFunction {
+                    path: path.clone(),
+                    name: function.clone(),
+                    kwargs: kwargs.clone(),
+                    batch,
+                };
+                Kind::Python(Box::new(PythonPool::start(func, settings.clone())?))
+            }
+            SourceKind::Native { function, kwargs } => {
+                Kind::Native(native.get(function)?, kwargs.clone())
+            }
+            SourceKind::Model {
+                path,
+                device,
+                micro_batch_size,
+                normalize,
+                clip,
+            } => Kind::Model(Box::new(RewardModel::load(&RewardModelOptions {
+                path,
+                device: device.as_deref().unwrap_or(&ctx.device),
+                micro_batch_size: *micro_batch_size,
+                normalize: *normalize,
+                clip: *clip,
+                prompt_key: &ctx.prompt_key,
+            })?)),
+        };
+        Ok(Self {
+            name: s.name.clone(),
+            weight: s.weight,
+            label: s.label.clone(),
+            gate: s.gate,
+            kind,
+        })
+    }
+
+    /// Calls this source on every request (`timeouts` counts the calls that ran out of time).
+    fn call(
+        &mut self,
+        items: &[ScoreRequest],
+        timeouts: &mut usize,
+    ) -> Vec<Result<ScoreResult, CallError>> {
+        let exception = |e: RewardError| CallError::Exception {
+            message: e.to_string(),
+            traceback: String::new(),
+        };
+        match &mut self.kind {
+            Kind::Python(pool) => {
+                let before = pool.stats.timeouts;
+                let r = pool.score(items);
+                *timeouts += pool.stats.timeouts - before;
+                r
+            }
+            Kind::Builtin(b) => items
+                .iter()
+                .map(|it| b.score(&it.input()).map_err(exception))
+                .collect(),
+            Kind::Native(f, kw) => items
+                .iter()
+                .map(|it| f.score(&it.input(), kw).map_err(exception))
+                .collect(),
+            Kind::Model(m) => m.score(items),
+        }
+    }
 }
 
 /// One response's reward.
@@ -114,175 +189,40 @@ pub struct RewardBatch {
     pub excluded: Vec<bool>,
 }
 
-fn num(v: Option<&Value>, key: &str) -> Result<Option<f64>, RewardError> {
-    match v {
-        None | Some(Value::Null) => Ok(None),
-        Some(x) => x.as_f64().map(Some).ok_or_else(|| {
-            RewardError::Config(format!(
-                "reward.reward_kwargs.{key} must be a number, got {x}"
-            ))
-        }),
-    }
-}
-
 impl RewardManager {
-    /// Builds the sources of `cfg`, starting Python workers (which loads the user's functions:
-    /// a missing file or function fails here, before any model is loaded).
-    pub fn from_config(cfg: &RewardConfig, native: &NativeRegistry) -> Result<Self, RewardError> {
-        Self::from_config_with(cfg, native, &ModelContext::default())
-    }
-
-    /// [`RewardManager::from_config`] with reward models placed and fed as `ctx` says.
-    pub fn from_config_with(
-        cfg: &RewardConfig,
+    /// Builds the sources of a checked reward plan ([`crate::config::RewardConfig::plan`]),
+    /// starting Python workers (which loads the user's functions: a missing file or function
+    /// fails here, before any model is loaded) and placing reward models as `ctx` says.
+    pub fn new(
+        plan: &RewardPlan,
         native: &NativeRegistry,
         ctx: &ModelContext,
     ) -> Result<Self, RewardError> {
         let settings = PoolSettings {
-            python: cfg.python.clone(),
-            num_workers: cfg.num_workers,
-            timeout: Duration::from_secs_f64(cfg.timeout_s),
+            python: plan.python.clone(),
+            num_workers: plan.num_workers,
+            timeout: Duration::from_secs_f64(plan.timeout_s),
         };
-        let batch = cfg.reward_manager.name == RewardManagerName::Batch;
         let mut sources = Vec::new();
-        if cfg.sources.is_empty() {
-            let custom = &cfg.custom_reward_function;
-            match &custom.path {
-                Some(path) => {
-                    let name = custom.name.clone().unwrap_or_else(|| "compute_score".into());
-                    let func = PythonFunction { path: path.clone(), name: name.clone(), kwargs: custom.reward_kwargs.clone(), batch };
-                    let pool = PythonPool::start(func, settings.clone())?;
-                    sources.push(Source { label: format!("{name} ({path})"), name, weight: 1.0, gate: None, kind: Kind::Python(Box::new(pool)) });
+        for s in &plan.sources {
+            let built = Source::build(s, plan.batch, &settings, native, ctx);
+            // A listed source's failure names its place in `reward.sources`.
+            sources.push(match (built, s.index) {
+                (Err(e), Some(i)) => {
+                    return Err(RewardError::Config(format!(
+                        "reward.sources[{i}] ({}): {e}",
+                        s.name
+                    )))
                 }
-                None if batch => {
-                    return Err(RewardError::Config(
-                        "reward.reward_manager.name=batch calls a batch function (data_sources, solution_strs, ground_truths, extra_infos) and has no built-in default; set reward.custom_reward_function.path".into(),
-                    ))
-                }
-                None => sources.push(Source { name: "default".into(), weight: 1.0, label: "built-in scorers by data_source".into(), gate: None, kind: Kind::Builtin(Builtin::Default) }),
-            }
-        } else {
-            for (i, s) in cfg.sources.iter().enumerate() {
-                let at = format!("reward.sources[{i}] ({})", s.name);
-                let spec = s
-                    .spec()
-                    .map_err(|rule| RewardError::Config(format!("{at}: {rule}")))?;
-                let (label, kind) = match spec {
-                    SourceSpec::Builtin { scorer } => {
-                        let b = Builtin::from_name(scorer, &s.kwargs)
-                            .map_err(|e| RewardError::Config(format!("{at}: {e}")))?;
-                        (format!("built-in {scorer}"), Kind::Builtin(b))
-                    }
-                    SourceSpec::Python { path, function } => {
-                        let func = PythonFunction {
-                            path: path.to_string(),
-                            name: function.to_string(),
-                            kwargs: s.kwargs.clone(),
-                            batch,
-                        };
-                        let pool = PythonPool::start(func, settings.clone())
-                            .map_err(|e| RewardError::Config(format!("{at}: {e}")))?;
-                        (format!("{function} ({path})"), Kind::Python(Box::new(pool)))
-                    }
-                    SourceSpec::Native { function } => {
-                        let f = native
-                            .get(function)
-                            .map_err(|e| RewardError::Config(format!("{at}: {e}")))?;
-                        (
-                            format!("native {function}"),
-                            Kind::Native(f, s.kwargs.clone()),
-                        )
-                    }
-                    SourceSpec::Model { path } => {
-                        let rm = RewardModel::load(&RewardModelOptions {
-                            path,
-                            device: s.device.as_deref().unwrap_or(&ctx.device),
-                            micro_batch_size: s.micro_batch_size.unwrap_or(8),
-                            normalize: s.normalize,
-                            clip: s.clip,
-                            prompt_key: &ctx.prompt_key,
-                        })
-                        .map_err(|e| RewardError::Config(format!("{at}: {e}")))?;
-                        (format!("reward model {path}"), Kind::Model(Box::new(rm)))
-                    }
-                };
-                sources.push(Source {
-                    name: s.name.clone(),
-                    weight: s.weight,
-                    label,
-                    gate: s.gate,
-                    kind,
-                });
-            }
-        }
-        // verl's `reward_model.enable`: the model's score is added to the rule/custom reward.
-        let rm = &cfg.reward_model;
-        if rm.enable {
-            let path = rm.model_path.as_deref().ok_or_else(|| {
-                RewardError::Config(
-                    "reward.reward_model.enable=True needs reward.reward_model.model_path (legacy: reward_model.model.path)".into(),
-                )
-            })?;
-            let model = RewardModel::load(&RewardModelOptions {
-                path,
-                device: &ctx.device,
-                micro_batch_size: 8,
-                normalize: false,
-                clip: None,
-                prompt_key: &ctx.prompt_key,
-            })?;
-            sources.push(Source {
-                name: "reward_model".into(),
-                weight: 1.0,
-                label: format!("reward model {path}"),
-                gate: None,
-                kind: Kind::Model(Box::new(model)),
+                (built, _) => built?,
             });
         }
-        let overlong = if cfg.reward_manager.name == RewardManagerName::Dapo {
-            Self::overlong(&cfg.reward_kwargs)?
-        } else {
-            None
-        };
         Ok(Self {
             sources,
-            policy: FailurePolicy::Config(cfg.on_error),
-            overlong,
+            policy: FailurePolicy::Config(plan.on_error),
+            overlong: plan.overlong,
             stats: RewardStats::default(),
         })
-    }
-
-    fn overlong(kw: &Map<String, Value>) -> Result<Option<Overlong>, RewardError> {
-        let Some(cfg) = kw.get("overlong_buffer_cfg") else {
-            return Ok(None);
-        };
-        if !cfg.get("enable").and_then(Value::as_bool).unwrap_or(false) {
-            return Ok(None);
-        }
-        let len = num(cfg.get("len"), "overlong_buffer_cfg.len")?.unwrap_or(0.0);
-        let penalty_factor = num(
-            cfg.get("penalty_factor"),
-            "overlong_buffer_cfg.penalty_factor",
-        )?
-        .unwrap_or(1.0);
-        let max_resp_len = num(kw.get("max_resp_len"), "max_resp_len")?.ok_or_else(|| {
-            RewardError::Config(
-                "reward.reward_kwargs.max_resp_len is required with overlong_buffer_cfg.enable"
-                    .into(),
-            )
-        })?;
-        if !(len > 0.0 && max_resp_len >= len) {
-            return Err(RewardError::Config(format!(
-                "overlong buffer: need max_resp_len ({max_resp_len}) >= overlong_buffer_cfg.len ({len}) > 0"
-            )));
-        }
-        let log = cfg.get("log").and_then(Value::as_bool).unwrap_or(false);
-        Ok(Some(Overlong {
-            len,
-            penalty_factor,
-            max_resp_len,
-            log,
-        }))
     }
 
     /// Each source's weight, by name.
@@ -399,56 +339,14 @@ impl RewardManager {
         items: &[ScoreRequest],
         response_lens: &[usize],
     ) -> Result<Vec<SampleReward>, RewardError> {
-        let policy = self.policy;
         let mut out: Vec<SampleReward> =
             (0..items.len()).map(|_| SampleReward::default()).collect();
         let single = self.sources.len() == 1;
         for src in &mut self.sources {
-            let results: Vec<Result<ScoreResult, CallError>> = match &mut src.kind {
-                Kind::Python(pool) => {
-                    let before = pool.stats;
-                    let r = pool.score(items);
-                    self.stats.timeouts += pool.stats.timeouts - before.timeouts;
-                    r
-                }
-                Kind::Builtin(b) => items
-                    .iter()
-                    .map(|it| {
-                        b.score(&it.input()).map_err(|e| CallError::Exception {
-                            message: e.to_string(),
-                            traceback: String::new(),
-                        })
-                    })
-                    .collect(),
-                Kind::Native(f, kw) => items
-                    .iter()
-                    .map(|it| {
-                        f.score(&it.input(), kw).map_err(|e| CallError::Exception {
-                            message: e.to_string(),
-                            traceback: String::new(),
-                        })
-                    })
-                    .collect(),
-                Kind::Model(m) => m.score(items),
-            };
+            let results = src.call(items, &mut self.stats.timeouts);
             for (i, (r, sample)) in results.into_iter().zip(out.iter_mut()).enumerate() {
                 match r {
-                    Ok(res) if res.score.is_finite() => {
-                        sample.per_source.push((src.name.clone(), Some(res.score)));
-                        if res.extra.is_empty() && single {
-                            sample.extra.insert("acc".into(), Value::from(res.score));
-                        }
-                        for (k, v) in res.extra {
-                            sample.extra.insert(
-                                if single {
-                                    k
-                                } else {
-                                    format!("{}/{k}", src.name)
-                                },
-                                v,
-                            );
-                        }
-                    }
+                    Ok(res) if res.score.is_finite() => sample.add_score(&src.name, res, single),
                     other => {
                         let err = match other {
                             Ok(res) => format!("returned a non-finite score ({})", res.score),
@@ -456,68 +354,96 @@ impl RewardManager {
                         };
                         self.stats.errors += 1;
                         let msg = format!("reward source `{}` ({}) failed on sample {i} (data_source `{}`): {err}", src.name, src.label, items[i].data_source);
-                        match policy {
-                            FailurePolicy::Config(OnError::Raise) => {
-                                return Err(RewardError::Score(msg))
-                            }
-                            FailurePolicy::Config(OnError::Zero) => {
-                                sample.per_source.push((src.name.clone(), Some(0.0)))
-                            }
-                            FailurePolicy::Config(OnError::Skip) => {
-                                sample.per_source.push((src.name.clone(), None));
-                                sample.skipped = true;
-                            }
-                            FailurePolicy::Collect => {
-                                sample.per_source.push((src.name.clone(), None))
-                            }
-                        }
-                        sample.error.get_or_insert(msg);
+                        sample.add_failure(&src.name, msg, self.policy)?;
                     }
                 }
             }
         }
-        let weights: Vec<f64> = self.sources.iter().map(|s| s.weight).collect();
         for (i, sample) in out.iter_mut().enumerate() {
-            if sample.skipped || sample.per_source.iter().any(|(_, s)| s.is_none()) {
-                continue;
-            }
-            let mut total: f64 = sample
-                .per_source
-                .iter()
-                .zip(&weights)
-                .map(|((_, s), w)| s.unwrap_or(0.0) * w)
-                .sum();
-            if let Some(o) = self.overlong {
-                let len = response_lens.get(i).copied().unwrap_or(0) as f64;
-                let expected = o.max_resp_len - o.len;
-                let exceed = len - expected;
-                let penalty = (-exceed / o.len * o.penalty_factor).min(0.0);
-                total += penalty;
-                if o.log {
-                    sample
-                        .extra
-                        .insert("overlong_reward".into(), Value::from(penalty));
-                    sample
-                        .extra
-                        .insert("overlong".into(), Value::from(exceed > 0.0));
-                }
-            }
-            for (src, (_, score)) in self.sources.iter().zip(&sample.per_source) {
-                let (Some(g), Some(score)) = (src.gate, score) else {
-                    continue;
-                };
-                if *score < g.below {
-                    sample.gated.push(src.name.clone());
-                    match g.action {
-                        GateAction::SkipUpdate => sample.gate_skip = true,
-                        GateAction::ZeroReward => total = 0.0,
-                        GateAction::Penalty => total += g.penalty,
-                    }
-                }
-            }
-            sample.score = Some(total);
+            let len = response_lens.get(i).copied().unwrap_or(0);
+            self.combine(sample, len);
         }
         Ok(out)
+    }
+
+    /// The final reward of a sample every source scored: the weighted sum, DAPO's overlong
+    /// penalty for a response of `len` tokens, then the gates. A sample with a failed source
+    /// keeps no score.
+    fn combine(&self, sample: &mut SampleReward, len: usize) {
+        if sample.skipped || sample.per_source.iter().any(|(_, s)| s.is_none()) {
+            return;
+        }
+        let mut total: f64 = sample
+            .per_source
+            .iter()
+            .zip(&self.sources)
+            .map(|((_, s), src)| s.unwrap_or(0.0) * src.weight)
+            .sum();
+        if let Some(o) = self.overlong {
+            let expected = o.max_resp_len - o.len;
+            let exceed = len as f64 - expected;
+            let penalty = (-exceed / o.len * o.penalty_factor).min(0.0);
+            total += penalty;
+            if o.log {
+                sample
+                    .extra
+                    .insert("overlong_reward".into(), Value::from(penalty));
+                sample
+                    .extra
+                    .insert("overlong".into(), Value::from(exceed > 0.0));
+            }
+        }
+        for (src, (_, score)) in self.sources.iter().zip(&sample.per_source) {
+            let (Some(g), Some(score)) = (src.gate, score) else {
+                continue;
+            };
+            if *score < g.below {
+                sample.gated.push(src.name.clone());
+                match g.action {
+                    GateAction::SkipUpdate => sample.gate_skip = true,
+                    GateAction::ZeroReward => total = 0.0,
+                    GateAction::Penalty => total += g.penalty,
+                }
+            }
+        }
+        sample.score = Some(total);
+    }
+}
+
+impl SampleReward {
+    /// Source `name`'s score and extras (prefixed with the source's name when there are
+    /// several sources; a lone numeric result is also `acc`, as verl reports it).
+    fn add_score(&mut self, name: &str, res: ScoreResult, single: bool) {
+        self.per_source.push((name.to_string(), Some(res.score)));
+        if res.extra.is_empty() && single {
+            self.extra.insert("acc".into(), Value::from(res.score));
+        }
+        for (k, v) in res.extra {
+            let key = if single { k } else { format!("{name}/{k}") };
+            self.extra.insert(key, v);
+        }
+    }
+
+    /// Source `name` failed with `msg`: `policy` decides whether the batch fails, the source
+    /// scores 0, or the sample is skipped.
+    fn add_failure(
+        &mut self,
+        name: &str,
+        msg: String,
+        policy: FailurePolicy,
+    ) -> Result<(), RewardError> {
+        let score = match policy {
+            FailurePolicy::Config(OnError::Raise) => return Err(RewardError::Score(msg)),
+            FailurePolicy::Config(OnError::Zero) => Some(0.0),
+            FailurePolicy::Config(OnError::Skip) => {
+                self.skipped = true;
+                None
+            }
+            FailurePolicy::Collect => None,
+        };
+        self.per_source.push((name.to_string(), score));
+        self.error.get_or_insert(msg);
+        Ok(())
     }
 }
 

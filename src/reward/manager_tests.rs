@@ -3,7 +3,7 @@
 use serde_json::json;
 
 use super::*;
-use crate::config::{Config, ConfigSource};
+use crate::config::{Config, ConfigSource, RewardConfig};
 use crate::reward::ScoreInput;
 
 fn cfg(overrides: &[String]) -> RewardConfig {
@@ -11,6 +11,12 @@ fn cfg(overrides: &[String]) -> RewardConfig {
         .unwrap()
         .config
         .reward
+}
+
+/// The manager of a reward configuration, its rules checked first as set-up does.
+fn manager(c: &RewardConfig, natives: &NativeRegistry) -> Result<RewardManager, RewardError> {
+    let plan = c.plan().map_err(|e| RewardError::Config(e.join("; ")))?;
+    RewardManager::new(&plan, natives, &ModelContext::default())
 }
 
 fn item(sol: &str, gt: &str) -> ScoreRequest {
@@ -38,8 +44,7 @@ fn length_registry() -> NativeRegistry {
 
 #[test]
 fn default_is_verls_dispatch() {
-    let mut m =
-        RewardManager::from_config(&Config::default().reward, &NativeRegistry::new()).unwrap();
+    let mut m = manager(&Config::default().reward, &NativeRegistry::new()).unwrap();
     let out = m
         .score(&[item("#### 42", "42"), item("42", "42")], &[3, 2])
         .unwrap();
@@ -61,7 +66,7 @@ fn weighted_builtin_python_and_native_sources() {
         "reward.sources=[{{name: acc, weight: 1.0, type: builtin, scorer: gsm8k, kwargs: {{method: flexible}}}}, {{name: steps, weight: 0.5, type: python, path: {}, kwargs: {{per_step: 0.2}}}}, {{name: short, weight: 2.0, type: native, function: short}}]",
         py.display()
     )]);
-    let mut m = RewardManager::from_config(&c, &length_registry()).unwrap();
+    let mut m = manager(&c, &length_registry()).unwrap();
     let out = m
         .score(
             &[
@@ -112,7 +117,7 @@ fn failing(policy: &str) -> (Result<Vec<SampleReward>, RewardError>, RewardStats
         format!("reward.on_error={policy}"),
         "reward.num_workers=1".into(),
     ]);
-    let mut m = RewardManager::from_config(&c, &NativeRegistry::new()).unwrap();
+    let mut m = manager(&c, &NativeRegistry::new()).unwrap();
     let r = m.score(&[item("2", ""), item("0", ""), item("4", "")], &[1, 1, 1]);
     (r, m.stats)
 }
@@ -150,7 +155,7 @@ fn dapo_overlong_penalty() {
         "+reward.reward_kwargs.overlong_buffer_cfg={enable: true, len: 4, penalty_factor: 1.0, log: true}".into(),
         "+reward.reward_kwargs.max_resp_len=10".into(),
     ]);
-    let mut m = RewardManager::from_config(&c, &NativeRegistry::new()).unwrap();
+    let mut m = manager(&c, &NativeRegistry::new()).unwrap();
     let out = m
         .score(
             &[
@@ -171,7 +176,7 @@ fn dapo_overlong_penalty() {
         "reward.reward_manager.name=dapo".into(),
         "+reward.reward_kwargs.overlong_buffer_cfg={enable: true, len: 4}".into(),
     ]);
-    assert!(RewardManager::from_config(&bad, &NativeRegistry::new())
+    assert!(manager(&bad, &NativeRegistry::new())
         .err()
         .unwrap()
         .to_string()
@@ -181,22 +186,19 @@ fn dapo_overlong_penalty() {
 #[test]
 fn start_up_errors() {
     let c = cfg(&["reward.reward_manager.name=batch".into()]);
-    assert!(RewardManager::from_config(&c, &NativeRegistry::new())
+    assert!(manager(&c, &NativeRegistry::new())
         .err()
         .unwrap()
         .to_string()
         .contains("batch function"));
     let c = cfg(&["reward.sources=[{name: a, type: native, function: nope}]".into()]);
-    let e = RewardManager::from_config(&c, &length_registry())
-        .err()
-        .unwrap()
-        .to_string();
+    let e = manager(&c, &length_registry()).err().unwrap().to_string();
     assert!(
         e.contains("reward.sources[0] (a)") && e.contains("short"),
         "{e}"
     );
     let c = cfg(&["reward.custom_reward_function.path=/nonexistent/r.py".into()]);
-    assert!(RewardManager::from_config(&c, &NativeRegistry::new())
+    assert!(manager(&c, &NativeRegistry::new())
         .err()
         .unwrap()
         .to_string()
@@ -216,7 +218,7 @@ fn a_timed_out_call_follows_on_error() {
             "reward.num_workers=1".into(),
             "reward.timeout_s=0.5".into(),
         ]);
-        let mut m = RewardManager::from_config(&c, &NativeRegistry::new()).unwrap();
+        let mut m = manager(&c, &NativeRegistry::new()).unwrap();
         let r = m.score(&items, &[1, 1, 1]);
         match policy {
             "zero" => {
@@ -276,9 +278,9 @@ fn a_reward_model_scores_batches_as_one_by_one() {
     .map(|(q, a)| chat_item(q, a))
     .collect();
     let lens = vec![1; items.len()];
-    let mut batched = RewardManager::from_config(&src(2), &NativeRegistry::new()).unwrap();
+    let mut batched = manager(&src(2), &NativeRegistry::new()).unwrap();
     let b = batched.score(&items, &lens).unwrap();
-    let mut single = RewardManager::from_config(&src(1), &NativeRegistry::new()).unwrap();
+    let mut single = manager(&src(1), &NativeRegistry::new()).unwrap();
     for (i, it) in items.iter().enumerate() {
         let one = single.score(std::slice::from_ref(it), &[1]).unwrap();
         let (x, y) = (b[i].score.unwrap(), one[0].score.unwrap());
@@ -295,7 +297,7 @@ fn a_reward_model_scores_batches_as_one_by_one() {
     );
 
     // Normalisation: scores of one batch become z-scores of the running statistics; clipping.
-    let mut norm = RewardManager::from_config(
+    let mut norm = manager(
         &cfg(&[format!(
             "reward.sources=[{{name: rm, type: model, path: {}, normalize: true, clip: 1.0}}]",
             rm.display()
@@ -333,7 +335,7 @@ fn rule_python_and_model_sources_sum_by_weight() {
         chat_item("What is 6 x 7?", "#### 42"),
         chat_item("Q", "#### 7"),
     ];
-    let mut alone = RewardManager::from_config(
+    let mut alone = manager(
         &cfg(&[format!(
             "reward.sources=[{{name: rm, type: model, path: {}}}]",
             rm.display()
@@ -347,7 +349,7 @@ fn rule_python_and_model_sources_sum_by_weight() {
         .iter()
         .map(|r| r.score.unwrap())
         .collect();
-    let mut m = RewardManager::from_config(
+    let mut m = manager(
         &cfg(&[format!(
             "reward.sources=[{{name: acc, weight: 2.0, type: builtin, scorer: gsm8k}}, {{name: len, weight: 0.5, type: python, path: {}}}, {{name: rm, weight: 0.25, type: model, path: {}}}]",
             py.display(),
@@ -380,7 +382,7 @@ fn reward_model_errors_name_the_problem() {
         "reward.sources=[{{name: rm, type: model, path: {}}}]",
         lm.display()
     )]);
-    let e = RewardManager::from_config(&c, &NativeRegistry::new())
+    let e = manager(&c, &NativeRegistry::new())
         .err()
         .unwrap()
         .to_string();
@@ -389,7 +391,7 @@ fn reward_model_errors_name_the_problem() {
         "{e}"
     );
     let c = cfg(&["reward.sources=[{name: rm, type: model, path: /no/such/dir}]".into()]);
-    let e = RewardManager::from_config(&c, &NativeRegistry::new())
+    let e = manager(&c, &NativeRegistry::new())
         .err()
         .unwrap()
         .to_string();
@@ -401,7 +403,7 @@ fn reward_model_errors_name_the_problem() {
         "reward_model.enable=True".into(),
         format!("reward_model.model.path={}", rm.display()),
     ]);
-    let m = RewardManager::from_config(&c, &NativeRegistry::new()).unwrap();
+    let m = manager(&c, &NativeRegistry::new()).unwrap();
     let names: Vec<&str> = m.sources.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, vec!["default", "reward_model"]);
 }
@@ -418,7 +420,7 @@ fn gates_act_on_exactly_the_samples_below_the_threshold() {
         let c = cfg(&[format!(
             "reward.sources=[{{name: acc, type: builtin, scorer: gsm8k}}, {{name: short, weight: 0.5, type: native, function: short, gate: {gate}}}]"
         )]);
-        let mut m = RewardManager::from_config(&c, &reg).unwrap();
+        let mut m = manager(&c, &reg).unwrap();
         m.score(&items, &[1, 1, 1]).unwrap()
     };
     // Without a gate the totals are acc + 0.5·short: 1.5, 0, 0.5. Only row 1 is long.

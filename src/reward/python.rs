@@ -306,6 +306,80 @@ fn short(v: &Value) -> String {
     }
 }
 
+/// One reply line of request `req_id` over `pending` items: the item it answers and its
+/// result; `None` for a late line of an abandoned request (a replaced worker's ids are all
+/// older); a protocol error for anything else.
+#[allow(clippy::type_complexity)]
+fn reply(
+    m: &Value,
+    req_id: u64,
+    pending: usize,
+    func: &PythonFunction,
+) -> Result<Option<(usize, Result<ScoreResult, CallError>)>, CallError> {
+    let protocol = |detail: String| CallError::Protocol {
+        function: format!("{} from {}", func.name, func.path),
+        detail,
+    };
+    if let Some(p) = m.get("protocol_error").and_then(Value::as_str) {
+        return Err(protocol(p.to_string()));
+    }
+    match m["id"].as_u64() {
+        Some(id) if id == req_id => {}
+        Some(id) if id < req_id => return Ok(None),
+        _ => return Err(protocol(format!("no id {req_id} in {}", short(m)))),
+    }
+    let Some(i) = m["index"]
+        .as_u64()
+        .map(|i| i as usize)
+        .filter(|i| *i < pending)
+    else {
+        return Err(protocol(format!(
+            "no index below {pending} in {}",
+            short(m)
+        )));
+    };
+    let r = if let Some(err) = m["error"].as_str() {
+        Err(CallError::Exception {
+            message: err.to_string(),
+            traceback: m["traceback"].as_str().unwrap_or("").to_string(),
+        })
+    } else {
+        let extra = m["extra"].as_object().cloned().unwrap_or_default();
+        Ok(ScoreResult {
+            score: m["score"].as_f64().unwrap_or(f64::NAN),
+            extra,
+        })
+    };
+    Ok(Some((i, r)))
+}
+
+/// Gives `err` to the unanswered items from `start`: only the first (the one in flight) unless
+/// the items ran `together`. Returns where the next attempt starts.
+fn blame(
+    results: &mut [Option<Result<ScoreResult, CallError>>],
+    mut start: usize,
+    err: &CallError,
+    together: bool,
+    stats: &mut PoolStats,
+) -> usize {
+    let mut blamed = false;
+    for (k, slot) in results.iter_mut().enumerate().skip(start) {
+        if slot.is_none() && (!blamed || together) {
+            *slot = Some(Err(err.clone()));
+            blamed = true;
+            if matches!(err, CallError::Died { .. } | CallError::Protocol { .. }) {
+                stats.errors += 1;
+            }
+            start = k + 1;
+        } else if slot.is_none() {
+            break;
+        } else {
+            start = k + 1;
+        }
+    }
+    start
+}
+
 /// Scores one worker's share, replacing the worker after a timeout or a crash.
 fn run_share(
     w: &mut Worker,
@@ -336,49 +410,18 @@ fn run_share(
                 .recv_timeout(deadline.saturating_duration_since(Instant::now()))
             {
                 Ok(Line::Msg(m)) => {
-                    let protocol = |detail: String| CallError::Protocol {
-                        function: format!("{} from {}", func.name, func.path),
-                        detail,
-                    };
-                    if let Some(p) = m.get("protocol_error").and_then(Value::as_str) {
-                        failure = Some(protocol(p.to_string()));
-                        break;
-                    }
-                    match m["id"].as_u64() {
-                        Some(id) if id == req_id => {}
-                        // A late line of an abandoned request (a replaced worker's ids are
-                        // all older).
-                        Some(id) if id < req_id => continue,
-                        _ => {
-                            failure = Some(protocol(format!("no id {req_id} in {}", short(&m))));
+                    let (i, r) = match reply(&m, req_id, pending.len(), func) {
+                        Ok(Some(answer)) => answer,
+                        // A late line of an abandoned request.
+                        Ok(None) => continue,
+                        Err(e) => {
+                            failure = Some(e);
                             break;
                         }
-                    }
-                    let Some(i) = m["index"]
-                        .as_u64()
-                        .map(|i| i as usize)
-                        .filter(|i| *i < pending.len())
-                    else {
-                        failure = Some(protocol(format!(
-                            "no index below {} in {}",
-                            pending.len(),
-                            short(&m)
-                        )));
-                        break;
                     };
-                    let r = if let Some(err) = m["error"].as_str() {
+                    if matches!(r, Err(CallError::Exception { .. })) {
                         stats.errors += 1;
-                        Err(CallError::Exception {
-                            message: err.to_string(),
-                            traceback: m["traceback"].as_str().unwrap_or("").to_string(),
-                        })
-                    } else {
-                        let extra = m["extra"].as_object().cloned().unwrap_or_default();
-                        Ok(ScoreResult {
-                            score: m["score"].as_f64().unwrap_or(f64::NAN),
-                            extra,
-                        })
-                    };
+                    }
                     if results[start + i].is_none() {
                         done += 1;
                     }
@@ -410,21 +453,7 @@ fn run_share(
         // failure and the rest go to a fresh worker. Batch and async calls run together, so
         // every unanswered item takes it.
         let together = func.batch || w.is_async;
-        let mut blamed = false;
-        for (k, slot) in results.iter_mut().enumerate().skip(start) {
-            if slot.is_none() && (!blamed || together) {
-                *slot = Some(Err(err.clone()));
-                blamed = true;
-                if matches!(err, CallError::Died { .. } | CallError::Protocol { .. }) {
-                    stats.errors += 1;
-                }
-                start = k + 1;
-            } else if slot.is_none() {
-                break;
-            } else {
-                start = k + 1;
-            }
-        }
+        start = blame(&mut results, start, &err, together, &mut stats);
         stats.restarts += 1;
         match Worker::spawn(settings, func, id) {
             Ok(fresh) => *w = fresh,

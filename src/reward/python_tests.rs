@@ -342,3 +342,29 @@ fn start_up_failures_carry_the_cause() {
         "{e}"
     );
 }
+
+/// JSON has no NaN: a dict reward whose extras hold non-finite floats used to break the
+/// protocol line (Python wrote `NaN`, which no JSON parser accepts), failing the sample as a
+/// protocol error. The extras now arrive as the strings Python prints ("nan", "inf", "-inf"),
+/// the score intact, in both the per-item and the batch calling convention.
+#[test]
+fn non_finite_extras_arrive_as_strings_with_the_score_intact() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(
+        dir.path(),
+        "r.py",
+        "def f(solution_str, ground_truth):\n    return {'score': 0.25, 'ratio': float('nan'), 'best': float('inf'), 'seq': [float('-inf'), 2.0], 'ok': 1.5}\n\ndef fb(data_sources, solution_strs, ground_truths, extra_infos):\n    return [f(s, g) for s, g in zip(solution_strs, ground_truths)]\n",
+    );
+    for (name, batch) in [("f", false), ("fb", true)] {
+        let mut p = pool(&f, name, Map::new(), batch, 1, 30.0).unwrap();
+        let out = p.score(&[item("a", ""), item("b", "")]);
+        for r in out {
+            let r = r.unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(r.score, 0.25, "{name}");
+            assert_eq!(r.extra["ratio"], json!("nan"), "{name}");
+            assert_eq!(r.extra["best"], json!("inf"), "{name}");
+            assert_eq!(r.extra["seq"], json!(["-inf", 2.0]), "{name}");
+            assert_eq!(r.extra["ok"], json!(1.5), "{name}");
+        }
+    }
+}

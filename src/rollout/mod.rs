@@ -274,14 +274,12 @@ impl Rollout {
     }
 }
 
-/// Generates for dataset rows `rows` of `ds` through the scheduler ([`generate_all`]).
-/// `pad_id` is kept for callers; the scheduler pads only where a device needs it (with 0s it
-/// masks out).
+/// Generates for dataset rows `rows` of `ds` through the scheduler ([`generate_all`]), which
+/// pads only where a device needs it (with 0s it masks out).
 pub fn generate_rows(
     model: &CausalLm,
     ds: &crate::data::PromptDataset,
     rows: &[usize],
-    _pad_id: u32,
     p: &SamplingParams,
     sampler: &mut Sampler,
 ) -> candle_core::Result<Rollout> {

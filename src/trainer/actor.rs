@@ -61,13 +61,12 @@ impl Actor {
         cfg: &ActorConfig,
         plan: &Plan,
         total_steps: u64,
-        temperature: f64,
         pad_id: u32,
     ) -> Self {
         let settings = UpdateSettings {
             prefix: "actor",
             plan: plan.actor.clone(),
-            seed: cfg.data_loader_seed,
+            seed: plan.seeds.actor,
             loss_scale_factor: cfg.loss_scale_factor.or(Some(plan.response_length as f64)),
             pad_id,
         };
@@ -82,7 +81,7 @@ impl Actor {
                 settings,
             ),
             cfg: cfg.clone(),
-            temperature,
+            temperature: plan.temperatures.log_prob,
             log_prob_micro: plan.log_prob_micro,
         }
     }
@@ -115,6 +114,7 @@ impl Actor {
     pub fn update(&mut self, batch: &StepBatch, step: u64) -> candle_core::Result<Metrics> {
         let cfg = &self.cfg;
         let temperature = self.temperature;
+        let seed = self.trainable.settings.seed;
         let base = PolicyLossParams::from_actor(cfg);
         let mode = cfg.loss_agg_mode;
         let need_entropy = cfg.entropy_coeff != 0.0;
@@ -136,8 +136,7 @@ impl Actor {
             let mut params = base.clone();
             params.norm = norm;
             // clip_cov picks tokens at random: a different, reproducible draw per micro-batch.
-            params.seed = cfg
-                .data_loader_seed
+            params.seed = seed
                 .wrapping_add(step.wrapping_mul(1 << 20))
                 .wrapping_add(micro_index);
             micro_index += 1;

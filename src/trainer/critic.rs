@@ -50,15 +50,15 @@ fn values(model: &ValueModel, mi: &MicroInputs) -> candle_core::Result<Tensor> {
 
 impl Critic {
     /// The critic of a run over the `loaded` backbone, adding a value head initialised from
-    /// `seed` (N(0, 0.02²) weight, zero bias) unless the weights already hold one.
+    /// `plan.seeds.value_head` (N(0, 0.02²) weight, zero bias) unless the weights already hold one.
     pub fn new(
         loaded: Loaded,
         cfg: &CriticConfig,
         plan: &Plan,
         total_steps: u64,
         pad_id: u32,
-        seed: u64,
     ) -> candle_core::Result<Self> {
+        let seed = plan.seeds.value_head;
         let (backbone, varmap) = (loaded.model, loaded.varmap);
         let (dtype, device) = (backbone.dtype(), backbone.device().clone());
         let hidden = backbone.args.hidden_size;
@@ -82,7 +82,7 @@ impl Critic {
         let settings = UpdateSettings {
             prefix: "critic",
             plan: update_plan.clone(),
-            seed: cfg.data_loader_seed,
+            seed: plan.seeds.critic,
             loss_scale_factor: cfg.loss_scale_factor.or(Some(plan.response_length as f64)),
             pad_id,
         };

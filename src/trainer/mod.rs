@@ -138,7 +138,7 @@ impl Trainer {
             tracing::warn!("{w}");
         }
         setup::check_paths(&cfg, &plan)?;
-        let reward = setup::reward_manager(&cfg, &opts.natives)?;
+        let reward = setup::reward_manager(&cfg, &plan, &opts.natives)?;
         let device = crate::model::device(&cfg.trainer.device)?;
         let (loaded, tok) = setup::load_policy(&cfg, &device)?;
         // Prompt plus response must fit each model's context (max_position_embeddings).
@@ -157,20 +157,18 @@ impl Trainer {
         let total_steps = setup::total_steps(&cfg, &plan, train.len())?;
         let r = &cfg.actor_rollout_ref.rollout;
         let params = SamplingParams::train(r, plan.response_length, &tok.eos_token_ids);
-        let temperature = if params.greedy { 1.0 } else { r.temperature };
         let pad = tok.pad_token_id;
         let actor = Actor::new(
             loaded,
             &cfg.actor_rollout_ref.actor,
             &plan,
             total_steps,
-            temperature,
             pad,
         );
         let reference = match (plan.need_reference, plan.ref_log_prob_micro) {
             (true, Some(micro)) => {
                 let (l, _) = setup::load_policy(&cfg, &device)?;
-                Some(Reference::new(l, micro, temperature, pad))
+                Some(Reference::new(l, micro, plan.temperatures.log_prob, pad))
             }
             _ => None,
         };
@@ -181,30 +179,22 @@ impl Trainer {
                 &cfg.critic.model.path,
                 l.model.args.max_position_embeddings,
             )?;
-            Some(Critic::new(
-                l,
-                &cfg.critic,
-                &plan,
-                total_steps,
-                pad,
-                cfg.trainer.seed,
-            )?)
+            Some(Critic::new(l, &cfg.critic, &plan, total_steps, pad)?)
         } else {
             None
         };
-        let data_seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
         let loader = BatchLoader::new(
             train.len(),
             plan.train_batch_size,
             cfg.data.shuffle,
-            data_seed,
+            plan.seeds.data,
         );
         let tracker = match opts.tracker {
             Some(t) => t,
             None => setup::tracker(&cfg)?,
         };
         let mut t = Trainer {
-            rollout: RolloutWorker::new(params, plan.n, r.seed),
+            rollout: RolloutWorker::new(params, plan.n, plan.seeds.rollout),
             kl_ctrl: KlController::new(&cfg.algorithm.kl_ctrl),
             cfg,
             plan,

@@ -574,22 +574,20 @@ mod tests {
         let var = Var::from_tensor(&Tensor::new(&[3.0f32, 4.0], &Device::Cpu).unwrap()).unwrap();
         let vars = vec![("p".to_string(), var.clone())];
         // Loss Σ p²/2: gradient = p = (3, 4), norm 5.
-        let mut g = (var.as_tensor().sqr().unwrap() * 0.5)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let grads = || {
+            (var.as_tensor().sqr().unwrap() * 0.5)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap()
+        };
+        let mut g = grads();
         let norm = clip_grad_norm(&vars, &mut g, 1.0).unwrap();
         assert!((norm - 5.0).abs() < 1e-6, "the norm before clipping");
         let clipped: Vec<f32> = g.get(var.as_tensor()).unwrap().to_vec1().unwrap();
         assert!((clipped[0] - 0.6).abs() < 1e-5 && (clipped[1] - 0.8).abs() < 1e-5);
-        let mut g = (var.as_tensor().sqr().unwrap() * 0.5)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let mut g = grads();
         clip_grad_norm(&vars, &mut g, 10.0).unwrap();
         assert_eq!(
             g.get(var.as_tensor()).unwrap().to_vec1::<f32>().unwrap(),

@@ -35,11 +35,10 @@ impl RolloutWorker {
         &mut self,
         model: &CausalLm,
         ds: &PromptDataset,
-        pad_id: u32,
         prompts: &[usize],
     ) -> Result<StepBatch> {
         let rows = repeat_rows(prompts, self.n);
-        let out = generate_rows(model, ds, &rows, pad_id, &self.params, &mut self.sampler)?;
+        let out = generate_rows(model, ds, &rows, &self.params, &mut self.sampler)?;
         Ok(StepBatch::new(
             rows.iter().map(|&i| ds.prompt_ids[i].clone()).collect(),
             out.responses,
@@ -54,12 +53,11 @@ impl RolloutWorker {
         &self,
         model: &CausalLm,
         ds: &PromptDataset,
-        pad_id: u32,
         prompts: &[usize],
     ) -> Result<Vec<Vec<u32>>> {
         let mut greedy = self.params.clone();
         greedy.greedy = true;
-        let out = generate_rows(model, ds, prompts, pad_id, &greedy, &mut Sampler::new(0))?;
+        let out = generate_rows(model, ds, prompts, &greedy, &mut Sampler::new(0))?;
         Ok(out.responses)
     }
 }
@@ -106,9 +104,8 @@ impl Trainer {
 
     /// The `gen` phase: the rows of the step, from the actor's current weights.
     pub(super) fn generate(&mut self, prompts: &[usize]) -> Result<StepBatch> {
-        let pad = self.tokenizer.pad_token_id;
         self.rollout
-            .generate(self.actor.view(), &self.train, pad, prompts)
+            .generate(self.actor.view(), &self.train, prompts)
     }
 
     /// The `reward` phase: decodes, scores, places the scores on tokens and leaves out the
@@ -125,10 +122,9 @@ impl Trainer {
     pub(super) fn remax_baselines(&mut self, batch: &mut StepBatch) -> Result<()> {
         let n = self.plan.n.max(1);
         let firsts: Vec<usize> = batch.sample.iter().step_by(n).copied().collect();
-        let pad = self.tokenizer.pad_token_id;
         let responses = self
             .rollout
-            .greedy(self.actor.view(), &self.train, pad, &firsts)?;
+            .greedy(self.actor.view(), &self.train, &firsts)?;
         let texts = decode(&self.tokenizer, &responses)?;
         let lens: Vec<usize> = responses.iter().map(Vec::len).collect();
         let scored = self

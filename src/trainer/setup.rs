@@ -8,7 +8,8 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 
 use super::{Result, TrainerError};
-use crate::config::{Config, ConfigError, Plan, RewardSourceType};
+use crate::config::reward::SourceKind;
+use crate::config::{Config, ConfigError, Plan};
 use crate::data::dataset::{load_samples, DatasetOptions};
 use crate::data::{ChatTemplate, PromptDataset, TokenizerBundle};
 use crate::metrics::Tracker;
@@ -53,12 +54,17 @@ pub fn check_paths(cfg: &Config, plan: &Plan) -> std::result::Result<(), ConfigE
         .path
         .iter()
         .map(|p| ("reward.custom_reward_function.path".to_string(), p))
-        .chain(cfg.reward.sources.iter().enumerate().filter_map(|(i, s)| {
-            (s.kind == RewardSourceType::Python)
-                .then_some(s.path.as_ref())
-                .flatten()
-                .map(|p| (format!("reward.sources[{i}].path"), p))
-        }));
+        .chain(
+            plan.reward
+                .sources
+                .iter()
+                .filter_map(|s| match (&s.kind, s.index) {
+                    (SourceKind::Python { path, .. }, Some(i)) => {
+                        Some((format!("reward.sources[{i}].path"), path))
+                    }
+                    _ => None,
+                }),
+        );
     for (key, p) in python_files {
         if !p.starts_with("pkg://") {
             need(&key, p.trim_start_matches("file://"));
@@ -121,10 +127,7 @@ pub fn datasets(
     template: &ChatTemplate,
     with_val: bool,
 ) -> Result<(PromptDataset, Option<PromptDataset>)> {
-    let build = |files: &[String], opts: &DatasetOptions| -> Result<PromptDataset> {
-        let samples = load_samples(files, opts)?;
-        Ok(PromptDataset::build(samples, tok, template, opts)?)
-    };
+    let build = |files: &[String], opts: &DatasetOptions| read_prompts(files, opts, tok, template);
     let train = build(
         &cfg.data.train_files.to_vec(),
         &DatasetOptions::train(&cfg.data, plan.prompt_length),
@@ -139,6 +142,34 @@ pub fn datasets(
         None
     };
     Ok((train, val))
+}
+
+/// Prompts from `files`, read and tokenised as `opts` say.
+fn read_prompts(
+    files: &[String],
+    opts: &DatasetOptions,
+    tok: &TokenizerBundle,
+    template: &ChatTemplate,
+) -> Result<PromptDataset> {
+    let samples = load_samples(files, opts)?;
+    Ok(PromptDataset::build(samples, tok, template, opts)?)
+}
+
+/// The prompts of one file as `generate` (verl's `main_generation`) reads them: the
+/// validation options (`data.val_max_samples` limits the rows) with only `data.prompt_key`
+/// required; every other column passes through to the output.
+pub fn generation_prompts(
+    cfg: &Config,
+    prompt_length: usize,
+    path: &Path,
+    tok: &TokenizerBundle,
+    template: &ChatTemplate,
+) -> Result<PromptDataset> {
+    let opts = DatasetOptions {
+        prompts_only: true,
+        ..DatasetOptions::val(&cfg.data, prompt_length)
+    };
+    read_prompts(&[path.display().to_string()], &opts, tok, template)
 }
 
 /// Training steps of the run for `train_rows` prompts: `trainer.total_training_steps`, else
@@ -168,12 +199,16 @@ pub fn wants_validation(cfg: &Config) -> bool {
 }
 
 /// The reward stage, built first: a broken reward file fails before any model is read.
-pub fn reward_manager(cfg: &Config, natives: &NativeRegistry) -> Result<RewardManager> {
+pub fn reward_manager(
+    cfg: &Config,
+    plan: &Plan,
+    natives: &NativeRegistry,
+) -> Result<RewardManager> {
     let ctx = ModelContext {
         device: cfg.trainer.device.clone(),
         prompt_key: cfg.data.prompt_key.clone(),
     };
-    let reward = RewardManager::from_config_with(&cfg.reward, natives, &ctx)?;
+    let reward = RewardManager::new(&plan.reward, natives, &ctx)?;
     let sources: Vec<String> = reward
         .sources
         .iter()

@@ -56,23 +56,15 @@ impl Trainer {
             &self.tokenizer.eos_token_ids,
         );
         // Its own stream: validation never moves the training sampler.
-        let mut sampler = Sampler::new(
-            self.cfg.actor_rollout_ref.rollout.seed ^ self.global_step.wrapping_mul(0x9e37_79b9),
-        );
+        let mut sampler =
+            Sampler::new(self.plan.seeds.rollout ^ self.global_step.wrapping_mul(0x9e37_79b9));
         let per_batch = self.cfg.data.val_batch_size.unwrap_or(ds.len()).max(1);
         let indices: Vec<usize> = (0..ds.len()).collect();
         let mut scored = Vec::new();
         let mut dumps = Vec::new();
         for chunk in indices.chunks(per_batch) {
             let rows = repeat_rows(chunk, n);
-            let out = generate_rows(
-                self.actor.view(),
-                ds,
-                &rows,
-                self.tokenizer.pad_token_id,
-                &params,
-                &mut sampler,
-            )?;
+            let out = generate_rows(self.actor.view(), ds, &rows, &params, &mut sampler)?;
             let texts = decode(&self.tokenizer, &out.responses)?;
             let lens: Vec<usize> = out.responses.iter().map(Vec::len).collect();
             let rewards = self.reward.score(&requests(ds, &rows, &texts), &lens)?;
