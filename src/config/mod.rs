@@ -40,7 +40,7 @@ pub use reference::RefConfig;
 pub use resolve::{resolve, MicroBatching, Plan, UpdatePlan};
 pub use reward::{OnError, RewardConfig, RewardManagerName, RewardSource, RewardSourceType};
 pub use rollout::{RolloutConfig, SamplingConfig};
-pub use trainer::{ResumeMode, TrainerConfig};
+pub use trainer::{LegacyWorkerImpl, ResumeMode, TrainerConfig};
 
 use crate::defaults;
 

@@ -786,3 +786,28 @@ fn a_yaml_file_nested_too_deep_is_refused_with_its_name() {
     );
     assert!(t.elapsed().as_secs_f64() < 2.0, "{:?}", t.elapsed());
 }
+
+/// `trainer.use_legacy_worker_impl` picks the loss normalisation of both update plans; verl's
+/// default workers never read `loss_scale_factor`, so setting it there is flagged.
+#[test]
+fn legacy_worker_impl_selects_the_normalisation() {
+    let p = resolved(&[]).unwrap();
+    assert!(!p.actor.global_norm);
+    assert!(p.warnings.iter().all(|w| !w.contains("loss_scale_factor")));
+    let p = resolved(&["actor_rollout_ref.actor.loss_scale_factor=64"]).unwrap();
+    assert!(
+        p.warnings.iter().any(|w| w
+            .contains("actor_rollout_ref.actor.loss_scale_factor` (64) is read only with `trainer.use_legacy_worker_impl=disable")),
+        "{:?}",
+        p.warnings
+    );
+    let p = resolved(&[
+        "trainer.use_legacy_worker_impl=disable",
+        "actor_rollout_ref.actor.loss_scale_factor=64",
+    ])
+    .unwrap();
+    assert!(p.actor.global_norm);
+    assert!(p.warnings.iter().all(|w| !w.contains("loss_scale_factor")));
+    let e = err(&["trainer.use_legacy_worker_impl=sometimes"]);
+    assert!(e.contains("trainer.use_legacy_worker_impl"), "{e}");
+}
