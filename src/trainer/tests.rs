@@ -621,6 +621,42 @@ fn on_policy_update_ignores_old_log_probs_and_reports_its_entropy() {
     assert_eq!(m["actor/kl_loss"], 0.0);
 }
 
+/// verl's default workers never pass `loss_scale_factor` to `agg_loss`: on the default path a
+/// seq-mean-token-sum-norm update is the same with and without it (the divisor is the response
+/// length, 6, either way); with `use_legacy_worker_impl=disable` the gradient shrinks by 6/1000
+/// when it is 1000. One mini-batch, so every number comes from the initial weights.
+#[test]
+fn loss_scale_factor_is_read_only_by_the_global_path() {
+    let fx = fixture();
+    let run = |extra: &[&str]| {
+        // gae: whitened advantages are never all zero.
+        let mut args = vec![
+            "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "trainer.total_training_steps=1",
+        ];
+        args.extend_from_slice(extra);
+        let mut t = trainer(&fx, &args, None);
+        let m = t.step().unwrap();
+        (m["actor/pg_loss"], m["actor/grad_norm"])
+    };
+    let scale = "actor_rollout_ref.actor.loss_scale_factor=1000";
+    let disable = "trainer.use_legacy_worker_impl=disable";
+    assert_eq!(run(&[]), run(&[scale]));
+    let (loss, norm) = run(&[disable]);
+    let (scaled_loss, scaled_norm) = run(&[disable, scale]);
+    assert!(norm > 1e-3, "{norm}");
+    // (The loss itself is ~0 here: on-policy, whitened advantages sum to about nothing.)
+    assert!(
+        (scaled_loss - loss * 0.006).abs() <= 1e-6,
+        "{scaled_loss} vs {loss}"
+    );
+    assert!(
+        (scaled_norm - norm * 0.006).abs() <= 1e-5 * norm * 0.006,
+        "{scaled_norm} vs {norm}"
+    );
+}
+
 /// verl's `fit`: validation, then the checkpoint, both after the `step` timer stopped, so
 /// `timing_s/step` (and perf/*) leave them out: the step's wall time holds all three.
 #[test]
