@@ -88,6 +88,7 @@ fn quickstart_command_line_is_accepted_and_explained() {
         "responses per step: 256 prompts × 1 (actor_rollout_ref.rollout.n) = 256",
         "actor update: 4 mini-batch(es) per step, each 64 prompts × 1 = 64 responses",
         "each mini-batch runs as 16 micro-batch(es) of 4 sequences",
+        "losses: each micro-batch's loss normalised by its own tokens / sequences, × 1/16",
         "optimizer steps per training step: 4 mini-batch(es) × 1 epoch(s) = 4",
         "steps per epoch: 7473 prompts / 256 per step = 29",
         "total training steps: 29 × 15 epoch(s) (trainer.total_epochs) = 435",

@@ -117,6 +117,16 @@ fn update_words(out: &mut String, who: &str, u: &UpdatePlan, n: usize, key: &str
             let _ = writeln!(out, "    micro-batches: {}", micro_words(m));
         }
     }
+    let norm = if u.global_norm {
+        "each micro-batch's loss normalised by the whole mini-batch's tokens / sequences (trainer.use_legacy_worker_impl=disable)".to_string()
+    } else {
+        let scale = match u.micro {
+            MicroBatching::Sequences(_) => format!("× 1/{}", u.grad_accum.unwrap_or(1)),
+            MicroBatching::TokenBudget(_) => format!("× its rows / {}", u.mini_batch_responses),
+        };
+        format!("each micro-batch's loss normalised by its own tokens / sequences, {scale} (verl's default workers; trainer.use_legacy_worker_impl)")
+    };
+    let _ = writeln!(out, "    losses: {norm}");
     let _ = writeln!(
         out,
         "    optimizer steps per training step: {} mini-batch(es) × {} epoch(s) = {}",

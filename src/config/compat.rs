@@ -203,7 +203,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("algorithm.rollout_correction.bypass_mode", Unsupported { default: "false", why: "bypass mode is not implemented" }),
     ("algorithm.rollout_correction", DIST),
     // trainer runtime
-    ("trainer.balance_batch", DIST),
     ("trainer.nnodes", DIST),
     ("trainer.n_gpus_per_node", DIST),
     ("trainer.esi_redundant_time", DIST),
@@ -211,7 +210,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("trainer.ray_wait_register_center_timeout", DIST),
     ("trainer.use_v1", DIST),
     ("trainer.v1", DIST),
-    ("trainer.use_legacy_worker_impl", DIST),
     // legacy top-level reward keys
     ("custom_reward_function.path", MovedTo("reward.custom_reward_function.path")),
     ("custom_reward_function.name", MovedTo("reward.custom_reward_function.name")),

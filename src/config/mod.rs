@@ -42,7 +42,7 @@ pub use resolve::{
 };
 pub use reward::{OnError, RewardConfig, RewardManagerName, RewardSource, RewardSourceType};
 pub use rollout::{RolloutConfig, SamplingConfig};
-pub use trainer::{ResumeMode, TrainerConfig};
+pub use trainer::{LegacyWorkerImpl, ResumeMode, TrainerConfig};
 
 use crate::defaults;
 

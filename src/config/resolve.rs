@@ -44,6 +44,10 @@ pub struct UpdatePlan {
     pub loss_agg_mode: LossAggMode,
     pub shuffle: bool,
     pub grad_clip: f64,
+    /// `trainer.use_legacy_worker_impl=disable`: micro-batch losses normalised by the whole
+    /// mini-batch's counts (verl's engine workers); otherwise by their own counts and scaled by
+    /// 1/gradient_accumulation (verl's default dp_actor/dp_critic).
+    pub global_norm: bool,
 }
 
 impl UpdatePlan {
@@ -297,6 +301,28 @@ fn lengths(errors: &mut Vec<String>, cfg: &Config) -> Lengths {
     }
 }
 
+/// `loss_scale_factor` is read only by verl's engine workers (`use_legacy_worker_impl=disable`).
+fn unread_loss_scale_factors(warnings: &mut Vec<String>, cfg: &Config) {
+    if !cfg.trainer.use_legacy_worker_impl.global_norm() {
+        for (key, set) in [
+            (
+                format!("{A}.loss_scale_factor"),
+                cfg.actor_rollout_ref.actor.loss_scale_factor,
+            ),
+            (
+                "critic.loss_scale_factor".to_string(),
+                cfg.critic.loss_scale_factor,
+            ),
+        ] {
+            if let Some(v) = set {
+                warnings.push(format!(
+                    "`{key}` ({v}) is read only with `trainer.use_legacy_worker_impl=disable` (as in verl); verl's default workers divide seq-mean-token-sum-norm losses by the response length"
+                ));
+            }
+        }
+    }
+}
+
 /// `actor_rollout_ref.actor.*`: batching, clipping, loss and optimizer rules; the actor's
 /// update plan.
 fn actor_rules(f: &mut Findings, cfg: &Config, l: &Lengths) -> UpdatePlan {
@@ -366,6 +392,7 @@ fn actor_rules(f: &mut Findings, cfg: &Config, l: &Lengths) -> UpdatePlan {
             }
         }
     }
+    unread_loss_scale_factors(warnings, cfg);
     if actor.policy_loss.loss_mode == PolicyLossMode::Gspo
         && actor.loss_agg_mode != LossAggMode::SeqMeanTokenMean
     {
@@ -405,6 +432,7 @@ fn actor_rules(f: &mut Findings, cfg: &Config, l: &Lengths) -> UpdatePlan {
         loss_agg_mode: actor.loss_agg_mode,
         shuffle: actor.shuffle,
         grad_clip: actor_clip,
+        global_norm: cfg.trainer.use_legacy_worker_impl.global_norm(),
     }
 }
 
@@ -608,6 +636,7 @@ fn critic_rules(
             } else {
                 critic.optim.clip_grad
             },
+            global_norm: cfg.trainer.use_legacy_worker_impl.global_norm(),
         };
         if !(plan.grad_clip.is_finite() && plan.grad_clip > 0.0) {
             errors.push(format!(

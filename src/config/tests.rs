@@ -885,3 +885,28 @@ fn reward_sources_become_typed_in_the_plan() {
     ]);
     assert!(e.contains("reward.reward_kwargs.max_resp_len"), "{e}");
 }
+
+/// `trainer.use_legacy_worker_impl` picks the loss normalisation of both update plans; verl's
+/// default workers never read `loss_scale_factor`, so setting it there is flagged.
+#[test]
+fn legacy_worker_impl_selects_the_normalisation() {
+    let p = resolved(&[]).unwrap();
+    assert!(!p.actor.global_norm);
+    assert!(p.warnings.iter().all(|w| !w.contains("loss_scale_factor")));
+    let p = resolved(&["actor_rollout_ref.actor.loss_scale_factor=64"]).unwrap();
+    assert!(
+        p.warnings.iter().any(|w| w
+            .contains("actor_rollout_ref.actor.loss_scale_factor` (64) is read only with `trainer.use_legacy_worker_impl=disable")),
+        "{:?}",
+        p.warnings
+    );
+    let p = resolved(&[
+        "trainer.use_legacy_worker_impl=disable",
+        "actor_rollout_ref.actor.loss_scale_factor=64",
+    ])
+    .unwrap();
+    assert!(p.actor.global_norm);
+    assert!(p.warnings.iter().all(|w| !w.contains("loss_scale_factor")));
+    let e = err(&["trainer.use_legacy_worker_impl=sometimes"]);
+    assert!(e.contains("trainer.use_legacy_worker_impl"), "{e}");
+}

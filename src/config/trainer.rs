@@ -18,6 +18,26 @@ pub enum ResumeMode {
     ResumePath,
 }
 
+/// `trainer.use_legacy_worker_impl`: which of verl's two update paths the loss normalisation
+/// follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LegacyWorkerImpl {
+    /// verl's default: the `dp_actor` / `dp_critic` workers (same as `enable`).
+    Auto,
+    /// The `dp_actor` / `dp_critic` workers.
+    Enable,
+    /// verl's newer engine workers (`workers/utils/losses.py`).
+    Disable,
+}
+
+impl LegacyWorkerImpl {
+    /// True for `disable`: losses normalised by mini-batch-wide counts.
+    pub fn global_norm(self) -> bool {
+        self == LegacyWorkerImpl::Disable
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrainerConfig {
@@ -66,6 +86,19 @@ pub struct TrainerConfig {
     pub device: String,
     /// Seed of model initialisation and everything not seeded elsewhere (not a verl key).
     pub seed: u64,
+    /// Reorder each step's responses by workload (prompt + response tokens) before the updates, as
+    /// verl's _balance_batch does for its data-parallel ranks, and log global_seqlen/*. With one
+    /// rank the order is short, long, ..., long, short: it changes which rows share a
+    /// mini-batch (and so the updates), as in verl.
+    pub balance_batch: bool,
+    /// auto | enable | disable. auto/enable (verl's default dp_actor/dp_critic workers): each
+    /// micro-batch's loss is aggregated over that micro-batch alone and multiplied by
+    /// 1/gradient_accumulation (rows_in_micro/mini-batch rows with use_dynamic_bsz);
+    /// seq-mean-token-sum-norm divides by the response length (loss_scale_factor is not read); with
+    /// one mini-batch and one epoch the old log-prob is the current one, detached. disable (verl's
+    /// engine workers): losses normalised by the whole mini-batch's token / sequence counts, so
+    /// micro-batches add up to the mini-batch loss; loss_scale_factor honoured.
+    pub use_legacy_worker_impl: LegacyWorkerImpl,
 }
 
 defaults!(TrainerConfig {
@@ -90,4 +123,6 @@ defaults!(TrainerConfig {
     max_critic_ckpt_to_keep: None,
     device: "auto".into(),
     seed: 42,
+    balance_batch: true,
+    use_legacy_worker_impl: LegacyWorkerImpl::Auto,
 });

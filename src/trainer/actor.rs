@@ -67,7 +67,13 @@ impl Actor {
             prefix: "actor",
             plan: plan.actor.clone(),
             seed: plan.seeds.actor,
-            loss_scale_factor: cfg.loss_scale_factor.or(Some(plan.response_length as f64)),
+            // verl's default workers never pass loss_scale_factor to agg_loss: the padded
+            // response width (the response length) divides seq-mean-token-sum-norm.
+            loss_scale_factor: if plan.actor.global_norm {
+                cfg.loss_scale_factor.or(Some(plan.response_length as f64))
+            } else {
+                Some(plan.response_length as f64)
+            },
             pad_id,
         };
         let args = loaded.model.args.clone();
@@ -110,14 +116,18 @@ impl Actor {
         batch.set(Column::OldLogProbs, out.pop().unwrap_or_default())
     }
 
-    /// One PPO update over the step's rows (verl's `update_policy`); returns `actor/*` metrics.
+    /// One PPO update over the step's rows (verl's `update_policy`); returns `actor/*` metrics:
+    /// on the default path `actor/entropy` (with `calculate_entropy` or `entropy_coeff != 0`),
+    /// and `actor/kl_loss` always (0 without `use_kl_loss`), as verl's `dp_actor`; on the
+    /// global path `actor/entropy_loss` when the entropy enters the loss.
     pub fn update(&mut self, batch: &StepBatch, step: u64) -> candle_core::Result<Metrics> {
         let cfg = &self.cfg;
         let temperature = self.temperature;
         let seed = self.trainable.settings.seed;
         let base = PolicyLossParams::from_actor(cfg);
         let mode = cfg.loss_agg_mode;
-        let need_entropy = cfg.entropy_coeff != 0.0;
+        let global = self.trainable.settings.plan.global_norm;
+        let need_entropy = cfg.entropy_coeff != 0.0 || (cfg.calculate_entropy && !global);
         let old_log_prob = batch.column(Column::OldLogProbs)?;
         let advantages = batch.column(Column::Advantages)?;
         let reference = if cfg.use_kl_loss {
@@ -126,12 +136,19 @@ impl Actor {
             None
         };
         let mut micro_index = 0u64;
-        self.trainable.update(batch, step, |model, mi, rows, norm| {
+        let mut m = self.trainable.update(batch, step, |model, mi, rows, ctx| {
+            let norm = ctx.norm;
             let device = model.device();
             let (lp, ent) = response_logprobs(model, mi, temperature, need_entropy)?;
             let r = mi.response_width;
             let mask = &mi.response_mask;
-            let old = pad_rows(old_log_prob, rows, r, device)?;
+            // On-policy (one mini-batch, one epoch): the current log-prob, detached, is the old
+            // one, so the ratio is exactly 1 (verl's `on_policy` in `update_policy`).
+            let old = if ctx.on_policy {
+                lp.detach()
+            } else {
+                pad_rows(old_log_prob, rows, r, device)?
+            };
             let adv = pad_rows(advantages, rows, r, device)?;
             let mut params = base.clone();
             params.norm = norm;
@@ -154,8 +171,15 @@ impl Actor {
             let mut loss = out.loss;
             if let Some(ent) = ent {
                 let e = agg_loss(&ent, mask, mode, norm)?;
-                scalars.push(("actor/entropy_loss", scalar(&e)?));
-                loss = (loss - (e * cfg.entropy_coeff)?)?;
+                let key = if global {
+                    "actor/entropy_loss"
+                } else {
+                    "actor/entropy"
+                };
+                scalars.push((key, scalar(&e)?));
+                if cfg.entropy_coeff != 0.0 {
+                    loss = (loss - (e * cfg.entropy_coeff)?)?;
+                }
             }
             if let Some(reference) = reference {
                 let rl = pad_rows(reference, rows, r, device)?;
@@ -166,7 +190,11 @@ impl Actor {
             }
             scalars.push(("actor/loss", scalar(&loss)?));
             Ok(MicroLoss { loss, scalars })
-        })
+        })?;
+        if !global {
+            m.entry("actor/kl_loss".into()).or_insert(0.0);
+        }
+        Ok(m)
     }
 }
 

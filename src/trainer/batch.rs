@@ -83,6 +83,9 @@ pub struct StepBatch {
     pub rewards: Vec<SampleReward>,
     /// ReMax: each row's baseline (the reward of its prompt's greedy response).
     pub reward_baselines: Option<Vec<f64>>,
+    /// The order the updates split rows into mini- and micro-batches in (`trainer.balance_batch`);
+    /// `None` = row order. The rows themselves stay grouped by prompt.
+    pub update_order: Option<Vec<usize>>,
     /// The per-token columns filled so far.
     columns: BTreeMap<Column, Ragged>,
 }
@@ -363,6 +366,35 @@ pub fn scatter_rows(t: &Tensor, rows: &[usize], lens: &[usize], dst: &mut Ragged
     Ok(())
 }
 
+/// verl's `_balance_batch` on one data-parallel rank (`seqlen_balancing`): each row's workload
+/// is `24576·s + s²` for its `s` prompt + response tokens; rows sorted by (workload, index) are
+/// dealt out as the even positions, then the odd ones reversed (short, ..., long, ..., short).
+pub fn balanced_order(seqlens: &[usize]) -> Vec<usize> {
+    let workload = |s: usize| 24576u128 * s as u128 + (s as u128) * (s as u128);
+    let mut sorted: Vec<usize> = (0..seqlens.len()).collect();
+    sorted.sort_by_key(|&i| (workload(seqlens[i]), i));
+    let evens = sorted.iter().step_by(2).copied();
+    let odds: Vec<usize> = sorted.iter().skip(1).step_by(2).copied().collect();
+    evens.chain(odds.into_iter().rev()).collect()
+}
+
+/// verl's `log_seqlen_unbalance` metrics (`global_seqlen/*`) for one rank: the step's token
+/// total before and after balancing, their spread (0 with one rank) and the mean per rank.
+pub fn seqlen_metrics(seqlens: &[usize]) -> Vec<(String, f64)> {
+    let total = seqlens.iter().sum::<usize>() as f64;
+    [
+        ("min", total),
+        ("max", total),
+        ("minmax_diff", 0.0),
+        ("balanced_min", total),
+        ("balanced_max", total),
+        ("mean", total),
+    ]
+    .into_iter()
+    .map(|(k, v)| (format!("global_seqlen/{k}"), v))
+    .collect()
+}
+
 /// All rows' values as one `[rows, width]` tensor (for the advantage estimators).
 pub fn dense(values: &Ragged, width: usize, device: &Device) -> Result<Tensor> {
     let rows: Vec<usize> = (0..values.len()).collect();
@@ -409,6 +441,20 @@ mod tests {
         let rm: Vec<Vec<f32>> = mi.response_mask.to_vec2().unwrap();
         assert_eq!(rm, vec![vec![0., 0., 0.]]);
         assert_eq!(b.mask_len(1), 0);
+    }
+
+    /// By hand: lengths [5, 2, 9, 2, 7] sort (workload grows with length; ties by index) to
+    /// rows 1, 3, 0, 4, 2; the even positions 1, 0, 2 then the odd ones reversed 4, 3.
+    #[test]
+    fn balance_batch_orders_short_long_short() {
+        assert_eq!(balanced_order(&[5, 2, 9, 2, 7]), vec![1, 0, 2, 4, 3]);
+        assert_eq!(balanced_order(&[3]), vec![0]);
+        assert!(balanced_order(&[]).is_empty());
+        let m: BTreeMap<String, f64> = seqlen_metrics(&[5, 2, 9, 2, 7]).into_iter().collect();
+        for k in ["min", "max", "balanced_min", "balanced_max", "mean"] {
+            assert_eq!(m[&format!("global_seqlen/{k}")], 25.0, "{k}");
+        }
+        assert_eq!(m["global_seqlen/minmax_diff"], 0.0);
     }
 
     #[test]

@@ -83,7 +83,12 @@ impl Critic {
             prefix: "critic",
             plan: update_plan.clone(),
             seed: plan.seeds.critic,
-            loss_scale_factor: cfg.loss_scale_factor.or(Some(plan.response_length as f64)),
+            // verl's default dp_critic never passes loss_scale_factor to agg_loss.
+            loss_scale_factor: if update_plan.global_norm {
+                cfg.loss_scale_factor.or(Some(plan.response_length as f64))
+            } else {
+                Some(plan.response_length as f64)
+            },
             pad_id,
         };
         let args = backbone.args.clone();
@@ -117,7 +122,8 @@ impl Critic {
         let mode = self.trainable.settings.plan.loss_agg_mode;
         let old_values = batch.column(Column::Values)?;
         let returns = batch.column(Column::Returns)?;
-        self.trainable.update(batch, step, |model, mi, rows, norm| {
+        self.trainable.update(batch, step, |model, mi, rows, ctx| {
+            let norm = ctx.norm;
             let device = model.device();
             let vpreds = values(model, mi)?;
             let r = mi.response_width;

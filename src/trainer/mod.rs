@@ -4,7 +4,7 @@
 //! prompts ─► rollout (n per prompt, one uid per prompt) ─► reward ─► old log-probs (actor)
 //!         ─► ref log-probs (use_kl_loss | use_kl_in_reward) ─► values (critic, gae)
 //!         ─► KL in reward ─► advantages ─► critic update ─► actor update (after critic_warmup)
-//!         ─► checkpoint (save_freq, last) ─► validation (test_freq, last) ─► metrics
+//!         ─► validation (test_freq, last) ─► checkpoint (save_freq, last) ─► metrics
 //! ```
 //!
 //! Parts: `batch` (a step's rows and their tensors), `actor` (policy and reference log-probs,
@@ -296,6 +296,11 @@ impl Trainer {
         let (mut t, mut m) = (Timings::default(), Metrics::new());
         let (prompts, epoch) = self.next_prompts()?;
         let mut batch = t.time("gen", || self.generate(&prompts))?;
+        if self.cfg.trainer.balance_batch {
+            let seqlens: Vec<usize> = (0..batch.len()).map(|r| batch.seq_len(r)).collect();
+            batch.update_order = Some(batch::balanced_order(&seqlens));
+            m.extend(batch::seqlen_metrics(&seqlens));
+        }
         t.time("reward", || self.compute_rewards(&mut batch))?;
         if self.cfg.algorithm.adv_estimator == AdvEstimator::Remax {
             t.time("gen_max", || self.remax_baselines(&mut batch))?;
@@ -315,11 +320,14 @@ impl Trainer {
             m.extend(t.time("update_actor", || self.actor.update(&batch, step))?);
         }
         self.global_step = step;
-        self.save_and_validate(step, &mut t, &mut m)?;
-        self.step_metrics(&batch, epoch, started, t, &mut m)?;
         if let Some(dir) = self.cfg.trainer.rollout_data_dir.clone() {
             self.dump_rollouts(&dir, &batch)?;
         }
+        // verl's `timing_s/step` (and so perf/*) stops here: validation and saving are timed
+        // on their own.
+        let elapsed = started.elapsed().as_secs_f64();
+        self.validate_and_save(step, &mut t, &mut m)?;
+        self.step_metrics(&batch, epoch, elapsed, t, &mut m)?;
         Ok(m)
     }
 }

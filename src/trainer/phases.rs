@@ -2,8 +2,6 @@
 //! rollout, reward, ReMax's baseline, advantages, the after-update work (checkpoint,
 //! validation) and the step's metrics. Each fills the step's [`StepBatch`].
 
-use std::time::Instant;
-
 use super::batch::StepBatch;
 use super::{advantage, step_metrics, Result, Trainer, TrainerError};
 use crate::control::ControlServer;
@@ -149,43 +147,49 @@ impl Trainer {
         )?)
     }
 
-    /// After the updates: a checkpoint every `save_freq` steps and validation every
-    /// `test_freq` steps (both at the last step).
-    pub(super) fn save_and_validate(
+    /// After the updates, in verl's order (`RayPPOTrainer.fit`): validation every `test_freq`
+    /// steps, then a checkpoint every `save_freq` steps (both at the last step).
+    pub(super) fn validate_and_save(
         &mut self,
         step: u64,
         t: &mut Timings,
         m: &mut Metrics,
     ) -> Result<()> {
         let last = step == self.total_steps;
-        if let Some(freq) = self.cfg.trainer.save_freq {
-            if last || step.is_multiple_of(freq) {
-                t.time("save_checkpoint", || self.save_checkpoint())?;
-            }
-        }
         if let (Some(freq), true) = (self.cfg.trainer.test_freq, self.val.is_some()) {
             if last || step.is_multiple_of(freq) {
                 m.extend(t.time("testing", || self.validate())?);
             }
         }
+        if let Some(freq) = self.cfg.trainer.save_freq {
+            if last || step.is_multiple_of(freq) {
+                t.time("save_checkpoint", || self.save_checkpoint())?;
+            }
+        }
         Ok(())
     }
 
-    /// verl's data, reward, timing and throughput metrics of the step.
+    /// verl's data, reward, timing and throughput metrics of the step; `elapsed`: the step's
+    /// seconds without validation and checkpointing (verl's `step` timer).
     pub(super) fn step_metrics(
         &self,
         batch: &StepBatch,
         epoch: u64,
-        started: Instant,
+        elapsed: f64,
         mut timing: Timings,
         m: &mut Metrics,
     ) -> Result<()> {
-        let loss_agg_mode = self.cfg.actor_rollout_ref.actor.loss_agg_mode;
-        step_metrics::data_metrics(m, batch, &self.plan, loss_agg_mode)?;
+        let actor = &self.cfg.actor_rollout_ref.actor;
+        step_metrics::data_metrics(
+            m,
+            batch,
+            &self.plan,
+            actor.loss_agg_mode,
+            actor.loss_scale_factor,
+        )?;
         step_metrics::reward_metrics(m, &self.reward, &batch.rewards);
         m.insert("training/global_step".into(), self.global_step as f64);
         m.insert("training/epoch".into(), epoch as f64);
-        let elapsed = started.elapsed().as_secs_f64();
         timing.seconds.insert("step", elapsed);
         let response_tokens: usize = batch.response_lens().iter().sum();
         let all_tokens: usize = (0..batch.len()).map(|r| batch.seq_len(r)).sum();

@@ -29,12 +29,15 @@ fn variance(x: &[f64]) -> f64 {
 }
 
 /// The data metrics of a step whose `adv` phase ran; lengths are clipped at `plan`'s limits,
-/// `actor/entropy` is aggregated with `loss_agg_mode`.
+/// `actor/entropy` is aggregated with `loss_agg_mode` (seq-mean-token-sum-norm divided by
+/// `loss_scale_factor`, else the response length, as verl's trainer does), unless the update
+/// already reported it (verl's update metrics overwrite the old-log-prob pass's).
 pub fn data_metrics(
     m: &mut Metrics,
     b: &StepBatch,
     plan: &Plan,
     loss_agg_mode: LossAggMode,
+    loss_scale_factor: Option<f64>,
 ) -> candle_core::Result<()> {
     let rows: Vec<usize> = (0..b.len()).filter(|&r| !b.excluded[r]).collect();
     let seq_sum = |v: &Ragged| -> Vec<f64> {
@@ -83,14 +86,18 @@ pub fn data_metrics(
         "prompt_length/clip_ratio".into(),
         clip(&prompt, plan.prompt_length),
     );
-    if b.has(Column::Entropys) {
+    if b.has(Column::Entropys) && !m.contains_key("actor/entropy") {
         // verl's `actor/entropy`: the entropy of the rollout policy, aggregated like the loss.
         let width = b.max_response_len();
+        let norm = AggNorm {
+            loss_scale_factor: loss_scale_factor.or(Some(plan.response_length as f64)),
+            ..AggNorm::default()
+        };
         let e = agg_loss(
             &dense(b.column(Column::Entropys)?, width, &Device::Cpu)?,
             &dense(&b.response_mask(), width, &Device::Cpu)?,
             loss_agg_mode,
-            AggNorm::default(),
+            norm,
         )?;
         m.insert("actor/entropy".into(), crate::algo::agg::scalar(&e)?);
     }

@@ -206,12 +206,24 @@ fn three_steps_with_each_estimator_and_kl_variant() {
             name,
         );
         assert_eq!(m["training/global_step"], 3.0);
+        // trainer.balance_batch (default): one rank holds every token of the step.
+        assert_eq!(
+            m["global_seqlen/mean"], m["perf/total_num_tokens"],
+            "{name}"
+        );
+        assert_eq!(m["global_seqlen/minmax_diff"], 0.0, "{name}");
         let critic = name.starts_with("gae");
         assert_eq!(m.contains_key("critic/vf_loss"), critic, "{name}");
         assert_eq!(m.contains_key("critic/vf_explained_var"), critic, "{name}");
         assert_eq!(t.critic.is_some(), critic, "{name}");
+        // verl's dp_actor reports actor/kl_loss always (0 without use_kl_loss), kl_coef with it.
         assert_eq!(
-            m.contains_key("actor/kl_loss"),
+            m["actor/kl_loss"] != 0.0,
+            name.contains("kl_loss"),
+            "{name}"
+        );
+        assert_eq!(
+            m.contains_key("actor/kl_coef"),
             name.contains("kl_loss"),
             "{name}"
         );
@@ -549,6 +561,140 @@ fn validation_metrics_and_sample_dumps() {
     let lines = lines.lock().unwrap();
     assert!(lines[0].starts_with("step:0 - val-"), "{}", lines[0]);
     assert!(lines.iter().any(|l| l.starts_with("step:1 - actor/")));
+}
+
+/// verl's on-policy shortcut (`dp_actor.update_policy`, default workers): with one mini-batch
+/// and one epoch the old log-prob is the current one, detached, whatever the `old_log_probs`
+/// column holds, so `ppo_kl` and the clip fractions are exactly 0; with `calculate_entropy` the
+/// update reports `actor/entropy` as the mean over its micro-batches of each micro-batch's
+/// token-mean entropy (computed here by hand from the old-log-prob pass's `entropys`, the same
+/// weights).
+#[test]
+fn on_policy_update_ignores_old_log_probs_and_reports_its_entropy() {
+    let fx = fixture();
+    let mut t = trainer(
+        &fx,
+        &[
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.calculate_entropy=True",
+        ],
+        None,
+    );
+    let (prompts, _) = t.next_prompts().unwrap();
+    let mut batch = t.generate(&prompts).unwrap();
+    let seqlens: Vec<usize> = (0..batch.len()).map(|r| batch.seq_len(r)).collect();
+    batch.update_order = Some(batch::balanced_order(&seqlens));
+    t.compute_rewards(&mut batch).unwrap();
+    t.actor.compute_log_prob(&mut batch).unwrap();
+    t.compute_advantages(&mut batch).unwrap();
+    // Old log-probs far from the policy: a real ratio would clip and show a KL.
+    let off: batch::Ragged = batch
+        .column(batch::Column::OldLogProbs)
+        .unwrap()
+        .iter()
+        .map(|r| r.iter().map(|x| x - 1.0).collect())
+        .collect();
+    batch.set(batch::Column::OldLogProbs, off).unwrap();
+    let order = batch.update_order.clone().unwrap();
+    let ent = batch.column(batch::Column::Entropys).unwrap();
+    let micro_means: Vec<f64> = order
+        .chunks(2)
+        .map(|rows| {
+            let vals: Vec<f64> = rows
+                .iter()
+                .flat_map(|&r| ent[r].iter().map(|&x| f64::from(x)))
+                .collect();
+            vals.iter().sum::<f64>() / vals.len() as f64
+        })
+        .collect();
+    let want = micro_means.iter().sum::<f64>() / micro_means.len() as f64;
+    let m = t.actor.update(&batch, 1).unwrap();
+    assert_eq!(m["actor/ppo_kl"], 0.0);
+    assert_eq!(m["actor/pg_clipfrac"], 0.0);
+    assert_eq!(m["actor/pg_clipfrac_lower"], 0.0);
+    assert!(
+        (m["actor/entropy"] - want).abs() < 1e-5,
+        "{} vs {want}",
+        m["actor/entropy"]
+    );
+    assert_eq!(m["actor/kl_loss"], 0.0);
+}
+
+/// verl's default workers never pass `loss_scale_factor` to `agg_loss`: on the default path a
+/// seq-mean-token-sum-norm update is the same with and without it (the divisor is the response
+/// length, 6, either way); with `use_legacy_worker_impl=disable` the gradient shrinks by 6/1000
+/// when it is 1000. One mini-batch, so every number comes from the initial weights.
+#[test]
+fn loss_scale_factor_is_read_only_by_the_global_path() {
+    let fx = fixture();
+    let run = |extra: &[&str]| {
+        // gae: whitened advantages are never all zero.
+        let mut args = vec![
+            "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "trainer.total_training_steps=1",
+        ];
+        args.extend_from_slice(extra);
+        let mut t = trainer(&fx, &args, None);
+        let m = t.step().unwrap();
+        (m["actor/pg_loss"], m["actor/grad_norm"])
+    };
+    let scale = "actor_rollout_ref.actor.loss_scale_factor=1000";
+    let disable = "trainer.use_legacy_worker_impl=disable";
+    assert_eq!(run(&[]), run(&[scale]));
+    let (loss, norm) = run(&[disable]);
+    let (scaled_loss, scaled_norm) = run(&[disable, scale]);
+    assert!(norm > 1e-3, "{norm}");
+    // (The loss itself is ~0 here: on-policy, whitened advantages sum to about nothing.)
+    assert!(
+        (scaled_loss - loss * 0.006).abs() <= 1e-6,
+        "{scaled_loss} vs {loss}"
+    );
+    assert!(
+        (scaled_norm - norm * 0.006).abs() <= 1e-5 * norm * 0.006,
+        "{scaled_norm} vs {norm}"
+    );
+}
+
+/// verl's `fit`: validation, then the checkpoint, both after the `step` timer stopped, so
+/// `timing_s/step` (and perf/*) leave them out: the step's wall time holds all three.
+#[test]
+fn validation_runs_before_the_checkpoint_and_outside_the_step_timer() {
+    let fx = fixture();
+    let vdumps = fx.dir.path().join("vdumps");
+    let mut t = trainer(
+        &fx,
+        &[
+            "algorithm.adv_estimator=grpo",
+            "trainer.test_freq=1",
+            "trainer.save_freq=1",
+            &format!("trainer.validation_data_dir={}", vdumps.display()),
+        ],
+        None,
+    );
+    let started = std::time::Instant::now();
+    let m = t.step().unwrap();
+    let wall = started.elapsed().as_secs_f64();
+    let (step, testing, save) = (
+        m["timing_s/step"],
+        m["timing_s/testing"],
+        m["timing_s/save_checkpoint"],
+    );
+    assert!(testing > 0.0 && save > 0.0, "{testing} {save}");
+    assert!(
+        step + testing + save <= wall + 1e-6,
+        "step {step} + testing {testing} + save {save} > wall {wall}"
+    );
+    assert!((m["perf/time_per_step"] - step).abs() < 1e-12);
+    // The validation dump is written before the checkpoint's tracker file.
+    let modified = |p: &Path| std::fs::metadata(p).unwrap().modified().unwrap();
+    let tracker = fx
+        .dir
+        .path()
+        .join("ckpt")
+        .join("latest_checkpointed_iteration.txt");
+    assert!(modified(&vdumps.join("1.jsonl")) <= modified(&tracker));
 }
 
 #[test]

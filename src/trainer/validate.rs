@@ -1,45 +1,221 @@
 //! Validation (verl's `_validate`): `rollout.val_kwargs.n` responses per validation prompt
-//! (greedy by default), scored by the reward stage, summarised per data source as
-//! `val-core/<data_source>/<acc|reward>/mean@N` (+ `best@N/mean` when N > 1) and
-//! `val-aux/...` for the rest.
+//! (greedy by default), scored by the reward stage, summarised as verl's
+//! `metric_utils.process_validation_metrics` and `_val_metrics_update` do.
 //!
-//! The core variable is `acc` when every scorer reported one (a plain-number score sets
-//! `acc = score`), else `reward`. `best@N/mean` and `worst@N/mean` are the exact mean over
-//! prompts of the best / worst of the N responses (verl estimates them by bootstrap).
+//! Variables: `reward` (each response's score) and every value the scorers reported (`acc`,
+//! `pred`, ...; a plain-number score reports `acc = score`). Per data source, prompt and numeric
+//! variable with N responses: `mean@N`; for N > 1 also `std@N` (population) and, for n = 2, 4,
+//! 8, … below N and N itself, `best@n/{mean,std}` and `worst@n/{mean,std}` over 1000 bootstrap
+//! draws of n responses with replacement (NumPy's legacy `RandomState`, seeded 42 for each n,
+//! as verl), and `maj@n/{mean,std}` (the value of the first response of the most frequent
+//! `pred` in each draw) when the prompt's responses carry a `pred`. Each metric is then
+//! averaged over the prompts. Text variables give no metrics.
+//!
+//! Names: `val-core/<data_source>/<var>/<metric>` for the core variable (`acc` when the source
+//! has one, else `reward`) and its `mean`/`maj`/`best` metrics at the largest n; `val-aux/...`
+//! for everything else.
 
 use std::collections::BTreeMap;
 
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::dumps::write_jsonl;
 use super::phases::{decode, requests};
 use super::{Result, Trainer};
+use crate::data::numpy_rng::RandomState;
 use crate::metrics::Metrics;
 use crate::rollout::{generate_rows, repeat_rows, Sampler, SamplingParams};
 
-/// Reads one variable (reward, acc) of a scored response.
-type Getter = fn(&Scored) -> f64;
+/// verl's bootstrap draws per sample size.
+const N_BOOTSTRAP: usize = 1000;
+/// verl's bootstrap seed (`process_validation_metrics(seed=42)`).
+pub const BOOTSTRAP_SEED: u32 = 42;
 
-/// One validation response.
-struct Scored {
-    prompt: usize,
-    data_source: String,
-    reward: f64,
-    acc: Option<f64>,
+/// One value a validation response carries: a number (bools count 0/1) or text.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ValValue {
+    Num(f64),
+    Text(String),
 }
 
-fn stats(groups: &BTreeMap<usize, Vec<f64>>) -> (f64, f64, f64, f64) {
-    let k = groups.len().max(1) as f64;
-    let (mut mean, mut best, mut worst, mut std) = (0.0, 0.0, 0.0, 0.0);
-    for g in groups.values() {
-        let n = g.len() as f64;
-        let m = g.iter().sum::<f64>() / n;
-        mean += m;
-        best += g.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        worst += g.iter().copied().fold(f64::INFINITY, f64::min);
-        std += (g.iter().map(|x| (x - m).powi(2)).sum::<f64>() / n).sqrt();
+impl ValValue {
+    /// A scorer's JSON value; `None` for null, arrays and objects.
+    pub fn from_json(v: &Value) -> Option<Self> {
+        match v {
+            Value::Number(n) => n.as_f64().map(ValValue::Num),
+            Value::Bool(b) => Some(ValValue::Num(f64::from(u8::from(*b)))),
+            Value::String(s) => Some(ValValue::Text(s.clone())),
+            _ => None,
+        }
     }
-    (mean / k, best / k, worst / k, std / k)
+
+    /// The value as a vote (`pred`): equal votes, equal keys.
+    fn vote(&self) -> String {
+        match self {
+            ValValue::Num(x) => format!("n:{x}"),
+            ValValue::Text(s) => format!("s:{s}"),
+        }
+    }
+}
+
+/// One scored validation response.
+#[derive(Debug, Clone)]
+pub struct ValSample {
+    pub data_source: String,
+    /// The prompt it answers (verl's `uid`).
+    pub uid: usize,
+    /// `reward` and the scorers' extra values.
+    pub vars: BTreeMap<String, ValValue>,
+}
+
+/// verl's `gen_ns`: 2, 4, 8, … below `n`, then `n` (none for n ≤ 1).
+fn sample_sizes(n: usize) -> Vec<usize> {
+    if n <= 1 {
+        return Vec::new();
+    }
+    let mut ns = Vec::new();
+    let mut k = 2;
+    while k < n {
+        ns.push(k);
+        k *= 2;
+    }
+    ns.push(n);
+    ns
+}
+
+fn mean_std(x: &[f64]) -> (f64, f64) {
+    let n = x.len().max(1) as f64;
+    let m = x.iter().sum::<f64>() / n;
+    (
+        m,
+        (x.iter().map(|v| (v - m).powi(2)).sum::<f64>() / n).sqrt(),
+    )
+}
+
+/// The value of the first response of the most frequent vote among `picks` (ties: the vote
+/// seen first), as verl's `calc_maj_val`.
+fn majority(picks: &[usize], vals: &[f64], votes: &[String]) -> f64 {
+    let mut order: Vec<(&str, usize, f64)> = Vec::new();
+    for &i in picks {
+        match order.iter_mut().find(|(v, _, _)| *v == votes[i]) {
+            Some(e) => e.1 += 1,
+            None => order.push((&votes[i], 1, vals[i])),
+        }
+    }
+    let mut best = &order[0];
+    for e in &order[1..] {
+        if e.1 > best.1 {
+            best = e;
+        }
+    }
+    best.2
+}
+
+/// One prompt's metrics of one numeric variable (`votes`: its responses' `pred`, if any).
+fn prompt_metrics(vals: &[f64], votes: Option<&[String]>, seed: u32) -> Vec<(String, f64)> {
+    let n = vals.len();
+    let mut out = vec![(format!("mean@{n}"), mean_std(vals).0)];
+    if n < 2 {
+        return out;
+    }
+    out.push((format!("std@{n}"), mean_std(vals).1));
+    for k in sample_sizes(n) {
+        // [N_BOOTSTRAP, k] indices, row-major, as `np.random.choice(n, size=(1000, k))`.
+        let idx = RandomState::new(seed).choice_with_replacement(n, N_BOOTSTRAP * k);
+        let (mut best, mut worst, mut maj) = (Vec::new(), Vec::new(), Vec::new());
+        for picks in idx.chunks(k) {
+            let picked = picks.iter().map(|&i| vals[i]);
+            best.push(picked.clone().fold(f64::NEG_INFINITY, f64::max));
+            worst.push(picked.fold(f64::INFINITY, f64::min));
+            if let Some(votes) = votes {
+                maj.push(majority(picks, vals, votes));
+            }
+        }
+        for (name, draws) in [("best", &best), ("worst", &worst), ("maj", &maj)] {
+            if draws.is_empty() {
+                continue;
+            }
+            let (m, sd) = mean_std(draws);
+            out.push((format!("{name}@{k}/mean"), m));
+            out.push((format!("{name}@{k}/std"), sd));
+        }
+    }
+    out
+}
+
+/// verl's `process_validation_metrics` then `_val_metrics_update`: the named validation
+/// metrics of `samples`, bootstrap seeded with `seed`.
+pub fn validation_metrics(samples: &[ValSample], seed: u32) -> Metrics {
+    // data source -> prompt -> variable -> values, in response order.
+    type Vars = BTreeMap<String, Vec<ValValue>>;
+    let mut groups: BTreeMap<&str, BTreeMap<usize, Vars>> = BTreeMap::new();
+    for s in samples {
+        let vars = groups
+            .entry(s.data_source.as_str())
+            .or_default()
+            .entry(s.uid)
+            .or_default();
+        for (k, v) in &s.vars {
+            vars.entry(k.clone()).or_default().push(v.clone());
+        }
+    }
+    let mut m = Metrics::new();
+    for (src, prompts) in groups {
+        // variable -> metric -> per-prompt values.
+        let mut acc: BTreeMap<String, BTreeMap<String, Vec<f64>>> = BTreeMap::new();
+        for vars in prompts.values() {
+            let votes: Option<Vec<String>> = vars
+                .get("pred")
+                .map(|p| p.iter().map(ValValue::vote).collect());
+            for (var, vals) in vars {
+                let nums: Option<Vec<f64>> = vals
+                    .iter()
+                    .map(|v| match v {
+                        ValValue::Num(x) => Some(*x),
+                        ValValue::Text(_) => None,
+                    })
+                    .collect();
+                let Some(nums) = nums.filter(|n| !n.is_empty()) else {
+                    continue;
+                };
+                let votes = votes.as_deref().filter(|v| v.len() == nums.len());
+                for (name, v) in prompt_metrics(&nums, votes, seed) {
+                    acc.entry(var.clone())
+                        .or_default()
+                        .entry(name)
+                        .or_default()
+                        .push(v);
+                }
+            }
+        }
+        let core = if acc.contains_key("acc") {
+            "acc"
+        } else {
+            "reward"
+        };
+        for (var, metrics) in acc {
+            let n_max = metrics
+                .keys()
+                .filter_map(|k| {
+                    k.split('@')
+                        .nth(1)?
+                        .split('/')
+                        .next()?
+                        .parse::<usize>()
+                        .ok()
+                })
+                .max()
+                .unwrap_or(1);
+            for (name, vals) in metrics {
+                let is_core = var == core
+                    && ["mean", "maj", "best"].iter().any(|p| name.starts_with(p))
+                    && name.contains(&format!("@{n_max}"));
+                let section = if is_core { "val-core" } else { "val-aux" };
+                m.insert(format!("{section}/{src}/{var}/{name}"), mean_std(&vals).0);
+            }
+        }
+    }
+    m
 }
 
 impl Trainer {
@@ -70,16 +246,17 @@ impl Trainer {
             let rewards = self.reward.score(&requests(ds, &rows, &texts), &lens)?;
             for (k, r) in rewards.iter().enumerate() {
                 let sample = &ds.samples[rows[k]];
-                let acc = r.extra.get("acc").and_then(|v| {
-                    v.as_f64()
-                        .or_else(|| v.as_bool().map(|b| f64::from(u8::from(b))))
-                });
                 if let Some(score) = r.score {
-                    scored.push(Scored {
-                        prompt: rows[k],
+                    let mut vars: BTreeMap<String, ValValue> = r
+                        .extra
+                        .iter()
+                        .filter_map(|(k, v)| Some((k.clone(), ValValue::from_json(v)?)))
+                        .collect();
+                    vars.insert("reward".into(), ValValue::Num(score));
+                    scored.push(ValSample {
                         data_source: sample.data_source.clone(),
-                        reward: score,
-                        acc,
+                        uid: rows[k],
+                        vars,
                     });
                 }
                 dumps.push(json!({
@@ -92,40 +269,7 @@ impl Trainer {
                 }));
             }
         }
-        let mut m = Metrics::new();
-        let mut by_source: BTreeMap<&str, Vec<&Scored>> = BTreeMap::new();
-        for s in &scored {
-            by_source.entry(s.data_source.as_str()).or_default().push(s);
-        }
-        for (src, list) in by_source {
-            let has_acc = list.iter().all(|s| s.acc.is_some());
-            let mut vars: Vec<(&str, Getter)> = vec![("reward", |s| s.reward)];
-            if has_acc {
-                vars.push(("acc", |s| s.acc.unwrap_or(0.0)));
-            }
-            let core = if has_acc { "acc" } else { "reward" };
-            for (var, get) in &vars {
-                let mut groups: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
-                for s in &list {
-                    groups.entry(s.prompt).or_default().push(get(s));
-                }
-                let (mean, best, worst, std) = stats(&groups);
-                let section = |metric: &str| {
-                    let core_metric =
-                        *var == core && (metric.starts_with("mean") || metric.starts_with("best"));
-                    format!(
-                        "{}/{src}/{var}/{metric}",
-                        if core_metric { "val-core" } else { "val-aux" }
-                    )
-                };
-                m.insert(section(&format!("mean@{n}")), mean);
-                if n > 1 {
-                    m.insert(section(&format!("best@{n}/mean")), best);
-                    m.insert(section(&format!("worst@{n}/mean")), worst);
-                    m.insert(section(&format!("std@{n}")), std);
-                }
-            }
-        }
+        let m = validation_metrics(&scored, BOOTSTRAP_SEED);
         let show = self.cfg.trainer.log_val_generations.min(dumps.len());
         for d in dumps.iter().take(show) {
             tracing::info!(
@@ -142,5 +286,146 @@ impl Trainer {
             write_jsonl(&dir, self.global_step, &dumps)?;
         }
         Ok(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Printed by `scripts/val_metrics_reference.py` (NumPy 2.4.6's legacy RandomState, an
+    /// independent re-computation of verl's process_validation_metrics / _val_metrics_update)
+    /// for the responses of [`samples`].
+    const REFERENCE: &str = "
+val-aux/ds_a/acc/best@2/mean 0.49
+val-aux/ds_a/acc/best@2/std 0.47557703292448417
+val-aux/ds_a/acc/best@4/mean 0.7315
+val-aux/ds_a/acc/best@4/std 0.4069722384887322
+val-aux/ds_a/acc/maj@2/mean 0.3015
+val-aux/ds_a/acc/maj@2/std 0.441084772747262
+val-aux/ds_a/acc/maj@4/mean 0.3045
+val-aux/ds_a/acc/maj@4/std 0.44467066941267536
+val-aux/ds_a/acc/std@5 0.44494897427831787
+val-aux/ds_a/acc/worst@2/mean 0.10500000000000001
+val-aux/ds_a/acc/worst@2/std 0.28791648154426397
+val-aux/ds_a/acc/worst@4/mean 0.017
+val-aux/ds_a/acc/worst@4/std 0.10512173184368656
+val-aux/ds_a/acc/worst@5/mean 0.0035
+val-aux/ds_a/acc/worst@5/std 0.041686328694189416
+val-aux/ds_a/reward/best@2/mean 0.6615
+val-aux/ds_a/reward/best@2/std 0.38278717348274593
+val-aux/ds_a/reward/best@4/mean 0.868125
+val-aux/ds_a/reward/best@4/std 0.25331822470111426
+val-aux/ds_a/reward/best@5/mean 0.91475
+val-aux/ds_a/reward/best@5/std 0.19684550624018404
+val-aux/ds_a/reward/maj@2/mean 0.4455
+val-aux/ds_a/reward/maj@2/std 0.41739791580200614
+val-aux/ds_a/reward/maj@4/mean 0.453625
+val-aux/ds_a/reward/maj@4/std 0.42169067183194087
+val-aux/ds_a/reward/maj@5/mean 0.45725
+val-aux/ds_a/reward/maj@5/std 0.4247703869699664
+val-aux/ds_a/reward/mean@5 0.45
+val-aux/ds_a/reward/std@5 0.4179449471770337
+val-aux/ds_a/reward/worst@2/mean 0.23275
+val-aux/ds_a/reward/worst@2/std 0.32631507722504516
+val-aux/ds_a/reward/worst@4/mean 0.087
+val-aux/ds_a/reward/worst@4/std 0.16847140378518208
+val-aux/ds_a/reward/worst@5/mean 0.05925
+val-aux/ds_a/reward/worst@5/std 0.12540136136766453
+val-aux/ds_b/reward/best@2/mean 0.6495000000000001
+val-aux/ds_b/reward/best@2/std 0.2803564695169348
+val-aux/ds_b/reward/std@3 0.2943920288775949
+val-aux/ds_b/reward/worst@2/mean 0.3422000000000001
+val-aux/ds_b/reward/worst@2/std 0.2193607986856357
+val-aux/ds_b/reward/worst@3/mean 0.27980000000000005
+val-aux/ds_b/reward/worst@3/std 0.16028711738627033
+val-core/ds_a/acc/best@5/mean 0.7965
+val-core/ds_a/acc/best@5/std 0.3690107814590162
+val-core/ds_a/acc/maj@5/mean 0.3
+val-core/ds_a/acc/maj@5/std 0.4493819606874792
+val-core/ds_a/acc/mean@5 0.30000000000000004
+val-core/ds_b/reward/best@3/mean 0.7433000000000002
+val-core/ds_b/reward/best@3/std 0.2425594978556808
+val-core/ds_b/reward/mean@3 0.5
+";
+
+    /// The script's responses: ds_a with 5 per prompt (reward, acc as bools, a text pred),
+    /// ds_b with 3 (reward and a text extra that yields no metric).
+    fn samples() -> Vec<ValSample> {
+        let a = [
+            (0, 1.0, true, "7"),
+            (0, 0.0, false, "3"),
+            (0, 0.5, false, "7"),
+            (0, 1.0, true, "3"),
+            (0, 0.25, false, "3"),
+            (1, 0.0, false, "1"),
+            (1, 0.0, false, "2"),
+            (1, 1.0, true, "2"),
+            (1, 0.0, false, "1"),
+            (1, 0.75, false, "2"),
+        ];
+        let mut out: Vec<ValSample> = a
+            .iter()
+            .map(|&(uid, r, acc, pred)| ValSample {
+                data_source: "ds_a".into(),
+                uid,
+                vars: [
+                    ("reward".to_string(), ValValue::Num(r)),
+                    ("acc".to_string(), ValValue::from_json(&json!(acc)).unwrap()),
+                    (
+                        "pred".to_string(),
+                        ValValue::from_json(&json!(pred)).unwrap(),
+                    ),
+                ]
+                .into_iter()
+                .collect(),
+            })
+            .collect();
+        for (r, note) in [(0.2, "x"), (0.9, "y"), (0.4, "z")] {
+            out.push(ValSample {
+                data_source: "ds_b".into(),
+                uid: 2,
+                vars: [
+                    ("reward".to_string(), ValValue::Num(r)),
+                    ("note".to_string(), ValValue::Text(note.into())),
+                ]
+                .into_iter()
+                .collect(),
+            });
+        }
+        out
+    }
+
+    #[test]
+    fn validation_metrics_match_the_reference_script() {
+        let want: BTreeMap<String, f64> = REFERENCE
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| {
+                let (k, v) = l.split_once(' ').unwrap();
+                (k.to_string(), v.parse().unwrap())
+            })
+            .collect();
+        let got = validation_metrics(&samples(), BOOTSTRAP_SEED);
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>()
+        );
+        for (k, w) in &want {
+            assert!((got[k] - w).abs() < 1e-12, "{k}: {} vs {w}", got[k]);
+        }
+        // verl's section rule: the core variable's mean/maj/best at the largest n.
+        assert!(got.contains_key("val-core/ds_a/acc/maj@5/std"));
+        assert!(got.contains_key("val-aux/ds_a/acc/best@4/mean"));
+        assert!(got.contains_key("val-core/ds_b/reward/best@3/mean"));
+        assert!(!got.keys().any(|k| k.contains("note")));
+    }
+
+    #[test]
+    fn sample_sizes_are_powers_of_two_then_n() {
+        assert_eq!(sample_sizes(1), Vec::<usize>::new());
+        assert_eq!(sample_sizes(2), [2]);
+        assert_eq!(sample_sizes(5), [2, 4, 5]);
+        assert_eq!(sample_sizes(8), [2, 4, 8]);
     }
 }
