@@ -102,13 +102,49 @@ pub fn kv_bytes_per_position(args: &ModelArgs, elem_bytes: usize) -> usize {
     2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * elem_bytes
 }
 
-/// A matrix `[rows, cols]` of `w` (`[out, in]` as stored) transposed to `[in, out]` row-major.
+/// Weights `[out_i, in]` (as stored) side by side as the columns of one `[in, Σ out_i]`
+/// row-major matrix: each transposed into its own column range. Blocked over 64 input rows
+/// per task, so each task's destination stays in cache (candle's strided copy of a transposed
+/// view took seconds per model).
+fn packed_columns<T: Elem>(ws: &[&Tensor]) -> Result<Vec<T>> {
+    let mut srcs = Vec::with_capacity(ws.len());
+    let mut outs = Vec::with_capacity(ws.len());
+    let inp = ws.first().map(|w| w.dim(1)).transpose()?.unwrap_or(0);
+    for w in ws {
+        let (out, i) = w.dims2()?;
+        if i != inp {
+            candle_core::bail!("packing weights with {i} and {inp} inputs side by side");
+        }
+        srcs.push(flat::<T>(w)?);
+        outs.push(out);
+    }
+    let total: usize = outs.iter().sum();
+    let mut dst = vec![T::zero(); inp * total];
+    if total == 0 {
+        return Ok(dst);
+    }
+    const ROWS: usize = 64;
+    dst.par_chunks_mut(ROWS * total)
+        .enumerate()
+        .for_each(|(block, chunk)| {
+            let (i0, rows) = (block * ROWS, chunk.len() / total);
+            let mut col0 = 0;
+            for (src, &out) in srcs.iter().zip(&outs) {
+                for o in 0..out {
+                    let from = &src[o * inp + i0..][..rows];
+                    for (r, &v) in from.iter().enumerate() {
+                        chunk[r * total + col0 + o] = v;
+                    }
+                }
+                col0 += out;
+            }
+        });
+    Ok(dst)
+}
+
+/// A weight `[out, in]` transposed to `[in, out]` row-major.
 fn transposed<T: Elem>(w: &Tensor) -> Result<Vec<T>> {
-    w.t()?
-        .contiguous()?
-        .to_dtype(T::DTYPE)?
-        .flatten_all()?
-        .to_vec1()
+    packed_columns(&[w])
 }
 
 fn flat<T: Elem>(w: &Tensor) -> Result<Vec<T>> {
@@ -142,22 +178,19 @@ impl<T: Elem> Packed<T> {
         let a = &model.args;
         let mut layers = Vec::with_capacity(a.num_hidden_layers);
         for b in model.blocks() {
-            let qkv = Tensor::cat(
-                &[b.q.weight().t()?, b.k.weight().t()?, b.v.weight().t()?],
-                1,
-            )?;
+            let qkv = packed_columns(&[b.q.weight(), b.k.weight(), b.v.weight()])?;
             let qkv_bias = match (b.q.bias(), b.k.bias(), b.v.bias()) {
                 (Some(q), Some(k), Some(v)) => Some(flat(&Tensor::cat(&[q, k, v], 0)?)?),
                 _ => None,
             };
-            let gate_up = Tensor::cat(&[b.gate.weight().t()?, b.up.weight().t()?], 1)?;
+            let gate_up = packed_columns(&[b.gate.weight(), b.up.weight()])?;
             layers.push(Layer {
                 ln1: flat(&b.ln1)?,
                 ln2: flat(&b.ln2)?,
-                qkv: flat(&qkv.contiguous()?)?,
+                qkv,
                 qkv_bias,
                 o: transposed(b.o.weight())?,
-                gate_up: flat(&gate_up.contiguous()?)?,
+                gate_up,
                 down: transposed(b.down.weight())?,
             });
         }
@@ -336,5 +369,34 @@ impl<T: Elem> Packed<T> {
                     .collect()
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    /// Packing equals candle's concatenation of the transposed weights, on sizes that are not
+    /// multiples of the 64-row block (the ragged last block).
+    #[test]
+    fn packed_columns_equals_the_concatenated_transposes() {
+        let dev = Device::Cpu;
+        let inp = 70;
+        let mk = |out: usize, k: f32| {
+            let v: Vec<f32> = (0..out * inp).map(|i| (i as f32 * k).sin()).collect();
+            Tensor::from_vec(v, (out, inp), &dev).unwrap()
+        };
+        let (a, b, c) = (mk(3, 0.7), mk(130, 1.3), mk(5, 0.11));
+        let got = super::packed_columns::<f32>(&[&a, &b, &c]).unwrap();
+        let want: Vec<f32> = Tensor::cat(&[a.t().unwrap(), b.t().unwrap(), c.t().unwrap()], 1)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(got, want);
+        let one = super::transposed::<f32>(&b).unwrap();
+        let want: Vec<f32> = b.t().unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(one, want);
     }
 }
