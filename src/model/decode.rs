@@ -142,23 +142,23 @@ impl<T: Elem> Packed<T> {
         let a = &model.args;
         let mut layers = Vec::with_capacity(a.num_hidden_layers);
         for b in model.blocks() {
-            let qkv = Tensor::cat(
-                &[b.q.weight().t()?, b.k.weight().t()?, b.v.weight().t()?],
-                1,
-            )?;
+            // Adapters are folded in here, once per packing: W + s·B·A (`[out, in]` each).
+            let [q, k, v, o, gate, up, down] = b.projs().map(|p| p.merged_weight());
+            let (q, k, v, o, gate, up, down) = (q?, k?, v?, o?, gate?, up?, down?);
+            let qkv = Tensor::cat(&[q.t()?, k.t()?, v.t()?], 1)?;
             let qkv_bias = match (b.q.bias(), b.k.bias(), b.v.bias()) {
                 (Some(q), Some(k), Some(v)) => Some(flat(&Tensor::cat(&[q, k, v], 0)?)?),
                 _ => None,
             };
-            let gate_up = Tensor::cat(&[b.gate.weight().t()?, b.up.weight().t()?], 1)?;
+            let gate_up = Tensor::cat(&[gate.t()?, up.t()?], 1)?;
             layers.push(Layer {
                 ln1: flat(&b.ln1)?,
                 ln2: flat(&b.ln2)?,
                 qkv: flat(&qkv.contiguous()?)?,
                 qkv_bias,
-                o: transposed(b.o.weight())?,
+                o: transposed(&o)?,
                 gate_up: flat(&gate_up.contiguous()?)?,
-                down: transposed(b.down.weight())?,
+                down: transposed(&down)?,
             });
         }
         Ok(Self {

@@ -26,15 +26,21 @@ use super::transformer::{block_forward, Block};
 
 type Stash = Arc<Mutex<Vec<Option<Tensor>>>>;
 
-/// The weights of a layer, in a fixed order.
+/// The weights of a layer that receive gradients (frozen base weights of a LoRA model do
+/// not; its adapters do), in a fixed order.
 fn weights(b: &Block) -> Vec<Tensor> {
     let mut w = vec![b.ln1.clone(), b.ln2.clone()];
-    for l in [&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down] {
+    for l in b.projs() {
         w.push(l.weight().clone());
         if let Some(bias) = l.bias() {
             w.push(bias.clone());
         }
+        if let Some(a) = &l.lora {
+            w.push(a.a.clone());
+            w.push(a.b.clone());
+        }
     }
+    w.retain(Tensor::track_op);
     w
 }
 
