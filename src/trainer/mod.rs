@@ -140,7 +140,14 @@ impl Trainer {
         setup::check_paths(&cfg, &plan)?;
         let reward = setup::reward_manager(&cfg, &opts.natives)?;
         let device = crate::model::device(&cfg.trainer.device)?;
-        let (loaded, tok) = setup::load_policy(&cfg, &device)?;
+        let (mut loaded, tok) = setup::load_policy(&cfg, &device)?;
+        let actor_lora = setup::attach_lora(
+            &mut loaded,
+            &cfg.actor_rollout_ref.model,
+            "actor_rollout_ref.model",
+            cfg.trainer.seed,
+            "CAUSAL_LM",
+        )?;
         // Prompt plus response must fit each model's context (max_position_embeddings).
         let fits = |key: &str, path: &str, limit: usize| {
             let (p, r) = (plan.prompt_length, plan.response_length);
@@ -166,8 +173,13 @@ impl Trainer {
             total_steps,
             temperature,
             pad,
+            actor_lora,
         );
         let reference = match (plan.need_reference, plan.ref_log_prob_micro) {
+            // With LoRA the reference is the actor with its adapters off: nothing more to load.
+            (true, Some(micro)) if actor.trainable.lora.is_some() => {
+                Some(Reference::from_base(&actor, micro, pad))
+            }
             (true, Some(micro)) => {
                 let (l, _) = setup::load_policy(&cfg, &device)?;
                 Some(Reference::new(l, micro, temperature, pad))
@@ -175,7 +187,14 @@ impl Trainer {
             _ => None,
         };
         let critic = if plan.need_critic {
-            let l = setup::load_critic(&cfg, &device, &tok)?;
+            let mut l = setup::load_critic(&cfg, &device, &tok)?;
+            let critic_lora = setup::attach_lora(
+                &mut l,
+                &cfg.critic.model,
+                "critic.model",
+                cfg.trainer.seed.wrapping_add(1),
+                "TOKEN_CLS",
+            )?;
             fits(
                 "critic.model.path",
                 &cfg.critic.model.path,
@@ -188,6 +207,7 @@ impl Trainer {
                 total_steps,
                 pad,
                 cfg.trainer.seed,
+                critic_lora,
             )?)
         } else {
             None
