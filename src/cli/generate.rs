@@ -29,6 +29,10 @@ pub struct GenerateArgs {
     /// the key/value memory budget rollout.kv_cache_memory_gb applies as well).
     #[arg(long, value_name = "N")]
     pub batch_size: Option<usize>,
+    /// Also write `response_log_probs`: each generated token's log-probability
+    /// (`log_softmax(logits / temperature)`, temperature 1 when greedy), one list per response.
+    #[arg(long)]
+    pub log_probs: bool,
     #[command(flatten)]
     pub config: ConfigArgs,
 }
@@ -49,7 +53,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let device = crate::model::device(&cfg.trainer.device)?;
     let model_cfg = &cfg.actor_rollout_ref.model;
     let t0 = Instant::now();
-    let (model, tok) = crate::model::load_model_and_tokenizer(
+    let (mut model, tok) = crate::model::load_model_and_tokenizer(
         &model_cfg.path,
         model_cfg.tokenizer_path.as_deref(),
         &model_cfg.override_config,
@@ -64,6 +68,24 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         "actor_rollout_ref.model.path",
         &model_cfg.path,
     )?;
+    // A base model plus a LoRA adapter (ours or PEFT's): `model.lora_adapter_path`. The
+    // packed decode path folds the adapters into the weights once.
+    if let Some(p) = &model_cfg.lora_adapter_path {
+        let path = PathBuf::from(crate::util::expand_home(p));
+        let file = crate::model::lora::read_adapter(&path)
+            .with_context(|| format!("actor_rollout_ref.model.lora_adapter_path={p}"))?;
+        let adapters = candle_nn::VarMap::new();
+        crate::model::lora::attach(
+            &mut model.model,
+            &file.spec,
+            &adapters,
+            0,
+            "actor_rollout_ref.model.lora_adapter_path",
+        )?;
+        crate::model::lora::assign_adapter(&adapters, &file.tensors, &path)
+            .with_context(|| format!("actor_rollout_ref.model.lora_adapter_path={p}"))?;
+        tracing::info!("LoRA adapter {p}: rank {}", file.spec.rank);
+    }
     tracing::info!(
         "loaded {} in {:.1} s",
         model_cfg.path,
@@ -96,9 +118,11 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let t1 = Instant::now();
     let out = generate_all(&model.model, &prompts, &params, &mut sampler, Some(&bar))?;
     let mut responses: Vec<Vec<String>> = vec![Vec::new(); ds.len()];
+    let mut log_probs: Vec<Vec<Value>> = vec![Vec::new(); ds.len()];
     let mut tokens = 0usize;
     for (k, resp) in out.responses.iter().enumerate() {
         tokens += resp.len();
+        log_probs[rows[k]].push(serde_json::json!(out.log_probs[k]));
         let text = tok
             .tokenizer
             .decode(resp, true)
@@ -111,12 +135,16 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         .samples
         .iter()
         .zip(responses)
-        .map(|(s, resp)| {
+        .zip(log_probs)
+        .map(|((s, resp), lps)| {
             let mut o = s.raw.as_object().cloned().unwrap_or_default();
             o.insert(
                 "responses".into(),
                 resp.into_iter().map(Value::String).collect(),
             );
+            if args.log_probs {
+                o.insert("response_log_probs".into(), Value::Array(lps));
+            }
             Value::Object(o)
         })
         .collect();

@@ -355,7 +355,7 @@ pub fn read_adapter(path: &Path) -> std::result::Result<AdapterFile, ModelError>
         .and_then(Value::as_f64)
         .ok_or_else(|| err("`lora_alpha` must be a number".into()))?;
     let flag = |k: &str| v.get(k).and_then(Value::as_bool).unwrap_or(false);
-    for k in ["use_dora", "fan_in_fan_out"] {
+    for k in ["use_dora", "fan_in_fan_out", "lora_bias", "use_qalora"] {
         if flag(k) {
             return Err(err(format!(
                 "`{k}: true` is not supported (plain LoRA only)"
@@ -375,10 +375,17 @@ pub fn read_adapter(path: &Path) -> std::result::Result<AdapterFile, ModelError>
             return Err(err(format!("`{k}` (per-module ranks) is not supported")));
         }
     }
-    if v.get("layers_to_transform").is_some_and(|x| !x.is_null()) {
-        return Err(err(
-            "`layers_to_transform` is not supported; use exclude_modules".into(),
-        ));
+    for k in [
+        "layers_to_transform",
+        "layer_replication",
+        "trainable_token_indices",
+        "target_parameters",
+    ] {
+        if v.get(k).is_some_and(|x| !x.is_null()) {
+            return Err(err(format!(
+                "`{k}` is not supported (adapters on whole projections only; exclude_modules selects them)"
+            )));
+        }
     }
     let target_modules = str_or_list(&v, "target_modules", &file)?
         .ok_or_else(|| err("`target_modules` is missing".into()))?;
@@ -730,5 +737,130 @@ pub(crate) mod tests {
                 }
             }
         }
+    }
+
+    /// An adapter PEFT wrote (`tests/fixtures/peft_lora`, made by `scripts/peft_check.sh
+    /// --make-fixture`: a tiny Llama base, rsLoRA r=4 on q_proj/v_proj/down_proj except layer 1's
+    /// v_proj, random A and B) is read with PEFT's names, shapes and config keys, and the adapted
+    /// model's logits equal PEFT's (PyTorch, f32) on the stored input; the base's logits equal
+    /// transformers'. Writing it back with our writer and reading again gives the same tensors.
+    #[test]
+    fn reads_a_peft_adapter_fixture() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/peft_lora");
+        let base = crate::model::hf::load_dir(
+            &dir.join("base"),
+            &serde_json::Map::new(),
+            DType::F32,
+            &Device::Cpu,
+            true,
+        )
+        .unwrap();
+        let file = read_adapter(&dir.join("adapter")).unwrap();
+        assert_eq!((file.spec.rank, file.spec.alpha), (4, 8.0));
+        assert!(file.spec.use_rslora);
+        let mut targets = file.spec.target_modules.to_vec();
+        targets.sort();
+        assert_eq!(targets, vec!["down_proj", "q_proj", "v_proj"]);
+        assert_eq!(
+            file.spec.exclude_modules,
+            Some(OneOrMany::One(r".*layers\.1\.self_attn\.v_proj".into()))
+        );
+        let t = |n: &str| file.tensors[n].dims().to_vec();
+        assert_eq!(
+            t("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"),
+            [4, 32]
+        );
+        assert_eq!(
+            t("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"),
+            [32, 4]
+        );
+        assert_eq!(
+            t("base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"),
+            [16, 4]
+        );
+        assert!(!file
+            .tensors
+            .contains_key("base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"));
+        assert_eq!(file.tensors.len(), 2 * (3 * 2 - 1));
+
+        let expected: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
+                .unwrap();
+        let ids: Vec<u32> = serde_json::from_value(expected["input_ids"].clone()).unwrap();
+        let n = ids.len();
+        let run = |m: &CausalLm| -> Vec<f32> {
+            let dev = Device::Cpu;
+            let pos: Vec<u32> = (0..n as u32).collect();
+            let h = m
+                .forward_hidden(
+                    &Tensor::from_vec(ids.clone(), (1, n), &dev).unwrap(),
+                    &Tensor::from_vec(pos, (1, n), &dev).unwrap(),
+                    &Tensor::ones((1, n), DType::U32, &dev).unwrap(),
+                    None,
+                )
+                .unwrap();
+            m.logits(&h)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        let flat = |k: &str| -> Vec<f32> {
+            let rows: Vec<Vec<f32>> = serde_json::from_value(expected[k].clone()).unwrap();
+            rows.concat()
+        };
+        let close = |a: &[f32], b: &[f32], what: &str| {
+            assert_eq!(a.len(), b.len());
+            let d = a.iter().zip(b).fold(0f32, |d, (x, y)| d.max((x - y).abs()));
+            assert!(d <= 1e-4, "{what}: max |diff| {d}");
+        };
+        let mut m = base.model;
+        close(&run(&m), &flat("base_logits"), "base vs transformers");
+        let ad = VarMap::new();
+        let adapted = attach(&mut m, &file.spec, &ad, 0, "fixture").unwrap();
+        assert_eq!(adapted.len(), 5);
+        assign_adapter(&ad, &file.tensors, &dir).unwrap();
+        close(&run(&m), &flat("logits"), "adapted vs PEFT");
+        close(
+            &run(&m.merged().unwrap()),
+            &flat("logits"),
+            "merged vs PEFT",
+        );
+
+        let out = tempfile::tempdir().unwrap();
+        let cfg = adapter_config(&file.spec, &adapted, "base", "CAUSAL_LM", None);
+        save_adapter(out.path(), &cfg, &adapter_tensors(&ad)).unwrap();
+        let again = read_adapter(out.path()).unwrap();
+        assert_eq!(again.spec, file.spec);
+        for (k, v) in &file.tensors {
+            let a: Vec<f32> = again.tensors[k].flatten_all().unwrap().to_vec1().unwrap();
+            let b: Vec<f32> = v.flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(a, b, "{k}");
+        }
+    }
+
+    /// Settings PEFT can write but this implementation cannot reproduce are refused by name.
+    #[test]
+    fn unsupported_adapter_settings_are_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let base =
+            json!({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]});
+        for (key, value, says) in [
+            ("use_dora", json!(true), "use_dora"),
+            ("bias", json!("all"), "bias"),
+            ("rank_pattern", json!({"q_proj": 8}), "rank_pattern"),
+            ("r", json!(0), "`r`"),
+            ("peft_type", json!("IA3"), "IA3"),
+        ] {
+            let mut c = base.clone();
+            c[key] = value;
+            std::fs::write(dir.path().join("adapter_config.json"), c.to_string()).unwrap();
+            let e = read_adapter(dir.path()).err().unwrap().to_string();
+            assert!(e.contains(says) && e.contains("adapter_config.json"), "{e}");
+        }
+        std::fs::write(dir.path().join("adapter_config.json"), base.to_string()).unwrap();
+        let e = read_adapter(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("adapter_model.safetensors"), "{e}");
     }
 }
