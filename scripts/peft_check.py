@@ -25,6 +25,9 @@ PROMPTS = [
     "Write a haiku about the sea.",
 ]
 MAX_NEW = 40
+# Both sides compute in f64 by default, so float rounding (which over 30 layers and a 60-token
+# chat prompt reaches ~2e-4 in f32 log-probs, adapter or not) does not hide a LoRA mistake.
+DTYPE = torch.float64
 TOL = 1e-4
 
 
@@ -68,6 +71,7 @@ def make_fixture(out: Path):
 
 
 def peft_greedy(model, tok, prompt):
+    model = model.to(DTYPE)
     """Greedy continuation of the chat-formatted prompt: text, and each token's log-prob."""
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
@@ -91,6 +95,7 @@ def ours_greedy(main_ppo, model_dir, adapter, work: Path):
     inp.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS))
     outp = work / "ours.jsonl"
     cmd = [main_ppo, "generate", "--input", str(inp), "--output", str(outp), "--log-probs",
+           "--dtype", "f64" if DTYPE == torch.float64 else "f32",
            f"actor_rollout_ref.model.path={model_dir}",
            f"actor_rollout_ref.model.lora_adapter_path={adapter}",
            "actor_rollout_ref.rollout.temperature=0", "actor_rollout_ref.rollout.n=1",
@@ -127,7 +132,7 @@ def check(args):
     print("torch", torch.__version__, "peft", __import__("peft").__version__, "transformers", __import__("transformers").__version__)
     print("work dir", work)
 
-    # 1. ours -> PEFT: one GRPO step with LoRA r=8 (high LR so the adapter moves), saved.
+    # 1. ours -> PEFT: one GRPO step with LoRA r=8 (high LR and an entropy bonus so the adapter moves), saved.
     data = work / "train.jsonl"
     data.write_text("".join(json.dumps({
         "data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": p}],
@@ -137,6 +142,8 @@ def check(args):
                     "data.train_batch_size=2", "data.max_prompt_length=256", "data.max_response_length=16",
                     f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.lora_rank=8",
                     "actor_rollout_ref.model.lora_alpha=16", "actor_rollout_ref.actor.optim.lr=2e-3",
+                    # An entropy bonus gives the adapters a gradient even when every reward is 0.
+                    "actor_rollout_ref.actor.entropy_coeff=0.1",
                     "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                     "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
                     "algorithm.adv_estimator=grpo", "trainer.total_training_steps=1", "trainer.save_freq=1",
@@ -151,7 +158,10 @@ def check(args):
         with peft_model.disable_adapter():
             plain = peft_model(ids).logits
         adapted = peft_model(ids).logits
-    print(f"our adapter moves PEFT's logits by up to {float((adapted - plain).abs().max()):.3e} (it is not a no-op)")
+    moved = float((adapted - plain).abs().max())
+    print(f"our adapter moves PEFT's logits by up to {moved:.3e}")
+    if moved < 1e-2:
+        sys.exit("our trained adapter is (nearly) a no-op: nothing would be checked")
     ok1 = compare("ours -> peft", peft_model, tok, ours_greedy(args.main_ppo, model_dir, ours_dir, work))
 
     # 2. PEFT -> ours: random A and B (B scaled down so the text stays readable).
@@ -179,7 +189,11 @@ def main():
     c = sub.add_parser("check")
     c.add_argument("--model", required=True)
     c.add_argument("--main-ppo", required=True)
+    c.add_argument("--f32", action="store_true", help="compare in f32 instead of f64")
     a = ap.parse_args()
+    if getattr(a, "f32", False):
+        global DTYPE
+        DTYPE = torch.float32
     if a.cmd == "make-fixture":
         a.out.mkdir(parents=True, exist_ok=True)
         make_fixture(a.out)

@@ -2,7 +2,8 @@
 # Checks our LoRA adapters against PEFT (not part of CI: it downloads torch, transformers and
 # peft into its own virtual environment, and runs SmolLM2 on the CPU).
 #
-#   scripts/peft_check.sh [HF_MODEL_DIR]        # default: ~/.cache/main_ppo/models/SmolLM2-135M-Instruct-f32-hf
+#   scripts/peft_check.sh [--f32] [HF_MODEL_DIR]  # default: ~/.cache/main_ppo/models/SmolLM2-135M-Instruct-f32-hf
+#                                                # both sides in f64 unless --f32
 #   scripts/peft_check.sh --make-fixture DIR    # writes the small PEFT fixture the Rust tests read
 #
 # Environment: PEFT_VENV (default ~/.cache/main_ppo/peft-venv), MAIN_PPO (the binary; default
@@ -26,5 +27,7 @@ bin="${MAIN_PPO:-$root/target/release/main_ppo}"
 if [ ! -x "$bin" ]; then
   (cd "$root" && cargo build --release --locked)
 fi
+extra=()
+if [ "${1:-}" = "--f32" ]; then extra=(--f32); shift; fi
 model="${1:-$HOME/.cache/main_ppo/models/SmolLM2-135M-Instruct-f32-hf}"
-exec "$venv/bin/python" "$here/peft_check.py" check --model "$model" --main-ppo "$bin"
+exec "$venv/bin/python" "$here/peft_check.py" check --model "$model" --main-ppo "$bin" "${extra[@]}"

@@ -33,6 +33,9 @@ pub struct GenerateArgs {
     /// (`log_softmax(logits / temperature)`, temperature 1 when greedy), one list per response.
     #[arg(long)]
     pub log_probs: bool,
+    /// Weights and arithmetic: f32 (default) or f64 (slow; for exact comparisons).
+    #[arg(long, value_name = "f32|f64", default_value = "f32", value_parser = ["f32", "f64"])]
+    pub dtype: String,
     #[command(flatten)]
     pub config: ConfigArgs,
 }
@@ -57,7 +60,11 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         &model_cfg.path,
         model_cfg.tokenizer_path.as_deref(),
         &model_cfg.override_config,
-        candle_core::DType::F32,
+        if args.dtype == "f64" {
+            candle_core::DType::F64
+        } else {
+            candle_core::DType::F32
+        },
         &device,
         true,
     )?;

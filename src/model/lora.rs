@@ -77,6 +77,48 @@ impl Proj {
     }
 }
 
+/// `x·Wᵀ` `[n, in] → [n, out]` for a frozen `W` `[out, in]` on the CPU, as one op whose backward
+/// returns only the input's gradient `g·W`. candle's matmul backward also computes `gᵀ·x` for
+/// the weight even when nothing needs it: for a LoRA model's frozen base that is a third of the
+/// projections' training FLOPs spent on a result thrown away.
+struct FrozenMatmul {
+    w: Tensor,
+}
+
+impl candle_core::CustomOp1 for FrozenMatmul {
+    fn name(&self) -> &'static str {
+        "frozen-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let x = super::recompute::tensor_of(s, l)?; // [n, in]
+        let y = x.matmul(&self.w.t()?)?; // [n, out]
+        Ok((super::recompute::storage_of(&y)?, y.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(grad.matmul(&self.w)?)) // [n, out]·[out, in]
+    }
+}
+
+/// `x·Wᵀ` for `x` `[n, in]`: through [`FrozenMatmul`] when `W` is frozen, `x` needs a gradient
+/// and everything is on the CPU in f32/f64; a plain product otherwise.
+pub(super) fn base_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let frozen = !w.track_op()
+        && x.track_op()
+        && matches!(x.device(), Device::Cpu)
+        && matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::F64);
+    if frozen {
+        x.contiguous()?.apply_op1(FrozenMatmul { w: w.clone() })
+    } else {
+        x.matmul(&w.t()?)
+    }
+}
+
 /// What LoRA adds and where: verl's `lora_rank`, `lora_alpha`, `target_modules`,
 /// `exclude_modules`, and PEFT's `use_rslora`.
 #[derive(Debug, Clone, PartialEq)]

@@ -45,7 +45,7 @@ fn weights(b: &Block) -> Vec<Tensor> {
 }
 
 /// A tensor holding a copy of CPU storage viewed through `l`.
-fn tensor_of(s: &CpuStorage, l: &Layout) -> Result<Tensor> {
+pub(super) fn tensor_of(s: &CpuStorage, l: &Layout) -> Result<Tensor> {
     let Some((a, b)) = l.contiguous_offsets() else {
         candle_core::bail!("recomputed layer: the input must be contiguous");
     };
@@ -59,7 +59,7 @@ fn tensor_of(s: &CpuStorage, l: &Layout) -> Result<Tensor> {
     }
 }
 
-fn storage_of(t: &Tensor) -> Result<CpuStorage> {
+pub(super) fn storage_of(t: &Tensor) -> Result<CpuStorage> {
     let t = t.flatten_all()?;
     Ok(match t.dtype() {
         DType::F32 => CpuStorage::F32(t.to_vec1()?),

@@ -105,7 +105,7 @@ fn linear(vb: &VarBuilder, inp: usize, out: usize, bias: bool, name: &str) -> Re
 fn apply(l: &Proj, x: &Tensor) -> Result<Tensor> {
     let (b, t, i) = x.dims3()?;
     let x2 = x.reshape((b * t, i))?; // [b·t, in]
-    let y = x2.matmul(&l.weight().t()?)?; // [b·t, out]
+    let y = super::lora::base_matmul(&x2, l.weight())?; // [b·t, out]
     let y = match l.bias() {
         Some(bias) => y.broadcast_add(bias)?,
         None => y,

@@ -175,17 +175,7 @@ impl Trainer {
             pad,
             actor_lora,
         );
-        let reference = match (plan.need_reference, plan.ref_log_prob_micro) {
-            // With LoRA the reference is the actor with its adapters off: nothing more to load.
-            (true, Some(micro)) if actor.trainable.lora.is_some() => {
-                Some(Reference::from_base(&actor, micro, pad))
-            }
-            (true, Some(micro)) => {
-                let (l, _) = setup::load_policy(&cfg, &device)?;
-                Some(Reference::new(l, micro, temperature, pad))
-            }
-            _ => None,
-        };
+        let reference = setup::reference(&cfg, &plan, &actor, &device, pad)?;
         let critic = if plan.need_critic {
             let mut l = setup::load_critic(&cfg, &device, &tok)?;
             let critic_lora = setup::attach_lora(

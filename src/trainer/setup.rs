@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device};
 
+use super::actor::{Actor, Reference};
 use super::trainable::LoraState;
 use super::{Result, TrainerError};
 use crate::config::{Config, ConfigError, ModelConfig, Plan, RewardSourceType};
@@ -270,6 +271,28 @@ pub fn attach_lora(
         task_type,
         source,
     }))
+}
+
+/// The frozen reference policy when the run needs one (`use_kl_loss` or `use_kl_in_reward`):
+/// with LoRA the actor with its adapters off (nothing more is loaded), otherwise a second copy
+/// of `actor_rollout_ref.model.path`.
+pub fn reference(
+    cfg: &Config,
+    plan: &Plan,
+    actor: &Actor,
+    device: &Device,
+    pad: u32,
+) -> Result<Option<Reference>> {
+    Ok(match (plan.need_reference, plan.ref_log_prob_micro) {
+        (true, Some(micro)) if actor.trainable.lora.is_some() => {
+            Some(Reference::from_base(actor, micro, pad))
+        }
+        (true, Some(micro)) => {
+            let (l, _) = load_policy(cfg, device)?;
+            Some(Reference::new(l, micro, actor.temperature, pad))
+        }
+        _ => None,
+    })
 }
 
 /// The tokenizer prompts are read with when it is not the policy model's own:
