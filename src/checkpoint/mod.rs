@@ -7,6 +7,10 @@
 //!     actor/huggingface/                   HF model directory (config, weights, tokenizer)
 //!     actor/optim.safetensors, optim.json  AdamW moments and step
 //!     critic/huggingface/, critic/optim.*  the same for the critic (value head `score.*`)
+//!     actor/lora_adapter/                  with LoRA, instead of the weights: PEFT's
+//!                                          adapter_config.json + adapter_model.safetensors
+//!                                          (huggingface/ then holds config and tokenizer only;
+//!                                          optim.* the adapters' moments)
 //!     trainer_state.json                   step, loader cursor, sampler RNG, KL controller
 //!     config.yaml                          the resolved configuration
 //! ```

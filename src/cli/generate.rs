@@ -28,6 +28,13 @@ pub struct GenerateArgs {
     /// the key/value memory budget rollout.kv_cache_memory_gb applies as well).
     #[arg(long, value_name = "N")]
     pub batch_size: Option<usize>,
+    /// Also write `response_log_probs`: each generated token's log-probability
+    /// (`log_softmax(logits / temperature)`, temperature 1 when greedy), one list per response.
+    #[arg(long)]
+    pub log_probs: bool,
+    /// Weights and arithmetic: f32 (default) or f64 (slow; for exact comparisons).
+    #[arg(long, value_name = "f32|f64", default_value = "f32", value_parser = ["f32", "f64"])]
+    pub dtype: String,
     #[command(flatten)]
     pub config: ConfigArgs,
 }
@@ -41,7 +48,13 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let device = crate::model::device(&cfg.trainer.device)?;
     let model_cfg = &cfg.actor_rollout_ref.model;
     // The policy and tokenizer as training loads them (`data.tokenizer` included).
-    let (model, tok) = setup::load_policy(cfg, &device)?;
+    let t0 = Instant::now();
+    let dtype = if args.dtype == "f64" {
+        candle_core::DType::F64
+    } else {
+        candle_core::DType::F32
+    };
+    let (mut model, tok) = setup::load_policy_as(cfg, &device, dtype)?;
     crate::config::data::check_model_context(
         prompt_len,
         response_len,
@@ -49,6 +62,29 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         "actor_rollout_ref.model.path",
         &model_cfg.path,
     )?;
+    // A base model plus a LoRA adapter (ours or PEFT's): `model.lora_adapter_path`. The
+    // packed decode path folds the adapters into the weights once.
+    if let Some(p) = &model_cfg.lora_adapter_path {
+        let path = PathBuf::from(crate::util::expand_home(p));
+        let file = crate::model::lora::read_adapter(&path)
+            .with_context(|| format!("actor_rollout_ref.model.lora_adapter_path={p}"))?;
+        let adapters = candle_nn::VarMap::new();
+        crate::model::lora::attach(
+            &mut model.model,
+            &file.spec,
+            &adapters,
+            0,
+            "actor_rollout_ref.model.lora_adapter_path",
+        )?;
+        crate::model::lora::assign_adapter(&adapters, &file.tensors, &path)
+            .with_context(|| format!("actor_rollout_ref.model.lora_adapter_path={p}"))?;
+        tracing::info!("LoRA adapter {p}: rank {}", file.spec.rank);
+    }
+    tracing::info!(
+        "loaded {} in {:.1} s",
+        model_cfg.path,
+        t0.elapsed().as_secs_f64()
+    );
     let template = tok.template(model_cfg.custom_chat_template.as_deref())?;
     let ds = setup::generation_prompts(cfg, prompt_len, &args.input, &tok, &template)?;
     let r = &cfg.actor_rollout_ref.rollout;
@@ -69,9 +105,11 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let t1 = Instant::now();
     let out = generate_all(&model.model, &prompts, &params, &mut sampler, Some(&bar))?;
     let mut responses: Vec<Vec<String>> = vec![Vec::new(); ds.len()];
+    let mut log_probs: Vec<Vec<Value>> = vec![Vec::new(); ds.len()];
     let mut tokens = 0usize;
     for (k, resp) in out.responses.iter().enumerate() {
         tokens += resp.len();
+        log_probs[rows[k]].push(serde_json::json!(out.log_probs[k]));
         let text = tok
             .tokenizer
             .decode(resp, true)
@@ -84,12 +122,16 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         .samples
         .iter()
         .zip(responses)
-        .map(|(s, resp)| {
+        .zip(log_probs)
+        .map(|((s, resp), lps)| {
             let mut o = s.raw.as_object().cloned().unwrap_or_default();
             o.insert(
                 "responses".into(),
                 resp.into_iter().map(Value::String).collect(),
             );
+            if args.log_probs {
+                o.insert("response_log_probs".into(), Value::Array(lps));
+            }
             Value::Object(o)
         })
         .collect();

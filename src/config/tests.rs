@@ -336,7 +336,6 @@ fn no_effect_keys_are_reported_and_unsupported_values_refused() {
         "ray_kwargs.ray_init.num_cpus=4",
         "actor_rollout_ref.model.use_remove_padding=True",
         "trainer.default_hdfs_dir=null",
-        "actor_rollout_ref.model.lora_rank=0",
     ])
     .unwrap();
     for k in [
@@ -346,7 +345,6 @@ fn no_effect_keys_are_reported_and_unsupported_values_refused() {
         "trainer.nnodes",
         "ray_kwargs.ray_init.num_cpus",
         "actor_rollout_ref.model.use_remove_padding",
-        "actor_rollout_ref.model.lora_rank",
     ] {
         assert!(
             l.no_effect.iter().any(|n| n == k),
@@ -359,9 +357,9 @@ fn no_effect_keys_are_reported_and_unsupported_values_refused() {
         "null is verl's unset value"
     );
     assert_eq!(l.config, Config::default(), "no-effect keys change nothing");
-    let e = err(&["actor_rollout_ref.model.lora_rank=8"]);
+    let e = err(&["actor_rollout_ref.model.lora.rank=8"]);
     assert!(
-        e.contains("actor_rollout_ref.model.lora_rank = 8") && e.contains("LoRA"),
+        e.contains("actor_rollout_ref.model.lora.rank = 8") && e.contains("LoRA"),
         "{e}"
     );
     let e = err(&["algorithm.filter_groups.enable=True"]);

@@ -178,20 +178,23 @@ impl<T: Elem> Packed<T> {
         let a = &model.args;
         let mut layers = Vec::with_capacity(a.num_hidden_layers);
         for b in model.blocks() {
-            let qkv = packed_columns(&[b.q.weight(), b.k.weight(), b.v.weight()])?;
+            // Adapters are folded in here, once per packing: W + s·B·A (`[out, in]` each).
+            let [q, k, v, o, gate, up, down] = b.projs().map(|p| p.merged_weight());
+            let (q, k, v, o, gate, up, down) = (q?, k?, v?, o?, gate?, up?, down?);
+            let qkv = packed_columns(&[&q, &k, &v])?;
             let qkv_bias = match (b.q.bias(), b.k.bias(), b.v.bias()) {
                 (Some(q), Some(k), Some(v)) => Some(flat(&Tensor::cat(&[q, k, v], 0)?)?),
                 _ => None,
             };
-            let gate_up = packed_columns(&[b.gate.weight(), b.up.weight()])?;
+            let gate_up = packed_columns(&[&gate, &up])?;
             layers.push(Layer {
                 ln1: flat(&b.ln1)?,
                 ln2: flat(&b.ln2)?,
                 qkv,
                 qkv_bias,
-                o: transposed(b.o.weight())?,
+                o: transposed(&o)?,
                 gate_up,
-                down: transposed(b.down.weight())?,
+                down: transposed(&down)?,
             });
         }
         Ok(Self {

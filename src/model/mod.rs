@@ -4,7 +4,8 @@
 //! - `transformer`: the differentiable decoder, caller-owned KV cache, chunked log-probs,
 //! - `gguf`: llama.cpp files (dequantised; tokenizer and chat template from the metadata),
 //! - `heads`: the critic's value head and a reward model's score head,
-//! - `hf`: HF directories (config.json + safetensors, sharded or not), load and save.
+//! - `hf`: HF directories (config.json + safetensors, sharded or not), load and save,
+//! - `lora`: LoRA adapters on the projections, PEFT's adapter folder (read and write).
 
 pub mod alloc;
 pub mod config;
@@ -14,6 +15,7 @@ pub mod heads;
 pub mod hf;
 pub mod hub;
 mod layer;
+pub mod lora;
 pub mod ops;
 mod recompute;
 pub mod transformer;

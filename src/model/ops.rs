@@ -164,11 +164,24 @@ impl LogProbs {
 
     /// Gradients of hidden `[rows, hidden]` and weight `[vocab, hidden]` from the output's
     /// gradient `g` `[rows, 2]`.
-    fn backward<T: Elem>(&self, h: &[T], w: &[T], g: &[T], hid: usize) -> (Vec<T>, Vec<T>) {
+    /// Gradients of `h` and, when `need_w` (the weight is trained: not a LoRA model's frozen
+    /// output embedding), of `w`.
+    fn backward<T: Elem>(
+        &self,
+        h: &[T],
+        w: &[T],
+        g: &[T],
+        hid: usize,
+        need_w: bool,
+    ) -> (Vec<T>, Option<Vec<T>>) {
         let n = self.targets.len();
         let vocab = w.len() / hid;
         let mut gh = vec![T::zero(); n * hid];
-        let mut gw = vec![T::zero(); vocab * hid];
+        let mut gw = if need_w {
+            vec![T::zero(); vocab * hid]
+        } else {
+            Vec::new()
+        };
         let mut buf = vec![T::zero(); self.chunk.min(n) * vocab]; // [chunk, vocab], reused
         for start in (0..n).step_by(self.chunk) {
             let c = self.chunk.min(n - start);
@@ -206,22 +219,24 @@ impl LogProbs {
                 Par::Rayon,
             );
             // ∂W += dzᵀ [vocab, c] · h_c [c, hid]
-            gemm_strided(
-                &mut gw,
-                vocab,
-                hid,
-                c,
-                z,
-                1,
-                vocab,
-                hc,
-                hid,
-                1,
-                true,
-                Par::Rayon,
-            );
+            if need_w {
+                gemm_strided(
+                    &mut gw,
+                    vocab,
+                    hid,
+                    c,
+                    z,
+                    1,
+                    vocab,
+                    hc,
+                    hid,
+                    1,
+                    true,
+                    Par::Rayon,
+                );
+            }
         }
-        (gh, gw)
+        (gh, need_w.then_some(gw))
     }
 }
 
@@ -279,20 +294,23 @@ impl CustomOp2 for LogProbs {
             h: &Tensor,
             w: &Tensor,
             grad: &Tensor,
-        ) -> Result<(Tensor, Tensor)> {
+        ) -> Result<(Tensor, Option<Tensor>)> {
             let (rows, hid) = h.dims2()?;
             let vocab = w.dim(0)?;
-            let (a, b) = op.backward::<T>(&host_vec(h)?, &host_vec(w)?, &host_vec(grad)?, hid);
+            let need_w = w.track_op();
+            let (a, b) =
+                op.backward::<T>(&host_vec(h)?, &host_vec(w)?, &host_vec(grad)?, hid, need_w);
             Ok((
                 Tensor::from_vec(a, (rows, hid), h.device())?,
-                Tensor::from_vec(b, (vocab, hid), w.device())?,
+                b.map(|b| Tensor::from_vec(b, (vocab, hid), w.device()))
+                    .transpose()?,
             ))
         }
         let (gh, gw) = match h.dtype() {
             DType::F64 => run::<f64>(self, h, w, grad)?,
             _ => run::<f32>(self, h, w, grad)?,
         };
-        Ok((Some(gh), Some(gw)))
+        Ok((Some(gh), gw))
     }
 }
 

@@ -28,20 +28,26 @@ use super::transformer::{block_forward, Block};
 
 type Stash = Arc<Mutex<Vec<Option<Tensor>>>>;
 
-/// The weights of a layer, in a fixed order.
+/// The weights of a layer that receive gradients (frozen base weights of a LoRA model do
+/// not; its adapters do), in a fixed order.
 fn weights(b: &Block) -> Vec<Tensor> {
     let mut w = vec![b.ln1.clone(), b.ln2.clone()];
-    for l in [&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down] {
+    for l in b.projs() {
         w.push(l.weight().clone());
         if let Some(bias) = l.bias() {
             w.push(bias.clone());
         }
+        if let Some(a) = &l.lora {
+            w.push(a.a.clone());
+            w.push(a.b.clone());
+        }
     }
+    w.retain(Tensor::track_op);
     w
 }
 
 /// A tensor holding a copy of CPU storage viewed through `l`.
-fn tensor_of(s: &CpuStorage, l: &Layout) -> Result<Tensor> {
+pub(super) fn tensor_of(s: &CpuStorage, l: &Layout) -> Result<Tensor> {
     let Some((a, b)) = l.contiguous_offsets() else {
         candle_core::bail!("recomputed layer: the input must be contiguous");
     };
@@ -55,7 +61,7 @@ fn tensor_of(s: &CpuStorage, l: &Layout) -> Result<Tensor> {
     }
 }
 
-fn storage_of(t: &Tensor) -> Result<CpuStorage> {
+pub(super) fn storage_of(t: &Tensor) -> Result<CpuStorage> {
     let t = t.flatten_all()?;
     Ok(match t.dtype() {
         DType::F32 => CpuStorage::F32(t.to_vec1()?),
@@ -270,24 +276,31 @@ impl Layer {
             &self.mask,
             |w, d, cx| layer::backward(w, d, xs, cx, gs, kept),
         )?;
-        let ws = weights(&self.block);
-        let mut flat: Vec<Vec<T>> = vec![g.ln1, g.ln2];
-        for (w, bias) in g.lin {
-            flat.push(w);
-            flat.extend(bias);
+        // Every weight of the layer (no adapters here) with its gradient, in `weights`' order;
+        // `weights` lists only those that train, and so does the stash.
+        let mut all = vec![
+            (self.block.ln1.clone(), g.ln1),
+            (self.block.ln2.clone(), g.ln2),
+        ];
+        for (p, (w, bias)) in self.block.projs().iter().zip(g.lin) {
+            all.push((p.weight().clone(), w));
+            if let (Some(t), Some(gb)) = (p.bias(), bias) {
+                all.push((t.clone(), gb));
+            }
         }
+        all.retain(|(w, _)| w.track_op());
         let mut stash = self
             .stash
             .lock()
             .map_err(|_| candle_core::Error::Msg("recompute stash poisoned".into()))?;
-        if flat.len() != ws.len() || stash.len() != ws.len() {
+        if all.len() != stash.len() {
             candle_core::bail!(
                 "fused decoder layer: {} gradients for {} weights",
-                flat.len(),
-                ws.len()
+                all.len(),
+                stash.len()
             );
         }
-        for ((slot, w), gv) in stash.iter_mut().zip(&ws).zip(flat) {
+        for (slot, (w, gv)) in stash.iter_mut().zip(all) {
             *slot = Some(Tensor::from_vec(gv, w.shape(), w.device())?);
         }
         Tensor::from_vec(gx, (b, t, h), x.device())

@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::{Init, Linear, VarBuilder};
 
 use super::config::ModelArgs;
+use super::lora::Proj;
 
 /// Keys and values of past positions, one entry per layer: `[batch, kv_heads, past, head_dim]`.
 /// Owned by the caller, so one model serves many concurrent decodes.
@@ -81,7 +82,7 @@ impl KvCache {
     }
 }
 
-fn linear(vb: &VarBuilder, inp: usize, out: usize, bias: bool, name: &str) -> Result<Linear> {
+fn linear(vb: &VarBuilder, inp: usize, out: usize, bias: bool, name: &str) -> Result<Proj> {
     let w = vb.get_with_hints(
         (out, inp),
         &format!("{name}.weight"),
@@ -95,16 +96,23 @@ fn linear(vb: &VarBuilder, inp: usize, out: usize, bias: bool, name: &str) -> Re
     } else {
         None
     };
-    Ok(Linear::new(w, b))
+    Ok(Proj::new(Linear::new(w, b)))
 }
 
 /// A linear layer on `[batch, seq, in]` as one `[batch·seq, in] × [in, out]` product (candle's
 /// `Linear` on 3-D input runs one small product per batch row, which is several times slower).
-fn apply(l: &Linear, x: &Tensor) -> Result<Tensor> {
+/// With an adapter, `s·(x·Aᵀ)·Bᵀ` is added (PEFT's `lora.Linear`, dropout off).
+fn apply(l: &Proj, x: &Tensor) -> Result<Tensor> {
     let (b, t, i) = x.dims3()?;
-    let y = x.reshape((b * t, i))?.matmul(&l.weight().t()?)?;
+    let x2 = x.reshape((b * t, i))?; // [b·t, in]
+    let y = super::lora::base_matmul(&x2, l.weight())?; // [b·t, out]
     let y = match l.bias() {
         Some(bias) => y.broadcast_add(bias)?,
+        None => y,
+    };
+    let y = match &l.lora {
+        // [b·t, in]·[in, r]·[r, out], scaled: with B = 0 this adds exact zeros.
+        Some(a) => (y + (x2.matmul(&a.a.t()?)?.matmul(&a.b.t()?)? * a.scale)?)?,
         None => y,
     };
     y.reshape((b, t, ()))
@@ -140,19 +148,53 @@ fn rotate_half(x: &Tensor) -> Result<Tensor> {
 pub(super) struct Block {
     pub(super) ln1: Tensor,
     pub(super) ln2: Tensor,
-    pub(super) q: Linear,
-    pub(super) k: Linear,
-    pub(super) v: Linear,
-    pub(super) o: Linear,
-    pub(super) gate: Linear,
-    pub(super) up: Linear,
-    pub(super) down: Linear,
+    pub(super) q: Proj,
+    pub(super) k: Proj,
+    pub(super) v: Proj,
+    pub(super) o: Proj,
+    pub(super) gate: Proj,
+    pub(super) up: Proj,
+    pub(super) down: Proj,
 }
 
 impl Block {
     /// The layer with its weights cut from the autograd graph (same storage).
     pub(super) fn detached(&self) -> Block {
-        let lin = |l: &Linear| Linear::new(l.weight().detach(), l.bias().map(Tensor::detach));
+        self.map_proj(Proj::detached)
+    }
+
+    /// The seven projections with their HF module names (`self_attn.q_proj`, `mlp.down_proj`).
+    pub(super) fn projs_mut(&mut self) -> [(&'static str, &mut Proj); 7] {
+        [
+            ("self_attn.q_proj", &mut self.q),
+            ("self_attn.k_proj", &mut self.k),
+            ("self_attn.v_proj", &mut self.v),
+            ("self_attn.o_proj", &mut self.o),
+            ("mlp.gate_proj", &mut self.gate),
+            ("mlp.up_proj", &mut self.up),
+            ("mlp.down_proj", &mut self.down),
+        ]
+    }
+
+    pub(super) fn projs(&self) -> [&Proj; 7] {
+        [
+            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
+        ]
+    }
+
+    /// Whether any weight of the layer receives gradients.
+    pub(super) fn trains(&self) -> bool {
+        self.ln1.track_op()
+            || self.ln2.track_op()
+            || self
+                .projs()
+                .iter()
+                .any(|p| p.weight().track_op() || p.lora.as_ref().is_some_and(|l| l.a.track_op()))
+    }
+
+    /// The layer with each projection replaced by `f` of it, norms detached.
+    pub(super) fn map_proj(&self, f: impl Fn(&Proj) -> Proj) -> Block {
+        let lin = |l: &Proj| f(l);
         Block {
             ln1: self.ln1.detach(),
             ln2: self.ln2.detach(),
@@ -281,6 +323,64 @@ impl CausalLm {
         }
     }
 
+    /// The base model: a detached view with every adapter switched off (PEFT's
+    /// `disable_adapter()`), sharing the base weights' storage. With LoRA this is the
+    /// reference policy, so no second copy of the model is loaded.
+    pub fn without_adapters(&self) -> CausalLm {
+        let mut m = self.no_grad();
+        m.layers = m
+            .layers
+            .iter()
+            .map(|b| {
+                b.map_proj(|p| Proj {
+                    base: p.base.clone(),
+                    lora: None,
+                })
+            })
+            .collect();
+        m
+    }
+
+    /// A detached copy whose adapted projections hold `W + s·B·A` and no adapter (new tensors
+    /// for those projections; everything else shares storage).
+    pub fn merged(&self) -> Result<CausalLm> {
+        let mut m = self.no_grad();
+        for b in m.layers.iter_mut() {
+            for (_, p) in b.projs_mut() {
+                if p.lora.is_some() {
+                    *p = Proj::new(Linear::new(p.merged_weight()?, p.bias().cloned()));
+                }
+            }
+        }
+        Ok(m)
+    }
+
+    /// Whether any projection carries an adapter.
+    pub fn has_adapters(&self) -> bool {
+        self.layers
+            .iter()
+            .any(|b| b.projs().iter().any(|p| p.lora.is_some()))
+    }
+
+    /// Cuts every base weight (embedding, norms, projections, LM head) from autograd, in place:
+    /// they keep their storage but receive no gradient; adapters stay trainable.
+    pub fn freeze_base(&mut self) {
+        self.embed = self.embed.detach();
+        self.norm = self.norm.detach();
+        self.lm_head = self.lm_head.as_ref().map(Tensor::detach);
+        for b in self.layers.iter_mut() {
+            b.ln1 = b.ln1.detach();
+            b.ln2 = b.ln2.detach();
+            for (_, p) in b.projs_mut() {
+                p.base = Linear::new(p.base.weight().detach(), p.base.bias().map(Tensor::detach));
+            }
+        }
+    }
+
+    pub(super) fn blocks_mut(&mut self) -> &mut [Block] {
+        &mut self.layers
+    }
+
     pub fn device(&self) -> &Device {
         &self.device
     }
@@ -368,14 +468,18 @@ impl CausalLm {
         ))?;
         for (i, layer) in self.layers.iter().enumerate() {
             let slot = cache.as_deref_mut().map(|c| (c, i));
-            let cpu_train = slot.is_none() && x.device().is_cpu() && layer.ln1.track_op();
-            let fused = !self.composed && super::recompute::fused_supported(&x);
+            let cpu_train =
+                slot.is_none() && x.device().is_cpu() && (layer.trains() || x.track_op());
+            // The hand-written layer serves plain projections; adapters run as the composition.
+            let fused = !self.composed
+                && super::recompute::fused_supported(&x)
+                && layer.projs().iter().all(|p| p.lora.is_none());
             x = if cpu_train && (self.recompute || fused) {
                 // Training on the CPU: one op per layer (hand-written for f32/f64), recomputed
                 // in backward when gradient checkpointing is on.
                 let rope_mask = (&cos, &sin, &mask);
                 super::recompute::block(&self.args, layer, &x, rope_mask, self.recompute, fused)?
-            } else if slot.is_none() && !layer.ln1.track_op() && fused {
+            } else if slot.is_none() && !cpu_train && fused {
                 // No graph wanted (rollout log-probs, reference): the hand-written layer.
                 super::recompute::fused_forward(&self.args, layer, &x, &cos, &sin, &mask)?
             } else {

@@ -395,6 +395,39 @@ mod tests {
         }
     }
 
+    /// With LoRA adapters (B trained, non-zero) the packed path folds W + s·B·A into its
+    /// weights once per call; the composition applies the adapters on the side: same tokens.
+    #[test]
+    fn merged_adapters_give_the_unmerged_tokens() {
+        use crate::config::fields::OneOrMany;
+        use crate::model::lora;
+        for arch in [Arch::Llama, Arch::Qwen2] {
+            let args = ModelArgs::tiny(arch, 50);
+            let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.5);
+            let ad = candle_nn::VarMap::new();
+            let spec = lora::tests::spec(4, OneOrMany::One("all-linear".into()), None);
+            lora::attach(&mut m, &spec, &ad, 3, "k").unwrap();
+            lora::tests::randomize_b(&ad, 0.3);
+            let view = m.no_grad();
+            let ps = prompts(6, 50, 4);
+            let p = params(true, 12, vec![], Limits::default());
+            let (packed, _) = run(&view, &ps, &p, 5);
+            let (plain, _) = run(&view.without_adapters(), &ps, &p, 5);
+            assert_ne!(packed.responses, plain.responses, "the adapters matter");
+            let w = ps.iter().map(Vec::len).max().unwrap();
+            let (mut ids, mut mask) = (Vec::new(), Vec::new());
+            for t in &ps {
+                ids.extend(std::iter::repeat_n(0u32, w - t.len()));
+                ids.extend(t);
+                mask.extend(std::iter::repeat_n(0u8, w - t.len()));
+                mask.extend(std::iter::repeat_n(1u8, t.len()));
+            }
+            let composed =
+                generate(&view, &ids, &mask, ps.len(), w, &p, &mut Sampler::new(5)).unwrap();
+            assert_same(&packed, &composed, 1e-4, &format!("{arch:?} LoRA"));
+        }
+    }
+
     /// The wave fallback (other devices and dtypes) honours the limits and gives the packed
     /// path's results.
     #[test]

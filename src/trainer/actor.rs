@@ -5,7 +5,7 @@ use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 
 use super::batch::{pad_rows, Column, MicroInputs, StepBatch};
-use super::trainable::{forward_rows, Trainable, UpdateSettings};
+use super::trainable::{forward_rows, LoraState, Trainable, UpdateSettings};
 use super::update::MicroLoss;
 use crate::algo::agg::scalar;
 use crate::algo::{agg_loss, kl_loss, policy_loss, PolicyLossParams};
@@ -62,6 +62,7 @@ impl Actor {
         plan: &Plan,
         total_steps: u64,
         pad_id: u32,
+        lora: Option<LoraState>,
     ) -> Self {
         let settings = UpdateSettings {
             prefix: "actor",
@@ -81,6 +82,7 @@ impl Actor {
             trainable: Trainable::new(
                 loaded.model,
                 loaded.varmap,
+                lora,
                 args,
                 &cfg.optim,
                 total_steps,
@@ -217,6 +219,18 @@ impl Reference {
             _varmap: loaded.varmap,
             micro,
             temperature,
+            pad_id,
+        }
+    }
+
+    /// The reference of a LoRA run: the actor's own base weights with its adapters switched off
+    /// (verl computes ref log-probs under `disable_adapter()`), no second model loaded.
+    pub fn from_base(actor: &Actor, micro: MicroBatching, pad_id: u32) -> Self {
+        Self {
+            model: actor.view().without_adapters(),
+            _varmap: VarMap::new(),
+            micro,
+            temperature: actor.temperature,
             pad_id,
         }
     }

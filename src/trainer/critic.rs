@@ -7,7 +7,7 @@ use candle_nn::VarBuilder;
 use rand::{Rng, SeedableRng};
 
 use super::batch::{pad_rows, Column, MicroInputs, StepBatch};
-use super::trainable::{Network, Trainable, UpdateSettings, ValueModel};
+use super::trainable::{assign_heads, LoraState, Network, Trainable, UpdateSettings, ValueModel};
 use super::update::MicroLoss;
 use crate::algo::agg::scalar;
 use crate::algo::{masked_mean, value_loss};
@@ -57,6 +57,7 @@ impl Critic {
         plan: &Plan,
         total_steps: u64,
         pad_id: u32,
+        lora: Option<LoraState>,
     ) -> candle_core::Result<Self> {
         let seed = plan.seeds.value_head;
         let (backbone, varmap) = (loaded.model, loaded.varmap);
@@ -72,6 +73,14 @@ impl Critic {
             let vars = varmap.data().lock().expect("varmap lock").clone();
             let w = Tensor::from_vec(seeded_normal(hidden, 0.02, seed), (1, hidden), &Device::Cpu)?;
             vars["score.weight"].set(&w.to_dtype(dtype)?.to_device(&device)?)?;
+        }
+        // A critic adapter saved with its value head (PEFT's modules_to_save) restores it too.
+        if let Some(dir) = lora.as_ref().and_then(|l| l.source.as_ref()) {
+            let msg = |e: crate::model::ModelError| candle_core::Error::Msg(e.to_string());
+            let file = crate::model::lora::read_adapter(dir).map_err(msg)?;
+            if file.tensors.contains_key("base_model.model.score.weight") {
+                assign_heads(&varmap, &file.tensors, dir).map_err(msg)?;
+            }
         }
         let (Some(update_plan), Some(forward_micro)) = (&plan.critic, plan.critic_forward_micro)
         else {
@@ -96,6 +105,7 @@ impl Critic {
             trainable: Trainable::new(
                 ValueModel { backbone, head },
                 varmap,
+                lora,
                 args,
                 &cfg.optim,
                 total_steps,

@@ -140,7 +140,14 @@ impl Trainer {
         setup::check_paths(&cfg, &plan)?;
         let reward = setup::reward_manager(&cfg, &plan, &opts.natives)?;
         let device = crate::model::device(&cfg.trainer.device)?;
-        let (loaded, tok) = setup::load_policy(&cfg, &device)?;
+        let (mut loaded, tok) = setup::load_policy(&cfg, &device)?;
+        let actor_lora = setup::attach_lora(
+            &mut loaded,
+            &cfg.actor_rollout_ref.model,
+            "actor_rollout_ref.model",
+            cfg.trainer.seed,
+            "CAUSAL_LM",
+        )?;
         // Prompt plus response must fit each model's context (max_position_embeddings).
         let fits = |key: &str, path: &str, limit: usize| {
             let (p, r) = (plan.prompt_length, plan.response_length);
@@ -164,22 +171,31 @@ impl Trainer {
             &plan,
             total_steps,
             pad,
+            actor_lora,
         );
-        let reference = match (plan.need_reference, plan.ref_log_prob_micro) {
-            (true, Some(micro)) => {
-                let (l, _) = setup::load_policy(&cfg, &device)?;
-                Some(Reference::new(l, micro, plan.temperatures.log_prob, pad))
-            }
-            _ => None,
-        };
+        let reference = setup::reference(&cfg, &plan, &actor, &device, pad)?;
         let critic = if plan.need_critic {
-            let l = setup::load_critic(&cfg, &device, &tok)?;
+            let mut l = setup::load_critic(&cfg, &device, &tok)?;
+            let critic_lora = setup::attach_lora(
+                &mut l,
+                &cfg.critic.model,
+                "critic.model",
+                cfg.trainer.seed.wrapping_add(1),
+                "TOKEN_CLS",
+            )?;
             fits(
                 "critic.model.path",
                 &cfg.critic.model.path,
                 l.model.args.max_position_embeddings,
             )?;
-            Some(Critic::new(l, &cfg.critic, &plan, total_steps, pad)?)
+            Some(Critic::new(
+                l,
+                &cfg.critic,
+                &plan,
+                total_steps,
+                pad,
+                critic_lora,
+            )?)
         } else {
             None
         };

@@ -7,13 +7,16 @@ use std::time::Instant;
 
 use candle_core::{DType, Device};
 
+use super::actor::{Actor, Reference};
+use super::trainable::LoraState;
 use super::{Result, TrainerError};
 use crate::config::reward::SourceKind;
-use crate::config::{Config, ConfigError, Plan};
+use crate::config::{Config, ConfigError, ModelConfig, Plan};
 use crate::data::dataset::{load_samples, DatasetOptions};
 use crate::data::{ChatTemplate, PromptDataset, TokenizerBundle};
 use crate::metrics::Tracker;
 use crate::model::hf::Loaded;
+use crate::model::lora::{self, LoraSpec};
 use crate::reward::{ModelContext, NativeRegistry, RewardManager};
 use crate::util::expand_home;
 
@@ -222,13 +225,22 @@ pub fn reward_manager(
 /// reference) and the tokenizer the run reads prompts with: `data.tokenizer`, else
 /// `model.tokenizer_path`, else the model's own.
 pub fn load_policy(cfg: &Config, device: &Device) -> Result<(Loaded, TokenizerBundle)> {
+    load_policy_as(cfg, device, DType::F32)
+}
+
+/// [`load_policy`] with weights of `dtype` (`generate --dtype f64` for exact comparisons).
+pub fn load_policy_as(
+    cfg: &Config,
+    device: &Device,
+    dtype: DType,
+) -> Result<(Loaded, TokenizerBundle)> {
     let m = &cfg.actor_rollout_ref.model;
     let t0 = Instant::now();
     let mut out = crate::model::load_model_and_tokenizer(
         &m.path,
         tokenizer_override(cfg),
         &m.override_config,
-        DType::F32,
+        dtype,
         device,
         true,
     )?;
@@ -241,6 +253,90 @@ pub fn load_policy(cfg: &Config, device: &Device) -> Result<(Loaded, TokenizerBu
         t0.elapsed().as_secs_f64()
     );
     Ok(out)
+}
+
+/// LoRA on `loaded` as `m` (`actor_rollout_ref.model` or `critic.model`, named by `key`) asks:
+/// `None` when `lora_rank` is 0 and no `lora_adapter_path` is given (verl's rule). From an
+/// adapter folder (ours or PEFT's) its `adapter_config.json` sets rank, alpha and targets and
+/// its tensors the starting values; otherwise fresh adapters (A seeded from `seed`, B zero).
+pub fn attach_lora(
+    loaded: &mut Loaded,
+    m: &ModelConfig,
+    key: &str,
+    seed: u64,
+    task_type: &'static str,
+) -> Result<Option<LoraState>> {
+    if !m.is_lora() {
+        return Ok(None);
+    }
+    let adapters = candle_nn::VarMap::new();
+    let (spec, source) = match &m.lora_adapter_path {
+        Some(p) => {
+            let path = std::path::PathBuf::from(expand_home(p));
+            let file = lora::read_adapter(&path)
+                .map_err(|e| TrainerError::Other(format!("{key}.lora_adapter_path={p}: {e}")))?;
+            if file.lora_dropout > 0.0 {
+                tracing::warn!(
+                    "{key}.lora_adapter_path={p}: lora_dropout {} is not applied (adapters train without dropout here)",
+                    file.lora_dropout
+                );
+            }
+            let dir = lora::adapter_dir(&path)?;
+            (file.spec, Some(dir))
+        }
+        None => (
+            LoraSpec {
+                rank: m.lora_rank,
+                alpha: m.lora_alpha as f64,
+                use_rslora: false,
+                target_modules: m.target_modules.clone(),
+                exclude_modules: m.exclude_modules.clone(),
+            },
+            None,
+        ),
+    };
+    let adapted = lora::attach(&mut loaded.model, &spec, &adapters, seed, key)?;
+    if let Some(dir) = &source {
+        let file = lora::read_adapter(dir)?;
+        lora::assign_adapter(&adapters, &file.tensors, dir)
+            .map_err(|e| TrainerError::Other(format!("{key}.lora_adapter_path: {e}")))?;
+    }
+    tracing::info!(
+        "{key}: LoRA rank {} alpha {} on {} projections",
+        spec.rank,
+        spec.alpha,
+        adapted.len()
+    );
+    Ok(Some(LoraState {
+        spec,
+        adapters,
+        adapted,
+        base_model: m.path.clone(),
+        task_type,
+        source,
+    }))
+}
+
+/// The frozen reference policy when the run needs one (`use_kl_loss` or `use_kl_in_reward`):
+/// with LoRA the actor with its adapters off (nothing more is loaded), otherwise a second copy
+/// of `actor_rollout_ref.model.path`.
+pub fn reference(
+    cfg: &Config,
+    plan: &Plan,
+    actor: &Actor,
+    device: &Device,
+    pad: u32,
+) -> Result<Option<Reference>> {
+    Ok(match (plan.need_reference, plan.ref_log_prob_micro) {
+        (true, Some(micro)) if actor.trainable.lora.is_some() => {
+            Some(Reference::from_base(actor, micro, pad))
+        }
+        (true, Some(micro)) => {
+            let (l, _) = load_policy(cfg, device)?;
+            Some(Reference::new(l, micro, plan.temperatures.log_prob, pad))
+        }
+        _ => None,
+    })
 }
 
 /// The tokenizer prompts are read with when it is not the policy model's own:

@@ -895,3 +895,6 @@ fn control_api_changes_weights_between_steps_and_they_survive_resume() {
 
 #[path = "tests_golden.rs"]
 mod golden;
+
+#[path = "tests_lora.rs"]
+mod lora;

@@ -18,6 +18,7 @@ use super::optim::{AdamW, LrSchedule};
 use super::{Result, TrainerError};
 use crate::config::{MicroBatching, OptimConfig, UpdatePlan};
 use crate::data::TokenizerBundle;
+use crate::model::lora::{self, LoraSpec};
 use crate::model::{hf, CausalLm, ModelArgs, ValueHead};
 
 /// A network a [`Trainable`] can hold: it gives a view of its weights without autograd.
@@ -54,9 +55,40 @@ impl Network for ValueModel {
     }
 }
 
-/// The variables the optimizer updates: every variable of the model.
-pub fn trainable_variables(varmap: &VarMap) -> HashMap<String, Var> {
-    varmap.data().lock().expect("varmap lock").clone()
+/// A model's LoRA adapters (see [`crate::model::lora`]): what was added, and where from.
+pub struct LoraState {
+    pub spec: LoraSpec,
+    /// The adapter variables, named as PEFT saves them.
+    pub adapters: VarMap,
+    /// Module names that carry an adapter.
+    pub adapted: Vec<String>,
+    /// `base_model_name_or_path` of the saved adapter config.
+    pub base_model: String,
+    /// PEFT's task type: `CAUSAL_LM` (actor) or `TOKEN_CLS` (critic).
+    pub task_type: &'static str,
+    /// The adapter folder it started from (`lora_adapter_path`), if any.
+    pub source: Option<std::path::PathBuf>,
+}
+
+/// Whether a variable of the model's own map belongs to the transformer (frozen under LoRA)
+/// rather than a head (the critic's value head `score.*` stays fully trainable).
+fn is_backbone(name: &str) -> bool {
+    name.starts_with("model.") || name.starts_with("lm_head.")
+}
+
+/// The variables the optimizer updates: every variable of the model; with LoRA only the
+/// adapters and the heads (the frozen base keeps no gradient and no optimizer state).
+pub fn trainable_variables(varmap: &VarMap, lora: Option<&LoraState>) -> HashMap<String, Var> {
+    let all = varmap.data().lock().expect("varmap lock").clone();
+    match lora {
+        None => all,
+        Some(l) => {
+            let mut vars: HashMap<String, Var> =
+                all.into_iter().filter(|(k, _)| !is_backbone(k)).collect();
+            vars.extend(l.adapters.data().lock().expect("varmap lock").clone());
+            vars
+        }
+    }
 }
 
 /// How a [`Trainable`]'s updates run.
@@ -79,6 +111,8 @@ pub struct Trainable<N> {
     /// The same weights without autograd: generation, log-probs and values see every update.
     view: N,
     pub varmap: VarMap,
+    /// LoRA adapters (`model.lora_rank` > 0 or `model.lora_adapter_path`): only they (and heads) train.
+    pub lora: Option<LoraState>,
     pub args: ModelArgs,
     pub optimizer: AdamW,
     pub schedule: LrSchedule,
@@ -91,16 +125,18 @@ impl<N: Network> Trainable<N> {
     pub fn new(
         model: N,
         varmap: VarMap,
+        lora: Option<LoraState>,
         args: ModelArgs,
         optim: &OptimConfig,
         total_steps: u64,
         settings: UpdateSettings,
     ) -> Self {
-        let vars = trainable_variables(&varmap);
+        let vars = trainable_variables(&varmap, lora.as_ref());
         Self {
             view: model.no_grad(),
             model,
             varmap,
+            lora,
             args,
             optimizer: AdamW::new(vars, optim),
             schedule: LrSchedule::new(optim, total_steps),
@@ -130,29 +166,111 @@ impl<N: Network> Trainable<N> {
     }
 
     /// Writes `dir/huggingface/` (weights, config, tokenizer) and the optimizer state in `dir`.
+    /// With LoRA the weights are the adapters alone, in PEFT's folder `dir/lora_adapter/`
+    /// (heads such as the critic's `score` beside them, as PEFT's `modules_to_save`), and
+    /// `huggingface/` holds the config and tokenizer: the frozen base is `model.path`.
     pub fn save(&self, dir: &Path, tokenizer: &TokenizerBundle) -> Result<()> {
         let hf_dir = dir.join("huggingface");
-        hf::save_dir(
-            &self.varmap,
-            &self.args,
-            &hf_dir,
-            &tokenizer.eos_token_ids,
-            None,
-            None,
-        )?;
+        match &self.lora {
+            None => hf::save_dir(
+                &self.varmap,
+                &self.args,
+                &hf_dir,
+                &tokenizer.eos_token_ids,
+                None,
+                None,
+            )?,
+            Some(l) => {
+                hf::save_dir(
+                    &VarMap::new(),
+                    &self.args,
+                    &hf_dir,
+                    &tokenizer.eos_token_ids,
+                    None,
+                    None,
+                )?;
+                // No weights file: an empty safetensors would read as a model without tensors.
+                let _ = std::fs::remove_file(hf_dir.join("model.safetensors"));
+                self.save_adapter(l, &dir.join("lora_adapter"))?;
+            }
+        }
         tokenizer.save(&hf_dir)?;
         self.optimizer.save(dir)?;
         Ok(())
     }
 
+    /// PEFT's adapter folder of `l` (plus fully trained heads) in `dir`.
+    fn save_adapter(&self, l: &LoraState, dir: &Path) -> Result<()> {
+        let mut tensors = lora::adapter_tensors(&l.adapters);
+        let mut heads = Vec::new();
+        for (name, var) in self.varmap.data().lock().expect("varmap lock").iter() {
+            if !is_backbone(name) {
+                tensors.insert(format!("base_model.model.{name}"), var.as_tensor().clone());
+                heads.push(name.split('.').next().unwrap_or(name).to_string());
+            }
+        }
+        heads.sort();
+        heads.dedup();
+        let config = lora::adapter_config(
+            &l.spec,
+            &l.adapted,
+            &l.base_model,
+            l.task_type,
+            (!heads.is_empty()).then_some(heads),
+        );
+        lora::save_adapter(dir, &config, &tensors)?;
+        Ok(())
+    }
+
     /// Restores what [`Trainable::save`] wrote, and the number of updates made so far.
     pub fn load(&mut self, dir: &Path, updates: u64) -> Result<()> {
-        let hf_dir = dir.join("huggingface");
-        hf::assign(&self.varmap, &hf::read_weights(&hf_dir)?, &hf_dir)?;
+        match &self.lora {
+            None => {
+                let hf_dir = dir.join("huggingface");
+                hf::assign(&self.varmap, &hf::read_weights(&hf_dir)?, &hf_dir)?;
+            }
+            Some(l) => {
+                let path = dir.join("lora_adapter");
+                let file = lora::read_adapter(&path)?;
+                lora::assign_adapter(&l.adapters, &file.tensors, &path)?;
+                assign_heads(&self.varmap, &file.tensors, &path)?;
+            }
+        }
         self.optimizer.load(dir).map_err(TrainerError::from)?;
         self.updates = updates;
         Ok(())
     }
+}
+
+/// Sets the head variables of `varmap` (not the frozen backbone) from an adapter file's
+/// `base_model.model.<name>` tensors (PEFT's `modules_to_save`); a head missing from the file
+/// is an error naming it.
+pub fn assign_heads(
+    varmap: &VarMap,
+    tensors: &HashMap<String, Tensor>,
+    source: &Path,
+) -> std::result::Result<(), crate::model::ModelError> {
+    let heads: HashMap<String, Tensor> = varmap
+        .data()
+        .lock()
+        .expect("varmap lock")
+        .keys()
+        .filter(|k| !is_backbone(k))
+        .filter_map(|k| {
+            tensors
+                .get(&format!("base_model.model.{k}"))
+                .map(|t| (k.clone(), t.clone()))
+        })
+        .collect();
+    let sub = VarMap::new();
+    {
+        let data = varmap.data().lock().expect("varmap lock");
+        let mut s = sub.data().lock().expect("varmap lock");
+        for (k, v) in data.iter().filter(|(k, _)| !is_backbone(k)) {
+            s.insert(k.clone(), v.clone());
+        }
+    }
+    hf::assign(&sub, &heads, source)
 }
 
 /// Runs `f` over every row of `batch` without gradients, micro-batch by micro-batch, and

@@ -479,7 +479,15 @@ mod tests {
             ..OptimConfig::default()
         };
         let args = ModelArgs::tiny(Arch::Llama, 32);
-        let mut t = Trainable::new(m, vm, args, &optim, 10, settings(plan(false, 2, 1, 2)));
+        let mut t = Trainable::new(
+            m,
+            vm,
+            None,
+            args,
+            &optim,
+            10,
+            settings(plan(false, 2, 1, 2)),
+        );
         let got = t.update(&b, 1, nll).unwrap();
         assert!(
             (got["actor/pg_loss"] - want).abs() < 1e-9,

@@ -1,0 +1,911 @@
+//! LoRA adapters on the transformer's projections, and PEFT's adapter format.
+//!
+//! A projection `y = x·Wᵀ (+ b)` with an adapter computes `y + s·(x·Aᵀ)·Bᵀ`, with `A` `[r, in]`
+//! and `B` `[out, r]` trainable and `W` frozen; `s = alpha / r` (or `alpha / √r` with
+//! `use_rslora`). `A` starts Kaiming-uniform (bound `1/√in`, what PyTorch's
+//! `kaiming_uniform_(a=√5)` gives), `B` at zero, so a fresh adapter leaves the model unchanged.
+//! Which projections get one follows PEFT's `check_target_module_exists` on HF module names
+//! (`model.layers.3.self_attn.q_proj`): a string target is a regular expression that must
+//! match the whole name (`all-linear` = every projection), a list matches a name equal to an
+//! entry or ending in `.entry`; `exclude_modules` uses the same two rules and wins.
+//!
+//! On disk an adapter is PEFT's folder: `adapter_config.json` and `adapter_model.safetensors`
+//! with tensors `base_model.model.<module>.lora_A.weight` `[r, in]` and `...lora_B.weight`
+//! `[out, r]` (PEFT's `get_peft_model_state_dict` names), which PEFT, vLLM and transformers load.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Result, Tensor};
+use candle_nn::{Linear, VarMap};
+use serde_json::{json, Value};
+
+use super::transformer::CausalLm;
+use super::ModelError;
+use crate::config::fields::OneOrMany;
+
+/// A low-rank update of one projection: `A` `[r, in]`, `B` `[out, r]`, scale `s`.
+#[derive(Clone)]
+pub struct Lora {
+    pub a: Tensor,
+    pub b: Tensor,
+    pub scale: f64,
+}
+
+/// One linear projection of a layer: the base weight and, with LoRA, its adapter.
+#[derive(Clone)]
+pub struct Proj {
+    pub base: Linear,
+    pub lora: Option<Lora>,
+}
+
+impl Proj {
+    pub fn new(base: Linear) -> Self {
+        Self { base, lora: None }
+    }
+
+    /// The base weight `[out, in]`.
+    pub fn weight(&self) -> &Tensor {
+        self.base.weight()
+    }
+
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.base.bias()
+    }
+
+    /// The same projection cut from autograd (same storage).
+    pub fn detached(&self) -> Proj {
+        Proj {
+            base: Linear::new(self.weight().detach(), self.bias().map(Tensor::detach)),
+            lora: self.lora.as_ref().map(|l| Lora {
+                a: l.a.detach(),
+                b: l.b.detach(),
+                scale: l.scale,
+            }),
+        }
+    }
+
+    /// `W + s·B·A` `[out, in]` (detached), or `W` itself without an adapter.
+    pub fn merged_weight(&self) -> Result<Tensor> {
+        match &self.lora {
+            None => Ok(self.weight().detach()),
+            Some(l) => {
+                let delta = (l.b.detach().matmul(&l.a.detach())? * l.scale)?; // [out, in]
+                self.weight().detach() + delta.to_dtype(self.weight().dtype())?
+            }
+        }
+    }
+}
+
+/// `x·Wᵀ` `[n, in] → [n, out]` for a frozen `W` `[out, in]` on the CPU, as one op whose backward
+/// returns only the input's gradient `g·W`. candle's matmul backward also computes `gᵀ·x` for
+/// the weight even when nothing needs it: for a LoRA model's frozen base that is a third of the
+/// projections' training FLOPs spent on a result thrown away.
+struct FrozenMatmul {
+    w: Tensor,
+}
+
+impl candle_core::CustomOp1 for FrozenMatmul {
+    fn name(&self) -> &'static str {
+        "frozen-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let x = super::recompute::tensor_of(s, l)?; // [n, in]
+        let y = x.matmul(&self.w.t()?)?; // [n, out]
+        Ok((super::recompute::storage_of(&y)?, y.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(grad.matmul(&self.w)?)) // [n, out]·[out, in]
+    }
+}
+
+/// `x·Wᵀ` for `x` `[n, in]`: through [`FrozenMatmul`] when `W` is frozen, `x` needs a gradient
+/// and everything is on the CPU in f32/f64; a plain product otherwise.
+pub(super) fn base_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let frozen = !w.track_op()
+        && x.track_op()
+        && matches!(x.device(), Device::Cpu)
+        && matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::F64);
+    if frozen {
+        x.contiguous()?.apply_op1(FrozenMatmul { w: w.clone() })
+    } else {
+        x.matmul(&w.t()?)
+    }
+}
+
+/// What LoRA adds and where: verl's `lora_rank`, `lora_alpha`, `target_modules`,
+/// `exclude_modules`, and PEFT's `use_rslora`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSpec {
+    pub rank: usize,
+    pub alpha: f64,
+    pub use_rslora: bool,
+    pub target_modules: OneOrMany,
+    pub exclude_modules: Option<OneOrMany>,
+}
+
+/// PEFT's shorthand for every linear layer but the output one.
+pub const ALL_LINEAR: &str = "all-linear";
+
+fn full_match(pattern: &str, key: &str) -> std::result::Result<bool, String> {
+    regex::Regex::new(&format!("^(?:{pattern})$"))
+        .map(|r| r.is_match(key))
+        .map_err(|e| format!("`{pattern}` is not a regular expression: {e}"))
+}
+
+fn list_match(list: &[String], key: &str) -> bool {
+    list.iter()
+        .any(|t| key == t || key.ends_with(&format!(".{t}")))
+}
+
+impl LoraSpec {
+    /// `alpha / r`, or `alpha / √r` with `use_rslora`.
+    pub fn scale(&self) -> f64 {
+        if self.use_rslora {
+            self.alpha / (self.rank as f64).sqrt()
+        } else {
+            self.alpha / self.rank as f64
+        }
+    }
+
+    /// Whether the projection named `key` (HF module name) gets an adapter, by PEFT's rules.
+    pub fn targets(&self, key: &str) -> std::result::Result<bool, String> {
+        match &self.exclude_modules {
+            Some(OneOrMany::One(p)) if full_match(p, key)? => return Ok(false),
+            Some(OneOrMany::Many(l)) if list_match(l, key) => return Ok(false),
+            _ => {}
+        }
+        Ok(match &self.target_modules {
+            OneOrMany::One(s) if s.eq_ignore_ascii_case(ALL_LINEAR) => true,
+            OneOrMany::One(p) => full_match(p, key)?,
+            OneOrMany::Many(l) => list_match(l, key),
+        })
+    }
+}
+
+/// PEFT's file name of a module's adapter matrix (`which` = `lora_A` or `lora_B`).
+pub fn tensor_name(module: &str, which: &str) -> String {
+    format!("base_model.model.{module}.{which}.weight")
+}
+
+/// Adds adapters to the projections of `model` that `spec` targets (A seeded Kaiming-uniform
+/// from `seed` and the tensor's name, B zero), as variables of `adapters`, and freezes every
+/// base weight. Returns the adapted module names; none is an error naming the rule.
+pub fn attach(
+    model: &mut CausalLm,
+    spec: &LoraSpec,
+    adapters: &VarMap,
+    seed: u64,
+    key: &str,
+) -> std::result::Result<Vec<String>, ModelError> {
+    let bad = |message: String| ModelError::File {
+        file: key.to_string(),
+        message,
+    };
+    if spec.rank == 0 {
+        return Err(bad("lora_rank must be positive to add adapters".into()));
+    }
+    let (dtype, device) = (model.dtype(), model.device().clone());
+    let scale = spec.scale();
+    let mut adapted = Vec::new();
+    let mut data = adapters.data().lock().expect("varmap lock");
+    for (i, block) in model.blocks_mut().iter_mut().enumerate() {
+        for (name, p) in block.projs_mut() {
+            let module = format!("model.layers.{i}.{name}");
+            if !spec.targets(&module).map_err(bad)? {
+                continue;
+            }
+            let (out, inp) = p.weight().dims2()?;
+            let a_name = tensor_name(&module, "lora_A");
+            let bound = 1.0 / (inp as f64).sqrt();
+            let a = uniform(spec.rank * inp, bound, seed, &a_name);
+            let a = Tensor::from_vec(a, (spec.rank, inp), &Device::Cpu)?
+                .to_dtype(dtype)?
+                .to_device(&device)?;
+            let a = candle_core::Var::from_tensor(&a)?;
+            let b = candle_core::Var::zeros((out, spec.rank), dtype, &device)?;
+            p.lora = Some(Lora {
+                a: a.as_tensor().clone(),
+                b: b.as_tensor().clone(),
+                scale,
+            });
+            data.insert(a_name, a);
+            data.insert(tensor_name(&module, "lora_B"), b);
+            adapted.push(module);
+        }
+    }
+    drop(data);
+    if adapted.is_empty() {
+        return Err(bad(format!(
+            "target_modules={} (exclude_modules={}) matches none of this model's projections (model.layers.N.self_attn.{{q,k,v,o}}_proj, model.layers.N.mlp.{{gate,up,down}}_proj)",
+            show(&spec.target_modules),
+            spec.exclude_modules.as_ref().map(show).unwrap_or("null".into())
+        )));
+    }
+    model.freeze_base();
+    Ok(adapted)
+}
+
+fn show(v: &OneOrMany) -> String {
+    match v {
+        OneOrMany::One(s) => s.clone(),
+        OneOrMany::Many(l) => format!("{l:?}"),
+    }
+}
+
+/// `n` draws of U(−bound, bound) from a ChaCha stream seeded by `seed` and `name`.
+fn uniform(n: usize, bound: f64, seed: u64, name: &str) -> Vec<f32> {
+    use rand::{Rng, SeedableRng};
+    let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64 ^ seed, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    });
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(h);
+    (0..n)
+        .map(|_| ((rng.random::<f64>() * 2.0 - 1.0) * bound) as f32)
+        .collect()
+}
+
+/// Target names PEFT writes for an expanded `all-linear`: the last part of each module name.
+fn module_suffixes(modules: &[String]) -> Vec<String> {
+    let mut v: Vec<String> = modules
+        .iter()
+        .map(|m| m.rsplit('.').next().unwrap_or(m).to_string())
+        .collect();
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// `adapter_config.json` as PEFT writes it for `spec` (with `all-linear` expanded to the
+/// adapted modules' names, as PEFT does). `task_type`: `CAUSAL_LM` or `TOKEN_CLS`;
+/// `modules_to_save`: fully trained modules saved beside the adapters (the critic's `score`).
+pub fn adapter_config(
+    spec: &LoraSpec,
+    adapted: &[String],
+    base_model: &str,
+    task_type: &str,
+    modules_to_save: Option<Vec<String>>,
+) -> Value {
+    let targets = match &spec.target_modules {
+        OneOrMany::One(s) if s.eq_ignore_ascii_case(ALL_LINEAR) => json!(module_suffixes(adapted)),
+        OneOrMany::One(s) => json!(s),
+        OneOrMany::Many(l) => json!(l),
+    };
+    let exclude = match &spec.exclude_modules {
+        None => Value::Null,
+        Some(OneOrMany::One(s)) => json!(s),
+        Some(OneOrMany::Many(l)) => json!(l),
+    };
+    json!({
+        "peft_type": "LORA",
+        "task_type": task_type,
+        "base_model_name_or_path": base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": 0.0,
+        "use_rslora": spec.use_rslora,
+        "target_modules": targets,
+        "exclude_modules": exclude,
+        "bias": "none",
+        "fan_in_fan_out": false,
+        "use_dora": false,
+        "init_lora_weights": true,
+        "inference_mode": false,
+        "modules_to_save": modules_to_save,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "layers_to_transform": null,
+        "layers_pattern": null,
+    })
+}
+
+/// Writes PEFT's adapter folder: `config` as `adapter_config.json` and `tensors` as
+/// `adapter_model.safetensors`.
+pub fn save_adapter(
+    dir: &Path,
+    config: &Value,
+    tensors: &HashMap<String, Tensor>,
+) -> std::result::Result<(), ModelError> {
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::file(dir, e.to_string()))?;
+    let cfg = dir.join("adapter_config.json");
+    std::fs::write(&cfg, serde_json::to_string_pretty(config).expect("json"))
+        .map_err(|e| ModelError::file(&cfg, e.to_string()))?;
+    let p = dir.join("adapter_model.safetensors");
+    candle_core::safetensors::save(tensors, &p).map_err(|e| ModelError::file(&p, e.to_string()))
+}
+
+/// An adapter read from disk: its settings, tensors (PEFT names, on the CPU) and the modules
+/// saved whole beside it.
+pub struct AdapterFile {
+    pub spec: LoraSpec,
+    pub tensors: HashMap<String, Tensor>,
+    pub modules_to_save: Vec<String>,
+    /// PEFT's `lora_dropout` (not applied here: training runs without adapter dropout).
+    pub lora_dropout: f64,
+}
+
+/// The adapter folder at `path`: a folder with `adapter_config.json`, or a checkpoint folder
+/// holding `lora_adapter/`.
+pub fn adapter_dir(path: &Path) -> std::result::Result<PathBuf, ModelError> {
+    for p in [path.to_path_buf(), path.join("lora_adapter")] {
+        if p.join("adapter_config.json").is_file() {
+            return Ok(p);
+        }
+    }
+    Err(ModelError::file(
+        path,
+        "no adapter_config.json here or in lora_adapter/ (a PEFT adapter folder has adapter_config.json and adapter_model.safetensors)".into(),
+    ))
+}
+
+fn str_or_list(
+    v: &Value,
+    key: &str,
+    file: &Path,
+) -> std::result::Result<Option<OneOrMany>, ModelError> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(OneOrMany::One(s.clone()))),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| x.as_str().map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+            .map(|l| Some(OneOrMany::Many(l)))
+            .ok_or_else(|| {
+                ModelError::file(
+                    file,
+                    format!("`{key}` must be a string or a list of strings"),
+                )
+            }),
+        Some(other) => Err(ModelError::file(
+            file,
+            format!("`{key}` must be a string or a list of strings, got {other}"),
+        )),
+    }
+}
+
+/// Reads a PEFT LoRA adapter (ours or PEFT's). Settings this implementation cannot reproduce
+/// (DoRA, biases, per-module ranks, `fan_in_fan_out`, layer selection) are refused by name.
+pub fn read_adapter(path: &Path) -> std::result::Result<AdapterFile, ModelError> {
+    let dir = adapter_dir(path)?;
+    let file = dir.join("adapter_config.json");
+    let text =
+        std::fs::read_to_string(&file).map_err(|e| ModelError::file(&file, e.to_string()))?;
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| ModelError::file(&file, format!("not valid JSON: {e}")))?;
+    let err = |m: String| ModelError::file(&file, m);
+    if let Some(t) = v.get("peft_type").and_then(Value::as_str) {
+        if !t.eq_ignore_ascii_case("LORA") {
+            return Err(err(format!(
+                "`peft_type` is {t}: only LORA adapters are supported"
+            )));
+        }
+    }
+    let rank = v
+        .get("r")
+        .and_then(Value::as_u64)
+        .filter(|&r| r > 0)
+        .ok_or_else(|| err("`r` must be a positive integer".into()))? as usize;
+    let alpha = v
+        .get("lora_alpha")
+        .and_then(Value::as_f64)
+        .ok_or_else(|| err("`lora_alpha` must be a number".into()))?;
+    let flag = |k: &str| v.get(k).and_then(Value::as_bool).unwrap_or(false);
+    for k in ["use_dora", "fan_in_fan_out", "lora_bias", "use_qalora"] {
+        if flag(k) {
+            return Err(err(format!(
+                "`{k}: true` is not supported (plain LoRA only)"
+            )));
+        }
+    }
+    if let Some(b) = v.get("bias").and_then(Value::as_str) {
+        if b != "none" {
+            return Err(err(format!("`bias: {b}` is not supported (only \"none\")")));
+        }
+    }
+    for k in ["rank_pattern", "alpha_pattern"] {
+        if v.get(k)
+            .and_then(Value::as_object)
+            .is_some_and(|m| !m.is_empty())
+        {
+            return Err(err(format!("`{k}` (per-module ranks) is not supported")));
+        }
+    }
+    for k in [
+        "layers_to_transform",
+        "layer_replication",
+        "trainable_token_indices",
+        "target_parameters",
+    ] {
+        if v.get(k).is_some_and(|x| !x.is_null()) {
+            return Err(err(format!(
+                "`{k}` is not supported (adapters on whole projections only; exclude_modules selects them)"
+            )));
+        }
+    }
+    let target_modules = str_or_list(&v, "target_modules", &file)?
+        .ok_or_else(|| err("`target_modules` is missing".into()))?;
+    let spec = LoraSpec {
+        rank,
+        alpha,
+        use_rslora: flag("use_rslora"),
+        target_modules,
+        exclude_modules: str_or_list(&v, "exclude_modules", &file)?,
+    };
+    let modules_to_save = match str_or_list(&v, "modules_to_save", &file)? {
+        None => Vec::new(),
+        Some(m) => m.to_vec(),
+    };
+    let weights = dir.join("adapter_model.safetensors");
+    if !weights.is_file() {
+        return Err(ModelError::file(
+            &dir,
+            "no adapter_model.safetensors (PyTorch adapter_model.bin is not supported: save with safe_serialization=True)".into(),
+        ));
+    }
+    let tensors = candle_core::safetensors::load(&weights, &Device::Cpu)
+        .map_err(|e| ModelError::file(&weights, format!("not a readable safetensors file: {e}")))?;
+    Ok(AdapterFile {
+        spec,
+        tensors,
+        modules_to_save,
+        lora_dropout: v.get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0),
+    })
+}
+
+/// Copies an adapter file's `lora_A` / `lora_B` tensors into `adapters` (from [`attach`] with the
+/// file's spec): every variable must be in the file with its shape, and every LoRA tensor of
+/// the file must belong to a variable.
+pub fn assign_adapter(
+    adapters: &VarMap,
+    tensors: &HashMap<String, Tensor>,
+    source: &Path,
+) -> std::result::Result<(), ModelError> {
+    let data = adapters.data().lock().expect("varmap lock");
+    let sorted: BTreeMap<&String, &candle_core::Var> = data.iter().collect();
+    for (name, var) in &sorted {
+        let t = tensors.get(*name).ok_or_else(|| ModelError::Missing {
+            name: (*name).clone(),
+            file: source.display().to_string(),
+        })?;
+        if t.dims() != var.as_tensor().dims() {
+            return Err(ModelError::Shape {
+                name: (*name).clone(),
+                expected: var.as_tensor().dims().to_vec(),
+                found: t.dims().to_vec(),
+            });
+        }
+        var.set(
+            &t.to_dtype(var.as_tensor().dtype())?
+                .to_device(var.as_tensor().device())?,
+        )?;
+    }
+    let mut stray: Vec<&String> = tensors
+        .keys()
+        .filter(|k| (k.contains(".lora_A.") || k.contains(".lora_B.")) && !data.contains_key(*k))
+        .collect();
+    stray.sort();
+    if let Some(k) = stray.first() {
+        return Err(ModelError::file(
+            source,
+            format!("tensor `{k}` is for a module this model has no adapter on (check target_modules / exclude_modules, and that the adapter was made for this architecture)"),
+        ));
+    }
+    Ok(())
+}
+
+/// The adapter variables as PEFT's tensors, in the model's dtype.
+pub fn adapter_tensors(adapters: &VarMap) -> HashMap<String, Tensor> {
+    adapters
+        .data()
+        .lock()
+        .expect("varmap lock")
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect()
+}
+
+/// The module names that carry an adapter in `adapters` (from the `lora_A` names).
+pub fn adapted_modules(adapters: &VarMap) -> Vec<String> {
+    let mut v: Vec<String> = adapters
+        .data()
+        .lock()
+        .expect("varmap lock")
+        .keys()
+        .filter_map(|k| {
+            k.strip_prefix("base_model.model.")?
+                .strip_suffix(".lora_A.weight")
+                .map(str::to_string)
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::model::{Arch, ModelArgs};
+    use candle_core::{DType, Var};
+
+    pub(crate) fn spec(rank: usize, targets: OneOrMany, exclude: Option<OneOrMany>) -> LoraSpec {
+        LoraSpec {
+            rank,
+            alpha: 16.0,
+            use_rslora: false,
+            target_modules: targets,
+            exclude_modules: exclude,
+        }
+    }
+
+    fn all() -> OneOrMany {
+        OneOrMany::One(ALL_LINEAR.into())
+    }
+
+    /// Sets every `lora_B` to seeded values of spread `stdev` (a trained adapter).
+    pub(crate) fn randomize_b(adapters: &VarMap, stdev: f64) {
+        for (name, var) in adapters.data().lock().unwrap().iter() {
+            if name.contains("lora_B") {
+                let t = var.as_tensor();
+                let v = uniform(t.elem_count(), stdev, 11, name);
+                let v = Tensor::from_vec(v, t.shape(), &Device::Cpu).unwrap();
+                var.set(&v.to_dtype(t.dtype()).unwrap()).unwrap();
+            }
+        }
+    }
+
+    fn batch() -> (Tensor, Tensor, Tensor) {
+        let dev = Device::Cpu;
+        // Row 1 is left-padded by 2.
+        let ids = Tensor::new(&[[3u32, 7, 1, 9, 4, 2], [0, 0, 5, 6, 8, 11]], &dev).unwrap();
+        let pos = Tensor::new(&[[0u32, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3]], &dev).unwrap();
+        let mask = Tensor::new(&[[1u32, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], &dev).unwrap();
+        (ids, pos, mask)
+    }
+
+    fn logits(m: &CausalLm) -> Vec<f64> {
+        let (ids, pos, mask) = batch();
+        let h = m.forward_hidden(&ids, &pos, &mask, None).unwrap();
+        m.logits(&h)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    /// PEFT's matching rules (tuners_utils.check_target_module_exists), case by case.
+    #[test]
+    fn target_and_exclude_rules_follow_peft() {
+        let k = "model.layers.3.self_attn.q_proj";
+        let many = |v: &[&str]| OneOrMany::Many(v.iter().map(|s| s.to_string()).collect());
+        let one = |s: &str| OneOrMany::One(s.into());
+        assert!(spec(4, all(), None).targets(k).unwrap());
+        assert!(spec(4, one("ALL-LINEAR"), None).targets(k).unwrap());
+        assert!(spec(4, many(&["q_proj"]), None).targets(k).unwrap());
+        assert!(spec(4, many(&["self_attn.q_proj"]), None)
+            .targets(k)
+            .unwrap());
+        assert!(spec(4, many(&[k]), None).targets(k).unwrap());
+        // A list entry must match a whole dotted component: `_proj` is not `.q_proj`'s suffix.
+        assert!(!spec(4, many(&["proj", "_proj"]), None).targets(k).unwrap());
+        // A string is a regular expression over the whole name.
+        assert!(spec(4, one(r".*\.layers\.3\..*"), None).targets(k).unwrap());
+        assert!(!spec(4, one("q_proj"), None).targets(k).unwrap());
+        assert!(!spec(4, one(r"layers\.3"), None).targets(k).unwrap());
+        // Exclusions win, with the same two rules.
+        assert!(!spec(4, all(), Some(many(&["q_proj"]))).targets(k).unwrap());
+        assert!(spec(4, all(), Some(many(&["k_proj"]))).targets(k).unwrap());
+        assert!(!spec(4, all(), Some(one(r".*layers\.3\..*")))
+            .targets(k)
+            .unwrap());
+        assert!(spec(4, all(), Some(one("q_proj"))).targets(k).unwrap());
+        let e = spec(4, one("q_proj("), None).targets(k).unwrap_err();
+        assert!(
+            e.contains("q_proj(") && e.contains("regular expression"),
+            "{e}"
+        );
+        // Scales: alpha / r and alpha / sqrt(r).
+        let mut s = spec(4, all(), None);
+        assert_eq!(s.scale(), 4.0);
+        s.use_rslora = true;
+        assert_eq!(s.scale(), 8.0);
+    }
+
+    /// Which projections a tiny model adapts, and the refusal when nothing matches.
+    #[test]
+    fn attach_adapts_what_the_rules_select_and_refuses_nothing() {
+        let args = ModelArgs::tiny(Arch::Llama, 30);
+        let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+        let ad = VarMap::new();
+        let sp = spec(
+            4,
+            OneOrMany::Many(vec!["q_proj".into(), "down_proj".into()]),
+            Some(OneOrMany::One(r".*layers\.1\.mlp\..*".into())),
+        );
+        let got = attach(&mut m, &sp, &ad, 0, "actor_rollout_ref.model").unwrap();
+        assert_eq!(
+            got,
+            vec![
+                "model.layers.0.self_attn.q_proj",
+                "model.layers.0.mlp.down_proj",
+                "model.layers.1.self_attn.q_proj"
+            ]
+        );
+        let data = ad.data().lock().unwrap();
+        assert_eq!(data.len(), 6);
+        let a = &data["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"];
+        let b = &data["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"];
+        assert_eq!(a.as_tensor().dims(), &[4, 48]); // [r, in]
+        assert_eq!(b.as_tensor().dims(), &[32, 4]); // [out, r]
+                                                    // A is U(−1/√in, 1/√in) and not constant; B is zero.
+        let av: Vec<f32> = a.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        let bound = 1.0 / (48f32).sqrt();
+        assert!(av.iter().all(|x| x.abs() <= bound));
+        assert!(av.iter().any(|x| x.abs() > bound / 2.0));
+        assert_eq!(
+            b.as_tensor()
+                .abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap(),
+            0.0
+        );
+        drop(data);
+        let (_vm, mut m2) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+        let none = spec(4, OneOrMany::Many(vec!["c_attn".into()]), None);
+        let e = attach(&mut m2, &none, &VarMap::new(), 0, "critic.model")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("critic.model") && e.contains("c_attn"), "{e}");
+    }
+
+    /// With B = 0 the adapted model's logits equal the base model's bit for bit (the adapter
+    /// adds exact zeros), for Llama and Qwen2 (biased q/k/v), both through the composition.
+    #[test]
+    fn zero_b_gives_the_base_logits_exactly() {
+        for arch in [Arch::Llama, Arch::Qwen2] {
+            let args = ModelArgs::tiny(arch, 30);
+            let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+            // Adapted layers run as the op composition; the base is compared on the same path
+            // (the hand-written layer rounds differently).
+            m.set_composed_layers(true);
+            let base = logits(&m);
+            attach(&mut m, &spec(4, all(), None), &VarMap::new(), 1, "k").unwrap();
+            assert!(m.has_adapters());
+            assert_eq!(logits(&m), base, "{arch:?}");
+        }
+    }
+
+    /// Merged weights (W + s·B·A) against the adapter applied on the side, f32: ≤ 1e-5; the
+    /// disabled-adapter view equals the base model exactly.
+    #[test]
+    fn merged_equals_unmerged_and_disabled_equals_base() {
+        for arch in [Arch::Llama, Arch::Qwen2] {
+            let args = ModelArgs::tiny(arch, 30);
+            let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+            let base = logits(&m);
+            let ad = VarMap::new();
+            attach(&mut m, &spec(4, all(), None), &ad, 1, "k").unwrap();
+            randomize_b(&ad, 0.2);
+            let side = logits(&m);
+            let merged = logits(&m.merged().unwrap());
+            let diff = side
+                .iter()
+                .zip(&merged)
+                .fold(0f64, |d, (a, b)| d.max((a - b).abs()));
+            assert!(diff <= 1e-5, "{arch:?}: {diff}");
+            let moved = side
+                .iter()
+                .zip(&base)
+                .fold(0f64, |d, (a, b)| d.max((a - b).abs()));
+            assert!(moved > 1e-2, "the adapter changes the logits: {moved}");
+            assert_eq!(logits(&m.without_adapters()), base);
+        }
+    }
+
+    /// Autograd gradients of A and B against central finite differences (f64), with and
+    /// without per-layer recomputation; the frozen base weights get no gradient.
+    #[test]
+    fn adapter_gradients_match_finite_differences() {
+        for (arch, recompute) in [
+            (Arch::Llama, false),
+            (Arch::Qwen2, false),
+            (Arch::Llama, true),
+        ] {
+            let args = ModelArgs::tiny(arch, 30);
+            let (vm, mut m) = crate::testing::tiny_model(&args, DType::F64, 0.3);
+            let ad = VarMap::new();
+            let mut sp = spec(3, all(), None);
+            sp.use_rslora = true;
+            attach(&mut m, &sp, &ad, 2, "k").unwrap();
+            randomize_b(&ad, 0.3);
+            m.set_gradient_checkpointing(recompute);
+            let (ids, pos, mask) = batch();
+            let loss = |m: &CausalLm| {
+                let h = m.forward_hidden(&ids, &pos, &mask, None).unwrap();
+                let (lp, ent) = m.token_logprobs(&h, &ids, 5, true).unwrap();
+                // Padded positions attend to nothing (all keys at −1e9, rounded in f64): they
+                // are left out, as a response mask leaves them out.
+                let keep = mask.to_dtype(DType::F64).unwrap();
+                ((lp * &keep).unwrap().sum_all().unwrap()
+                    + (ent.unwrap() * &keep).unwrap().sum_all().unwrap())
+                .unwrap()
+            };
+            let grads = loss(&m).backward().unwrap();
+            for (_, v) in vm.data().lock().unwrap().iter() {
+                assert!(
+                    grads.get(v.as_tensor()).is_none(),
+                    "a base weight got a gradient"
+                );
+            }
+            let data: Vec<(String, Var)> = ad.data().lock().unwrap().clone().into_iter().collect();
+            assert_eq!(data.len(), 2 * 7 * 2);
+            for (name, var) in &data {
+                let g: Vec<f64> = grads
+                    .get(var.as_tensor())
+                    .unwrap_or_else(|| panic!("{name}: no gradient"))
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                assert!(g.iter().any(|x| x.abs() > 1e-8), "{name}: zero gradient");
+                let orig: Vec<f64> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+                let shape = var.as_tensor().shape().clone();
+                for idx in [0, orig.len() / 2, orig.len() - 1] {
+                    let eps = 1e-5;
+                    let at = |d: f64| {
+                        let mut w = orig.clone();
+                        w[idx] += d;
+                        var.set(&Tensor::from_vec(w, shape.clone(), &Device::Cpu).unwrap())
+                            .unwrap();
+                        loss(&m).to_scalar::<f64>().unwrap()
+                    };
+                    let fd = (at(eps) - at(-eps)) / (2.0 * eps);
+                    var.set(&Tensor::from_vec(orig.clone(), shape.clone(), &Device::Cpu).unwrap())
+                        .unwrap();
+                    assert!(
+                        (fd - g[idx]).abs() <= 1e-6 * (1.0 + fd.abs()),
+                        "{arch:?} recompute={recompute} {name}[{idx}]: autograd {} vs fd {fd}",
+                        g[idx]
+                    );
+                }
+            }
+        }
+    }
+
+    /// An adapter PEFT wrote (`tests/fixtures/peft_lora`, made by `scripts/peft_check.sh
+    /// --make-fixture`: a tiny Llama base, rsLoRA r=4 on q_proj/v_proj/down_proj except layer 1's
+    /// v_proj, random A and B) is read with PEFT's names, shapes and config keys, and the adapted
+    /// model's logits equal PEFT's (PyTorch, f32) on the stored input; the base's logits equal
+    /// transformers'. Writing it back with our writer and reading again gives the same tensors.
+    #[test]
+    fn reads_a_peft_adapter_fixture() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/peft_lora");
+        let base = crate::model::hf::load_dir(
+            &dir.join("base"),
+            &serde_json::Map::new(),
+            DType::F32,
+            &Device::Cpu,
+            true,
+        )
+        .unwrap();
+        let file = read_adapter(&dir.join("adapter")).unwrap();
+        assert_eq!((file.spec.rank, file.spec.alpha), (4, 8.0));
+        assert!(file.spec.use_rslora);
+        let mut targets = file.spec.target_modules.to_vec();
+        targets.sort();
+        assert_eq!(targets, vec!["down_proj", "q_proj", "v_proj"]);
+        assert_eq!(
+            file.spec.exclude_modules,
+            Some(OneOrMany::One(r".*layers\.1\.self_attn\.v_proj".into()))
+        );
+        let t = |n: &str| file.tensors[n].dims().to_vec();
+        assert_eq!(
+            t("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"),
+            [4, 32]
+        );
+        assert_eq!(
+            t("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"),
+            [32, 4]
+        );
+        assert_eq!(
+            t("base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"),
+            [16, 4]
+        );
+        assert!(!file
+            .tensors
+            .contains_key("base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"));
+        assert_eq!(file.tensors.len(), 2 * (3 * 2 - 1));
+
+        let expected: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
+                .unwrap();
+        let ids: Vec<u32> = serde_json::from_value(expected["input_ids"].clone()).unwrap();
+        let n = ids.len();
+        let run = |m: &CausalLm| -> Vec<f32> {
+            let dev = Device::Cpu;
+            let pos: Vec<u32> = (0..n as u32).collect();
+            let h = m
+                .forward_hidden(
+                    &Tensor::from_vec(ids.clone(), (1, n), &dev).unwrap(),
+                    &Tensor::from_vec(pos, (1, n), &dev).unwrap(),
+                    &Tensor::ones((1, n), DType::U32, &dev).unwrap(),
+                    None,
+                )
+                .unwrap();
+            m.logits(&h)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        let flat = |k: &str| -> Vec<f32> {
+            let rows: Vec<Vec<f32>> = serde_json::from_value(expected[k].clone()).unwrap();
+            rows.concat()
+        };
+        let close = |a: &[f32], b: &[f32], what: &str| {
+            assert_eq!(a.len(), b.len());
+            let d = a.iter().zip(b).fold(0f32, |d, (x, y)| d.max((x - y).abs()));
+            assert!(d <= 1e-4, "{what}: max |diff| {d}");
+        };
+        let mut m = base.model;
+        close(&run(&m), &flat("base_logits"), "base vs transformers");
+        let ad = VarMap::new();
+        let adapted = attach(&mut m, &file.spec, &ad, 0, "fixture").unwrap();
+        assert_eq!(adapted.len(), 5);
+        assign_adapter(&ad, &file.tensors, &dir).unwrap();
+        close(&run(&m), &flat("logits"), "adapted vs PEFT");
+        close(
+            &run(&m.merged().unwrap()),
+            &flat("logits"),
+            "merged vs PEFT",
+        );
+
+        let out = tempfile::tempdir().unwrap();
+        let cfg = adapter_config(&file.spec, &adapted, "base", "CAUSAL_LM", None);
+        save_adapter(out.path(), &cfg, &adapter_tensors(&ad)).unwrap();
+        let again = read_adapter(out.path()).unwrap();
+        assert_eq!(again.spec, file.spec);
+        for (k, v) in &file.tensors {
+            let a: Vec<f32> = again.tensors[k].flatten_all().unwrap().to_vec1().unwrap();
+            let b: Vec<f32> = v.flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(a, b, "{k}");
+        }
+    }
+
+    /// Settings PEFT can write but this implementation cannot reproduce are refused by name.
+    #[test]
+    fn unsupported_adapter_settings_are_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let base =
+            json!({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]});
+        for (key, value, says) in [
+            ("use_dora", json!(true), "use_dora"),
+            ("bias", json!("all"), "bias"),
+            ("rank_pattern", json!({"q_proj": 8}), "rank_pattern"),
+            ("r", json!(0), "`r`"),
+            ("peft_type", json!("IA3"), "IA3"),
+        ] {
+            let mut c = base.clone();
+            c[key] = value;
+            std::fs::write(dir.path().join("adapter_config.json"), c.to_string()).unwrap();
+            let e = read_adapter(dir.path()).err().unwrap().to_string();
+            assert!(e.contains(says) && e.contains("adapter_config.json"), "{e}");
+        }
+        std::fs::write(dir.path().join("adapter_config.json"), base.to_string()).unwrap();
+        let e = read_adapter(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("adapter_model.safetensors"), "{e}");
+    }
+}

@@ -1,0 +1,288 @@
+//! LoRA runs end to end: what trains, the reference by disabling adapters, PEFT-format
+//! checkpoints, exact resume, and starting from a saved adapter.
+
+use super::*;
+use crate::trainer::trainable::{Network, Trainable};
+
+const LORA: &[&str] = &[
+    "algorithm.adv_estimator=gae",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.model.lora_rank=4",
+    "actor_rollout_ref.model.lora_alpha=8",
+    "critic.model.lora_rank=2",
+    "critic.model.target_modules=[q_proj,v_proj]",
+];
+
+fn adapters(t: &Trainable<impl Network>) -> Vec<(String, Vec<f32>)> {
+    weights(&t.lora.as_ref().expect("LoRA run").adapters)
+}
+
+fn logits_of(m: &crate::model::CausalLm) -> Vec<f32> {
+    let dev = Device::Cpu;
+    let ids = Tensor::new(&[[72u32, 101, 108, 108, 111, 33]], &dev).unwrap();
+    let pos = Tensor::new(&[[0u32, 1, 2, 3, 4, 5]], &dev).unwrap();
+    let mask = Tensor::new(&[[1u32; 6]], &dev).unwrap();
+    let h = m.forward_hidden(&ids, &pos, &mask, None).unwrap();
+    m.logits(&h)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// Two PPO steps with LoRA on actor and critic: the base weights stay exactly as loaded, every
+/// adapter matrix and the value head move, the optimizer holds only those; no reference model
+/// is loaded and the reference (actor with adapters off) equals a separately loaded frozen copy.
+#[test]
+fn an_update_moves_only_adapters_and_the_reference_is_the_base() {
+    let fx = fixture();
+    let mut t = trainer(
+        &fx,
+        &[LORA, &["trainer.total_training_steps=2"]].concat(),
+        None,
+    );
+    let base_actor = weights(&t.actor.trainable.varmap);
+    let critic = t.critic.as_ref().unwrap();
+    let base_critic = weights(&critic.trainable.varmap);
+    let (a0, c0) = (adapters(&t.actor.trainable), adapters(&critic.trainable));
+    assert_eq!(
+        a0.len(),
+        2 * 7 * 2,
+        "all-linear: 7 projections x 2 layers, A and B"
+    );
+    assert_eq!(c0.len(), 2 * 2 * 2, "q_proj and v_proj only");
+    let actor_vars: Vec<String> = t
+        .actor
+        .trainable
+        .optimizer
+        .vars()
+        .iter()
+        .map(|(n, _)| n.clone())
+        .collect();
+    assert!(
+        actor_vars.iter().all(|n| n.contains(".lora_")),
+        "{actor_vars:?}"
+    );
+    assert_eq!(actor_vars.len(), a0.len());
+    let critic_vars: Vec<&String> = critic
+        .trainable
+        .optimizer
+        .vars()
+        .iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert!(critic_vars.iter().any(|n| *n == "score.weight"));
+    assert_eq!(
+        critic_vars.len(),
+        c0.len() + 2,
+        "adapters + score.weight/bias"
+    );
+
+    assert!(t.reference.is_some());
+    assert_eq!(t.fit().unwrap(), FitOutcome::Finished { steps: 2 });
+    assert_eq!(
+        weights(&t.actor.trainable.varmap),
+        base_actor,
+        "actor base untouched"
+    );
+    let critic = t.critic.as_ref().unwrap();
+    let after_critic = weights(&critic.trainable.varmap);
+    for ((n, b), (_, a)) in base_critic.iter().zip(&after_critic) {
+        assert_eq!(
+            b != a,
+            n.starts_with("score."),
+            "{n}: only the value head moves"
+        );
+    }
+    for (before, after) in [
+        (a0, adapters(&t.actor.trainable)),
+        (c0, adapters(&critic.trainable)),
+    ] {
+        for ((n, b), (_, a)) in before.iter().zip(&after) {
+            assert_ne!(b, a, "{n} did not move");
+        }
+    }
+    // Reference by disabling adapters = a frozen reference loaded from model.path.
+    let (frozen, _) = setup::load_policy(&t.cfg, &Device::Cpu).unwrap();
+    let r = t.reference.as_ref().unwrap();
+    assert_eq!(logits_of(&r.model), logits_of(&frozen.model));
+    assert_ne!(
+        logits_of(t.actor.view()),
+        logits_of(&frozen.model),
+        "adapters trained"
+    );
+}
+
+/// A LoRA checkpoint is PEFT's adapter folder plus the adapters' optimizer state (no base
+/// weights), and resuming from it continues bit for bit.
+#[test]
+fn lora_checkpoints_are_peft_folders_and_resume_exactly() {
+    let extra: Vec<&str> = [
+        LORA,
+        &[
+            "actor_rollout_ref.actor.shuffle=True",
+            "trainer.total_training_steps=4",
+            "trainer.save_freq=2",
+        ],
+    ]
+    .concat();
+    let fx = fixture();
+    let mut a = trainer(&fx, &extra, None);
+    a.fit().unwrap();
+    let straight = (
+        adapters(&a.actor.trainable),
+        weights(&a.critic.as_ref().unwrap().trainable.varmap),
+        optimizer_files(&crate::checkpoint::step_dir(&a.plan.default_local_dir, 4)),
+        a.history
+            .iter()
+            .map(|(s, m)| (*s, deterministic(m)))
+            .collect::<Vec<_>>(),
+    );
+    // The folder: PEFT names and shapes, config keys, no base weights.
+    let step2 = crate::checkpoint::step_dir(&a.plan.default_local_dir, 2);
+    let ad = step2.join("actor/lora_adapter");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ad.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(cfg["peft_type"], "LORA");
+    assert_eq!(cfg["task_type"], "CAUSAL_LM");
+    assert_eq!(cfg["r"], 4);
+    assert_eq!(cfg["lora_alpha"], 8.0);
+    assert_eq!(
+        cfg["target_modules"],
+        serde_json::json!([
+            "down_proj",
+            "gate_proj",
+            "k_proj",
+            "o_proj",
+            "q_proj",
+            "up_proj",
+            "v_proj"
+        ])
+    );
+    let tensors =
+        candle_core::safetensors::load(ad.join("adapter_model.safetensors"), &Device::Cpu).unwrap();
+    assert_eq!(tensors.len(), 28);
+    let a_q = &tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"];
+    let b_d = &tensors["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"];
+    assert_eq!(a_q.dims(), &[4, 32]); // [r, hidden]
+    assert_eq!(b_d.dims(), &[32, 4]); // [hidden, r]
+    assert!(!step2.join("actor/huggingface/model.safetensors").exists());
+    assert!(step2.join("actor/huggingface/config.json").is_file());
+    let ccfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(step2.join("critic/lora_adapter/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(ccfg["task_type"], "TOKEN_CLS");
+    assert_eq!(ccfg["modules_to_save"], serde_json::json!(["score"]));
+    drop(a);
+
+    let fx2 = fixture_like(&fx);
+    let stop = Arc::new(AtomicBool::new(false));
+    let sink: Box<dyn MetricSink + Send> = Box::new(StopAt(2, stop.clone()));
+    let mut b = Trainer::new(
+        config(&fx2, &extra),
+        TrainerOptions {
+            natives: natives(),
+            stop,
+            tracker: Some(Tracker::with_sinks(vec![("stop".into(), sink)])),
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        b.fit().unwrap(),
+        FitOutcome::Interrupted { step: 2, .. }
+    ));
+    let mut history = b.history.clone();
+    drop(b);
+    let mut c = trainer(&fx2, &extra, None);
+    assert_eq!(c.global_step, 2);
+    c.fit().unwrap();
+    history.extend(c.history.iter().cloned());
+    assert!(
+        straight.0 == adapters(&c.actor.trainable),
+        "adapters differ after resume"
+    );
+    assert!(
+        straight.1 == weights(&c.critic.as_ref().unwrap().trainable.varmap),
+        "critic head differs after resume"
+    );
+    assert!(
+        straight.2 == optimizer_files(&crate::checkpoint::step_dir(&c.plan.default_local_dir, 4)),
+        "optimizer state differs after resume"
+    );
+    let resumed: Vec<_> = history
+        .iter()
+        .map(|(s, m)| (*s, deterministic(m)))
+        .collect();
+    assert!(straight.3 == resumed, "metrics differ after resume");
+}
+
+/// `lora_adapter_path` starts from a saved adapter: its config sets rank and targets (the
+/// configured lora_rank is not used) and its tensors the starting values; the critic's value
+/// head comes back from `modules_to_save`.
+#[test]
+fn lora_adapter_path_starts_from_a_saved_adapter() {
+    let fx = fixture();
+    let mut a = trainer(
+        &fx,
+        &[
+            LORA,
+            &["trainer.total_training_steps=1", "trainer.save_freq=1"],
+        ]
+        .concat(),
+        None,
+    );
+    a.fit().unwrap();
+    let step1 = crate::checkpoint::step_dir(&a.plan.default_local_dir, 1);
+    let (saved_actor, saved_critic) = (
+        adapters(&a.actor.trainable),
+        weights(&a.critic.as_ref().unwrap().trainable.varmap),
+    );
+    drop(a);
+    let fx2 = fixture_like(&fx);
+    let actor_path = format!(
+        "actor_rollout_ref.model.lora_adapter_path={}",
+        step1.join("actor").display()
+    );
+    let critic_path = format!(
+        "critic.model.lora_adapter_path={}",
+        step1.join("critic/lora_adapter").display()
+    );
+    let b = trainer(
+        &fx2,
+        &[
+            "algorithm.adv_estimator=gae",
+            "critic.model.lora_rank=16",
+            &actor_path,
+            &critic_path,
+        ],
+        None,
+    );
+    assert_eq!(adapters(&b.actor.trainable), saved_actor);
+    assert_eq!(b.actor.trainable.lora.as_ref().unwrap().spec.rank, 4);
+    let critic = b.critic.as_ref().unwrap();
+    assert_eq!(critic.trainable.lora.as_ref().unwrap().spec.rank, 2);
+    assert_eq!(weights(&critic.trainable.varmap), saved_critic);
+    // A broken adapter folder is an error naming the key.
+    let bad = format!(
+        "actor_rollout_ref.model.lora_adapter_path={}",
+        fx2.dir.path().display()
+    );
+    let e = Trainer::new(
+        config(&fx2, &[bad.as_str()]),
+        TrainerOptions {
+            natives: natives(),
+            stop: Arc::new(AtomicBool::new(false)),
+            tracker: Some(Tracker::with_sinks(Vec::new())),
+        },
+    )
+    .err()
+    .expect("no adapter there")
+    .to_string();
+    assert!(
+        e.contains("lora_adapter_path") && e.contains("adapter_config.json"),
+        "{e}"
+    );
+}
