@@ -59,6 +59,27 @@ impl Dims {
 pub(super) struct Lin<'a, T> {
     pub w: &'a [T],
     pub b: Option<&'a [T]>,
+    /// A LoRA adapter on the side: `y += s·(x·Aᵀ)·Bᵀ`.
+    pub ad: Option<Adapter<'a, T>>,
+    /// Whether the base weight and bias train (false for a LoRA model's frozen base: their
+    /// gradients, the largest product of the backward, are not computed).
+    pub train_base: bool,
+}
+
+/// A LoRA adapter, borrowed: `A` `[r, in]`, `B` `[out, r]`, scale `s`.
+#[derive(Clone, Copy)]
+pub(super) struct Adapter<'a, T> {
+    pub a: &'a [T],
+    pub b: &'a [T],
+    pub scale: T,
+}
+
+/// One linear layer's gradients; `None` where the tensor does not train or does not exist.
+pub(super) struct LinGrad<T> {
+    pub w: Option<Vec<T>>,
+    pub b: Option<Vec<T>>,
+    pub a: Option<Vec<T>>,
+    pub bb: Option<Vec<T>>,
 }
 
 /// A layer's weights, borrowed from their storage.
@@ -74,7 +95,7 @@ pub(super) struct Weights<'a, T> {
 pub(super) struct Grads<T> {
     pub ln1: Vec<T>,
     pub ln2: Vec<T>,
-    pub lin: Vec<(Vec<T>, Option<Vec<T>>)>,
+    pub lin: Vec<LinGrad<T>>,
 }
 
 /// The per-row rotary tables `[rows, head_dim]` and additive attention bias `[batch, seq, seq]`.
@@ -130,11 +151,53 @@ fn linear_fwd<T: Elem>(l: Lin<T>, x: &[T], rows: usize, inp: usize) -> Vec<T> {
             }
         });
     }
+    if let Some(ad) = l.ad {
+        // y += (s·x·Aᵀ) [rows, r] · Bᵀ [r, out]; with B = 0 this adds exact zeros.
+        let r = ad.a.len() / inp;
+        let xs = adapter_input(ad, x, rows, inp);
+        gemm_strided(
+            &mut y,
+            rows,
+            out,
+            r,
+            &xs,
+            r,
+            1,
+            ad.b,
+            1,
+            r,
+            true,
+            Par::Rayon,
+        );
+    }
     y
 }
 
-/// Gradients of a linear layer from `dy [rows, out]`: `∂W = dyᵀ·x`, `∂b = Σ_rows dy`, and
-/// `dx (+)= dy·W`.
+/// `s·x·Aᵀ` `[rows, r]`.
+fn adapter_input<T: Elem>(ad: Adapter<T>, x: &[T], rows: usize, inp: usize) -> Vec<T> {
+    let r = ad.a.len() / inp;
+    let mut xs = vec![T::zero(); rows * r];
+    gemm_strided(
+        &mut xs,
+        rows,
+        r,
+        inp,
+        x,
+        inp,
+        1,
+        ad.a,
+        1,
+        inp,
+        false,
+        Par::Rayon,
+    );
+    xs.par_iter_mut().for_each(|v| *v *= ad.scale);
+    xs
+}
+
+/// Gradients of a linear layer from `dy [rows, out]`: `∂W = dyᵀ·x`, `∂b = Σ_rows dy` (when the
+/// base trains), and `dx (+)= dy·W`; with an adapter (`xs = s·x·Aᵀ`): `∂B = dyᵀ·xs`,
+/// `∂A = s·(dy·B)ᵀ·x` and `dx += s·(dy·B)·A`.
 fn linear_bwd<T: Elem>(
     l: Lin<T>,
     x: &[T],
@@ -143,26 +206,89 @@ fn linear_bwd<T: Elem>(
     inp: usize,
     dx: &mut [T],
     acc: bool,
-) -> (Vec<T>, Option<Vec<T>>) {
+) -> LinGrad<T> {
     let out = l.w.len() / inp;
-    let mut dw = vec![T::zero(); out * inp];
-    gemm_strided(
-        &mut dw,
-        out,
-        inp,
-        rows,
-        dy,
-        1,
-        out,
-        x,
-        inp,
-        1,
-        false,
-        Par::Rayon,
-    );
+    let mut g = LinGrad {
+        w: None,
+        b: None,
+        a: None,
+        bb: None,
+    };
+    if l.train_base {
+        let mut dw = vec![T::zero(); out * inp];
+        gemm_strided(
+            &mut dw,
+            out,
+            inp,
+            rows,
+            dy,
+            1,
+            out,
+            x,
+            inp,
+            1,
+            false,
+            Par::Rayon,
+        );
+        g.w = Some(dw);
+        g.b = l.b.map(|_| column_sums(dy, out));
+    }
     gemm_strided(dx, rows, inp, out, dy, out, 1, l.w, inp, 1, acc, Par::Rayon);
-    let db = l.b.map(|_| column_sums(dy, out));
-    (dw, db)
+    if let Some(ad) = l.ad {
+        let r = ad.a.len() / inp;
+        let xs = adapter_input(ad, x, rows, inp);
+        let mut db = vec![T::zero(); out * r];
+        gemm_strided(
+            &mut db,
+            out,
+            r,
+            rows,
+            dy,
+            1,
+            out,
+            &xs,
+            r,
+            1,
+            false,
+            Par::Rayon,
+        );
+        drop(xs);
+        let mut dxa = vec![T::zero(); rows * r]; // s·dy·B
+        gemm_strided(
+            &mut dxa,
+            rows,
+            r,
+            out,
+            dy,
+            out,
+            1,
+            ad.b,
+            r,
+            1,
+            false,
+            Par::Rayon,
+        );
+        dxa.par_iter_mut().for_each(|v| *v *= ad.scale);
+        let mut da = vec![T::zero(); r * inp];
+        gemm_strided(
+            &mut da,
+            r,
+            inp,
+            rows,
+            &dxa,
+            1,
+            r,
+            x,
+            inp,
+            1,
+            false,
+            Par::Rayon,
+        );
+        gemm_strided(dx, rows, inp, r, &dxa, r, 1, ad.a, inp, 1, true, Par::Rayon);
+        g.a = Some(da);
+        g.bb = Some(db);
+    }
+    g
 }
 
 fn column_sums<T: Elem>(m: &[T], cols: usize) -> Vec<T> {
@@ -410,6 +536,10 @@ fn check<T>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> Result<()> {
         && cx.bias.len() == d.batch * d.seq * d.seq;
     for (l, (o, i)) in w.lin.iter().zip(shapes) {
         ok &= l.w.len() == o * i && l.b.is_none_or(|b| b.len() == o);
+        if let Some(ad) = &l.ad {
+            let r = ad.a.len() / i.max(1);
+            ok &= r > 0 && ad.a.len() == r * i && ad.b.len() == o * r;
+        }
     }
     if !ok {
         candle_core::bail!("fused decoder layer: weights or inputs do not match {d:?}");

@@ -117,27 +117,44 @@ fn with_layer<T: Elem, R>(
             mask.dims()
         );
     }
-    let lins = [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down];
+    let lins = l.projs();
+    // Host views: ln1, ln2, cos, sin, mask, the 7 weights, then per projection its bias and
+    // adapter (A, B) where present.
     let mut ts: Vec<&Tensor> = vec![&l.ln1, &l.ln2, cos, sin, mask];
-    for lin in lins {
-        ts.push(lin.weight());
+    for p in lins {
+        ts.push(p.weight());
     }
-    let biases: Vec<&Tensor> = lins.iter().filter_map(|lin| lin.bias()).collect();
-    ts.extend(biases.iter().copied());
+    for p in lins {
+        ts.extend(p.bias());
+        if let Some(ad) = &p.lora {
+            ts.extend([&ad.a, &ad.b]);
+        }
+    }
     let host = Host::new(&ts)?;
-    let mut next_bias = 12;
+    let mut next = 12;
     let mut lin = Vec::with_capacity(7);
-    for (i, l) in lins.iter().enumerate() {
-        let b = match l.bias() {
-            Some(_) => {
-                next_bias += 1;
-                Some(host.slice::<T>(next_bias - 1)?)
-            }
+    for (i, p) in lins.iter().enumerate() {
+        let mut take = || {
+            next += 1;
+            host.slice::<T>(next - 1)
+        };
+        let b = match p.bias() {
+            Some(_) => Some(take()?),
+            None => None,
+        };
+        let ad = match &p.lora {
+            Some(ad) => Some(layer::Adapter {
+                a: take()?,
+                b: take()?,
+                scale: T::from_f64(ad.scale),
+            }),
             None => None,
         };
         lin.push(layer::Lin {
             w: host.slice::<T>(5 + i)?,
             b,
+            ad,
+            train_base: p.weight().track_op(),
         });
     }
     let w = layer::Weights {
@@ -276,16 +293,20 @@ impl Layer {
             &self.mask,
             |w, d, cx| layer::backward(w, d, xs, cx, gs, kept),
         )?;
-        // Every weight of the layer (no adapters here) with its gradient, in `weights`' order;
+        // Every weight of the layer (adapters included) with its gradient, in `weights`' order;
         // `weights` lists only those that train, and so does the stash.
         let mut all = vec![
-            (self.block.ln1.clone(), g.ln1),
-            (self.block.ln2.clone(), g.ln2),
+            (self.block.ln1.clone(), Some(g.ln1)),
+            (self.block.ln2.clone(), Some(g.ln2)),
         ];
-        for (p, (w, bias)) in self.block.projs().iter().zip(g.lin) {
-            all.push((p.weight().clone(), w));
-            if let (Some(t), Some(gb)) = (p.bias(), bias) {
-                all.push((t.clone(), gb));
+        for (p, lg) in self.block.projs().iter().zip(g.lin) {
+            all.push((p.weight().clone(), lg.w));
+            if let Some(t) = p.bias() {
+                all.push((t.clone(), lg.b));
+            }
+            if let Some(ad) = &p.lora {
+                all.push((ad.a.clone(), lg.a));
+                all.push((ad.b.clone(), lg.bb));
             }
         }
         all.retain(|(w, _)| w.track_op());
@@ -301,6 +322,9 @@ impl Layer {
             );
         }
         for (slot, (w, gv)) in stash.iter_mut().zip(all) {
+            let Some(gv) = gv else {
+                candle_core::bail!("fused decoder layer: no gradient for a weight that trains");
+            };
             *slot = Some(Tensor::from_vec(gv, w.shape(), w.device())?);
         }
         Tensor::from_vec(gx, (b, t, h), x.device())

@@ -470,10 +470,7 @@ impl CausalLm {
             let slot = cache.as_deref_mut().map(|c| (c, i));
             let cpu_train =
                 slot.is_none() && x.device().is_cpu() && (layer.trains() || x.track_op());
-            // The hand-written layer serves plain projections; adapters run as the composition.
-            let fused = !self.composed
-                && super::recompute::fused_supported(&x)
-                && layer.projs().iter().all(|p| p.lora.is_none());
+            let fused = !self.composed && super::recompute::fused_supported(&x);
             x = if cpu_train && (self.recompute || fused) {
                 // Training on the CPU: one op per layer (hand-written for f32/f64), recomputed
                 // in backward when gradient checkpointing is on.
