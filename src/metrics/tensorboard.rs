@@ -122,10 +122,13 @@ pub struct RecordError {
     pub message: String,
 }
 
+/// One event read back: its step and its `(tag, simple_value)` scalars.
+pub type ScalarEvent = (i64, Vec<(String, f32)>);
+
 /// Every record of an event stream as `(step, [(tag, simple_value)])`, in file order; checks
 /// both checksums of each record. Events without a step (the file-version header) come back
 /// with step 0 and no values.
-pub fn read_records(data: &[u8]) -> Result<Vec<(i64, Vec<(String, f32)>)>, RecordError> {
+pub fn read_records(data: &[u8]) -> Result<Vec<ScalarEvent>, RecordError> {
     let mut out = Vec::new();
     let mut at = 0;
     while at < data.len() {
@@ -220,7 +223,7 @@ fn fields(b: &[u8]) -> Result<Vec<(u32, u8, Vec<u8>)>, String> {
     Ok(out)
 }
 
-fn parse_event(b: &[u8]) -> Result<(i64, Vec<(String, f32)>), String> {
+fn parse_event(b: &[u8]) -> Result<ScalarEvent, String> {
     let mut step = 0i64;
     let mut values = Vec::new();
     for (field, _, payload) in fields(b)? {
@@ -303,5 +306,32 @@ mod tests {
                 (2, "critic/score/mean".to_string(), 0.75),
             ]
         );
+    }
+
+    /// Frames `body` as one TFRecord.
+    fn framed(body: &[u8]) -> Vec<u8> {
+        let len = (body.len() as u64).to_le_bytes();
+        let mut r = len.to_vec();
+        r.extend_from_slice(&masked_crc(&len).to_le_bytes());
+        r.extend_from_slice(body);
+        r.extend_from_slice(&masked_crc(body).to_le_bytes());
+        r
+    }
+
+    #[test]
+    fn malformed_records_are_errors_not_panics() {
+        let good = framed(&event(0.0, Some(1), None, &[("a", 1.0)]));
+        // `step` (field 2) sent as a length-delimited field: key 0x12, length 1.
+        let mut stream = good.clone();
+        stream.extend(framed(&[0x12, 1, 7]));
+        let e = read_records(&stream).unwrap_err();
+        assert_eq!((e.record, e.offset), (2, good.len()));
+        assert!(e.message.contains("`step`"), "{}", e.message);
+        // A length-delimited field claiming more bytes than the message has.
+        let e = read_records(&framed(&[0x2a, 0xff, 0x01])).unwrap_err();
+        assert!(e.message.contains("truncated bytes"), "{}", e.message);
+        // A record cut short.
+        let e = read_records(&good[..good.len() - 2]).unwrap_err();
+        assert_eq!((e.record, e.message.as_str()), (1, "truncated record"));
     }
 }
