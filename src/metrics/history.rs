@@ -27,7 +27,7 @@ impl Run {
 
 #[derive(Debug, thiserror::Error)]
 pub enum HistoryError {
-    #[error("{}: no such file or folder (give the `file` sink's .jsonl or a TensorBoard log folder)", .0.display())]
+    #[error("{}: no such file or folder (give the `file` logger's .jsonl, from trainer.logger=[console,file], or a TensorBoard log folder)", .0.display())]
     Missing(PathBuf),
     #[error("{}: cannot read: {source}", path.display())]
     Io {
