@@ -1497,3 +1497,60 @@ fn smollm2_packed_decoding_matches_the_composition_on_24_prompts() {
     }
     eprintln!("packed vs composition: {identical} of 24 rows identical, the rest after near-ties");
 }
+
+#[test]
+fn plot_writes_png_and_svg_of_a_jsonl_run_and_names_an_unknown_metric() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_file = dir.path().join("run1.jsonl");
+    // The `file` logger's format: one {"step", "data"} object per line.
+    let lines: Vec<String> = (1..=4)
+        .map(|s| {
+            format!(
+                "{{\"step\": {s}, \"data\": {{\"critic/score/mean\": {}, \"timing_s/step\": {}}}}}",
+                0.1 * s as f64,
+                2.0 + s as f64
+            )
+        })
+        .collect();
+    std::fs::write(&run_file, lines.join("\n") + "\n").unwrap();
+    let png = dir.path().join("out/chart.png");
+    let svg = dir.path().join("chart.svg");
+    let o = bin()
+        .arg("plot")
+        .arg(&run_file)
+        .args(["--width", "480", "--height", "320", "--out"])
+        .arg(&png)
+        .arg("--svg")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains(&png.display().to_string()) && out.contains(&svg.display().to_string()));
+    let bytes = std::fs::read(&png).unwrap();
+    // PNG signature, then the IHDR chunk: width and height as big-endian u32 at bytes 16..24.
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    assert_eq!(&bytes[12..16], b"IHDR");
+    assert_eq!(u32::from_be_bytes(bytes[16..20].try_into().unwrap()), 480);
+    assert_eq!(u32::from_be_bytes(bytes[20..24].try_into().unwrap()), 320);
+    let svg_text = std::fs::read_to_string(&svg).unwrap();
+    // Default panel of this run: score mean and seconds per step, one line each.
+    assert_eq!(
+        svg_text.matches("stroke-width=\"2\"").count(),
+        2,
+        "{svg_text}"
+    );
+
+    let o = bin()
+        .arg("plot")
+        .arg(&run_file)
+        .args(["--metrics", "critic/score/mena", "--svg"])
+        .arg(dir.path().join("never.svg"))
+        .output()
+        .unwrap();
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("unknown metric `critic/score/mena`"), "{err}");
+    assert!(err.contains("critic/score/mean"), "{err}");
+    assert!(!dir.path().join("never.svg").exists());
+}

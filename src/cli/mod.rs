@@ -7,6 +7,7 @@ mod check;
 mod generate;
 mod guard;
 pub mod logging;
+mod plot;
 mod reward;
 
 use std::ffi::OsString;
@@ -70,6 +71,9 @@ pub enum Command {
     Eval(reward::EvalArgs),
     /// Generate `rollout.n` responses per prompt of a dataset (verl's main_generation).
     Generate(generate::GenerateArgs),
+    /// Chart metrics of runs (the `file` logger's JSONL or TensorBoard logs) against the step:
+    /// PNG and/or SVG, one line per run.
+    Plot(plot::PlotArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -229,6 +233,7 @@ fn run(cli: Cli, natives: &crate::reward::NativeRegistry) -> anyhow::Result<bool
         Some(Command::Reward(RewardCommand::Test(args))) => reward::test(&args, natives),
         Some(Command::Eval(args)) => reward::eval(&args, natives),
         Some(Command::Generate(args)) => generate::run(&args).map(|_| true),
+        Some(Command::Plot(args)) => plot::run(&args).map(|_| true),
     }
 }
 

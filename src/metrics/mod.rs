@@ -3,6 +3,8 @@
 //! verl: `verl/trainer/ppo/metric_utils.py`, `verl/utils/tracking.py`,
 //! `verl/utils/logger/aggregate_logger.py`.
 
+pub mod history;
+pub mod plot;
 pub mod sinks;
 pub mod tensorboard;
 

@@ -114,34 +114,69 @@ impl EventWriter {
     }
 }
 
+/// Why an event stream could not be read: which record (1-based), at which byte, and what.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordError {
+    pub record: usize,
+    pub offset: usize,
+    pub message: String,
+}
+
+/// One event read back: its step and its `(tag, simple_value)` scalars.
+pub type ScalarEvent = (i64, Vec<(String, f32)>);
+
+/// Every record of an event stream as `(step, [(tag, simple_value)])`, in file order; checks
+/// both checksums of each record. Events without a step (the file-version header) come back
+/// with step 0 and no values.
+pub fn read_records(data: &[u8]) -> Result<Vec<ScalarEvent>, RecordError> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < data.len() {
+        let start = at;
+        let err = |message: &str| RecordError {
+            record: out.len() + 1,
+            offset: start,
+            message: message.to_string(),
+        };
+        let take = |at: &mut usize, n: usize| -> Result<&[u8], RecordError> {
+            let end = at.checked_add(n).filter(|&e| e <= data.len());
+            let s = &data[*at..end.ok_or_else(|| err("truncated record"))?];
+            *at += n;
+            Ok(s)
+        };
+        let u32le = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let len_bytes = take(&mut at, 8)?;
+        let len = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes"));
+        if u32le(take(&mut at, 4)?) != masked_crc(len_bytes) {
+            return Err(err("bad length checksum"));
+        }
+        let len = usize::try_from(len).map_err(|_| err("record length too large"))?;
+        let body = take(&mut at, len)?;
+        if u32le(take(&mut at, 4)?) != masked_crc(body) {
+            return Err(err("bad data checksum"));
+        }
+        out.push(parse_event(body).map_err(|m| err(&format!("bad Event message: {m}")))?);
+    }
+    Ok(out)
+}
+
 /// Reads back the scalars of an event file: `(step, tag, value)`; checks every checksum.
 /// For tests and `main_ppo` users without TensorBoard at hand.
 pub fn read_scalars(path: &Path) -> Result<Vec<(i64, String, f32)>, String> {
     let data = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut out = Vec::new();
-    let mut at = 0;
-    let take = |at: &mut usize, n: usize| -> Result<&[u8], String> {
-        let s = data.get(*at..*at + n).ok_or("truncated record")?;
-        *at += n;
-        Ok(s)
-    };
-    let u32le = |b: &[u8]| u32::from_le_bytes(b.try_into().expect("4 bytes"));
-    while at < data.len() {
-        let len_bytes = take(&mut at, 8)?;
-        let len = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes")) as usize;
-        if u32le(take(&mut at, 4)?) != masked_crc(len_bytes) {
-            return Err("bad length checksum".into());
-        }
-        let body = take(&mut at, len)?.to_vec();
-        if u32le(take(&mut at, 4)?) != masked_crc(&body) {
-            return Err("bad data checksum".into());
-        }
-        let (step, values) = parse_event(&body)?;
-        for (tag, v) in values {
-            out.push((step, tag, v));
-        }
-    }
-    Ok(out)
+    let records = read_records(&data).map_err(|e| {
+        format!(
+            "{}, record {} at byte {}: {}",
+            path.display(),
+            e.record,
+            e.offset,
+            e.message
+        )
+    })?;
+    Ok(records
+        .into_iter()
+        .flat_map(|(step, values)| values.into_iter().map(move |(t, v)| (step, t, v)))
+        .collect())
 }
 
 fn read_varint(b: &[u8], at: &mut usize) -> Result<u64, String> {
@@ -157,6 +192,14 @@ fn read_varint(b: &[u8], at: &mut usize) -> Result<u64, String> {
     Err("varint too long".into())
 }
 
+/// `n` bytes of `b` from `*at` (advancing it), or "truncated `what`".
+fn slice(b: &[u8], at: &mut usize, n: usize, what: &str) -> Result<Vec<u8>, String> {
+    let end = at.checked_add(n).filter(|&e| e <= b.len());
+    let s = b[*at..end.ok_or(format!("truncated {what}"))?].to_vec();
+    *at += n;
+    Ok(s)
+}
+
 /// Fields of one message: `(field, wire type, payload)`; fixed64/fixed32 payloads as bytes.
 fn fields(b: &[u8]) -> Result<Vec<(u32, u8, Vec<u8>)>, String> {
     let mut at = 0;
@@ -166,19 +209,13 @@ fn fields(b: &[u8]) -> Result<Vec<(u32, u8, Vec<u8>)>, String> {
         let (field, wire) = ((k >> 3) as u32, (k & 7) as u8);
         let payload = match wire {
             0 => read_varint(b, &mut at)?.to_le_bytes().to_vec(),
-            1 => {
-                at += 8;
-                b.get(at - 8..at).ok_or("truncated fixed64")?.to_vec()
-            }
+            1 => slice(b, &mut at, 8, "fixed64")?,
             2 => {
-                let n = read_varint(b, &mut at)? as usize;
-                at += n;
-                b.get(at - n..at).ok_or("truncated bytes")?.to_vec()
+                let n = read_varint(b, &mut at)?;
+                let n = usize::try_from(n).map_err(|_| "length too large".to_string())?;
+                slice(b, &mut at, n, "bytes")?
             }
-            5 => {
-                at += 4;
-                b.get(at - 4..at).ok_or("truncated fixed32")?.to_vec()
-            }
+            5 => slice(b, &mut at, 4, "fixed32")?,
             w => return Err(format!("unsupported wire type {w}")),
         };
         out.push((field, wire, payload));
@@ -186,12 +223,18 @@ fn fields(b: &[u8]) -> Result<Vec<(u32, u8, Vec<u8>)>, String> {
     Ok(out)
 }
 
-fn parse_event(b: &[u8]) -> Result<(i64, Vec<(String, f32)>), String> {
+fn parse_event(b: &[u8]) -> Result<ScalarEvent, String> {
     let mut step = 0i64;
     let mut values = Vec::new();
     for (field, _, payload) in fields(b)? {
         match field {
-            2 => step = i64::from_le_bytes(payload[..8].try_into().expect("8 bytes")),
+            2 => {
+                let b: [u8; 8] = payload
+                    .get(..8)
+                    .and_then(|b| b.try_into().ok())
+                    .ok_or("`step` is not a varint")?;
+                step = i64::from_le_bytes(b);
+            }
             5 => {
                 for (f, _, value) in fields(&payload)? {
                     if f != 1 {
@@ -201,7 +244,13 @@ fn parse_event(b: &[u8]) -> Result<(i64, Vec<(String, f32)>), String> {
                     for (vf, _, p) in fields(&value)? {
                         match vf {
                             1 => tag = String::from_utf8_lossy(&p).into_owned(),
-                            2 => v = f32::from_le_bytes(p[..4].try_into().expect("4 bytes")),
+                            2 => {
+                                let b: [u8; 4] = p
+                                    .get(..4)
+                                    .and_then(|b| b.try_into().ok())
+                                    .ok_or("`simple_value` is not a float")?;
+                                v = f32::from_le_bytes(b);
+                            }
                             _ => {}
                         }
                     }
@@ -257,5 +306,32 @@ mod tests {
                 (2, "critic/score/mean".to_string(), 0.75),
             ]
         );
+    }
+
+    /// Frames `body` as one TFRecord.
+    fn framed(body: &[u8]) -> Vec<u8> {
+        let len = (body.len() as u64).to_le_bytes();
+        let mut r = len.to_vec();
+        r.extend_from_slice(&masked_crc(&len).to_le_bytes());
+        r.extend_from_slice(body);
+        r.extend_from_slice(&masked_crc(body).to_le_bytes());
+        r
+    }
+
+    #[test]
+    fn malformed_records_are_errors_not_panics() {
+        let good = framed(&event(0.0, Some(1), None, &[("a", 1.0)]));
+        // `step` (field 2) sent as a length-delimited field: key 0x12, length 1.
+        let mut stream = good.clone();
+        stream.extend(framed(&[0x12, 1, 7]));
+        let e = read_records(&stream).unwrap_err();
+        assert_eq!((e.record, e.offset), (2, good.len()));
+        assert!(e.message.contains("`step`"), "{}", e.message);
+        // A length-delimited field claiming more bytes than the message has.
+        let e = read_records(&framed(&[0x2a, 0xff, 0x01])).unwrap_err();
+        assert!(e.message.contains("truncated bytes"), "{}", e.message);
+        // A record cut short.
+        let e = read_records(&good[..good.len() - 2]).unwrap_err();
+        assert_eq!((e.record, e.message.as_str()), (1, "truncated record"));
     }
 }
