@@ -103,15 +103,13 @@ pub fn mini_batch_norm(
     }
 }
 
-/// The gradient of one mini-batch (`mini`: its rows) with respect to `vars`: each micro-batch's
-/// loss times [`micro_scale`], backpropagated and summed; `None` when there was no
-/// micro-batch. `micro_loss` as in [`Trainable::update`].
-#[allow(clippy::too_many_arguments)]
+/// The gradient of one mini-batch (`(batch, mini)`: the step's batch and the mini-batch's rows)
+/// with respect to `vars`: each micro-batch's loss times [`micro_scale`], backpropagated and
+/// summed; `None` when there was no micro-batch. `micro_loss` as in [`Trainable::update`].
 pub fn mini_batch_grads<N: Network>(
     model: &N,
     vars: &[(String, candle_core::Var)],
-    batch: &StepBatch,
-    mini: &[usize],
+    (batch, mini): (&StepBatch, &[usize]),
     settings: &UpdateSettings,
     ctx: MicroCtx,
     scalars: &mut UpdateScalars,
@@ -204,8 +202,7 @@ impl<N: Network> Trainable<N> {
                 let Some(mut grads) = mini_batch_grads(
                     &self.model,
                     vars,
-                    batch,
-                    mini,
+                    (batch, mini),
                     s,
                     ctx,
                     &mut scalars,
@@ -408,8 +405,7 @@ mod tests {
             let g = mini_batch_grads(
                 &m,
                 &vars,
-                &b,
-                &[0, 1, 2, 3],
+                (&b, &[0, 1, 2, 3]),
                 &s,
                 ctx,
                 &mut scalars,
