@@ -342,23 +342,26 @@ mod tests {
                 let mask = mi.response_mask.to_dtype(lp.dtype()).unwrap();
                 let s = (lp.neg().unwrap() * mask).unwrap().sum_all().unwrap();
                 let g = s.backward().unwrap();
-                let grads = vars
-                    .iter()
-                    .map(|(_, v)| {
-                        g.get(v.as_tensor())
-                            .unwrap()
-                            .flatten_all()
-                            .unwrap()
-                            .to_vec1::<f64>()
-                            .unwrap()
-                    })
-                    .collect();
-                (scalar(&s).unwrap(), grads)
+                (scalar(&s).unwrap(), flat_grads(&g, vars))
             })
             .collect()
     }
 
     /// Σ_r w_r g_r over the rows' gradients.
+    /// Each variable's gradient in `g`, flattened (f64 model).
+    fn flat_grads(g: &GradStore, vars: &[(String, Var)]) -> Vec<Vec<f64>> {
+        vars.iter()
+            .map(|(_, v)| {
+                g.get(v.as_tensor())
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f64>()
+                    .unwrap()
+            })
+            .collect()
+    }
+
     fn combine(rows: &[(f64, Vec<Vec<f64>>)], w: &[f64]) -> Vec<Vec<f64>> {
         let mut out: Vec<Vec<f64>> = rows[0].1.iter().map(|g| vec![0.0; g.len()]).collect();
         for ((_, g), &w) in rows.iter().zip(w) {
@@ -413,17 +416,7 @@ mod tests {
             )
             .unwrap()
             .unwrap();
-            let got: Vec<Vec<f64>> = vars
-                .iter()
-                .map(|(_, v)| {
-                    g.get(v.as_tensor())
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1::<f64>()
-                        .unwrap()
-                })
-                .collect();
+            let got = flat_grads(&g, &vars);
             let want = combine(&rows, &w);
             let scale = want.iter().flatten().map(|x| x.abs()).fold(0.0, f64::max);
             let d = max_diff(&got, &want);
