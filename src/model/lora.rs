@@ -13,7 +13,7 @@
 //! with tensors `base_model.model.<module>.lora_A.weight` `[r, in]` and `...lora_B.weight`
 //! `[out, r]` (PEFT's `get_peft_model_state_dict` names), which PEFT, vLLM and transformers load.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Result, Tensor};
@@ -467,25 +467,8 @@ pub fn assign_adapter(
     tensors: &HashMap<String, Tensor>,
     source: &Path,
 ) -> std::result::Result<(), ModelError> {
+    super::hf::assign(adapters, tensors, source)?;
     let data = adapters.data().lock().expect("varmap lock");
-    let sorted: BTreeMap<&String, &candle_core::Var> = data.iter().collect();
-    for (name, var) in &sorted {
-        let t = tensors.get(*name).ok_or_else(|| ModelError::Missing {
-            name: (*name).clone(),
-            file: source.display().to_string(),
-        })?;
-        if t.dims() != var.as_tensor().dims() {
-            return Err(ModelError::Shape {
-                name: (*name).clone(),
-                expected: var.as_tensor().dims().to_vec(),
-                found: t.dims().to_vec(),
-            });
-        }
-        var.set(
-            &t.to_dtype(var.as_tensor().dtype())?
-                .to_device(var.as_tensor().device())?,
-        )?;
-    }
     let mut stray: Vec<&String> = tensors
         .keys()
         .filter(|k| (k.contains(".lora_A.") || k.contains(".lora_B.")) && !data.contains_key(*k))
@@ -509,23 +492,6 @@ pub fn adapter_tensors(adapters: &VarMap) -> HashMap<String, Tensor> {
         .iter()
         .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
         .collect()
-}
-
-/// The module names that carry an adapter in `adapters` (from the `lora_A` names).
-pub fn adapted_modules(adapters: &VarMap) -> Vec<String> {
-    let mut v: Vec<String> = adapters
-        .data()
-        .lock()
-        .expect("varmap lock")
-        .keys()
-        .filter_map(|k| {
-            k.strip_prefix("base_model.model.")?
-                .strip_suffix(".lora_A.weight")
-                .map(str::to_string)
-        })
-        .collect();
-    v.sort();
-    v
 }
 
 #[cfg(test)]

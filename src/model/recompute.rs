@@ -131,7 +131,8 @@ fn with_layer<T: Elem, R>(
         }
     }
     let host = Host::new(&ts)?;
-    let mut next = 12;
+    // Biases and adapters follow ln1, ln2, cos, sin, mask and the seven weights.
+    let mut next = 5 + lins.len();
     let mut lin = Vec::with_capacity(7);
     for (i, p) in lins.iter().enumerate() {
         let mut take = || {
@@ -243,30 +244,27 @@ struct Layer {
 
 impl Layer {
     /// The hand-written forward; keeps the activations when recomputation is off.
-    fn fused_fwd<T: Elem>(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, t, h) = x.dims3()?;
-        let host = Host::new(&[x])?;
-        let xs = host.slice::<T>(0)?;
-        let y =
-            with_layer(
-                &self.args,
-                &self.block,
-                (b, t),
-                &self.cos,
-                &self.sin,
-                &self.mask,
-                |w, d, cx| {
-                    if !self.keep {
-                        return layer::forward(w, d, xs, cx);
-                    }
-                    let (y, acts) = layer::forward_keep(w, d, xs, cx)?;
-                    *self.kept.lock().map_err(|_| {
-                        candle_core::Error::Msg("kept activations poisoned".into())
-                    })? = Some(Box::new(acts));
-                    Ok(y)
-                },
-            )?;
-        Tensor::from_vec(y, (b, t, h), x.device())
+    fn fused_fwd<T: Elem>(&self, xs: &[T], (b, t): (usize, usize)) -> Result<Vec<T>> {
+        with_layer(
+            &self.args,
+            &self.block,
+            (b, t),
+            &self.cos,
+            &self.sin,
+            &self.mask,
+            |w, d, cx| {
+                if !self.keep {
+                    return layer::forward(w, d, xs, cx);
+                }
+                let (y, acts) = layer::forward_keep(w, d, xs, cx)?;
+                *self
+                    .kept
+                    .lock()
+                    .map_err(|_| candle_core::Error::Msg("kept activations poisoned".into()))? =
+                    Some(Box::new(acts));
+                Ok(y)
+            },
+        )
     }
 
     /// The hand-written backward: the input's gradient is returned, the weights' go to the stash
@@ -343,14 +341,20 @@ impl CustomOp2 for Layer {
         _s2: &CpuStorage,
         _l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = tensor_of(s1, l1)?;
         if self.fused {
-            let y = match x.dtype() {
-                DType::F32 => self.fused_fwd::<f32>(&x)?,
-                _ => self.fused_fwd::<f64>(&x)?,
+            // The input read in place and the output handed over as storage: no copies.
+            let (b, t, _) = l1.shape().dims3()?;
+            let Some((lo, hi)) = l1.contiguous_offsets() else {
+                candle_core::bail!("recomputed layer: the input must be contiguous");
             };
-            return Ok((storage_of(&y)?, y.shape().clone()));
+            let y = match s1 {
+                CpuStorage::F32(v) => CpuStorage::F32(self.fused_fwd(&v[lo..hi], (b, t))?),
+                CpuStorage::F64(v) => CpuStorage::F64(self.fused_fwd(&v[lo..hi], (b, t))?),
+                _ => candle_core::bail!("fused decoder layer: unsupported dtype {:?}", s1.dtype()),
+            };
+            return Ok((y, l1.shape().clone()));
         }
+        let x = tensor_of(s1, l1)?;
         let y = block_forward(
             &self.args,
             x.dtype(),

@@ -193,15 +193,12 @@ pub fn sample_row(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> (
             .enumerate()
             .fold(0, |best, (i, &l)| if l > logits[best] { i } else { best })
     } else {
-        let t = p.temperature as f32;
         let filtering = p.top_k.is_some_and(|k| k < logits.len()) || p.top_p < 1.0;
         if !filtering {
             // The whole distribution: two passes over the logits, no allocation; the same
-            // probabilities and cumulative order as the general path below.
-            let m = logits
-                .iter()
-                .map(|&l| l / t)
-                .fold(f32::NEG_INFINITY, f32::max);
+            // probabilities and cumulative order as the general path below. `max` above is
+            // max(l / t) (division by t > 0 keeps the order, also after rounding).
+            let m = max;
             let total: f64 = logits.iter().map(|&l| ((l / t - m) as f64).exp()).sum();
             let u: f64 = rng.random();
             let mut acc = 0.0;

@@ -277,39 +277,35 @@ impl Update {
     /// result is identical to one sequential loop.
     fn apply(&self, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
         const CHUNK: usize = 1 << 15;
-        let Update {
-            b1,
-            b2,
-            eps,
-            step_size,
-            sqrt_bc2,
-            decay,
-        } = *self;
+        let rule = *self;
         p.par_chunks_mut(CHUNK)
             .zip(m.par_chunks_mut(CHUNK))
             .zip(v.par_chunks_mut(CHUNK))
             .zip(g.par_chunks(CHUNK))
             .for_each(|(((p, m), v), g)| {
-                let k = (b1, b2, eps, step_size, sqrt_bc2, decay);
                 #[cfg(target_arch = "x86_64")]
                 if std::arch::is_x86_feature_detected!("avx512f") {
                     // SAFETY: the CPU has AVX-512F (checked just above).
-                    unsafe { adamw_chunk_avx512(p, m, v, g, k) };
+                    unsafe { adamw_chunk_avx512(p, m, v, g, rule) };
                     return;
                 }
-                adamw_chunk(p, m, v, g, k);
+                adamw_chunk(p, m, v, g, rule);
             });
     }
 }
 
-/// `(β1, β2, ε, lr/(1−β1ᵗ), √(1−β2ᵗ), 1 − lr·wd)`.
-type Consts = (f32, f32, f32, f32, f32, f32);
-
 /// The AdamW rule over one chunk; a plain loop the compiler vectorises for the target it is
 /// compiled for.
 #[inline(always)]
-fn adamw_chunk(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], c: Consts) {
-    let (b1, b2, eps, step_size, sqrt_bc2, decay) = c;
+fn adamw_chunk(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], rule: Update) {
+    let Update {
+        b1,
+        b2,
+        eps,
+        step_size,
+        sqrt_bc2,
+        decay,
+    } = rule;
     let n = p.len().min(m.len()).min(v.len()).min(g.len());
     let (p, m, v, g) = (&mut p[..n], &mut m[..n], &mut v[..n], &g[..n]);
     for k in 0..n {
@@ -324,8 +320,8 @@ fn adamw_chunk(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], c: Consts
 /// operations in the same order, so results are bit-identical to the plain loop.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn adamw_chunk_avx512(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], c: Consts) {
-    adamw_chunk(p, m, v, g, c)
+unsafe fn adamw_chunk_avx512(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], rule: Update) {
+    adamw_chunk(p, m, v, g, rule)
 }
 
 /// [`Update`] as an in-place op on a CPU f32 parameter's storage, with the gradient as the
@@ -511,7 +507,14 @@ mod tests {
         };
         let (p0, g) = (mk(1), mk(2));
         let (m0, v0) = (mk(3), mk(4).iter().map(|x| x.abs()).collect::<Vec<_>>());
-        let c = (0.9, 0.999, 1e-8, 0.013, 0.031, 0.9999);
+        let c = Update {
+            b1: 0.9,
+            b2: 0.999,
+            eps: 1e-8,
+            step_size: 0.013,
+            sqrt_bc2: 0.031,
+            decay: 0.9999,
+        };
         let (mut p1, mut m1, mut v1) = (p0.clone(), m0.clone(), v0.clone());
         adamw_chunk(&mut p1, &mut m1, &mut v1, &g, c);
         let (mut p2, mut m2, mut v2) = (p0, m0, v0);
