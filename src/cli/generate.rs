@@ -109,7 +109,9 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let mut tokens = 0usize;
     for (k, resp) in out.responses.iter().enumerate() {
         tokens += resp.len();
-        log_probs[rows[k]].push(serde_json::json!(out.log_probs[k]));
+        if args.log_probs {
+            log_probs[rows[k]].push(serde_json::json!(out.log_probs[k]));
+        }
         let text = tok
             .tokenizer
             .decode(resp, true)

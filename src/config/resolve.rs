@@ -3,6 +3,7 @@
 //! `fsdp_workers.py`), plus the `${oc.select:...}` fallbacks resolved in code.
 //! Every message names the keys involved and the rule.
 
+use crate::util::expand_home;
 use std::path::PathBuf;
 
 use super::reward::RewardPlan;
@@ -795,5 +796,3 @@ fn loss_agg_str(m: LossAggMode) -> String {
         .trim()
         .to_string()
 }
-
-pub use crate::util::expand_home;

@@ -74,7 +74,7 @@ pub fn load_samples(files: &[String], opts: &DatasetOptions) -> Result<Vec<Sampl
     }
     let mut samples = Vec::new();
     for f in files {
-        let path = crate::config::resolve::expand_home(f);
+        let path = crate::util::expand_home(f);
         let rows = read_rows(Path::new(&path))?;
         let need = if opts.prompts_only {
             Need::Prompt

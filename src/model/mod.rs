@@ -67,11 +67,11 @@ pub fn load_model_and_tokenizer(
     device: &candle_core::Device,
     with_lm_head: bool,
 ) -> Result<(hf::Loaded, crate::data::TokenizerBundle), ModelError> {
-    let expanded = crate::config::resolve::expand_home(path);
+    let expanded = crate::util::expand_home(path);
     let p = Path::new(&expanded);
     let tok_from = |fallback: Option<crate::data::TokenizerBundle>| -> Result<crate::data::TokenizerBundle, ModelError> {
         match tokenizer_path {
-            Some(t) => crate::data::TokenizerBundle::from_dir(Path::new(&crate::config::resolve::expand_home(t))).map_err(|e| ModelError::File { file: t.to_string(), message: e.to_string() }),
+            Some(t) => crate::data::TokenizerBundle::from_dir(Path::new(&crate::util::expand_home(t))).map_err(|e| ModelError::File { file: t.to_string(), message: e.to_string() }),
             None => fallback.ok_or_else(|| ModelError::file(p, "no tokenizer".into())),
         }
     };
@@ -120,7 +120,7 @@ pub fn read_args(
     path: &str,
     overrides: &serde_json::Map<String, serde_json::Value>,
 ) -> Result<Option<ModelArgs>, ModelError> {
-    let expanded = crate::config::resolve::expand_home(path);
+    let expanded = crate::util::expand_home(path);
     let p = Path::new(&expanded);
     if p.is_file() && expanded.ends_with(".gguf") {
         let (_, c) = gguf::open(p)?;
@@ -140,7 +140,7 @@ pub fn read_args(
 
 /// `org/name` that is no local path and no `.gguf` file: a model-hub id.
 pub fn is_hub_id(path: &str) -> bool {
-    let expanded = crate::config::resolve::expand_home(path);
+    let expanded = crate::util::expand_home(path);
     !Path::new(&expanded).exists()
         && !path.starts_with(['/', '.', '~'])
         && path.matches('/').count() == 1

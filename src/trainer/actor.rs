@@ -68,13 +68,11 @@ impl Actor {
             prefix: "actor",
             plan: plan.actor.clone(),
             seed: plan.seeds.actor,
-            // verl's default workers never pass loss_scale_factor to agg_loss: the padded
-            // response width (the response length) divides seq-mean-token-sum-norm.
-            loss_scale_factor: if plan.actor.global_norm {
-                cfg.loss_scale_factor.or(Some(plan.response_length as f64))
-            } else {
-                Some(plan.response_length as f64)
-            },
+            loss_scale_factor: UpdateSettings::loss_scale_factor(
+                &plan.actor,
+                cfg.loss_scale_factor,
+                plan.response_length,
+            ),
             pad_id,
         };
         let args = loaded.model.args.clone();

@@ -92,12 +92,11 @@ impl Critic {
             prefix: "critic",
             plan: update_plan.clone(),
             seed: plan.seeds.critic,
-            // verl's default dp_critic never passes loss_scale_factor to agg_loss.
-            loss_scale_factor: if update_plan.global_norm {
-                cfg.loss_scale_factor.or(Some(plan.response_length as f64))
-            } else {
-                Some(plan.response_length as f64)
-            },
+            loss_scale_factor: UpdateSettings::loss_scale_factor(
+                update_plan,
+                cfg.loss_scale_factor,
+                plan.response_length,
+            ),
             pad_id,
         };
         let args = backbone.args.clone();

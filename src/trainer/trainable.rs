@@ -104,6 +104,24 @@ pub struct UpdateSettings {
     pub pad_id: u32,
 }
 
+impl UpdateSettings {
+    /// The divisor of seq-mean-token-sum-norm for an update with `plan`: verl's default workers
+    /// never pass `loss_scale_factor` to agg_loss (the response length divides); the global
+    /// path (`trainer.use_legacy_worker_impl=disable`) honours `configured`.
+    pub fn loss_scale_factor(
+        plan: &UpdatePlan,
+        configured: Option<f64>,
+        response_length: usize,
+    ) -> Option<f64> {
+        let width = response_length as f64;
+        Some(if plan.global_norm {
+            configured.unwrap_or(width)
+        } else {
+            width
+        })
+    }
+}
+
 /// A model being trained.
 pub struct Trainable<N> {
     /// Trainable weights (gradients flow).

@@ -259,6 +259,12 @@ impl Trainer {
                         vars,
                     });
                 }
+                // Rows are kept only for the log lines and the dump folder that want them.
+                let wanted = self.cfg.trainer.validation_data_dir.is_some()
+                    || dumps.len() < self.cfg.trainer.log_val_generations;
+                if !wanted {
+                    continue;
+                }
                 dumps.push(json!({
                     "input": self.tokenizer.tokenizer.decode(&ds.prompt_ids[rows[k]], true).unwrap_or_default(),
                     "output": texts[k],
