@@ -5,8 +5,8 @@
 //!
 //! ```text
 //! cargo bench --bench vs_torch -- check  [--out FILE]                 prompt ids, last logits, greedy ids
-//! cargo bench --bench vs_torch -- fwdbwd [--batch 8] [--seq 256] [--warmup 1] [--reps 2]
-//! cargo bench --bench vs_torch -- gen    [--batch 32] [--new 128] [--warmup-new 4]
+//! cargo bench --bench vs_torch -- fwdbwd [--batch 8] [--seq 256] [--warmup 1] [--reps 2] [--bf16 0]
+//! cargo bench --bench vs_torch -- gen    [--batch 32] [--new 128] [--warmup-new 4] [--bf16 0]
 //! cargo bench --bench vs_torch -- adamw  [--warmup 1] [--reps 3]
 //! ```
 //! Common options: `--model FILE.gguf` (default MAIN_PPO_SMOLLM2, else the cache of
@@ -147,9 +147,15 @@ fn run() -> Result<(), BoxError> {
             let mut model = loaded.model;
             model.set_gradient_checkpointing(a.usize("checkpointing", 1)? != 0);
             model.set_composed_layers(a.usize("composed", 0)? != 0);
+            // `--bf16 1`: verl's mixed precision (bf16 products, f32 sums; AMX CPUs).
+            model.set_bf16_matmuls(a.usize("bf16", 0)? != 0);
             fwdbwd(&a, &model)?
         }
-        "gen" => gen(&a, &loaded.model, &prompt, &tok.eos_token_ids)?,
+        "gen" => {
+            let mut model = loaded.model;
+            model.set_bf16_matmuls(a.usize("bf16", 0)? != 0);
+            gen(&a, &model, &prompt, &tok.eos_token_ids)?
+        }
         "adamw" => adamw(&a, &loaded.varmap)?,
         other => {
             return Err(

@@ -15,8 +15,13 @@
 # transformers from the same GGUF; the run first checks that both sides compute the same logits.
 #
 # Usage: scripts/bench_vs_torch.sh [--only fwdbwd,gen,adamw,grpo] [--quick] [--threads N]
-#          [--micro-batch N] [--data FILE.parquet] [--results DIR] [-- MAIN_PPO_OVERRIDE ...]
+#          [--micro-batch N] [--precision fp32|bf16] [--data FILE.parquet] [--results DIR]
+#          [-- MAIN_PPO_OVERRIDE ...]
 #   --quick         fewer repetitions, 32 generated tokens, 2 GRPO steps (a few minutes)
+#   --precision P   our matrix products: fp32 (default) or bf16 (verl's mixed precision: bf16
+#                   operands, f32 sums and weights; AMX tiles). With bf16, PyTorch is measured
+#                   twice for (a) and (b): in f32 (the table's baseline) and under
+#                   torch.autocast(bfloat16) (extra rows); TRL in (d) stays f32.
 #   --threads N     threads for both sides (default: all cores)
 #   --micro-batch N main_ppo's ppo/log-prob micro-batch in (d) (default 8)
 #   -- ...          extra main_ppo overrides for (d)
@@ -26,7 +31,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-only="" quick="" threads="$(nproc 2>/dev/null || echo 1)" micro=8 data="data/gsm8k/train.parquet"
+only="" quick="" threads="$(nproc 2>/dev/null || echo 1)" micro=8 data="data/gsm8k/train.parquet" precision=fp32
 results="" extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -35,6 +40,7 @@ while [ $# -gt 0 ]; do
     --quick) quick="--quick"; shift ;;
     --threads) threads="${2:?--threads needs a number}"; shift 2 ;;
     --micro-batch) micro="${2:?--micro-batch needs a number}"; shift 2 ;;
+    --precision) precision="${2:?--precision needs fp32 or bf16}"; shift 2 ;;
     --data) data="${2:?--data needs a file}"; shift 2 ;;
     --results) results="${2:?--results needs a folder}"; shift 2 ;;
     --) shift; extra=("$@"); break ;;
@@ -43,6 +49,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$threads" in ''|*[!0-9]*|0) echo "bench_vs_torch.sh: --threads must be a positive integer, got \`$threads\`" >&2; exit 2 ;; esac
+case "$precision" in fp32|bf16) ;; *) echo "bench_vs_torch.sh: --precision must be fp32 or bf16, got \`$precision\`" >&2; exit 2 ;; esac
 case "$micro" in ''|*[!0-9]*|0) echo "bench_vs_torch.sh: --micro-batch must be a positive integer, got \`$micro\`" >&2; exit 2 ;; esac
 for m in ${only//,/ }; do
   case "$m" in fwdbwd|gen|adamw|grpo) ;; *) echo "bench_vs_torch.sh: --only: unknown measurement \`$m\` (expected fwdbwd, gen, adamw, grpo)" >&2; exit 2 ;; esac
@@ -92,4 +99,4 @@ for o in "${extra[@]+"${extra[@]}"}"; do ovr+=("--ours-override=$o"); done
 locked "$py" scripts/bench/vs_torch.py run \
   --ours-bench "$bench_exe" --ours-bin target/release/main_ppo --ours-rev "$rev" \
   --gguf "$gguf" --hf "$hf" --data "$data" --results "$results" --threads "$threads" \
-  --micro-batch "$micro" ${only:+--only "$only"} $quick "${ovr[@]+"${ovr[@]}"}"
+  --micro-batch "$micro" --precision "$precision" ${only:+--only "$only"} $quick "${ovr[@]+"${ovr[@]}"}"

@@ -2,8 +2,10 @@
 
 check: on an HF copy of SmolLM2,
   1. ours -> PEFT: main_ppo trains one GRPO step with LoRA and saves `lora_adapter/`; PEFT loads
-     it onto transformers' model; greedy text must be identical and every generated token's
-     log-probability must agree within 1e-4 (log_softmax of the logits at each position);
+     it onto transformers' model; greedy text must be identical, every generated token's
+     log-probability must agree within 1e-4 (log_softmax of the logits at each position), and
+     so must the logits at every position of prompt + response (our forward through
+     examples/hidden_states, unmerged and merged; printed layer by layer);
   2. PEFT -> ours: PEFT writes an adapter with random A and B; `main_ppo generate` with
      `lora_adapter_path` must give the same greedy text and log-probabilities.
 make-fixture DIR: a tiny Llama base and a PEFT adapter for it (random A and B, rsLoRA, a list of
@@ -25,12 +27,42 @@ PROMPTS = [
     "Write a haiku about the sea.",
 ]
 MAX_NEW = 40
-# Both sides compute in f64 by default. Measured (2026-12-01): the log-probs still differ by up to
-# ~2.6e-4 in f64 as in f32, and by as much with a no-op adapter, so the residual is the base
-# models' difference (suspected: transformers computes RoPE angles in f32 even for f64 models),
-# not the adapters; the greedy texts were identical in every case.
+# Both sides compute in f64 by default. transformers does not, even in an f64 model: its
+# LlamaRMSNorm casts to f32 and its RoPE tables are computed in f32; `true_f64` swaps both for
+# f64 versions of the same formulas. Measured (2026-12-01, SmolLM2, no adapter): without that,
+# every layer differed by ~1e-5..1e-3 and the logits by 2.4e-5; with it, 1e-11 per layer and
+# 2.5e-13 in the logits. The log-prob gap of 2.6e-4 seen before came from our log-softmax
+# summing the vocabulary in f32 (fixed). In f32 both sides round differently: the logits then
+# differ by ~1e-4 (each ~0.6-1e-4 from the f64 values).
 DTYPE = torch.float64
 TOL = 1e-4
+
+
+def true_f64(model):
+    """In an f64 model, transformers' f32 steps (RMSNorm's upcast, the RoPE tables) made f64."""
+    if DTYPE != torch.float64:
+        return model
+    for mod in model.modules():
+        if type(mod).__name__.endswith("RMSNorm"):
+            def norm(x, mod=mod):
+                var = x.pow(2).mean(-1, keepdim=True)
+                return mod.weight * (x * torch.rsqrt(var + mod.variance_epsilon))
+            mod.forward = norm
+        if type(mod).__name__.endswith("RotaryEmbedding"):
+            cfg = mod.config
+            rp = getattr(cfg, "rope_parameters", None) or {}
+            if rp.get("rope_type", "default") != "default":
+                print("note: RoPE scaling in use; transformers' f32 RoPE tables kept")
+                continue
+            theta = rp.get("rope_theta", getattr(cfg, "rope_theta", None))
+            hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+            def rope(x, position_ids, inv=inv):
+                f = position_ids[..., None].double() * inv
+                e = torch.cat((f, f), -1)
+                return e.cos().to(x.dtype), e.sin().to(x.dtype)
+            mod.forward = rope
+    return model
 
 
 def make_fixture(out: Path):
@@ -73,8 +105,9 @@ def make_fixture(out: Path):
 
 
 def peft_greedy(model, tok, prompt):
+    """Greedy continuation of the chat-formatted prompt: text, each token's log-prob, and the
+    whole sequence's ids (prompt and response)."""
     model = model.to(DTYPE)
-    """Greedy continuation of the chat-formatted prompt: text, and each token's log-prob."""
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
     eos = set([tok.eos_token_id] if isinstance(tok.eos_token_id, int) else tok.eos_token_id)
@@ -89,7 +122,8 @@ def peft_greedy(model, tok, prompt):
             if t in eos:
                 break
             ids = torch.cat([ids, torch.tensor([[t]])], 1)
-    return tok.decode(out, skip_special_tokens=True), lps
+    full = ids[0].tolist() + ([out[-1]] if out and out[-1] in eos else [])
+    return tok.decode(out, skip_special_tokens=True), lps, full
 
 
 def ours_greedy(main_ppo, model_dir, adapter, work: Path):
@@ -107,10 +141,59 @@ def ours_greedy(main_ppo, model_dir, adapter, work: Path):
     return [(r["responses"][0], r["response_log_probs"][0]) for r in rows]
 
 
-def compare(name, peft_model, tok, ours):
-    worst, same = 0.0, 0
+def peft_stages(model, ids):
+    """PEFT's embedding output, each layer's output, the final norm's output and the logits."""
+    inner = model.get_base_model().model
+    st = []
+    hooks = [inner.embed_tokens.register_forward_hook(lambda m, i, o: st.append(o))]
+    for layer in inner.layers:
+        hooks.append(layer.register_forward_hook(
+            lambda m, i, o: st.append(o[0] if isinstance(o, tuple) else o)))
+    hooks.append(inner.norm.register_forward_hook(lambda m, i, o: st.append(o)))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
+    for h in hooks:
+        h.remove()
+    return [x[0].double() for x in st], logits[0].double()
+
+
+def compare_logits(name, peft_model, seqs, stages_bin, model_dir, adapter, work: Path, merged=False):
+    """Our forward (examples/hidden_states) on `seqs` against PEFT's, stage by stage."""
+    from safetensors.torch import load_file
+
+    ids = work / "ids.json"
+    ids.write_text(json.dumps(seqs))
+    out = work / "ours_stages.safetensors"
+    cmd = [stages_bin, "--model", model_dir, "--adapter", str(adapter), "--ids", str(ids), "--out", str(out),
+           "--dtype", "f64" if DTYPE == torch.float64 else "f32"] + (["--merged"] if merged else [])
+    subprocess.run(cmd, check=True)
+    ours = load_file(str(out))
+    worst = 0.0
+    for k, seq in enumerate(seqs):
+        st, logits = peft_stages(peft_model, seq)
+        d = [float((ours[f"seq{k}.stage{i}"].double() - st[i]).abs().max()) for i in range(len(st))]
+        ld = float((ours[f"seq{k}.logits"].double() - logits).abs().max())
+        worst = max(worst, ld)
+        print(f"  [{name}] sequence {k} ({len(seq)} tokens): max |diff| embedding {d[0]:.1e}, layers "
+              f"{' '.join(f'{x:.0e}' for x in d[1:-1])}, final norm {d[-1]:.1e}, logits {ld:.2e}")
+    if DTYPE == torch.float32:
+        # Not a pass/fail figure in f32: each side's rounding alone moves SmolLM2's logits by
+        # 0.6-1e-4 from the f64 values (measured 2026-12-01: transformers 5.7e-5..6.6e-5, ours
+        # 7.2e-5..1.0e-4), so the two differ by up to their sum. The f64 run is the check.
+        print(f"{name}: max |logit diff| {worst:.2e} (f32: rounding on both sides; the f64 run checks to {TOL})")
+        return True
+    ok = worst <= TOL
+    print(f"{name}: max |logit diff| {worst:.2e} (tolerance {TOL}) -> {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def compare(name, peft_model, tok, ours, stages=None):
+    """Greedy texts and token log-probs (generate) and, with `stages` = (binary, model dir,
+    adapter, work dir), the logits of every position of prompt + PEFT's greedy response."""
+    worst, same, seqs = 0.0, 0, []
     for p, (text, lps) in zip(PROMPTS, ours):
-        ptext, plps = peft_greedy(peft_model, tok, p)
+        ptext, plps, pids = peft_greedy(peft_model, tok, p)
+        seqs.append(pids)
         n = min(len(lps), len(plps))
         d = max((abs(a - b) for a, b in zip(lps[:n], plps[:n])), default=0.0)
         worst = max(worst, d)
@@ -121,6 +204,11 @@ def compare(name, peft_model, tok, ours):
             print(f"    peft: {ptext[:100]!r}")
     ok = same == len(PROMPTS) and worst <= TOL
     print(f"{name}: {same}/{len(PROMPTS)} identical greedy texts, max |log-prob diff| {worst:.2e} (tolerance {TOL}) -> {'PASS' if ok else 'FAIL'}")
+    if stages is not None:
+        stages_bin, model_dir, adapter, work = stages
+        ok = compare_logits(name, peft_model, seqs, stages_bin, model_dir, adapter, work) and ok
+        ok = compare_logits(name + " (ours merged)", peft_model, seqs, stages_bin, model_dir, adapter, work,
+                            merged=True) and ok
     return ok
 
 
@@ -153,7 +241,7 @@ def check(args):
                     f"trainer.default_local_dir={ckpt}", "trainer.device=cpu"], check=True)
     ours_dir = ckpt / "global_step_1" / "actor" / "lora_adapter"
     print("our adapter:", ours_dir, json.loads((ours_dir / "adapter_config.json").read_text())["target_modules"])
-    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    base = true_f64(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval())
     peft_model = PeftModel.from_pretrained(base, str(ours_dir)).eval()
     ids = tok("The adapter changes these logits.", return_tensors="pt")["input_ids"]
     with torch.no_grad():
@@ -164,10 +252,11 @@ def check(args):
     print(f"our adapter moves PEFT's logits by up to {moved:.3e}")
     if moved < 1e-2:
         sys.exit("our trained adapter is (nearly) a no-op: nothing would be checked")
-    ok1 = compare("ours -> peft", peft_model, tok, ours_greedy(args.main_ppo, model_dir, ours_dir, work))
+    ok1 = compare("ours -> peft", peft_model, tok, ours_greedy(args.main_ppo, model_dir, ours_dir, work),
+                  (args.stages, model_dir, ours_dir, work))
 
     # 2. PEFT -> ours: random A and B (B scaled down so the text stays readable).
-    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    base = true_f64(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval())
     torch.manual_seed(1)
     pm = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, target_modules="all-linear",
                                          init_lora_weights=False)).eval()
@@ -178,7 +267,8 @@ def check(args):
     theirs = work / "peft_adapter"
     pm.save_pretrained(str(theirs), safe_serialization=True)
     print("PEFT adapter:", theirs, json.loads((theirs / "adapter_config.json").read_text())["target_modules"])
-    ok2 = compare("peft -> ours", pm, tok, ours_greedy(args.main_ppo, model_dir, theirs, work))
+    ok2 = compare("peft -> ours", pm, tok, ours_greedy(args.main_ppo, model_dir, theirs, work),
+                  (args.stages, model_dir, theirs, work))
     print("ALL PASS" if ok1 and ok2 else "SOME CHECK FAILED")
     sys.exit(0 if ok1 and ok2 else 1)
 
@@ -191,6 +281,7 @@ def main():
     c = sub.add_parser("check")
     c.add_argument("--model", required=True)
     c.add_argument("--main-ppo", required=True)
+    c.add_argument("--stages", required=True, help="the hidden_states example's binary")
     c.add_argument("--f32", action="store_true", help="compare in f32 instead of f64")
     a = ap.parse_args()
     if getattr(a, "f32", False):

@@ -7,7 +7,8 @@
 #   scripts/peft_check.sh --make-fixture DIR    # writes the small PEFT fixture the Rust tests read
 #
 # Environment: PEFT_VENV (default ~/.cache/main_ppo/peft-venv), MAIN_PPO (the binary; default
-# target/release/main_ppo, built if missing).
+# target/release/main_ppo, built if missing), MAIN_PPO_STAGES (our layer-by-layer forward;
+# default target/release/examples/hidden_states, built if missing).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(dirname "$here")"
@@ -27,7 +28,11 @@ bin="${MAIN_PPO:-$root/target/release/main_ppo}"
 if [ ! -x "$bin" ]; then
   (cd "$root" && cargo build --release --locked)
 fi
+stages="${MAIN_PPO_STAGES:-$root/target/release/examples/hidden_states}"
+if [ ! -x "$stages" ]; then
+  (cd "$root" && cargo build --release --locked --example hidden_states)
+fi
 extra=()
 if [ "${1:-}" = "--f32" ]; then extra=(--f32); shift; fi
 model="${1:-$HOME/.cache/main_ppo/models/SmolLM2-135M-Instruct-f32-hf}"
-exec "$venv/bin/python" "$here/peft_check.py" check --model "$model" --main-ppo "$bin" "${extra[@]}"
+exec "$venv/bin/python" "$here/peft_check.py" check --model "$model" --main-ppo "$bin" --stages "$stages" "${extra[@]}"

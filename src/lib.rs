@@ -13,6 +13,7 @@ pub mod cli;
 pub mod config;
 pub mod control;
 pub mod data;
+pub mod dist;
 pub mod metrics;
 pub mod model;
 pub mod reward;

@@ -5,6 +5,9 @@ use std::process::{Command, Output};
 
 use main_ppo::testing::write_tokenizer_dir;
 
+/// Data parallelism over MPI (feature `mpi`).
+mod dist;
+
 fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_main_ppo"));
     c.env("RUST_LOG", "info").env_remove("NO_COLOR");
@@ -103,17 +106,17 @@ fn quickstart_command_line_is_accepted_and_explained() {
             "missing `{expected}` in:\n{stdout}"
         );
     }
-    // The no-effect keys, reported once, in one line.
+    // The no-effect keys, reported once, in one line (trainer.nnodes and n_gpus_per_node are
+    // read now: their product must equal the world size, 1 here).
     let warn: Vec<&str> = stderr.lines().filter(|l| l.contains("no effect")).collect();
     assert_eq!(warn.len(), 1, "{stderr}");
     for k in [
         "actor_rollout_ref.rollout.tensor_model_parallel_size",
         "actor_rollout_ref.rollout.gpu_memory_utilization",
-        "trainer.n_gpus_per_node",
-        "trainer.nnodes",
     ] {
         assert!(warn[0].contains(k), "{k} not in {}", warn[0]);
     }
+    assert!(!warn[0].contains("trainer.n_gpus_per_node"), "{}", warn[0]);
     // The legacy reward keys are mapped with an info line.
     assert!(stderr.contains("legacy key `custom_reward_function.path` is read as `reward.custom_reward_function.path`"), "{stderr}");
 }
@@ -452,9 +455,11 @@ fn eval_reports_mean_and_best_at_n() {
     ]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
-    // Hand values: per-prompt means 0.5 and 0 → mean@2 0.25; bests 1 and 0 → best@2 0.5.
+    // Hand values: per-prompt means 0.5 and 0 → mean@2 0.25; bests 1 and 0 → best@2 0.5;
+    // one response of four scores non-zero → nonzero@2 0.25; no `response_lengths`, no length.
     assert!(
-        stdout.contains("openai/gsm8k: mean@2 0.2500  best@2 0.5000  (2 prompts)"),
+        stdout
+            .contains("openai/gsm8k: mean@2 0.2500  best@2 0.5000  nonzero@2 0.2500  (2 prompts)"),
         "{stdout}"
     );
     let first: serde_json::Value = serde_json::from_str(
@@ -466,6 +471,56 @@ fn eval_reports_mean_and_best_at_n() {
     )
     .unwrap();
     assert_eq!(first["scores"], serde_json::json!([1.0, 0.0]));
+
+    // With gsm8k's format_score 0.1 a well-formed wrong answer scores non-zero (the format
+    // rate), and `main_ppo generate`'s `response_lengths` give the mean length.
+    let config = dir.path().join("format.yaml");
+    std::fs::write(
+        &config,
+        "reward:\n  sources:\n    - {name: gsm8k, weight: 1.0, type: builtin, scorer: gsm8k, kwargs: {format_score: 0.1}}\n",
+    )
+    .unwrap();
+    write_jsonl(
+        &input,
+        &[
+            serde_json::json!({"data_source": "openai/gsm8k", "reward_model": {"ground_truth": "4"}, "responses": ["#### 4", "no answer"], "response_lengths": [3, 5]}),
+            serde_json::json!({"data_source": "openai/gsm8k", "reward_model": {"ground_truth": "7"}, "responses": ["#### 1", "#### 2"], "response_lengths": [2, 2]}),
+        ],
+    );
+    let eval = |input: &Path| {
+        run(&[
+            "eval".into(),
+            "--config".into(),
+            config.display().to_string(),
+            "--input".into(),
+            input.display().to_string(),
+        ])
+    };
+    let out = eval(&input);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    // By hand: scores [1, 0] and [0.1, 0.1] → means 0.5, 0.1 → mean@2 0.3; bests 1, 0.1 →
+    // 0.55; 3 of 4 non-zero → 0.75; lengths (3 + 5 + 2 + 2) / 4 = 3.0.
+    assert!(
+        stdout.contains(
+            "openai/gsm8k: mean@2 0.3000  best@2 0.5500  nonzero@2 0.7500  length 3.0  (2 prompts)"
+        ),
+        "{stdout}"
+    );
+    // A length list that does not cover every response is named with its row.
+    write_jsonl(
+        &input,
+        &[
+            serde_json::json!({"data_source": "openai/gsm8k", "reward_model": {"ground_truth": "4"}, "responses": ["#### 4", "x"], "response_lengths": [3]}),
+        ],
+    );
+    let out = eval(&input);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("row 0") && stderr.contains("response_lengths"),
+        "{stderr}"
+    );
 }
 
 /// SmolLM2-135M-Instruct (GGUF) when present: `scripts/fetch_smollm2.sh` puts it in the cache
@@ -700,6 +755,13 @@ fn generate_writes_n_responses_per_prompt() {
         for r in &rows {
             let resp = r["responses"].as_array().unwrap();
             assert_eq!(resp.len(), n);
+            // Token counts of the responses, within data.max_response_length.
+            let lens = r["response_lengths"].as_array().unwrap();
+            assert_eq!(lens.len(), n);
+            assert!(
+                lens.iter().all(|l| (1..=6).contains(&l.as_u64().unwrap())),
+                "{lens:?}"
+            );
             assert!(
                 r["reward_model"]["ground_truth"].is_string(),
                 "input columns are kept"
@@ -849,27 +911,7 @@ fn tiny_run(dir: &Path, steps: u64, extra: &[&str]) -> Vec<String> {
         )
         .unwrap();
     }
-    let m = model.display().to_string();
-    let mut args: Vec<String> = vec![
-        format!("data.train_files={}", dir.join("train.jsonl").display()),
-        format!("data.val_files={}", dir.join("train.jsonl").display()),
-        "data.train_batch_size=4".into(),
-        "data.max_prompt_length=128".into(),
-        "data.max_response_length=5".into(),
-        format!("actor_rollout_ref.model.path={m}"),
-        "actor_rollout_ref.actor.optim.lr=1e-3".into(),
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2".into(),
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2".into(),
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4".into(),
-        "actor_rollout_ref.rollout.n=2".into(),
-        format!("critic.model.path={m}"),
-        "critic.optim.lr=1e-3".into(),
-        "critic.ppo_micro_batch_size_per_gpu=2".into(),
-        "custom_reward_function.path=reward.py".into(),
-        "trainer.val_before_train=False".into(),
-        "trainer.device=cpu".into(),
-        format!("trainer.total_training_steps={steps}"),
-    ];
+    let mut args = short_run_args(dir, &model, steps);
     args.extend(extra.iter().map(|s| s.to_string()));
     args
 }
@@ -1553,4 +1595,30 @@ fn plot_writes_png_and_svg_of_a_jsonl_run_and_names_an_unknown_metric() {
     assert!(err.contains("unknown metric `critic/score/mena`"), "{err}");
     assert!(err.contains("critic/score/mean"), "{err}");
     assert!(!dir.path().join("never.svg").exists());
+}
+
+/// The overrides of a short run on the tiny model at `model` with `dir`'s `train.jsonl` and
+/// `reward.py` (4 prompts × 2 responses of ≤ 5 tokens, gae with a critic), `steps` steps.
+fn short_run_args(dir: &Path, model: &Path, steps: u64) -> Vec<String> {
+    let m = model.display().to_string();
+    vec![
+        format!("data.train_files={}", dir.join("train.jsonl").display()),
+        format!("data.val_files={}", dir.join("train.jsonl").display()),
+        "data.train_batch_size=4".into(),
+        "data.max_prompt_length=128".into(),
+        "data.max_response_length=5".into(),
+        format!("actor_rollout_ref.model.path={m}"),
+        "actor_rollout_ref.actor.optim.lr=1e-3".into(),
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2".into(),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2".into(),
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4".into(),
+        "actor_rollout_ref.rollout.n=2".into(),
+        format!("critic.model.path={m}"),
+        "critic.optim.lr=1e-3".into(),
+        "critic.ppo_micro_batch_size_per_gpu=2".into(),
+        "custom_reward_function.path=reward.py".into(),
+        "trainer.val_before_train=False".into(),
+        "trainer.device=cpu".into(),
+        format!("trainer.total_training_steps={steps}"),
+    ]
 }

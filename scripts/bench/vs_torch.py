@@ -177,10 +177,12 @@ def cmd_fwdbwd(a) -> None:
     ids = (torch.arange(b * t, dtype=torch.int64) * 7919 % 49000).view(b, t)
     mask = torch.ones_like(ids)
     fwd, bwd, loss_v = [], [], 0.0
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.autocast_bf16)
     for i in range(a.warmup + a.reps):
         t0 = time.perf_counter()
-        logits = model(input_ids=ids, attention_mask=mask).logits  # [b, t, vocab]
-        lp = logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # [b, t]
+        with amp:
+            logits = model(input_ids=ids, attention_mask=mask).logits  # [b, t, vocab]
+        lp = logits.float().log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # [b, t]
         loss = -lp.mean()
         f = time.perf_counter() - t0
         loss.backward()
@@ -207,6 +209,7 @@ def cmd_fwdbwd(a) -> None:
             "tokens_per_s": b * t / mean,
             "loss": loss_v,
             "attn_implementation": getattr(model.config, "_attn_implementation", None),
+            "autocast_bf16": a.autocast_bf16,
         }
     )
 
@@ -222,7 +225,8 @@ def cmd_gen(a) -> None:
     x = torch.tensor([ids] * a.batch)
     m = torch.ones_like(x)
     kw = dict(input_ids=x, attention_mask=m, do_sample=False, pad_token_id=tok.pad_token_id)
-    with torch.inference_mode():
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.autocast_bf16)
+    with torch.inference_mode(), amp:
         if a.warmup_new > 0:
             model.generate(max_new_tokens=a.warmup_new, **kw)
         t0 = time.perf_counter()
@@ -240,6 +244,7 @@ def cmd_gen(a) -> None:
             "tokens": tokens,
             "tokens_per_s": tokens / secs,
             "row0_ids": resp[0].tolist(),
+            "autocast_bf16": a.autocast_bf16,
         }
     )
 
@@ -488,7 +493,14 @@ def ours_grpo_overrides(a, out: Path) -> list[str]:
         f"trainer.default_local_dir={out / 'ours_grpo_ckpt'}",
         "trainer.device=cpu",
         f"trainer.seed={a.seed}",
-    ] + list(a.ours_override)
+    ] + (
+        [
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+            "actor_rollout_ref.rollout.dtype=bfloat16",
+        ]
+        if a.precision == "bf16"
+        else []
+    ) + list(a.ours_override)
 
 
 PROMPT = (
@@ -590,6 +602,7 @@ def cmd_run(a) -> None:
         "quick": quick,
         "only": only,
         "micro_batch": a.micro_batch,
+        "precision": a.precision,
     }
     print(
         f"threads: {a.threads} on both sides (RAYON_NUM_THREADS, torch.set_num_threads); "
@@ -631,12 +644,18 @@ def cmd_run(a) -> None:
     gen_new = "32" if quick else "128"
     gn = ["--batch", "32", "--new", gen_new, "--warmup-new", "4"]
     ad = ["--warmup", "1", "--reps", "1" if quick else "3"]
+    bf16 = a.precision == "bf16"
+    ours_prec = ["--bf16", "1" if bf16 else "0"]
     if "fwdbwd" in only:
-        measure("fwdbwd_ours", [a.ours_bench, "fwdbwd"] + fb + common_rs)
+        measure("fwdbwd_ours", [a.ours_bench, "fwdbwd"] + fb + ours_prec + common_rs)
         measure("fwdbwd_pytorch", py + ["fwdbwd"] + fb + common_py)
+        if bf16:
+            measure("fwdbwd_pytorch_bf16", py + ["fwdbwd", "--autocast-bf16"] + fb + common_py)
     if "gen" in only:
-        measure("gen_ours", [a.ours_bench, "gen"] + gn + common_rs)
+        measure("gen_ours", [a.ours_bench, "gen"] + gn + ours_prec + common_rs)
         measure("gen_pytorch", py + ["gen", "--prompt", str(prompt)] + gn + common_py)
+        if bf16:
+            measure("gen_pytorch_bf16", py + ["gen", "--autocast-bf16", "--prompt", str(prompt)] + gn + common_py)
         o, t = res["gen_ours"], res["gen_pytorch"]
         if "row0_ids" in o and "row0_ids" in t:
             print(f"generation row 0, ours vs transformers: {first_divergence(o['row0_ids'], t['row0_ids'])}", flush=True)
@@ -683,11 +702,17 @@ def table_rows(res: dict, only: list[str], quick: bool, gen_new: str) -> list[di
             get("fwdbwd_ours", "tokens_per_s"), get("fwdbwd_pytorch", "tokens_per_s"))
         row("forward+backward 8x256, peak RSS", "GiB", "lower",
             get("fwdbwd_ours", "peak_rss_bytes"), get("fwdbwd_pytorch", "peak_rss_bytes"))
+        if "fwdbwd_pytorch_bf16" in res:
+            row("forward+backward 8x256 vs torch bf16 autocast", "tokens/s", "higher",
+                get("fwdbwd_ours", "tokens_per_s"), get("fwdbwd_pytorch_bf16", "tokens_per_s"))
     if "gen" in only:
         row(f"greedy generation 32x{gen_new}", "tokens/s", "higher",
             get("gen_ours", "tokens_per_s"), get("gen_pytorch", "tokens_per_s"), "prefill included")
         row(f"greedy generation 32x{gen_new}, peak RSS", "GiB", "lower",
             get("gen_ours", "peak_rss_bytes"), get("gen_pytorch", "peak_rss_bytes"))
+        if "gen_pytorch_bf16" in res:
+            row(f"greedy generation 32x{gen_new} vs torch bf16 autocast", "tokens/s", "higher",
+                get("gen_ours", "tokens_per_s"), get("gen_pytorch_bf16", "tokens_per_s"), "prefill included")
     if "adamw" in only:
         row("AdamW step, 135M params", "s", "lower",
             get("adamw_ours", "step_s"), get("adamw_pytorch", "step_s"), "torch default (for-loop on CPU)")
@@ -712,7 +737,7 @@ def table_rows(res: dict, only: list[str], quick: bool, gen_new: str) -> list[di
 
 def render(rows: list[dict], info: dict) -> str:
     lines = [
-        f"main_ppo ({info['ours_rev']}) vs PyTorch {info['torch']} / transformers {info['transformers']} / "
+        f"main_ppo ({info['ours_rev']}, {info.get('precision', 'fp32')} products) vs PyTorch {info['torch']} / transformers {info['transformers']} / "
         f"TRL {info['trl']}, {info['threads']} threads each, {info['cpu']}, {info['when_utc']}"
         + (" (quick mode)" if info["quick"] else ""),
         "",
@@ -754,12 +779,14 @@ def main() -> None:
     s.add_argument("--seq", type=int, default=256)
     s.add_argument("--warmup", type=int, default=1)
     s.add_argument("--reps", type=int, default=2)
+    s.add_argument("--autocast-bf16", action="store_true", help="run under torch.autocast(bfloat16)")
 
     s = worker("gen", cmd_gen)
     s.add_argument("--prompt", required=True)
     s.add_argument("--batch", type=int, default=32)
     s.add_argument("--new", type=int, default=128)
     s.add_argument("--warmup-new", type=int, default=4)
+    s.add_argument("--autocast-bf16", action="store_true", help="run under torch.autocast(bfloat16)")
 
     s = worker("adamw", cmd_adamw)
     s.add_argument("--warmup", type=int, default=1)
@@ -782,6 +809,7 @@ def main() -> None:
     s.add_argument("--results", required=True)
     s.add_argument("--only", default="")
     s.add_argument("--quick", action="store_true")
+    s.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     s.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     s.add_argument("--micro-batch", type=int, default=8)
     s.add_argument("--seed", type=int, default=1)

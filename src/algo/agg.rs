@@ -16,6 +16,11 @@ pub struct AggNorm {
     pub global_batch_size: Option<f64>,
     /// Divisor of seq-mean-token-sum-norm; `None` = the padded response length.
     pub loss_scale_factor: Option<f64>,
+    /// verl's `dp_size`: the mean modes (token-mean, seq-mean-*) multiply the loss by it, for
+    /// data parallelism whose gradient reduction averages over the ranks (FSDP/DDP), so that
+    /// the average of the ranks' gradients is the global mini-batch's. `None` = 1: main_ppo's
+    /// own reduction sums over the ranks (see `trainer::update`), so it leaves this unset.
+    pub dp_size: Option<f64>,
 }
 
 /// Aggregates `loss_mat` `[batch, len]` over `mask` `[batch, len]` into a scalar.
@@ -35,13 +40,14 @@ pub fn agg_loss(
     norm: AggNorm,
 ) -> Result<Tensor> {
     let safe = |d: f64| if d == 0.0 { 1.0 } else { d };
+    let dp = norm.dp_size.unwrap_or(1.0);
     match mode {
         LossAggMode::TokenMean => {
             let tokens = match norm.batch_num_tokens {
                 Some(n) => n,
                 None => scalar(&mask.sum_all()?)?,
             };
-            masked_sum(loss_mat, mask)? / safe(tokens)
+            masked_sum(loss_mat, mask)? / (safe(tokens) / dp)
         }
         LossAggMode::TokenSum => masked_sum(loss_mat, mask),
         LossAggMode::SeqMeanTokenSumNorm => {
@@ -61,7 +67,7 @@ pub fn agg_loss(
                 Some(n) => n,
                 None => scalar(&seq_mask.sum_all()?)?,
             };
-            masked_sum(&seq_losses, &seq_mask)? / safe(seqs)
+            masked_sum(&seq_losses, &seq_mask)? / (safe(seqs) / dp)
         }
     }
 }
@@ -75,6 +81,32 @@ pub fn scalar(t: &Tensor) -> Result<f64> {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// verl's `dp_size` with global normalisers, by hand: L = [[1, 2], [3, 4]], mask =
+    /// [[1, 1], [1, 0]] on one of two ranks whose whole mini-batch holds 6 tokens and 4
+    /// sequences. token-mean: (1 + 2 + 3)/6 × 2 = 2; seq-mean-token-sum: (3 + 3)/4 × 2 = 3;
+    /// seq-mean-token-mean: (3/2 + 3/1)/4 × 2 = 2.25 (the 1e-8 of the per-row denominator
+    /// aside). Averaging the two ranks' values then gives the global mean.
+    #[test]
+    fn dp_size_scales_the_mean_modes() {
+        let dev = Device::Cpu;
+        let l = Tensor::new(&[[1f64, 2.], [3., 4.]], &dev).unwrap();
+        let m = Tensor::new(&[[1f64, 1.], [1., 0.]], &dev).unwrap();
+        let norm = AggNorm {
+            batch_num_tokens: Some(6.0),
+            global_batch_size: Some(4.0),
+            loss_scale_factor: None,
+            dp_size: Some(2.0),
+        };
+        for (mode, want) in [
+            (LossAggMode::TokenMean, 2.0),
+            (LossAggMode::SeqMeanTokenSum, 3.0),
+            (LossAggMode::SeqMeanTokenMean, 2.25),
+        ] {
+            let got = scalar(&agg_loss(&l, &m, mode, norm).unwrap()).unwrap();
+            assert!((got - want).abs() < 1e-7, "{mode:?}: {got} vs {want}");
+        }
+    }
 
     /// seq-mean-token-sum-norm by hand: L = [[1, 2, 3], [4, 5, 6], [7, 8, 9]],
     /// mask = [[1, 1, 0], [1, 0, 0], [0, 0, 0]]: row sums 3, 4, 0 add up to 7 (the empty row
@@ -93,6 +125,7 @@ mod tests {
             // The mini-batch counts of the other modes play no part here.
             batch_num_tokens: Some(10.0),
             global_batch_size: Some(5.0),
+            dp_size: None,
         };
         let got = scalar(&agg_loss(&l, &m, mode, norm).unwrap()).unwrap();
         assert!((got - 3.5).abs() < 1e-12, "{got}");

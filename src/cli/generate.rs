@@ -21,7 +21,8 @@ pub struct GenerateArgs {
     /// (`data.prompt_key`); other columns are optional and copied to the output.
     #[arg(long, value_name = "FILE")]
     pub input: PathBuf,
-    /// Output: the input columns plus `responses`; `.parquet` writes parquet, anything else JSONL.
+    /// Output: the input columns plus `responses` and `response_lengths` (tokens of each
+    /// response); `.parquet` writes parquet, anything else JSONL.
     #[arg(long, value_name = "FILE")]
     pub output: PathBuf,
     /// Sequences generated together at most (default: actor_rollout_ref.rollout.max_num_seqs;
@@ -55,6 +56,10 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         candle_core::DType::F32
     };
     let (mut model, tok) = setup::load_policy_as(cfg, &device, dtype)?;
+    // verl's main_generation runs the rollout engine: `rollout.dtype` sets the products.
+    model
+        .model
+        .set_bf16_matmuls(cfg.actor_rollout_ref.rollout.dtype.is_bf16());
     crate::config::data::check_model_context(
         prompt_len,
         response_len,
@@ -106,9 +111,11 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let out = generate_all(&model.model, &prompts, &params, &mut sampler, Some(&bar))?;
     let mut responses: Vec<Vec<String>> = vec![Vec::new(); ds.len()];
     let mut log_probs: Vec<Vec<Value>> = vec![Vec::new(); ds.len()];
+    let mut lengths: Vec<Vec<Value>> = vec![Vec::new(); ds.len()];
     let mut tokens = 0usize;
     for (k, resp) in out.responses.iter().enumerate() {
         tokens += resp.len();
+        lengths[rows[k]].push(Value::from(resp.len()));
         if args.log_probs {
             log_probs[rows[k]].push(serde_json::json!(out.log_probs[k]));
         }
@@ -125,12 +132,14 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         .iter()
         .zip(responses)
         .zip(log_probs)
-        .map(|((s, resp), lps)| {
+        .zip(lengths)
+        .map(|(((s, resp), lps), lens)| {
             let mut o = s.raw.as_object().cloned().unwrap_or_default();
             o.insert(
                 "responses".into(),
                 resp.into_iter().map(Value::String).collect(),
             );
+            o.insert("response_lengths".into(), Value::Array(lens));
             if args.log_probs {
                 o.insert("response_log_probs".into(), Value::Array(lps));
             }

@@ -67,7 +67,8 @@ pub enum Command {
     /// Run the configured reward on files of responses.
     #[command(subcommand)]
     Reward(RewardCommand),
-    /// Score a file of generations: mean@n and best@n per data_source (verl's main_eval).
+    /// Score a file of generations: mean@n and best@n per data_source (verl's main_eval), the
+    /// share of non-zero scores and the mean response length.
     Eval(reward::EvalArgs),
     /// Generate `rollout.n` responses per prompt of a dataset (verl's main_generation).
     Generate(generate::GenerateArgs),
@@ -254,17 +255,46 @@ fn print_cfg(args: &ConfigArgs, loaded: &Loaded) -> anyhow::Result<bool> {
 }
 
 fn train(args: &ConfigArgs, natives: &crate::reward::NativeRegistry) -> anyhow::Result<()> {
-    use crate::trainer::{FitOutcome, Trainer, TrainerError, TrainerOptions};
     let loaded = args.load()?;
     if print_cfg(args, &loaded)? {
         return Ok(());
     }
+    let timeout = loaded.config.actor_rollout_ref.nccl_timeout;
+    let comm = crate::dist::from_env(std::time::Duration::from_secs(timeout.max(1)))?;
+    if comm.world_size() > 1 {
+        tracing::info!(
+            "data parallel: rank {} of {} ({} backend, local rank {})",
+            comm.rank(),
+            comm.world_size(),
+            comm.backend(),
+            comm.local_rank()
+        );
+    }
+    let result = train_on(loaded, natives, comm.clone());
+    if let Err(e) = &result {
+        if comm.world_size() > 1 {
+            // No orderly shutdown (MPI_Finalize would wait for ranks that wait for this one):
+            // the process exits with its error and the launcher stops the other ranks.
+            eprintln!("{}error: {e:#}", crate::dist::rank_prefix(comm.as_ref()));
+            std::mem::forget(comm);
+        }
+    }
+    result
+}
+
+fn train_on(
+    loaded: crate::config::Loaded,
+    natives: &crate::reward::NativeRegistry,
+    comm: crate::dist::Comm,
+) -> anyhow::Result<()> {
+    use crate::trainer::{FitOutcome, Trainer, TrainerError, TrainerOptions};
     let plan = config::resolve(&loaded.config)?;
     let stop = stop_on_signals();
     let opts = TrainerOptions {
         natives: natives.clone(),
         stop,
         tracker: None,
+        comm,
     };
     // Configuration errors keep their own type (exit status 2).
     let lift = |e: TrainerError| match e {

@@ -15,7 +15,8 @@ pub struct PlotArgs {
     #[arg(value_name = "RUN", required = true)]
     pub runs: Vec<PathBuf>,
     /// Metrics to chart, comma-separated verl names (default: critic/score/mean, the
-    /// val-core reward, a validation format rate if logged, response_length/mean,
+    /// val-core mean (acc or reward), the validation format rate
+    /// (val-aux/<source>/format/mean@N) if logged, response_length/mean,
     /// actor/entropy, actor/kl_loss or actor/ppo_kl, timing_s/step).
     #[arg(long, value_delimiter = ',', value_name = "A,B,...")]
     pub metrics: Vec<String>,

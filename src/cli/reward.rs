@@ -359,7 +359,66 @@ pub fn test(args: &TestArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
     Ok(failed == 0)
 }
 
-/// `eval`: mean@n and best@n per data_source over a file of generations.
+/// One data source's summary in `eval`.
+#[derive(Debug, Default)]
+struct EvalLine {
+    /// Σ over prompts of the mean score of the prompt's responses.
+    mean: f64,
+    /// Σ over prompts of the best score.
+    best: f64,
+    prompts: usize,
+    /// Responses per prompt (the largest seen).
+    n: usize,
+    /// Responses, and those with a non-zero score.
+    responses: usize,
+    nonzero: usize,
+    /// Σ of `response_lengths` and how many responses had one.
+    tokens: usize,
+    with_length: usize,
+}
+
+impl EvalLine {
+    /// `mean@n`, `best@n`, `nonzero@n` (share of responses scoring non-zero: the format rate
+    /// of gsm8k with `format_score > 0`) and the mean response length in tokens when the
+    /// generations carry `response_lengths` for every response.
+    fn render(&self, ds: &str) -> String {
+        let n = self.n;
+        let p = self.prompts.max(1) as f64;
+        let mut line = format!(
+            "{ds}: mean@{n} {:.4}  best@{n} {:.4}  nonzero@{n} {:.4}",
+            self.mean / p,
+            self.best / p,
+            self.nonzero as f64 / self.responses.max(1) as f64
+        );
+        if self.with_length == self.responses && self.responses > 0 {
+            line += &format!("  length {:.1}", self.tokens as f64 / self.responses as f64);
+        }
+        line + &format!("  ({} prompts)", self.prompts)
+    }
+}
+
+/// Row `i`'s `response_lengths[j]`, when the generations carry it (`main_ppo generate` writes
+/// it); `None` when absent, an error when present but not a list of counts.
+fn response_length(file: &Path, i: usize, row: &Value, j: usize) -> anyhow::Result<Option<usize>> {
+    let Some(l) = row.get("response_lengths") else {
+        return Ok(None);
+    };
+    let n = l
+        .as_array()
+        .and_then(|a| a.get(j))
+        .and_then(Value::as_u64)
+        .with_context(|| {
+            format!(
+                "{}, row {i}: `response_lengths` must hold a token count for every response (entry {j}: {})",
+                file.display(),
+                l.as_array().and_then(|a| a.get(j)).unwrap_or(&Value::Null)
+            )
+        })?;
+    Ok(Some(n as usize))
+}
+
+/// `eval`: mean@n, best@n, the share of non-zero scores and the mean response length per
+/// data_source over a file of generations.
 pub fn eval(args: &EvalArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
     if let Some(out) = &args.output {
         super::guard::check_output_args(out, &args.input, &args.config)?;
@@ -368,6 +427,7 @@ pub fn eval(args: &EvalArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
     let rows = read_rows(&args.input)?;
     let mut prepared = Vec::new();
     let mut owner = Vec::new(); // (row, response index)
+    let mut lens = Vec::new(); // tokens, when known (the DAPO overlong penalty reads them)
     for (i, row) in rows.iter().enumerate() {
         let responses = row
             .get("responses")
@@ -376,10 +436,11 @@ pub fn eval(args: &EvalArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
         for (j, resp) in responses.iter().enumerate() {
             prepared.push(row_item(&args.input, i, row, Some(resp)));
             owner.push((i, j));
+            lens.push(response_length(&args.input, i, row, j)?);
         }
     }
-    let lens = vec![0; prepared.len()];
-    let results = score_rows(&mut manager, &prepared, &lens)?;
+    let token_lens: Vec<usize> = lens.iter().map(|l| l.unwrap_or(0)).collect();
+    let results = score_rows(&mut manager, &prepared, &token_lens)?;
     let mut per_row: Vec<Vec<Option<f64>>> = rows
         .iter()
         .map(|r| vec![None; r["responses"].as_array().map_or(0, Vec::len)])
@@ -392,8 +453,8 @@ pub fn eval(args: &EvalArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
             eprintln!("row {i}, response {j}: {}", e.lines().next().unwrap_or(""));
         }
     }
-    // data_source → (Σ mean over responses, Σ best, prompts, n)
-    let mut table: BTreeMap<String, (f64, f64, usize, usize)> = BTreeMap::new();
+    let mut table: BTreeMap<String, EvalLine> = BTreeMap::new();
+    let mut k = 0; // index into `lens`, in (row, response) order
     for (row, scores) in rows.iter().zip(&per_row) {
         let ds = row
             .get("data_source")
@@ -405,17 +466,20 @@ pub fn eval(args: &EvalArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
             continue;
         }
         let e = table.entry(ds).or_default();
-        e.0 += vals.iter().sum::<f64>() / vals.len() as f64;
-        e.1 += vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        e.2 += 1;
-        e.3 = e.3.max(vals.len());
+        e.mean += vals.iter().sum::<f64>() / vals.len() as f64;
+        e.best += vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        e.prompts += 1;
+        e.n = e.n.max(vals.len());
+        e.responses += vals.len();
+        e.nonzero += vals.iter().filter(|v| **v != 0.0).count();
+        for l in lens[k..k + vals.len()].iter().flatten() {
+            e.tokens += l;
+            e.with_length += 1;
+        }
+        k += vals.len();
     }
-    for (ds, (mean, best, prompts, n)) in &table {
-        println!(
-            "{ds}: mean@{n} {:.4}  best@{n} {:.4}  ({prompts} prompts)",
-            mean / *prompts as f64,
-            best / *prompts as f64
-        );
+    for (ds, line) in &table {
+        println!("{}", line.render(ds));
     }
     if args.output.is_some() {
         let mut out = writer(&args.output)?;

@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::algorithm::{KlKind, KlPenalty};
+use super::model::FsdpConfig;
 use super::optim::OptimConfig;
 use crate::defaults;
 
@@ -137,6 +138,8 @@ pub struct ActorConfig {
     pub checkpoint: CheckpointContents,
     /// Gradient-norm clip (reported as actor/grad_norm).
     pub grad_clip: f64,
+    /// Mixed precision of the actor's forward and backward passes (and old log-probs).
+    pub fsdp_config: FsdpConfig,
 }
 
 defaults!(ActorConfig {
@@ -165,6 +168,7 @@ defaults!(ActorConfig {
     data_loader_seed: 42,
     checkpoint: CheckpointContents::default(),
     grad_clip: 1.0,
+    fsdp_config: FsdpConfig::default(),
 });
 
 impl ActorConfig {

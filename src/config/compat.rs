@@ -37,7 +37,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("distillation.enabled", Unsupported { default: "false", why: "distillation is not implemented" }),
     ("distillation", DIST),
     ("actor_rollout_ref.hybrid_engine", DIST),
-    ("actor_rollout_ref.nccl_timeout", DIST),
     // model loading options of HF/FSDP
     ("actor_rollout_ref.model.lora.rank", Unsupported { default: "0", why: "Megatron's LoRA section is not read: use actor_rollout_ref.model.lora_rank (the FSDP keys)" }),
     ("actor_rollout_ref.model.lora", DIST),
@@ -111,7 +110,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("actor_rollout_ref.rollout.nnodes", DIST),
     ("actor_rollout_ref.rollout.n_gpus_per_node", DIST),
     ("actor_rollout_ref.rollout.full_determinism", DIST),
-    ("actor_rollout_ref.rollout.dtype", DIST),
     ("actor_rollout_ref.rollout.gpu_memory_utilization", DIST),
     ("actor_rollout_ref.rollout.enforce_eager", DIST),
     ("actor_rollout_ref.rollout.cudagraph_capture_sizes", DIST),
@@ -194,8 +192,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("algorithm.rollout_correction.bypass_mode", Unsupported { default: "false", why: "bypass mode is not implemented" }),
     ("algorithm.rollout_correction", DIST),
     // trainer runtime
-    ("trainer.nnodes", DIST),
-    ("trainer.n_gpus_per_node", DIST),
     ("trainer.esi_redundant_time", DIST),
     ("trainer.default_hdfs_dir", DIST),
     ("trainer.ray_wait_register_center_timeout", DIST),

@@ -59,6 +59,9 @@ pub struct ActorRolloutRefConfig {
     /// The reference policy's log-prob pass.
     #[serde(rename = "ref")]
     pub reference: RefConfig,
+    /// Seconds a data-parallel rank waits for the others in one collective before it exits
+    /// with an error (a rank died or hung); verl's NCCL timeout.
+    pub nccl_timeout: u64,
 }
 
 defaults!(ActorRolloutRefConfig {
@@ -66,6 +69,7 @@ defaults!(ActorRolloutRefConfig {
     actor: ActorConfig::default(),
     rollout: RolloutConfig::default(),
     reference: RefConfig::default(),
+    nccl_timeout: 600,
 });
 
 /// The whole configuration of a run.

@@ -29,7 +29,53 @@ pub struct ModelConfig {
     pub exclude_modules: Option<OneOrMany>,
     /// A PEFT adapter folder (ours or PEFT's) to start from; its adapter_config.json sets rank, alpha and targets.
     pub lora_adapter_path: Option<String>,
+    /// critic.model only (verl's critic keeps it here): the critic's mixed precision; the actor's is actor_rollout_ref.actor.fsdp_config.
+    pub fsdp_config: FsdpConfig,
 }
+
+/// Precision of a model's matrix products: verl's `fsdp_config.mixed_precision.param_dtype`
+/// (`bf16`/`fp32`) and `rollout.dtype` (`bfloat16`/`float32`) spellings are both accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Precision {
+    /// f32 products (our default on the CPU).
+    #[serde(rename = "fp32", alias = "float32")]
+    Fp32,
+    /// bf16 operands, f32 sums, f32 weights and optimizer state (verl's default on GPUs); on
+    /// the CPU it runs on AMX tiles where the CPU has them, and as f32 elsewhere.
+    #[serde(rename = "bf16", alias = "bfloat16")]
+    Bf16,
+}
+
+impl Precision {
+    pub fn is_bf16(self) -> bool {
+        self == Precision::Bf16
+    }
+}
+
+/// verl's `fsdp_config.mixed_precision` (its other keys have no effect here: weights, gradient
+/// reductions and buffers are f32).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MixedPrecision {
+    /// Precision of the forward and backward products: fp32 (our default) or bf16 (verl's default on GPUs; AMX on the CPU).
+    pub param_dtype: Precision,
+}
+
+defaults!(MixedPrecision {
+    param_dtype: Precision::Fp32,
+});
+
+/// The part of verl's `fsdp_config` that applies to one process: mixed precision.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FsdpConfig {
+    /// Mixed precision of the model's products.
+    pub mixed_precision: MixedPrecision,
+}
+
+defaults!(FsdpConfig {
+    mixed_precision: MixedPrecision::default(),
+});
 
 impl ModelConfig {
     /// Whether the model trains LoRA adapters (verl: lora_rank > 0 or a lora_adapter_path).
@@ -49,4 +95,5 @@ defaults!(ModelConfig {
     target_modules: OneOrMany::One("all-linear".into()),
     exclude_modules: None,
     lora_adapter_path: None,
+    fsdp_config: FsdpConfig::default(),
 });

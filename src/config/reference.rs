@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::model::FsdpConfig;
 use crate::defaults;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -16,6 +17,8 @@ pub struct RefConfig {
     pub log_prob_use_dynamic_bsz: Option<bool>,
     /// Token budget; null = actor.ppo_max_token_len_per_gpu.
     pub log_prob_max_token_len_per_gpu: Option<usize>,
+    /// Mixed precision of the reference's forward passes.
+    pub fsdp_config: FsdpConfig,
 }
 
 defaults!(RefConfig {
@@ -23,4 +26,5 @@ defaults!(RefConfig {
     log_prob_micro_batch_size_per_gpu: None,
     log_prob_use_dynamic_bsz: None,
     log_prob_max_token_len_per_gpu: None,
+    fsdp_config: FsdpConfig::default(),
 });

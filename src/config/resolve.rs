@@ -294,6 +294,9 @@ fn lengths(errors: &mut Vec<String>, cfg: &Config) -> Lengths {
     if data.train_batch_size == 0 {
         errors.push("`data.train_batch_size` must be at least 1".into());
     }
+    if cfg.actor_rollout_ref.model.fsdp_config != Default::default() {
+        errors.push("`actor_rollout_ref.model.fsdp_config` is not read: the actor's mixed precision is `actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype`, the rollout's `actor_rollout_ref.rollout.dtype`".into());
+    }
     Lengths {
         prompt_length,
         response_length,

@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::fields::negative_none;
+use super::model::Precision;
 use crate::defaults;
 
 /// `rollout.val_kwargs`: sampling for validation (greedy by default).
@@ -72,6 +73,8 @@ pub struct RolloutConfig {
     pub log_prob_max_token_len_per_gpu: Option<usize>,
     /// Validation sampling.
     pub val_kwargs: SamplingConfig,
+    /// Precision of generation's products: float32 (our default on the CPU) or bfloat16 (verl's default; AMX tiles on the CPU).
+    pub dtype: Precision,
 }
 
 defaults!(RolloutConfig {
@@ -92,4 +95,5 @@ defaults!(RolloutConfig {
     log_prob_use_dynamic_bsz: None,
     log_prob_max_token_len_per_gpu: None,
     val_kwargs: SamplingConfig::default(),
+    dtype: Precision::Fp32,
 });

@@ -99,6 +99,12 @@ pub struct TrainerConfig {
     /// engine workers): losses normalised by the whole mini-batch's token / sequence counts, so
     /// micro-batches add up to the mini-batch loss; loss_scale_factor honoured.
     pub use_legacy_worker_impl: LegacyWorkerImpl,
+    /// Nodes of a data-parallel run; with n_gpus_per_node, nnodes × n_gpus_per_node must equal
+    /// the processes the launcher started (mpirun -np, srun -n). null = whatever the launcher
+    /// started (verl's defaults are 1 and 8).
+    pub nnodes: Option<usize>,
+    /// Processes (GPUs) per node; see nnodes. null = the launcher's.
+    pub n_gpus_per_node: Option<usize>,
 }
 
 defaults!(TrainerConfig {
@@ -125,4 +131,6 @@ defaults!(TrainerConfig {
     seed: 42,
     balance_batch: true,
     use_legacy_worker_impl: LegacyWorkerImpl::Auto,
+    nnodes: None,
+    n_gpus_per_node: None,
 });

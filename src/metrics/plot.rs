@@ -68,7 +68,7 @@ fn close_names(names: &[String]) -> String {
 }
 
 /// The default panel, in order; a line lists alternatives (first present wins).
-const DEFAULT_PANEL: &str = "critic/score/mean, val-core/*/reward/mean@*, validation format rate (*format*), \
+const DEFAULT_PANEL: &str = "critic/score/mean, val-core/*/*/mean@*, val-aux/*/format/mean@* (else *format*), \
                              response_length/mean, actor/entropy, actor/kl_loss|actor/ppo_kl, timing_s/step";
 
 /// Every metric name of any run.
@@ -85,9 +85,10 @@ fn run_list(runs: &[Run]) -> String {
         .join(", ")
 }
 
-/// The default panel's metrics that these runs have: score mean, validation reward (every
-/// `val-core/<source>/reward/mean@N`), a validation format rate if one is logged (a `val-*`
-/// key naming `format`), response length, entropy, KL (`actor/kl_loss`, else
+/// The default panel's metrics that these runs have: score mean, validation score (every
+/// `val-core/<source>/<var>/mean@N`: the core variable, `acc` or `reward`), a validation format
+/// rate if one is logged (`val-aux/<source>/format/mean@N`, else a `val-*` key naming
+/// `format`), response length, entropy, KL (`actor/kl_loss`, else
 /// `actor/ppo_kl`), seconds per step.
 pub fn default_metrics(runs: &[Run]) -> Vec<String> {
     let keys = all_keys(runs);
@@ -98,23 +99,35 @@ pub fn default_metrics(runs: &[Run]) -> Vec<String> {
         }
     };
     first(&["critic/score/mean"]);
+    // `val-core/<source>/<acc|reward>/mean@N`: the core variable's mean, not its best/maj.
+    let is_mean = |k: &str| {
+        k.rsplit_once('/')
+            .is_some_and(|(_, last)| last.starts_with("mean@"))
+    };
     let val_reward: Vec<&str> = keys
         .iter()
         .copied()
-        .filter(|k| k.starts_with("val-core/") && k.contains("/reward/mean@"))
+        .filter(|k| k.starts_with("val-core/") && is_mean(k))
         .collect();
-    let format_rate = ["val-core/", "val-aux/", "val"].iter().find_map(|prefix| {
-        let found: Vec<&str> = keys
-            .iter()
-            .copied()
-            .filter(|k| k.starts_with(prefix) && k.contains("format"))
-            .collect();
-        found
-            .iter()
-            .find(|k| k.contains("mean@"))
-            .or(found.first())
-            .copied()
-    });
+    // Validation's `val-aux/<source>/format/mean@N` first, else any `val-*` key naming a format.
+    let format_rate = keys
+        .iter()
+        .copied()
+        .find(|k| k.starts_with("val-") && k.contains("/format/") && is_mean(k))
+        .or_else(|| {
+            ["val-core/", "val-aux/", "val"].iter().find_map(|prefix| {
+                let found: Vec<&str> = keys
+                    .iter()
+                    .copied()
+                    .filter(|k| k.starts_with(prefix) && k.contains("format"))
+                    .collect();
+                found
+                    .iter()
+                    .find(|k| k.contains("mean@"))
+                    .or(found.first())
+                    .copied()
+            })
+        });
     out.extend(val_reward.iter().map(|k| k.to_string()));
     out.extend(format_rate.map(str::to_string));
     let mut first = |alternatives: &[&str]| {
@@ -552,6 +565,36 @@ mod tests {
             "timing_s/step",
         ];
         assert_eq!(choose_metrics(&[run], None).unwrap(), strings(&want));
+    }
+
+    #[test]
+    fn default_panel_takes_the_core_mean_and_the_format_rate_of_validation() {
+        // Names as validation writes them for gsm8k with two responses per prompt (a lone
+        // numeric score is `acc`, so acc is the core variable).
+        let keys = [
+            "critic/score/mean",
+            "val-aux/openai/gsm8k/format/best@2/mean",
+            "val-aux/openai/gsm8k/format/mean@2",
+            "val-aux/openai/gsm8k/format/std@2",
+            "val-aux/openai/gsm8k/reward/mean@2",
+            "val-core/openai/gsm8k/acc/best@2/mean",
+            "val-core/openai/gsm8k/acc/mean@2",
+        ];
+        let run = Run {
+            name: "r".into(),
+            source: PathBuf::from("r.jsonl"),
+            series: keys
+                .iter()
+                .map(|k| (k.to_string(), vec![(1, 0.5)]))
+                .collect(),
+        };
+        // By hand from the panel's rules: the core mean, then the format rate's mean.
+        let want = [
+            "critic/score/mean",
+            "val-core/openai/gsm8k/acc/mean@2",
+            "val-aux/openai/gsm8k/format/mean@2",
+        ];
+        assert_eq!(default_metrics(&[run]), strings(&want));
     }
 
     #[test]

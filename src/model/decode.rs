@@ -21,9 +21,69 @@ use super::config::ModelArgs;
 use super::transformer::CausalLm;
 
 /// Element types of the fast path.
-pub trait Elem: WithDType + num_traits::Float + Send + Sync + 'static {}
-impl Elem for f32 {}
+pub trait Elem: WithDType + num_traits::Float + Send + Sync + 'static {
+    /// The slice as f32 when the element type is f32 (bf16 products apply to f32 models only).
+    fn f32s(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    fn f32s_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
+    /// `e^self`: libm's for f64; for f32 a polynomial the compiler can vectorize
+    /// ([`exp_f32`]), for the softmax and log-softmax loops.
+    #[inline(always)]
+    fn exp_fast(self) -> Self {
+        self.exp()
+    }
+}
+impl Elem for f32 {
+    #[inline(always)]
+    fn exp_fast(self) -> f32 {
+        exp_f32(self)
+    }
+    fn f32s(s: &[f32]) -> Option<&[f32]> {
+        Some(s)
+    }
+    fn f32s_mut(s: &mut [f32]) -> Option<&mut [f32]> {
+        Some(s)
+    }
+}
 impl Elem for f64 {}
+
+/// `e^x` in f32 without a libm call, so that loops over slices vectorize: `x = n·ln 2 + r` with
+/// `n = round(x·log₂e)`, `|r| ≤ ln 2 / 2` (ln 2 split in two constants so that `n·ln 2` is exact
+/// enough), `e^r` by Cephes' degree-7 polynomial (relative error ≤ 2 ulp), times `2ⁿ` built in
+/// the exponent bits. Below −87 (where f32 results turn subnormal) it returns 0, above 88.72
+/// infinity; NaN stays NaN.
+#[inline(always)]
+pub fn exp_f32(x: f32) -> f32 {
+    let xc = x.clamp(-87.0, 88.72);
+    // Round to nearest by adding and subtracting 1.5·2²³ (no libm floor, which would stop
+    // vectorization on the baseline target); |x·log₂e| < 2²² keeps it exact.
+    const MAGIC: f32 = 12_582_912.0;
+    let n = (xc * std::f32::consts::LOG2_E + MAGIC) - MAGIC;
+    let r = xc - n * 0.693_359_4 + n * 2.121_944_4e-4;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_5e-1)
+        * r
+        + 0.5;
+    let y = p * r * r + r + 1.0;
+    // 2ⁿ in two halves: n reaches 128 at the top of the range, beyond one exponent field.
+    let ni = n as i32;
+    let h = ni >> 1;
+    let s1 = f32::from_bits(((h + 127) as u32) << 23);
+    let s2 = f32::from_bits(((ni - h + 127) as u32) << 23);
+    let v = y * s1 * s2;
+    if x.is_nan() {
+        x
+    } else if x < -87.0 {
+        0.0
+    } else if x > 88.72 {
+        f32::INFINITY
+    } else {
+        v
+    }
+}
 
 /// Whether `model` can decode through [`Packed`] (CPU, f32 or f64).
 pub fn supported(model: &CausalLm) -> bool {
@@ -34,15 +94,53 @@ struct Layer<T> {
     ln1: Vec<T>,
     ln2: Vec<T>,
     /// `[hidden, (heads + 2·kv_heads)·head_dim]`: q, k, v output columns side by side.
-    qkv: Vec<T>,
+    qkv: Mat<T>,
     /// `[(heads + 2·kv_heads)·head_dim]` (Qwen2 and `attention_bias` models).
     qkv_bias: Option<Vec<T>>,
     /// `[heads·head_dim, hidden]`.
-    o: Vec<T>,
+    o: Mat<T>,
     /// `[hidden, 2·intermediate]`: gate columns, then up columns.
-    gate_up: Vec<T>,
+    gate_up: Mat<T>,
     /// `[intermediate, hidden]`.
-    down: Vec<T>,
+    down: Mat<T>,
+}
+
+/// A right-hand matrix `[k, n]` of the decode products: row-major in the model's dtype, or
+/// packed once into bf16 AMX tiles (f32 models with [`CausalLm::bf16_matmuls`]).
+enum Mat<T> {
+    Plain(Vec<T>),
+    Amx(super::amx::PackedB),
+}
+
+impl<T: Elem> Mat<T> {
+    /// `m` row-major `[k, n]`, packed for AMX when `bf16`.
+    fn new(m: Vec<T>, k: usize, n: usize, bf16: bool) -> Self {
+        match T::f32s(&m) {
+            Some(f) if bf16 => Mat::Amx(super::amx::PackedB::new(
+                f,
+                n,
+                1,
+                k,
+                n,
+                super::ops::Par::Rayon,
+            )),
+            _ => Mat::Plain(m),
+        }
+    }
+
+    /// `dst[m, n] (+)= a[m, k] · self`.
+    fn apply(&self, dst: &mut [T], a: &[T], m: usize, k: usize, n: usize, acc: bool) {
+        match self {
+            Mat::Plain(b) => matmul(dst, a, b, m, k, n, acc),
+            Mat::Amx(p) => {
+                let (a32, d32) = (T::f32s(a), T::f32s_mut(dst));
+                let (Some(a32), Some(d32)) = (a32, d32) else {
+                    unreachable!("AMX packs are built for f32 models only")
+                };
+                super::amx::gemm_packed(d32, m, a32, k, 1, p, acc, super::ops::Par::Rayon);
+            }
+        }
+    }
 }
 
 /// A model's weights packed for decoding (a copy: pack again after the weights change).
@@ -53,19 +151,54 @@ pub struct Packed<T> {
     layers: Vec<Layer<T>>,
     norm: Vec<T>,
     /// `[hidden, vocab]`.
-    out: Vec<T>,
+    out: Mat<T>,
     inv_freq: Vec<f64>,
+}
+
+/// How the decode cache holds keys and values of a `T` model: as `T`, or as bf16 bits
+/// ([`Bf16`], for f32 models with bf16 products: half the bytes read per decode step, as vLLM's
+/// bf16 cache).
+pub trait KvElem<T>: Copy + Send + Sync + 'static {
+    fn store(x: T) -> Self;
+    fn load(self) -> T;
+}
+
+impl<T: Elem> KvElem<T> for T {
+    #[inline(always)]
+    fn store(x: T) -> T {
+        x
+    }
+    #[inline(always)]
+    fn load(self) -> T {
+        self
+    }
+}
+
+/// A bf16 value (its bits), rounded to nearest even from f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bf16(pub u16);
+
+impl KvElem<f32> for Bf16 {
+    #[inline(always)]
+    fn store(x: f32) -> Bf16 {
+        Bf16(super::amx::bf16_bits(x))
+    }
+    #[inline(always)]
+    fn load(self) -> f32 {
+        f32::from_bits((self.0 as u32) << 16)
+    }
 }
 
 /// Keys and values of one sequence, per layer `[positions, kv_heads, head_dim]` row-major, so a
 /// new position is one contiguous append. Capacity is reserved up front by the scheduler.
-pub struct SeqCache<T> {
-    k: Vec<Vec<T>>,
-    v: Vec<Vec<T>>,
+/// Elements are `C`: the model's type, or [`Bf16`].
+pub struct SeqCache<C> {
+    k: Vec<Vec<C>>,
+    v: Vec<Vec<C>>,
     len: usize,
 }
 
-impl<T: Elem> SeqCache<T> {
+impl<C: Copy> SeqCache<C> {
     /// An empty cache with room for `positions` (no reallocation up to there).
     pub fn with_capacity(args: &ModelArgs, positions: usize) -> Self {
         let per = positions * args.num_key_value_heads * args.head_dim;
@@ -92,7 +225,7 @@ impl<T: Elem> SeqCache<T> {
 
     /// Bytes one position takes over all layers (keys and values).
     pub fn bytes_per_position(args: &ModelArgs) -> usize {
-        kv_bytes_per_position(args, std::mem::size_of::<T>())
+        kv_bytes_per_position(args, std::mem::size_of::<C>())
     }
 }
 
@@ -156,6 +289,129 @@ fn matmul<T: Elem>(dst: &mut [T], a: &[T], b: &[T], m: usize, k: usize, n: usize
     super::ops::gemm_strided(dst, m, n, k, a, k, 1, b, n, 1, acc, super::ops::Par::Rayon);
 }
 
+/// One sequence's cached keys and values of one KV head: position `j`'s vector at
+/// `j·stride + offset`, positions `0..n`.
+struct Kv<'a, C> {
+    ks: &'a [C],
+    vs: &'a [C],
+    n: usize,
+    stride: usize,
+    offset: usize,
+}
+
+/// Causal attention of one token's query heads `q [rep, hd]` sharing a KV head:
+/// `out[h] = Σ_j softmax_j(q_h·k_j·scale) v_j`. Runs with AVX-512 where the CPU has it (the
+/// same code compiled for wider vectors; the baseline build is SSE2).
+fn attend<T: Elem, C: KvElem<T>>(q: &[T], kv: &Kv<C>, hd: usize, scale: T, out: &mut [T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has the features the function is compiled for.
+            return unsafe { attend_avx512(q, kv, hd, scale, out) };
+        }
+    }
+    attend_body(q, kv, hd, scale, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn attend_avx512<T: Elem, C: KvElem<T>>(
+    q: &[T],
+    kv: &Kv<C>,
+    hd: usize,
+    scale: T,
+    out: &mut [T],
+) {
+    attend_body(q, kv, hd, scale, out)
+}
+
+#[inline(always)]
+fn attend_body<T: Elem, C: KvElem<T>>(q: &[T], kv: &Kv<C>, hd: usize, scale: T, out: &mut [T]) {
+    let rep = q.len() / hd;
+    let n = kv.n;
+    let mut w = vec![T::zero(); rep * n]; // [rep, n]
+    for j in 0..n {
+        let k = &kv.ks[j * kv.stride + kv.offset..][..hd];
+        for (h, qh) in q.chunks_exact(hd).enumerate() {
+            w[h * n + j] = dot_kv(qh, k) * scale;
+        }
+    }
+    let mut inv = vec![T::zero(); rep];
+    for (h, wh) in w.chunks_exact_mut(n).enumerate() {
+        let mx = wh
+            .iter()
+            .fold(T::neg_infinity(), |acc, &v| num_traits::Float::max(acc, v));
+        for v in wh.iter_mut() {
+            *v = (*v - mx).exp_fast();
+        }
+        inv[h] = T::one() / wh.iter().fold(T::zero(), |a, &v| a + v);
+    }
+    out.fill(T::zero());
+    for j in 0..n {
+        let v = &kv.vs[j * kv.stride + kv.offset..][..hd];
+        for (h, oh) in out.chunks_exact_mut(hd).enumerate() {
+            let p = w[h * n + j] * inv[h];
+            oh.iter_mut()
+                .zip(v)
+                .for_each(|(o, &vv)| *o += p * vv.load());
+        }
+    }
+}
+
+/// `Σ a_i·b_i` in 16 interleaved partial sums (so the compiler keeps them in vector lanes;
+/// a single running sum is one long dependency chain).
+#[inline(always)]
+pub(super) fn dot<T: Elem>(a: &[T], b: &[T]) -> T {
+    dot_kv(a, b)
+}
+
+/// [`dot`] of a query and a cached key (any [`KvElem`], the model's type included).
+#[inline(always)]
+fn dot_kv<T: Elem, C: KvElem<T>>(a: &[T], b: &[C]) -> T {
+    let mut acc = [T::zero(); 16];
+    let n = a.len().min(b.len()) / 16 * 16;
+    for (ca, cb) in a[..n].chunks_exact(16).zip(b[..n].chunks_exact(16)) {
+        for ((s, &u), &v) in acc.iter_mut().zip(ca).zip(cb) {
+            *s += u * v.load();
+        }
+    }
+    let tail = a[n..]
+        .iter()
+        .zip(&b[n..])
+        .fold(T::zero(), |s, (&u, &v)| s + u * v.load());
+    acc.iter().fold(T::zero(), |s, &v| s + v) + tail
+}
+
+/// `Σ a_i` in 16 interleaved partial sums (as [`dot`]).
+#[inline(always)]
+pub(super) fn sum<T: Elem>(a: &[T]) -> T {
+    let mut acc = [T::zero(); 16];
+    let n = a.len() / 16 * 16;
+    for c in a[..n].chunks_exact(16) {
+        for (s, &v) in acc.iter_mut().zip(c) {
+            *s += v;
+        }
+    }
+    let tail = a[n..].iter().fold(T::zero(), |s, &v| s + v);
+    acc.iter().fold(T::zero(), |s, &v| s + v) + tail
+}
+
+/// `max_i a_i` (−∞ for none) in 16 interleaved lanes; a NaN anywhere may or may not win.
+#[inline(always)]
+pub(super) fn max<T: Elem>(a: &[T]) -> T {
+    let mut acc = [T::neg_infinity(); 16];
+    let n = a.len() / 16 * 16;
+    for c in a[..n].chunks_exact(16) {
+        for (s, &v) in acc.iter_mut().zip(c) {
+            *s = if v > *s { v } else { *s };
+        }
+    }
+    let m = a[n..]
+        .iter()
+        .fold(T::neg_infinity(), |s, &v| if v > s { v } else { s });
+    acc.iter().fold(m, |s, &v| if v > s { v } else { s })
+}
+
 /// `out[r] = x[r] · rsqrt(mean(x[r]²) + eps) · w` for each row of width `w.len()`.
 fn rms_norm<T: Elem>(out: &mut [T], x: &[T], w: &[T], eps: f64) {
     let h = w.len();
@@ -176,6 +432,13 @@ impl<T: Elem> Packed<T> {
     /// Packs `model`'s current weights (no LM head = error: decoding needs logits).
     pub fn new(model: &CausalLm) -> Result<Self> {
         let a = &model.args;
+        let bf16 = model.bf16_matmuls();
+        let (h, dq, it) = (
+            a.hidden_size,
+            a.num_attention_heads * a.head_dim,
+            a.intermediate_size,
+        );
+        let dqkv = dq + 2 * a.num_key_value_heads * a.head_dim;
         let mut layers = Vec::with_capacity(a.num_hidden_layers);
         for b in model.blocks() {
             // Adapters are folded in here, once per packing: W + s·B·A (`[out, in]` each).
@@ -190,11 +453,11 @@ impl<T: Elem> Packed<T> {
             layers.push(Layer {
                 ln1: flat(&b.ln1)?,
                 ln2: flat(&b.ln2)?,
-                qkv,
+                qkv: Mat::new(qkv, h, dqkv, bf16),
                 qkv_bias,
-                o: transposed(&o)?,
-                gate_up,
-                down: transposed(&down)?,
+                o: Mat::new(transposed(&o)?, dq, h, bf16),
+                gate_up: Mat::new(gate_up, h, 2 * it, bf16),
+                down: Mat::new(transposed(&down)?, it, h, bf16),
             });
         }
         Ok(Self {
@@ -202,7 +465,7 @@ impl<T: Elem> Packed<T> {
             embed: flat(model.embedding())?,
             layers,
             norm: flat(model.final_norm())?,
-            out: transposed(model.output_weight()?)?,
+            out: Mat::new(transposed(model.output_weight()?)?, h, a.vocab_size, bf16),
             inv_freq: model.inv_freq(),
         })
     }
@@ -214,10 +477,10 @@ impl<T: Elem> Packed<T> {
     /// Runs one ragged batch: sequence `i` continues `caches[i]` with the tokens `tokens[i]`
     /// (non-empty; positions `caches[i].len()..`). Appends their keys and values to the caches
     /// and returns the logits after each sequence's last new token, `[sequences][vocab]` f32.
-    pub fn step(
+    pub fn step<C: KvElem<T>>(
         &self,
         tokens: &[&[u32]],
-        caches: &mut [&mut SeqCache<T>],
+        caches: &mut [&mut SeqCache<C>],
     ) -> Result<Vec<Vec<f32>>> {
         let a = &self.args;
         let (h, hd, nh, nkv) = (
@@ -252,15 +515,16 @@ impl<T: Elem> Packed<T> {
             }
         }
         let m = ids.len();
-        // Rotary tables for each token: [M, head_dim / 2] (the transformer's f32 values).
+        // Rotary tables for each token: [M, head_dim / 2], computed in f64 and rounded once to T
+        // (the transformer's values).
         let half = hd / 2;
         let mut cos = vec![T::zero(); m * half];
         let mut sin = vec![T::zero(); m * half];
         for (i, &p) in pos.iter().enumerate() {
             for (f, &inv) in self.inv_freq.iter().enumerate() {
                 let ang = p as f64 * inv;
-                cos[i * half + f] = T::from_f64(ang.cos() as f32 as f64);
-                sin[i * half + f] = T::from_f64(ang.sin() as f32 as f64);
+                cos[i * half + f] = T::from_f64(ang.cos());
+                sin[i * half + f] = T::from_f64(ang.sin());
             }
         }
         let mut x = vec![T::zero(); m * h]; // [M, hidden]
@@ -276,7 +540,7 @@ impl<T: Elem> Packed<T> {
         let scale = T::from_f64(1.0 / (hd as f64).sqrt());
         for (li, l) in self.layers.iter().enumerate() {
             rms_norm(&mut hn, &x, &l.ln1, a.rms_norm_eps);
-            matmul(&mut qkv, &hn, &l.qkv, m, h, dqkv, false);
+            l.qkv.apply(&mut qkv, &hn, m, h, dqkv, false);
             if let Some(b) = &l.qkv_bias {
                 qkv.par_chunks_mut(dqkv).for_each(|row| {
                     row.iter_mut().zip(b).for_each(|(v, &bb)| *v += bb);
@@ -300,53 +564,43 @@ impl<T: Elem> Packed<T> {
             // New keys and values join their sequence's cache, in token order.
             for (i, row) in qkv.chunks(dqkv).enumerate() {
                 let c = &mut caches[seq[i]];
-                c.k[li].extend_from_slice(&row[dq..dq + dkv]);
-                c.v[li].extend_from_slice(&row[dq + dkv..]);
+                c.k[li].extend(row[dq..dq + dkv].iter().map(|&x| C::store(x)));
+                c.v[li].extend(row[dq + dkv..].iter().map(|&x| C::store(x)));
             }
             // Attention: token i, head hh reads its sequence's keys 0..=pos[i] (causal, no pad).
-            let views: Vec<(&[T], &[T])> = caches
+            let views: Vec<(&[C], &[C])> = caches
                 .iter()
                 .map(|c| (c.k[li].as_slice(), c.v[li].as_slice()))
                 .collect();
-            att.par_chunks_mut(hd).enumerate().for_each(|(job, out)| {
-                let (i, hh) = (job / nh, job % nh);
-                let g = hh / rep;
-                let q = &qkv[i * dqkv + hh * hd..i * dqkv + (hh + 1) * hd];
-                let (ks, vs) = views[seq[i]];
-                let n = pos[i] + 1;
-                let mut w: Vec<T> = (0..n)
-                    .map(|j| {
-                        let k = &ks[(j * nkv + g) * hd..(j * nkv + g + 1) * hd];
-                        q.iter().zip(k).fold(T::zero(), |acc, (&u, &v)| acc + u * v) * scale
-                    })
-                    .collect();
-                let mx = w
-                    .iter()
-                    .fold(T::neg_infinity(), |acc, &v| num_traits::Float::max(acc, v));
-                let mut total = T::zero();
-                for v in w.iter_mut() {
-                    *v = (*v - mx).exp();
-                    total += *v;
-                }
-                out.fill(T::zero());
-                for (j, &p) in w.iter().enumerate() {
-                    let v = &vs[(j * nkv + g) * hd..(j * nkv + g + 1) * hd];
-                    let p = p / total;
-                    out.iter_mut().zip(v).for_each(|(o, &vv)| *o += p * vv);
-                }
-            });
-            matmul(&mut x, &att, &l.o, m, dq, h, true);
+            // One job per (token, KV group): the group's `rep` query heads read each key and
+            // value once.
+            att.par_chunks_mut(rep * hd)
+                .enumerate()
+                .for_each(|(job, out)| {
+                    let (i, g) = (job / nkv, job % nkv);
+                    let q = &qkv[i * dqkv + g * rep * hd..][..rep * hd];
+                    let (ks, vs) = views[seq[i]];
+                    let kv = Kv {
+                        ks,
+                        vs,
+                        n: pos[i] + 1,
+                        stride: nkv * hd,
+                        offset: g * hd,
+                    };
+                    attend(q, &kv, hd, scale, out);
+                });
+            l.o.apply(&mut x, &att, m, dq, h, true);
             rms_norm(&mut hn, &x, &l.ln2, a.rms_norm_eps);
-            matmul(&mut gu, &hn, &l.gate_up, m, h, 2 * inter, false);
+            l.gate_up.apply(&mut gu, &hn, m, h, 2 * inter, false);
             act.par_chunks_mut(inter)
                 .zip(gu.par_chunks(2 * inter))
                 .for_each(|(o, row)| {
                     let (g, u) = row.split_at(inter);
                     for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
-                        *oi = gi / (T::one() + (-gi).exp()) * ui;
+                        *oi = gi / (T::one() + (-gi).exp_fast()) * ui;
                     }
                 });
-            matmul(&mut x, &act, &l.down, m, inter, h, true);
+            l.down.apply(&mut x, &act, m, inter, h, true);
         }
         for (c, t) in caches.iter_mut().zip(tokens) {
             c.len += t.len();
@@ -363,7 +617,7 @@ impl<T: Elem> Packed<T> {
         rms_norm(&mut ln, &last, &self.norm, a.rms_norm_eps);
         let vocab = a.vocab_size;
         let mut logits = vec![T::zero(); s * vocab]; // [S, vocab]
-        matmul(&mut logits, &ln, &self.out, s, h, vocab, false);
+        self.out.apply(&mut logits, &ln, s, h, vocab, false);
         Ok(logits
             .chunks(vocab)
             .map(|r| {
@@ -401,5 +655,99 @@ mod tests {
         let one = super::transposed::<f32>(&b).unwrap();
         let want: Vec<f32> = b.t().unwrap().flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(one, want);
+    }
+
+    /// Decoding with bf16 products (AMX), with an f32 and with a bf16 key/value cache: a
+    /// 3-sequence ragged step's logits stay within bf16 rounding of the f32 step's (relative
+    /// error of all logits ≤ 2e-2: operands off by ≤ 2⁻⁹ each, through a dozen products), differ
+    /// from them (the AMX path ran), and each sequence's logits do not depend on the others in
+    /// the batch (one-by-one steps give the same bits).
+    #[test]
+    fn bf16_decoding_stays_near_f32_and_is_batch_invariant() {
+        use crate::model::{Arch, ModelArgs};
+        if !crate::model::amx::available() {
+            eprintln!("skipped: no AMX on this machine");
+            return;
+        }
+        let mut args = ModelArgs::tiny(Arch::Qwen2, 40);
+        args.hidden_size = 64;
+        args.intermediate_size = 96;
+        let (_vm, mut m) = crate::testing::tiny_model(&args, candle_core::DType::F32, 0.3);
+        let prompts: [&[u32]; 3] = [&[1, 2, 3, 4, 5], &[7, 8], &[9, 10, 11, 12, 13, 14, 15]];
+        let run = |m: &crate::model::CausalLm, which: &[usize]| -> Vec<Vec<f32>> {
+            let p = super::Packed::<f32>::new(m).unwrap();
+            let mut caches: Vec<super::SeqCache<f32>> = which
+                .iter()
+                .map(|_| super::SeqCache::with_capacity(&args, 16))
+                .collect();
+            let mut refs: Vec<&mut super::SeqCache<f32>> = caches.iter_mut().collect();
+            let toks: Vec<&[u32]> = which.iter().map(|&i| prompts[i]).collect();
+            p.step(&toks, &mut refs).unwrap()
+        };
+        // The same with the cache in bf16, as the scheduler runs bf16 models.
+        let run_bf = |m: &crate::model::CausalLm, which: &[usize]| -> Vec<Vec<f32>> {
+            let p = super::Packed::<f32>::new(m).unwrap();
+            let mut caches: Vec<super::SeqCache<super::Bf16>> = which
+                .iter()
+                .map(|_| super::SeqCache::with_capacity(&args, 16))
+                .collect();
+            let mut refs: Vec<&mut super::SeqCache<super::Bf16>> = caches.iter_mut().collect();
+            let toks: Vec<&[u32]> = which.iter().map(|&i| prompts[i]).collect();
+            p.step(&toks, &mut refs).unwrap()
+        };
+        let full = run(&m, &[0, 1, 2]);
+        m.set_bf16_matmuls(true);
+        let bf = run(&m, &[0, 1, 2]);
+        for (i, row) in bf.iter().enumerate() {
+            assert_eq!(&run(&m, &[i])[0], row, "sequence {i} depends on its batch");
+        }
+        let bfc = run_bf(&m, &[0, 1, 2]);
+        for (i, row) in bfc.iter().enumerate() {
+            assert_eq!(
+                &run_bf(&m, &[i])[0],
+                row,
+                "sequence {i} depends on its batch"
+            );
+        }
+        let (mut num, mut den) = (0f64, 0f64);
+        for (a, b) in full.iter().flatten().zip(bfc.iter().flatten()) {
+            num += ((a - b) as f64).powi(2);
+            den += (*a as f64).powi(2);
+        }
+        let rel = (num / den).sqrt();
+        assert!(rel <= 2e-2, "bf16 cache: logits {rel:.3e} away from f32");
+        let (mut num, mut den) = (0f64, 0f64);
+        for (a, b) in full.iter().flatten().zip(bf.iter().flatten()) {
+            num += ((a - b) as f64).powi(2);
+            den += (*a as f64).powi(2);
+        }
+        let rel = (num / den).sqrt();
+        assert!(
+            rel > 0.0 && rel <= 2e-2,
+            "bf16 logits {rel:.3e} away from f32"
+        );
+    }
+}
+
+#[cfg(test)]
+mod exp_tests {
+    /// Against f64's exp over [−87, 88.7] in steps of 1e-3 (and the edges): relative error
+    /// ≤ 3e-7 (2.5 ulp); 0 below −87, infinity above 88.72, NaN stays NaN.
+    #[test]
+    fn exp_f32_is_within_three_ulp_of_f64() {
+        let mut worst = 0f64;
+        let mut x = -87.0f64;
+        while x <= 88.7 {
+            let got = super::exp_f32(x as f32) as f64;
+            let want = (x as f32 as f64).exp();
+            worst = worst.max(((got - want) / want).abs());
+            x += 1e-3;
+        }
+        assert!(worst <= 3e-7, "worst relative error {worst:e}");
+        assert_eq!(super::exp_f32(-100.0), 0.0);
+        assert_eq!(super::exp_f32(f32::NEG_INFINITY), 0.0);
+        assert_eq!(super::exp_f32(0.0), 1.0);
+        assert_eq!(super::exp_f32(100.0), f32::INFINITY);
+        assert!(super::exp_f32(f32::NAN).is_nan());
     }
 }

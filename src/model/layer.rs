@@ -26,8 +26,8 @@
 use candle_core::Result;
 use rayon::prelude::*;
 
-use super::decode::Elem;
-use super::ops::{gemm_strided, Par};
+use super::decode::{dot, max, sum, Elem};
+use super::ops::{gemm_mixed, Par};
 
 /// The sizes of one layer call: `rows = batch·seq` tokens, no KV cache (keys = queries).
 #[derive(Debug, Clone, Copy)]
@@ -40,6 +40,8 @@ pub(super) struct Dims {
     pub head_dim: usize,
     pub inter: usize,
     pub eps: f64,
+    /// Matrix products with bf16 operands and f32 sums (f32 layers on AMX CPUs).
+    pub bf16: bool,
 }
 
 impl Dims {
@@ -64,14 +66,18 @@ pub(super) struct Lin<'a, T> {
     /// Whether the base weight and bias train (false for a LoRA model's frozen base: their
     /// gradients, the largest product of the backward, are not computed).
     pub train_base: bool,
+    /// Products with bf16 operands (as [`Dims::bf16`]).
+    pub bf16: bool,
 }
 
-/// A LoRA adapter, borrowed: `A` `[r, in]`, `B` `[out, r]`, scale `s`.
+/// A LoRA adapter, borrowed: `A` `[r, in]`, `B` `[out, r]`, scale `s`, and the mask of its
+/// input dropout in this forward (training forwards with `lora_dropout` only).
 #[derive(Clone, Copy)]
 pub(super) struct Adapter<'a, T> {
     pub a: &'a [T],
     pub b: &'a [T],
     pub scale: T,
+    pub dropout: Option<super::lora::Dropout>,
 }
 
 /// One linear layer's gradients; `None` where the tensor does not train or does not exist.
@@ -130,7 +136,8 @@ fn c<T: Elem>(v: f64) -> T {
 fn linear_fwd<T: Elem>(l: Lin<T>, x: &[T], rows: usize, inp: usize) -> Vec<T> {
     let out = l.w.len() / inp;
     let mut y = vec![T::zero(); rows * out];
-    gemm_strided(
+    gemm_mixed(
+        l.bf16,
         &mut y,
         rows,
         out,
@@ -154,8 +161,10 @@ fn linear_fwd<T: Elem>(l: Lin<T>, x: &[T], rows: usize, inp: usize) -> Vec<T> {
     if let Some(ad) = l.ad {
         // y += (s·x·Aᵀ) [rows, r] · Bᵀ [r, out]; with B = 0 this adds exact zeros.
         let r = ad.a.len() / inp;
-        let xs = adapter_input(ad, x, rows, inp);
-        gemm_strided(
+        let xd = dropped_input(ad, x);
+        let xs = adapter_input(ad, xd.as_deref().unwrap_or(x), rows, inp, l.bf16);
+        gemm_mixed(
+            l.bf16,
             &mut y,
             rows,
             out,
@@ -173,11 +182,21 @@ fn linear_fwd<T: Elem>(l: Lin<T>, x: &[T], rows: usize, inp: usize) -> Vec<T> {
     y
 }
 
-/// `s·x·Aᵀ` `[rows, r]`.
-fn adapter_input<T: Elem>(ad: Adapter<T>, x: &[T], rows: usize, inp: usize) -> Vec<T> {
+/// The adapter's view of `x` `[rows, in]` under dropout, `x ⊙ m / (1 − p)`; `None` without.
+fn dropped_input<T: Elem>(ad: Adapter<T>, x: &[T]) -> Option<Vec<T>> {
+    ad.dropout.map(|d| {
+        let mut v = x.to_vec();
+        d.apply(&mut v);
+        v
+    })
+}
+
+/// `s·x·Aᵀ` `[rows, r]` (`x` already through the adapter's dropout).
+fn adapter_input<T: Elem>(ad: Adapter<T>, x: &[T], rows: usize, inp: usize, bf16: bool) -> Vec<T> {
     let r = ad.a.len() / inp;
     let mut xs = vec![T::zero(); rows * r];
-    gemm_strided(
+    gemm_mixed(
+        bf16,
         &mut xs,
         rows,
         r,
@@ -196,8 +215,8 @@ fn adapter_input<T: Elem>(ad: Adapter<T>, x: &[T], rows: usize, inp: usize) -> V
 }
 
 /// Gradients of a linear layer from `dy [rows, out]`: `∂W = dyᵀ·x`, `∂b = Σ_rows dy` (when the
-/// base trains), and `dx (+)= dy·W`; with an adapter (`xs = s·x·Aᵀ`): `∂B = dyᵀ·xs`,
-/// `∂A = s·(dy·B)ᵀ·x` and `dx += s·(dy·B)·A`.
+/// base trains), and `dx (+)= dy·W`; with an adapter (`xd` = `x` through its dropout, `xs =
+/// s·xd·Aᵀ`): `∂B = dyᵀ·xs`, `∂A = s·(dy·B)ᵀ·xd` and `dx += (s·(dy·B)·A) ⊙ m / (1 − p)`.
 fn linear_bwd<T: Elem>(
     l: Lin<T>,
     x: &[T],
@@ -216,7 +235,8 @@ fn linear_bwd<T: Elem>(
     };
     if l.train_base {
         let mut dw = vec![T::zero(); out * inp];
-        gemm_strided(
+        gemm_mixed(
+            l.bf16,
             &mut dw,
             out,
             inp,
@@ -233,12 +253,29 @@ fn linear_bwd<T: Elem>(
         g.w = Some(dw);
         g.b = l.b.map(|_| column_sums(dy, out));
     }
-    gemm_strided(dx, rows, inp, out, dy, out, 1, l.w, inp, 1, acc, Par::Rayon);
+    gemm_mixed(
+        l.bf16,
+        dx,
+        rows,
+        inp,
+        out,
+        dy,
+        out,
+        1,
+        l.w,
+        inp,
+        1,
+        acc,
+        Par::Rayon,
+    );
     if let Some(ad) = l.ad {
         let r = ad.a.len() / inp;
-        let xs = adapter_input(ad, x, rows, inp);
+        let xd = dropped_input(ad, x);
+        let xa = xd.as_deref().unwrap_or(x);
+        let xs = adapter_input(ad, xa, rows, inp, l.bf16);
         let mut db = vec![T::zero(); out * r];
-        gemm_strided(
+        gemm_mixed(
+            l.bf16,
             &mut db,
             out,
             r,
@@ -254,7 +291,8 @@ fn linear_bwd<T: Elem>(
         );
         drop(xs);
         let mut dxa = vec![T::zero(); rows * r]; // s·dy·B
-        gemm_strided(
+        gemm_mixed(
+            l.bf16,
             &mut dxa,
             rows,
             r,
@@ -270,7 +308,8 @@ fn linear_bwd<T: Elem>(
         );
         dxa.par_iter_mut().for_each(|v| *v *= ad.scale);
         let mut da = vec![T::zero(); r * inp];
-        gemm_strided(
+        gemm_mixed(
+            l.bf16,
             &mut da,
             r,
             inp,
@@ -278,13 +317,52 @@ fn linear_bwd<T: Elem>(
             &dxa,
             1,
             r,
-            x,
+            xa,
             inp,
             1,
             false,
             Par::Rayon,
         );
-        gemm_strided(dx, rows, inp, r, &dxa, r, 1, ad.a, inp, 1, true, Par::Rayon);
+        drop(xd);
+        let bf = l.bf16;
+        match ad.dropout {
+            None => gemm_mixed(
+                bf,
+                dx,
+                rows,
+                inp,
+                r,
+                &dxa,
+                r,
+                1,
+                ad.a,
+                inp,
+                1,
+                true,
+                Par::Rayon,
+            ),
+            Some(d) => {
+                // The adapter's input gradient goes back through the same mask.
+                let mut dxd = vec![T::zero(); rows * inp];
+                gemm_mixed(
+                    bf,
+                    &mut dxd,
+                    rows,
+                    inp,
+                    r,
+                    &dxa,
+                    r,
+                    1,
+                    ad.a,
+                    inp,
+                    1,
+                    false,
+                    Par::Rayon,
+                );
+                d.apply(&mut dxd);
+                dx.par_iter_mut().zip(&dxd).for_each(|(o, &v)| *o += v);
+            }
+        }
         g.a = Some(da);
         g.bb = Some(db);
     }
@@ -310,7 +388,7 @@ fn rms_fwd<T: Elem>(x: &[T], w: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
         .zip(r.par_iter_mut())
         .zip(x.par_chunks(hid))
         .for_each(|((hr, rr), xr)| {
-            let ss = xr.iter().fold(T::zero(), |s, &v| s + v * v);
+            let ss = dot(xr, xr);
             *rr = (ss / c(hid as f64) + c(eps)).sqrt().recip();
             for ((o, &xv), &wv) in hr.iter_mut().zip(xr).zip(w) {
                 *o = xv * *rr * wv;
@@ -390,7 +468,7 @@ fn rope<T: Elem>(m: &mut [T], width: usize, hd: usize, cx: &Context<T>, transpos
 
 /// `σ(z)`.
 fn sigmoid<T: Elem>(z: T) -> T {
-    T::one() / (T::one() + (-z).exp())
+    T::one() / (T::one() + (-z).exp_fast())
 }
 
 /// The softmax probabilities `P [rep·seq, seq]` of the `rep` query heads that read KV head `g`
@@ -404,23 +482,73 @@ fn probs<T: Elem>(d: &Dims, acts: &Acts<T>, cx: &Context<T>, r: usize, g: usize,
         let s = &mut p[j * t * t..][..t * t];
         let q = &acts.q[r * t * qw + h * hd..];
         let k = &acts.k[r * t * kw + g * hd..];
-        gemm_strided(s, t, t, hd, q, qw, 1, k, 1, kw, false, Par::None);
+        gemm_mixed(d.bf16, s, t, t, hd, q, qw, 1, k, 1, kw, false, Par::None);
         let bias = &cx.bias[r * t * t..][..t * t];
-        for (srow, brow) in s.chunks_mut(t).zip(bias.chunks(t)) {
-            let mut mx = T::neg_infinity();
-            for (v, &b) in srow.iter_mut().zip(brow) {
-                *v = *v * scale + b;
-                mx = num_traits::Float::max(mx, *v);
-            }
-            let mut sum = T::zero();
-            for v in srow.iter_mut() {
-                *v = (*v - mx).exp();
-                sum += *v;
-            }
-            let inv = sum.recip();
-            for v in srow.iter_mut() {
-                *v *= inv;
-            }
+        softmax_rows(s, bias, t, scale);
+    }
+}
+
+/// `s ← softmax(s·scale + bias)` per row of `t`, max-shifted; with AVX-512 where the CPU has
+/// it (the baseline build is SSE2).
+fn softmax_rows<T: Elem>(s: &mut [T], bias: &[T], t: usize, scale: T) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has the features the function is compiled for.
+            return unsafe { softmax_rows_avx512(s, bias, t, scale) };
+        }
+    }
+    softmax_rows_body(s, bias, t, scale)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn softmax_rows_avx512<T: Elem>(s: &mut [T], bias: &[T], t: usize, scale: T) {
+    softmax_rows_body(s, bias, t, scale)
+}
+
+#[inline(always)]
+fn softmax_rows_body<T: Elem>(s: &mut [T], bias: &[T], t: usize, scale: T) {
+    for (srow, brow) in s.chunks_mut(t).zip(bias.chunks(t)) {
+        for (v, &b) in srow.iter_mut().zip(brow) {
+            *v = *v * scale + b;
+        }
+        let mx = max(srow);
+        for v in srow.iter_mut() {
+            *v = (*v - mx).exp_fast();
+        }
+        let inv = sum(srow).recip();
+        for v in srow.iter_mut() {
+            *v *= inv;
+        }
+    }
+}
+
+/// `dS = P ⊙ (dP − rowsum(P ⊙ dP))·scale` in place of `dP` (`ds`), rows of `t`; with AVX-512
+/// where the CPU has it.
+fn softmax_bwd_rows<T: Elem>(ds: &mut [T], p: &[T], t: usize, scale: T) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has the features the function is compiled for.
+            return unsafe { softmax_bwd_rows_avx512(ds, p, t, scale) };
+        }
+    }
+    softmax_bwd_rows_body(ds, p, t, scale)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn softmax_bwd_rows_avx512<T: Elem>(ds: &mut [T], p: &[T], t: usize, scale: T) {
+    softmax_bwd_rows_body(ds, p, t, scale)
+}
+
+#[inline(always)]
+fn softmax_bwd_rows_body<T: Elem>(ds: &mut [T], p: &[T], t: usize, scale: T) {
+    for (drow, prow) in ds.chunks_mut(t).zip(p.chunks(t)) {
+        let dp = dot(drow, prow);
+        for (d, &pv) in drow.iter_mut().zip(prow) {
+            *d = pv * (*d - dp) * scale;
         }
     }
 }
@@ -460,7 +588,8 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
             let mut out = vec![T::zero(); rep * t * hd]; // [rep, t, hd]
             let vv = &acts.v[r * t * d.kv_width() + g * hd..];
             for j in 0..rep {
-                gemm_strided(
+                gemm_mixed(
+                    d.bf16,
                     &mut out[j * t * hd..][..t * hd],
                     t,
                     hd,
@@ -679,20 +808,41 @@ fn attention_bwd<T: Elem>(
                 let dao = &da[r * t * qw + h * hd..];
                 let qq = &acts.q[r * t * qw + h * hd..];
                 // dv += Pᵀ·dA
-                gemm_strided(&mut dv, t, hd, t, pj, 1, t, dao, qw, 1, j > 0, Par::None);
+                gemm_mixed(
+                    d.bf16,
+                    &mut dv,
+                    t,
+                    hd,
+                    t,
+                    pj,
+                    1,
+                    t,
+                    dao,
+                    qw,
+                    1,
+                    j > 0,
+                    Par::None,
+                );
                 // dP = dA·vᵀ
-                gemm_strided(&mut ds, t, t, hd, dao, qw, 1, vv, 1, kw, false, Par::None);
-                for (drow, prow) in ds.chunks_mut(t).zip(pj.chunks(t)) {
-                    let dot = drow
-                        .iter()
-                        .zip(prow)
-                        .fold(T::zero(), |s, (&a, &b)| s + a * b);
-                    for (dv_, &pv) in drow.iter_mut().zip(prow) {
-                        *dv_ = pv * (*dv_ - dot) * scale;
-                    }
-                }
+                gemm_mixed(
+                    d.bf16,
+                    &mut ds,
+                    t,
+                    t,
+                    hd,
+                    dao,
+                    qw,
+                    1,
+                    vv,
+                    1,
+                    kw,
+                    false,
+                    Par::None,
+                );
+                softmax_bwd_rows(&mut ds, pj, t, scale);
                 // dq̃ = dS·k̃ (scale folded into dS); dk̃ += dSᵀ·q̃
-                gemm_strided(
+                gemm_mixed(
+                    d.bf16,
                     &mut dq[j * t * hd..][..t * hd],
                     t,
                     hd,
@@ -706,7 +856,21 @@ fn attention_bwd<T: Elem>(
                     false,
                     Par::None,
                 );
-                gemm_strided(&mut dk, t, hd, t, &ds, 1, t, qq, qw, 1, j > 0, Par::None);
+                gemm_mixed(
+                    d.bf16,
+                    &mut dk,
+                    t,
+                    hd,
+                    t,
+                    &ds,
+                    1,
+                    t,
+                    qq,
+                    qw,
+                    1,
+                    j > 0,
+                    Par::None,
+                );
             }
             (r, g, dq, dk, dv)
         })

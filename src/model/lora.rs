@@ -30,6 +30,67 @@ pub struct Lora {
     pub a: Tensor,
     pub b: Tensor,
     pub scale: f64,
+    /// The mask of this forward's adapter dropout; set only on the per-forward copy of a layer
+    /// that a training forward runs (see `CausalLm::set_adapter_dropout`), never on the model.
+    pub dropout: Option<Dropout>,
+}
+
+/// PEFT's `lora_dropout` on one projection in one forward: the adapter sees `x ⊙ m / (1 − p)`
+/// (`y = x·Wᵀ + s·(dropout(x)·Aᵀ)·Bᵀ`; the base sees `x`), with `m_i` = 1 with probability
+/// `1 − p`. The mask is a function of `seed` and the element's index in the row-major
+/// `[rows, in]` input (a counter-based hash), so the forward, the backward and a recomputation
+/// all draw the same mask without storing it, on any number of threads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Dropout {
+    pub p: f64,
+    pub seed: u64,
+}
+
+/// SplitMix64's output function: a bijective mix of 64 bits.
+pub(super) fn mix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl Dropout {
+    /// Whether element `i` of the input is kept: a uniform draw in [0, 1) from `(seed, i)`
+    /// against `p`.
+    pub fn keeps(&self, i: usize) -> bool {
+        let u = (mix64(self.seed ^ mix64(i as u64)) >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
+        u >= self.p
+    }
+
+    /// `v ⊙ m / (1 − p)` in place (`v` row-major `[rows, in]`, element `i` masked by `keeps(i)`).
+    pub(super) fn apply<T: super::decode::Elem>(&self, v: &mut [T]) {
+        use rayon::prelude::*;
+        let s = T::from_f64(1.0 / (1.0 - self.p));
+        const CHUNK: usize = 1 << 14;
+        v.par_chunks_mut(CHUNK).enumerate().for_each(|(c, chunk)| {
+            for (j, x) in chunk.iter_mut().enumerate() {
+                *x = if self.keeps(c * CHUNK + j) {
+                    *x * s
+                } else {
+                    T::zero()
+                };
+            }
+        });
+    }
+
+    /// The mask `m / (1 − p)` as a tensor of `shape` (the candle composition's form).
+    pub(super) fn mask(
+        &self,
+        shape: &[usize],
+        dtype: candle_core::DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let mut m = vec![1f64; shape.iter().product()];
+        self.apply(&mut m);
+        Tensor::from_vec(m, shape, &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)
+    }
 }
 
 /// One linear projection of a layer: the base weight and, with LoRA, its adapter.
@@ -61,6 +122,7 @@ impl Proj {
                 a: l.a.detach(),
                 b: l.b.detach(),
                 scale: l.scale,
+                dropout: l.dropout,
             }),
         }
     }
@@ -128,6 +190,9 @@ pub struct LoraSpec {
     pub use_rslora: bool,
     pub target_modules: OneOrMany,
     pub exclude_modules: Option<OneOrMany>,
+    /// PEFT's `lora_dropout`: the probability of zeroing each adapter input in training
+    /// forwards (0 = off); see [`Dropout`].
+    pub dropout: f64,
 }
 
 /// PEFT's shorthand for every linear layer but the output one.
@@ -214,6 +279,7 @@ pub fn attach(
                 a: a.as_tensor().clone(),
                 b: b.as_tensor().clone(),
                 scale,
+                dropout: None,
             });
             data.insert(a_name, a);
             data.insert(tensor_name(&module, "lora_B"), b);
@@ -288,7 +354,7 @@ pub fn adapter_config(
         "base_model_name_or_path": base_model,
         "r": spec.rank,
         "lora_alpha": spec.alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": spec.dropout,
         "use_rslora": spec.use_rslora,
         "target_modules": targets,
         "exclude_modules": exclude,
@@ -326,8 +392,6 @@ pub struct AdapterFile {
     pub spec: LoraSpec,
     pub tensors: HashMap<String, Tensor>,
     pub modules_to_save: Vec<String>,
-    /// PEFT's `lora_dropout` (not applied here: training runs without adapter dropout).
-    pub lora_dropout: f64,
 }
 
 /// The adapter folder at `path`: a folder with `adapter_config.json`, or a checkpoint folder
@@ -431,12 +495,24 @@ pub fn read_adapter(path: &Path) -> std::result::Result<AdapterFile, ModelError>
     }
     let target_modules = str_or_list(&v, "target_modules", &file)?
         .ok_or_else(|| err("`target_modules` is missing".into()))?;
+    let dropout = match v.get("lora_dropout") {
+        None | Some(Value::Null) => 0.0,
+        Some(x) => match x.as_f64() {
+            Some(p) if (0.0..1.0).contains(&p) => p,
+            _ => {
+                return Err(err(format!(
+                    "`lora_dropout` must be a number in [0, 1), found {x}"
+                )))
+            }
+        },
+    };
     let spec = LoraSpec {
         rank,
         alpha,
         use_rslora: flag("use_rslora"),
         target_modules,
         exclude_modules: str_or_list(&v, "exclude_modules", &file)?,
+        dropout,
     };
     let modules_to_save = match str_or_list(&v, "modules_to_save", &file)? {
         None => Vec::new(),
@@ -455,7 +531,6 @@ pub fn read_adapter(path: &Path) -> std::result::Result<AdapterFile, ModelError>
         spec,
         tensors,
         modules_to_save,
-        lora_dropout: v.get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0),
     })
 }
 
@@ -507,6 +582,7 @@ pub(crate) mod tests {
             use_rslora: false,
             target_modules: targets,
             exclude_modules: exclude,
+            dropout: 0.0,
         }
     }
 
@@ -866,6 +942,9 @@ pub(crate) mod tests {
             ("rank_pattern", json!({"q_proj": 8}), "rank_pattern"),
             ("r", json!(0), "`r`"),
             ("peft_type", json!("IA3"), "IA3"),
+            ("lora_dropout", json!(1.0), "lora_dropout"),
+            ("lora_dropout", json!(-0.1), "lora_dropout"),
+            ("lora_dropout", json!("0.1"), "lora_dropout"),
         ] {
             let mut c = base.clone();
             c[key] = value;
@@ -876,5 +955,220 @@ pub(crate) mod tests {
         std::fs::write(dir.path().join("adapter_config.json"), base.to_string()).unwrap();
         let e = read_adapter(dir.path()).err().unwrap().to_string();
         assert!(e.contains("adapter_model.safetensors"), "{e}");
+    }
+
+    /// Σ log p + Σ entropy over the real tokens of [`batch`]: a loss whose gradient reaches
+    /// every adapter (padded positions left out, as a response mask leaves them out).
+    fn lp_loss(m: &CausalLm) -> Tensor {
+        let (ids, pos, mask) = batch();
+        let h = m.forward_hidden(&ids, &pos, &mask, None).unwrap();
+        let (lp, ent) = m.token_logprobs(&h, &ids, 5, true).unwrap();
+        let keep = mask.to_dtype(h.dtype()).unwrap();
+        ((lp * &keep).unwrap().sum_all().unwrap()
+            + (ent.unwrap() * &keep).unwrap().sum_all().unwrap())
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+    }
+
+    /// Every adapter variable's gradient of [`lp_loss`], by name.
+    fn adapter_grads(m: &CausalLm, ad: &VarMap) -> Vec<(String, Vec<f64>)> {
+        let g = lp_loss(m).backward().unwrap();
+        let mut out: Vec<(String, Vec<f64>)> = ad
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(n, v)| {
+                let t = g
+                    .get(v.as_tensor())
+                    .unwrap_or_else(|| panic!("{n}: no gradient"));
+                (
+                    n.clone(),
+                    t.to_dtype(DType::F64)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap(),
+                )
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// A tiny model with trained-looking adapters on every projection (dtype `dtype`).
+    fn adapted(dtype: DType) -> (VarMap, CausalLm, VarMap) {
+        let args = ModelArgs::tiny(Arch::Llama, 30);
+        let (vm, mut m) = crate::testing::tiny_model(&args, dtype, 0.3);
+        let ad = VarMap::new();
+        attach(&mut m, &spec(3, all(), None), &ad, 2, "k").unwrap();
+        randomize_b(&ad, 0.3);
+        (vm, m, ad)
+    }
+
+    fn max_abs_diff(a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)]) -> f64 {
+        a.iter()
+            .zip(b)
+            .flat_map(|((_, x), (_, y))| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
+            .fold(0.0, f64::max)
+    }
+
+    /// The mask: a fraction p of zeros (binomial: within 5σ over 2·10⁵ draws), survivors
+    /// scaled by exactly 1/(1−p), the same elements as `keeps` across the parallel chunks,
+    /// different seeds giving different masks, and p = 0 keeping every value bit for bit.
+    #[test]
+    fn dropout_masks_zero_the_expected_fraction() {
+        let n = 200_000usize;
+        for (p, seed) in [(0.1, 1u64), (0.5, 2), (0.9, 3)] {
+            let d = Dropout { p, seed };
+            let mut v = vec![1f64; n];
+            d.apply(&mut v);
+            let zeros = v.iter().filter(|&&x| x == 0.0).count() as f64 / n as f64;
+            let sigma = (p * (1.0 - p) / n as f64).sqrt();
+            assert!((zeros - p).abs() <= 5.0 * sigma, "p {p}: zeroed {zeros}");
+            let s = 1.0 / (1.0 - p);
+            for (i, &x) in v.iter().enumerate() {
+                assert_eq!(x, if d.keeps(i) { s } else { 0.0 }, "element {i}");
+            }
+            let other = Dropout {
+                p,
+                seed: seed + 100,
+            };
+            let same = (0..n).filter(|&i| d.keeps(i) == other.keeps(i)).count() as f64;
+            // Independent masks agree on a fraction p² + (1−p)² of the elements.
+            let agree = p * p + (1.0 - p) * (1.0 - p);
+            assert!((same / n as f64 - agree).abs() < 0.01, "p {p}: {same}");
+        }
+        let x: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut y = x.clone();
+        Dropout { p: 0.0, seed: 5 }.apply(&mut y);
+        assert_eq!(x, y);
+    }
+
+    /// A p = 0 mask on every adapter (forced onto the layers, so the masked code runs) gives
+    /// the unmasked path's logits and adapter gradients bit for bit, in the hand-written layer
+    /// and in the composition.
+    #[test]
+    fn dropout_zero_is_the_plain_path_bit_for_bit() {
+        for composed in [false, true] {
+            let (_vm, mut m, ad) = adapted(DType::F32);
+            m.set_composed_layers(composed);
+            let (want_logits, want) = (logits(&m), adapter_grads(&m, &ad));
+            for (i, b) in m.blocks_mut().iter_mut().enumerate() {
+                *b = b.with_dropout(0.0, 9, i);
+            }
+            assert_eq!(logits(&m), want_logits, "composed {composed}");
+            assert_eq!(adapter_grads(&m, &ad), want, "composed {composed}");
+        }
+    }
+
+    /// With p = 0.3 and a fixed mask (the stream put back at the same position before every
+    /// forward), autograd's A and B gradients match central finite differences (f64), in the
+    /// hand-written layer without and with recomputation and in the composition; the masks
+    /// matter (another position gives another loss).
+    #[test]
+    fn dropout_gradients_match_finite_differences() {
+        for (recompute, composed) in [(false, false), (true, false), (false, true)] {
+            let (_vm, mut m, ad) = adapted(DType::F64);
+            m.set_gradient_checkpointing(recompute);
+            m.set_composed_layers(composed);
+            m.set_adapter_dropout(0.3, 17).unwrap();
+            let loss = |m: &CausalLm| {
+                m.set_dropout_position(0);
+                lp_loss(m).to_scalar::<f64>().unwrap()
+            };
+            m.set_dropout_position(1);
+            let other = lp_loss(&m).to_scalar::<f64>().unwrap();
+            assert!((loss(&m) - other).abs() > 1e-6, "the mask changes the loss");
+            m.set_dropout_position(0);
+            let grads = adapter_grads(&m, &ad);
+            let vars: Vec<(String, Var)> = {
+                let mut v: Vec<_> = ad.data().lock().unwrap().clone().into_iter().collect();
+                v.sort_by(|a, b| a.0.cmp(&b.0));
+                v
+            };
+            for ((name, var), (_, g)) in vars.iter().zip(&grads) {
+                let orig: Vec<f64> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+                let shape = var.as_tensor().shape().clone();
+                let set = |w: Vec<f64>| {
+                    var.set(&Tensor::from_vec(w, shape.clone(), &Device::Cpu).unwrap())
+                        .unwrap()
+                };
+                for idx in [0, orig.len() / 3, orig.len() - 1] {
+                    let eps = 1e-5;
+                    let at = |d: f64| {
+                        let mut w = orig.clone();
+                        w[idx] += d;
+                        set(w);
+                        loss(&m)
+                    };
+                    let fd = (at(eps) - at(-eps)) / (2.0 * eps);
+                    set(orig.clone());
+                    assert!(
+                        (fd - g[idx]).abs() <= 1e-6 * (1.0 + fd.abs()),
+                        "recompute={recompute} composed={composed} {name}[{idx}]: autograd {} vs fd {fd}",
+                        g[idx]
+                    );
+                }
+            }
+        }
+    }
+
+    /// With dropout on, recomputation on and off give the same adapter gradients (the mask is
+    /// drawn again from its seed, not stored), and the composition draws the same mask as the
+    /// hand-written layer (same gradients to rounding, f64).
+    #[test]
+    fn dropout_masks_agree_across_recomputation_and_the_composition() {
+        let run = |recompute: bool, composed: bool| {
+            let (_vm, mut m, ad) = adapted(DType::F64);
+            m.set_adapter_dropout(0.25, 3).unwrap();
+            m.set_gradient_checkpointing(recompute);
+            m.set_composed_layers(composed);
+            m.set_dropout_position(42);
+            adapter_grads(&m, &ad)
+        };
+        let kept = run(false, false);
+        assert_eq!(
+            run(true, false),
+            kept,
+            "recomputation changed the gradients"
+        );
+        let d = max_abs_diff(&run(false, true), &kept);
+        assert!(d <= 1e-10, "composition vs hand-written: {d}");
+        // And the mask matters: without dropout the gradients differ.
+        let (_vm, m, ad) = adapted(DType::F64);
+        assert!(max_abs_diff(&adapter_grads(&m, &ad), &kept) > 1e-4);
+    }
+
+    /// Evaluation passes never drop: the no-grad view (rollout, log-prob recomputation), the
+    /// adapters-off view (reference) and the merged view of a model with dropout 0.5 give the
+    /// logits of the same model without dropout, bit for bit; its training forwards do drop,
+    /// each with a new mask.
+    #[test]
+    fn dropout_leaves_evaluation_passes_alone() {
+        let (_vm, mut m, _ad) = adapted(DType::F32);
+        let plain = logits(&m);
+        let (off, merged) = (logits(&m.without_adapters()), logits(&m.merged().unwrap()));
+        m.set_adapter_dropout(0.5, 8).unwrap();
+        assert_eq!(m.adapter_dropout(), 0.5);
+        assert_eq!(logits(&m.no_grad()), plain);
+        assert_eq!(logits(&m.without_adapters()), off);
+        assert_eq!(logits(&m.merged().unwrap()), merged);
+        let (t1, t2) = (logits(&m), logits(&m));
+        let moved =
+            |a: &[f64], b: &[f64]| a.iter().zip(b).fold(0f64, |d, (x, y)| d.max((x - y).abs()));
+        assert!(moved(&t1, &plain) > 1e-3, "a training forward drops");
+        assert!(
+            moved(&t1, &t2) > 1e-3,
+            "each training forward draws a new mask"
+        );
+        assert!(m
+            .set_adapter_dropout(1.0, 0)
+            .unwrap_err()
+            .contains("lora_dropout"));
+        m.set_adapter_dropout(0.0, 0).unwrap();
+        assert_eq!(logits(&m), plain);
     }
 }

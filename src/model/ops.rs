@@ -34,6 +34,35 @@ pub(super) enum Par {
     None,
 }
 
+/// `dst[m, n] (+)= a[m, k] · b[k, n]` as [`gemm_strided`], with bf16 operands and f32 sums
+/// ([`super::amx`]) when `bf16` is set, the elements are f32 and the CPU has AMX; otherwise in
+/// the element type.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemm_mixed<T: Elem>(
+    bf16: bool,
+    dst: &mut [T],
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[T],
+    a_rs: usize,
+    a_cs: usize,
+    b: &[T],
+    b_rs: usize,
+    b_cs: usize,
+    acc: bool,
+    par: Par,
+) {
+    if bf16 && super::amx::available() {
+        if let (Some(a32), Some(b32)) = (T::f32s(a), T::f32s(b)) {
+            let d32 = T::f32s_mut(dst).expect("a, b and dst share one element type");
+            super::amx::gemm(d32, m, n, k, a32, a_rs, a_cs, b32, b_rs, b_cs, acc, par);
+            return;
+        }
+    }
+    gemm_strided(dst, m, n, k, a, a_rs, a_cs, b, b_rs, b_cs, acc, par)
+}
+
 /// `dst[m, n] (+)= a[m, k] · b[k, n]` with explicit (row, column) strides for `a` and `b`;
 /// `dst` row-major contiguous; `acc` adds to `dst`.
 #[allow(clippy::too_many_arguments)]
@@ -97,14 +126,30 @@ fn row_stats<T: Elem>(z: &[T]) -> (T, T) {
     let mx = z
         .iter()
         .fold(T::neg_infinity(), |a, &v| num_traits::Float::max(a, v));
-    let mut s = T::zero();
-    let mut sz = T::zero();
-    for &v in z {
-        let e = (v - mx).exp();
-        s += e;
-        sz += e * v;
+    // Σ e^(z−max) and Σ e^(z−max)·z in f64, in 16 interleaved partial sums (vector lanes): in
+    // f32 each term below half an ulp of the running sum is dropped, which over a 49,152-token
+    // vocabulary moved log-probs by up to ~2e-4.
+    let (mut s, mut sz) = ([0f64; 16], [0f64; 16]);
+    let n = z.len() / 16 * 16;
+    for c in z[..n].chunks_exact(16) {
+        for ((a, b), &v) in s.iter_mut().zip(sz.iter_mut()).zip(c) {
+            let e = WithDType::to_f64((v - mx).exp_fast());
+            *a += e;
+            *b += e * WithDType::to_f64(v);
+        }
     }
-    (mx + s.ln(), sz / s)
+    let (mut s1, mut sz1) = (0f64, 0f64);
+    for &v in &z[n..] {
+        let e = WithDType::to_f64((v - mx).exp_fast());
+        s1 += e;
+        sz1 += e * WithDType::to_f64(v);
+    }
+    let s = s.iter().fold(s1, |a, &b| a + b);
+    let sz = sz.iter().fold(sz1, |a, &b| a + b);
+    (
+        T::from_f64(WithDType::to_f64(mx) + s.ln()),
+        T::from_f64(sz / s),
+    )
 }
 
 /// The fused LM-head op: inputs hidden `[rows, hidden]` and the output weight `[vocab, hidden]`
@@ -113,6 +158,51 @@ struct LogProbs {
     targets: Vec<u32>,
     chunk: usize,
     with_entropy: bool,
+    /// Products with bf16 operands and f32 sums (f32 on AMX CPUs), the weight packed once per
+    /// pass for all chunks.
+    bf16: bool,
+}
+
+/// `W` `[vocab, hid]` packed for the AMX products `x·Wᵀ` (`t`) and `x·W`, when they apply.
+struct Packs {
+    t: Option<super::amx::PackedB>,
+    n: Option<super::amx::PackedB>,
+}
+
+impl Packs {
+    fn new<T: Elem>(bf16: bool, w: &[T], hid: usize, transposed: bool, plain: bool) -> Self {
+        let vocab = w.len() / hid.max(1);
+        match T::f32s(w) {
+            Some(w) if bf16 && super::amx::available() => Packs {
+                t: transposed.then(|| super::amx::PackedB::new(w, 1, hid, hid, vocab, Par::Rayon)),
+                n: plain.then(|| super::amx::PackedB::new(w, hid, 1, vocab, hid, Par::Rayon)),
+            },
+            _ => Packs { t: None, n: None },
+        }
+    }
+
+    /// `dst[m, ·] = a[m, ·] · (Wᵀ or W)` through the pack when there is one, else in `T`.
+    #[allow(clippy::too_many_arguments)]
+    fn product<T: Elem>(
+        pack: Option<&super::amx::PackedB>,
+        dst: &mut [T],
+        m: usize,
+        a: &[T],
+        lda: usize,
+        w: &[T],
+        hid: usize,
+        transposed: bool,
+    ) {
+        let vocab = w.len() / hid;
+        if let (Some(p), Some(a32)) = (pack, T::f32s(a)) {
+            let d32 = T::f32s_mut(dst).expect("one element type");
+            super::amx::gemm_packed(d32, m, a32, lda, 1, p, false, Par::Rayon);
+        } else if transposed {
+            gemm_strided(dst, m, vocab, hid, a, lda, 1, w, 1, hid, false, Par::Rayon);
+        } else {
+            gemm_strided(dst, m, hid, vocab, a, lda, 1, w, hid, 1, false, Par::Rayon);
+        }
+    }
 }
 
 fn contiguous<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [T]> {
@@ -127,23 +217,12 @@ impl LogProbs {
         let n = self.targets.len();
         let vocab = w.len() / hid;
         let mut out = vec![T::zero(); n * 2];
+        let packs = Packs::new(self.bf16, w, hid, true, false);
         for start in (0..n).step_by(self.chunk) {
             let c = self.chunk.min(n - start);
             let mut z = vec![T::zero(); c * vocab]; // [c, vocab]
-            gemm_strided(
-                &mut z,
-                c,
-                vocab,
-                hid,
-                &h[start * hid..],
-                hid,
-                1,
-                w,
-                1,
-                hid,
-                false,
-                Par::Rayon,
-            );
+            let hc = &h[start * hid..(start + c) * hid];
+            Packs::product(packs.t.as_ref(), &mut z, c, hc, hid, w, hid, true);
             let tg = &self.targets[start..start + c];
             out[start * 2..(start + c) * 2]
                 .par_chunks_mut(2)
@@ -183,11 +262,12 @@ impl LogProbs {
             Vec::new()
         };
         let mut buf = vec![T::zero(); self.chunk.min(n) * vocab]; // [chunk, vocab], reused
+        let packs = Packs::new(self.bf16, w, hid, true, true);
         for start in (0..n).step_by(self.chunk) {
             let c = self.chunk.min(n - start);
             let hc = &h[start * hid..(start + c) * hid];
             let z = &mut buf[..c * vocab]; // [c, vocab], becomes dz in place
-            gemm_strided(z, c, vocab, hid, hc, hid, 1, w, 1, hid, false, Par::Rayon);
+            Packs::product(packs.t.as_ref(), z, c, hc, hid, w, hid, true);
             let tg = &self.targets[start..start + c];
             let gc = &g[start * 2..(start + c) * 2];
             z.par_chunks_mut(vocab)
@@ -198,29 +278,18 @@ impl LogProbs {
                     let ent = lse - mean_z;
                     let (g_lp, g_h) = (gr[0], if self.with_entropy { gr[1] } else { T::zero() });
                     for v in zr.iter_mut() {
-                        let p = (*v - lse).exp();
+                        let p = (*v - lse).exp_fast();
                         *v = -g_lp * p - g_h * p * (*v - lse + ent);
                     }
                     zr[t as usize] += g_lp;
                 });
             // ∂h = dz [c, vocab] · W [vocab, hid]
-            gemm_strided(
-                &mut gh[start * hid..(start + c) * hid],
-                c,
-                hid,
-                vocab,
-                z,
-                vocab,
-                1,
-                w,
-                hid,
-                1,
-                false,
-                Par::Rayon,
-            );
+            let ghc = &mut gh[start * hid..(start + c) * hid];
+            Packs::product(packs.n.as_ref(), ghc, c, z, vocab, w, hid, false);
             // ∂W += dzᵀ [vocab, c] · h_c [c, hid]
             if need_w {
-                gemm_strided(
+                gemm_mixed(
+                    self.bf16,
                     &mut gw,
                     vocab,
                     hid,
@@ -323,6 +392,7 @@ pub fn token_logprobs_fused(
     targets: &Tensor,
     chunk: usize,
     with_entropy: bool,
+    bf16: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let targets: Vec<u32> = targets.to_dtype(DType::U32)?.flatten_all()?.to_vec1()?;
     let vocab = weight.dim(0)?;
@@ -333,6 +403,7 @@ pub fn token_logprobs_fused(
         targets,
         chunk: chunk.max(1),
         with_entropy,
+        bf16,
     };
     let out = hidden.contiguous()?.apply_op2(&weight.contiguous()?, op)?; // [rows, 2]
     let lp = out.narrow(1, 0, 1)?.squeeze(1)?;
@@ -414,7 +485,7 @@ mod tests {
         .unwrap();
         let t = Tensor::from_vec(c.t.clone(), c.rows, &dev).unwrap();
         let (lp, ent) = if fused {
-            token_logprobs_fused(h.as_tensor(), w.as_tensor(), &t, chunk, true).unwrap()
+            token_logprobs_fused(h.as_tensor(), w.as_tensor(), &t, chunk, true, false).unwrap()
         } else {
             // The composition of transformer.rs, on the same [rows, hidden] layout.
             let z = h.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap();
@@ -521,12 +592,31 @@ mod tests {
         let h = Tensor::zeros((2, 3), DType::F32, &dev).unwrap();
         let w = Tensor::zeros((4, 3), DType::F32, &dev).unwrap();
         let t = Tensor::new(&[1u32, 4], &dev).unwrap();
-        let err = token_logprobs_fused(&h, &w, &t, 2, false)
+        let err = token_logprobs_fused(&h, &w, &t, 2, false, false)
             .unwrap_err()
             .to_string();
         assert!(
             err.contains("target token id 4 outside the vocabulary (4)"),
             "{err}"
+        );
+    }
+
+    /// A vocabulary where f32 accumulation loses the tail: one logit 0 and 49,151 at −17
+    /// (e^−17 ≈ 4.1e-8 is under half an ulp of 1). Closed form: lse = ln(1 + 49151·e^−17),
+    /// Σ p z = −17·49151·e^−17 / (1 + 49151·e^−17).
+    #[test]
+    fn row_statistics_keep_the_vocabulary_tail_in_f32() {
+        let n = 49_151f64;
+        let tail = n * (-17f64).exp();
+        let mut z = vec![-17f32; 49_152];
+        z[123] = 0.0;
+        let (lse, mean_z) = super::row_stats(&z);
+        let (want_lse, want_mean) = ((1.0 + tail).ln(), -17.0 * tail / (1.0 + tail));
+        assert!(want_lse > 1e-3, "the case must matter: {want_lse}");
+        assert!((lse as f64 - want_lse).abs() < 1e-6, "{lse} vs {want_lse}");
+        assert!(
+            (mean_z as f64 - want_mean).abs() < 1e-5,
+            "{mean_z} vs {want_mean}"
         );
     }
 }

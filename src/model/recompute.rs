@@ -108,6 +108,7 @@ fn with_layer<T: Elem, R>(
     cos: &Tensor,
     sin: &Tensor,
     mask: &Tensor,
+    bf16: bool,
     f: impl FnOnce(&layer::Weights<T>, &layer::Dims, &layer::Context<T>) -> Result<R>,
 ) -> Result<R> {
     let (batch, seq) = dims;
@@ -148,6 +149,7 @@ fn with_layer<T: Elem, R>(
                 a: take()?,
                 b: take()?,
                 scale: T::from_f64(ad.scale),
+                dropout: ad.dropout,
             }),
             None => None,
         };
@@ -156,6 +158,7 @@ fn with_layer<T: Elem, R>(
             b,
             ad,
             train_base: p.weight().track_op(),
+            bf16,
         });
     }
     let w = layer::Weights {
@@ -172,6 +175,7 @@ fn with_layer<T: Elem, R>(
         head_dim: args.head_dim,
         inter: args.intermediate_size,
         eps: args.rms_norm_eps,
+        bf16,
     };
     let cx = layer::Context {
         cos: host.slice::<T>(2)?,
@@ -187,10 +191,10 @@ pub(super) fn fused_forward(
     args: &ModelArgs,
     l: &Block,
     x: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    mask: &Tensor,
+    rope_mask: (&Tensor, &Tensor, &Tensor),
+    bf16: bool,
 ) -> Result<Tensor> {
+    let (cos, sin, mask) = rope_mask;
     let (b, t, h) = x.dims3()?;
     let x = x.contiguous()?;
     fn go<T: Elem>(
@@ -198,22 +202,23 @@ pub(super) fn fused_forward(
         l: &Block,
         x: &Tensor,
         c: (&Tensor, &Tensor, &Tensor),
+        bf16: bool,
     ) -> Result<Vec<T>> {
         let (b, t, _) = x.dims3()?;
         let host = Host::new(&[x])?;
         let xs = host.slice::<T>(0)?;
-        with_layer(args, l, (b, t), c.0, c.1, c.2, |w, d, cx| {
+        with_layer(args, l, (b, t), c.0, c.1, c.2, bf16, |w, d, cx| {
             layer::forward(w, d, xs, cx)
         })
     }
     let y = match x.dtype() {
         DType::F32 => Tensor::from_vec(
-            go::<f32>(args, l, &x, (cos, sin, mask))?,
+            go::<f32>(args, l, &x, (cos, sin, mask), bf16)?,
             (b, t, h),
             x.device(),
         )?,
         DType::F64 => Tensor::from_vec(
-            go::<f64>(args, l, &x, (cos, sin, mask))?,
+            go::<f64>(args, l, &x, (cos, sin, mask), bf16)?,
             (b, t, h),
             x.device(),
         )?,
@@ -240,6 +245,8 @@ struct Layer {
     kept: Mutex<Option<Box<dyn std::any::Any + Send>>>,
     /// The hand-written layer (f32/f64) rather than the composition.
     fused: bool,
+    /// Its matrix products with bf16 operands (f32 layers on AMX CPUs).
+    bf16: bool,
 }
 
 impl Layer {
@@ -252,6 +259,7 @@ impl Layer {
             &self.cos,
             &self.sin,
             &self.mask,
+            self.bf16,
             |w, d, cx| {
                 if !self.keep {
                     return layer::forward(w, d, xs, cx);
@@ -289,6 +297,7 @@ impl Layer {
             &self.cos,
             &self.sin,
             &self.mask,
+            self.bf16,
             |w, d, cx| layer::backward(w, d, xs, cx, gs, kept),
         )?;
         // Every weight of the layer (adapters included) with its gradient, in `weights`' order;
@@ -447,6 +456,7 @@ pub(super) fn block(
     rope_mask: (&Tensor, &Tensor, &Tensor),
     recompute: bool,
     fused: bool,
+    bf16: bool,
 ) -> Result<Tensor> {
     let (cos, sin, mask) = rope_mask;
     let ws = weights(l);
@@ -478,6 +488,7 @@ pub(super) fn block(
             keep: !recompute,
             kept: Mutex::new(None),
             fused: fused && fused_dtype(x.dtype()),
+            bf16,
         },
     )
 }
@@ -642,7 +653,16 @@ mod tests {
             }
             // Ours: the recomputing op through candle's backward (carriers included).
             let xv2 = Var::from_tensor(&x).unwrap();
-            let y = block(&args, l, xv2.as_tensor(), (&cos, &sin, &mask), true, true).unwrap();
+            let y = block(
+                &args,
+                l,
+                xv2.as_tensor(),
+                (&cos, &sin, &mask),
+                true,
+                true,
+                false,
+            )
+            .unwrap();
             let g2 = (&y * &g).unwrap().sum_all().unwrap().backward().unwrap();
             let mut got = vec![("x".to_string(), to_f64(g2.get(xv2.as_tensor()).unwrap()))];
             for (k, w) in weights(l).iter().enumerate() {
@@ -663,6 +683,51 @@ mod tests {
         }
     }
 
+    /// bf16 products (verl's mixed precision, AMX): output and gradients within bf16's rounding
+    /// of the f32 layer's (relative error of the whole tensor ≤ 5e-2: an operand rounded to bf16
+    /// is off by ≤ 2⁻⁹ of itself, so a product by ≤ 2·2⁻⁹ ≈ 4e-3, and a weight's gradient comes
+    /// through up to a dozen products of forward and backward; a product in a wrong layout would
+    /// be off by ~100 %), not
+    /// equal to them (the bf16 path ran), and recomputation on and off give the same bits.
+    #[test]
+    fn bf16_products_stay_within_bf16_rounding_of_f32() {
+        if !crate::model::amx::available() {
+            eprintln!("skipped: no AMX on this machine");
+            return;
+        }
+        let args = ModelArgs::tiny(Arch::Qwen2, 30);
+        let (_vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+        let l = &m.blocks()[0];
+        let (x, cos, sin, mask, g) = layer_inputs(&args, DType::F32, -1e9);
+        let run = |recompute: bool, bf16: bool| {
+            let xv = Var::from_tensor(&x).unwrap();
+            let rm = (&cos, &sin, &mask);
+            let y = block(&args, l, xv.as_tensor(), rm, recompute, true, bf16).unwrap();
+            let gr = (&y * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            let mut out = vec![to_f64(&y), to_f64(gr.get(xv.as_tensor()).unwrap())];
+            out.extend(weights(l).iter().map(|w| to_f64(gr.get(w).unwrap())));
+            out
+        };
+        let (f32s, bf) = (run(true, false), run(true, true));
+        assert_eq!(
+            bf,
+            run(false, true),
+            "recomputation changed the bf16 results"
+        );
+        let norm = |v: &[f64]| v.iter().map(|a| a * a).sum::<f64>().sqrt();
+        let mut any_diff = false;
+        for (k, (a, b)) in f32s.iter().zip(&bf).enumerate() {
+            let d: Vec<f64> = a.iter().zip(b).map(|(u, v)| u - v).collect();
+            let rel = norm(&d) / norm(a);
+            assert!(rel <= 5e-2, "tensor {k}: bf16 is {rel:.3e} away from f32");
+            any_diff |= rel > 0.0;
+        }
+        assert!(
+            any_diff,
+            "bf16 products gave the f32 bits: the AMX path did not run"
+        );
+    }
+
     /// The hand-written backward against central finite differences of `Σ y·g` in f64, for
     /// every input value and a spread of entries of every weight (Qwen2: biases included).
     #[test]
@@ -675,11 +740,20 @@ mod tests {
         // numbers there, and a fully masked (padding) query row would blur the differences.
         let (x, cos, sin, mask, g) = layer_inputs(&args, DType::F64, -30.0);
         let loss = |x: &Tensor| -> f64 {
-            let y = fused_forward(&args, &l, x, &cos, &sin, &mask).unwrap();
+            let y = fused_forward(&args, &l, x, (&cos, &sin, &mask), false).unwrap();
             (y * &g).unwrap().sum_all().unwrap().to_scalar().unwrap()
         };
         let xv = Var::from_tensor(&x).unwrap();
-        let y = block(&args, &l, xv.as_tensor(), (&cos, &sin, &mask), true, true).unwrap();
+        let y = block(
+            &args,
+            &l,
+            xv.as_tensor(),
+            (&cos, &sin, &mask),
+            true,
+            true,
+            false,
+        )
+        .unwrap();
         let grads = (&y * &g).unwrap().sum_all().unwrap().backward().unwrap();
         let eps = 1e-6;
         let check = |name: &str, analytic: f64, plus: f64, minus: f64| {

@@ -901,3 +901,57 @@ fn llama3_scaled_inverse_frequencies() {
         8192
     );
 }
+
+/// RoPE tables are cos/sin of p·θ^(−2i/d) computed in f64 and rounded once to the model's
+/// dtype: an f64 model holds the f64 values (f32 tables put ~1e-7 relative noise into each
+/// layer, the 1e-5 f64 gap the PEFT check once measured), an f32 model their f32 rounding.
+#[test]
+fn rotary_tables_are_exact_in_the_model_dtype() {
+    let positions: Vec<u32> = vec![0, 1, 7, 1000, 4095];
+    let pos = Tensor::new(vec![positions.clone()], &Device::Cpu).unwrap();
+    let mut f32_would_differ = false;
+    for dtype in [DType::F64, DType::F32] {
+        let (_vm, m) = model(Arch::Llama, dtype);
+        let (cos, sin) = m.rotary(&pos).unwrap(); // [1, 1, 5, head_dim]
+        let hd = m.args.head_dim;
+        let cos: Vec<f64> = cos
+            .to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let sin: Vec<f64> = sin
+            .to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (j, &p) in positions.iter().enumerate() {
+            for c in 0..hd {
+                let i = c % (hd / 2);
+                let a = p as f64 * (1.0 / m.args.rope_theta.powf(2.0 * i as f64 / hd as f64));
+                let (want_c, want_s) = match dtype {
+                    DType::F64 => (a.cos(), a.sin()),
+                    _ => (a.cos() as f32 as f64, a.sin() as f32 as f64),
+                };
+                f32_would_differ |= a.cos() as f32 as f64 != a.cos();
+                assert_eq!(
+                    cos[j * hd + c],
+                    want_c,
+                    "{dtype:?} cos at position {p}, column {c}"
+                );
+                assert_eq!(
+                    sin[j * hd + c],
+                    want_s,
+                    "{dtype:?} sin at position {p}, column {c}"
+                );
+            }
+        }
+    }
+    assert!(
+        f32_would_differ,
+        "the case must tell f32 tables from f64 ones"
+    );
+}

@@ -5,6 +5,9 @@
 //!
 //! Follows HF transformers' `modeling_llama.py` / `modeling_qwen2.py` (weight names and math).
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::{Init, Linear, VarBuilder};
 
@@ -101,7 +104,8 @@ fn linear(vb: &VarBuilder, inp: usize, out: usize, bias: bool, name: &str) -> Re
 
 /// A linear layer on `[batch, seq, in]` as one `[batch·seq, in] × [in, out]` product (candle's
 /// `Linear` on 3-D input runs one small product per batch row, which is several times slower).
-/// With an adapter, `s·(x·Aᵀ)·Bᵀ` is added (PEFT's `lora.Linear`, dropout off).
+/// With an adapter, `s·(dropout(x)·Aᵀ)·Bᵀ` is added (PEFT's `lora.Linear`; dropout only
+/// where this forward's copy of the layer carries a mask).
 fn apply(l: &Proj, x: &Tensor) -> Result<Tensor> {
     let (b, t, i) = x.dims3()?;
     let x2 = x.reshape((b * t, i))?; // [b·t, in]
@@ -112,7 +116,13 @@ fn apply(l: &Proj, x: &Tensor) -> Result<Tensor> {
     };
     let y = match &l.lora {
         // [b·t, in]·[in, r]·[r, out], scaled: with B = 0 this adds exact zeros.
-        Some(a) => (y + (x2.matmul(&a.a.t()?)?.matmul(&a.b.t()?)? * a.scale)?)?,
+        Some(a) => {
+            let xa = match &a.dropout {
+                Some(d) => (&x2 * d.mask(x2.dims(), x2.dtype(), x2.device())?)?,
+                None => x2.clone(),
+            };
+            (y + (xa.matmul(&a.a.t()?)?.matmul(&a.b.t()?)? * a.scale)?)?
+        }
         None => y,
     };
     y.reshape((b, t, ()))
@@ -182,6 +192,24 @@ impl Block {
         ]
     }
 
+    /// Whether any projection carries an adapter.
+    pub(super) fn has_adapters(&self) -> bool {
+        self.projs().iter().any(|p| p.lora.is_some())
+    }
+
+    /// This layer for one training forward with adapter dropout `p`: each adapter gets its
+    /// mask seed from `forward_seed`, the layer index and the projection's index.
+    pub(super) fn with_dropout(&self, p: f64, forward_seed: u64, layer: usize) -> Block {
+        let mut b = self.clone();
+        for (j, (_, proj)) in b.projs_mut().into_iter().enumerate() {
+            if let Some(l) = proj.lora.as_mut() {
+                let seed = super::lora::mix64(forward_seed ^ (((layer as u64) << 8) | j as u64));
+                l.dropout = Some(super::lora::Dropout { p, seed });
+            }
+        }
+        b
+    }
+
     /// Whether any weight of the layer receives gradients.
     pub(super) fn trains(&self) -> bool {
         self.ln1.track_op()
@@ -225,6 +253,20 @@ pub struct CausalLm {
     /// Run every layer as the candle op composition (`block_forward`) instead of the
     /// hand-written layer (`layer.rs`): the reference, for checks and benchmarks.
     composed: bool,
+    /// Matrix products of the hand-written layers and the LM head with bf16 operands and f32
+    /// sums (f32 models on CPUs with AMX; see [`CausalLm::set_bf16_matmuls`]).
+    bf16: bool,
+    /// Adapter dropout of training forwards (`None`: off, and always in views).
+    dropout: Option<Arc<DropoutStream>>,
+}
+
+/// PEFT's `lora_dropout` for a model's training forwards: each forward that builds a graph
+/// takes the next number of the stream, and every adapted projection of that forward masks
+/// its adapter input with a seed mixed from (seed, that number, layer, projection).
+struct DropoutStream {
+    p: f64,
+    seed: u64,
+    next: AtomicU64,
 }
 
 impl CausalLm {
@@ -302,6 +344,8 @@ impl CausalLm {
             dtype: vb.dtype(),
             recompute: false,
             composed: false,
+            bf16: false,
+            dropout: None,
         })
     }
 
@@ -320,6 +364,8 @@ impl CausalLm {
             dtype: self.dtype,
             recompute: false,
             composed: self.composed,
+            bf16: self.bf16,
+            dropout: None,
         }
     }
 
@@ -353,6 +399,38 @@ impl CausalLm {
             }
         }
         Ok(m)
+    }
+
+    /// PEFT's `lora_dropout` on the adapters' inputs in this model's training forwards
+    /// (forwards that build a graph; views from [`CausalLm::no_grad`], and so rollout,
+    /// log-prob recomputation and the reference, never drop). `p` = 0 turns it off; `seed`
+    /// starts the mask stream (see [`CausalLm::set_dropout_position`]).
+    pub fn set_adapter_dropout(&mut self, p: f64, seed: u64) -> std::result::Result<(), String> {
+        if !(0.0..1.0).contains(&p) {
+            return Err(format!("lora_dropout must be in [0, 1), got {p}"));
+        }
+        self.dropout = (p > 0.0).then(|| {
+            Arc::new(DropoutStream {
+                p,
+                seed,
+                next: AtomicU64::new(0),
+            })
+        });
+        Ok(())
+    }
+
+    /// The adapter dropout probability of training forwards (0 when off).
+    pub fn adapter_dropout(&self) -> f64 {
+        self.dropout.as_ref().map_or(0.0, |d| d.p)
+    }
+
+    /// Moves the dropout mask stream to `position` (the trainer sets `step · 2³²` before each
+    /// update, so the masks depend on the step and the forward's order within it, and a
+    /// resumed run draws the same ones).
+    pub fn set_dropout_position(&self, position: u64) {
+        if let Some(d) = &self.dropout {
+            d.next.store(position, Ordering::Relaxed);
+        }
     }
 
     /// Whether any projection carries an adapter.
@@ -409,6 +487,21 @@ impl CausalLm {
         self.composed = on;
     }
 
+    /// verl's mixed precision on the CPU (`fsdp_config.mixed_precision.param_dtype: bf16`): the
+    /// matrix products of the hand-written layers and of the LM head round both operands to
+    /// bf16 and sum in f32 (AMX tiles, `amx.rs`), while weights, norms, softmax, residuals and
+    /// optimizer state stay f32. Applies to f32 models on CPUs with AMX; elsewhere products
+    /// stay in the model's dtype ([`CausalLm::bf16_matmuls`] tells which). Views from
+    /// [`CausalLm::no_grad`] inherit it.
+    pub fn set_bf16_matmuls(&mut self, on: bool) {
+        self.bf16 = on;
+    }
+
+    /// Whether products actually run in bf16 (asked for, f32 model, AMX present).
+    pub fn bf16_matmuls(&self) -> bool {
+        self.bf16 && self.dtype == DType::F32 && super::amx::available()
+    }
+
     pub(super) fn blocks(&self) -> &[Block] {
         &self.layers
     }
@@ -448,7 +541,36 @@ impl CausalLm {
         input_ids: &Tensor,
         position_ids: &Tensor,
         key_mask: &Tensor,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        self.run(input_ids, position_ids, key_mask, cache, None)
+    }
+
+    /// Every stage of a forward without cache (transformers' `output_hidden_states`, plus the
+    /// final norm): the embedding output, each layer's output, then the normed final hidden
+    /// state, `num_hidden_layers + 2` tensors of `[batch, seq, hidden]`. For comparing with
+    /// other implementations layer by layer.
+    pub fn hidden_states(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        key_mask: &Tensor,
+    ) -> Result<Vec<Tensor>> {
+        let mut all = Vec::with_capacity(self.layers.len() + 2);
+        let last = self.run(input_ids, position_ids, key_mask, None, Some(&mut all))?;
+        all.push(last);
+        Ok(all)
+    }
+
+    /// [`CausalLm::forward_hidden`], pushing the embedding and each layer's output to
+    /// `stages` when given.
+    fn run(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        key_mask: &Tensor,
         mut cache: Option<&mut KvCache>,
+        mut stages: Option<&mut Vec<Tensor>>,
     ) -> Result<Tensor> {
         let (b, t) = input_ids.dims2()?;
         let past = cache.as_ref().map(|c| c.len()).unwrap_or(0);
@@ -466,7 +588,26 @@ impl CausalLm {
             t,
             self.args.hidden_size,
         ))?;
+        // A training forward with adapter dropout: this forward's number in the mask stream.
+        let dropout = self.dropout.as_ref().filter(|_| {
+            cache.is_none() && self.layers.iter().any(|l| l.trains() && l.has_adapters())
+        });
+        let forward_seed = dropout.map(|d| {
+            let n = d.next.fetch_add(1, Ordering::Relaxed);
+            (d.p, super::lora::mix64(d.seed ^ super::lora::mix64(n)))
+        });
         for (i, layer) in self.layers.iter().enumerate() {
+            if let Some(st) = stages.as_deref_mut() {
+                st.push(x.clone());
+            }
+            let masked;
+            let layer = match forward_seed {
+                Some((p, seed)) => {
+                    masked = layer.with_dropout(p, seed, i);
+                    &masked
+                }
+                None => layer,
+            };
             let slot = cache.as_deref_mut().map(|c| (c, i));
             let cpu_train =
                 slot.is_none() && x.device().is_cpu() && (layer.trains() || x.track_op());
@@ -475,13 +616,18 @@ impl CausalLm {
                 // Training on the CPU: one op per layer (hand-written for f32/f64), recomputed
                 // in backward when gradient checkpointing is on.
                 let rope_mask = (&cos, &sin, &mask);
-                super::recompute::block(&self.args, layer, &x, rope_mask, self.recompute, fused)?
+                let (rc, bf) = (self.recompute, self.bf16);
+                super::recompute::block(&self.args, layer, &x, rope_mask, rc, fused, bf)?
             } else if slot.is_none() && !cpu_train && fused {
                 // No graph wanted (rollout log-probs, reference): the hand-written layer.
-                super::recompute::fused_forward(&self.args, layer, &x, &cos, &sin, &mask)?
+                let rope_mask = (&cos, &sin, &mask);
+                super::recompute::fused_forward(&self.args, layer, &x, rope_mask, self.bf16)?
             } else {
                 block_forward(&self.args, self.dtype, layer, &x, &cos, &sin, &mask, slot)?
             };
+        }
+        if let Some(st) = stages {
+            st.push(x.clone());
         }
         rms_norm(&x, &self.norm, self.args.rms_norm_eps)
     }
@@ -522,6 +668,7 @@ impl CausalLm {
             targets,
             chunk,
             with_entropy,
+            self.bf16,
         )?;
         Ok((
             lp.reshape((b, t))?,
@@ -566,7 +713,9 @@ impl CausalLm {
     }
 
     /// cos and sin of each row's positions: `[batch, 1, seq, head_dim]` (HF's half-split layout).
-    fn rotary(&self, position_ids: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// Computed in f64 and rounded once to the model's dtype (f32 tables in an f64 model put
+    /// ~1e-7 relative noise into every layer).
+    pub(super) fn rotary(&self, position_ids: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, t) = position_ids.dims2()?;
         let hd = self.args.head_dim;
         let pos: Vec<u32> = position_ids
@@ -581,8 +730,8 @@ impl CausalLm {
                 let _ = rep;
                 for f in &inv {
                     let a = p as f64 * f;
-                    cos.push(a.cos() as f32);
-                    sin.push(a.sin() as f32);
+                    cos.push(a.cos());
+                    sin.push(a.sin());
                 }
             }
         }

@@ -118,7 +118,7 @@ impl Source {
 }
 
 /// One response's reward.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct SampleReward {
     /// The final reward; `None` when the sample is skipped (`on_error=skip`) or failed.
     pub score: Option<f64>,

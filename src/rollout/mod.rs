@@ -136,20 +136,33 @@ pub struct Sampler {
 /// The random streams of one generation call: row `i` samples from ChaCha stream `i` of a seed
 /// drawn once from the [`Sampler`], so what a row draws depends on the sampler's position and
 /// the row's index only — not on which rows share its batch, nor on the scheduler's limits.
-pub struct RowStreams(u64);
+/// With data parallelism each rank generates a slice of the step's rows: `first` is the global
+/// index of its first row, so a row draws the same numbers whatever the number of ranks.
+pub struct RowStreams {
+    seed: u64,
+    first: usize,
+}
 
 impl RowStreams {
     pub fn rng(&self, row: usize) -> ChaCha8Rng {
-        let mut r = ChaCha8Rng::seed_from_u64(self.0);
-        r.set_stream(row as u64);
+        let mut r = ChaCha8Rng::seed_from_u64(self.seed);
+        r.set_stream((self.first + row) as u64);
         r
+    }
+
+    /// The same streams, with local row 0 being global row `first`.
+    pub fn starting_at(self, first: usize) -> Self {
+        Self { first, ..self }
     }
 }
 
 impl Sampler {
     /// Starts a generation call (advances the sampler by one draw).
     pub fn rows(&mut self) -> RowStreams {
-        RowStreams(self.rng.next_u64())
+        RowStreams {
+            seed: self.rng.next_u64(),
+            first: 0,
+        }
     }
 
     pub fn new(seed: u64) -> Self {
@@ -180,12 +193,11 @@ pub fn sample_row(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> (
         p.temperature as f32
     };
     let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) / t;
-    let lse = max
-        + logits
-            .iter()
-            .map(|&l| (l / t - max).exp())
-            .sum::<f32>()
-            .ln();
+    // Σ exp(l/t − max) accumulated in f64: summed in f32, every term below half an ulp of the
+    // running total (≈ 6e-8 once the top token's 1 is in) is lost, and over 49,152 terms that
+    // biased SmolLM2's log-probs by up to ~2e-4.
+    let sum: f64 = logits.iter().map(|&l| ((l / t - max) as f64).exp()).sum();
+    let lse = max as f64 + sum.ln();
     let pick = if p.greedy {
         // First maximum (lowest id) on ties.
         logits
@@ -198,8 +210,7 @@ pub fn sample_row(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> (
             // The whole distribution: two passes over the logits, no allocation; the same
             // probabilities and cumulative order as the general path below. `max` above is
             // max(l / t) (division by t > 0 keeps the order, also after rounding).
-            let m = max;
-            let total: f64 = logits.iter().map(|&l| ((l / t - m) as f64).exp()).sum();
+            let (m, total) = (max, sum);
             let u: f64 = rng.random();
             let mut acc = 0.0;
             let mut chosen = logits.len() - 1;
@@ -210,7 +221,7 @@ pub fn sample_row(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> (
                     break;
                 }
             }
-            return (chosen as u32, logits[chosen] / t - lse);
+            return (chosen as u32, ((logits[chosen] / t) as f64 - lse) as f32);
         }
         let mut cand: Vec<(usize, f32)> = logits.iter().map(|&l| l / t).enumerate().collect();
         if filtering {
@@ -250,7 +261,7 @@ pub fn sample_row(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> (
         }
         chosen
     };
-    (pick as u32, logits[pick] / t - lse)
+    (pick as u32, ((logits[pick] / t) as f64 - lse) as f32)
 }
 
 /// Each dataset row of `prompts` `n` times in a row (the rows of one prompt's group together).
@@ -280,8 +291,22 @@ pub fn generate_rows(
     p: &SamplingParams,
     sampler: &mut Sampler,
 ) -> candle_core::Result<Rollout> {
+    generate_rows_from(model, ds, rows, p, sampler, 0)
+}
+
+/// [`generate_rows`] for a slice of a step's rows whose first is global row `first_row` (a
+/// data-parallel rank's share): row `i` samples from stream `first_row + i`.
+pub fn generate_rows_from(
+    model: &CausalLm,
+    ds: &crate::data::PromptDataset,
+    rows: &[usize],
+    p: &SamplingParams,
+    sampler: &mut Sampler,
+    first_row: usize,
+) -> candle_core::Result<Rollout> {
     let prompts: Vec<&[u32]> = rows.iter().map(|&i| ds.prompt_ids[i].as_slice()).collect();
-    generate_all(model, &prompts, p, sampler, None)
+    let streams = sampler.rows().starting_at(first_row);
+    Ok(scheduler::generate_with_streams(model, &prompts, p, streams, None)?.0)
 }
 
 /// Generates for a left-padded batch: `input_ids`, `attention_mask` (1 real / 0 pad), both

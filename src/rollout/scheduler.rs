@@ -25,7 +25,7 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use super::{generate_with, sample_row, Rollout, RowStreams, Sampler, SamplingParams, StopReason};
-use crate::model::decode::{self, Elem, Packed, SeqCache};
+use crate::model::decode::{self, Bf16, Elem, KvElem, Packed, SeqCache};
 use crate::model::CausalLm;
 
 /// How much generation may hold at once.
@@ -82,7 +82,17 @@ pub fn generate_all_with_stats(
     sampler: &mut Sampler,
     progress: Option<&ProgressBar>,
 ) -> Result<(Rollout, Stats)> {
-    let streams = sampler.rows();
+    generate_with_streams(model, prompts, p, sampler.rows(), progress)
+}
+
+/// [`generate_all_with_stats`] with the random streams of the call given.
+pub fn generate_with_streams(
+    model: &CausalLm,
+    prompts: &[&[u32]],
+    p: &SamplingParams,
+    streams: RowStreams,
+    progress: Option<&ProgressBar>,
+) -> Result<(Rollout, Stats)> {
     if let Some(i) = prompts.iter().position(|t| t.is_empty()) {
         candle_core::bail!("prompt {i} has no tokens: nothing to continue from");
     }
@@ -92,8 +102,12 @@ pub fn generate_all_with_stats(
     }
     let stats = if decode::supported(model) {
         match model.dtype() {
-            DType::F64 => continuous::<f64>(model, prompts, p, &streams, progress, &mut out)?,
-            _ => continuous::<f32>(model, prompts, p, &streams, progress, &mut out)?,
+            DType::F64 => continuous::<f64, f64>(model, prompts, p, &streams, progress, &mut out)?,
+            // bf16 products keep keys and values in bf16 too (half the bytes per step).
+            _ if model.bf16_matmuls() => {
+                continuous::<f32, Bf16>(model, prompts, p, &streams, progress, &mut out)?
+            }
+            _ => continuous::<f32, f32>(model, prompts, p, &streams, progress, &mut out)?,
         }
     } else {
         waves(model, prompts, p, &streams, progress, &mut out)?
@@ -109,9 +123,9 @@ pub fn generate_all_with_stats(
 }
 
 /// A sequence in flight.
-struct Live<T> {
+struct Live<C> {
     row: usize,
-    cache: SeqCache<T>,
+    cache: SeqCache<C>,
     rng: ChaCha8Rng,
     /// The token to feed next (the last one sampled).
     next: u32,
@@ -131,7 +145,7 @@ fn record(out: &mut Rollout, row: usize, tok: u32, lp: f32, p: &SamplingParams) 
     }
 }
 
-fn continuous<T: Elem>(
+fn continuous<T: Elem, C: KvElem<T>>(
     model: &CausalLm,
     prompts: &[&[u32]],
     p: &SamplingParams,
@@ -141,15 +155,15 @@ fn continuous<T: Elem>(
 ) -> Result<Stats> {
     let packed = Packed::<T>::new(model)?;
     let args = packed.args();
-    let per_pos = SeqCache::<T>::bytes_per_position(args);
+    let per_pos = SeqCache::<C>::bytes_per_position(args);
     let lim = p.limits;
     let mut waiting: VecDeque<usize> = (0..prompts.len()).collect();
-    let mut active: Vec<Live<T>> = Vec::new();
+    let mut active: Vec<Live<C>> = Vec::new();
     let mut reserved = 0usize;
     let mut stats = Stats::default();
     loop {
         // Admission: fill the free sequence slots within the memory and prefill budgets.
-        let mut entering: Vec<Live<T>> = Vec::new();
+        let mut entering: Vec<Live<C>> = Vec::new();
         let mut prefill = 0usize;
         while let Some(&row) = waiting.front() {
             let len = prompts[row].len();
@@ -186,7 +200,7 @@ fn continuous<T: Elem>(
             .map(std::slice::from_ref)
             .chain(enter_rows.iter().map(|&r| prompts[r]))
             .collect();
-        let mut caches: Vec<&mut SeqCache<T>> = active
+        let mut caches: Vec<&mut SeqCache<C>> = active
             .iter_mut()
             .chain(entering.iter_mut())
             .map(|l| &mut l.cache)

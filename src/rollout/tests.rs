@@ -278,3 +278,28 @@ fn full_distribution_sampling_follows_the_tempered_softmax() {
         assert!((got - want).abs() < 0.01, "token {i}: {got} vs {want}");
     }
 }
+
+/// The token's log-prob accumulates the softmax denominator in f64: with one logit 0 and
+/// 49,151 at −17, an f32 running sum drops every e^−17 (under half an ulp of 1) and would say
+/// log p = 0. Closed form: log p = −ln(1 + 49151·e^−17) ≈ −2.0e-3.
+#[test]
+fn greedy_log_prob_keeps_the_vocabulary_tail() {
+    let mut logits = vec![-17f32; 49_152];
+    logits[7] = 0.0;
+    let want = -(1.0 + 49_151f64 * (-17f64).exp()).ln();
+    let (tok, lp) = sample_row(&logits, &greedy(1, vec![]), &mut Sampler::new(0).rng);
+    assert_eq!(tok, 7);
+    assert!((lp as f64 - want).abs() < 1e-7, "{lp} vs {want}");
+    // Full-distribution sampling reports the same log-prob for the token it draws.
+    let p = SamplingParams {
+        greedy: false,
+        temperature: 1.0,
+        ..greedy(1, vec![])
+    };
+    let (tok, lp) = sample_row(&logits, &p, &mut Sampler::new(3).rng);
+    let want = if tok == 7 { want } else { -17.0 + want };
+    assert!(
+        (lp as f64 - want).abs() < 1e-6,
+        "token {tok}: {lp} vs {want}"
+    );
+}

@@ -51,6 +51,8 @@ pub struct Actor {
     pub temperature: f64,
     /// Forward passes of the old-log-prob recomputation.
     log_prob_micro: MicroBatching,
+    /// Generation's products in bf16 (`actor_rollout_ref.rollout.dtype`).
+    rollout_bf16: bool,
 }
 
 impl Actor {
@@ -74,6 +76,7 @@ impl Actor {
                 plan.response_length,
             ),
             pad_id,
+            shard: (0, 1),
         };
         let args = loaded.model.args.clone();
         Self {
@@ -89,7 +92,21 @@ impl Actor {
             cfg: cfg.clone(),
             temperature: plan.temperatures.log_prob,
             log_prob_micro: plan.log_prob_micro,
+            rollout_bf16: false,
         }
+    }
+
+    /// Generation's precision (`actor_rollout_ref.rollout.dtype`), independent of the actor's
+    /// own (`actor.fsdp_config.mixed_precision.param_dtype`), as verl's rollout engine is.
+    pub fn set_rollout_precision(&mut self, p: crate::config::model::Precision) {
+        self.rollout_bf16 = p.is_bf16();
+    }
+
+    /// The view generation runs on: the current weights, in the rollout's precision.
+    pub fn rollout_view(&self) -> CausalLm {
+        let mut v = self.view().no_grad();
+        v.set_bf16_matmuls(self.rollout_bf16);
+        v
     }
 
     /// The weights without autograd: generation and log-probs see every update.
@@ -225,6 +242,7 @@ impl Reference {
     /// (verl computes ref log-probs under `disable_adapter()`), no second model loaded.
     pub fn from_base(actor: &Actor, micro: MicroBatching, pad_id: u32) -> Self {
         Self {
+            // Precision: the actor's until the caller sets the reference's own.
             model: actor.view().without_adapters(),
             _varmap: VarMap::new(),
             micro,

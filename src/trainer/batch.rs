@@ -35,6 +35,18 @@ pub enum Column {
 }
 
 impl Column {
+    /// Every column, in a fixed order (the wire order of [`StepBatch::to_bytes`]).
+    pub const ALL: [Column; 8] = [
+        Column::TokenLevelScores,
+        Column::OldLogProbs,
+        Column::Entropys,
+        Column::RefLogProb,
+        Column::Values,
+        Column::TokenLevelRewards,
+        Column::Advantages,
+        Column::Returns,
+    ];
+
     /// verl's key.
     pub fn name(self) -> &'static str {
         match self {
@@ -93,6 +105,27 @@ pub struct StepBatch {
 /// Per-token values of every row, `[rows][response_len]`.
 pub type Ragged = Vec<Vec<f32>>;
 
+/// The rows of a [`StepBatch`] on the wire (its columns follow as raw f32 bits).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct WireRows {
+    prompts: Vec<Vec<u32>>,
+    responses: Vec<Vec<u32>>,
+    sample: Vec<usize>,
+    uid: Vec<u64>,
+    truncated: Vec<bool>,
+    excluded: Vec<bool>,
+    texts: Vec<String>,
+    rewards: Vec<SampleReward>,
+    reward_baselines: Option<Vec<f64>>,
+    update_order: Option<Vec<usize>>,
+    /// Names of the columns that follow, in order.
+    columns: Vec<String>,
+}
+
+fn wire_error(msg: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(format!("a step batch from another rank: {msg}"))
+}
+
 impl StepBatch {
     /// The rows of a rollout: `uid` groups them, `truncated` says which hit the length limit.
     pub fn new(
@@ -128,6 +161,139 @@ impl StepBatch {
         self.rewards = scored.rewards;
         self.excluded = scored.excluded;
         Ok(())
+    }
+
+    /// The batch as bytes for another rank: the rows as JSON (lengths first), then each filled
+    /// column's values as little-endian f32 bits, row after row (exact, unlike decimal text).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let filled: Vec<Column> = Column::ALL
+            .into_iter()
+            .filter(|c| self.columns.contains_key(c))
+            .collect();
+        let rows = WireRows {
+            prompts: self.prompts.clone(),
+            responses: self.responses.clone(),
+            sample: self.sample.clone(),
+            uid: self.uid.clone(),
+            truncated: self.truncated.clone(),
+            excluded: self.excluded.clone(),
+            texts: self.texts.clone(),
+            rewards: self.rewards.clone(),
+            reward_baselines: self.reward_baselines.clone(),
+            update_order: self.update_order.clone(),
+            columns: filled.iter().map(|c| c.name().to_string()).collect(),
+        };
+        let json = serde_json::to_vec(&rows).unwrap_or_default();
+        let mut out = (json.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&json);
+        for c in filled {
+            for row in &self.columns[&c] {
+                for v in row {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+        out
+    }
+
+    /// Reads [`StepBatch::to_bytes`]; every length is checked.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let head = bytes
+            .get(..8)
+            .ok_or_else(|| wire_error("shorter than its header"))?;
+        let n = u64::from_le_bytes(head.try_into().map_err(wire_error)?) as usize;
+        let json = bytes
+            .get(8..8 + n)
+            .ok_or_else(|| wire_error("shorter than its row data"))?;
+        let w: WireRows = serde_json::from_slice(json).map_err(wire_error)?;
+        let rows = w.responses.len();
+        let lens: Vec<usize> = w.responses.iter().map(Vec::len).collect();
+        let mut b = StepBatch {
+            prompts: w.prompts,
+            responses: w.responses,
+            sample: w.sample,
+            uid: w.uid,
+            truncated: w.truncated,
+            excluded: w.excluded,
+            texts: w.texts,
+            rewards: w.rewards,
+            reward_baselines: w.reward_baselines,
+            update_order: w.update_order,
+            columns: BTreeMap::new(),
+        };
+        let per_row = [
+            b.prompts.len(),
+            b.sample.len(),
+            b.uid.len(),
+            b.truncated.len(),
+            b.excluded.len(),
+        ];
+        if per_row.iter().any(|&k| k != rows) {
+            return Err(wire_error(format!(
+                "row fields of unequal lengths {per_row:?} for {rows} responses"
+            )));
+        }
+        let mut at = 8 + n;
+        for name in &w.columns {
+            let c = Column::ALL
+                .into_iter()
+                .find(|c| c.name() == name)
+                .ok_or_else(|| wire_error(format!("unknown column `{name}`")))?;
+            let mut col: Ragged = Vec::with_capacity(rows);
+            for &l in &lens {
+                let raw = bytes
+                    .get(at..at + 4 * l)
+                    .ok_or_else(|| wire_error(format!("column `{name}` is cut short")))?;
+                col.push(
+                    raw.chunks_exact(4)
+                        .map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]]))
+                        .collect(),
+                );
+                at += 4 * l;
+            }
+            b.columns.insert(c, col);
+        }
+        if at != bytes.len() {
+            return Err(wire_error(format!("{} bytes left over", bytes.len() - at)));
+        }
+        Ok(b)
+    }
+
+    /// The rows of `parts` one after the other (the ranks' shares in rank order). Every part
+    /// must hold the same columns; update orders are dropped (they are set on the whole batch).
+    pub fn concat(parts: Vec<StepBatch>) -> Result<Self> {
+        let mut it = parts.into_iter();
+        let mut out = it.next().unwrap_or_default();
+        out.update_order = None;
+        for (k, p) in it.enumerate() {
+            let keys: Vec<Column> = p.columns.keys().copied().collect();
+            let mine: Vec<Column> = out.columns.keys().copied().collect();
+            if keys != mine {
+                return Err(wire_error(format!(
+                    "part {} holds columns {keys:?}, part 0 {mine:?}",
+                    k + 1
+                )));
+            }
+            match (&mut out.reward_baselines, p.reward_baselines) {
+                (Some(a), Some(b)) => a.extend(b),
+                (None, None) => {}
+                _ => return Err(wire_error("ReMax baselines on some ranks only")),
+            }
+            out.prompts.extend(p.prompts);
+            out.responses.extend(p.responses);
+            out.sample.extend(p.sample);
+            out.uid.extend(p.uid);
+            out.truncated.extend(p.truncated);
+            out.excluded.extend(p.excluded);
+            out.texts.extend(p.texts);
+            out.rewards.extend(p.rewards);
+            for (c, v) in p.columns {
+                if let Some(col) = out.columns.get_mut(&c) {
+                    col.extend(v);
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// A filled column; an error names the column and the phase that fills it.

@@ -98,6 +98,7 @@ impl Critic {
                 plan.response_length,
             ),
             pad_id,
+            shard: (0, 1),
         };
         let args = backbone.args.clone();
         Ok(Self {

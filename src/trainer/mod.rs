@@ -42,6 +42,7 @@ use crate::checkpoint::CheckpointError;
 use crate::config::{AdvEstimator, Config, ConfigError, Plan};
 use crate::control::ControlServer;
 use crate::data::{BatchLoader, DataError, PromptDataset, TokenizerBundle};
+use crate::dist::Comm;
 use crate::metrics::{Metrics, Timings, Tracker};
 use crate::model::ModelError;
 use crate::reward::{NativeRegistry, RewardError, RewardManager};
@@ -59,6 +60,8 @@ pub enum TrainerError {
     Reward(#[from] RewardError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    #[error(transparent)]
+    Dist(#[from] crate::dist::DistError),
     #[error("{0}")]
     Tensor(#[from] candle_core::Error),
     #[error("{0}")]
@@ -87,8 +90,10 @@ pub struct TrainerOptions {
     pub natives: NativeRegistry,
     /// Set to request a clean stop after the current step.
     pub stop: Arc<AtomicBool>,
-    /// Metric sinks; `None` = those of `trainer.logger`.
+    /// Metric sinks; `None` = those of `trainer.logger` (on rank 0; other ranks log nothing).
     pub tracker: Option<Tracker>,
+    /// The data-parallel collectives (one process by default; see [`crate::dist`]).
+    pub comm: Comm,
 }
 
 impl Default for TrainerOptions {
@@ -97,6 +102,7 @@ impl Default for TrainerOptions {
             natives: NativeRegistry::default(),
             stop: Arc::new(AtomicBool::new(false)),
             tracker: None,
+            comm: crate::dist::single(),
         }
     }
 }
@@ -124,6 +130,8 @@ pub struct Trainer {
     pub control: Option<ControlServer>,
     /// The metrics of the last [`HISTORY_LEN`] steps (all are sent to the sinks).
     pub history: VecDeque<(u64, Metrics)>,
+    /// The data-parallel collectives: rank 0 writes checkpoints, metrics and dumps.
+    pub comm: Comm,
 }
 
 /// Steps of metrics a [`Trainer`] keeps in memory.
@@ -138,6 +146,7 @@ impl Trainer {
             tracing::warn!("{w}");
         }
         setup::check_paths(&cfg, &plan)?;
+        setup::check_world(&cfg, &plan, opts.comm.as_ref())?;
         let reward = setup::reward_manager(&cfg, &plan, &opts.natives)?;
         let device = crate::model::device(&cfg.trainer.device)?;
         let (mut loaded, tok) = setup::load_policy(&cfg, &device)?;
@@ -165,7 +174,14 @@ impl Trainer {
         let r = &cfg.actor_rollout_ref.rollout;
         let params = SamplingParams::train(r, plan.response_length, &tok.eos_token_ids);
         let pad = tok.pad_token_id;
-        let actor = Actor::new(
+        let precision = cfg
+            .actor_rollout_ref
+            .actor
+            .fsdp_config
+            .mixed_precision
+            .param_dtype;
+        loaded.model.set_bf16_matmuls(precision.is_bf16());
+        let mut actor = Actor::new(
             loaded,
             &cfg.actor_rollout_ref.actor,
             &plan,
@@ -173,6 +189,7 @@ impl Trainer {
             pad,
             actor_lora,
         );
+        actor.set_rollout_precision(cfg.actor_rollout_ref.rollout.dtype);
         let reference = setup::reference(&cfg, &plan, &actor, &device, pad)?;
         let critic = if plan.need_critic {
             let mut l = setup::load_critic(&cfg, &device, &tok)?;
@@ -207,8 +224,15 @@ impl Trainer {
         );
         let tracker = match opts.tracker {
             Some(t) => t,
-            None => setup::tracker(&cfg)?,
+            None if opts.comm.rank() == 0 => setup::tracker(&cfg)?,
+            None => Tracker::with_sinks(Vec::new()),
         };
+        let mut actor = actor;
+        actor.trainable.set_comm(opts.comm.clone());
+        let mut critic = critic;
+        if let Some(c) = critic.as_mut() {
+            c.trainable.set_comm(opts.comm.clone());
+        }
         let mut t = Trainer {
             rollout: RolloutWorker::new(params, plan.n, plan.seeds.rollout),
             kl_ctrl: KlController::new(&cfg.algorithm.kl_ctrl),
@@ -229,9 +253,10 @@ impl Trainer {
             last_saved: None,
             control: None,
             history: VecDeque::new(),
+            comm: opts.comm,
         };
         t.resume()?;
-        if t.cfg.reward.control.enable {
+        if t.cfg.reward.control.enable && t.comm.rank() == 0 {
             let server =
                 ControlServer::start(&t.cfg.reward.control, t.reward.weights(), t.total_steps)
                     .map_err(TrainerError::Other)?;
@@ -252,7 +277,7 @@ impl Trainer {
         }
         let bar = progress_bar(self.total_steps, self.global_step);
         while self.global_step < self.total_steps {
-            if self.stop.load(Ordering::SeqCst) {
+            if self.stop_requested()? {
                 return self.interrupted();
             }
             let m = self.step()?;
@@ -260,12 +285,18 @@ impl Trainer {
             bar.set_position(self.global_step);
         }
         bar.finish_and_clear();
-        if self.stop.load(Ordering::SeqCst) && self.last_saved != Some(self.global_step) {
+        if self.stop_requested()? && self.last_saved != Some(self.global_step) {
             return self.interrupted();
         }
         Ok(FitOutcome::Finished {
             steps: self.global_step,
         })
+    }
+
+    /// Whether a stop was requested on any rank (all ranks then stop after the same step).
+    fn stop_requested(&self) -> Result<bool> {
+        let here = self.stop.load(Ordering::SeqCst);
+        crate::dist::any(self.comm.as_ref(), here).map_err(|e| TrainerError::Other(e.to_string()))
     }
 
     fn interrupted(&mut self) -> Result<FitOutcome> {
@@ -312,11 +343,6 @@ impl Trainer {
         let (mut t, mut m) = (Timings::default(), Metrics::new());
         let (prompts, epoch) = self.next_prompts()?;
         let mut batch = t.time("gen", || self.generate(&prompts))?;
-        if self.cfg.trainer.balance_batch {
-            let seqlens: Vec<usize> = (0..batch.len()).map(|r| batch.seq_len(r)).collect();
-            batch.update_order = Some(batch::balanced_order(&seqlens));
-            m.extend(batch::seqlen_metrics(&seqlens));
-        }
         t.time("reward", || self.compute_rewards(&mut batch))?;
         if self.cfg.algorithm.adv_estimator == AdvEstimator::Remax {
             t.time("gen_max", || self.remax_baselines(&mut batch))?;
@@ -328,6 +354,16 @@ impl Trainer {
         if let Some(c) = &self.critic {
             t.time("values", || c.compute_values(&mut batch))?;
         }
+        let mut batch = if self.comm.world_size() > 1 {
+            t.time("gather", || self.gather(batch))?
+        } else {
+            batch
+        };
+        if self.cfg.trainer.balance_batch {
+            let seqlens: Vec<usize> = (0..batch.len()).map(|r| batch.seq_len(r)).collect();
+            batch.update_order = Some(batch::balanced_order(&seqlens));
+            m.extend(batch::seqlen_metrics(&seqlens));
+        }
         m.extend(t.time("adv", || self.compute_advantages(&mut batch))?);
         if let Some(c) = self.critic.as_mut() {
             m.extend(t.time("update_critic", || c.update(&batch, step))?);
@@ -336,7 +372,7 @@ impl Trainer {
             m.extend(t.time("update_actor", || self.actor.update(&batch, step))?);
         }
         self.global_step = step;
-        if let Some(dir) = self.cfg.trainer.rollout_data_dir.clone() {
+        if let (Some(dir), 0) = (self.cfg.trainer.rollout_data_dir.clone(), self.comm.rank()) {
             self.dump_rollouts(&dir, &batch)?;
         }
         // verl's `timing_s/step` (and so perf/*) stops here: validation and saving are timed

@@ -9,7 +9,9 @@ use crate::data::{PromptDataset, TokenizerBundle};
 use crate::metrics::{Metrics, Timings};
 use crate::model::CausalLm;
 use crate::reward::ScoreRequest;
-use crate::rollout::{generate_rows, repeat_rows, Sampler, SamplingParams, StopReason};
+use crate::rollout::{
+    generate_rows, generate_rows_from, repeat_rows, Sampler, SamplingParams, StopReason,
+};
 
 /// The rollout worker: `n` sampled responses per prompt, one group id per prompt.
 pub struct RolloutWorker {
@@ -29,19 +31,25 @@ impl RolloutWorker {
     }
 
     /// The rows of a step: each prompt `n` times, consecutively, sampled from `model`.
+    /// `first_prompt`: the step-wide index of `prompts[0]` (a data-parallel rank's share
+    /// starts there), so that group ids and random streams are those of the whole step.
     pub fn generate(
         &mut self,
         model: &CausalLm,
         ds: &PromptDataset,
         prompts: &[usize],
+        first_prompt: usize,
     ) -> Result<StepBatch> {
         let rows = repeat_rows(prompts, self.n);
-        let out = generate_rows(model, ds, &rows, &self.params, &mut self.sampler)?;
+        let first_row = first_prompt * self.n;
+        let out = generate_rows_from(model, ds, &rows, &self.params, &mut self.sampler, first_row)?;
         Ok(StepBatch::new(
             rows.iter().map(|&i| ds.prompt_ids[i].clone()).collect(),
             out.responses,
             rows.clone(),
-            (0..rows.len()).map(|k| (k / self.n) as u64).collect(),
+            (0..rows.len())
+                .map(|k| (first_prompt + k / self.n) as u64)
+                .collect(),
             out.stop.iter().map(|s| *s == StopReason::Length).collect(),
         ))
     }
@@ -82,8 +90,16 @@ pub fn requests(ds: &PromptDataset, rows: &[usize], texts: &[String]) -> Vec<Sco
 
 impl Trainer {
     /// Weights posted to the control API apply from this step on.
+    /// With data parallelism the API runs on rank 0, which sends the changes to every rank.
     pub(super) fn apply_weight_changes(&mut self, step: u64) -> Result<()> {
-        if let Some(w) = self.control.as_ref().and_then(ControlServer::take_changes) {
+        let mut changes = self.control.as_ref().and_then(ControlServer::take_changes);
+        if self.comm.world_size() > 1 && self.cfg.reward.control.enable {
+            let mut bytes = serde_json::to_vec(&changes).unwrap_or_default();
+            self.comm.broadcast_bytes(&mut bytes, 0)?;
+            changes = serde_json::from_slice(&bytes)
+                .map_err(|e| TrainerError::Other(format!("reward weights from rank 0: {e}")))?;
+        }
+        if let Some(w) = changes {
             self.reward.set_weights(&w)?;
             tracing::info!("step {step}: reward weights {w:?}");
         }
@@ -100,10 +116,31 @@ impl Trainer {
         Ok((prompts, epoch.max(self.loader.cursor().epoch)))
     }
 
-    /// The `gen` phase: the rows of the step, from the actor's current weights.
+    /// The `gen` phase: this rank's rows of the step, from the actor's current weights. Each
+    /// rank takes an equal, contiguous share of the step's prompts (whole groups: all `n`
+    /// responses of a prompt on one rank, as verl dispatches them).
     pub(super) fn generate(&mut self, prompts: &[usize]) -> Result<StepBatch> {
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let share = prompts.len() / world.max(1);
+        let mine = &prompts[rank * share..(rank + 1) * share];
         self.rollout
-            .generate(self.actor.view(), &self.train, prompts)
+            .generate(&self.actor.rollout_view(), &self.train, mine, rank * share)
+    }
+
+    /// Every rank's rows, in rank order (= the step's order), on every rank: the later phases
+    /// (advantages with their group and whitening statistics, the KL controller, the data
+    /// metrics) then see the whole step, as verl's driver does after its workers return.
+    pub(super) fn gather(&self, batch: StepBatch) -> Result<StepBatch> {
+        if self.comm.world_size() == 1 {
+            return Ok(batch);
+        }
+        let parts = crate::dist::all_gather_bytes(self.comm.as_ref(), batch.to_bytes())
+            .map_err(|e| TrainerError::Other(e.to_string()))?;
+        let parts = parts
+            .iter()
+            .map(|b| StepBatch::from_bytes(b))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(StepBatch::concat(parts)?)
     }
 
     /// The `reward` phase: decodes, scores, places the scores on tokens and leaves out the
@@ -122,7 +159,7 @@ impl Trainer {
         let firsts: Vec<usize> = batch.sample.iter().step_by(n).copied().collect();
         let responses = self
             .rollout
-            .greedy(self.actor.view(), &self.train, &firsts)?;
+            .greedy(&self.actor.rollout_view(), &self.train, &firsts)?;
         let texts = decode(&self.tokenizer, &responses)?;
         let lens: Vec<usize> = responses.iter().map(Vec::len).collect();
         let scored = self

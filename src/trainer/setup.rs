@@ -20,6 +20,43 @@ use crate::model::lora::{self, LoraSpec};
 use crate::reward::{ModelContext, NativeRegistry, RewardManager};
 use crate::util::expand_home;
 
+/// The data-parallel rules of a run on `comm`'s ranks: `trainer.nnodes ×
+/// trainer.n_gpus_per_node` (when set) must be the number of processes the launcher started,
+/// and `data.train_batch_size` must split into whole prompts per rank (each rank generates
+/// all `rollout.n` responses of its prompts).
+pub fn check_world(
+    cfg: &Config,
+    plan: &Plan,
+    comm: &dyn crate::dist::Collective,
+) -> std::result::Result<(), ConfigError> {
+    let world = comm.world_size();
+    let t = &cfg.trainer;
+    let mut errors = Vec::new();
+    if t.nnodes.is_some() || t.n_gpus_per_node.is_some() {
+        let (nodes, per_node) = (t.nnodes.unwrap_or(1), t.n_gpus_per_node.unwrap_or(1));
+        if nodes * per_node != world {
+            errors.push(format!(
+                "trainer.nnodes ({nodes}) × trainer.n_gpus_per_node ({per_node}) = {} must equal the number of processes started ({world}, backend `{}`): launch {} processes (mpirun -np {}), or set both keys to match (null = the launcher's count)",
+                nodes * per_node,
+                comm.backend(),
+                nodes * per_node,
+                nodes * per_node,
+            ));
+        }
+    }
+    if !plan.train_batch_size.is_multiple_of(world) {
+        errors.push(format!(
+            "data.train_batch_size ({}) must be divisible by the number of processes ({world}): each rank takes whole prompts",
+            plan.train_batch_size
+        ));
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid(errors))
+    }
+}
+
 /// Every path the configuration names, checked together: inputs must exist, and the folders
 /// a run writes (checkpoints, sample dumps) must be creatable and writable, so a run never
 /// finds out after its first step's compute.
@@ -275,12 +312,6 @@ pub fn attach_lora(
             let path = std::path::PathBuf::from(expand_home(p));
             let file = lora::read_adapter(&path)
                 .map_err(|e| TrainerError::Other(format!("{key}.lora_adapter_path={p}: {e}")))?;
-            if file.lora_dropout > 0.0 {
-                tracing::warn!(
-                    "{key}.lora_adapter_path={p}: lora_dropout {} is not applied (adapters train without dropout here)",
-                    file.lora_dropout
-                );
-            }
             let dir = lora::adapter_dir(&path)?;
             (file.spec, Some(dir))
         }
@@ -291,20 +322,29 @@ pub fn attach_lora(
                 use_rslora: false,
                 target_modules: m.target_modules.clone(),
                 exclude_modules: m.exclude_modules.clone(),
+                // verl's FSDP config has no dropout key: PEFT's default, 0.
+                dropout: 0.0,
             },
             None,
         ),
     };
     let adapted = lora::attach(&mut loaded.model, &spec, &adapters, seed, key)?;
+    // PEFT's `lora_dropout` from the adapter's config (what `PeftModel.from_pretrained(...,
+    // is_trainable=True)` applies in verl), in training forwards only.
+    loaded
+        .model
+        .set_adapter_dropout(spec.dropout, seed ^ 0x6c6f_7261_5f64_726f)
+        .map_err(|e| TrainerError::Other(format!("{key}: {e}")))?;
     if let Some(dir) = &source {
         let file = lora::read_adapter(dir)?;
         lora::assign_adapter(&adapters, &file.tensors, dir)
             .map_err(|e| TrainerError::Other(format!("{key}.lora_adapter_path: {e}")))?;
     }
     tracing::info!(
-        "{key}: LoRA rank {} alpha {} on {} projections",
+        "{key}: LoRA rank {} alpha {} dropout {} on {} projections",
         spec.rank,
         spec.alpha,
+        spec.dropout,
         adapted.len()
     );
     Ok(Some(LoraState {
@@ -327,7 +367,7 @@ pub fn reference(
     device: &Device,
     pad: u32,
 ) -> Result<Option<Reference>> {
-    Ok(match (plan.need_reference, plan.ref_log_prob_micro) {
+    let mut r = match (plan.need_reference, plan.ref_log_prob_micro) {
         (true, Some(micro)) if actor.trainable.lora.is_some() => {
             Some(Reference::from_base(actor, micro, pad))
         }
@@ -336,7 +376,17 @@ pub fn reference(
             Some(Reference::new(l, micro, plan.temperatures.log_prob, pad))
         }
         _ => None,
-    })
+    };
+    if let Some(r) = &mut r {
+        let p = cfg
+            .actor_rollout_ref
+            .reference
+            .fsdp_config
+            .mixed_precision
+            .param_dtype;
+        r.model.set_bf16_matmuls(p.is_bf16());
+    }
+    Ok(r)
 }
 
 /// The tokenizer prompts are read with when it is not the policy model's own:
@@ -366,6 +416,8 @@ pub fn load_critic(cfg: &Config, device: &Device, tok: &TokenizerBundle) -> Resu
     )?;
     l.model
         .set_gradient_checkpointing(c.enable_gradient_checkpointing);
+    l.model
+        .set_bf16_matmuls(c.fsdp_config.mixed_precision.param_dtype.is_bf16());
     let (theirs, ours) = (
         ctok.tokenizer.get_vocab_size(true),
         tok.tokenizer.get_vocab_size(true),

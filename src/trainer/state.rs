@@ -56,6 +56,20 @@ impl Trainer {
     /// Writes `global_step_N/` for the current step and prunes old ones.
     pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
         let root = self.plan.default_local_dir.clone();
+        // Rank 0 writes (every rank holds the same weights, optimizer moments and counters);
+        // the others wait, so no rank runs ahead of a checkpoint it might resume from.
+        if self.comm.rank() != 0 {
+            self.comm.barrier()?;
+            self.last_saved = Some(self.global_step);
+            return Ok(checkpoint::step_dir(&root, self.global_step));
+        }
+        let dir = self.write_checkpoint(&root);
+        self.comm.barrier()?;
+        dir
+    }
+
+    fn write_checkpoint(&mut self, root: &Path) -> Result<PathBuf> {
+        let root = root.to_path_buf();
         let state = TrainerState {
             global_step: self.global_step,
             loader: self.loader.cursor(),
@@ -95,7 +109,10 @@ impl Trainer {
     /// Restores the state of the checkpoint `trainer.resume_mode` selects, if any.
     pub(super) fn resume(&mut self) -> Result<()> {
         let root = self.plan.default_local_dir.clone();
-        checkpoint::remove_partials(&root);
+        if self.comm.rank() == 0 {
+            checkpoint::remove_partials(&root);
+        }
+        self.comm.barrier()?;
         let t = self.cfg.trainer.clone();
         let Some((step, dir)) =
             checkpoint::find_resume(&root, t.resume_mode, t.resume_from_path.as_deref())?
@@ -113,7 +130,9 @@ impl Trainer {
             ))
         })?;
         tracing::info!("resumed from {} (step {step})", dir.display());
-        if t.del_local_ckpt_after_load {
+        // Every rank has read it before rank 0 may delete it.
+        self.comm.barrier()?;
+        if t.del_local_ckpt_after_load && self.comm.rank() == 0 {
             let _ = std::fs::remove_dir_all(&dir);
         }
         Ok(())

@@ -121,6 +121,7 @@ fn trainer(fx: &Fixture, extra: &[&str], tracker: Option<Tracker>) -> Trainer {
             natives: natives(),
             stop: Arc::new(AtomicBool::new(false)),
             tracker: Some(tracker.unwrap_or_else(|| Tracker::with_sinks(Vec::new()))),
+            ..TrainerOptions::default()
         },
     )
     .unwrap_or_else(|e| panic!("{e}"))
@@ -317,6 +318,7 @@ fn resume_is_bit_exact() {
             natives: natives(),
             stop: stop.clone(),
             tracker: Some(Tracker::with_sinks(vec![("stop".into(), sink)])),
+            ..TrainerOptions::default()
         },
     )
     .unwrap();
@@ -898,3 +900,53 @@ mod golden;
 
 #[path = "tests_lora.rs"]
 mod lora;
+
+/// verl's mixed-precision keys reach every model of the run: actor (training and old
+/// log-probs), rollout, reference and critic each take their own key, and a 3-step gae run with
+/// all of them in bf16 trains (finite losses, weights move). Without the keys nothing is bf16.
+#[test]
+fn mixed_precision_keys_reach_actor_rollout_reference_and_critic() {
+    let fx = fixture();
+    let amx = crate::model::amx::available();
+    let plain = trainer(
+        &fx,
+        &[
+            "algorithm.adv_estimator=gae",
+            "actor_rollout_ref.actor.use_kl_loss=True",
+        ],
+        None,
+    );
+    assert!(!plain.actor.view().bf16_matmuls());
+    assert!(!plain.actor.rollout_view().bf16_matmuls());
+    let bf = [
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+        "actor_rollout_ref.rollout.dtype=bfloat16",
+        "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=bf16",
+        "critic.model.fsdp_config.mixed_precision.param_dtype=bf16",
+    ];
+    let mut t = trainer(&fx, &bf, None);
+    assert_eq!(t.actor.view().bf16_matmuls(), amx);
+    assert_eq!(t.actor.rollout_view().bf16_matmuls(), amx);
+    assert_eq!(t.reference.as_ref().unwrap().model.bf16_matmuls(), amx);
+    let critic = t.critic.as_ref().unwrap();
+    assert_eq!(critic.trainable.view().backbone.bf16_matmuls(), amx);
+    // The rollout's key alone: the actor trains in f32.
+    let r = trainer(&fx, &[bf[0], bf[1], bf[3]], None);
+    assert!(!r.actor.view().bf16_matmuls());
+    assert_eq!(r.actor.rollout_view().bf16_matmuls(), amx);
+    let before = weights(&t.actor.trainable.varmap);
+    assert_eq!(t.fit().unwrap(), FitOutcome::Finished { steps: 3 });
+    let m = &t.history[2].1;
+    assert_finite(
+        m,
+        &["actor/pg_loss", "actor/grad_norm", "critic/vf_loss"],
+        "bf16",
+    );
+    assert_ne!(
+        before,
+        weights(&t.actor.trainable.varmap),
+        "bf16 training moved no weight"
+    );
+}

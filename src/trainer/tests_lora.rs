@@ -179,27 +179,7 @@ fn lora_checkpoints_are_peft_folders_and_resume_exactly() {
     drop(a);
 
     let fx2 = fixture_like(&fx);
-    let stop = Arc::new(AtomicBool::new(false));
-    let sink: Box<dyn MetricSink + Send> = Box::new(StopAt(2, stop.clone()));
-    let mut b = Trainer::new(
-        config(&fx2, &extra),
-        TrainerOptions {
-            natives: natives(),
-            stop,
-            tracker: Some(Tracker::with_sinks(vec![("stop".into(), sink)])),
-        },
-    )
-    .unwrap();
-    assert!(matches!(
-        b.fit().unwrap(),
-        FitOutcome::Interrupted { step: 2, .. }
-    ));
-    let mut history = b.history.clone();
-    drop(b);
-    let mut c = trainer(&fx2, &extra, None);
-    assert_eq!(c.global_step, 2);
-    c.fit().unwrap();
-    history.extend(c.history.iter().cloned());
+    let (c, history) = stopped_at_2_then_resumed(&fx2, &extra);
     assert!(
         straight.0 == adapters(&c.actor.trainable),
         "adapters differ after resume"
@@ -276,6 +256,7 @@ fn lora_adapter_path_starts_from_a_saved_adapter() {
             natives: natives(),
             stop: Arc::new(AtomicBool::new(false)),
             tracker: Some(Tracker::with_sinks(Vec::new())),
+            ..TrainerOptions::default()
         },
     )
     .err()
@@ -285,4 +266,126 @@ fn lora_adapter_path_starts_from_a_saved_adapter() {
         e.contains("lora_adapter_path") && e.contains("adapter_config.json"),
         "{e}"
     );
+}
+
+/// PEFT's `lora_dropout` from a loaded adapter's config (verl's FSDP route to dropout:
+/// `PeftModel.from_pretrained(..., is_trainable=True)`): the actor trains with it (its adapters
+/// end elsewhere than without dropout), checkpoints keep it in `adapter_config.json`, and an
+/// interrupted run resumes onto exactly the straight run's adapters and metrics (the masks
+/// depend on the step and the forward's order, not on how the process started).
+#[test]
+fn adapter_dropout_trains_saves_and_resumes_exactly() {
+    let fx = fixture();
+    let mut a = trainer(
+        &fx,
+        &[
+            LORA,
+            &["trainer.total_training_steps=1", "trainer.save_freq=1"],
+        ]
+        .concat(),
+        None,
+    );
+    a.fit().unwrap();
+    let start = crate::checkpoint::step_dir(&a.plan.default_local_dir, 1).join("actor");
+    drop(a);
+    // The same adapter, once as saved (dropout 0) and once with lora_dropout 0.3.
+    let dropped = fx.dir.path().join("dropped_adapter");
+    std::fs::create_dir_all(&dropped).unwrap();
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(start.join("lora_adapter").join(f), dropped.join(f)).unwrap();
+    }
+    let cfg_path = dropped.join("adapter_config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    assert_eq!(cfg["lora_dropout"], 0.0);
+    cfg["lora_dropout"] = serde_json::json!(0.3);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let run_with = |adapter: &Path| -> Vec<String> {
+        vec![
+            "algorithm.adv_estimator=gae".into(),
+            format!(
+                "actor_rollout_ref.model.lora_adapter_path={}",
+                adapter.display()
+            ),
+            "critic.model.lora_rank=2".into(),
+            "trainer.total_training_steps=3".into(),
+            "trainer.save_freq=1".into(),
+        ]
+    };
+    let extra_owned = run_with(&dropped);
+    let extra: Vec<&str> = extra_owned.iter().map(String::as_str).collect();
+    let plain_owned = run_with(&start);
+    let plain_extra: Vec<&str> = plain_owned.iter().map(String::as_str).collect();
+
+    let fx2 = fixture_like(&fx);
+    let mut s = trainer(&fx2, &extra, None);
+    assert_eq!(s.actor.trainable.model.adapter_dropout(), 0.3);
+    s.fit().unwrap();
+    let saved: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            crate::checkpoint::step_dir(&s.plan.default_local_dir, 1)
+                .join("actor/lora_adapter/adapter_config.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(saved["lora_dropout"], 0.3);
+    let straight = (
+        adapters(&s.actor.trainable),
+        s.history
+            .iter()
+            .map(|(k, m)| (*k, deterministic(m)))
+            .collect::<Vec<_>>(),
+    );
+    drop(s);
+
+    let fx3 = fixture_like(&fx);
+    let mut p = trainer(&fx3, &plain_extra, None);
+    assert_eq!(p.actor.trainable.model.adapter_dropout(), 0.0);
+    p.fit().unwrap();
+    assert!(
+        adapters(&p.actor.trainable) != straight.0,
+        "dropout changes the training"
+    );
+    drop(p);
+
+    let fx4 = fixture_like(&fx);
+    let (c, history) = stopped_at_2_then_resumed(&fx4, &extra);
+    assert!(
+        straight.0 == adapters(&c.actor.trainable),
+        "adapters differ after resume"
+    );
+    let resumed: Vec<_> = history
+        .iter()
+        .map(|(k, m)| (*k, deterministic(m)))
+        .collect();
+    assert!(straight.1 == resumed, "metrics differ after resume");
+}
+
+/// A run of `extra` on `fx` stopped after step 2 (as by Ctrl-C), then resumed to the end: the
+/// resumed trainer and the metrics of both parts in step order.
+fn stopped_at_2_then_resumed(fx: &Fixture, extra: &[&str]) -> (Trainer, VecDeque<(u64, Metrics)>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let sink: Box<dyn MetricSink + Send> = Box::new(StopAt(2, stop.clone()));
+    let mut b = Trainer::new(
+        config(fx, extra),
+        TrainerOptions {
+            natives: natives(),
+            stop,
+            tracker: Some(Tracker::with_sinks(vec![("stop".into(), sink)])),
+            ..TrainerOptions::default()
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        b.fit().unwrap(),
+        FitOutcome::Interrupted { step: 2, .. }
+    ));
+    let mut history = b.history.clone();
+    drop(b);
+    let mut c = trainer(fx, extra, None);
+    assert_eq!(c.global_step, 2);
+    c.fit().unwrap();
+    history.extend(c.history.iter().cloned());
+    (c, history)
 }

@@ -18,6 +18,7 @@ use super::optim::{AdamW, LrSchedule};
 use super::{Result, TrainerError};
 use crate::config::{MicroBatching, OptimConfig, UpdatePlan};
 use crate::data::TokenizerBundle;
+use crate::dist::Comm;
 use crate::model::lora::{self, LoraSpec};
 use crate::model::{hf, CausalLm, ModelArgs, ValueHead};
 
@@ -26,6 +27,9 @@ pub trait Network: Sized {
     /// The same weights, detached (inference: no activations kept for a backward pass).
     fn no_grad(&self) -> Self;
     fn device(&self) -> &Device;
+    /// Puts the adapter-dropout mask stream at `position` (see
+    /// [`CausalLm::set_dropout_position`]); nothing without adapter dropout.
+    fn set_dropout_position(&self, position: u64);
 }
 
 impl Network for CausalLm {
@@ -34,6 +38,9 @@ impl Network for CausalLm {
     }
     fn device(&self) -> &Device {
         CausalLm::device(self)
+    }
+    fn set_dropout_position(&self, position: u64) {
+        CausalLm::set_dropout_position(self, position)
     }
 }
 
@@ -52,6 +59,9 @@ impl Network for ValueModel {
     }
     fn device(&self) -> &Device {
         self.backbone.device()
+    }
+    fn set_dropout_position(&self, position: u64) {
+        self.backbone.set_dropout_position(position)
     }
 }
 
@@ -102,6 +112,8 @@ pub struct UpdateSettings {
     /// Divisor of seq-mean-token-sum-norm (`loss_scale_factor`, else the response length).
     pub loss_scale_factor: Option<f64>,
     pub pad_id: u32,
+    /// (rank, world size): which micro-batches of each mini-batch this process computes.
+    pub shard: (usize, usize),
 }
 
 impl UpdateSettings {
@@ -137,6 +149,8 @@ pub struct Trainable<N> {
     /// Training steps that updated the model (the LR scheduler's position).
     pub updates: u64,
     pub(super) settings: UpdateSettings,
+    /// The data-parallel collectives (gradients are summed over ranks before clipping).
+    pub(super) comm: Comm,
 }
 
 impl<N: Network> Trainable<N> {
@@ -160,7 +174,15 @@ impl<N: Network> Trainable<N> {
             schedule: LrSchedule::new(optim, total_steps),
             updates: 0,
             settings,
+            comm: crate::dist::single(),
         }
+    }
+
+    /// Trains as one of `comm`'s ranks: this process computes its share of each mini-batch's
+    /// micro-batches and the gradients are summed over the ranks.
+    pub fn set_comm(&mut self, comm: Comm) {
+        self.settings.shard = (comm.rank(), comm.world_size());
+        self.comm = comm;
     }
 
     /// The weights without autograd.

@@ -17,13 +17,14 @@
 use std::collections::BTreeMap;
 
 use candle_core::backprop::GradStore;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use super::batch::{MicroInputs, StepBatch};
 use super::optim::clip_grad_norm;
 use super::trainable::{Network, Trainable, UpdateSettings};
 use crate::algo::AggNorm;
 use crate::config::{MicroBatching, UpdatePlan};
+use crate::dist::Collective;
 use crate::metrics::{mean, Metrics};
 use crate::util::permutation;
 
@@ -94,6 +95,8 @@ pub fn mini_batch_norm(
             batch_num_tokens: Some(tokens as f64),
             global_batch_size: Some(seqs as f64),
             loss_scale_factor,
+            // The ranks' gradients are summed, not averaged (see `all_reduce_grads`).
+            dp_size: None,
         }
     } else {
         AggNorm {
@@ -105,7 +108,13 @@ pub fn mini_batch_norm(
 
 /// The gradient of one mini-batch (`(batch, mini)`: the step's batch and the mini-batch's rows)
 /// with respect to `vars`: each micro-batch's loss times [`micro_scale`], backpropagated and
-/// summed; `None` when there was no micro-batch. `micro_loss` as in [`Trainable::update`].
+/// summed; `None` when the mini-batch has no micro-batch. `micro_loss` as in
+/// [`Trainable::update`].
+///
+/// With data parallelism (`settings.shard` = (rank, world size)) the mini-batch is cut into
+/// micro-batches exactly as one process cuts it, and rank `r` takes micro-batches `r`, `r + W`,
+/// ...: the ranks' gradients add up to the one-process gradient (see [`all_reduce_grads`]),
+/// whatever the normalisation path. A rank without a micro-batch returns an empty store.
 pub fn mini_batch_grads<N: Network>(
     model: &N,
     vars: &[(String, candle_core::Var)],
@@ -116,13 +125,17 @@ pub fn mini_batch_grads<N: Network>(
     micro_loss: &mut impl FnMut(&N, &MicroInputs, &[usize], MicroCtx) -> candle_core::Result<MicroLoss>,
 ) -> candle_core::Result<Option<GradStore>> {
     let (plan, prefix) = (&settings.plan, settings.prefix);
+    let (rank, world) = settings.shard;
     let device = model.device().clone();
+    let micros = batch.micro_batches(mini, plan.micro);
+    if micros.is_empty() {
+        return Ok(None);
+    }
     // Only the parameters' gradients are kept: `backward()` also returns gradients for constant
     // inputs of the graph (masks, rotary tables, ...), which would otherwise pile up across
     // micro-batches (measured: +2.3 GB per SmolLM2 micro-batch).
     let mut grads = GradStore::default();
-    let mut any = false;
-    for micro in batch.micro_batches(mini, plan.micro) {
+    for micro in micros.into_iter().skip(rank).step_by(world.max(1)) {
         let mi = batch.inputs(&micro, settings.pad_id, &device)?;
         let out = micro_loss(model, &mi, &micro, ctx)?;
         let scale = micro_scale(plan, micro.len());
@@ -143,7 +156,6 @@ pub fn mini_batch_grads<N: Network>(
             }
         }
         drop(g);
-        any = true;
         tracing::debug!(
             "{prefix}: micro-batch of {} rows: resident {:.2} GB after backward",
             micro.len(),
@@ -151,7 +163,142 @@ pub fn mini_batch_grads<N: Network>(
         );
         scalars.add(out.scalars, scale);
     }
-    Ok(any.then_some(grads))
+    Ok(Some(grads))
+}
+
+fn dist_error(e: crate::dist::DistError) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+/// Sums each variable's gradient over the ranks, in buckets of at most
+/// [`crate::dist::BUCKET_BYTES`], after the micro-batch loop and before clipping, so that the
+/// gradient norm, the skip decision and AdamW see the same numbers on every rank. A variable
+/// that received a gradient on no rank stays without one (AdamW leaves it alone, as with one
+/// process); one that did on some ranks only counts zeros for the others. Gradients of f64
+/// variables are summed in f64, all others in f32.
+pub fn all_reduce_grads(
+    comm: &dyn Collective,
+    vars: &[(String, candle_core::Var)],
+    grads: &mut GradStore,
+) -> candle_core::Result<()> {
+    if comm.world_size() == 1 {
+        return Ok(());
+    }
+    let mut present: Vec<f64> = vars
+        .iter()
+        .map(|(_, v)| f64::from(u8::from(grads.get(v.as_tensor()).is_some())))
+        .collect();
+    comm.all_reduce_sum_f64(&mut present).map_err(dist_error)?;
+    let with_grad = |f64s: bool| -> Vec<usize> {
+        (0..vars.len())
+            .filter(|&i| present[i] > 0.0 && (vars[i].1.dtype() == DType::F64) == f64s)
+            .collect()
+    };
+    reduce_group::<f64>(comm, vars, grads, &with_grad(true))?;
+    reduce_group::<f32>(comm, vars, grads, &with_grad(false))
+}
+
+/// An element type the collectives sum.
+trait Summed: candle_core::WithDType {
+    fn all_reduce(comm: &dyn Collective, buf: &mut [Self]) -> crate::dist::Result<()>;
+}
+
+impl Summed for f32 {
+    fn all_reduce(comm: &dyn Collective, buf: &mut [Self]) -> crate::dist::Result<()> {
+        comm.all_reduce_sum_f32(buf)
+    }
+}
+
+impl Summed for f64 {
+    fn all_reduce(comm: &dyn Collective, buf: &mut [Self]) -> crate::dist::Result<()> {
+        comm.all_reduce_sum_f64(buf)
+    }
+}
+
+/// [`all_reduce_grads`] for the variables `members` (indices into `vars`), summed as `T`.
+fn reduce_group<T: Summed>(
+    comm: &dyn Collective,
+    vars: &[(String, candle_core::Var)],
+    grads: &mut GradStore,
+    members: &[usize],
+) -> candle_core::Result<()> {
+    let cap =
+        (crate::dist::BUCKET_BYTES / <T as candle_core::WithDType>::DTYPE.size_in_bytes()).max(1);
+    let mut buf: Vec<T> = Vec::new();
+    let mut held: Vec<usize> = Vec::new();
+    let flush = |buf: &mut Vec<T>, held: &mut Vec<usize>, grads: &mut GradStore| {
+        T::all_reduce(comm, buf).map_err(dist_error)?;
+        let mut at = 0;
+        for &i in held.iter() {
+            let var = &vars[i].1;
+            let n = var.elem_count();
+            let t = Tensor::from_slice(&buf[at..at + n], var.shape(), var.device())?
+                .to_dtype(var.dtype())?;
+            grads.insert(var.as_tensor(), t);
+            at += n;
+        }
+        buf.clear();
+        held.clear();
+        candle_core::Result::Ok(())
+    };
+    for &i in members {
+        let var = &vars[i].1;
+        // [elem_count]: this rank's gradient, zeros where it had none
+        let flat: Vec<T> = match grads.get(var.as_tensor()) {
+            Some(g) => g
+                .flatten_all()?
+                .to_dtype(<T as candle_core::WithDType>::DTYPE)?
+                .to_vec1()?,
+            None => vec![T::zero(); var.elem_count()],
+        };
+        if !buf.is_empty() && buf.len() + flat.len() > cap {
+            flush(&mut buf, &mut held, grads)?;
+        }
+        buf.extend_from_slice(&flat);
+        held.push(i);
+    }
+    if !held.is_empty() {
+        flush(&mut buf, &mut held, grads)?;
+    }
+    Ok(())
+}
+
+impl UpdateScalars {
+    /// The scalars of every rank: listed values become (sum, count) pairs, totals add up. The
+    /// same on every rank (merged in rank order).
+    fn all_ranks(self, comm: &dyn Collective) -> candle_core::Result<BTreeMap<String, f64>> {
+        let mut out: BTreeMap<String, f64> = BTreeMap::new();
+        if comm.world_size() == 1 {
+            out.extend(self.lists.iter().map(|(k, v)| (k.clone(), mean(v))));
+            out.extend(self.totals);
+            return Ok(out);
+        }
+        let mine: BTreeMap<String, (f64, f64, bool)> = self
+            .lists
+            .iter()
+            .map(|(k, v)| (k.clone(), (v.iter().sum::<f64>(), v.len() as f64, false)))
+            .chain(
+                self.totals
+                    .iter()
+                    .map(|(k, &v)| (k.clone(), (v, 0.0, true))),
+            )
+            .collect();
+        let bytes = serde_json::to_vec(&mine).map_err(candle_core::Error::wrap)?;
+        let mut merged: BTreeMap<String, (f64, f64, bool)> = BTreeMap::new();
+        for part in crate::dist::all_gather_bytes(comm, bytes).map_err(dist_error)? {
+            let p: BTreeMap<String, (f64, f64, bool)> =
+                serde_json::from_slice(&part).map_err(candle_core::Error::wrap)?;
+            for (k, (sum, count, total)) in p {
+                let e = merged.entry(k).or_insert((0.0, 0.0, total));
+                e.0 += sum;
+                e.1 += count;
+            }
+        }
+        for (k, (sum, count, total)) in merged {
+            out.insert(k, if total { sum } else { sum / count.max(1.0) });
+        }
+        Ok(out)
+    }
 }
 
 impl<N: Network> Trainable<N> {
@@ -174,10 +321,14 @@ impl<N: Network> Trainable<N> {
         let optimizer = &mut self.optimizer;
         let rows = batch.len();
         let mut scalars = UpdateScalars::default();
+        let mut norms = Vec::new();
         let mut skipped = 0usize;
         let on_policy = !plan.global_norm
             && plan.epochs == 1
             && rows.div_ceil(plan.mini_batch_responses.max(1)) == 1;
+        // Adapter-dropout masks from (step, forward number within the step): a resumed run
+        // draws the same ones.
+        self.model.set_dropout_position(step << 32);
         for epoch in 0..plan.epochs {
             let order: Vec<usize> = if plan.shuffle {
                 // A fresh, reproducible order per (step, epoch): resuming needs no RNG state.
@@ -193,6 +344,8 @@ impl<N: Network> Trainable<N> {
                     .unwrap_or_else(|| (0..rows).collect())
             };
             for mini in order.chunks(plan.mini_batch_responses.max(1)) {
+                // Every rank holds the whole step's rows: this test and the norm's below give
+                // the same answer on all of them.
                 if mini.iter().all(|&r| batch.mask_len(r) == 0) {
                     continue;
                 }
@@ -211,14 +364,9 @@ impl<N: Network> Trainable<N> {
                 else {
                     continue;
                 };
-                // `grads` is this process's mini-batch gradient: data parallelism would
-                // all-reduce it here, before clipping.
+                all_reduce_grads(self.comm.as_ref(), vars, &mut grads)?;
                 let norm = clip_grad_norm(optimizer.vars(), &mut grads, plan.grad_clip)?;
-                scalars
-                    .lists
-                    .entry(format!("{prefix}/grad_norm"))
-                    .or_default()
-                    .push(norm);
+                norms.push(norm);
                 if norm.is_finite() {
                     optimizer.step(&grads, lr)?;
                 } else {
@@ -229,12 +377,10 @@ impl<N: Network> Trainable<N> {
                 }
             }
         }
-        let mut m: Metrics = scalars
-            .lists
-            .into_iter()
-            .map(|(k, v)| (k, mean(&v)))
-            .collect();
-        m.extend(scalars.totals);
+        let mut m: Metrics = scalars.all_ranks(self.comm.as_ref())?.into_iter().collect();
+        if !norms.is_empty() {
+            m.insert(format!("{prefix}/grad_norm"), mean(&norms));
+        }
         m.insert(format!("{prefix}/lr"), lr);
         if skipped > 0 {
             m.insert(format!("{prefix}/skipped_updates"), skipped as f64);
@@ -294,6 +440,7 @@ mod tests {
             seed: 0,
             loss_scale_factor: Some(5.0),
             pad_id: 0,
+            shard: (0, 1),
         }
     }
 

@@ -3,7 +3,8 @@
 //! `metric_utils.process_validation_metrics` and `_val_metrics_update` do.
 //!
 //! Variables: `reward` (each response's score) and every value the scorers reported (`acc`,
-//! `pred`, ...; a plain-number score reports `acc = score`). Per data source, prompt and numeric
+//! `pred`, ...; a plain-number score reports `acc = score`) and `format` (1 for a non-zero score:
+//! the format rate of verl's `gsm8k` scorer with `format_score > 0`). Per data source, prompt and numeric
 //! variable with N responses: `mean@N`; for N > 1 also `std@N` (population) and, for n = 2, 4,
 //! 8, … below N and N itself, `best@n/{mean,std}` and `worst@n/{mean,std}` over 1000 bootstrap
 //! draws of n responses with replacement (NumPy's legacy `RandomState`, seeded 42 for each n,
@@ -66,6 +67,38 @@ pub struct ValSample {
     pub uid: usize,
     /// `reward` and the scorers' extra values.
     pub vars: BTreeMap<String, ValValue>,
+}
+
+impl ValSample {
+    /// A scored response: `reward` (the score), the scorers' extra values, and `format`: 1 when
+    /// the score is non-zero, else 0 (unless a scorer reported its own `format`).
+    ///
+    /// `format` is the format rate of verl's `gsm8k` scorer with `format_score > 0`: a
+    /// well-formed wrong answer scores `format_score`, a right one `score`, one without a
+    /// `#### <number>` 0, so the share of non-zero scores is the share of well-formed answers.
+    /// As a per-response variable it is summarised like `acc` or `pred`, hence verl's name for
+    /// such a value, `val-aux/<data_source>/format/mean@N` (aux: the core variable stays `acc`
+    /// or `reward`). With a scorer that has no format credit (`format_score` 0, `math`) a
+    /// non-zero score means a right answer, so there it equals the accuracy.
+    pub fn scored(
+        data_source: &str,
+        uid: usize,
+        score: f64,
+        extra: &serde_json::Map<String, Value>,
+    ) -> Self {
+        let mut vars: BTreeMap<String, ValValue> = extra
+            .iter()
+            .filter_map(|(k, v)| Some((k.clone(), ValValue::from_json(v)?)))
+            .collect();
+        vars.insert("reward".into(), ValValue::Num(score));
+        vars.entry("format".into())
+            .or_insert(ValValue::Num(f64::from(u8::from(score != 0.0))));
+        ValSample {
+            data_source: data_source.to_string(),
+            uid,
+            vars,
+        }
+    }
 }
 
 /// verl's `gen_ns`: 2, 4, 8, … below `n`, then `n` (none for n ≤ 1).
@@ -240,24 +273,20 @@ impl Trainer {
         let mut dumps = Vec::new();
         for chunk in indices.chunks(per_batch) {
             let rows = repeat_rows(chunk, n);
-            let out = generate_rows(self.actor.view(), ds, &rows, &params, &mut sampler)?;
+            let view = self.actor.rollout_view();
+            let out = generate_rows(&view, ds, &rows, &params, &mut sampler)?;
             let texts = decode(&self.tokenizer, &out.responses)?;
             let lens: Vec<usize> = out.responses.iter().map(Vec::len).collect();
             let rewards = self.reward.score(&requests(ds, &rows, &texts), &lens)?;
             for (k, r) in rewards.iter().enumerate() {
                 let sample = &ds.samples[rows[k]];
                 if let Some(score) = r.score {
-                    let mut vars: BTreeMap<String, ValValue> = r
-                        .extra
-                        .iter()
-                        .filter_map(|(k, v)| Some((k.clone(), ValValue::from_json(v)?)))
-                        .collect();
-                    vars.insert("reward".into(), ValValue::Num(score));
-                    scored.push(ValSample {
-                        data_source: sample.data_source.clone(),
-                        uid: rows[k],
-                        vars,
-                    });
+                    scored.push(ValSample::scored(
+                        &sample.data_source,
+                        rows[k],
+                        score,
+                        &r.extra,
+                    ));
                 }
                 // Rows are kept only for the log lines and the dump folder that want them.
                 let wanted = self.cfg.trainer.validation_data_dir.is_some()
@@ -425,6 +454,44 @@ val-core/ds_b/reward/mean@3 0.5
         assert!(got.contains_key("val-aux/ds_a/acc/best@4/mean"));
         assert!(got.contains_key("val-core/ds_b/reward/best@3/mean"));
         assert!(!got.keys().any(|k| k.contains("note")));
+    }
+
+    #[test]
+    fn format_rate_is_the_share_of_non_zero_scores() {
+        // gsm8k with format_score 0.1: right 1.0, well-formed wrong 0.1, no `####` 0.
+        // Prompt 0: [0.1, 0.0] -> 1/2 well formed; prompt 1: [1.0, 0.1] -> 2/2; prompt 2:
+        // [0.0, 0.0] -> 0/2. By hand: mean@2 = (0.5 + 1 + 0) / 3 = 0.5; the bootstrap draws
+        // of a constant prompt are that constant, so best@2/mean lies in [0.5, 1].
+        let acc = |s: f64| {
+            let mut m = serde_json::Map::new();
+            m.insert("acc".into(), json!(s));
+            m
+        };
+        let samples: Vec<ValSample> = [(0, 0.1), (0, 0.0), (1, 1.0), (1, 0.1), (2, 0.0), (2, 0.0)]
+            .iter()
+            .map(|&(uid, s)| ValSample::scored("openai/gsm8k", uid, s, &acc(s)))
+            .collect();
+        let m = validation_metrics(&samples, BOOTSTRAP_SEED);
+        assert!((m["val-aux/openai/gsm8k/format/mean@2"] - 0.5).abs() < 1e-12);
+        // acc stays the core variable: (0.05 + 0.55 + 0) / 3.
+        assert!((m["val-core/openai/gsm8k/acc/mean@2"] - 0.2).abs() < 1e-12);
+        assert!(!m
+            .keys()
+            .any(|k| k.starts_with("val-core/") && k.contains("format")));
+        let best = m["val-aux/openai/gsm8k/format/best@2/mean"];
+        assert!((0.5..=1.0).contains(&best), "{best}");
+        // Greedy (one response per prompt): 2 of 3 well formed.
+        let one: Vec<ValSample> = [(0, 0.1), (1, 1.0), (2, 0.0)]
+            .iter()
+            .map(|&(uid, s)| ValSample::scored("openai/gsm8k", uid, s, &acc(s)))
+            .collect();
+        let m = validation_metrics(&one, BOOTSTRAP_SEED);
+        assert!((m["val-aux/openai/gsm8k/format/mean@1"] - 2.0 / 3.0).abs() < 1e-12);
+        // A scorer's own `format` wins.
+        let mut own = acc(0.0);
+        own.insert("format".into(), json!(true));
+        let s = ValSample::scored("x", 0, 0.0, &own);
+        assert_eq!(s.vars["format"], ValValue::Num(1.0));
     }
 
     #[test]
