@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Type-checks the CUDA build (`cargo check --features cuda`) on a machine without a GPU, with
+# Type-checks the CUDA build (`cargo check --features cuda`) and the NCCL data-parallel build
+# (`--features nccl,mpi`: NCCL over torchrun or bootstrapped over MPI) on a machine without a GPU, with
 # nvcc from PyPI wheels (see DESIGN.md). The wheels go into a cached virtual environment.
 # Usage: scripts/cuda_check.sh
 set -euo pipefail
@@ -29,3 +30,6 @@ export CUDA_ROOT="$root" CUDA_PATH="$root"
 export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13020}"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
 cargo check --locked --features cuda --lib --bins
+# Type-checking links nothing, so libnccl is not needed here (a `cargo build --features nccl`
+# links it: the PyPI wheel nvidia-nccl-cu13 ships libnccl.so).
+cargo check --locked --features nccl,mpi --lib --bins

@@ -5,6 +5,9 @@
 //! - [`Single`]: one process, no dependency (the default).
 //! - `Mpi` (cargo feature `mpi`): rsmpi over the system's Open MPI or MPICH; launched with
 //!   `mpirun -np N main_ppo ...` or `srun`.
+//! - `Nccl` (cargo feature `nccl`, implies `cuda`): NCCL through candle's cudarc, one GPU per
+//!   rank (the local rank); launched with torchrun, or with mpirun/srun in a build that also has
+//!   `mpi` (MPI then hands out the NCCL id).
 //!
 //! [`from_env`] picks the backend from the launcher's environment and refuses a launch this
 //! build cannot serve (N copies of a single-process build would each train alone and write the
@@ -16,6 +19,8 @@
 
 #[cfg(feature = "mpi")]
 mod mpi_backend;
+#[cfg(feature = "nccl")]
+mod nccl_backend;
 mod watchdog;
 
 use std::sync::Arc;
@@ -23,6 +28,8 @@ use std::time::Duration;
 
 #[cfg(feature = "mpi")]
 pub use mpi_backend::Mpi;
+#[cfg(feature = "nccl")]
+pub use nccl_backend::Nccl;
 pub use watchdog::Watchdog;
 
 /// Why a collective or a launch failed.
@@ -163,12 +170,47 @@ pub fn launcher_world_size() -> Option<(usize, &'static str)> {
     })
 }
 
-/// The collectives of this run, chosen from the environment: MPI when this build has it and an
-/// MPI launcher (or srun) started the process, one process otherwise. A launch of several
-/// processes that this build cannot connect is an error naming the launcher and the cargo
-/// feature to build with. `timeout`: how long a rank waits for its peers in one collective.
+/// The collectives of this run, chosen from the environment:
+/// - torchrun's variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) in a build with
+///   `nccl`: NCCL, bootstrapped from them;
+/// - an MPI launcher (or srun) in a build with `mpi`: MPI, or NCCL bootstrapped over MPI when
+///   the build also has `nccl` and a GPU is present;
+/// - one process otherwise.
+///
+/// `MAIN_PPO_DIST_BACKEND=mpi|nccl` overrides the choice. A launch of several processes that
+/// this build cannot connect is an error naming the launcher and the cargo feature to build
+/// with. `timeout`: how long a rank waits for its peers in one collective.
 pub fn from_env(timeout: Duration) -> Result<Comm> {
     let launched = launcher_world_size();
+    let wanted = match std::env::var("MAIN_PPO_DIST_BACKEND") {
+        Ok(v) if v == "mpi" || v == "nccl" => Some(v),
+        Ok(v) if v.is_empty() => None,
+        Ok(v) => {
+            return Err(DistError::Launch(format!(
+                "MAIN_PPO_DIST_BACKEND=`{v}`: expected `mpi` or `nccl`"
+            )))
+        }
+        Err(_) => None,
+    };
+    let missing = |feature: &str| {
+        DistError::Launch(format!(
+            "MAIN_PPO_DIST_BACKEND asks for {feature}, but this main_ppo was built without it: \
+             build with `cargo build --release --features {feature}`"
+        ))
+    };
+    if cfg!(not(feature = "nccl")) && wanted.as_deref() == Some("nccl") {
+        return Err(missing("nccl"));
+    }
+    if cfg!(not(feature = "mpi")) && wanted.as_deref() == Some("mpi") {
+        return Err(missing("mpi"));
+    }
+    #[cfg(feature = "nccl")]
+    {
+        if wanted.as_deref() != Some("mpi") && nccl_backend::torchrun_launch() {
+            let comm: Comm = Arc::new(Watchdog::new(Nccl::from_torchrun()?, timeout));
+            return Ok(comm);
+        }
+    }
     #[cfg(feature = "mpi")]
     {
         let mpi_launch = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK"]
@@ -177,6 +219,14 @@ pub fn from_env(timeout: Duration) -> Result<Comm> {
         let srun = launched.is_some_and(|(_, who)| who == "srun");
         if mpi_launch || srun {
             let mpi = Mpi::init()?;
+            #[cfg(feature = "nccl")]
+            {
+                let gpu = candle_core::utils::cuda_is_available();
+                if wanted.as_deref() == Some("nccl") || (wanted.is_none() && gpu) {
+                    let comm: Comm = Arc::new(Watchdog::new(Nccl::over_mpi(mpi)?, timeout));
+                    return Ok(comm);
+                }
+            }
             let comm: Comm = Arc::new(Watchdog::new(mpi, timeout));
             return Ok(comm);
         }
@@ -186,7 +236,7 @@ pub fn from_env(timeout: Duration) -> Result<Comm> {
         Some((n, who)) if n > 1 => Err(DistError::Launch(format!(
             "{who} started {n} processes, but this main_ppo was built without a backend that \
              connects them: build with `cargo build --release --features mpi` and launch with \
-             mpirun or srun (torchrun needs the `nccl` backend)"
+             mpirun or srun, or with `--features nccl` and launch with torchrun"
         ))),
         _ => Ok(single()),
     }

@@ -150,17 +150,23 @@ pub fn is_hub_id(path: &str) -> bool {
 
 /// The device `trainer.device` names (`auto`: CUDA when built with it and present, else CPU).
 pub fn device(spec: &str) -> Result<candle_core::Device, ModelError> {
+    device_at(spec, 0)
+}
+
+/// [`device`] for a data-parallel rank: `auto` and `cuda` take GPU `local_rank` (one GPU per
+/// rank of a node); `cuda:N` stays the GPU it names.
+pub fn device_at(spec: &str, local_rank: usize) -> Result<candle_core::Device, ModelError> {
     let cuda = |i: usize| {
         candle_core::Device::new_cuda(i).map_err(|e| ModelError::File { file: format!("trainer.device={spec}"), message: format!("CUDA device {i} is not available: {e} (build with --features cuda on a machine with an NVIDIA GPU)") })
     };
     match spec {
         "cpu" => Ok(candle_core::Device::Cpu),
         "auto" => Ok(if candle_core::utils::cuda_is_available() {
-            cuda(0)?
+            cuda(local_rank)?
         } else {
             candle_core::Device::Cpu
         }),
-        "cuda" => cuda(0),
+        "cuda" => cuda(local_rank),
         s => match s.strip_prefix("cuda:").and_then(|i| i.parse().ok()) {
             Some(i) => cuda(i),
             None => Err(ModelError::File {

@@ -148,7 +148,8 @@ impl Trainer {
         setup::check_paths(&cfg, &plan)?;
         setup::check_world(&cfg, &plan, opts.comm.as_ref())?;
         let reward = setup::reward_manager(&cfg, &plan, &opts.natives)?;
-        let device = crate::model::device(&cfg.trainer.device)?;
+        // One GPU per rank of a node: `auto`/`cuda` take the local rank's.
+        let device = crate::model::device_at(&cfg.trainer.device, opts.comm.local_rank())?;
         let (mut loaded, tok) = setup::load_policy(&cfg, &device)?;
         let actor_lora = setup::attach_lora(
             &mut loaded,
