@@ -475,14 +475,19 @@ fn rank_pid(marker: &str, rank: usize) -> Option<u32> {
     None
 }
 
+/// What [`signal_rank_1_after_a_step`] saw: the job's output, the time from the signal to the
+/// end, rank 1's pid, the run's process marker (for [`rank_pid`]) and its folder.
+struct Signalled {
+    out: std::process::Output,
+    waited: Duration,
+    pid: u32,
+    marker: String,
+    dir: tempfile::TempDir,
+}
+
 /// Starts a long 2-rank run under `c` (mpirun) with `nccl_timeout` seconds, waits for its first
-/// step, sends `signal` to rank 1 and waits for the job: its output, the time from the signal
-/// to the end, rank 1's pid and the run's process marker (for [`rank_pid`]).
-fn signal_rank_1_after_a_step(
-    mut c: Command,
-    nccl_timeout: u64,
-    signal: &str,
-) -> (std::process::Output, Duration, u32, String) {
+/// step, sends `signal` to rank 1 and waits for the job.
+fn signal_rank_1_after_a_step(mut c: Command, nccl_timeout: u64, signal: &str) -> Signalled {
     let dir = tempfile::tempdir().unwrap();
     let marker = format!("MAIN_PPO_TEST_RUN={}", dir.path().display());
     let (k, v) = marker.split_once('=').unwrap();
@@ -512,7 +517,13 @@ fn signal_rank_1_after_a_step(
         .success());
     let sent = Instant::now();
     let out = child.wait_with_output().unwrap();
-    (out, sent.elapsed(), pid, marker)
+    Signalled {
+        out,
+        waited: sent.elapsed(),
+        pid,
+        marker,
+        dir,
+    }
 }
 
 /// SIGKILL on rank 1 in the middle of a run: the job ends with an error that names the dead
@@ -520,7 +531,12 @@ fn signal_rank_1_after_a_step(
 #[test]
 fn a_killed_rank_ends_the_others_with_an_error() {
     let Some(c) = mpirun(2) else { return };
-    let (out, waited, _pid, marker) = signal_rank_1_after_a_step(c, 30, "-KILL");
+    let Signalled {
+        out,
+        waited,
+        marker,
+        ..
+    } = signal_rank_1_after_a_step(c, 30, "-KILL");
     let t = text(&out);
     assert!(!out.status.success(), "{t}");
     assert!(waited < Duration::from_secs(60), "took {waited:?}: {t}");
@@ -580,7 +596,9 @@ fn world_size_rules_name_their_keys() {
 #[test]
 fn a_hung_rank_is_caught_by_the_collective_timeout() {
     let Some(c) = mpirun(2) else { return };
-    let (out, waited, pid, _marker) = signal_rank_1_after_a_step(c, 3, "-STOP");
+    let Signalled {
+        out, waited, pid, ..
+    } = signal_rank_1_after_a_step(c, 3, "-STOP");
     let _ = Command::new("kill")
         .args(["-KILL", &pid.to_string()])
         .status();
@@ -590,4 +608,61 @@ fn a_hung_rank_is_caught_by_the_collective_timeout() {
     assert!(t.contains("error: rank 0 of 2: collective"), "{t}");
     assert!(t.contains("past actor_rollout_ref.nccl_timeout=3 s"), "{t}");
     println!("the job ended {waited:?} after rank 1 was stopped:\n{t}");
+}
+
+/// SIGTERM on rank 1 only (as a scheduler's preemption or one Ctrl-C reaching one process):
+/// both ranks stop after the same step, the job ends cleanly, and that step's checkpoint is
+/// written and named as the latest.
+#[test]
+fn sigterm_on_rank_1_stops_both_ranks_after_the_same_step_with_a_checkpoint() {
+    let Some(c) = mpirun(2) else { return };
+    let Signalled {
+        out, waited, dir, ..
+    } = signal_rank_1_after_a_step(c, 120, "-TERM");
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(waited < Duration::from_secs(120), "took {waited:?}: {t}");
+    // Each rank logs where it stopped; both name the same step.
+    let steps: Vec<u64> = t
+        .lines()
+        .filter_map(|l| l.split("stopped after step ").nth(1))
+        .filter(|rest| rest.contains("on request"))
+        .map(|rest| {
+            let n: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            n.parse().unwrap()
+        })
+        .collect();
+    assert_eq!(steps.len(), 2, "one stop line per rank: {t}");
+    assert_eq!(steps[0], steps[1], "{t}");
+    let step = steps[0];
+    assert!((1..1000).contains(&step), "{t}");
+    let ckpts = dir.path().join("checkpoints");
+    let latest = walk_find(&ckpts, "latest_checkpointed_iteration.txt").expect("a tracker file");
+    assert_eq!(
+        std::fs::read_to_string(&latest).unwrap().trim(),
+        step.to_string()
+    );
+    assert!(latest
+        .parent()
+        .unwrap()
+        .join(format!("global_step_{step}"))
+        .is_dir());
+    // The metrics end at that step (rank 0 logged every step up to it).
+    let logged = metrics(dir.path());
+    assert_eq!(logged.len() as u64, step, "{t}");
+}
+
+/// The first file called `name` under `root`.
+fn walk_find(root: &Path, name: &str) -> Option<std::path::PathBuf> {
+    for e in std::fs::read_dir(root).ok()?.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            if let Some(f) = walk_find(&p, name) {
+                return Some(f);
+            }
+        } else if p.file_name().is_some_and(|n| n == name) {
+            return Some(p);
+        }
+    }
+    None
 }
