@@ -4,7 +4,7 @@
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 
-use super::batch::{pad_rows, Column, MicroInputs, StepBatch};
+use super::batch::{pad_rows, scatter_rows, Column, MicroInputs, Ragged, StepBatch};
 use super::trainable::{forward_rows, LoraState, Trainable, UpdateSettings};
 use super::update::MicroLoss;
 use crate::algo::agg::scalar;
@@ -133,11 +133,55 @@ impl Actor {
         batch.set(Column::OldLogProbs, out.pop().unwrap_or_default())
     }
 
+    /// Whether the update of a step of `rows` rows is on-policy (verl's shortcut: one
+    /// mini-batch, one epoch, default path) with a forward that can stand in for the
+    /// `old_log_prob` pass: no adapter dropout (the old log-probs are a pass without it), one
+    /// process (each rank's update sees only its micro-batches).
+    pub fn update_replaces_old_log_prob(&self, rows: usize, world_size: usize) -> bool {
+        let plan = &self.trainable.settings.plan;
+        !plan.global_norm
+            && plan.epochs == 1
+            && rows.div_ceil(plan.mini_batch_responses.max(1)) == 1
+            && world_size == 1
+            && self.trainable.model.adapter_dropout() == 0.0
+    }
+
     /// One PPO update over the step's rows (verl's `update_policy`); returns `actor/*` metrics:
     /// on the default path `actor/entropy` (with `calculate_entropy` or `entropy_coeff != 0`),
     /// and `actor/kl_loss` always (0 without `use_kl_loss`), as verl's `dp_actor`; on the
     /// global path `actor/entropy_loss` when the entropy enters the loss.
     pub fn update(&mut self, batch: &StepBatch, step: u64) -> candle_core::Result<Metrics> {
+        self.update_capturing(batch, step, None)
+    }
+
+    /// [`Actor::update`] of an on-policy step whose `old_log_prob` pass was skipped (see
+    /// [`Actor::update_replaces_old_log_prob`]): the update's forward, before its only optimizer
+    /// step, sees the weights that pass would have seen, so its log-probs and entropies (kept
+    /// detached) fill `old_log_probs` and `entropys` (for `actor/entropy` and dumps). One
+    /// forward over the batch instead of two; same values to float rounding.
+    pub fn update_filling_old_log_prob(
+        &mut self,
+        batch: &mut StepBatch,
+        step: u64,
+    ) -> candle_core::Result<Metrics> {
+        let n = batch.len();
+        let mut cols: [Ragged; 2] = [vec![Vec::new(); n], vec![Vec::new(); n]];
+        let m = self.update_capturing(batch, step, Some(&mut cols))?;
+        let [lp, ent] = cols;
+        batch.set(Column::OldLogProbs, lp)?;
+        batch.set(Column::Entropys, ent)?;
+        Ok(m)
+    }
+
+    /// The update; with `capture`, each micro-batch's log-probs and entropies are scattered
+    /// into it (per row, trimmed to the response).
+    fn update_capturing(
+        &mut self,
+        batch: &StepBatch,
+        step: u64,
+        mut capture: Option<&mut [Ragged; 2]>,
+    ) -> candle_core::Result<Metrics> {
+        let lens = batch.response_lens();
         let cfg = &self.cfg;
         let temperature = self.temperature;
         let seed = self.trainable.settings.seed;
@@ -145,7 +189,11 @@ impl Actor {
         let mode = cfg.loss_agg_mode;
         let global = self.trainable.settings.plan.global_norm;
         let need_entropy = cfg.entropy_coeff != 0.0 || (cfg.calculate_entropy && !global);
-        let old_log_prob = batch.column(Column::OldLogProbs)?;
+        let old_log_prob = if capture.is_some() {
+            None
+        } else {
+            Some(batch.column(Column::OldLogProbs)?)
+        };
         let advantages = batch.column(Column::Advantages)?;
         let reference = if cfg.use_kl_loss {
             Some(batch.column(Column::RefLogProb)?)
@@ -156,15 +204,26 @@ impl Actor {
         let mut m = self.trainable.update(batch, step, |model, mi, rows, ctx| {
             let norm = ctx.norm;
             let device = model.device();
-            let (lp, ent) = response_logprobs(model, mi, temperature, need_entropy)?;
+            let with_entropy = need_entropy || capture.is_some();
+            let (lp, ent) = response_logprobs(model, mi, temperature, with_entropy)?;
             let r = mi.response_width;
             let mask = &mi.response_mask;
+            if let Some(cols) = capture.as_deref_mut() {
+                if !ctx.on_policy {
+                    return Err(candle_core::Error::Msg(
+                        "old log-probs taken from an update that is not on-policy".into(),
+                    ));
+                }
+                let e = ent.as_ref().expect("entropy asked for");
+                scatter_rows(&lp.detach(), rows, &lens, &mut cols[0])?;
+                scatter_rows(&e.detach(), rows, &lens, &mut cols[1])?;
+            }
+            let ent = if need_entropy { ent } else { None };
             // On-policy (one mini-batch, one epoch): the current log-prob, detached, is the old
             // one, so the ratio is exactly 1 (verl's `on_policy` in `update_policy`).
-            let old = if ctx.on_policy {
-                lp.detach()
-            } else {
-                pad_rows(old_log_prob, rows, r, device)?
+            let old = match old_log_prob {
+                Some(old) if !ctx.on_policy => pad_rows(old, rows, r, device)?,
+                _ => lp.detach(),
             };
             let adv = pad_rows(advantages, rows, r, device)?;
             let mut params = base.clone();

@@ -348,7 +348,16 @@ impl Trainer {
         if self.cfg.algorithm.adv_estimator == AdvEstimator::Remax {
             t.time("gen_max", || self.remax_baselines(&mut batch))?;
         }
-        t.time("old_log_prob", || self.actor.compute_log_prob(&mut batch))?;
+        // An on-policy update's own forward gives the old log-probs (verl computes them in a
+        // pass of their own, whose values the on-policy update then ignores): the pass is
+        // skipped when nothing reads them before the update.
+        let old_from_update = !self.cfg.algorithm.use_kl_in_reward
+            && self
+                .actor
+                .update_replaces_old_log_prob(batch.len(), self.comm.world_size());
+        if !old_from_update {
+            t.time("old_log_prob", || self.actor.compute_log_prob(&mut batch))?;
+        }
         if let Some(r) = &self.reference {
             t.time("ref", || r.compute_ref_log_prob(&mut batch))?;
         }
@@ -370,7 +379,16 @@ impl Trainer {
             m.extend(t.time("update_critic", || c.update(&batch, step))?);
         }
         if self.cfg.trainer.critic_warmup as u64 <= step {
-            m.extend(t.time("update_actor", || self.actor.update(&batch, step))?);
+            m.extend(t.time("update_actor", || {
+                if old_from_update {
+                    self.actor.update_filling_old_log_prob(&mut batch, step)
+                } else {
+                    self.actor.update(&batch, step)
+                }
+            })?);
+        } else if old_from_update {
+            // No update this step (critic warm-up): the pass runs after all.
+            t.time("old_log_prob", || self.actor.compute_log_prob(&mut batch))?;
         }
         self.global_step = step;
         if let (Some(dir), 0) = (self.cfg.trainer.rollout_data_dir.clone(), self.comm.rank()) {

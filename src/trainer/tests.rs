@@ -623,6 +623,71 @@ fn on_policy_update_ignores_old_log_probs_and_reports_its_entropy() {
     assert_eq!(m["actor/kl_loss"], 0.0);
 }
 
+/// The on-policy update's forward stands in for the `old_log_prob` pass: on two copies of the
+/// same step, (a) the pass then the update, (b) the update filling the columns give the same
+/// old log-probs and entropies (≤ 1e-5: the training forward and the no-grad view round
+/// differently at most), the same update metrics and the same weights; `step()` then skips
+/// the pass (no `timing_s/old_log_prob`) but still logs `actor/entropy`. With two
+/// mini-batches, with KL in the reward or with a second epoch the pass runs.
+#[test]
+fn on_policy_update_fills_the_old_log_probs_it_replaces() {
+    let fx = fixture();
+    let args = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.ppo_mini_batch_size=4"];
+    let mut a = trainer(&fx, &args, None);
+    let mut b = trainer(&fx, &args, None);
+    let (prompts, _) = a.next_prompts().unwrap();
+    let mut ba = a.generate(&prompts).unwrap();
+    assert!(a.actor.update_replaces_old_log_prob(ba.len(), 1));
+    assert!(!a.actor.update_replaces_old_log_prob(ba.len(), 2));
+    a.compute_rewards(&mut ba).unwrap();
+    let mut bb = ba.clone();
+    a.actor.compute_log_prob(&mut ba).unwrap();
+    a.compute_advantages(&mut ba).unwrap();
+    b.compute_advantages(&mut bb).unwrap();
+    let ma = a.actor.update(&ba, 1).unwrap();
+    let mb = b.actor.update_filling_old_log_prob(&mut bb, 1).unwrap();
+    for c in [batch::Column::OldLogProbs, batch::Column::Entropys] {
+        let (x, y) = (ba.column(c).unwrap(), bb.column(c).unwrap());
+        assert_eq!(x.len(), y.len());
+        for (rx, ry) in x.iter().zip(y) {
+            assert_eq!(rx.len(), ry.len(), "{c:?}");
+            for (p, q) in rx.iter().zip(ry) {
+                assert!((p - q).abs() <= 1e-5, "{c:?}: {p} vs {q}");
+            }
+        }
+    }
+    assert_eq!(ma.keys().collect::<Vec<_>>(), mb.keys().collect::<Vec<_>>());
+    for (k, v) in &ma {
+        assert!((v - mb[k]).abs() <= 1e-5 * v.abs().max(1.0), "{k}: {v} vs {}", mb[k]);
+    }
+    let w = |t: &Trainer| -> Vec<f32> {
+        let mut all = Vec::new();
+        for (_, v) in t.actor.trainable.optimizer.vars() {
+            all.extend(v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        }
+        all
+    };
+    let (wa, wb) = (w(&a), w(&b));
+    assert!(wa.iter().zip(&wb).all(|(p, q)| (p - q).abs() <= 1e-6));
+
+    // Whole steps: skipped on-policy, kept otherwise.
+    let step_keys = |extra: &[&str]| {
+        let mut args = vec!["algorithm.adv_estimator=grpo", "trainer.total_training_steps=1"];
+        args.extend_from_slice(extra);
+        let mut t = trainer(&fx, &args, None);
+        let m = t.step().unwrap();
+        assert!(m.contains_key("actor/entropy"), "{extra:?}");
+        m.contains_key("timing_s/old_log_prob")
+    };
+    assert!(!step_keys(&["actor_rollout_ref.actor.ppo_mini_batch_size=4"]));
+    assert!(step_keys(&["actor_rollout_ref.actor.ppo_mini_batch_size=2"]));
+    assert!(step_keys(&["actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_epochs=2"]));
+    assert!(step_keys(&[
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "algorithm.use_kl_in_reward=True",
+    ]));
+}
+
 /// verl's default workers never pass `loss_scale_factor` to `agg_loss`: on the default path a
 /// seq-mean-token-sum-norm update is the same with and without it (the divisor is the response
 /// length, 6, either way); with `use_legacy_worker_impl=disable` the gradient shrinks by 6/1000
@@ -907,7 +972,7 @@ mod lora;
 #[test]
 fn mixed_precision_keys_reach_actor_rollout_reference_and_critic() {
     let fx = fixture();
-    let amx = crate::model::amx::available();
+    let amx = crate::model::bf16::available();
     let plain = trainer(
         &fx,
         &[
