@@ -73,7 +73,7 @@ pub struct RolloutConfig {
     pub log_prob_max_token_len_per_gpu: Option<usize>,
     /// Validation sampling.
     pub val_kwargs: SamplingConfig,
-    /// Precision of generation's products: float32 (our default on the CPU) or bfloat16 (verl's default; AMX tiles on the CPU).
+    /// Precision of generation's products: float32 (our default on the CPU) or bfloat16 (verl's default; AMX tiles or AVX512-BF16 on the CPU).
     pub dtype: Precision,
 }
 

@@ -111,9 +111,8 @@ impl Nccl {
     pub fn over_mpi(mpi: super::Mpi) -> Result<Self> {
         let (rank, size, local_rank) = (mpi.rank(), mpi.world_size(), mpi.local_rank());
         let mut bytes = if rank == 0 {
-            let id = Id::new().map_err(|e| {
-                launch(format!("rank 0: NCCL could not make its unique id: {e:?}"))
-            })?;
+            let id = Id::new()
+                .map_err(|e| launch(format!("rank 0: NCCL could not make its unique id: {e:?}")))?;
             id.internal().iter().map(|&c| c as u8).collect()
         } else {
             Vec::new()
@@ -129,7 +128,13 @@ impl Nccl {
         for (d, s) in internal.iter_mut().zip(&bytes) {
             *d = *s as std::ffi::c_char;
         }
-        Self::connect(rank, size, local_rank, Id::uninit(internal), Some(Box::new(mpi)))
+        Self::connect(
+            rank,
+            size,
+            local_rank,
+            Id::uninit(internal),
+            Some(Box::new(mpi)),
+        )
     }
 
     fn connect(

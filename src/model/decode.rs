@@ -106,17 +106,17 @@ struct Layer<T> {
 }
 
 /// A right-hand matrix `[k, n]` of the decode products: row-major in the model's dtype, or
-/// packed once into bf16 AMX tiles (f32 models with [`CausalLm::bf16_matmuls`]).
+/// packed once into bf16 tiles (AMX or AVX512-BF16) (f32 models with [`CausalLm::bf16_matmuls`]).
 enum Mat<T> {
     Plain(Vec<T>),
-    Amx(super::amx::PackedB),
+    Amx(super::bf16::PackedB),
 }
 
 impl<T: Elem> Mat<T> {
-    /// `m` row-major `[k, n]`, packed for AMX when `bf16`.
+    /// `m` row-major `[k, n]`, packed for the bf16 kernel when `bf16`.
     fn new(m: Vec<T>, k: usize, n: usize, bf16: bool) -> Self {
         match T::f32s(&m) {
-            Some(f) if bf16 => Mat::Amx(super::amx::PackedB::new(
+            Some(f) if bf16 => Mat::Amx(super::bf16::PackedB::new(
                 f,
                 n,
                 1,
@@ -135,9 +135,9 @@ impl<T: Elem> Mat<T> {
             Mat::Amx(p) => {
                 let (a32, d32) = (T::f32s(a), T::f32s_mut(dst));
                 let (Some(a32), Some(d32)) = (a32, d32) else {
-                    unreachable!("AMX packs are built for f32 models only")
+                    unreachable!("bf16 packs are built for f32 models only")
                 };
-                super::amx::gemm_packed(d32, m, a32, k, 1, p, acc, super::ops::Par::Rayon);
+                super::bf16::gemm_packed(d32, m, a32, k, 1, p, acc, super::ops::Par::Rayon);
             }
         }
     }
@@ -181,7 +181,7 @@ pub struct Bf16(pub u16);
 impl KvElem<f32> for Bf16 {
     #[inline(always)]
     fn store(x: f32) -> Bf16 {
-        Bf16(super::amx::bf16_bits(x))
+        Bf16(super::bf16::bf16_bits(x))
     }
     #[inline(always)]
     fn load(self) -> f32 {
@@ -657,16 +657,16 @@ mod tests {
         assert_eq!(one, want);
     }
 
-    /// Decoding with bf16 products (AMX), with an f32 and with a bf16 key/value cache: a
+    /// Decoding with bf16 products (AMX or AVX512-BF16), with an f32 and with a bf16 key/value cache: a
     /// 3-sequence ragged step's logits stay within bf16 rounding of the f32 step's (relative
     /// error of all logits ≤ 2e-2: operands off by ≤ 2⁻⁹ each, through a dozen products), differ
-    /// from them (the AMX path ran), and each sequence's logits do not depend on the others in
+    /// from them (the bf16 path ran), and each sequence's logits do not depend on the others in
     /// the batch (one-by-one steps give the same bits).
     #[test]
     fn bf16_decoding_stays_near_f32_and_is_batch_invariant() {
         use crate::model::{Arch, ModelArgs};
-        if !crate::model::amx::available() {
-            eprintln!("skipped: no AMX on this machine");
+        if !crate::model::bf16::available() {
+            eprintln!("skipped: neither AMX nor AVX512-BF16 on this machine");
             return;
         }
         let mut args = ModelArgs::tiny(Arch::Qwen2, 40);

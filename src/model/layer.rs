@@ -40,7 +40,7 @@ pub(super) struct Dims {
     pub head_dim: usize,
     pub inter: usize,
     pub eps: f64,
-    /// Matrix products with bf16 operands and f32 sums (f32 layers on AMX CPUs).
+    /// Matrix products with bf16 operands and f32 sums (f32 layers on CPUs with a bf16 kernel: AMX or AVX512-BF16).
     pub bf16: bool,
 }
 

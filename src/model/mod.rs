@@ -8,7 +8,7 @@
 //! - `lora`: LoRA adapters on the projections, PEFT's adapter folder (read and write).
 
 pub mod alloc;
-pub mod amx;
+pub mod bf16;
 pub mod config;
 pub mod decode;
 pub mod gguf;

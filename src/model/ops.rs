@@ -35,7 +35,7 @@ pub(super) enum Par {
 }
 
 /// `dst[m, n] (+)= a[m, k] · b[k, n]` as [`gemm_strided`], with bf16 operands and f32 sums
-/// ([`super::amx`]) when `bf16` is set, the elements are f32 and the CPU has AMX; otherwise in
+/// ([`super::bf16`]) when `bf16` is set, the elements are f32 and the CPU has AMX or AVX512-BF16; otherwise in
 /// the element type.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gemm_mixed<T: Elem>(
@@ -53,10 +53,10 @@ pub(super) fn gemm_mixed<T: Elem>(
     acc: bool,
     par: Par,
 ) {
-    if bf16 && super::amx::available() {
+    if bf16 && super::bf16::available() {
         if let (Some(a32), Some(b32)) = (T::f32s(a), T::f32s(b)) {
             let d32 = T::f32s_mut(dst).expect("a, b and dst share one element type");
-            super::amx::gemm(d32, m, n, k, a32, a_rs, a_cs, b32, b_rs, b_cs, acc, par);
+            super::bf16::gemm(d32, m, n, k, a32, a_rs, a_cs, b32, b_rs, b_cs, acc, par);
             return;
         }
     }
@@ -158,24 +158,24 @@ struct LogProbs {
     targets: Vec<u32>,
     chunk: usize,
     with_entropy: bool,
-    /// Products with bf16 operands and f32 sums (f32 on AMX CPUs), the weight packed once per
+    /// Products with bf16 operands and f32 sums (f32 on CPUs with a bf16 kernel), the weight packed once per
     /// pass for all chunks.
     bf16: bool,
 }
 
-/// `W` `[vocab, hid]` packed for the AMX products `x·Wᵀ` (`t`) and `x·W`, when they apply.
+/// `W` `[vocab, hid]` packed for the bf16 products `x·Wᵀ` (`t`) and `x·W`, when they apply.
 struct Packs {
-    t: Option<super::amx::PackedB>,
-    n: Option<super::amx::PackedB>,
+    t: Option<super::bf16::PackedB>,
+    n: Option<super::bf16::PackedB>,
 }
 
 impl Packs {
     fn new<T: Elem>(bf16: bool, w: &[T], hid: usize, transposed: bool, plain: bool) -> Self {
         let vocab = w.len() / hid.max(1);
         match T::f32s(w) {
-            Some(w) if bf16 && super::amx::available() => Packs {
-                t: transposed.then(|| super::amx::PackedB::new(w, 1, hid, hid, vocab, Par::Rayon)),
-                n: plain.then(|| super::amx::PackedB::new(w, hid, 1, vocab, hid, Par::Rayon)),
+            Some(w) if bf16 && super::bf16::available() => Packs {
+                t: transposed.then(|| super::bf16::PackedB::new(w, 1, hid, hid, vocab, Par::Rayon)),
+                n: plain.then(|| super::bf16::PackedB::new(w, hid, 1, vocab, hid, Par::Rayon)),
             },
             _ => Packs { t: None, n: None },
         }
@@ -184,7 +184,7 @@ impl Packs {
     /// `dst[m, ·] = a[m, ·] · (Wᵀ or W)` through the pack when there is one, else in `T`.
     #[allow(clippy::too_many_arguments)]
     fn product<T: Elem>(
-        pack: Option<&super::amx::PackedB>,
+        pack: Option<&super::bf16::PackedB>,
         dst: &mut [T],
         m: usize,
         a: &[T],
@@ -196,7 +196,7 @@ impl Packs {
         let vocab = w.len() / hid;
         if let (Some(p), Some(a32)) = (pack, T::f32s(a)) {
             let d32 = T::f32s_mut(dst).expect("one element type");
-            super::amx::gemm_packed(d32, m, a32, lda, 1, p, false, Par::Rayon);
+            super::bf16::gemm_packed(d32, m, a32, lda, 1, p, false, Par::Rayon);
         } else if transposed {
             gemm_strided(dst, m, vocab, hid, a, lda, 1, w, 1, hid, false, Par::Rayon);
         } else {

@@ -245,7 +245,7 @@ struct Layer {
     kept: Mutex<Option<Box<dyn std::any::Any + Send>>>,
     /// The hand-written layer (f32/f64) rather than the composition.
     fused: bool,
-    /// Its matrix products with bf16 operands (f32 layers on AMX CPUs).
+    /// Its matrix products with bf16 operands (f32 layers on CPUs with a bf16 kernel).
     bf16: bool,
 }
 
@@ -683,7 +683,7 @@ mod tests {
         }
     }
 
-    /// bf16 products (verl's mixed precision, AMX): output and gradients within bf16's rounding
+    /// bf16 products (verl's mixed precision, AMX or AVX512-BF16): output and gradients within bf16's rounding
     /// of the f32 layer's (relative error of the whole tensor ≤ 5e-2: an operand rounded to bf16
     /// is off by ≤ 2⁻⁹ of itself, so a product by ≤ 2·2⁻⁹ ≈ 4e-3, and a weight's gradient comes
     /// through up to a dozen products of forward and backward; a product in a wrong layout would
@@ -691,8 +691,8 @@ mod tests {
     /// equal to them (the bf16 path ran), and recomputation on and off give the same bits.
     #[test]
     fn bf16_products_stay_within_bf16_rounding_of_f32() {
-        if !crate::model::amx::available() {
-            eprintln!("skipped: no AMX on this machine");
+        if !crate::model::bf16::available() {
+            eprintln!("skipped: neither AMX nor AVX512-BF16 on this machine");
             return;
         }
         let args = ModelArgs::tiny(Arch::Qwen2, 30);
@@ -724,7 +724,7 @@ mod tests {
         }
         assert!(
             any_diff,
-            "bf16 products gave the f32 bits: the AMX path did not run"
+            "bf16 products gave the f32 bits: the bf16 path did not run"
         );
     }
 

@@ -254,7 +254,7 @@ pub struct CausalLm {
     /// hand-written layer (`layer.rs`): the reference, for checks and benchmarks.
     composed: bool,
     /// Matrix products of the hand-written layers and the LM head with bf16 operands and f32
-    /// sums (f32 models on CPUs with AMX; see [`CausalLm::set_bf16_matmuls`]).
+    /// sums (f32 models on CPUs with AMX or AVX512-BF16; see [`CausalLm::set_bf16_matmuls`]).
     bf16: bool,
     /// Adapter dropout of training forwards (`None`: off, and always in views).
     dropout: Option<Arc<DropoutStream>>,
@@ -489,17 +489,17 @@ impl CausalLm {
 
     /// verl's mixed precision on the CPU (`fsdp_config.mixed_precision.param_dtype: bf16`): the
     /// matrix products of the hand-written layers and of the LM head round both operands to
-    /// bf16 and sum in f32 (AMX tiles, `amx.rs`), while weights, norms, softmax, residuals and
-    /// optimizer state stay f32. Applies to f32 models on CPUs with AMX; elsewhere products
+    /// bf16 and sum in f32 (AMX tiles or AVX512-BF16 dot products, `bf16.rs`), while weights, norms, softmax, residuals and
+    /// optimizer state stay f32. Applies to f32 models on CPUs with AMX or AVX512-BF16; elsewhere products
     /// stay in the model's dtype ([`CausalLm::bf16_matmuls`] tells which). Views from
     /// [`CausalLm::no_grad`] inherit it.
     pub fn set_bf16_matmuls(&mut self, on: bool) {
         self.bf16 = on;
     }
 
-    /// Whether products actually run in bf16 (asked for, f32 model, AMX present).
+    /// Whether products actually run in bf16 (asked for, f32 model, a bf16 kernel present).
     pub fn bf16_matmuls(&self) -> bool {
-        self.bf16 && self.dtype == DType::F32 && super::amx::available()
+        self.bf16 && self.dtype == DType::F32 && super::bf16::available()
     }
 
     pub(super) fn blocks(&self) -> &[Block] {

@@ -632,7 +632,10 @@ fn on_policy_update_ignores_old_log_probs_and_reports_its_entropy() {
 #[test]
 fn on_policy_update_fills_the_old_log_probs_it_replaces() {
     let fx = fixture();
-    let args = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.ppo_mini_batch_size=4"];
+    let args = [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    ];
     let mut a = trainer(&fx, &args, None);
     let mut b = trainer(&fx, &args, None);
     let (prompts, _) = a.next_prompts().unwrap();
@@ -658,12 +661,22 @@ fn on_policy_update_fills_the_old_log_probs_it_replaces() {
     }
     assert_eq!(ma.keys().collect::<Vec<_>>(), mb.keys().collect::<Vec<_>>());
     for (k, v) in &ma {
-        assert!((v - mb[k]).abs() <= 1e-5 * v.abs().max(1.0), "{k}: {v} vs {}", mb[k]);
+        assert!(
+            (v - mb[k]).abs() <= 1e-5 * v.abs().max(1.0),
+            "{k}: {v} vs {}",
+            mb[k]
+        );
     }
     let w = |t: &Trainer| -> Vec<f32> {
         let mut all = Vec::new();
         for (_, v) in t.actor.trainable.optimizer.vars() {
-            all.extend(v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            all.extend(
+                v.as_tensor()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap(),
+            );
         }
         all
     };
@@ -672,16 +685,26 @@ fn on_policy_update_fills_the_old_log_probs_it_replaces() {
 
     // Whole steps: skipped on-policy, kept otherwise.
     let step_keys = |extra: &[&str]| {
-        let mut args = vec!["algorithm.adv_estimator=grpo", "trainer.total_training_steps=1"];
+        let mut args = vec![
+            "algorithm.adv_estimator=grpo",
+            "trainer.total_training_steps=1",
+        ];
         args.extend_from_slice(extra);
         let mut t = trainer(&fx, &args, None);
         let m = t.step().unwrap();
         assert!(m.contains_key("actor/entropy"), "{extra:?}");
         m.contains_key("timing_s/old_log_prob")
     };
-    assert!(!step_keys(&["actor_rollout_ref.actor.ppo_mini_batch_size=4"]));
-    assert!(step_keys(&["actor_rollout_ref.actor.ppo_mini_batch_size=2"]));
-    assert!(step_keys(&["actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_epochs=2"]));
+    assert!(!step_keys(&[
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4"
+    ]));
+    assert!(step_keys(&[
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2"
+    ]));
+    assert!(step_keys(&[
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_epochs=2"
+    ]));
     assert!(step_keys(&[
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "algorithm.use_kl_in_reward=True",
@@ -972,7 +995,7 @@ mod lora;
 #[test]
 fn mixed_precision_keys_reach_actor_rollout_reference_and_critic() {
     let fx = fixture();
-    let amx = crate::model::bf16::available();
+    let bf16_here = crate::model::bf16::available();
     let plain = trainer(
         &fx,
         &[
@@ -992,15 +1015,18 @@ fn mixed_precision_keys_reach_actor_rollout_reference_and_critic() {
         "critic.model.fsdp_config.mixed_precision.param_dtype=bf16",
     ];
     let mut t = trainer(&fx, &bf, None);
-    assert_eq!(t.actor.view().bf16_matmuls(), amx);
-    assert_eq!(t.actor.rollout_view().bf16_matmuls(), amx);
-    assert_eq!(t.reference.as_ref().unwrap().model.bf16_matmuls(), amx);
+    assert_eq!(t.actor.view().bf16_matmuls(), bf16_here);
+    assert_eq!(t.actor.rollout_view().bf16_matmuls(), bf16_here);
+    assert_eq!(
+        t.reference.as_ref().unwrap().model.bf16_matmuls(),
+        bf16_here
+    );
     let critic = t.critic.as_ref().unwrap();
-    assert_eq!(critic.trainable.view().backbone.bf16_matmuls(), amx);
+    assert_eq!(critic.trainable.view().backbone.bf16_matmuls(), bf16_here);
     // The rollout's key alone: the actor trains in f32.
     let r = trainer(&fx, &[bf[0], bf[1], bf[3]], None);
     assert!(!r.actor.view().bf16_matmuls());
-    assert_eq!(r.actor.rollout_view().bf16_matmuls(), amx);
+    assert_eq!(r.actor.rollout_view().bf16_matmuls(), bf16_here);
     let before = weights(&t.actor.trainable.varmap);
     assert_eq!(t.fit().unwrap(), FitOutcome::Finished { steps: 3 });
     let m = &t.history[2].1;

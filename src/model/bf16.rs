@@ -1,10 +1,14 @@
-//! Matrix products in bf16 on Intel AMX (Advanced Matrix Extensions), accumulating in f32.
+//! Matrix products in bf16 with f32 sums, on the two x86 instruction sets that multiply bf16:
+//! Intel AMX tiles, or AVX512-BF16 dot products (AMD Zen 4/5, Intel Cooper Lake and later).
 //!
-//! One AMX instruction (`tdpbf16ps`) multiplies a 16×32 bf16 tile by a 32×16 bf16 tile into a
-//! 16×16 f32 tile; a core sustains ~3.7 TFLOP/s with it on this machine's Xeon, ~16× its f32
-//! AVX-512 peak. This is the arithmetic of verl's default mixed precision (bf16 operands, f32
-//! accumulation, f32 master weights): both operands are rounded to bf16 (nearest, ties to even),
-//! every product is exact in f32 and the sums are f32.
+//! This is the arithmetic of verl's default mixed precision (bf16 operands, f32 accumulation,
+//! f32 master weights): both operands are rounded to bf16 (nearest, ties to even), every
+//! product is exact in f32 and the sums are f32. Either instruction set computes it:
+//! - **AMX**: one `tdpbf16ps` multiplies a 16×32 bf16 tile by a 32×16 bf16 tile into a 16×16
+//!   f32 tile; a core sustains ~3.7 TFLOP/s with it on a 4th-generation Xeon, ~16× its f32
+//!   AVX-512 peak.
+//! - **AVX512-BF16**: one `vdpbf16ps` adds to each of 16 f32 lanes the two products of a bf16
+//!   pair; on Zen 5 it runs twice the f32 FMA rate (~490 against ~220 GFLOP/s per core).
 //!
 //! ```text
 //! dst[m, n] (+)= a[m, k] · b[k, n]
@@ -13,14 +17,18 @@
 //! C tile (16 × 16 f32)                          C[i, j] += Σ_p Σ_e A[i, 2p+e] · B[p, j, e]
 //! ```
 //!
-//! Operands are packed into tiles first (k padded with zeros to a multiple of 32, rows and
-//! columns to multiples of 32); a block of 32×32 outputs keeps four C tiles in registers while
-//! it walks k. Packing reads any (row, column) strides: the contiguous cases (a's rows, b's rows)
-//! convert 16 values per instruction; the transposed ones go through a 16×16 transpose.
+//! Operands are packed into that tile layout first for both kernels (k padded with zeros to a
+//! multiple of 32, rows and columns to multiples of 32); a block of 32×32 outputs walks k. On
+//! AMX four C tiles hold the block; with `vdpbf16ps` the block is four passes of 8 rows × 32
+//! columns (16 accumulators in registers), each broadcasting A's pair `(a[i, 2p], a[i, 2p+1])`
+//! against B tile row `p`, the same VNNI layout. Packing reads any (row, column) strides: the
+//! contiguous cases (a's rows, b's rows) convert 16 values per instruction; the transposed ones
+//! go through a 16×16 transpose.
 //!
-//! Linux must grant the process the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
-//! [`available`] asks once and reports false on CPUs or kernels without AMX, and callers then
-//! use the f32 path.
+//! Linux must grant the process AMX's tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
+//! [`kernel`] decides once per process: AMX where CPU and kernel allow it, else AVX512-BF16
+//! where the CPU has it, else none, and callers then use the f32 path. Both kernels flush
+//! subnormal inputs and outputs to zero, as the instructions define.
 
 use rayon::prelude::*;
 use std::sync::OnceLock;
@@ -35,14 +43,50 @@ const TILE: usize = TR * TK;
 /// Output columns one task walks (its B panel stays in the core's L2 cache).
 const NC: usize = 256;
 
-/// Whether this CPU and kernel run AMX bf16 products (checked once per process).
+/// The instruction set of this process's bf16 products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// Intel AMX tiles (`tdpbf16ps`).
+    Amx,
+    /// AVX512-BF16 dot products (`vdpbf16ps`).
+    Avx512Bf16,
+}
+
+/// The bf16 kernel of this CPU and kernel (checked once per process): AMX when the CPU has it
+/// and Linux grants the tile state, else AVX512-BF16, else `None` (the f32 path).
+/// `MAIN_PPO_BF16_KERNEL=avx512bf16` skips AMX, `none` turns both off (to compare them).
+pub fn kernel() -> Option<Kernel> {
+    static K: OnceLock<Option<Kernel>> = OnceLock::new();
+    *K.get_or_init(|| {
+        let forced = std::env::var("MAIN_PPO_BF16_KERNEL").ok();
+        match forced.as_deref() {
+            Some("none") => None,
+            Some("avx512bf16") => avx512_bf16().then_some(Kernel::Avx512Bf16),
+            _ if amx() => Some(Kernel::Amx),
+            _ => avx512_bf16().then_some(Kernel::Avx512Bf16),
+        }
+    })
+}
+
+/// Whether this process runs bf16 products (either kernel).
 pub fn available() -> bool {
-    static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(detect)
+    kernel().is_some()
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx512_bf16() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512bf16")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx512_bf16() -> bool {
+    false
 }
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-fn detect() -> bool {
+fn amx() -> bool {
     if !std::arch::is_x86_feature_detected!("avx512f")
         || !std::arch::is_x86_feature_detected!("avx512bw")
     {
@@ -66,7 +110,7 @@ fn detect() -> bool {
 }
 
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-fn detect() -> bool {
+fn amx() -> bool {
     false
 }
 
@@ -465,7 +509,108 @@ unsafe fn block(
     _: usize,
     _: bool,
 ) {
-    unreachable!("AMX products are only called when amx::available()")
+    unreachable!("AMX products are only called when bf16::kernel() is AMX")
+}
+
+/// The block [`block`] computes, with AVX512-BF16 dot products instead of tiles: four passes
+/// of 8 rows × 32 columns, each keeping its 16 accumulators in registers while it walks k. For
+/// k-pair `p` of a k-block, B tile row `p` of `b0` and `b1` (16 columns each, VNNI pairs) is
+/// loaded once and multiplied by A's pair `(a[i, 2p], a[i, 2p+1])` broadcast to every lane.
+///
+/// # Safety
+/// The CPU must have avx512f, avx512bw and avx512bf16; the pointers as for [`block`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn block_dp(
+    a0: *const u16,
+    a1: *const u16,
+    b0: *const u16,
+    b1: *const u16,
+    kbs: usize,
+    c: *mut f32,
+    stride: usize,
+    load: bool,
+) {
+    use std::arch::x86_64::*;
+    const R: usize = 8;
+    for pass in 0..4 {
+        // SAFETY (whole body): per this function's contract, rows pass·8..pass·8+8 of the
+        // block lie in tile `a0` (passes 0, 1) or `a1` (2, 3), each `kbs` tiles long, and the
+        // block's rows of `c` are writable.
+        unsafe {
+            let at = if pass < 2 { a0 } else { a1 }.add((pass % 2) * R * TK);
+            let row = |r: usize| (c as *mut u8).add((pass * R + r) * stride) as *mut f32;
+            let mut acc = [[_mm512_setzero_ps(); 2]; R];
+            if load {
+                for (r, a) in acc.iter_mut().enumerate() {
+                    a[0] = _mm512_loadu_ps(row(r));
+                    a[1] = _mm512_loadu_ps(row(r).add(16));
+                }
+            }
+            for kb in 0..kbs {
+                let a = at.add(kb * TILE);
+                let (bl, bh) = (b0.add(kb * TILE), b1.add(kb * TILE));
+                for p in 0..TR {
+                    let vl: __m512bh =
+                        std::mem::transmute(_mm512_loadu_si512(bl.add(p * TK) as *const __m512i));
+                    let vh: __m512bh =
+                        std::mem::transmute(_mm512_loadu_si512(bh.add(p * TK) as *const __m512i));
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let pair = (a.add(r * TK + 2 * p) as *const i32).read_unaligned();
+                        let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
+                        acc[0] = _mm512_dpbf16_ps(acc[0], av, vl);
+                        acc[1] = _mm512_dpbf16_ps(acc[1], av, vh);
+                    }
+                }
+            }
+            for (r, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(row(r), a[0]);
+                _mm512_storeu_ps(row(r).add(16), a[1]);
+            }
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[allow(clippy::too_many_arguments)]
+unsafe fn block_dp(
+    _: *const u16,
+    _: *const u16,
+    _: *const u16,
+    _: *const u16,
+    _: usize,
+    _: *mut f32,
+    _: usize,
+    _: bool,
+) {
+    unreachable!("bf16 products are only called when bf16::available()")
+}
+
+/// One 32×32 block with this process's kernel (see [`block`]).
+///
+/// # Safety
+/// As [`block`]; `kernel` must be [`kernel`]'s answer, and for AMX the tile configuration
+/// loaded on this thread.
+#[allow(clippy::too_many_arguments)]
+unsafe fn block_with(
+    kernel: Kernel,
+    a0: *const u16,
+    a1: *const u16,
+    b0: *const u16,
+    b1: *const u16,
+    kbs: usize,
+    c: *mut f32,
+    stride: usize,
+    load: bool,
+) {
+    // SAFETY: per this function's contract.
+    unsafe {
+        match kernel {
+            Kernel::Amx => block(a0, a1, b0, b1, kbs, c, stride, load),
+            Kernel::Avx512Bf16 => block_dp(a0, a1, b0, b1, kbs, c, stride, load),
+        }
+    }
 }
 
 /// A raw pointer that may cross to rayon's threads: tasks write disjoint blocks.
@@ -481,8 +626,12 @@ impl SendPtr {
     }
 }
 
-/// Loads the tile configuration on the calling thread, runs `f`, releases the tile state.
-fn with_tiles<R>(f: impl FnOnce() -> R) -> R {
+/// With AMX: loads the tile configuration on the calling thread, runs `f`, releases the tile
+/// state. With AVX512-BF16 only runs `f`.
+fn with_tiles<R>(kernel: Kernel, f: impl FnOnce() -> R) -> R {
+    if kernel != Kernel::Amx {
+        return f();
+    }
     let cfg = TileConfig::full();
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the configuration is valid (palette 1, 8 tiles of 16×64 bytes) and AMX was
@@ -532,10 +681,36 @@ pub(super) fn gemm_packed(
     acc: bool,
     par: Par,
 ) {
-    assert!(
-        available(),
-        "AMX bf16 product called on a machine without AMX"
-    );
+    let kernel = kernel().expect("bf16 product called on a CPU without AMX or AVX512-BF16");
+    gemm_packed_on(kernel, dst, m, a, a_rs, a_cs, bp, acc, par)
+}
+
+/// The kernels this CPU and kernel can run (for tests that compare them).
+#[cfg(test)]
+fn kernels_here() -> Vec<Kernel> {
+    let mut k = Vec::new();
+    if amx() {
+        k.push(Kernel::Amx);
+    }
+    if avx512_bf16() {
+        k.push(Kernel::Avx512Bf16);
+    }
+    k
+}
+
+/// [`gemm_packed`] on a given kernel (which this CPU must run).
+#[allow(clippy::too_many_arguments)]
+fn gemm_packed_on(
+    kernel: Kernel,
+    dst: &mut [f32],
+    m: usize,
+    a: &[f32],
+    a_rs: usize,
+    a_cs: usize,
+    bp: &PackedB,
+    acc: bool,
+    par: Par,
+) {
     let (k, n) = bp.dims();
     assert!(dst.len() >= m * n);
     if m == 0 || n == 0 || k == 0 {
@@ -553,7 +728,7 @@ pub(super) fn gemm_packed(
     let out = SendPtr(dst.as_mut_ptr());
     // One task: the column chunk `cc` for the row blocks `rows`.
     let task = |cc: usize, rows: std::ops::Range<usize>| {
-        with_tiles(|| {
+        with_tiles(kernel, || {
             let mut cbuf = Buf([0f32; 1024]);
             for bi in rows {
                 let a0 = ap[(2 * bi) * kbs * TILE..].as_ptr();
@@ -569,13 +744,15 @@ pub(super) fn gemm_packed(
                         // belong to this task alone; the packs hold kbs tiles per pointer.
                         unsafe {
                             let c = out.get().add(r0 * n + c0);
-                            block(a0, a1, b0, b1, kbs, c, n * 4, acc);
+                            block_with(kernel, a0, a1, b0, b1, kbs, c, n * 4, acc);
                         }
                         continue;
                     }
                     // An edge block: through a 32×32 buffer, then the part inside dst.
                     // SAFETY: the packs hold kbs tiles from each pointer; cbuf holds 1,024 f32.
-                    unsafe { block(a0, a1, b0, b1, kbs, cbuf.0.as_mut_ptr(), 128, false) };
+                    unsafe {
+                        block_with(kernel, a0, a1, b0, b1, kbs, cbuf.0.as_mut_ptr(), 128, false)
+                    };
                     for i in 0..rn {
                         // SAFETY: row r0+i < m and columns c0..c0+cn < n of dst[m, n]; no
                         // other task writes this block.
@@ -663,8 +840,9 @@ mod tests {
 
     #[test]
     fn products_equal_f64_sums_of_bf16_operands_for_all_layouts() {
-        if !available() {
-            eprintln!("skipped: this CPU/kernel has no AMX");
+        let kernels = kernels_here();
+        if kernels.is_empty() {
+            eprintln!("skipped: this CPU/kernel has neither AMX nor AVX512-BF16");
             return;
         }
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
@@ -682,15 +860,19 @@ mod tests {
             for (ars, acs) in [(k, 1), (1, m)] {
                 for (brs, bcs) in [(n, 1), (1, k)] {
                     let want = reference(m, n, k, &a, ars, acs, &b, brs, bcs);
-                    for par in [Par::Rayon, Par::None] {
+                    let bp = PackedB::new(&b, brs, bcs, k, n, Par::Rayon);
+                    for (&kernel, par) in kernels
+                        .iter()
+                        .flat_map(|kn| [Par::Rayon, Par::None].into_iter().map(move |p| (kn, p)))
+                    {
                         let mut got = vec![0.5f32; m * n];
-                        gemm(&mut got, m, n, k, &a, ars, acs, &b, brs, bcs, true, par);
+                        gemm_packed_on(kernel, &mut got, m, &a, ars, acs, &bp, true, par);
                         for (g, w) in got.iter().zip(&want) {
                             // f32 sums of exact products: |error| ≤ k·2⁻²⁴·Σ|terms| ≤ k²·2⁻²⁴.
                             let tol = (k * k) as f64 * 6e-8 + 1e-6;
                             assert!(
                                 (*g as f64 - 0.5 - w).abs() <= tol,
-                                "{m}x{n}x{k} {ars},{acs} {brs},{bcs}: {g} vs {w}"
+                                "{kernel:?} {m}x{n}x{k} {ars},{acs} {brs},{bcs}: {g} vs {w}"
                             );
                         }
                     }
@@ -700,8 +882,8 @@ mod tests {
     }
 }
 
-/// Throughput at SmolLM2-135M's shapes, AMX bf16 vs the f32 `gemm` crate, same run:
-/// `cargo test --release --lib amx::speed -- --ignored --nocapture`.
+/// Throughput at SmolLM2-135M's shapes, each bf16 kernel this CPU runs vs the f32 `gemm`
+/// crate, same run: `cargo test --release --lib bf16::speed -- --ignored --nocapture`.
 #[cfg(test)]
 mod speed {
     use super::*;
@@ -721,9 +903,6 @@ mod speed {
     #[test]
     #[ignore]
     fn speed() {
-        if !available() {
-            return;
-        }
         // (name, m, n, k, a_rs, a_cs, b_rs, b_cs)
         let (r, h, it) = (2048, 576, 1536);
         let cases = [
@@ -743,6 +922,7 @@ mod speed {
                 .map(|i| ((i * 104729) % 1000) as f32 * 1e-3)
                 .collect();
             let mut c = vec![0f32; m * n];
+            let fl = 2.0 * (m * n * k) as f64 / 1e9;
             let t32 = time(|| {
                 gemm_strided(
                     &mut c,
@@ -759,36 +939,24 @@ mod speed {
                     Par::Rayon,
                 )
             });
-            let t16 = time(|| {
-                gemm(
-                    &mut c,
-                    m,
-                    n,
-                    k,
-                    &a,
-                    ars,
-                    acs,
-                    &b,
-                    brs,
-                    bcs,
-                    false,
-                    Par::Rayon,
-                )
-            });
-            let bp = PackedB::new(&b, brs, bcs, k, n, Par::Rayon);
-            let tp = time(|| gemm_packed(&mut c, m, &a, ars, acs, &bp, false, Par::Rayon));
-            let fl = 2.0 * (m * n * k) as f64 / 1e9;
-            println!(
-                "{name:12} b packed once: amx {:.0} GFLOP/s ({:.2}x)",
-                fl / tp,
-                t32 / tp
-            );
-            println!(
-                "{name:12} {m}x{n}x{k}: f32 {:.0} GFLOP/s, amx {:.0} GFLOP/s ({:.2}x)",
-                fl / t32,
-                fl / t16,
-                t32 / t16
-            );
+            let mut line = format!("{name:12} {m}x{n}x{k}: f32 {:.0} GFLOP/s", fl / t32);
+            for kn in kernels_here() {
+                let tpack = time(|| {
+                    let bp = PackedB::new(&b, brs, bcs, k, n, Par::Rayon);
+                    gemm_packed_on(kn, &mut c, m, &a, ars, acs, &bp, false, Par::Rayon)
+                });
+                let bp = PackedB::new(&b, brs, bcs, k, n, Par::Rayon);
+                let tp =
+                    time(|| gemm_packed_on(kn, &mut c, m, &a, ars, acs, &bp, false, Par::Rayon));
+                line += &format!(
+                    "; {kn:?} {:.0} GFLOP/s ({:.2}x), b packed once {:.0} ({:.2}x)",
+                    fl / tpack,
+                    t32 / tpack,
+                    fl / tp,
+                    t32 / tp
+                );
+            }
+            println!("{line}");
         }
     }
 }
