@@ -56,6 +56,15 @@ impl UpdatePlan {
     pub fn optimizer_steps_per_step(&self) -> usize {
         self.mini_batches_per_epoch * self.epochs
     }
+
+    /// Whether an update over `rows` responses is on-policy as verl's `update_policy` decides
+    /// it (default loss path, one epoch, one mini-batch): its only optimizer step comes after
+    /// every forward, so the current log-probs are the old ones.
+    pub fn on_policy(&self, rows: usize) -> bool {
+        !self.global_norm
+            && self.epochs == 1
+            && rows.div_ceil(self.mini_batch_responses.max(1)) == 1
+    }
 }
 
 /// Everything derived from a [`Config`] that the trainer needs and `config check` prints.

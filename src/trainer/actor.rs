@@ -138,10 +138,7 @@ impl Actor {
     /// `old_log_prob` pass: no adapter dropout (the old log-probs are a pass without it), one
     /// process (each rank's update sees only its micro-batches).
     pub fn update_replaces_old_log_prob(&self, rows: usize, world_size: usize) -> bool {
-        let plan = &self.trainable.settings.plan;
-        !plan.global_norm
-            && plan.epochs == 1
-            && rows.div_ceil(plan.mini_batch_responses.max(1)) == 1
+        self.trainable.settings.plan.on_policy(rows)
             && world_size == 1
             && self.trainable.model.adapter_dropout() == 0.0
     }

@@ -323,9 +323,7 @@ impl<N: Network> Trainable<N> {
         let mut scalars = UpdateScalars::default();
         let mut norms = Vec::new();
         let mut skipped = 0usize;
-        let on_policy = !plan.global_norm
-            && plan.epochs == 1
-            && rows.div_ceil(plan.mini_batch_responses.max(1)) == 1;
+        let on_policy = plan.on_policy(rows);
         // Adapter-dropout masks from (step, forward number within the step): a resumed run
         // draws the same ones.
         self.model.set_dropout_position(step << 32);
