@@ -2,7 +2,9 @@
 //! (greedy, EOS ignored so every row generates 128), forward+backward tokens/s at 8 × 256
 //! tokens, an AdamW step over all parameters, and peak memory (VmHWM). `cargo bench --bench
 //! model -- gen|train|adamw` runs one part. Needs the model: `scripts/fetch_smollm2.sh` (or
-//! MAIN_PPO_SMOLLM2). Run: `cargo bench --bench model`.
+//! MAIN_PPO_SMOLLM2). Run: `cargo bench --bench model`. `MAIN_PPO_BENCH_DEVICE=cuda` (a build
+//! with `--features cuda`) runs it on the GPU (`trainer.device`'s spellings: cpu, cuda, cuda:N),
+//! with CUDA synchronised before each timer reads.
 
 use std::time::Instant;
 
@@ -40,9 +42,18 @@ fn main() {
         main_ppo::model::alloc::keep_freed_memory();
     }
     let only: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let spec = std::env::var("MAIN_PPO_BENCH_DEVICE").unwrap_or_else(|_| "cpu".into());
+    let dev = match main_ppo::model::device(&spec) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("model bench: MAIN_PPO_BENCH_DEVICE={spec}: {e}");
+            std::process::exit(2);
+        }
+    };
+    let sync = |d: &Device| d.synchronize().unwrap();
+    println!("device: {dev:?}");
     let (loaded, content) =
-        main_ppo::model::gguf::load(std::path::Path::new(&path), DType::F32, &Device::Cpu, true)
-            .unwrap();
+        main_ppo::model::gguf::load(std::path::Path::new(&path), DType::F32, &dev, true).unwrap();
     let tok = main_ppo::model::gguf::tokenizer(&content, std::path::Path::new(&path)).unwrap();
     let prompt = tok.encode("<|im_start|>user\nNatalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?<|im_end|>\n<|im_start|>assistant\n").unwrap();
     println!(
@@ -108,6 +119,7 @@ fn main() {
         for i in 0..3 {
             let t0 = Instant::now();
             opt.step(&grads, 1e-6).unwrap();
+            sync(&dev);
             println!(
                 "AdamW step {i} over {params} parameters: {:.3} s",
                 t0.elapsed().as_secs_f64()
@@ -121,16 +133,16 @@ fn main() {
                 .map(|i| (i * 7919 % 49000) as u32)
                 .collect::<Vec<u32>>(),
             (b, t),
-            &Device::Cpu,
+            &dev,
         )
         .unwrap();
-        let pos = Tensor::arange(0u32, t as u32, &Device::Cpu)
+        let pos = Tensor::arange(0u32, t as u32, &dev)
             .unwrap()
             .unsqueeze(0)
             .unwrap()
             .repeat((b, 1))
             .unwrap();
-        let mask = Tensor::ones((b, t), DType::U32, &Device::Cpu).unwrap();
+        let mask = Tensor::ones((b, t), DType::U32, &dev).unwrap();
         let t0 = Instant::now();
         let h = loaded
             .model
@@ -138,8 +150,10 @@ fn main() {
             .unwrap();
         let (lp, _) = loaded.model.token_logprobs(&h, &ids, 256, false).unwrap();
         let loss = lp.mean_all().unwrap().neg().unwrap();
+        sync(&dev);
         let fwd = t0.elapsed().as_secs_f64();
         let grads = loss.backward().unwrap();
+        sync(&dev);
         let total = t0.elapsed().as_secs_f64();
         drop(grads);
         println!(

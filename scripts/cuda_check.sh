@@ -29,7 +29,7 @@ export PATH="$root/bin:$PATH"
 export CUDA_ROOT="$root" CUDA_PATH="$root"
 export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13020}"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
-cargo check --locked --features cuda --lib --bins
+cargo check --locked --features cuda --all-targets
 # Type-checking links nothing, so libnccl is not needed here (a `cargo build --features nccl`
 # links it: the PyPI wheel nvidia-nccl-cu13 ships libnccl.so).
 cargo check --locked --features nccl,mpi --lib --bins

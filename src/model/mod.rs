@@ -53,6 +53,8 @@ pub use config::{Arch, ModelArgs};
 pub use heads::{ScoreHead, ValueHead};
 pub use transformer::{CausalLm, KvCache};
 
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests;
 #[cfg(test)]
 mod props;
 #[cfg(test)]
