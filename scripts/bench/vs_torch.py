@@ -643,7 +643,9 @@ def cmd_run(a) -> None:
     fb = ["--batch", "8", "--seq", "256", "--warmup", "1", "--reps", "1" if quick else "2"]
     gen_new = "32" if quick else "128"
     gn = ["--batch", "32", "--new", gen_new, "--warmup-new", "4"]
-    ad = ["--warmup", "1", "--reps", "1" if quick else "3"]
+    # AdamW is memory-bound and short (tens of ms): enough repetitions that the VM's bandwidth
+    # noise averages out on both sides.
+    ad = ["--warmup", "2", "--reps", "2" if quick else "10"]
     bf16 = a.precision == "bf16"
     ours_prec = ["--bf16", "1" if bf16 else "0"]
     if "fwdbwd" in only:

@@ -202,7 +202,10 @@ pub fn main_with<A: Into<OsString>>(
         }
     };
     logging::init();
-    crate::model::alloc::keep_freed_memory();
+    // MAIN_PPO_GLIBC_MALLOC=1 keeps glibc's defaults (to measure what the settings save).
+    if std::env::var_os("MAIN_PPO_GLIBC_MALLOC").is_none() {
+        crate::model::alloc::keep_freed_memory();
+    }
     match run(cli, &natives) {
         Ok(true) => 0,
         Ok(false) => 1,
