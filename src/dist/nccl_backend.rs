@@ -194,7 +194,7 @@ impl Nccl {
             .map_err(|e| self.failed("all_reduce", e))?;
         let mut dev = self
             .stream
-            .memcpy_stod(buf)
+            .clone_htod(buf)
             .map_err(|e| self.failed("all_reduce", e))?;
         g.0.all_reduce_in_place(&mut dev, &ReduceOp::Sum)
             .map_err(|e| self.failed("all_reduce", e))?;
@@ -217,7 +217,7 @@ impl Nccl {
             .bind_to_thread()
             .map_err(|e| self.failed("broadcast", e))?;
         let mut len = s
-            .memcpy_stod(&[buf.len() as u64])
+            .clone_htod(&[buf.len() as u64])
             .map_err(|e| self.failed("broadcast", e))?;
         g.0.broadcast_in_place(&mut len, root as i32)
             .map_err(|e| self.failed("broadcast", e))?;
@@ -230,7 +230,7 @@ impl Nccl {
             return Ok(());
         }
         let mut dev = s
-            .memcpy_stod(buf.as_slice())
+            .clone_htod(buf.as_slice())
             .map_err(|e| self.failed("broadcast", e))?;
         g.0.broadcast_in_place(&mut dev, root as i32)
             .map_err(|e| self.failed("broadcast", e))?;
