@@ -748,23 +748,29 @@ fn gemm_packed_on(
                         }
                         continue;
                     }
-                    // An edge block: through a 32×32 buffer, then the part inside dst.
+                    // An edge block: through a 32×32 buffer, then the part inside dst. With
+                    // `acc` the buffer starts from dst's values, so that every output is
+                    // `dst + Σ` summed in the same order as in a whole block: a row's result
+                    // must not depend on which block of the batch it falls in (batch-invariant
+                    // decoding).
+                    let dst_row = |i: usize| {
+                        // SAFETY: row r0+i < m and columns c0..c0+cn < n of dst[m, n]; no
+                        // other task touches this block.
+                        unsafe {
+                            std::slice::from_raw_parts_mut(out.get().add((r0 + i) * n + c0), cn)
+                        }
+                    };
+                    if acc {
+                        for i in 0..rn {
+                            cbuf.0[i * 32..][..cn].copy_from_slice(dst_row(i));
+                        }
+                    }
                     // SAFETY: the packs hold kbs tiles from each pointer; cbuf holds 1,024 f32.
                     unsafe {
-                        block_with(kernel, a0, a1, b0, b1, kbs, cbuf.0.as_mut_ptr(), 128, false)
+                        block_with(kernel, a0, a1, b0, b1, kbs, cbuf.0.as_mut_ptr(), 128, acc)
                     };
                     for i in 0..rn {
-                        // SAFETY: row r0+i < m and columns c0..c0+cn < n of dst[m, n]; no
-                        // other task writes this block.
-                        let d = unsafe {
-                            std::slice::from_raw_parts_mut(out.get().add((r0 + i) * n + c0), cn)
-                        };
-                        let s = &cbuf.0[i * 32..][..cn];
-                        if acc {
-                            d.iter_mut().zip(s).for_each(|(d, s)| *d += s);
-                        } else {
-                            d.copy_from_slice(s);
-                        }
+                        dst_row(i).copy_from_slice(&cbuf.0[i * 32..][..cn]);
                     }
                 }
             }
@@ -836,6 +842,44 @@ mod tests {
         assert_eq!(round_bf16(-2.5), -2.5);
         assert!(round_bf16(f32::NAN).is_nan());
         assert_eq!(round_bf16(f32::INFINITY), f32::INFINITY);
+    }
+
+    /// A row's result does not depend on the rest of the batch, bit for bit, also when the
+    /// product adds to `dst` (the decode path's fused residual): rows 32-39 of a 40-row product
+    /// (an edge block) equal rows 0-7 of an 8-row product of the same rows, and rows 0-7 of the
+    /// 40-row product (a whole block) equal those of a 16-row one. Before the edge block
+    /// started from dst's values it summed `dst + (Σ)` instead of `(dst + Σ)`, so greedy bf16
+    /// decoding changed with `max_num_seqs`.
+    #[test]
+    fn rows_are_batch_invariant_with_and_without_accumulation() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let (n, k) = (48, 200);
+        let a: Vec<f32> = (0..40 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let b: Vec<f32> = (0..k * n).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let d0: Vec<f32> = (0..40 * n).map(|_| rng.random_range(-3.0..3.0)).collect();
+        let bp = PackedB::new(&b, n, 1, k, n, Par::None);
+        for kernel in kernels_here() {
+            for acc in [false, true] {
+                let run = |rows: std::ops::Range<usize>| {
+                    let m = rows.len();
+                    let mut d = d0[rows.start * n..rows.end * n].to_vec();
+                    let a = &a[rows.start * k..rows.end * k];
+                    gemm_packed_on(kernel, &mut d, m, a, k, 1, &bp, acc, Par::None);
+                    d
+                };
+                let all = run(0..40);
+                assert_eq!(
+                    &all[32 * n..],
+                    &run(32..40)[..],
+                    "{kernel:?} acc={acc}: edge rows"
+                );
+                assert_eq!(
+                    &all[..8 * n],
+                    &run(0..16)[..8 * n],
+                    "{kernel:?} acc={acc}: block rows"
+                );
+            }
+        }
     }
 
     #[test]
