@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # main_ppo next to PyTorch / transformers / TRL on this machine's CPU, back to back, one command:
-#   (a) forward+backward of SmolLM2-135M on 8 x 256 tokens: tokens/s and peak RSS
+#   (a) forward+backward of SmolLM2-135M on 8 x 256 tokens: tokens/s and peak RSS, both sides
+#       keeping every activation; ours once more with per-layer recomputation (training's default)
 #   (b) greedy generation, batch 32 x 128 new tokens (EOS ignored): tokens/s
 #   (c) one AdamW step over the 135M parameters (trainer::AdamW vs torch.optim.AdamW)
 #   (d) one GRPO step with TRL's settings (8 prompts x 4 responses, <= 128 new tokens, beta 0,
