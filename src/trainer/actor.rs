@@ -55,6 +55,40 @@ pub struct Actor {
     rollout_bf16: bool,
 }
 
+/// Rows filled on one rank each (the others empty) made whole on every rank: rows laid end to
+/// end at their response lengths `lens`, zeros where this rank has no values, summed over the
+/// ranks (`x + 0` is exact, so every value arrives unchanged).
+fn sum_over_ranks(
+    comm: &dyn crate::dist::Collective,
+    rows: Ragged,
+    lens: &[usize],
+) -> candle_core::Result<Ragged> {
+    let mut flat = vec![0f32; lens.iter().sum()];
+    let mut at = 0;
+    for (r, (row, &len)) in rows.iter().zip(lens).enumerate() {
+        if !row.is_empty() {
+            if row.len() != len {
+                candle_core::bail!(
+                    "row {r}: {} captured values for a response of {len} tokens",
+                    row.len()
+                );
+            }
+            flat[at..at + len].copy_from_slice(row);
+        }
+        at += len;
+    }
+    crate::dist::all_reduce_sum_bucketed_f32(comm, &mut flat)
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    let mut at = 0;
+    Ok(lens
+        .iter()
+        .map(|&len| {
+            at += len;
+            flat[at - len..at].to_vec()
+        })
+        .collect())
+}
+
 impl Actor {
     /// The actor of a run: `loaded` weights trained as `cfg` and `plan` say, its LR schedule
     /// spanning `total_steps`.
@@ -135,11 +169,9 @@ impl Actor {
 
     /// Whether the update of a step of `rows` rows is on-policy (verl's shortcut: one
     /// mini-batch, one epoch, default path) with a forward that can stand in for the
-    /// `old_log_prob` pass: no adapter dropout (the old log-probs are a pass without it), one
-    /// process (each rank's update sees only its micro-batches).
-    pub fn update_replaces_old_log_prob(&self, rows: usize, world_size: usize) -> bool {
+    /// `old_log_prob` pass: no adapter dropout (the old log-probs are a pass without it).
+    pub fn update_replaces_old_log_prob(&self, rows: usize) -> bool {
         self.trainable.settings.plan.on_policy(rows)
-            && world_size == 1
             && self.trainable.model.adapter_dropout() == 0.0
     }
 
@@ -164,7 +196,15 @@ impl Actor {
         let n = batch.len();
         let mut cols: [Ragged; 2] = [vec![Vec::new(); n], vec![Vec::new(); n]];
         let m = self.update_capturing(batch, step, Some(&mut cols))?;
-        let [lp, ent] = cols;
+        let [mut lp, mut ent] = cols;
+        // With data parallelism each rank computed only its micro-batches: the other rows
+        // arrive by a sum over the ranks, each row owned by exactly one rank (zeros elsewhere).
+        let comm = self.trainable.comm.as_ref();
+        if comm.world_size() > 1 {
+            let lens = batch.response_lens();
+            lp = sum_over_ranks(comm, lp, &lens)?;
+            ent = sum_over_ranks(comm, ent, &lens)?;
+        }
         batch.set(Column::OldLogProbs, lp)?;
         batch.set(Column::Entropys, ent)?;
         Ok(m)

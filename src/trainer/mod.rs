@@ -351,10 +351,18 @@ impl Trainer {
         // An on-policy update's own forward gives the old log-probs (verl computes them in a
         // pass of their own, whose values the on-policy update then ignores): the pass is
         // skipped when nothing reads them before the update.
+        // (The rule counts the step's rows over all ranks: the reward may have left rows out.)
+        let step_rows = if self.comm.world_size() > 1 {
+            let mut n = [batch.len() as f64];
+            self.comm
+                .all_reduce_sum_f64(&mut n)
+                .map_err(|e| TrainerError::Other(e.to_string()))?;
+            n[0] as usize
+        } else {
+            batch.len()
+        };
         let old_from_update = !self.cfg.algorithm.use_kl_in_reward
-            && self
-                .actor
-                .update_replaces_old_log_prob(batch.len(), self.comm.world_size());
+            && self.actor.update_replaces_old_log_prob(step_rows);
         if !old_from_update {
             t.time("old_log_prob", || self.actor.compute_log_prob(&mut batch))?;
         }

@@ -370,19 +370,24 @@ fn checkpoint_bytes(dir: &Path, step: u64) -> Vec<u8> {
     std::fs::read(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()))
 }
 
-/// 3 steps of PPO with a critic (gae) and of GRPO: 2 ranks, 1 rank through MPI and a plain
-/// process log the same metrics (1e-6) and save the same actor.
+/// 3 steps of PPO with a critic (gae), of GRPO, and of GRPO with one mini-batch per step (an
+/// on-policy update, whose own forward gives the old log-probs: each rank fills the rows of its
+/// micro-batches and the ranks exchange them, so no `old_log_prob` pass runs): 2 ranks, 1 rank
+/// through MPI and a plain process log the same metrics (1e-6; `actor/entropy` is read from
+/// the exchanged rows) and save the same actor.
 #[test]
 fn two_ranks_and_one_log_the_same_metrics_for_gae_and_grpo() {
     if mpirun(1).is_none() {
         return;
     }
-    for est in ["gae", "grpo"] {
+    for (est, mini) in [("gae", 2), ("grpo", 2), ("grpo", 4)] {
         let extra = [
             format!("algorithm.adv_estimator={est}"),
+            format!("actor_rollout_ref.actor.ppo_mini_batch_size={mini}"),
             "trainer.save_freq=3".into(),
         ];
         let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let est = format!("{est} mini-batch {mini}");
         let mut runs = Vec::new();
         for np in [0, 1, 2] {
             let dir = tempfile::tempdir().unwrap();
@@ -403,6 +408,16 @@ fn two_ranks_and_one_log_the_same_metrics_for_gae_and_grpo() {
             base[2].keys()
         );
         for (np, m, a, _) in &runs[1..] {
+            let on_policy = mini == 4;
+            for (i, step) in m.iter().enumerate() {
+                assert_eq!(
+                    step.contains_key("timing_s/old_log_prob"),
+                    !on_policy,
+                    "{est} np={np} step {}: the old_log_prob pass runs unless on-policy",
+                    i + 1
+                );
+                assert!(step.contains_key("actor/entropy"), "{est} np={np}");
+            }
             assert_same_metrics(
                 m,
                 base,
