@@ -127,6 +127,13 @@ pub fn all_gather_bytes(c: &dyn Collective, mine: Vec<u8>) -> Result<Vec<Vec<u8>
         .collect()
 }
 
+/// The sum of every rank's `n` (e.g. the step's rows when each rank holds a share).
+pub fn sum_count(c: &dyn Collective, n: usize) -> Result<usize> {
+    let mut v = [n as f64];
+    c.all_reduce_sum_f64(&mut v)?;
+    Ok(v[0] as usize)
+}
+
 /// Whether any rank says yes (a stop request on one rank stops all at the same step).
 pub fn any(c: &dyn Collective, yes: bool) -> Result<bool> {
     let mut v = [f64::from(u8::from(yes))];

@@ -6,7 +6,7 @@ use candle_nn::VarMap;
 
 use super::batch::{pad_rows, scatter_rows, Column, MicroInputs, Ragged, StepBatch};
 use super::trainable::{forward_rows, LoraState, Trainable, UpdateSettings};
-use super::update::MicroLoss;
+use super::update::{dist_error, MicroLoss};
 use crate::algo::agg::scalar;
 use crate::algo::{agg_loss, kl_loss, policy_loss, PolicyLossParams};
 use crate::config::{ActorConfig, MicroBatching, Plan};
@@ -77,8 +77,7 @@ fn sum_over_ranks(
         }
         at += len;
     }
-    crate::dist::all_reduce_sum_bucketed_f32(comm, &mut flat)
-        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    crate::dist::all_reduce_sum_bucketed_f32(comm, &mut flat).map_err(dist_error)?;
     let mut at = 0;
     Ok(lens
         .iter()

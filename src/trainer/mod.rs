@@ -352,15 +352,8 @@ impl Trainer {
         // pass of their own, whose values the on-policy update then ignores): the pass is
         // skipped when nothing reads them before the update.
         // (The rule counts the step's rows over all ranks: the reward may have left rows out.)
-        let step_rows = if self.comm.world_size() > 1 {
-            let mut n = [batch.len() as f64];
-            self.comm
-                .all_reduce_sum_f64(&mut n)
-                .map_err(|e| TrainerError::Other(e.to_string()))?;
-            n[0] as usize
-        } else {
-            batch.len()
-        };
+        let step_rows = crate::dist::sum_count(self.comm.as_ref(), batch.len())
+            .map_err(|e| TrainerError::Other(e.to_string()))?;
         let old_from_update = !self.cfg.algorithm.use_kl_in_reward
             && self.actor.update_replaces_old_log_prob(step_rows);
         if !old_from_update {

@@ -166,7 +166,7 @@ pub fn mini_batch_grads<N: Network>(
     Ok(Some(grads))
 }
 
-fn dist_error(e: crate::dist::DistError) -> candle_core::Error {
+pub(super) fn dist_error(e: crate::dist::DistError) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
 }
 

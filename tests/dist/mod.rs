@@ -388,6 +388,8 @@ fn two_ranks_and_one_log_the_same_metrics_for_gae_and_grpo() {
         ];
         let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
         let est = format!("{est} mini-batch {mini}");
+        // One mini-batch of the step's 8 rows: the on-policy update.
+        let on_policy = mini == 4;
         let mut runs = Vec::new();
         for np in [0, 1, 2] {
             let dir = tempfile::tempdir().unwrap();
@@ -408,7 +410,6 @@ fn two_ranks_and_one_log_the_same_metrics_for_gae_and_grpo() {
             base[2].keys()
         );
         for (np, m, a, _) in &runs[1..] {
-            let on_policy = mini == 4;
             for (i, step) in m.iter().enumerate() {
                 assert_eq!(
                     step.contains_key("timing_s/old_log_prob"),
