@@ -18,6 +18,7 @@ use candle_core::{DType, Device, Result, Tensor, WithDType};
 use rayon::prelude::*;
 
 use super::config::ModelArgs;
+use super::simd::vectorized;
 use super::transformer::CausalLm;
 
 /// Element types of the fast path.
@@ -303,26 +304,10 @@ struct Kv<'a, C> {
 /// `out[h] = Σ_j softmax_j(q_h·k_j·scale) v_j`. Runs with AVX-512 where the CPU has it (the
 /// same code compiled for wider vectors; the baseline build is SSE2).
 fn attend<T: Elem, C: KvElem<T>>(q: &[T], kv: &Kv<C>, hd: usize, scale: T, out: &mut [T]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has the features the function is compiled for.
-            return unsafe { attend_avx512(q, kv, hd, scale, out) };
-        }
-    }
-    attend_body(q, kv, hd, scale, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn attend_avx512<T: Elem, C: KvElem<T>>(
-    q: &[T],
-    kv: &Kv<C>,
-    hd: usize,
-    scale: T,
-    out: &mut [T],
-) {
-    attend_body(q, kv, hd, scale, out)
+    vectorized(
+        #[inline(always)]
+        || attend_body(q, kv, hd, scale, out),
+    )
 }
 
 #[inline(always)]
@@ -420,11 +405,16 @@ fn rms_norm<T: Elem>(out: &mut [T], x: &[T], w: &[T], eps: f64) {
     out.par_chunks_mut(h)
         .zip(x.par_chunks(h))
         .for_each(|(o, xr)| {
-            let ss = xr.iter().fold(T::zero(), |acc, &v| acc + v * v);
-            let inv = (ss / n + eps).sqrt().recip();
-            for ((oi, &xi), &wi) in o.iter_mut().zip(xr).zip(w) {
-                *oi = xi * inv * wi;
-            }
+            vectorized(
+                #[inline(always)]
+                || {
+                    let ss = xr.iter().fold(T::zero(), |acc, &v| acc + v * v);
+                    let inv = (ss / n + eps).sqrt().recip();
+                    for ((oi, &xi), &wi) in o.iter_mut().zip(xr).zip(w) {
+                        *oi = xi * inv * wi;
+                    }
+                },
+            )
         });
 }
 
@@ -552,14 +542,19 @@ impl<T: Elem> Packed<T> {
                     &cos[i * half..(i + 1) * half],
                     &sin[i * half..(i + 1) * half],
                 );
-                for head in row[..dq + dkv].chunks_mut(hd) {
-                    let (x1, x2) = head.split_at_mut(half);
-                    for f in 0..half {
-                        let (u, w) = (x1[f], x2[f]);
-                        x1[f] = u * c[f] - w * s[f];
-                        x2[f] = w * c[f] + u * s[f];
-                    }
-                }
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        for head in row[..dq + dkv].chunks_mut(hd) {
+                            let (x1, x2) = head.split_at_mut(half);
+                            for f in 0..half {
+                                let (u, w) = (x1[f], x2[f]);
+                                x1[f] = u * c[f] - w * s[f];
+                                x2[f] = w * c[f] + u * s[f];
+                            }
+                        }
+                    },
+                )
             });
             // New keys and values join their sequence's cache, in token order.
             for (i, row) in qkv.chunks(dqkv).enumerate() {
@@ -596,9 +591,14 @@ impl<T: Elem> Packed<T> {
                 .zip(gu.par_chunks(2 * inter))
                 .for_each(|(o, row)| {
                     let (g, u) = row.split_at(inter);
-                    for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
-                        *oi = gi / (T::one() + (-gi).exp_fast()) * ui;
-                    }
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
+                                *oi = gi / (T::one() + (-gi).exp_fast()) * ui;
+                            }
+                        },
+                    )
                 });
             l.down.apply(&mut x, &act, m, inter, h, true);
         }

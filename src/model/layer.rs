@@ -28,6 +28,7 @@ use rayon::prelude::*;
 
 use super::decode::{dot, max, sum, Elem};
 use super::ops::{gemm_mixed, Par};
+use super::simd::{par_zip, par_zip2, vectorized, CHUNK};
 
 /// The sizes of one layer call: `rows = batch·seq` tokens, no KV cache (keys = queries).
 #[derive(Debug, Clone, Copy)]
@@ -153,9 +154,14 @@ fn linear_fwd<T: Elem>(l: Lin<T>, x: &[T], rows: usize, inp: usize) -> Vec<T> {
     );
     if let Some(b) = l.b {
         y.par_chunks_mut(out).for_each(|row| {
-            for (o, &bb) in row.iter_mut().zip(b) {
-                *o += bb;
-            }
+            vectorized(
+                #[inline(always)]
+                || {
+                    for (o, &bb) in row.iter_mut().zip(b) {
+                        *o += bb;
+                    }
+                },
+            )
         });
     }
     if let Some(ad) = l.ad {
@@ -210,7 +216,7 @@ fn adapter_input<T: Elem>(ad: Adapter<T>, x: &[T], rows: usize, inp: usize, bf16
         false,
         Par::Rayon,
     );
-    xs.par_iter_mut().for_each(|v| *v *= ad.scale);
+    scale_in_place(&mut xs, ad.scale);
     xs
 }
 
@@ -306,7 +312,7 @@ fn linear_bwd<T: Elem>(
             false,
             Par::Rayon,
         );
-        dxa.par_iter_mut().for_each(|v| *v *= ad.scale);
+        scale_in_place(&mut dxa, ad.scale);
         let mut da = vec![T::zero(); r * inp];
         gemm_mixed(
             l.bf16,
@@ -360,7 +366,7 @@ fn linear_bwd<T: Elem>(
                     Par::Rayon,
                 );
                 d.apply(&mut dxd);
-                dx.par_iter_mut().zip(&dxd).for_each(|(o, &v)| *o += v);
+                par_zip(dx, &dxd, |o, v| o + v);
             }
         }
         g.a = Some(da);
@@ -371,12 +377,34 @@ fn linear_bwd<T: Elem>(
 
 fn column_sums<T: Elem>(m: &[T], cols: usize) -> Vec<T> {
     let mut s = vec![T::zero(); cols];
-    for row in m.chunks(cols) {
-        for (a, &b) in s.iter_mut().zip(row) {
-            *a += b;
-        }
-    }
+    vectorized(
+        #[inline(always)]
+        || {
+            for row in m.chunks(cols) {
+                for (a, &b) in s.iter_mut().zip(row) {
+                    *a += b;
+                }
+            }
+        },
+    );
     s
+}
+
+/// `v ← v·s`, in parallel chunks, vectorized.
+fn scale_in_place<T: Elem>(v: &mut [T], s: T) {
+    v.par_chunks_mut(CHUNK).for_each(|c| {
+        vectorized(
+            #[inline(always)]
+            || c.iter_mut().for_each(|x| *x *= s),
+        )
+    });
+}
+
+/// The SiLU-gated product `silu(gate) ⊙ up` (`[rows, inter]` each).
+fn swiglu<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
+    let mut act = vec![T::zero(); gate.len()];
+    par_zip2(&mut act, gate, up, |_, z, u| z * sigmoid(z) * u);
+    act
 }
 
 /// `h = x·r·w` per row with `r = 1/√(mean x² + ε)`; returns `(h, r)`.
@@ -388,11 +416,16 @@ fn rms_fwd<T: Elem>(x: &[T], w: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
         .zip(r.par_iter_mut())
         .zip(x.par_chunks(hid))
         .for_each(|((hr, rr), xr)| {
-            let ss = dot(xr, xr);
-            *rr = (ss / c(hid as f64) + c(eps)).sqrt().recip();
-            for ((o, &xv), &wv) in hr.iter_mut().zip(xr).zip(w) {
-                *o = xv * *rr * wv;
-            }
+            vectorized(
+                #[inline(always)]
+                || {
+                    let ss = dot(xr, xr);
+                    *rr = (ss / c(hid as f64) + c(eps)).sqrt().recip();
+                    for ((o, &xv), &wv) in hr.iter_mut().zip(xr).zip(w) {
+                        *o = xv * *rr * wv;
+                    }
+                },
+            )
         });
     (h, r)
 }
@@ -406,15 +439,20 @@ fn rms_bwd<T: Elem>(x: &[T], r: &[T], w: &[T], gh: &[T], dx: &mut [T]) -> Vec<T>
         .zip(gh.par_chunks(hid))
         .zip(r.par_iter())
         .for_each(|(((dxr, xr), gr), &rr)| {
-            let dot = xr
-                .iter()
-                .zip(gr)
-                .zip(w)
-                .fold(T::zero(), |s, ((&xv, &g), &wv)| s + g * wv * xv * rr);
-            let m = dot * inv_h;
-            for (((d, &xv), &g), &wv) in dxr.iter_mut().zip(xr).zip(gr).zip(w) {
-                *d += rr * (g * wv - xv * rr * m);
-            }
+            vectorized(
+                #[inline(always)]
+                || {
+                    let dot = xr
+                        .iter()
+                        .zip(gr)
+                        .zip(w)
+                        .fold(T::zero(), |s, ((&xv, &g), &wv)| s + g * wv * xv * rr);
+                    let m = dot * inv_h;
+                    for (((d, &xv), &g), &wv) in dxr.iter_mut().zip(xr).zip(gr).zip(w) {
+                        *d += rr * (g * wv - xv * rr * m);
+                    }
+                },
+            )
         });
     // ∂w = Σ_rows gh ⊙ x̂, summed per thread over row blocks.
     let rows = r.len();
@@ -425,13 +463,18 @@ fn rms_bwd<T: Elem>(x: &[T], r: &[T], w: &[T], gh: &[T], dx: &mut [T]) -> Vec<T>
         .into_par_iter()
         .map(|bi| {
             let mut s = vec![T::zero(); hid];
-            for row in bi * block..((bi + 1) * block).min(rows) {
-                let rr = r[row];
-                let (xr, gr) = (&x[row * hid..][..hid], &gh[row * hid..][..hid]);
-                for ((a, &xv), &g) in s.iter_mut().zip(xr).zip(gr) {
-                    *a += g * xv * rr;
-                }
-            }
+            vectorized(
+                #[inline(always)]
+                || {
+                    for row in bi * block..((bi + 1) * block).min(rows) {
+                        let rr = r[row];
+                        let (xr, gr) = (&x[row * hid..][..hid], &gh[row * hid..][..hid]);
+                        for ((a, &xv), &g) in s.iter_mut().zip(xr).zip(gr) {
+                            *a += g * xv * rr;
+                        }
+                    }
+                },
+            );
             s
         })
         .reduce(
@@ -451,22 +494,31 @@ fn rope<T: Elem>(m: &mut [T], width: usize, hd: usize, cx: &Context<T>, transpos
     let half = hd / 2;
     m.par_chunks_mut(width).enumerate().for_each(|(row, mr)| {
         let (cs, sn) = (&cx.cos[row * hd..][..hd], &cx.sin[row * hd..][..hd]);
-        for u in mr.chunks_mut(hd) {
-            for j in 0..half {
-                let (a, b) = (u[j], u[j + half]);
-                if transpose {
-                    u[j] = a * cs[j] + b * sn[j + half];
-                    u[j + half] = b * cs[j + half] - a * sn[j];
-                } else {
-                    u[j] = a * cs[j] - b * sn[j];
-                    u[j + half] = b * cs[j + half] + a * sn[j + half];
+        vectorized(
+            #[inline(always)]
+            || {
+                for u in mr.chunks_mut(hd) {
+                    let (u1, u2) = u.split_at_mut(half);
+                    let (c1, c2) = cs.split_at(half);
+                    let (s1, s2) = sn.split_at(half);
+                    for j in 0..half {
+                        let (a, b) = (u1[j], u2[j]);
+                        if transpose {
+                            u1[j] = a * c1[j] + b * s2[j];
+                            u2[j] = b * c2[j] - a * s1[j];
+                        } else {
+                            u1[j] = a * c1[j] - b * s1[j];
+                            u2[j] = b * c2[j] + a * s2[j];
+                        }
+                    }
                 }
-            }
-        }
+            },
+        )
     });
 }
 
 /// `σ(z)`.
+#[inline(always)]
 fn sigmoid<T: Elem>(z: T) -> T {
     T::one() / (T::one() + (-z).exp_fast())
 }
@@ -488,23 +540,12 @@ fn probs<T: Elem>(d: &Dims, acts: &Acts<T>, cx: &Context<T>, r: usize, g: usize,
     }
 }
 
-/// `s ← softmax(s·scale + bias)` per row of `t`, max-shifted; with AVX-512 where the CPU has
-/// it (the baseline build is SSE2).
+/// `s ← softmax(s·scale + bias)` per row of `t`, max-shifted, vectorized.
 fn softmax_rows<T: Elem>(s: &mut [T], bias: &[T], t: usize, scale: T) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has the features the function is compiled for.
-            return unsafe { softmax_rows_avx512(s, bias, t, scale) };
-        }
-    }
-    softmax_rows_body(s, bias, t, scale)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn softmax_rows_avx512<T: Elem>(s: &mut [T], bias: &[T], t: usize, scale: T) {
-    softmax_rows_body(s, bias, t, scale)
+    vectorized(
+        #[inline(always)]
+        || softmax_rows_body(s, bias, t, scale),
+    )
 }
 
 #[inline(always)]
@@ -524,23 +565,12 @@ fn softmax_rows_body<T: Elem>(s: &mut [T], bias: &[T], t: usize, scale: T) {
     }
 }
 
-/// `dS = P ⊙ (dP − rowsum(P ⊙ dP))·scale` in place of `dP` (`ds`), rows of `t`; with AVX-512
-/// where the CPU has it.
+/// `dS = P ⊙ (dP − rowsum(P ⊙ dP))·scale` in place of `dP` (`ds`), rows of `t`, vectorized.
 fn softmax_bwd_rows<T: Elem>(ds: &mut [T], p: &[T], t: usize, scale: T) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has the features the function is compiled for.
-            return unsafe { softmax_bwd_rows_avx512(ds, p, t, scale) };
-        }
-    }
-    softmax_bwd_rows_body(ds, p, t, scale)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn softmax_bwd_rows_avx512<T: Elem>(ds: &mut [T], p: &[T], t: usize, scale: T) {
-    softmax_bwd_rows_body(ds, p, t, scale)
+    vectorized(
+        #[inline(always)]
+        || softmax_bwd_rows_body(ds, p, t, scale),
+    )
 }
 
 #[inline(always)]
@@ -617,21 +647,13 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
         }
     }
     let mut x2 = linear_fwd(lo, &a, n, qw);
-    x2.par_iter_mut()
-        .zip(x.par_iter())
-        .for_each(|(o, &xv)| *o += xv);
+    par_zip(&mut x2, x, |o, xv| o + xv);
     let (h2, r2) = rms_fwd(&x2, w.ln2, d.eps);
     let gate = linear_fwd(lg, &h2, n, hid);
     let up = linear_fwd(lu, &h2, n, hid);
-    let act: Vec<T> = gate
-        .par_iter()
-        .zip(up.par_iter())
-        .map(|(&z, &u)| z * sigmoid(z) * u)
-        .collect();
+    let act = swiglu(&gate, &up);
     let mut y = linear_fwd(ld, &act, n, d.inter);
-    y.par_iter_mut()
-        .zip(x2.par_iter())
-        .for_each(|(o, &xv)| *o += xv);
+    par_zip(&mut y, &x2, |o, xv| o + xv);
     acts.a = a;
     acts.x2 = x2;
     acts.r2 = r2;
@@ -728,25 +750,17 @@ pub(super) fn backward<T: Elem>(
     let (qw, kw) = (d.q_width(), d.kv_width());
     let [lq, lk, lv, lo, lg, lu, ld] = w.lin;
     // MLP: y = x2 + act·Wdᵀ.
-    let act: Vec<T> = acts
-        .gate
-        .par_iter()
-        .zip(acts.up.par_iter())
-        .map(|(&z, &u)| z * sigmoid(z) * u)
-        .collect();
+    let act = swiglu(&acts.gate, &acts.up);
     let mut dact = vec![T::zero(); n * it];
     let gd = linear_bwd(ld, &act, gy, n, it, &mut dact, false);
     drop(act);
-    // dact → (dgate, dup), in place: dact becomes dgate, dup is new.
+    // dact → (dgate, dup): dup = dact·silu(z), then dact becomes dgate in place.
     let mut dup = vec![T::zero(); n * it];
-    dact.par_iter_mut()
-        .zip(dup.par_iter_mut())
-        .zip(acts.gate.par_iter().zip(acts.up.par_iter()))
-        .for_each(|((dg, du), (&z, &u))| {
-            let s = sigmoid(z);
-            *du = *dg * z * s;
-            *dg = *dg * u * s * (T::one() + z * (T::one() - s));
-        });
+    par_zip2(&mut dup, &dact, &acts.gate, |_, dg, z| dg * z * sigmoid(z));
+    par_zip2(&mut dact, &acts.gate, &acts.up, |dg, z, u| {
+        let s = sigmoid(z);
+        dg * u * s * (T::one() + z * (T::one() - s))
+    });
     let mut dh2 = vec![T::zero(); n * hid];
     let gg = linear_bwd(lg, &acts.h2, &dact, n, hid, &mut dh2, false);
     let gu = linear_bwd(lu, &acts.h2, &dup, n, hid, &mut dh2, true);

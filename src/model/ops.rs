@@ -20,6 +20,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, T
 use rayon::prelude::*;
 
 use super::decode::Elem;
+use super::simd::vectorized;
 
 /// Whether the fused op serves tensors on `device` of `dtype`.
 pub fn fused_supported(device: &Device, dtype: DType) -> bool {
@@ -122,6 +123,7 @@ pub(super) fn gemm_strided<T: Elem>(
 }
 
 /// Row statistics of logits `z` (one row): (max-shifted log-sum-exp, Σ p z).
+#[inline(always)]
 fn row_stats<T: Elem>(z: &[T]) -> (T, T) {
     let mx = z
         .iter()
@@ -229,7 +231,10 @@ impl LogProbs {
                 .zip(z.par_chunks(vocab))
                 .zip(tg.par_iter())
                 .for_each(|((o, zr), &t)| {
-                    let (lse, mean_z) = row_stats(zr);
+                    let (lse, mean_z) = vectorized(
+                        #[inline(always)]
+                        || row_stats(zr),
+                    );
                     o[0] = zr[t as usize] - lse;
                     o[1] = if self.with_entropy {
                         lse - mean_z
@@ -274,13 +279,18 @@ impl LogProbs {
                 .zip(tg.par_iter())
                 .zip(gc.par_chunks(2))
                 .for_each(|((zr, &t), gr)| {
-                    let (lse, mean_z) = row_stats(zr);
-                    let ent = lse - mean_z;
                     let (g_lp, g_h) = (gr[0], if self.with_entropy { gr[1] } else { T::zero() });
-                    for v in zr.iter_mut() {
-                        let p = (*v - lse).exp_fast();
-                        *v = -g_lp * p - g_h * p * (*v - lse + ent);
-                    }
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            let (lse, mean_z) = row_stats(zr);
+                            let ent = lse - mean_z;
+                            for v in zr.iter_mut() {
+                                let p = (*v - lse).exp_fast();
+                                *v = -g_lp * p - g_h * p * (*v - lse + ent);
+                            }
+                        },
+                    );
                     zr[t as usize] += g_lp;
                 });
             // ∂h = dz [c, vocab] · W [vocab, hid]
