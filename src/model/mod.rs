@@ -19,7 +19,7 @@ mod layer;
 pub mod lora;
 pub mod ops;
 mod recompute;
-mod simd;
+pub(crate) mod simd;
 pub mod transformer;
 
 use std::path::Path;

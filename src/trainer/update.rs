@@ -20,7 +20,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 
 use super::batch::{MicroInputs, StepBatch};
-use super::optim::clip_grad_norm;
+use super::optim::{clip_coef, grad_norm};
 use super::trainable::{Network, Trainable, UpdateSettings};
 use crate::algo::AggNorm;
 use crate::config::{MicroBatching, UpdatePlan};
@@ -135,6 +135,10 @@ pub fn mini_batch_grads<N: Network>(
     // inputs of the graph (masks, rotary tables, ...), which would otherwise pile up across
     // micro-batches (measured: +2.3 GB per SmolLM2 micro-batch).
     let mut grads = GradStore::default();
+    // Accumulators this function made (sums of two gradients): nothing else holds them, so
+    // later micro-batches add into them in place. A gradient straight from `backward()` may
+    // share its storage with another variable's, so the first one is never written to.
+    let mut owned = std::collections::HashSet::new();
     for micro in micros.into_iter().skip(rank).step_by(world.max(1)) {
         let mi = batch.inputs(&micro, settings.pad_id, &device)?;
         let out = micro_loss(model, &mi, &micro, ctx)?;
@@ -149,7 +153,11 @@ pub fn mini_batch_grads<N: Network>(
         for (_, var) in vars {
             if let Some(t) = g.remove(var.as_tensor()) {
                 let sum = match grads.remove(var.as_tensor()) {
-                    Some(acc) => (acc + t)?,
+                    Some(acc) if owned.contains(&var.id()) && add_in_place(&acc, &t)? => acc,
+                    Some(acc) => {
+                        owned.insert(var.id());
+                        (acc + t)?
+                    }
                     None => t,
                 };
                 grads.insert(var.as_tensor(), sum);
@@ -164,6 +172,51 @@ pub fn mini_batch_grads<N: Network>(
         scalars.add(out.scalars, scale);
     }
     Ok(Some(grads))
+}
+
+/// `acc += t` in `acc`'s own storage when both are contiguous f32 on the CPU with one shape
+/// (the training case: no new gigabyte of gradients per micro-batch); `false` (nothing done)
+/// otherwise. The caller guarantees that no other tensor shares `acc`'s storage.
+fn add_in_place(acc: &Tensor, t: &Tensor) -> candle_core::Result<bool> {
+    struct AddAssign;
+    impl candle_core::InplaceOp2 for AddAssign {
+        fn name(&self) -> &'static str {
+            "grad-accumulate"
+        }
+        fn cpu_fwd(
+            &self,
+            s1: &mut candle_core::CpuStorage,
+            l1: &candle_core::Layout,
+            s2: &candle_core::CpuStorage,
+            l2: &candle_core::Layout,
+        ) -> candle_core::Result<()> {
+            use candle_core::CpuStorage::F32;
+            let (F32(a), F32(b)) = (s1, s2) else {
+                candle_core::bail!("grad-accumulate: f32 only");
+            };
+            let (Some((a0, a1)), Some((b0, b1))) =
+                (l1.contiguous_offsets(), l2.contiguous_offsets())
+            else {
+                candle_core::bail!("grad-accumulate: contiguous tensors only");
+            };
+            if a1 - a0 != b1 - b0 {
+                candle_core::bail!("grad-accumulate: {} and {} values", a1 - a0, b1 - b0);
+            }
+            crate::model::simd::par_zip(&mut a[a0..a1], &b[b0..b1], |x, y| x + y);
+            Ok(())
+        }
+    }
+    let fits = acc.device().is_cpu()
+        && t.device().is_cpu()
+        && acc.dtype() == DType::F32
+        && t.dtype() == DType::F32
+        && acc.shape() == t.shape()
+        && acc.is_contiguous()
+        && t.is_contiguous();
+    if fits {
+        acc.inplace_op2(t, &AddAssign)?;
+    }
+    Ok(fits)
 }
 
 pub(super) fn dist_error(e: crate::dist::DistError) -> candle_core::Error {
@@ -363,10 +416,10 @@ impl<N: Network> Trainable<N> {
                     continue;
                 };
                 all_reduce_grads(self.comm.as_ref(), vars, &mut grads)?;
-                let norm = clip_grad_norm(optimizer.vars(), &mut grads, plan.grad_clip)?;
+                let norm = grad_norm(optimizer.vars(), &grads)?;
                 norms.push(norm);
                 if norm.is_finite() {
-                    optimizer.step(&grads, lr)?;
+                    optimizer.step_scaled(&grads, lr, clip_coef(norm, plan.grad_clip))?;
                 } else {
                     skipped += 1;
                     tracing::warn!(
