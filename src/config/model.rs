@@ -19,6 +19,8 @@ pub struct ModelConfig {
     pub override_config: FreeMap,
     /// Recompute each layer in backward instead of keeping its activations (CPU): same gradients, much less memory, about one extra forward.
     pub enable_gradient_checkpointing: bool,
+    /// Train and score sequences packed end to end instead of padded to the micro-batch's longest prompt and response (CPU f32 models; elsewhere padded): same results, no work on padding.
+    pub use_remove_padding: bool,
     /// LoRA rank; 0 = off (full fine-tuning). Positive: frozen base, trainable adapters (e.g. 32).
     pub lora_rank: usize,
     /// LoRA scaling factor: adapters are scaled by lora_alpha / lora_rank.
@@ -90,6 +92,7 @@ defaults!(ModelConfig {
     custom_chat_template: None,
     override_config: FreeMap::new(),
     enable_gradient_checkpointing: true,
+    use_remove_padding: true,
     lora_rank: 0,
     lora_alpha: 16,
     target_modules: OneOrMany::One("all-linear".into()),

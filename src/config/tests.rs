@@ -334,7 +334,7 @@ fn no_effect_keys_are_reported_and_unsupported_values_refused() {
         "+actor_rollout_ref.actor.fsdp_config.anything.below=1",
         "actor_rollout_ref.rollout.nnodes=1",
         "ray_kwargs.ray_init.num_cpus=4",
-        "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.model.use_liger=False",
         "trainer.default_hdfs_dir=null",
     ])
     .unwrap();
@@ -344,7 +344,7 @@ fn no_effect_keys_are_reported_and_unsupported_values_refused() {
         "actor_rollout_ref.actor.fsdp_config.param_offload",
         "actor_rollout_ref.rollout.nnodes",
         "ray_kwargs.ray_init.num_cpus",
-        "actor_rollout_ref.model.use_remove_padding",
+        "actor_rollout_ref.model.use_liger",
     ] {
         assert!(
             l.no_effect.iter().any(|n| n == k),
@@ -364,6 +364,13 @@ fn no_effect_keys_are_reported_and_unsupported_values_refused() {
     );
     let e = err(&["algorithm.filter_groups.enable=True"]);
     assert!(e.contains("not supported"), "{e}");
+    // use_remove_padding is a typed key now (packed sequences), on by default as in verl.
+    assert!(Config::default().actor_rollout_ref.model.use_remove_padding);
+    let c = cfg(&[
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "critic.model.use_remove_padding=false",
+    ]);
+    assert!(!c.actor_rollout_ref.model.use_remove_padding && !c.critic.model.use_remove_padding);
 }
 
 #[test]

@@ -105,12 +105,38 @@ pub(super) struct Grads<T> {
     pub lin: Vec<LinGrad<T>>,
 }
 
-/// The per-row rotary tables `[rows, head_dim]` and additive attention bias `[batch, seq, seq]`.
+/// The per-row rotary tables `[rows, head_dim]` and which rows attend to which.
 #[derive(Clone, Copy)]
 pub(super) struct Context<'a, T> {
     pub cos: &'a [T],
     pub sin: &'a [T],
-    pub bias: &'a [T],
+    pub attn: Attn<'a, T>,
+}
+
+/// Which keys each query row attends to.
+#[derive(Clone, Copy)]
+pub(super) enum Attn<'a, T> {
+    /// `batch` rows of `seq` tokens each (padded), an additive bias `[batch, seq, seq]` holding
+    /// causality and padding.
+    Bias(&'a [T]),
+    /// Sequences laid end to end over the rows (verl's `use_remove_padding`), `(first row,
+    /// length)` each, in order and covering every row: causal inside each sequence, nothing
+    /// across sequences. `Dims::batch` is 1 and `Dims::seq` the total.
+    Packed(&'a [(usize, usize)]),
+}
+
+/// One attention block: `(first row, length, bias [length, length] or None for causal)`.
+type Block<'a, T> = (usize, usize, Option<&'a [T]>);
+
+/// The attention blocks of a call: each padded row, or each packed sequence.
+fn blocks<'a, T>(d: &Dims, cx: &Context<'a, T>) -> Vec<Block<'a, T>> {
+    let t = d.seq;
+    match cx.attn {
+        Attn::Bias(b) => (0..d.batch)
+            .map(|r| (r * t, t, Some(&b[r * t * t..][..t * t])))
+            .collect(),
+        Attn::Packed(segs) => segs.iter().map(|&(a, l)| (a, l, None)).collect(),
+    }
 }
 
 /// What the backward needs from the forward: recomputed in backward, or kept from the forward
@@ -523,21 +549,50 @@ fn sigmoid<T: Elem>(z: T) -> T {
     T::one() / (T::one() + (-z).exp_fast())
 }
 
-/// The softmax probabilities `P [rep·seq, seq]` of the `rep` query heads that read KV head `g`
-/// of batch row `r`: scores `q̃·k̃ᵀ/√d + bias`, max-shifted per row.
-fn probs<T: Elem>(d: &Dims, acts: &Acts<T>, cx: &Context<T>, r: usize, g: usize, p: &mut [T]) {
-    let (t, hd, rep) = (d.seq, d.head_dim, d.heads / d.kv_heads);
+/// The softmax probabilities `P [rep·t, t]` of the `rep` query heads that read KV head `g`
+/// in attention block `(start, t, bias)`: scores `q̃·k̃ᵀ/√d` plus the bias, or causal (zero
+/// above the diagonal) without one, max-shifted per row.
+fn probs<T: Elem>(d: &Dims, acts: &Acts<T>, blk: Block<T>, g: usize, p: &mut [T]) {
+    let (start, t, bias) = blk;
+    let (hd, rep) = (d.head_dim, d.heads / d.kv_heads);
     let (qw, kw) = (d.q_width(), d.kv_width());
     let scale: T = c(1.0 / (hd as f64).sqrt());
     for j in 0..rep {
         let h = g * rep + j;
         let s = &mut p[j * t * t..][..t * t];
-        let q = &acts.q[r * t * qw + h * hd..];
-        let k = &acts.k[r * t * kw + g * hd..];
+        let q = &acts.q[start * qw + h * hd..];
+        let k = &acts.k[start * kw + g * hd..];
         gemm_mixed(d.bf16, s, t, t, hd, q, qw, 1, k, 1, kw, false, Par::None);
-        let bias = &cx.bias[r * t * t..][..t * t];
-        softmax_rows(s, bias, t, scale);
+        match bias {
+            Some(b) => softmax_rows(s, b, t, scale),
+            None => softmax_causal(s, t, scale),
+        }
     }
+}
+
+/// `s ← softmax(s·scale)` over keys `0..=i` of each row `i` of `t`, zero above the diagonal
+/// (a packed sequence: causal, no padding), vectorized.
+fn softmax_causal<T: Elem>(s: &mut [T], t: usize, scale: T) {
+    vectorized(
+        #[inline(always)]
+        || {
+            for (i, srow) in s.chunks_mut(t).enumerate() {
+                let (live, dead) = srow.split_at_mut(i + 1);
+                for v in live.iter_mut() {
+                    *v *= scale;
+                }
+                let mx = max(live);
+                for v in live.iter_mut() {
+                    *v = (*v - mx).exp_fast();
+                }
+                let inv = sum(live).recip();
+                for v in live.iter_mut() {
+                    *v *= inv;
+                }
+                dead.fill(T::zero());
+            }
+        },
+    )
 }
 
 /// `s ← softmax(s·scale + bias)` per row of `t`, max-shifted, vectorized.
@@ -586,7 +641,7 @@ fn softmax_bwd_rows_body<T: Elem>(ds: &mut [T], p: &[T], t: usize, scale: T) {
 /// The forward, keeping what the backward needs; returns `(y, acts)`.
 fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, Acts<T>) {
     let (n, hid, hd) = (d.rows(), d.hidden, d.head_dim);
-    let (t, rep, qw) = (d.seq, d.heads / d.kv_heads, d.q_width());
+    let (rep, qw) = (d.heads / d.kv_heads, d.q_width());
     let [lq, lk, lv, lo, lg, lu, ld] = w.lin;
     let (h1, r1) = rms_fwd(x, w.ln1, d.eps);
     let mut q = linear_fwd(lq, &h1, n, hid);
@@ -609,14 +664,17 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
     };
     // a = P·v per (row, KV head): each task writes its own heads' columns of its own rows.
     let mut a = vec![T::zero(); n * qw];
-    let blocks: Vec<(usize, usize, Vec<T>)> = (0..d.batch * d.kv_heads)
+    let blks = blocks(d, cx);
+    let parts: Vec<(usize, usize, Vec<T>)> = (0..blks.len() * d.kv_heads)
         .into_par_iter()
         .map(|task| {
-            let (r, g) = (task / d.kv_heads, task % d.kv_heads);
+            let (bi, g) = (task / d.kv_heads, task % d.kv_heads);
+            let blk = blks[bi];
+            let t = blk.1;
             let mut p = vec![T::zero(); rep * t * t];
-            probs(d, &acts, cx, r, g, &mut p);
+            probs(d, &acts, blk, g, &mut p);
             let mut out = vec![T::zero(); rep * t * hd]; // [rep, t, hd]
-            let vv = &acts.v[r * t * d.kv_width() + g * hd..];
+            let vv = &acts.v[blk.0 * d.kv_width() + g * hd..];
             for j in 0..rep {
                 gemm_mixed(
                     d.bf16,
@@ -634,14 +692,15 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
                     Par::None,
                 );
             }
-            (r, g, out)
+            (bi, g, out)
         })
         .collect();
-    for (r, g, out) in blocks {
+    for (bi, g, out) in parts {
+        let (start, t, _) = blks[bi];
         for j in 0..rep {
             let h = g * rep + j;
             for i in 0..t {
-                a[(r * t + i) * qw + h * hd..][..hd]
+                a[(start + i) * qw + h * hd..][..hd]
                     .copy_from_slice(&out[(j * t + i) * hd..][..hd]);
             }
         }
@@ -684,7 +743,20 @@ fn check<T>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> Result<()> {
         && x.len() == n * hid
         && cx.cos.len() == n * d.head_dim
         && cx.sin.len() == n * d.head_dim
-        && cx.bias.len() == d.batch * d.seq * d.seq;
+        && match cx.attn {
+            Attn::Bias(b) => b.len() == d.batch * d.seq * d.seq,
+            Attn::Packed(segs) => {
+                // In order, end to end, no empty sequence, covering every row.
+                let mut next = 0;
+                d.batch == 1
+                    && segs.iter().all(|&(a, l)| {
+                        let ok = a == next && l > 0;
+                        next = a + l;
+                        ok
+                    })
+                    && next == n
+            }
+        };
     for (l, (o, i)) in w.lin.iter().zip(shapes) {
         ok &= l.w.len() == o * i && l.b.is_none_or(|b| b.len() == o);
         if let Some(ad) = &l.ad {
@@ -799,19 +871,22 @@ fn attention_bwd<T: Elem>(
     cx: &Context<T>,
     da: &[T],
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
-    let (n, t, hd, rep) = (d.rows(), d.seq, d.head_dim, d.heads / d.kv_heads);
+    let (n, hd, rep) = (d.rows(), d.head_dim, d.heads / d.kv_heads);
     let (qw, kw) = (d.q_width(), d.kv_width());
     let scale: T = c(1.0 / (hd as f64).sqrt());
-    // Per (row, KV head): dq̃ of its `rep` heads `[rep, t, hd]`, dk̃ and dv `[t, hd]`.
+    // Per (attention block, KV head): dq̃ of its `rep` heads `[rep, t, hd]`, dk̃ and dv `[t, hd]`.
     type Part<T> = (usize, usize, Vec<T>, Vec<T>, Vec<T>);
-    let parts: Vec<Part<T>> = (0..d.batch * d.kv_heads)
+    let blks = blocks(d, cx);
+    let parts: Vec<Part<T>> = (0..blks.len() * d.kv_heads)
         .into_par_iter()
         .map(|task| {
-            let (r, g) = (task / d.kv_heads, task % d.kv_heads);
+            let (bi, g) = (task / d.kv_heads, task % d.kv_heads);
+            let blk = blks[bi];
+            let (r0, t) = (blk.0, blk.1);
             let mut p = vec![T::zero(); rep * t * t];
-            probs(d, acts, cx, r, g, &mut p);
-            let kk = &acts.k[r * t * kw + g * hd..];
-            let vv = &acts.v[r * t * kw + g * hd..];
+            probs(d, acts, blk, g, &mut p);
+            let kk = &acts.k[r0 * kw + g * hd..];
+            let vv = &acts.v[r0 * kw + g * hd..];
             let mut dq = vec![T::zero(); rep * t * hd]; // [rep, t, hd]
             let mut dk = vec![T::zero(); t * hd];
             let mut dv = vec![T::zero(); t * hd];
@@ -819,8 +894,8 @@ fn attention_bwd<T: Elem>(
             for j in 0..rep {
                 let h = g * rep + j;
                 let pj = &p[j * t * t..][..t * t];
-                let dao = &da[r * t * qw + h * hd..];
-                let qq = &acts.q[r * t * qw + h * hd..];
+                let dao = &da[r0 * qw + h * hd..];
+                let qq = &acts.q[r0 * qw + h * hd..];
                 // dv += Pᵀ·dA
                 gemm_mixed(
                     d.bf16,
@@ -886,15 +961,16 @@ fn attention_bwd<T: Elem>(
                     Par::None,
                 );
             }
-            (r, g, dq, dk, dv)
+            (bi, g, dq, dk, dv)
         })
         .collect();
     let mut dq = vec![T::zero(); n * qw];
     let mut dk = vec![T::zero(); n * kw];
     let mut dv = vec![T::zero(); n * kw];
-    for (r, g, pq, pk, pv) in parts {
+    for (bi, g, pq, pk, pv) in parts {
+        let (r0, t, _) = blks[bi];
         for i in 0..t {
-            let row = r * t + i;
+            let row = r0 + i;
             for j in 0..rep {
                 let h = g * rep + j;
                 dq[row * qw + h * hd..][..hd].copy_from_slice(&pq[(j * t + i) * hd..][..hd]);

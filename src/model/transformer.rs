@@ -14,6 +14,46 @@ use candle_nn::{Init, Linear, VarBuilder};
 use super::config::ModelArgs;
 use super::lora::Proj;
 
+/// Which keys each query of a forward attends to.
+#[derive(Debug, Clone)]
+pub(super) enum Mask {
+    /// Additive bias `[batch, 1, seq, past + seq]`: 0 where allowed, −1e9 elsewhere.
+    Bias(Tensor),
+    /// Sequences packed end to end in a batch of one, `(first token, length)` each: causal
+    /// inside each sequence, nothing across sequences.
+    Packed(Arc<[(usize, usize)]>),
+}
+
+impl Mask {
+    /// The additive bias the op composition reads: the bias itself, or for packed sequences a
+    /// block-diagonal causal one `[1, 1, n, n]` (quadratic in the total length: the
+    /// composition is the reference and the fallback, the hand-written layer never builds it).
+    pub(super) fn bias(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+        match self {
+            Mask::Bias(b) => Ok(b.clone()),
+            Mask::Packed(segs) => {
+                let n: usize = segs.iter().map(|s| s.1).sum();
+                let mut bias = vec![-1e9f32; n * n];
+                for &(a, l) in segs.iter() {
+                    for i in 0..l {
+                        bias[(a + i) * n + a..][..=i].fill(0.0);
+                    }
+                }
+                Tensor::from_vec(bias, (1, 1, n, n), &Device::Cpu)?
+                    .to_dtype(dtype)?
+                    .to_device(device)
+            }
+        }
+    }
+
+    pub(super) fn detach(&self) -> Mask {
+        match self {
+            Mask::Bias(b) => Mask::Bias(b.detach()),
+            Mask::Packed(s) => Mask::Packed(s.clone()),
+        }
+    }
+}
+
 /// Keys and values of past positions, one entry per layer: `[batch, kv_heads, past, head_dim]`.
 /// Owned by the caller, so one model serves many concurrent decodes.
 #[derive(Debug, Clone, Default)]
@@ -543,7 +583,58 @@ impl CausalLm {
         key_mask: &Tensor,
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
-        self.run(input_ids, position_ids, key_mask, cache, None)
+        self.run(input_ids, position_ids, Keys::Mask(key_mask), cache, None)
+    }
+
+    /// Final hidden states `[n, hidden]` of sequences packed end to end (verl's
+    /// `use_remove_padding`): `input_ids` and `position_ids` `[n]` (u32, positions counted from
+    /// each sequence's start), `segments` the `(first token, length)` of each sequence, in
+    /// order and covering all `n` tokens. Each token attends to the earlier tokens of its own
+    /// sequence only, so a sequence's states equal those of the padded batch
+    /// ([`CausalLm::forward_hidden`]) at its real tokens, and no padding is computed.
+    /// The hand-written layer runs it without an `[n, n]` mask; other paths (the composition:
+    /// CUDA, half precision) build a block-diagonal bias, so prefer padding there
+    /// ([`CausalLm::packs_without_padding`]).
+    pub fn forward_hidden_packed(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        segments: &[(usize, usize)],
+    ) -> Result<Tensor> {
+        let n = input_ids.dims1()?;
+        if position_ids.dims1()? != n {
+            candle_core::bail!(
+                "packed forward: {n} token ids but position ids {:?}",
+                position_ids.dims()
+            );
+        }
+        let mut next = 0;
+        for (i, &(a, l)) in segments.iter().enumerate() {
+            if a != next || l == 0 {
+                candle_core::bail!(
+                    "packed forward: sequence {i} is ({a}, {l}); sequences must be non-empty and \
+                     laid end to end from token 0"
+                );
+            }
+            next = a + l;
+        }
+        if next != n {
+            candle_core::bail!("packed forward: the sequences cover {next} of {n} tokens");
+        }
+        let h = self.run(
+            &input_ids.unsqueeze(0)?,
+            &position_ids.unsqueeze(0)?,
+            Keys::Packed(segments.into()),
+            None,
+            None,
+        )?; // [1, n, h]
+        h.squeeze(0)
+    }
+
+    /// Whether [`CausalLm::forward_hidden_packed`] runs without padding work here: the
+    /// hand-written layer serves this model (CPU, f32/f64, not forced to the composition).
+    pub fn packs_without_padding(&self) -> bool {
+        !self.composed && self.device.is_cpu() && matches!(self.dtype, DType::F32 | DType::F64)
     }
 
     /// Every stage of a forward without cache (transformers' `output_hidden_states`, plus the
@@ -557,7 +648,13 @@ impl CausalLm {
         key_mask: &Tensor,
     ) -> Result<Vec<Tensor>> {
         let mut all = Vec::with_capacity(self.layers.len() + 2);
-        let last = self.run(input_ids, position_ids, key_mask, None, Some(&mut all))?;
+        let last = self.run(
+            input_ids,
+            position_ids,
+            Keys::Mask(key_mask),
+            None,
+            Some(&mut all),
+        )?;
         all.push(last);
         Ok(all)
     }
@@ -568,21 +665,26 @@ impl CausalLm {
         &self,
         input_ids: &Tensor,
         position_ids: &Tensor,
-        key_mask: &Tensor,
+        keys: Keys,
         mut cache: Option<&mut KvCache>,
         mut stages: Option<&mut Vec<Tensor>>,
     ) -> Result<Tensor> {
         let (b, t) = input_ids.dims2()?;
         let past = cache.as_ref().map(|c| c.len()).unwrap_or(0);
         let s = past + t;
-        if key_mask.dims2()? != (b, s) {
-            return Err(candle_core::Error::Msg(format!(
-                "key_mask must be [{b}, {s}] (batch, past + new), got {:?}",
-                key_mask.dims()
-            )));
-        }
         let (cos, sin) = self.rotary(position_ids)?; // [b, 1, t, head_dim]
-        let mask = self.attention_bias(key_mask, b, t, past)?; // [b, 1, t, s]
+        let mask = match keys {
+            Keys::Mask(key_mask) => {
+                if key_mask.dims2()? != (b, s) {
+                    return Err(candle_core::Error::Msg(format!(
+                        "key_mask must be [{b}, {s}] (batch, past + new), got {:?}",
+                        key_mask.dims()
+                    )));
+                }
+                Mask::Bias(self.attention_bias(key_mask, b, t, past)?) // [b, 1, t, s]
+            }
+            Keys::Packed(segs) => Mask::Packed(segs),
+        };
         let mut x = self.embed.embedding(&input_ids.flatten_all()?)?.reshape((
             b,
             t,
@@ -596,6 +698,7 @@ impl CausalLm {
             let n = d.next.fetch_add(1, Ordering::Relaxed);
             (d.p, super::lora::mix64(d.seed ^ super::lora::mix64(n)))
         });
+        let mut composed_bias: Option<Tensor> = None;
         for (i, layer) in self.layers.iter().enumerate() {
             if let Some(st) = stages.as_deref_mut() {
                 st.push(x.clone());
@@ -623,7 +726,12 @@ impl CausalLm {
                 let rope_mask = (&cos, &sin, &mask);
                 super::recompute::fused_forward(&self.args, layer, &x, rope_mask, self.bf16)?
             } else {
-                block_forward(&self.args, self.dtype, layer, &x, &cos, &sin, &mask, slot)?
+                // The composition reads a bias tensor (for packed sequences built once).
+                if composed_bias.is_none() {
+                    composed_bias = Some(mask.bias(self.dtype, &self.device)?);
+                }
+                let bias = composed_bias.as_ref().expect("just set");
+                block_forward(&self.args, self.dtype, layer, &x, &cos, &sin, bias, slot)?
             };
         }
         if let Some(st) = stages {
@@ -764,6 +872,14 @@ impl CausalLm {
             .to_dtype(self.dtype)?
             .to_device(&self.device)
     }
+}
+
+/// What [`CausalLm::run`] is told about the keys.
+enum Keys<'a> {
+    /// `[batch, past + seq]`: 1 on real tokens.
+    Mask(&'a Tensor),
+    /// Packed sequences, `(first token, length)` each.
+    Packed(Arc<[(usize, usize)]>),
 }
 
 /// One decoder layer on `x` `[batch, seq, hidden]` with rotary tables `cos`/`sin`

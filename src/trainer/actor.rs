@@ -4,7 +4,7 @@
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 
-use super::batch::{pad_rows, scatter_rows, Column, MicroInputs, Ragged, StepBatch};
+use super::batch::{pad_rows, scatter_rows, Column, Layout, MicroInputs, Ragged, StepBatch};
 use super::trainable::{forward_rows, LoraState, Trainable, UpdateSettings};
 use super::update::{dist_error, MicroLoss};
 use crate::algo::agg::scalar;
@@ -27,20 +27,20 @@ pub fn response_logprobs(
     temperature: f64,
     with_entropy: bool,
 ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
-    let hidden = model.forward_hidden(&mi.input_ids, &mi.position_ids, &mi.key_mask, None)?; // [m, p + r − 1, h]
-    let h = mi.response_hidden(&hidden)?; // [m, r, h]
-                                          // (h·W)/T = (h/T)·W: scaling the hidden state scales every logit.
+    let h = mi.response_hidden(model)?; // [m, r, h] or [1, k, h]
+                                        // (h·W)/T = (h/T)·W: scaling the hidden state scales every logit.
     let h = if temperature > 0.0 && temperature != 1.0 {
         (h / temperature)?
     } else {
         h
     };
-    model.token_logprobs(
+    let (lp, ent) = model.token_logprobs(
         &h,
-        &mi.targets,
+        mi.response_targets(),
         logit_chunk(model.args.vocab_size),
         with_entropy,
-    )
+    )?;
+    Ok((mi.to_rows(&lp)?, ent.map(|e| mi.to_rows(&e)).transpose()?))
 }
 
 /// The policy being trained.
@@ -96,7 +96,7 @@ impl Actor {
         cfg: &ActorConfig,
         plan: &Plan,
         total_steps: u64,
-        pad_id: u32,
+        inputs: Layout,
         lora: Option<LoraState>,
     ) -> Self {
         let settings = UpdateSettings {
@@ -108,7 +108,8 @@ impl Actor {
                 cfg.loss_scale_factor,
                 plan.response_length,
             ),
-            pad_id,
+            pad_id: inputs.pad_id,
+            remove_padding: inputs.packed,
             shard: (0, 1),
         };
         let args = loaded.model.args.clone();
@@ -318,38 +319,40 @@ pub struct Reference {
     _varmap: VarMap,
     micro: MicroBatching,
     temperature: f64,
-    pad_id: u32,
+    /// Padding id and whether to pack (`actor_rollout_ref.model.use_remove_padding`).
+    inputs: Layout,
 }
 
 impl Reference {
     /// The reference of a run: `loaded` weights read through `micro`-sized forward passes.
-    pub fn new(loaded: Loaded, micro: MicroBatching, temperature: f64, pad_id: u32) -> Self {
+    pub fn new(loaded: Loaded, micro: MicroBatching, temperature: f64, inputs: Layout) -> Self {
         Self {
             model: loaded.model.no_grad(),
             _varmap: loaded.varmap,
             micro,
             temperature,
-            pad_id,
+            inputs,
         }
     }
 
     /// The reference of a LoRA run: the actor's own base weights with its adapters switched off
     /// (verl computes ref log-probs under `disable_adapter()`), no second model loaded.
-    pub fn from_base(actor: &Actor, micro: MicroBatching, pad_id: u32) -> Self {
+    pub fn from_base(actor: &Actor, micro: MicroBatching, inputs: Layout) -> Self {
         Self {
             // Precision: the actor's until the caller sets the reference's own.
             model: actor.view().without_adapters(),
             _varmap: VarMap::new(),
             micro,
             temperature: actor.temperature,
-            pad_id,
+            inputs,
         }
     }
 
     /// The `ref` phase: fills `ref_log_prob` (verl's `compute_ref_log_prob`).
     pub fn compute_ref_log_prob(&self, batch: &mut StepBatch) -> candle_core::Result<()> {
         let t = self.temperature;
-        let mut out = forward_rows(&self.model, batch, self.micro, self.pad_id, 1, |m, mi| {
+        let layout = self.inputs.given(self.model.packs_without_padding());
+        let mut out = forward_rows(&self.model, batch, self.micro, layout, 1, |m, mi| {
             Ok(vec![response_logprobs(m, mi, t, false)?.0])
         })?;
         batch.set(Column::RefLogProb, out.pop().unwrap_or_default())

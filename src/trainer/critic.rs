@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use rand::{Rng, SeedableRng};
 
-use super::batch::{pad_rows, Column, MicroInputs, StepBatch};
+use super::batch::{pad_rows, Column, Layout, MicroInputs, StepBatch};
 use super::trainable::{assign_heads, LoraState, Network, Trainable, UpdateSettings, ValueModel};
 use super::update::MicroLoss;
 use crate::algo::agg::scalar;
@@ -38,14 +38,8 @@ fn seeded_normal(n: usize, std: f64, seed: u64) -> Vec<f32> {
 
 /// Values of a micro-batch's response positions: `[m, r]` f32.
 fn values(model: &ValueModel, mi: &MicroInputs) -> candle_core::Result<Tensor> {
-    let hidden =
-        model
-            .backbone
-            .forward_hidden(&mi.input_ids, &mi.position_ids, &mi.key_mask, None)?; // [m, p + r − 1, h]
-    model
-        .head
-        .forward(&mi.response_hidden(&hidden)?)?
-        .to_dtype(DType::F32) // [m, r]
+    let v = model.head.forward(&mi.response_hidden(&model.backbone)?)?; // [m, r] or [1, k]
+    mi.to_rows(&v)?.to_dtype(DType::F32)
 }
 
 impl Critic {
@@ -56,7 +50,7 @@ impl Critic {
         cfg: &CriticConfig,
         plan: &Plan,
         total_steps: u64,
-        pad_id: u32,
+        inputs: Layout,
         lora: Option<LoraState>,
     ) -> candle_core::Result<Self> {
         let seed = plan.seeds.value_head;
@@ -97,7 +91,8 @@ impl Critic {
                 cfg.loss_scale_factor,
                 plan.response_length,
             ),
-            pad_id,
+            pad_id: inputs.pad_id,
+            remove_padding: inputs.packed,
             shard: (0, 1),
         };
         let args = backbone.args.clone();

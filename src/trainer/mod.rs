@@ -35,6 +35,7 @@ use std::time::Instant;
 pub use optim::{clip_grad_norm, AdamW, LrSchedule};
 
 use self::actor::{Actor, Reference};
+use self::batch::Layout;
 use self::critic::Critic;
 use self::phases::RolloutWorker;
 use crate::algo::KlController;
@@ -187,7 +188,10 @@ impl Trainer {
             &cfg.actor_rollout_ref.actor,
             &plan,
             total_steps,
-            pad,
+            Layout {
+                pad_id: pad,
+                packed: cfg.actor_rollout_ref.model.use_remove_padding,
+            },
             actor_lora,
         );
         actor.set_rollout_precision(cfg.actor_rollout_ref.rollout.dtype);
@@ -211,7 +215,10 @@ impl Trainer {
                 &cfg.critic,
                 &plan,
                 total_steps,
-                pad,
+                Layout {
+                    pad_id: pad,
+                    packed: cfg.critic.model.use_remove_padding,
+                },
                 critic_lora,
             )?)
         } else {

@@ -8,6 +8,7 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 
 use super::actor::{Actor, Reference};
+use super::batch::Layout;
 use super::trainable::LoraState;
 use super::{Result, TrainerError};
 use crate::config::reward::SourceKind;
@@ -367,13 +368,17 @@ pub fn reference(
     device: &Device,
     pad: u32,
 ) -> Result<Option<Reference>> {
+    let inputs = Layout {
+        pad_id: pad,
+        packed: cfg.actor_rollout_ref.model.use_remove_padding,
+    };
     let mut r = match (plan.need_reference, plan.ref_log_prob_micro) {
         (true, Some(micro)) if actor.trainable.lora.is_some() => {
-            Some(Reference::from_base(actor, micro, pad))
+            Some(Reference::from_base(actor, micro, inputs))
         }
         (true, Some(micro)) => {
             let (l, _) = load_policy(cfg, device)?;
-            Some(Reference::new(l, micro, plan.temperatures.log_prob, pad))
+            Some(Reference::new(l, micro, plan.temperatures.log_prob, inputs))
         }
         _ => None,
     };

@@ -13,7 +13,7 @@ use std::path::Path;
 use candle_core::{Device, Tensor, Var};
 use candle_nn::VarMap;
 
-use super::batch::{scatter_rows, MicroInputs, Ragged, StepBatch};
+use super::batch::{scatter_rows, Layout, MicroInputs, Ragged, StepBatch};
 use super::optim::{AdamW, LrSchedule};
 use super::{Result, TrainerError};
 use crate::config::{MicroBatching, OptimConfig, UpdatePlan};
@@ -27,6 +27,9 @@ pub trait Network: Sized {
     /// The same weights, detached (inference: no activations kept for a backward pass).
     fn no_grad(&self) -> Self;
     fn device(&self) -> &Device;
+    /// Whether packed sequences (`use_remove_padding`) save work here (see
+    /// [`CausalLm::packs_without_padding`]); padded otherwise.
+    fn packs_without_padding(&self) -> bool;
     /// Puts the adapter-dropout mask stream at `position` (see
     /// [`CausalLm::set_dropout_position`]); nothing without adapter dropout.
     fn set_dropout_position(&self, position: u64);
@@ -38,6 +41,9 @@ impl Network for CausalLm {
     }
     fn device(&self) -> &Device {
         CausalLm::device(self)
+    }
+    fn packs_without_padding(&self) -> bool {
+        CausalLm::packs_without_padding(self)
     }
     fn set_dropout_position(&self, position: u64) {
         CausalLm::set_dropout_position(self, position)
@@ -59,6 +65,9 @@ impl Network for ValueModel {
     }
     fn device(&self) -> &Device {
         self.backbone.device()
+    }
+    fn packs_without_padding(&self) -> bool {
+        self.backbone.packs_without_padding()
     }
     fn set_dropout_position(&self, position: u64) {
         self.backbone.set_dropout_position(position)
@@ -112,11 +121,22 @@ pub struct UpdateSettings {
     /// Divisor of seq-mean-token-sum-norm (`loss_scale_factor`, else the response length).
     pub loss_scale_factor: Option<f64>,
     pub pad_id: u32,
+    /// Sequences packed end to end where the model supports it (`model.use_remove_padding`).
+    pub remove_padding: bool,
     /// (rank, world size): which micro-batches of each mini-batch this process computes.
     pub shard: (usize, usize),
 }
 
 impl UpdateSettings {
+    /// How micro-batches reach `model`: packed when asked for and supported.
+    pub fn layout<N: Network>(&self, model: &N) -> Layout {
+        Layout {
+            pad_id: self.pad_id,
+            packed: self.remove_padding,
+        }
+        .given(model.packs_without_padding())
+    }
+
     /// The divisor of seq-mean-token-sum-norm for an update with `plan`: verl's default workers
     /// never pass `loss_scale_factor` to agg_loss (the response length divides); the global
     /// path (`trainer.use_legacy_worker_impl=disable`) honours `configured`.
@@ -202,7 +222,8 @@ impl<N: Network> Trainable<N> {
         outputs: usize,
         f: impl Fn(&N, &MicroInputs) -> candle_core::Result<Vec<Tensor>>,
     ) -> candle_core::Result<Vec<Ragged>> {
-        forward_rows(&self.view, batch, micro, self.settings.pad_id, outputs, f)
+        let layout = self.settings.layout(&self.view);
+        forward_rows(&self.view, batch, micro, layout, outputs, f)
     }
 
     /// Writes `dir/huggingface/` (weights, config, tokenizer) and the optimizer state in `dir`.
@@ -319,7 +340,7 @@ pub fn forward_rows<N: Network>(
     model: &N,
     batch: &StepBatch,
     micro: MicroBatching,
-    pad_id: u32,
+    layout: Layout,
     outputs: usize,
     f: impl Fn(&N, &MicroInputs) -> candle_core::Result<Vec<Tensor>>,
 ) -> candle_core::Result<Vec<Ragged>> {
@@ -328,7 +349,7 @@ pub fn forward_rows<N: Network>(
     let mut out: Vec<Ragged> = vec![vec![Vec::new(); n]; outputs];
     let rows: Vec<usize> = (0..n).collect();
     for mb in batch.micro_batches(&rows, micro) {
-        let mi = batch.inputs(&mb, pad_id, model.device())?;
+        let mi = batch.inputs(&mb, layout, model.device())?;
         for (dst, t) in out.iter_mut().zip(f(model, &mi)?) {
             scatter_rows(&t, &mb, &lens, dst)?;
         }

@@ -140,7 +140,7 @@ pub fn mini_batch_grads<N: Network>(
     // share its storage with another variable's, so the first one is never written to.
     let mut owned = std::collections::HashSet::new();
     for micro in micros.into_iter().skip(rank).step_by(world.max(1)) {
-        let mi = batch.inputs(&micro, settings.pad_id, &device)?;
+        let mi = batch.inputs(&micro, settings.layout(model), &device)?;
         let out = micro_loss(model, &mi, &micro, ctx)?;
         let scale = micro_scale(plan, micro.len());
         let loss = if scale == 1.0 {
@@ -491,6 +491,7 @@ mod tests {
             seed: 0,
             loss_scale_factor: Some(5.0),
             pad_id: 0,
+            remove_padding: false,
             shard: (0, 1),
         }
     }
@@ -535,7 +536,11 @@ mod tests {
     fn per_row(m: &CausalLm, vars: &[(String, Var)], b: &StepBatch) -> Vec<(f64, Vec<Vec<f64>>)> {
         (0..b.len())
             .map(|r| {
-                let mi = b.inputs(&[r], 0, &Device::Cpu).unwrap();
+                let padded = crate::trainer::batch::Layout {
+                    pad_id: 0,
+                    packed: false,
+                };
+                let mi = b.inputs(&[r], padded, &Device::Cpu).unwrap();
                 let (lp, _) = response_logprobs(m, &mi, 1.0, false).unwrap();
                 let mask = mi.response_mask.to_dtype(lp.dtype()).unwrap();
                 let s = (lp.neg().unwrap() * mask).unwrap().sum_all().unwrap();
