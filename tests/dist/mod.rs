@@ -103,6 +103,8 @@ fn settings(global_norm: bool, shard: (usize, usize)) -> UpdateSettings {
         seed: 0,
         loss_scale_factor: None,
         pad_id: 0,
+        // verl's default layout: the ranks' packed micro-batches sum to one process's.
+        remove_padding: true,
         shard,
     }
 }
