@@ -114,19 +114,24 @@ enum Mat<T> {
 }
 
 impl<T: Elem> Mat<T> {
-    /// `m` row-major `[k, n]`, packed for the bf16 kernel when `bf16`.
-    fn new(m: Vec<T>, k: usize, n: usize, bf16: bool) -> Self {
-        match T::f32s(&m) {
-            Some(f) if bf16 => Mat::Amx(super::bf16::PackedB::new(
-                f,
-                n,
-                1,
-                k,
-                n,
-                super::ops::Par::Rayon,
-            )),
-            _ => Mat::Plain(m),
+    /// The right-hand matrix `x·Wᵀ` needs for weights `ws` (`[out_i, in]` each, one `in`) side
+    /// by side: `[in, Σ out_i]`. For the bf16 kernel the tiles are packed straight from the
+    /// weights stacked as stored (a row copy, then the pack reads the transpose); otherwise
+    /// transposed into row-major [`packed_columns`].
+    fn from_weights(ws: &[&Tensor], bf16: bool) -> Result<Self> {
+        if bf16 && T::DTYPE == DType::F32 {
+            let stacked: Vec<f32> = match ws {
+                [w] => flat(w)?,
+                _ => flat(&Tensor::cat(ws, 0)?)?,
+            }; // [Σ out_i, in]
+            let (n, k) = (
+                ws.iter().map(|w| w.dim(0)).sum::<Result<usize>>()?,
+                ws[0].dim(1)?,
+            );
+            let packed = super::bf16::PackedB::new(&stacked, 1, k, k, n, super::ops::Par::Rayon);
+            return Ok(Mat::Amx(packed));
         }
+        Ok(Mat::Plain(packed_columns(ws)?))
     }
 
     /// `dst[m, n] (+)= a[m, k] · self`.
@@ -276,11 +281,6 @@ fn packed_columns<T: Elem>(ws: &[&Tensor]) -> Result<Vec<T>> {
     Ok(dst)
 }
 
-/// A weight `[out, in]` transposed to `[in, out]` row-major.
-fn transposed<T: Elem>(w: &Tensor) -> Result<Vec<T>> {
-    packed_columns(&[w])
-}
-
 fn flat<T: Elem>(w: &Tensor) -> Result<Vec<T>> {
     w.to_dtype(T::DTYPE)?.flatten_all()?.to_vec1()
 }
@@ -423,31 +423,23 @@ impl<T: Elem> Packed<T> {
     pub fn new(model: &CausalLm) -> Result<Self> {
         let a = &model.args;
         let bf16 = model.bf16_matmuls();
-        let (h, dq, it) = (
-            a.hidden_size,
-            a.num_attention_heads * a.head_dim,
-            a.intermediate_size,
-        );
-        let dqkv = dq + 2 * a.num_key_value_heads * a.head_dim;
         let mut layers = Vec::with_capacity(a.num_hidden_layers);
         for b in model.blocks() {
             // Adapters are folded in here, once per packing: W + s·B·A (`[out, in]` each).
             let [q, k, v, o, gate, up, down] = b.projs().map(|p| p.merged_weight());
             let (q, k, v, o, gate, up, down) = (q?, k?, v?, o?, gate?, up?, down?);
-            let qkv = packed_columns(&[&q, &k, &v])?;
             let qkv_bias = match (b.q.bias(), b.k.bias(), b.v.bias()) {
                 (Some(q), Some(k), Some(v)) => Some(flat(&Tensor::cat(&[q, k, v], 0)?)?),
                 _ => None,
             };
-            let gate_up = packed_columns(&[&gate, &up])?;
             layers.push(Layer {
                 ln1: flat(&b.ln1)?,
                 ln2: flat(&b.ln2)?,
-                qkv: Mat::new(qkv, h, dqkv, bf16),
+                qkv: Mat::from_weights(&[&q, &k, &v], bf16)?,
                 qkv_bias,
-                o: Mat::new(transposed(&o)?, dq, h, bf16),
-                gate_up: Mat::new(gate_up, h, 2 * it, bf16),
-                down: Mat::new(transposed(&down)?, it, h, bf16),
+                o: Mat::from_weights(&[&o], bf16)?,
+                gate_up: Mat::from_weights(&[&gate, &up], bf16)?,
+                down: Mat::from_weights(&[&down], bf16)?,
             });
         }
         Ok(Self {
@@ -455,7 +447,7 @@ impl<T: Elem> Packed<T> {
             embed: flat(model.embedding())?,
             layers,
             norm: flat(model.final_norm())?,
-            out: Mat::new(transposed(model.output_weight()?)?, h, a.vocab_size, bf16),
+            out: Mat::from_weights(&[model.output_weight()?], bf16)?,
             inv_freq: model.inv_freq(),
         })
     }
@@ -633,6 +625,9 @@ impl<T: Elem> Packed<T> {
 mod tests {
     use candle_core::{Device, Tensor};
 
+    use super::Mat;
+    use crate::model::ops::Par;
+
     /// Packing equals candle's concatenation of the transposed weights, on sizes that are not
     /// multiples of the 64-row block (the ragged last block).
     #[test]
@@ -652,9 +647,42 @@ mod tests {
             .to_vec1()
             .unwrap();
         assert_eq!(got, want);
-        let one = super::transposed::<f32>(&b).unwrap();
+        let one = super::packed_columns::<f32>(&[&b]).unwrap();
         let want: Vec<f32> = b.t().unwrap().flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(one, want);
+    }
+
+    /// The bf16 tiles packed straight from stacked `[out, in]` weights multiply exactly as the
+    /// tiles of the transposed, concatenated `[in, out]` matrix (the pack they replace): the
+    /// same products, bit for bit, on sizes that are not multiples of a tile.
+    #[test]
+    fn bf16_tiles_from_the_weights_equal_the_tiles_of_the_transpose() {
+        if !crate::model::bf16::available() {
+            eprintln!("skipped: no bf16 kernel on this machine");
+            return;
+        }
+        let dev = Device::Cpu;
+        let inp = 70;
+        let mk = |out: usize, k: f32| {
+            let v: Vec<f32> = (0..out * inp).map(|i| (i as f32 * k).sin()).collect();
+            Tensor::from_vec(v, (out, inp), &dev).unwrap()
+        };
+        let (a, b, c) = (mk(3, 0.7), mk(130, 1.3), mk(5, 0.11));
+        for ws in [vec![&a, &b, &c], vec![&b]] {
+            let n: usize = ws.iter().map(|w| w.dim(0).unwrap()).sum();
+            let Mat::<f32>::Amx(direct) = Mat::<f32>::from_weights(&ws, true).unwrap() else {
+                panic!("bf16 asked for");
+            };
+            let t = super::packed_columns::<f32>(&ws).unwrap(); // [in, n]
+            let via_t = crate::model::bf16::PackedB::new(&t, n, 1, inp, n, Par::Rayon);
+            let m = 9;
+            let x: Vec<f32> = (0..m * inp).map(|i| (i as f32 * 0.37).cos()).collect();
+            let (mut y1, mut y2) = (vec![0f32; m * n], vec![0f32; m * n]);
+            crate::model::bf16::gemm_packed(&mut y1, m, &x, inp, 1, &direct, false, Par::Rayon);
+            crate::model::bf16::gemm_packed(&mut y2, m, &x, inp, 1, &via_t, false, Par::Rayon);
+            assert_eq!(y1, y2);
+            assert!(y1.iter().any(|&v| v != 0.0));
+        }
     }
 
     /// Decoding with bf16 products (AMX or AVX512-BF16), with an f32 and with a bf16 key/value cache: a
