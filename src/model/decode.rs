@@ -290,19 +290,19 @@ fn matmul<T: Elem>(dst: &mut [T], a: &[T], b: &[T], m: usize, k: usize, n: usize
     super::ops::gemm_strided(dst, m, n, k, a, k, 1, b, n, 1, acc, super::ops::Par::Rayon);
 }
 
-/// One sequence's cached keys and values of one KV head: position `j`'s vector at
-/// `j·stride + offset`, positions `0..n`.
+/// One sequence's cached keys and values: position `j`'s `[kv_heads, head_dim]` row at
+/// `j·width`, positions `0..n`.
 struct Kv<'a, C> {
     ks: &'a [C],
     vs: &'a [C],
     n: usize,
-    stride: usize,
-    offset: usize,
+    width: usize,
 }
 
-/// Causal attention of one token's query heads `q [rep, hd]` sharing a KV head:
-/// `out[h] = Σ_j softmax_j(q_h·k_j·scale) v_j`. Runs with AVX-512 where the CPU has it (the
-/// same code compiled for wider vectors; the baseline build is SSE2).
+/// Causal attention of one token's query heads `q [heads, hd]` over its sequence's cache
+/// (query head `h` reads KV head `h / (heads / kv_heads)`):
+/// `out[h] = Σ_j softmax_j(q_h·k_j·scale) v_j`, vectorized ([`vectorized`]). Each cached row
+/// is read once, whole and in order, for all heads.
 fn attend<T: Elem, C: KvElem<T>>(q: &[T], kv: &Kv<C>, hd: usize, scale: T, out: &mut [T]) {
     vectorized(
         #[inline(always)]
@@ -312,35 +312,67 @@ fn attend<T: Elem, C: KvElem<T>>(q: &[T], kv: &Kv<C>, hd: usize, scale: T, out: 
 
 #[inline(always)]
 fn attend_body<T: Elem, C: KvElem<T>>(q: &[T], kv: &Kv<C>, hd: usize, scale: T, out: &mut [T]) {
-    let rep = q.len() / hd;
+    let heads = q.len() / hd;
+    let rep = heads / (kv.width / hd).max(1);
     let n = kv.n;
-    let mut w = vec![T::zero(); rep * n]; // [rep, n]
+    // [heads, n] scores, then probabilities.
+    let mut w = vec![T::zero(); heads * n];
+    // One cached row of keys (then values) in T, converted once for all heads.
+    let mut row = vec![T::zero(); kv.width];
     for j in 0..n {
-        let k = &kv.ks[j * kv.stride + kv.offset..][..hd];
+        let k = &kv.ks[j * kv.width..][..kv.width];
+        row.iter_mut().zip(k).for_each(|(r, &c)| *r = c.load());
         for (h, qh) in q.chunks_exact(hd).enumerate() {
-            w[h * n + j] = dot_kv(qh, k) * scale;
+            w[h * n + j] = dot_tree(qh, &row[h / rep * hd..][..hd]) * scale;
         }
     }
-    let mut inv = vec![T::zero(); rep];
-    for (h, wh) in w.chunks_exact_mut(n).enumerate() {
-        let mx = wh
-            .iter()
-            .fold(T::neg_infinity(), |acc, &v| num_traits::Float::max(acc, v));
+    for wh in w.chunks_exact_mut(n) {
+        let mx = max(wh);
         for v in wh.iter_mut() {
             *v = (*v - mx).exp_fast();
         }
-        inv[h] = T::one() / wh.iter().fold(T::zero(), |a, &v| a + v);
+        let inv = sum(wh).recip();
+        for v in wh.iter_mut() {
+            *v *= inv;
+        }
     }
     out.fill(T::zero());
     for j in 0..n {
-        let v = &kv.vs[j * kv.stride + kv.offset..][..hd];
+        let v = &kv.vs[j * kv.width..][..kv.width];
+        row.iter_mut().zip(v).for_each(|(r, &c)| *r = c.load());
         for (h, oh) in out.chunks_exact_mut(hd).enumerate() {
-            let p = w[h * n + j] * inv[h];
-            oh.iter_mut()
-                .zip(v)
-                .for_each(|(o, &vv)| *o += p * vv.load());
+            let p = w[h * n + j];
+            let vh = &row[h / rep * hd..][..hd];
+            oh.iter_mut().zip(vh).for_each(|(o, &vv)| *o += p * vv);
         }
     }
+}
+
+/// `Σ a_i·b_i` in 16 lane sums combined pairwise (8 + 8, 4 + 4, ...): for the head-sized dot
+/// products of decode attention, where [`dot`]'s sequential combination of the 16 lanes cost
+/// more than the products.
+#[inline(always)]
+fn dot_tree<T: Elem>(a: &[T], b: &[T]) -> T {
+    let mut acc = [T::zero(); 16];
+    let n = a.len().min(b.len()) / 16 * 16;
+    for (ca, cb) in a[..n].chunks_exact(16).zip(b[..n].chunks_exact(16)) {
+        for ((s, &u), &v) in acc.iter_mut().zip(ca).zip(cb) {
+            *s += u * v;
+        }
+    }
+    let tail = a[n..]
+        .iter()
+        .zip(&b[n..])
+        .fold(T::zero(), |s, (&u, &v)| s + u * v);
+    let mut width = 8;
+    while width > 0 {
+        let (lo, hi) = acc.split_at_mut(width);
+        for (x, &y) in lo.iter_mut().zip(hi.iter()) {
+            *x += y;
+        }
+        width /= 2;
+    }
+    acc[0] + tail
 }
 
 /// `Σ a_i·b_i` in 16 interleaved partial sums (so the compiler keeps them in vector lanes;
@@ -472,7 +504,6 @@ impl<T: Elem> Packed<T> {
             a.num_key_value_heads,
         );
         let inter = a.intermediate_size;
-        let rep = nh / nkv;
         let dq = nh * hd;
         let dkv = nkv * hd;
         let dqkv = dq + 2 * dkv;
@@ -559,23 +590,18 @@ impl<T: Elem> Packed<T> {
                 .iter()
                 .map(|c| (c.k[li].as_slice(), c.v[li].as_slice()))
                 .collect();
-            // One job per (token, KV group): the group's `rep` query heads read each key and
-            // value once.
-            att.par_chunks_mut(rep * hd)
-                .enumerate()
-                .for_each(|(job, out)| {
-                    let (i, g) = (job / nkv, job % nkv);
-                    let q = &qkv[i * dqkv + g * rep * hd..][..rep * hd];
-                    let (ks, vs) = views[seq[i]];
-                    let kv = Kv {
-                        ks,
-                        vs,
-                        n: pos[i] + 1,
-                        stride: nkv * hd,
-                        offset: g * hd,
-                    };
-                    attend(q, &kv, hd, scale, out);
-                });
+            // One job per token: all its query heads read each cached row once, in order.
+            att.par_chunks_mut(dq).enumerate().for_each(|(i, out)| {
+                let q = &qkv[i * dqkv..][..dq];
+                let (ks, vs) = views[seq[i]];
+                let kv = Kv {
+                    ks,
+                    vs,
+                    n: pos[i] + 1,
+                    width: dkv,
+                };
+                attend(q, &kv, hd, scale, out);
+            });
             l.o.apply(&mut x, &att, m, dq, h, true);
             rms_norm(&mut hn, &x, &l.ln2, a.rms_norm_eps);
             l.gate_up.apply(&mut gu, &hn, m, h, 2 * inter, false);
@@ -650,6 +676,26 @@ mod tests {
         let one = super::packed_columns::<f32>(&[&b]).unwrap();
         let want: Vec<f32> = b.t().unwrap().flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(one, want);
+    }
+
+    /// The pairwise-combined dot product against f64 sums, for lengths with and without a
+    /// tail past the 16 lanes.
+    #[test]
+    fn tree_dot_products_match_f64_sums() {
+        for n in [0usize, 1, 15, 16, 17, 64, 100] {
+            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.7).sin()).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 1.3).cos()).collect();
+            let want: f64 = a
+                .iter()
+                .zip(&b)
+                .map(|(&x, &y)| f64::from(x) * f64::from(y))
+                .sum();
+            let got = f64::from(super::dot_tree(&a, &b));
+            assert!(
+                (got - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                "{n}: {got} vs {want}"
+            );
+        }
     }
 
     /// The bf16 tiles packed straight from stacked `[out, in]` weights multiply exactly as the
