@@ -353,17 +353,7 @@ fn attend_body<T: Elem, C: KvElem<T>>(q: &[T], kv: &Kv<C>, hd: usize, scale: T, 
 /// more than the products.
 #[inline(always)]
 fn dot_tree<T: Elem>(a: &[T], b: &[T]) -> T {
-    let mut acc = [T::zero(); 16];
-    let n = a.len().min(b.len()) / 16 * 16;
-    for (ca, cb) in a[..n].chunks_exact(16).zip(b[..n].chunks_exact(16)) {
-        for ((s, &u), &v) in acc.iter_mut().zip(ca).zip(cb) {
-            *s += u * v;
-        }
-    }
-    let tail = a[n..]
-        .iter()
-        .zip(&b[n..])
-        .fold(T::zero(), |s, (&u, &v)| s + u * v);
+    let (mut acc, tail) = lane_sums(a, b);
     let mut width = 8;
     while width > 0 {
         let (lo, hi) = acc.split_at_mut(width);
@@ -385,6 +375,15 @@ pub(super) fn dot<T: Elem>(a: &[T], b: &[T]) -> T {
 /// [`dot`] of a query and a cached key (any [`KvElem`], the model's type included).
 #[inline(always)]
 fn dot_kv<T: Elem, C: KvElem<T>>(a: &[T], b: &[C]) -> T {
+    let (acc, tail) = lane_sums(a, b);
+    acc.iter().fold(T::zero(), |s, &v| s + v) + tail
+}
+
+/// The products `a_i·b_i` of the first `16·⌊n/16⌋` pairs summed into 16 interleaved lanes
+/// (lane `k` takes `i ≡ k mod 16`), and the rest summed in order: the shared part of the dot
+/// products, which differ in how they combine the lanes.
+#[inline(always)]
+fn lane_sums<T: Elem, C: KvElem<T>>(a: &[T], b: &[C]) -> ([T; 16], T) {
     let mut acc = [T::zero(); 16];
     let n = a.len().min(b.len()) / 16 * 16;
     for (ca, cb) in a[..n].chunks_exact(16).zip(b[..n].chunks_exact(16)) {
@@ -396,7 +395,7 @@ fn dot_kv<T: Elem, C: KvElem<T>>(a: &[T], b: &[C]) -> T {
         .iter()
         .zip(&b[n..])
         .fold(T::zero(), |s, (&u, &v)| s + u * v.load());
-    acc.iter().fold(T::zero(), |s, &v| s + v) + tail
+    (acc, tail)
 }
 
 /// `Σ a_i` in 16 interleaved partial sums (as [`dot`]).

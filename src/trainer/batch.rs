@@ -438,12 +438,7 @@ impl StepBatch {
             .map(|&r| self.prompts[r].len())
             .max()
             .unwrap_or(0);
-        let r = rows
-            .iter()
-            .map(|&r| self.responses[r].len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
+        let r = self.response_width(rows);
         if p == 0 {
             return Err(candle_core::Error::Msg(
                 "a prompt with no tokens reached the trainer".into(),
@@ -495,17 +490,21 @@ impl StepBatch {
         })
     }
 
+    /// The micro-batch's response width: its longest response, at least 1.
+    fn response_width(&self, rows: &[usize]) -> usize {
+        rows.iter()
+            .map(|&r| self.responses[r].len())
+            .max()
+            .unwrap_or(0)
+            .max(1)
+    }
+
     /// [`StepBatch::inputs`] packed: each row's prompt and response (without its last token)
     /// laid end to end, no padding; only the real response positions reach the LM head or
     /// value head. `targets` and `response_mask` stay `[m, r]`.
     fn packed_inputs(&self, rows: &[usize], pad_id: u32, device: &Device) -> Result<MicroInputs> {
         let m = rows.len();
-        let r = rows
-            .iter()
-            .map(|&r| self.responses[r].len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
+        let r = self.response_width(rows);
         let (mut ids, mut pos, mut segments) = (Vec::new(), Vec::new(), Vec::with_capacity(m));
         // The real response positions: the token predicting each, its target; and for every
         // position (i, j) of `[m, r]` which of them it is (padding: the zero after the last).

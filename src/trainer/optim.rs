@@ -379,6 +379,26 @@ unsafe fn adamw_chunk_avx512(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f
     adamw_chunk(p, m, v, g, rule)
 }
 
+/// The two operands of an in-place op on CPU f32 storage, as the slices their layouts view;
+/// an error naming `op` when either is not f32 or not contiguous.
+pub(super) fn f32_operands<'a>(
+    op: &str,
+    s1: &'a mut candle_core::CpuStorage,
+    l1: &candle_core::Layout,
+    s2: &'a candle_core::CpuStorage,
+    l2: &candle_core::Layout,
+) -> candle_core::Result<(&'a mut [f32], &'a [f32])> {
+    use candle_core::CpuStorage::F32;
+    let (F32(a), F32(b)) = (s1, s2) else {
+        candle_core::bail!("{op}: f32 operands only");
+    };
+    let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+    else {
+        candle_core::bail!("{op}: contiguous operands only");
+    };
+    Ok((&mut a[a0..a1], &b[b0..b1]))
+}
+
 /// [`Update`] as an in-place op on a CPU f32 parameter's storage, with the gradient as the
 /// second operand and the moments borrowed for the call.
 struct InPlace<'a> {
@@ -398,17 +418,9 @@ impl candle_core::InplaceOp2 for InPlace<'_> {
         s2: &candle_core::CpuStorage,
         l2: &candle_core::Layout,
     ) -> candle_core::Result<()> {
-        use candle_core::CpuStorage::F32;
-        let (F32(p), F32(g)) = (s1, s2) else {
-            candle_core::bail!("adamw-step: parameter and gradient must be f32");
-        };
-        let (Some((p0, p1)), Some((g0, g1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
-        else {
-            candle_core::bail!("adamw-step: parameter and gradient must be contiguous");
-        };
+        let (p, g) = f32_operands("adamw-step", s1, l1, s2, l2)?;
         let mut moments = self.moments.borrow_mut();
         let (m, v) = &mut *moments;
-        let (p, g) = (&mut p[p0..p1], &g[g0..g1]);
         if p.len() != g.len() || p.len() != m.len() || p.len() != v.len() {
             candle_core::bail!(
                 "adamw-step: {} parameters, {} gradients, {}/{} moments",
@@ -655,6 +667,18 @@ mod tests {
         );
     }
 
+    /// `Σ x²` through candle's tensor ops in f64: the reference route.
+    fn f64_sum_of_squares(t: &Tensor) -> f64 {
+        t.to_dtype(DType::F64)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    }
+
     /// The in-place sum of squares gives the tensor composition's bits (f64, summed in order),
     /// on a contiguous gradient and on a transposed one (which takes the tensor route).
     #[test]
@@ -662,16 +686,7 @@ mod tests {
         let vals: Vec<f32> = (0..70_001u32)
             .map(|i| ((i.wrapping_mul(2654435761) % 20001) as f32 / 10000.0 - 1.0) * 3.0)
             .collect();
-        let as_tensor = Tensor::new(vals.as_slice(), &Device::Cpu)
-            .unwrap()
-            .to_dtype(DType::F64)
-            .unwrap()
-            .sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
+        let as_tensor = f64_sum_of_squares(&Tensor::new(vals.as_slice(), &Device::Cpu).unwrap());
         assert_eq!(sum_of_squares_f32(&vals).to_bits(), as_tensor.to_bits());
         let flat = Tensor::from_vec(vals[..70_000].to_vec(), (700, 100), &Device::Cpu).unwrap();
         let a = Var::from_tensor(&flat).unwrap();
@@ -686,19 +701,7 @@ mod tests {
         let vars = vec![("a".to_string(), a.clone()), ("b".to_string(), b.clone())];
         let reference: f64 = [a.as_tensor(), b.as_tensor()]
             .iter()
-            .map(|t| {
-                grads
-                    .get(t)
-                    .unwrap()
-                    .to_dtype(DType::F64)
-                    .unwrap()
-                    .sqr()
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .to_scalar::<f64>()
-                    .unwrap()
-            })
+            .map(|t| f64_sum_of_squares(grads.get(t).unwrap()))
             .sum::<f64>()
             .sqrt();
         let norm = grad_norm(&vars, &grads).unwrap();

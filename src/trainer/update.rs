@@ -190,19 +190,11 @@ fn add_in_place(acc: &Tensor, t: &Tensor) -> candle_core::Result<bool> {
             s2: &candle_core::CpuStorage,
             l2: &candle_core::Layout,
         ) -> candle_core::Result<()> {
-            use candle_core::CpuStorage::F32;
-            let (F32(a), F32(b)) = (s1, s2) else {
-                candle_core::bail!("grad-accumulate: f32 only");
-            };
-            let (Some((a0, a1)), Some((b0, b1))) =
-                (l1.contiguous_offsets(), l2.contiguous_offsets())
-            else {
-                candle_core::bail!("grad-accumulate: contiguous tensors only");
-            };
-            if a1 - a0 != b1 - b0 {
-                candle_core::bail!("grad-accumulate: {} and {} values", a1 - a0, b1 - b0);
+            let (a, b) = super::optim::f32_operands("grad-accumulate", s1, l1, s2, l2)?;
+            if a.len() != b.len() {
+                candle_core::bail!("grad-accumulate: {} and {} values", a.len(), b.len());
             }
-            crate::model::simd::par_zip(&mut a[a0..a1], &b[b0..b1], |x, y| x + y);
+            crate::model::simd::par_zip(a, b, |x, y| x + y);
             Ok(())
         }
     }

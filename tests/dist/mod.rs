@@ -468,8 +468,10 @@ fn two_ranks_resume_from_a_two_rank_checkpoint_exactly() {
     );
 }
 
-/// The pid of the process whose environment holds `marker` and `OMPI_COMM_WORLD_RANK=rank`
-/// (or MPICH's `PMI_RANK=rank`).
+/// The pid of the `main_ppo` process whose environment holds `marker` and
+/// `OMPI_COMM_WORLD_RANK=rank` (or MPICH's `PMI_RANK=rank`). The rank's Python reward workers
+/// inherit both variables, and once pids wrap around (pid_max is 32768 here) a worker can be
+/// listed first: only the trainer's own process counts.
 fn rank_pid(marker: &str, rank: usize) -> Option<u32> {
     let want = [
         format!("OMPI_COMM_WORLD_RANK={rank}"),
@@ -479,6 +481,11 @@ fn rank_pid(marker: &str, rank: usize) -> Option<u32> {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
             continue;
         };
+        let is_trainer = std::fs::read_to_string(e.path().join("comm"))
+            .is_ok_and(|comm| comm.trim_end() == "main_ppo");
+        if !is_trainer {
+            continue;
+        }
         let Ok(env) = std::fs::read(e.path().join("environ")) else {
             continue;
         };
