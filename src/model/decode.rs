@@ -653,17 +653,21 @@ mod tests {
     use super::Mat;
     use crate::model::ops::Par;
 
+    /// Weights `[3, 70]`, `[130, 70]`, `[5, 70]`: out sizes that are not multiples of the
+    /// 64-row block or a tile (the ragged last block).
+    fn three_weights() -> (Tensor, Tensor, Tensor) {
+        let mk = |out: usize, k: f32| {
+            let v: Vec<f32> = (0..out * 70).map(|i| (i as f32 * k).sin()).collect();
+            Tensor::from_vec(v, (out, 70), &Device::Cpu).unwrap()
+        };
+        (mk(3, 0.7), mk(130, 1.3), mk(5, 0.11))
+    }
+
     /// Packing equals candle's concatenation of the transposed weights, on sizes that are not
     /// multiples of the 64-row block (the ragged last block).
     #[test]
     fn packed_columns_equals_the_concatenated_transposes() {
-        let dev = Device::Cpu;
-        let inp = 70;
-        let mk = |out: usize, k: f32| {
-            let v: Vec<f32> = (0..out * inp).map(|i| (i as f32 * k).sin()).collect();
-            Tensor::from_vec(v, (out, inp), &dev).unwrap()
-        };
-        let (a, b, c) = (mk(3, 0.7), mk(130, 1.3), mk(5, 0.11));
+        let (a, b, c) = three_weights();
         let got = super::packed_columns::<f32>(&[&a, &b, &c]).unwrap();
         let want: Vec<f32> = Tensor::cat(&[a.t().unwrap(), b.t().unwrap(), c.t().unwrap()], 1)
             .unwrap()
@@ -706,13 +710,8 @@ mod tests {
             eprintln!("skipped: no bf16 kernel on this machine");
             return;
         }
-        let dev = Device::Cpu;
-        let inp = 70;
-        let mk = |out: usize, k: f32| {
-            let v: Vec<f32> = (0..out * inp).map(|i| (i as f32 * k).sin()).collect();
-            Tensor::from_vec(v, (out, inp), &dev).unwrap()
-        };
-        let (a, b, c) = (mk(3, 0.7), mk(130, 1.3), mk(5, 0.11));
+        let (a, b, c) = three_weights();
+        let inp = a.dim(1).unwrap();
         for ws in [vec![&a, &b, &c], vec![&b]] {
             let n: usize = ws.iter().map(|w| w.dim(0).unwrap()).sum();
             let Mat::<f32>::Amx(direct) = Mat::<f32>::from_weights(&ws, true).unwrap() else {

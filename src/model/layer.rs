@@ -125,6 +125,25 @@ pub(super) enum Attn<'a, T> {
     Packed(&'a [(usize, usize)]),
 }
 
+/// Whether packed sequences `(first token, length)` are non-empty and laid end to end from
+/// token 0 over all `n` tokens; the broken rule otherwise.
+pub(super) fn check_segments(segs: &[(usize, usize)], n: usize) -> std::result::Result<(), String> {
+    let mut next = 0;
+    for (i, &(a, l)) in segs.iter().enumerate() {
+        if a != next || l == 0 {
+            return Err(format!(
+                "sequence {i} is ({a}, {l}); sequences must be non-empty and laid end to end \
+                 from token 0"
+            ));
+        }
+        next = a + l;
+    }
+    if next != n {
+        return Err(format!("the sequences cover {next} of {n} tokens"));
+    }
+    Ok(())
+}
+
 /// One attention block: `(first row, length, bias [length, length] or None for causal)`.
 type Block<'a, T> = (usize, usize, Option<&'a [T]>);
 
@@ -745,17 +764,7 @@ fn check<T>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> Result<()> {
         && cx.sin.len() == n * d.head_dim
         && match cx.attn {
             Attn::Bias(b) => b.len() == d.batch * d.seq * d.seq,
-            Attn::Packed(segs) => {
-                // In order, end to end, no empty sequence, covering every row.
-                let mut next = 0;
-                d.batch == 1
-                    && segs.iter().all(|&(a, l)| {
-                        let ok = a == next && l > 0;
-                        next = a + l;
-                        ok
-                    })
-                    && next == n
-            }
+            Attn::Packed(segs) => d.batch == 1 && check_segments(segs, n).is_ok(),
         };
     for (l, (o, i)) in w.lin.iter().zip(shapes) {
         ok &= l.w.len() == o * i && l.b.is_none_or(|b| b.len() == o);

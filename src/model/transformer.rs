@@ -608,18 +608,8 @@ impl CausalLm {
                 position_ids.dims()
             );
         }
-        let mut next = 0;
-        for (i, &(a, l)) in segments.iter().enumerate() {
-            if a != next || l == 0 {
-                candle_core::bail!(
-                    "packed forward: sequence {i} is ({a}, {l}); sequences must be non-empty and \
-                     laid end to end from token 0"
-                );
-            }
-            next = a + l;
-        }
-        if next != n {
-            candle_core::bail!("packed forward: the sequences cover {next} of {n} tokens");
+        if let Err(rule) = super::layer::check_segments(segments, n) {
+            candle_core::bail!("packed forward: {rule}");
         }
         let h = self.run(
             &input_ids.unsqueeze(0)?,
@@ -715,23 +705,40 @@ impl CausalLm {
             let cpu_train =
                 slot.is_none() && x.device().is_cpu() && (layer.trains() || x.track_op());
             let fused = !self.composed && super::recompute::fused_supported(&x);
+            // The composition reads a bias tensor: for packed sequences built once per
+            // forward, not per layer.
+            let mut bias = || -> Result<Tensor> {
+                if composed_bias.is_none() {
+                    composed_bias = Some(mask.bias(self.dtype, &self.device)?);
+                }
+                Ok(composed_bias.clone().expect("just set"))
+            };
             x = if cpu_train && (self.recompute || fused) {
                 // Training on the CPU: one op per layer (hand-written for f32/f64), recomputed
-                // in backward when gradient checkpointing is on.
-                let rope_mask = (&cos, &sin, &mask);
+                // in backward when gradient checkpointing is on; the composition inside it
+                // when not fused.
+                let m = if fused {
+                    mask.clone()
+                } else {
+                    Mask::Bias(bias()?)
+                };
                 let (rc, bf) = (self.recompute, self.bf16);
-                super::recompute::block(&self.args, layer, &x, rope_mask, rc, fused, bf)?
+                super::recompute::block(&self.args, layer, &x, (&cos, &sin, &m), rc, fused, bf)?
             } else if slot.is_none() && !cpu_train && fused {
                 // No graph wanted (rollout log-probs, reference): the hand-written layer.
                 let rope_mask = (&cos, &sin, &mask);
                 super::recompute::fused_forward(&self.args, layer, &x, rope_mask, self.bf16)?
             } else {
-                // The composition reads a bias tensor (for packed sequences built once).
-                if composed_bias.is_none() {
-                    composed_bias = Some(mask.bias(self.dtype, &self.device)?);
-                }
-                let bias = composed_bias.as_ref().expect("just set");
-                block_forward(&self.args, self.dtype, layer, &x, &cos, &sin, bias, slot)?
+                block_forward(
+                    &self.args,
+                    self.dtype,
+                    layer,
+                    &x,
+                    &cos,
+                    &sin,
+                    &bias()?,
+                    slot,
+                )?
             };
         }
         if let Some(st) = stages {

@@ -108,8 +108,7 @@ impl Actor {
                 cfg.loss_scale_factor,
                 plan.response_length,
             ),
-            pad_id: inputs.pad_id,
-            remove_padding: inputs.packed,
+            inputs,
             shard: (0, 1),
         };
         let args = loaded.model.args.clone();

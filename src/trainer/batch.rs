@@ -427,7 +427,13 @@ impl StepBatch {
 
     /// The forward-pass tensors of `rows` (see [`MicroInputs`]), padded or packed as `layout`
     /// says.
+    /// A row with an empty prompt is refused: no token would predict its first response token.
     pub fn inputs(&self, rows: &[usize], layout: Layout, device: &Device) -> Result<MicroInputs> {
+        if let Some(&row) = rows.iter().find(|&&r| self.prompts[r].is_empty()) {
+            return Err(candle_core::Error::Msg(format!(
+                "a prompt with no tokens reached the trainer (batch row {row})"
+            )));
+        }
         if layout.packed {
             return self.packed_inputs(rows, layout.pad_id, device);
         }
@@ -439,11 +445,6 @@ impl StepBatch {
             .max()
             .unwrap_or(0);
         let r = self.response_width(rows);
-        if p == 0 {
-            return Err(candle_core::Error::Msg(
-                "a prompt with no tokens reached the trainer".into(),
-            ));
-        }
         // The model reads prompt + response without its last token: position p − 1 + j
         // predicts response token j.
         let t = p + r - 1;
@@ -501,7 +502,7 @@ impl StepBatch {
 
     /// [`StepBatch::inputs`] packed: each row's prompt and response (without its last token)
     /// laid end to end, no padding; only the real response positions reach the LM head or
-    /// value head. `targets` and `response_mask` stay `[m, r]`.
+    /// value head. `targets` and `response_mask` stay `[m, r]`. Every prompt has a token.
     fn packed_inputs(&self, rows: &[usize], pad_id: u32, device: &Device) -> Result<MicroInputs> {
         let m = rows.len();
         let r = self.response_width(rows);
@@ -514,11 +515,6 @@ impl StepBatch {
         let mut rmask = Vec::with_capacity(m * r);
         for &row in rows {
             let (pr, rs) = (&self.prompts[row], &self.responses[row]);
-            if pr.is_empty() {
-                return Err(candle_core::Error::Msg(
-                    "a prompt with no tokens reached the trainer".into(),
-                ));
-            }
             let start = ids.len();
             // Token k of the sequence (prompt, then response but its last token) predicts
             // response token k − (prompt length − 1).
@@ -579,6 +575,14 @@ pub struct Layout {
 }
 
 impl Layout {
+    /// The layout `model` asks for (`use_remove_padding`), with padding id `pad_id`.
+    pub fn of(pad_id: u32, model: &crate::config::ModelConfig) -> Layout {
+        Layout {
+            pad_id,
+            packed: model.use_remove_padding,
+        }
+    }
+
     /// This layout as a model can run it: packed only where `packs` (the model's
     /// [`CausalLm::packs_without_padding`]), padded otherwise.
     pub fn given(self, packs: bool) -> Layout {
@@ -663,10 +667,9 @@ impl MicroInputs {
             Tokens::Packed { spread, .. } => {
                 let flat = values.flatten_all()?; // [k]
                 let zero = Tensor::zeros(1, flat.dtype(), flat.device())?;
-                let m = spread.dim(0)? / self.response_width.max(1);
-                Tensor::cat(&[&flat, &zero], 0)?
+                Tensor::cat(&[&flat, &zero], 0)? // [k + 1]: padding reads the zero
                     .index_select(spread, 0)?
-                    .reshape((m, self.response_width))
+                    .reshape(self.targets.shape())
             }
         }
     }
@@ -821,11 +824,21 @@ mod tests {
             padded.response_mask.to_vec2::<f32>().unwrap()
         );
         assert_eq!(mi.response_width, padded.response_width);
-        // An empty prompt is refused in both layouts.
-        let empty = StepBatch::new(vec![vec![]], vec![vec![5]], vec![0], vec![0], vec![false]);
+        // An empty prompt is refused in both layouts, also beside a non-empty one (padded, it
+        // would otherwise read a padding position as its last prompt token).
+        let empty = StepBatch::new(
+            vec![vec![1], vec![]],
+            vec![vec![5], vec![6]],
+            vec![0, 1],
+            vec![0, 0],
+            vec![false, false],
+        );
         for l in [PADDED, packed] {
-            let e = empty.inputs(&[0], l, &Device::Cpu).err().unwrap();
-            assert!(e.to_string().contains("no tokens"), "{e}");
+            for rows in [&[1usize][..], &[0, 1]] {
+                let e = empty.inputs(rows, l, &Device::Cpu).err().unwrap();
+                assert!(e.to_string().contains("no tokens"), "{e}");
+                assert!(e.to_string().contains("batch row 1"), "{e}");
+            }
         }
     }
 

@@ -91,8 +91,7 @@ impl Critic {
                 cfg.loss_scale_factor,
                 plan.response_length,
             ),
-            pad_id: inputs.pad_id,
-            remove_padding: inputs.packed,
+            inputs,
             shard: (0, 1),
         };
         let args = backbone.args.clone();

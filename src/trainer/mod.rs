@@ -188,10 +188,7 @@ impl Trainer {
             &cfg.actor_rollout_ref.actor,
             &plan,
             total_steps,
-            Layout {
-                pad_id: pad,
-                packed: cfg.actor_rollout_ref.model.use_remove_padding,
-            },
+            Layout::of(pad, &cfg.actor_rollout_ref.model),
             actor_lora,
         );
         actor.set_rollout_precision(cfg.actor_rollout_ref.rollout.dtype);
@@ -215,10 +212,7 @@ impl Trainer {
                 &cfg.critic,
                 &plan,
                 total_steps,
-                Layout {
-                    pad_id: pad,
-                    packed: cfg.critic.model.use_remove_padding,
-                },
+                Layout::of(pad, &cfg.critic.model),
                 critic_lora,
             )?)
         } else {

@@ -368,10 +368,7 @@ pub fn reference(
     device: &Device,
     pad: u32,
 ) -> Result<Option<Reference>> {
-    let inputs = Layout {
-        pad_id: pad,
-        packed: cfg.actor_rollout_ref.model.use_remove_padding,
-    };
+    let inputs = Layout::of(pad, &cfg.actor_rollout_ref.model);
     let mut r = match (plan.need_reference, plan.ref_log_prob_micro) {
         (true, Some(micro)) if actor.trainable.lora.is_some() => {
             Some(Reference::from_base(actor, micro, inputs))

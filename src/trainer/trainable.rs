@@ -120,9 +120,9 @@ pub struct UpdateSettings {
     pub seed: u64,
     /// Divisor of seq-mean-token-sum-norm (`loss_scale_factor`, else the response length).
     pub loss_scale_factor: Option<f64>,
-    pub pad_id: u32,
-    /// Sequences packed end to end where the model supports it (`model.use_remove_padding`).
-    pub remove_padding: bool,
+    /// Padding id, and sequences packed end to end where the model supports it
+    /// (`model.use_remove_padding`).
+    pub inputs: Layout,
     /// (rank, world size): which micro-batches of each mini-batch this process computes.
     pub shard: (usize, usize),
 }
@@ -130,11 +130,7 @@ pub struct UpdateSettings {
 impl UpdateSettings {
     /// How micro-batches reach `model`: packed when asked for and supported.
     pub fn layout<N: Network>(&self, model: &N) -> Layout {
-        Layout {
-            pad_id: self.pad_id,
-            packed: self.remove_padding,
-        }
-        .given(model.packs_without_padding())
+        self.inputs.given(model.packs_without_padding())
     }
 
     /// The divisor of seq-mean-token-sum-norm for an update with `plan`: verl's default workers

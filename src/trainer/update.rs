@@ -476,14 +476,19 @@ mod tests {
         }
     }
 
+    /// Micro-batches padded to their longest prompt and response.
+    const PADDED: crate::trainer::batch::Layout = crate::trainer::batch::Layout {
+        pad_id: 0,
+        packed: false,
+    };
+
     fn settings(plan: UpdatePlan) -> UpdateSettings {
         UpdateSettings {
             prefix: "actor",
             plan,
             seed: 0,
             loss_scale_factor: Some(5.0),
-            pad_id: 0,
-            remove_padding: false,
+            inputs: PADDED,
             shard: (0, 1),
         }
     }
@@ -528,11 +533,7 @@ mod tests {
     fn per_row(m: &CausalLm, vars: &[(String, Var)], b: &StepBatch) -> Vec<(f64, Vec<Vec<f64>>)> {
         (0..b.len())
             .map(|r| {
-                let padded = crate::trainer::batch::Layout {
-                    pad_id: 0,
-                    packed: false,
-                };
-                let mi = b.inputs(&[r], padded, &Device::Cpu).unwrap();
+                let mi = b.inputs(&[r], PADDED, &Device::Cpu).unwrap();
                 let (lp, _) = response_logprobs(m, &mi, 1.0, false).unwrap();
                 let mask = mi.response_mask.to_dtype(lp.dtype()).unwrap();
                 let s = (lp.neg().unwrap() * mask).unwrap().sum_all().unwrap();

@@ -17,7 +17,7 @@ use candle_core::{DType, Var};
 use main_ppo::config::{LossAggMode, MicroBatching, OptimConfig, UpdatePlan};
 use main_ppo::dist::Comm;
 use main_ppo::model::{Arch, CausalLm, ModelArgs};
-use main_ppo::trainer::batch::{MicroInputs, StepBatch};
+use main_ppo::trainer::batch::{Layout, MicroInputs, StepBatch};
 use main_ppo::trainer::trainable::{Trainable, UpdateSettings};
 use main_ppo::trainer::update::{
     all_reduce_grads, mini_batch_grads, mini_batch_norm, MicroCtx, MicroLoss, UpdateScalars,
@@ -102,9 +102,11 @@ fn settings(global_norm: bool, shard: (usize, usize)) -> UpdateSettings {
         plan: plan(global_norm),
         seed: 0,
         loss_scale_factor: None,
-        pad_id: 0,
         // verl's default layout: the ranks' packed micro-batches sum to one process's.
-        remove_padding: true,
+        inputs: Layout {
+            pad_id: 0,
+            packed: true,
+        },
         shard,
     }
 }
