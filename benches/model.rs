@@ -39,7 +39,7 @@ fn main() {
     }
     // As the binary does (MAIN_PPO_GLIBC_MALLOC=1 keeps glibc's defaults, to measure the difference).
     if std::env::var_os("MAIN_PPO_GLIBC_MALLOC").is_none() {
-        main_ppo::model::alloc::keep_freed_memory();
+        main_ppo::cli::alloc::keep_freed_memory();
     }
     let only: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let spec = std::env::var("MAIN_PPO_BENCH_DEVICE").unwrap_or_else(|_| "cpu".into());
@@ -53,8 +53,8 @@ fn main() {
     let sync = |d: &Device| d.synchronize().unwrap();
     println!("device: {dev:?}");
     let (loaded, content) =
-        main_ppo::model::gguf::load(std::path::Path::new(&path), DType::F32, &dev, true).unwrap();
-    let tok = main_ppo::model::gguf::tokenizer(&content, std::path::Path::new(&path)).unwrap();
+        main_ppo::weights::gguf::load(std::path::Path::new(&path), DType::F32, &dev, true).unwrap();
+    let tok = main_ppo::weights::gguf::tokenizer(&content, std::path::Path::new(&path)).unwrap();
     let prompt = tok.encode("<|im_start|>user\nNatalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?<|im_end|>\n<|im_start|>assistant\n").unwrap();
     println!(
         "model loaded, peak RSS {:.0} MiB; prompt {} tokens",

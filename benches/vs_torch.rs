@@ -102,7 +102,7 @@ fn emit(v: Value) {
 
 fn main() {
     // As the binary does at start-up.
-    main_ppo::model::alloc::keep_freed_memory();
+    main_ppo::cli::alloc::keep_freed_memory();
     if let Err(e) = run() {
         eprintln!("vs_torch: {e}");
         std::process::exit(1);
@@ -128,8 +128,8 @@ fn run() -> Result<(), BoxError> {
     }
     let threads = candle_core::utils::get_num_threads();
     let t_load = Instant::now();
-    let (loaded, content) = main_ppo::model::gguf::load(&path, DType::F32, &Device::Cpu, true)?;
-    let tok = main_ppo::model::gguf::tokenizer(&content, &path)?;
+    let (loaded, content) = main_ppo::weights::gguf::load(&path, DType::F32, &Device::Cpu, true)?;
+    let tok = main_ppo::weights::gguf::tokenizer(&content, &path)?;
     drop(content);
     let load_s = t_load.elapsed().as_secs_f64();
     let prompt = tok.encode(&prompt_text(&a)?)?;
@@ -145,15 +145,24 @@ fn run() -> Result<(), BoxError> {
             // Training's default (verl's enable_gradient_checkpointing=true); `--checkpointing 0`
             // keeps every activation instead.
             let mut model = loaded.model;
-            model.set_gradient_checkpointing(a.usize("checkpointing", 1)? != 0);
-            model.set_composed_layers(a.usize("composed", 0)? != 0);
+            model.set_exec(main_ppo::model::Exec {
+                recompute: a.usize("checkpointing", 1)? != 0,
+                composed: a.usize("composed", 0)? != 0,
+                ..model.exec()
+            });
             // `--bf16 1`: verl's mixed precision (bf16 products, f32 sums; AMX CPUs).
-            model.set_bf16_matmuls(a.usize("bf16", 0)? != 0);
+            model.set_exec(main_ppo::model::Exec {
+                bf16: a.usize("bf16", 0)? != 0,
+                ..model.exec()
+            });
             fwdbwd(&a, &model)?
         }
         "gen" => {
             let mut model = loaded.model;
-            model.set_bf16_matmuls(a.usize("bf16", 0)? != 0);
+            model.set_exec(main_ppo::model::Exec {
+                bf16: a.usize("bf16", 0)? != 0,
+                ..model.exec()
+            });
             gen(&a, &model, &prompt, &tok.eos_token_ids)?
         }
         "adamw" => adamw(&a, &loaded.varmap)?,

@@ -65,18 +65,23 @@ fn main() -> Result<()> {
     let a = parse()?;
     let dev = Device::Cpu;
     let overrides = serde_json::Map::new();
-    let (mut loaded, _tok) =
-        main_ppo::model::load_model_and_tokenizer(&a.model, None, &overrides, a.dtype, &dev, true)
-            .with_context(|| format!("--model {}", a.model))?;
+    let (mut loaded, _tok) = main_ppo::weights::load_model_and_tokenizer(
+        &a.model, None, &overrides, a.dtype, &dev, true,
+    )
+    .with_context(|| format!("--model {}", a.model))?;
     let adapters = candle_nn::VarMap::new();
     if let Some(dir) = &a.adapter {
         let ctx = || format!("--adapter {}", dir.display());
-        let file = main_ppo::model::lora::read_adapter(dir).with_context(ctx)?;
-        main_ppo::model::lora::attach(&mut loaded.model, &file.spec, &adapters, 0, "--adapter")
+        let file = main_ppo::weights::peft::read_adapter(dir).with_context(ctx)?;
+        main_ppo::weights::peft::attach(&mut loaded.model, &file.spec, &adapters, 0, "--adapter")
             .with_context(ctx)?;
-        main_ppo::model::lora::assign_adapter(&adapters, &file.tensors, dir).with_context(ctx)?;
+        main_ppo::weights::peft::assign_adapter(&adapters, &file.tensors, dir).with_context(ctx)?;
     }
-    loaded.model.set_composed_layers(a.composed);
+    let exec = main_ppo::model::Exec {
+        composed: a.composed,
+        ..loaded.model.exec()
+    };
+    loaded.model.set_exec(exec);
     let model = if a.merged {
         loaded.model.merged()?
     } else {

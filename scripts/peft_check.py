@@ -10,7 +10,7 @@ check: on an HF copy of SmolLM2,
      `lora_adapter_path` must give the same greedy text and log-probabilities.
 make-fixture DIR: a tiny Llama base and a PEFT adapter for it (random A and B, rsLoRA, a list of
   targets and an exclusion), with PEFT's logits on fixed input ids: the Rust test
-  `model::lora::tests::reads_a_peft_adapter_fixture` reads it.
+  `weights::peft::tests::reads_a_peft_adapter_fixture` reads it.
 """
 import argparse
 import json

@@ -158,5 +158,5 @@ pub fn tiny_reward_model_dir(dir: &Path, seed_stdev: f32) {
         }
     }
     write_tokenizer_dir(dir).expect("tokenizer files");
-    crate::model::hf::save_dir(&varmap, &args, dir, &[258], Some(dir), None).expect("save");
+    crate::weights::hf::save_dir(&varmap, &args, dir, &[258], Some(dir), None).expect("save");
 }

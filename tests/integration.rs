@@ -553,7 +553,7 @@ fn smollm2_gguf_tokenizer_round_trips_gsm8k_prompts() {
         let c = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
         (f, c)
     };
-    let bundle = main_ppo::model::gguf::tokenizer(&content, &path).unwrap();
+    let bundle = main_ppo::weights::gguf::tokenizer(&content, &path).unwrap();
     let rows = main_ppo::data::read_rows(&data_dir().join("test.parquet")).unwrap();
     let template = bundle.template(None).unwrap();
     for row in rows.iter().take(200) {
@@ -587,14 +587,14 @@ fn smollm2_gguf_tokenizer_round_trips_gsm8k_prompts() {
 #[test]
 fn smollm2_greedy_answer_is_the_recorded_one() {
     let Some(path) = smollm2() else { return };
-    let (loaded, content) = main_ppo::model::gguf::load(
+    let (loaded, content) = main_ppo::weights::gguf::load(
         &path,
         candle_core::DType::F32,
         &candle_core::Device::Cpu,
         true,
     )
     .unwrap();
-    let bundle = main_ppo::model::gguf::tokenizer(&content, &path).unwrap();
+    let bundle = main_ppo::weights::gguf::tokenizer(&content, &path).unwrap();
     let rows = main_ppo::data::read_rows(&data_dir().join("test.parquet")).unwrap();
     let text = bundle
         .template(None)
@@ -635,7 +635,7 @@ fn smollm2_greedy_answer_is_the_recorded_one() {
 #[test]
 fn smollm2_gguf_and_a_transformers_5_hf_dir_generate_alike() {
     let Some(path) = smollm2() else { return };
-    let (gguf, content) = main_ppo::model::gguf::load(
+    let (gguf, content) = main_ppo::weights::gguf::load(
         &path,
         candle_core::DType::F32,
         &candle_core::Device::Cpu,
@@ -643,11 +643,11 @@ fn smollm2_gguf_and_a_transformers_5_hf_dir_generate_alike() {
     )
     .unwrap();
     assert_eq!(gguf.model.args.rope_theta, 100_000.0);
-    let bundle = main_ppo::model::gguf::tokenizer(&content, &path).unwrap();
+    let bundle = main_ppo::weights::gguf::tokenizer(&content, &path).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let (tok_dir, hf_dir) = (tmp.path().join("tok"), tmp.path().join("hf"));
     bundle.save(&tok_dir).unwrap();
-    main_ppo::model::hf::save_dir(
+    main_ppo::weights::hf::save_dir(
         &gguf.varmap,
         &gguf.model.args,
         &hf_dir,
@@ -667,7 +667,7 @@ fn smollm2_gguf_and_a_transformers_5_hf_dir_generate_alike() {
         serde_json::json!({"rope_theta": 100000.0, "rope_type": "default"}),
     );
     std::fs::write(&cfg_path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
-    let hf = main_ppo::model::hf::load_dir(
+    let hf = main_ppo::weights::hf::load_dir(
         &hf_dir,
         &Default::default(),
         candle_core::DType::F32,
@@ -1304,7 +1304,7 @@ fn budgets_beyond_any_or_the_models_context_are_refused() {
         )
         .unwrap();
         write_tokenizer_dir(&tiny).unwrap();
-        main_ppo::model::hf::save_dir(&vm, &margs, &tiny, &[258], Some(&tiny), None).unwrap();
+        main_ppo::weights::hf::save_dir(&vm, &margs, &tiny, &[258], Some(&tiny), None).unwrap();
     }
     let mut args = tiny_run(dir.path(), 1, &[]);
     for a in args.iter_mut() {
@@ -1346,7 +1346,7 @@ fn tiny_model_with_context(dir: &Path, positions: usize) {
     )
     .unwrap();
     write_tokenizer_dir(dir).unwrap();
-    main_ppo::model::hf::save_dir(&vm, &args, dir, &[258], Some(dir), None).unwrap();
+    main_ppo::weights::hf::save_dir(&vm, &args, dir, &[258], Some(dir), None).unwrap();
 }
 
 /// #17 item 3, "data.filter_overlong_prompts honours the model's context": with a model of 512
@@ -1448,7 +1448,7 @@ fn filter_overlong_prompts_keeps_every_sequence_within_the_models_context() {
 #[test]
 fn smollm2_packed_decoding_matches_the_composition_on_24_prompts() {
     let Some(path) = smollm2() else { return };
-    let (loaded, content) = main_ppo::model::gguf::load(
+    let (loaded, content) = main_ppo::weights::gguf::load(
         &path,
         candle_core::DType::F32,
         &candle_core::Device::Cpu,
@@ -1456,7 +1456,7 @@ fn smollm2_packed_decoding_matches_the_composition_on_24_prompts() {
     )
     .unwrap();
     let mut model = loaded.model;
-    let bundle = main_ppo::model::gguf::tokenizer(&content, &path).unwrap();
+    let bundle = main_ppo::weights::gguf::tokenizer(&content, &path).unwrap();
     let rows = main_ppo::data::read_rows(&data_dir().join("test.parquet")).unwrap();
     let template = bundle.template(None).unwrap();
     let prompts: Vec<Vec<u32>> = rows[..24]
@@ -1482,7 +1482,10 @@ fn smollm2_packed_decoding_matches_the_composition_on_24_prompts() {
     let mut sampler = main_ppo::rollout::Sampler::new(0);
     let packed = main_ppo::rollout::generate_all(&model, &refs, &p, &mut sampler, None).unwrap();
     // The composition: all rows in one left-padded batch.
-    model.set_composed_layers(true);
+    model.set_exec(main_ppo::model::Exec {
+        composed: true,
+        ..model.exec()
+    });
     let width = prompts.iter().map(Vec::len).max().unwrap();
     let (mut flat, mut mask) = (Vec::new(), Vec::new());
     for ids in &prompts {

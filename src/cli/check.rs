@@ -59,8 +59,8 @@ impl DataSummary {
         let bundle = if is_gguf {
             // Only the metadata is read, not the weights.
             // (through the same header checks as loading, so a damaged file is an error).
-            let (_, content) = crate::model::gguf::open(&tok_dir)?;
-            crate::model::gguf::tokenizer(&content, &tok_dir)?
+            let (_, content) = crate::weights::gguf::open(&tok_dir)?;
+            crate::weights::gguf::tokenizer(&content, &tok_dir)?
         } else {
             TokenizerBundle::from_dir(&tok_dir)?
         };

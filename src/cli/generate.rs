@@ -57,9 +57,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     };
     let (mut model, tok) = setup::load_policy_as(cfg, &device, dtype)?;
     // verl's main_generation runs the rollout engine: `rollout.dtype` sets the products.
-    model
-        .model
-        .set_bf16_matmuls(cfg.actor_rollout_ref.rollout.dtype.is_bf16());
+    model.model.set_exec(setup::exec(cfg, setup::Role::Rollout));
     crate::config::data::check_model_context(
         prompt_len,
         response_len,
@@ -71,17 +69,17 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     // packed decode path folds the adapters into the weights once.
     if let Some(p) = &model_cfg.lora_adapter_path {
         let path = PathBuf::from(crate::util::expand_home(p));
-        let file = crate::model::lora::read_adapter(&path)
+        let file = crate::weights::peft::read_adapter(&path)
             .with_context(|| format!("actor_rollout_ref.model.lora_adapter_path={p}"))?;
         let adapters = candle_nn::VarMap::new();
-        crate::model::lora::attach(
+        crate::weights::peft::attach(
             &mut model.model,
             &file.spec,
             &adapters,
             0,
             "actor_rollout_ref.model.lora_adapter_path",
         )?;
-        crate::model::lora::assign_adapter(&adapters, &file.tensors, &path)
+        crate::weights::peft::assign_adapter(&adapters, &file.tensors, &path)
             .with_context(|| format!("actor_rollout_ref.model.lora_adapter_path={p}"))?;
         tracing::info!("LoRA adapter {p}: rank {}", file.spec.rank);
     }

@@ -106,7 +106,7 @@ pub fn model_context(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
         ));
     }
     for (key, path, overrides) in models {
-        match crate::model::read_args(path, overrides) {
+        match crate::weights::read_args(path, overrides) {
             Ok(Some(args)) => crate::config::data::check_model_context(
                 plan.prompt_length,
                 plan.response_length,

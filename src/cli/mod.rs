@@ -3,6 +3,7 @@
 //! (`config check`, ...). A first argument without `=` may be a subcommand, so plain overrides
 //! still mean "train".
 
+pub mod alloc;
 mod check;
 mod generate;
 mod guard;
@@ -204,7 +205,7 @@ pub fn main_with<A: Into<OsString>>(
     logging::init();
     // MAIN_PPO_GLIBC_MALLOC=1 keeps glibc's defaults (to measure what the settings save).
     if std::env::var_os("MAIN_PPO_GLIBC_MALLOC").is_none() {
-        crate::model::alloc::keep_freed_memory();
+        crate::cli::alloc::keep_freed_memory();
     }
     match run(cli, &natives) {
         Ok(true) => 0,

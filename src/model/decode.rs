@@ -14,81 +14,37 @@
 //!
 //! f32 and f64 models on the CPU take this path; others use the tensor composition.
 
-use candle_core::{DType, Device, Result, Tensor, WithDType};
+use candle_core::{DType, Result, Tensor, WithDType};
 use rayon::prelude::*;
 
 use super::config::ModelArgs;
-use super::simd::vectorized;
 use super::transformer::CausalLm;
+use crate::kernels::bf16::{self, PackedB};
+use crate::kernels::elem::{dot_tree, max, sum, Bf16, Elem, KvElem};
+use crate::kernels::gemm::gemm_strided;
+use crate::kernels::simd::{vectorized, Par};
 
-/// Element types of the fast path.
-pub trait Elem: WithDType + num_traits::Float + Send + Sync + 'static {
-    /// The slice as f32 when the element type is f32 (bf16 products apply to f32 models only).
-    fn f32s(_: &[Self]) -> Option<&[f32]> {
-        None
-    }
-    fn f32s_mut(_: &mut [Self]) -> Option<&mut [f32]> {
-        None
-    }
-    /// `e^self`: libm's for f64; for f32 a polynomial the compiler can vectorize
-    /// ([`exp_f32`]), for the softmax and log-softmax loops.
-    #[inline(always)]
-    fn exp_fast(self) -> Self {
-        self.exp()
-    }
-}
-impl Elem for f32 {
-    #[inline(always)]
-    fn exp_fast(self) -> f32 {
-        exp_f32(self)
-    }
-    fn f32s(s: &[f32]) -> Option<&[f32]> {
-        Some(s)
-    }
-    fn f32s_mut(s: &mut [f32]) -> Option<&mut [f32]> {
-        Some(s)
-    }
-}
-impl Elem for f64 {}
-
-/// `e^x` in f32 without a libm call, so that loops over slices vectorize: `x = n·ln 2 + r` with
-/// `n = round(x·log₂e)`, `|r| ≤ ln 2 / 2` (ln 2 split in two constants so that `n·ln 2` is exact
-/// enough), `e^r` by Cephes' degree-7 polynomial (relative error ≤ 2 ulp), times `2ⁿ` built in
-/// the exponent bits. Below −87 (where f32 results turn subnormal) it returns 0, above 88.72
-/// infinity; NaN stays NaN.
-#[inline(always)]
-pub fn exp_f32(x: f32) -> f32 {
-    let xc = x.clamp(-87.0, 88.72);
-    // Round to nearest by adding and subtracting 1.5·2²³ (no libm floor, which would stop
-    // vectorization on the baseline target); |x·log₂e| < 2²² keeps it exact.
-    const MAGIC: f32 = 12_582_912.0;
-    let n = (xc * std::f32::consts::LOG2_E + MAGIC) - MAGIC;
-    let r = xc - n * 0.693_359_4 + n * 2.121_944_4e-4;
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
-        + 1.666_666_5e-1)
-        * r
-        + 0.5;
-    let y = p * r * r + r + 1.0;
-    // 2ⁿ in two halves: n reaches 128 at the top of the range, beyond one exponent field.
-    let ni = n as i32;
-    let h = ni >> 1;
-    let s1 = f32::from_bits(((h + 127) as u32) << 23);
-    let s2 = f32::from_bits(((ni - h + 127) as u32) << 23);
-    let v = y * s1 * s2;
-    if x.is_nan() {
-        x
-    } else if x < -87.0 {
-        0.0
-    } else if x > 88.72 {
-        f32::INFINITY
-    } else {
-        v
-    }
+/// What runs on a packed model: [`with_packed`] picks the element types and hands over the
+/// model's weights packed for them, so callers (the scheduler) name no element type.
+pub trait Decoder {
+    type Out;
+    /// Runs with `packed` (weights in `T`) and caches of `C` elements.
+    fn run<T: Elem, C: KvElem<T>>(self, packed: Packed<T>) -> Result<Self::Out>;
 }
 
-/// Whether `model` can decode through [`Packed`] (CPU, f32 or f64).
-pub fn supported(model: &CausalLm) -> bool {
-    matches!(model.device(), Device::Cpu) && matches!(model.dtype(), DType::F32 | DType::F64)
+/// Runs `d` on `model` packed for decoding, `None` when this path does not serve the model
+/// (not the CPU, or not f32/f64: the caller uses the tensor composition). The types: f64
+/// models decode in f64; f32 models in f32, with bf16 products ([`CausalLm::bf16_matmuls`])
+/// keeping keys and values in bf16 too (half the bytes read per step, as vLLM's bf16 cache).
+pub fn with_packed<D: Decoder>(model: &CausalLm, d: D) -> Option<Result<D::Out>> {
+    if !crate::kernels::supported(model.device(), model.dtype()) {
+        return None;
+    }
+    Some(match model.dtype() {
+        DType::F64 => Packed::<f64>::new(model).and_then(|p| d.run::<f64, f64>(p)),
+        _ if model.bf16_matmuls() => Packed::<f32>::new(model).and_then(|p| d.run::<f32, Bf16>(p)),
+        _ => Packed::<f32>::new(model).and_then(|p| d.run::<f32, f32>(p)),
+    })
 }
 
 struct Layer<T> {
@@ -110,7 +66,7 @@ struct Layer<T> {
 /// packed once into bf16 tiles (AMX or AVX512-BF16) (f32 models with [`CausalLm::bf16_matmuls`]).
 enum Mat<T> {
     Plain(Vec<T>),
-    Amx(super::bf16::PackedB),
+    Amx(PackedB),
 }
 
 impl<T: Elem> Mat<T> {
@@ -128,7 +84,7 @@ impl<T: Elem> Mat<T> {
                 ws.iter().map(|w| w.dim(0)).sum::<Result<usize>>()?,
                 ws[0].dim(1)?,
             );
-            let packed = super::bf16::PackedB::new(&stacked, 1, k, k, n, super::ops::Par::Rayon);
+            let packed = PackedB::new(&stacked, 1, k, k, n, Par::Rayon);
             return Ok(Mat::Amx(packed));
         }
         Ok(Mat::Plain(packed_columns(ws)?))
@@ -143,7 +99,7 @@ impl<T: Elem> Mat<T> {
                 let (Some(a32), Some(d32)) = (a32, d32) else {
                     unreachable!("bf16 packs are built for f32 models only")
                 };
-                super::bf16::gemm_packed(d32, m, a32, k, 1, p, acc, super::ops::Par::Rayon);
+                bf16::gemm_packed(d32, m, a32, k, 1, p, acc, Par::Rayon);
             }
         }
     }
@@ -159,40 +115,6 @@ pub struct Packed<T> {
     /// `[hidden, vocab]`.
     out: Mat<T>,
     inv_freq: Vec<f64>,
-}
-
-/// How the decode cache holds keys and values of a `T` model: as `T`, or as bf16 bits
-/// ([`Bf16`], for f32 models with bf16 products: half the bytes read per decode step, as vLLM's
-/// bf16 cache).
-pub trait KvElem<T>: Copy + Send + Sync + 'static {
-    fn store(x: T) -> Self;
-    fn load(self) -> T;
-}
-
-impl<T: Elem> KvElem<T> for T {
-    #[inline(always)]
-    fn store(x: T) -> T {
-        x
-    }
-    #[inline(always)]
-    fn load(self) -> T {
-        self
-    }
-}
-
-/// A bf16 value (its bits), rounded to nearest even from f32.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Bf16(pub u16);
-
-impl KvElem<f32> for Bf16 {
-    #[inline(always)]
-    fn store(x: f32) -> Bf16 {
-        Bf16(super::bf16::bf16_bits(x))
-    }
-    #[inline(always)]
-    fn load(self) -> f32 {
-        f32::from_bits((self.0 as u32) << 16)
-    }
 }
 
 /// Keys and values of one sequence, per layer `[positions, kv_heads, head_dim]` row-major, so a
@@ -287,7 +209,7 @@ fn flat<T: Elem>(w: &Tensor) -> Result<Vec<T>> {
 
 /// `dst[m, n] (+)= a[m, k] · b[k, n]`, all row-major and contiguous; `acc` adds to `dst`.
 fn matmul<T: Elem>(dst: &mut [T], a: &[T], b: &[T], m: usize, k: usize, n: usize, acc: bool) {
-    super::ops::gemm_strided(dst, m, n, k, a, k, 1, b, n, 1, acc, super::ops::Par::Rayon);
+    gemm_strided(dst, m, n, k, a, k, 1, b, n, 1, acc, Par::Rayon);
 }
 
 /// One sequence's cached keys and values: position `j`'s `[kv_heads, head_dim]` row at
@@ -346,86 +268,6 @@ fn attend_body<T: Elem, C: KvElem<T>>(q: &[T], kv: &Kv<C>, hd: usize, scale: T, 
             oh.iter_mut().zip(vh).for_each(|(o, &vv)| *o += p * vv);
         }
     }
-}
-
-/// `Σ a_i·b_i` in 16 lane sums combined pairwise (8 + 8, 4 + 4, ...): for the head-sized dot
-/// products of decode attention, where [`dot`]'s sequential combination of the 16 lanes cost
-/// more than the products.
-#[inline(always)]
-fn dot_tree<T: Elem>(a: &[T], b: &[T]) -> T {
-    let (mut acc, tail) = lane_sums(a, b);
-    let mut width = 8;
-    while width > 0 {
-        let (lo, hi) = acc.split_at_mut(width);
-        for (x, &y) in lo.iter_mut().zip(hi.iter()) {
-            *x += y;
-        }
-        width /= 2;
-    }
-    acc[0] + tail
-}
-
-/// `Σ a_i·b_i` in 16 interleaved partial sums (so the compiler keeps them in vector lanes;
-/// a single running sum is one long dependency chain).
-#[inline(always)]
-pub(super) fn dot<T: Elem>(a: &[T], b: &[T]) -> T {
-    dot_kv(a, b)
-}
-
-/// [`dot`] of a query and a cached key (any [`KvElem`], the model's type included).
-#[inline(always)]
-fn dot_kv<T: Elem, C: KvElem<T>>(a: &[T], b: &[C]) -> T {
-    let (acc, tail) = lane_sums(a, b);
-    acc.iter().fold(T::zero(), |s, &v| s + v) + tail
-}
-
-/// The products `a_i·b_i` of the first `16·⌊n/16⌋` pairs summed into 16 interleaved lanes
-/// (lane `k` takes `i ≡ k mod 16`), and the rest summed in order: the shared part of the dot
-/// products, which differ in how they combine the lanes.
-#[inline(always)]
-fn lane_sums<T: Elem, C: KvElem<T>>(a: &[T], b: &[C]) -> ([T; 16], T) {
-    let mut acc = [T::zero(); 16];
-    let n = a.len().min(b.len()) / 16 * 16;
-    for (ca, cb) in a[..n].chunks_exact(16).zip(b[..n].chunks_exact(16)) {
-        for ((s, &u), &v) in acc.iter_mut().zip(ca).zip(cb) {
-            *s += u * v.load();
-        }
-    }
-    let tail = a[n..]
-        .iter()
-        .zip(&b[n..])
-        .fold(T::zero(), |s, (&u, &v)| s + u * v.load());
-    (acc, tail)
-}
-
-/// `Σ a_i` in 16 interleaved partial sums (as [`dot`]).
-#[inline(always)]
-pub(super) fn sum<T: Elem>(a: &[T]) -> T {
-    let mut acc = [T::zero(); 16];
-    let n = a.len() / 16 * 16;
-    for c in a[..n].chunks_exact(16) {
-        for (s, &v) in acc.iter_mut().zip(c) {
-            *s += v;
-        }
-    }
-    let tail = a[n..].iter().fold(T::zero(), |s, &v| s + v);
-    acc.iter().fold(T::zero(), |s, &v| s + v) + tail
-}
-
-/// `max_i a_i` (−∞ for none) in 16 interleaved lanes; a NaN anywhere may or may not win.
-#[inline(always)]
-pub(super) fn max<T: Elem>(a: &[T]) -> T {
-    let mut acc = [T::neg_infinity(); 16];
-    let n = a.len() / 16 * 16;
-    for c in a[..n].chunks_exact(16) {
-        for (s, &v) in acc.iter_mut().zip(c) {
-            *s = if v > *s { v } else { *s };
-        }
-    }
-    let m = a[n..]
-        .iter()
-        .fold(T::neg_infinity(), |s, &v| if v > s { v } else { s });
-    acc.iter().fold(m, |s, &v| if v > s { v } else { s })
 }
 
 /// `out[r] = x[r] · rsqrt(mean(x[r]²) + eps) · w` for each row of width `w.len()`.
@@ -651,7 +493,7 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     use super::Mat;
-    use crate::model::ops::Par;
+    use crate::kernels::simd::Par;
 
     /// Weights `[3, 70]`, `[130, 70]`, `[5, 70]`: out sizes that are not multiples of the
     /// 64-row block or a tile (the ragged last block).
@@ -681,32 +523,12 @@ mod tests {
         assert_eq!(one, want);
     }
 
-    /// The pairwise-combined dot product against f64 sums, for lengths with and without a
-    /// tail past the 16 lanes.
-    #[test]
-    fn tree_dot_products_match_f64_sums() {
-        for n in [0usize, 1, 15, 16, 17, 64, 100] {
-            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.7).sin()).collect();
-            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 1.3).cos()).collect();
-            let want: f64 = a
-                .iter()
-                .zip(&b)
-                .map(|(&x, &y)| f64::from(x) * f64::from(y))
-                .sum();
-            let got = f64::from(super::dot_tree(&a, &b));
-            assert!(
-                (got - want).abs() <= 1e-6 * (1.0 + want.abs()),
-                "{n}: {got} vs {want}"
-            );
-        }
-    }
-
     /// The bf16 tiles packed straight from stacked `[out, in]` weights multiply exactly as the
     /// tiles of the transposed, concatenated `[in, out]` matrix (the pack they replace): the
     /// same products, bit for bit, on sizes that are not multiples of a tile.
     #[test]
     fn bf16_tiles_from_the_weights_equal_the_tiles_of_the_transpose() {
-        if !crate::model::bf16::available() {
+        if !crate::kernels::bf16::available() {
             eprintln!("skipped: no bf16 kernel on this machine");
             return;
         }
@@ -718,12 +540,12 @@ mod tests {
                 panic!("bf16 asked for");
             };
             let t = super::packed_columns::<f32>(&ws).unwrap(); // [in, n]
-            let via_t = crate::model::bf16::PackedB::new(&t, n, 1, inp, n, Par::Rayon);
+            let via_t = crate::kernels::bf16::PackedB::new(&t, n, 1, inp, n, Par::Rayon);
             let m = 9;
             let x: Vec<f32> = (0..m * inp).map(|i| (i as f32 * 0.37).cos()).collect();
             let (mut y1, mut y2) = (vec![0f32; m * n], vec![0f32; m * n]);
-            crate::model::bf16::gemm_packed(&mut y1, m, &x, inp, 1, &direct, false, Par::Rayon);
-            crate::model::bf16::gemm_packed(&mut y2, m, &x, inp, 1, &via_t, false, Par::Rayon);
+            crate::kernels::bf16::gemm_packed(&mut y1, m, &x, inp, 1, &direct, false, Par::Rayon);
+            crate::kernels::bf16::gemm_packed(&mut y2, m, &x, inp, 1, &via_t, false, Par::Rayon);
             assert_eq!(y1, y2);
             assert!(y1.iter().any(|&v| v != 0.0));
         }
@@ -737,7 +559,7 @@ mod tests {
     #[test]
     fn bf16_decoding_stays_near_f32_and_is_batch_invariant() {
         use crate::model::{Arch, ModelArgs};
-        if !crate::model::bf16::available() {
+        if !crate::kernels::bf16::available() {
             eprintln!("skipped: neither AMX nor AVX512-BF16 on this machine");
             return;
         }
@@ -768,7 +590,10 @@ mod tests {
             p.step(&toks, &mut refs).unwrap()
         };
         let full = run(&m, &[0, 1, 2]);
-        m.set_bf16_matmuls(true);
+        m.set_exec(crate::model::Exec {
+            bf16: true,
+            ..m.exec()
+        });
         let bf = run(&m, &[0, 1, 2]);
         for (i, row) in bf.iter().enumerate() {
             assert_eq!(&run(&m, &[i])[0], row, "sequence {i} depends on its batch");
@@ -798,28 +623,5 @@ mod tests {
             rel > 0.0 && rel <= 2e-2,
             "bf16 logits {rel:.3e} away from f32"
         );
-    }
-}
-
-#[cfg(test)]
-mod exp_tests {
-    /// Against f64's exp over [−87, 88.7] in steps of 1e-3 (and the edges): relative error
-    /// ≤ 3e-7 (2.5 ulp); 0 below −87, infinity above 88.72, NaN stays NaN.
-    #[test]
-    fn exp_f32_is_within_three_ulp_of_f64() {
-        let mut worst = 0f64;
-        let mut x = -87.0f64;
-        while x <= 88.7 {
-            let got = super::exp_f32(x as f32) as f64;
-            let want = (x as f32 as f64).exp();
-            worst = worst.max(((got - want) / want).abs());
-            x += 1e-3;
-        }
-        assert!(worst <= 3e-7, "worst relative error {worst:e}");
-        assert_eq!(super::exp_f32(-100.0), 0.0);
-        assert_eq!(super::exp_f32(f32::NEG_INFINITY), 0.0);
-        assert_eq!(super::exp_f32(0.0), 1.0);
-        assert_eq!(super::exp_f32(100.0), f32::INFINITY);
-        assert!(super::exp_f32(f32::NAN).is_nan());
     }
 }

@@ -6,7 +6,7 @@
 //! than the matrix products. Here the layer is a fixed sequence of products (gemm) and fused
 //! element-wise loops, and its backward is the same sequence reversed, with the attention
 //! probabilities recomputed one (row, KV head) at a time so that no `[batch, heads, seq, seq]`
-//! tensor ever exists. [`super::transformer::block_forward`] stays the reference: the tests
+//! tensor ever exists. [`super::block::block_forward`] stays the reference: the tests
 //! compare against it and against finite differences.
 //!
 //! ```text
@@ -26,9 +26,9 @@
 use candle_core::Result;
 use rayon::prelude::*;
 
-use super::decode::{dot, max, sum, Elem};
-use super::ops::{gemm_mixed, Par};
-use super::simd::{par_zip, par_zip2, vectorized, CHUNK};
+use crate::kernels::elem::{dot, max, sum, Elem};
+use crate::kernels::gemm::gemm_mixed;
+use crate::kernels::simd::{par_zip, par_zip2, vectorized, Par, CHUNK};
 
 /// The sizes of one layer call: `rows = batch·seq` tokens, no KV cache (keys = queries).
 #[derive(Debug, Clone, Copy)]
@@ -78,7 +78,7 @@ pub(super) struct Adapter<'a, T> {
     pub a: &'a [T],
     pub b: &'a [T],
     pub scale: T,
-    pub dropout: Option<super::lora::Dropout>,
+    pub dropout: Option<super::proj::Dropout>,
 }
 
 /// One linear layer's gradients; `None` where the tensor does not train or does not exist.

@@ -21,10 +21,11 @@ use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor, Var,
 };
 
+use super::block::{block_forward, Block, Mask};
 use super::config::ModelArgs;
-use super::decode::Elem;
 use super::layer;
-use super::transformer::{block_forward, Block, Mask};
+use crate::kernels::elem::Elem;
+use crate::kernels::storage::{storage_of, tensor_of};
 
 type Stash = Arc<Mutex<Vec<Option<Tensor>>>>;
 
@@ -44,38 +45,6 @@ fn weights(b: &Block) -> Vec<Tensor> {
     }
     w.retain(Tensor::track_op);
     w
-}
-
-/// A tensor holding a copy of CPU storage viewed through `l`.
-pub(super) fn tensor_of(s: &CpuStorage, l: &Layout) -> Result<Tensor> {
-    let Some((a, b)) = l.contiguous_offsets() else {
-        candle_core::bail!("recomputed layer: the input must be contiguous");
-    };
-    let dev = Device::Cpu;
-    match s {
-        CpuStorage::F32(v) => Tensor::from_slice(&v[a..b], l.shape(), &dev),
-        CpuStorage::F64(v) => Tensor::from_slice(&v[a..b], l.shape(), &dev),
-        CpuStorage::BF16(v) => Tensor::from_slice(&v[a..b], l.shape(), &dev),
-        CpuStorage::F16(v) => Tensor::from_slice(&v[a..b], l.shape(), &dev),
-        _ => candle_core::bail!("recomputed layer: unsupported dtype {:?}", s.dtype()),
-    }
-}
-
-pub(super) fn storage_of(t: &Tensor) -> Result<CpuStorage> {
-    let t = t.flatten_all()?;
-    Ok(match t.dtype() {
-        DType::F32 => CpuStorage::F32(t.to_vec1()?),
-        DType::F64 => CpuStorage::F64(t.to_vec1()?),
-        DType::BF16 => CpuStorage::BF16(t.to_vec1()?),
-        DType::F16 => CpuStorage::F16(t.to_vec1()?),
-        d => candle_core::bail!("recomputed layer: unsupported dtype {d:?}"),
-    })
-}
-
-/// Whether [`super::layer`]'s hand-written layer serves `dtype` (CPU f32/f64); other dtypes
-/// run the candle composition.
-fn fused_dtype(dtype: DType) -> bool {
-    matches!(dtype, DType::F32 | DType::F64)
 }
 
 /// Read guards on the storage of CPU tensors, viewed as host slices of `T`.
@@ -234,11 +203,6 @@ pub(super) fn fused_forward(
         d => candle_core::bail!("fused decoder layer: unsupported dtype {d:?}"),
     };
     Ok(y)
-}
-
-/// Supports [`fused_forward`]: CPU tensors of f32/f64.
-pub(super) fn fused_supported(x: &Tensor) -> bool {
-    x.device().is_cpu() && fused_dtype(x.dtype())
 }
 
 /// The layer as one op on `(x, tie)`.
@@ -496,7 +460,7 @@ pub(super) fn block(
             stash,
             keep: !recompute,
             kept: Mutex::new(None),
-            fused: fused && fused_dtype(x.dtype()),
+            fused: fused && crate::kernels::supported(x.device(), x.dtype()),
             bf16,
         },
     )
@@ -549,10 +513,16 @@ mod tests {
                 out
             };
             for composed in [false, true] {
-                m.set_composed_layers(composed);
-                m.set_gradient_checkpointing(false);
+                m.set_exec(crate::model::Exec {
+                    composed,
+                    recompute: false,
+                    ..m.exec()
+                });
                 let plain = grads(&m);
-                m.set_gradient_checkpointing(true);
+                m.set_exec(crate::model::Exec {
+                    recompute: true,
+                    ..m.exec()
+                });
                 let again = grads(&m);
                 for ((name, a), (_, b)) in plain.iter().zip(&again) {
                     let scale = a.iter().fold(0f64, |s, x| s.max(x.abs()));
@@ -700,7 +670,7 @@ mod tests {
     /// equal to them (the bf16 path ran), and recomputation on and off give the same bits.
     #[test]
     fn bf16_products_stay_within_bf16_rounding_of_f32() {
-        if !crate::model::bf16::available() {
+        if !crate::kernels::bf16::available() {
             eprintln!("skipped: neither AMX nor AVX512-BF16 on this machine");
             return;
         }
@@ -856,7 +826,7 @@ mod tests {
         ] {
             let args = ModelArgs::tiny(arch, 30);
             let (vm, mut m) = crate::testing::tiny_model(&args, dtype, 0.3);
-            m.set_bf16_matmuls(bf16);
+            m.set_exec(crate::model::Exec { bf16, ..m.exec() });
             let (vtol, gtol) = match (dtype, bf16) {
                 (DType::F64, _) => (1e-9, 1e-9),
                 (_, false) => (1e-5, 1e-4),
@@ -890,8 +860,11 @@ mod tests {
                 (to_f64(&h), grads)
             };
             for (composed, recompute) in [(false, false), (false, true), (true, true)] {
-                m.set_composed_layers(composed);
-                m.set_gradient_checkpointing(recompute);
+                m.set_exec(crate::model::Exec {
+                    composed,
+                    recompute,
+                    ..m.exec()
+                });
                 let (hp, gp) = run(&m, true);
                 let (hr, gr) = run(&m, false);
                 let what = format!(

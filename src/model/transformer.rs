@@ -1,7 +1,7 @@
-//! The decoder-only transformer shared by actor, reference, critic and reward model: Llama /
-//! Qwen2 blocks (RMSNorm, rotary attention with grouped KV heads, SiLU-gated MLP), written with
-//! candle ops that all have a backward pass (candle's fused softmax / rms_norm / rope kernels
-//! have none: see DESIGN.md). Shapes are noted as `[batch, seq, hidden]` etc.
+//! The decoder-only transformer shared by actor, reference, critic and reward model:
+//! embedding → layers → final norm → LM head, with the choice of how each layer runs (the
+//! hand-written layer, its recomputation, or the composition of `block.rs`), the fused LM
+//! head, and the execution settings ([`Exec`]). Shapes are noted as `[batch, seq, hidden]` etc.
 //!
 //! Follows HF transformers' `modeling_llama.py` / `modeling_qwen2.py` (weight names and math).
 
@@ -11,271 +11,9 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::{Init, Linear, VarBuilder};
 
+use super::block::{block_forward, linear, rms_norm, upcast, Block, KvCache, Mask};
 use super::config::ModelArgs;
-use super::lora::Proj;
-
-/// Which keys each query of a forward attends to.
-#[derive(Debug, Clone)]
-pub(super) enum Mask {
-    /// Additive bias `[batch, 1, seq, past + seq]`: 0 where allowed, −1e9 elsewhere.
-    Bias(Tensor),
-    /// Sequences packed end to end in a batch of one, `(first token, length)` each: causal
-    /// inside each sequence, nothing across sequences.
-    Packed(Arc<[(usize, usize)]>),
-}
-
-impl Mask {
-    /// The additive bias the op composition reads: the bias itself, or for packed sequences a
-    /// block-diagonal causal one `[1, 1, n, n]` (quadratic in the total length: the
-    /// composition is the reference and the fallback, the hand-written layer never builds it).
-    pub(super) fn bias(&self, dtype: DType, device: &Device) -> Result<Tensor> {
-        match self {
-            Mask::Bias(b) => Ok(b.clone()),
-            Mask::Packed(segs) => {
-                let n: usize = segs.iter().map(|s| s.1).sum();
-                let mut bias = vec![-1e9f32; n * n];
-                for &(a, l) in segs.iter() {
-                    for i in 0..l {
-                        bias[(a + i) * n + a..][..=i].fill(0.0);
-                    }
-                }
-                Tensor::from_vec(bias, (1, 1, n, n), &Device::Cpu)?
-                    .to_dtype(dtype)?
-                    .to_device(device)
-            }
-        }
-    }
-
-    pub(super) fn detach(&self) -> Mask {
-        match self {
-            Mask::Bias(b) => Mask::Bias(b.detach()),
-            Mask::Packed(s) => Mask::Packed(s.clone()),
-        }
-    }
-}
-
-/// Keys and values of past positions, one entry per layer: `[batch, kv_heads, past, head_dim]`.
-/// Owned by the caller, so one model serves many concurrent decodes.
-#[derive(Debug, Clone, Default)]
-pub struct KvCache {
-    /// Per layer: key and value buffers `[batch, kv_heads, capacity, head_dim]`, of which the
-    /// first `len` positions are filled. New positions are written in place (no copy of the past).
-    layers: Vec<Option<(Tensor, Tensor)>>,
-    len: usize,
-}
-
-impl KvCache {
-    pub fn new(num_layers: usize) -> Self {
-        Self {
-            layers: vec![None; num_layers],
-            len: 0,
-        }
-    }
-
-    /// Positions held.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Keeps only the rows `keep` (batch indices), e.g. after some sequences finished.
-    pub fn select_rows(&mut self, keep: &Tensor) -> Result<()> {
-        for (k, v) in self.layers.iter_mut().flatten() {
-            *k = k.index_select(keep, 0)?;
-            *v = v.index_select(keep, 0)?;
-        }
-        Ok(())
-    }
-
-    /// Appends `k`, `v` `[batch, kv_heads, t, head_dim]` to layer `i` (growing the buffers by
-    /// doubling when full) and returns views of all positions so far. The views are detached: no
-    /// gradient flows through past positions and no autograd graph is kept alive by the cache.
-    fn append(&mut self, i: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let past = self.len;
-        let t = k.dim(2)?;
-        let need = past + t;
-        let (k, v) = (k.detach().contiguous()?, v.detach().contiguous()?);
-        let last_layer = i + 1 == self.layers.len();
-        let slot = &mut self.layers[i];
-        let grow = match slot {
-            Some((kb, _)) => kb.dim(2)? < need,
-            None => true,
-        };
-        if grow {
-            let (b, h, _, d) = k.dims4()?;
-            let cap = (2 * need).max(need + 64);
-            let kb = Tensor::zeros((b, h, cap, d), k.dtype(), k.device())?;
-            let vb = Tensor::zeros((b, h, cap, d), v.dtype(), v.device())?;
-            if let Some((ok, ov)) = slot.take() {
-                kb.slice_set(&ok.narrow(2, 0, past)?.contiguous()?, 2, 0)?;
-                vb.slice_set(&ov.narrow(2, 0, past)?.contiguous()?, 2, 0)?;
-            }
-            *slot = Some((kb, vb));
-        }
-        let (kb, vb) = slot.as_ref().expect("allocated above");
-        kb.slice_set(&k, 2, past)?;
-        vb.slice_set(&v, 2, past)?;
-        if last_layer {
-            self.len = need;
-        }
-        Ok((kb.narrow(2, 0, need)?, vb.narrow(2, 0, need)?))
-    }
-}
-
-fn linear(vb: &VarBuilder, inp: usize, out: usize, bias: bool, name: &str) -> Result<Proj> {
-    let w = vb.get_with_hints(
-        (out, inp),
-        &format!("{name}.weight"),
-        Init::Randn {
-            mean: 0.0,
-            stdev: 0.02,
-        },
-    )?;
-    let b = if bias {
-        Some(vb.get_with_hints(out, &format!("{name}.bias"), Init::Const(0.0))?)
-    } else {
-        None
-    };
-    Ok(Proj::new(Linear::new(w, b)))
-}
-
-/// A linear layer on `[batch, seq, in]` as one `[batch·seq, in] × [in, out]` product (candle's
-/// `Linear` on 3-D input runs one small product per batch row, which is several times slower).
-/// With an adapter, `s·(dropout(x)·Aᵀ)·Bᵀ` is added (PEFT's `lora.Linear`; dropout only
-/// where this forward's copy of the layer carries a mask).
-fn apply(l: &Proj, x: &Tensor) -> Result<Tensor> {
-    let (b, t, i) = x.dims3()?;
-    let x2 = x.reshape((b * t, i))?; // [b·t, in]
-    let y = super::lora::base_matmul(&x2, l.weight())?; // [b·t, out]
-    let y = match l.bias() {
-        Some(bias) => y.broadcast_add(bias)?,
-        None => y,
-    };
-    let y = match &l.lora {
-        // [b·t, in]·[in, r]·[r, out], scaled: with B = 0 this adds exact zeros.
-        Some(a) => {
-            let xa = match &a.dropout {
-                Some(d) => (&x2 * d.mask(x2.dims(), x2.dtype(), x2.device())?)?,
-                None => x2.clone(),
-            };
-            (y + (xa.matmul(&a.a.t()?)?.matmul(&a.b.t()?)? * a.scale)?)?
-        }
-        None => y,
-    };
-    y.reshape((b, t, ()))
-}
-
-/// `x · rsqrt(mean(x²) + eps) · w`, computed in f32.
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let x32 = upcast(x)?;
-    let inv = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?
-        .sqrt()?
-        .recip()?;
-    x32.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(w)
-}
-
-/// Half-precision values in f32 for softmax-type reductions; f32 and f64 stay as they are.
-fn upcast(x: &Tensor) -> Result<Tensor> {
-    match x.dtype() {
-        DType::BF16 | DType::F16 => x.to_dtype(DType::F32),
-        _ => Ok(x.clone()),
-    }
-}
-
-/// `[-x2, x1]` for `x = [x1, x2]` split in half on the last axis.
-fn rotate_half(x: &Tensor) -> Result<Tensor> {
-    let d = x.dim(D::Minus1)?;
-    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
-    let x2 = x.narrow(D::Minus1, d / 2, d - d / 2)?;
-    Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)
-}
-
-#[derive(Clone)]
-pub(super) struct Block {
-    pub(super) ln1: Tensor,
-    pub(super) ln2: Tensor,
-    pub(super) q: Proj,
-    pub(super) k: Proj,
-    pub(super) v: Proj,
-    pub(super) o: Proj,
-    pub(super) gate: Proj,
-    pub(super) up: Proj,
-    pub(super) down: Proj,
-}
-
-impl Block {
-    /// The layer with its weights cut from the autograd graph (same storage).
-    pub(super) fn detached(&self) -> Block {
-        self.map_proj(Proj::detached)
-    }
-
-    /// The seven projections with their HF module names (`self_attn.q_proj`, `mlp.down_proj`).
-    pub(super) fn projs_mut(&mut self) -> [(&'static str, &mut Proj); 7] {
-        [
-            ("self_attn.q_proj", &mut self.q),
-            ("self_attn.k_proj", &mut self.k),
-            ("self_attn.v_proj", &mut self.v),
-            ("self_attn.o_proj", &mut self.o),
-            ("mlp.gate_proj", &mut self.gate),
-            ("mlp.up_proj", &mut self.up),
-            ("mlp.down_proj", &mut self.down),
-        ]
-    }
-
-    pub(super) fn projs(&self) -> [&Proj; 7] {
-        [
-            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
-        ]
-    }
-
-    /// Whether any projection carries an adapter.
-    pub(super) fn has_adapters(&self) -> bool {
-        self.projs().iter().any(|p| p.lora.is_some())
-    }
-
-    /// This layer for one training forward with adapter dropout `p`: each adapter gets its
-    /// mask seed from `forward_seed`, the layer index and the projection's index.
-    pub(super) fn with_dropout(&self, p: f64, forward_seed: u64, layer: usize) -> Block {
-        let mut b = self.clone();
-        for (j, (_, proj)) in b.projs_mut().into_iter().enumerate() {
-            if let Some(l) = proj.lora.as_mut() {
-                let seed = super::lora::mix64(forward_seed ^ (((layer as u64) << 8) | j as u64));
-                l.dropout = Some(super::lora::Dropout { p, seed });
-            }
-        }
-        b
-    }
-
-    /// Whether any weight of the layer receives gradients.
-    pub(super) fn trains(&self) -> bool {
-        self.ln1.track_op()
-            || self.ln2.track_op()
-            || self
-                .projs()
-                .iter()
-                .any(|p| p.weight().track_op() || p.lora.as_ref().is_some_and(|l| l.a.track_op()))
-    }
-
-    /// The layer with each projection replaced by `f` of it, norms detached.
-    pub(super) fn map_proj(&self, f: impl Fn(&Proj) -> Proj) -> Block {
-        let lin = |l: &Proj| f(l);
-        Block {
-            ln1: self.ln1.detach(),
-            ln2: self.ln2.detach(),
-            q: lin(&self.q),
-            k: lin(&self.k),
-            v: lin(&self.v),
-            o: lin(&self.o),
-            gate: lin(&self.gate),
-            up: lin(&self.up),
-            down: lin(&self.down),
-        }
-    }
-}
+use super::proj::{mix64, Proj};
 
 /// The transformer with an optional LM head (`None` for a critic / reward backbone).
 pub struct CausalLm {
@@ -288,16 +26,65 @@ pub struct CausalLm {
     has_lm_head: bool,
     device: Device,
     dtype: DType,
-    /// Per-layer recomputation in training forwards (`enable_gradient_checkpointing`).
-    recompute: bool,
-    /// Run every layer as the candle op composition (`block_forward`) instead of the
-    /// hand-written layer (`layer.rs`): the reference, for checks and benchmarks.
-    composed: bool,
-    /// Matrix products of the hand-written layers and the LM head with bf16 operands and f32
-    /// sums (f32 models on CPUs with AMX or AVX512-BF16; see [`CausalLm::set_bf16_matmuls`]).
-    bf16: bool,
+    /// How forwards run (recomputation, composition, bf16 products).
+    exec: Exec,
     /// Adapter dropout of training forwards (`None`: off, and always in views).
     dropout: Option<Arc<DropoutStream>>,
+}
+
+/// How a model's forwards run, as opposed to what the model computes: every setting gives the
+/// same function (to rounding), at other speeds and memory. Set once where a model is set up
+/// ([`CausalLm::set_exec`]); views from [`CausalLm::no_grad`] inherit `composed` and `bf16`
+/// (they build no graph, so there is nothing to recompute).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Exec {
+    /// Per-layer recomputation (verl's `enable_gradient_checkpointing`): a training forward
+    /// keeps only each layer's input, and backward runs the layer again to get its gradients
+    /// (`recompute.rs`). Same gradients, far less memory, about one more forward of compute.
+    /// Applies on the CPU; elsewhere every activation is kept as without it.
+    pub recompute: bool,
+    /// Every layer as the plain candle composition (`block.rs`) instead of the hand-written
+    /// layer (`layer.rs`, one op per layer with its own backward, on the CPU in f32/f64): the
+    /// reference the hand-written layer is tested against (slower; same results to rounding).
+    pub composed: bool,
+    /// verl's mixed precision on the CPU (`fsdp_config.mixed_precision.param_dtype: bf16`):
+    /// the matrix products of the hand-written layers, the LM head and decoding round both
+    /// operands to bf16 and sum in f32 (AMX tiles or AVX512-BF16, `kernels::bf16`), while
+    /// weights, norms, softmax, residuals and optimizer state stay f32. Applies to f32 models
+    /// on CPUs with AMX or AVX512-BF16; elsewhere products stay in the model's dtype
+    /// ([`CausalLm::bf16_matmuls`] tells which).
+    pub bf16: bool,
+}
+
+/// How one layer of one forward runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LayerPath {
+    /// Training on the CPU: one op per layer (the hand-written layer when `fused`, else the
+    /// composition inside it), recomputed in backward when `recompute`.
+    Op { fused: bool, recompute: bool },
+    /// No graph wanted (rollout log-probs, reference): the hand-written layer.
+    Fused,
+    /// The composition of candle ops (CUDA, half precision, a KV cache, or `composed`).
+    Composed,
+}
+
+impl LayerPath {
+    /// The path for a layer of a `dtype` model on `device`: `training` when the forward
+    /// builds a graph, `cached` when it reads and extends a KV cache.
+    fn choose(exec: Exec, device: &Device, dtype: DType, training: bool, cached: bool) -> Self {
+        let fused = !exec.composed && crate::kernels::supported(device, dtype);
+        let cpu_train = !cached && device.is_cpu() && training;
+        if cpu_train && (exec.recompute || fused) {
+            LayerPath::Op {
+                fused,
+                recompute: exec.recompute,
+            }
+        } else if !cached && !cpu_train && fused {
+            LayerPath::Fused
+        } else {
+            LayerPath::Composed
+        }
+    }
 }
 
 /// PEFT's `lora_dropout` for a model's training forwards: each forward that builds a graph
@@ -382,9 +169,7 @@ impl CausalLm {
             has_lm_head: with_lm_head,
             device: vb.device().clone(),
             dtype: vb.dtype(),
-            recompute: false,
-            composed: false,
-            bf16: false,
+            exec: Exec::default(),
             dropout: None,
         })
     }
@@ -402,9 +187,10 @@ impl CausalLm {
             has_lm_head: self.has_lm_head,
             device: self.device.clone(),
             dtype: self.dtype,
-            recompute: false,
-            composed: self.composed,
-            bf16: self.bf16,
+            exec: Exec {
+                recompute: false,
+                ..self.exec
+            },
             dropout: None,
         }
     }
@@ -495,7 +281,7 @@ impl CausalLm {
         }
     }
 
-    pub(super) fn blocks_mut(&mut self) -> &mut [Block] {
+    pub(crate) fn blocks_mut(&mut self) -> &mut [Block] {
         &mut self.layers
     }
 
@@ -507,39 +293,19 @@ impl CausalLm {
         self.dtype
     }
 
-    /// Per-layer recomputation (verl's `enable_gradient_checkpointing`): a training forward
-    /// keeps only each layer's input, and backward runs the layer again to get its gradients
-    /// (see `recompute.rs`). Same gradients, far less memory, about one more forward of compute.
-    /// Applies on the CPU; elsewhere every activation is kept as without it.
-    pub fn set_gradient_checkpointing(&mut self, on: bool) {
-        self.recompute = on;
+    /// How this model's forwards run.
+    pub fn exec(&self) -> Exec {
+        self.exec
     }
 
-    pub fn gradient_checkpointing(&self) -> bool {
-        self.recompute
-    }
-
-    /// On the CPU in f32/f64, layers run as one hand-written op each (`layer.rs`: a fixed
-    /// sequence of matrix products and fused loops, with its own backward). `true` runs them as
-    /// the plain candle composition instead, the reference the hand-written layer is tested
-    /// against (slower; same results to rounding). Views from [`CausalLm::no_grad`] inherit it.
-    pub fn set_composed_layers(&mut self, on: bool) {
-        self.composed = on;
-    }
-
-    /// verl's mixed precision on the CPU (`fsdp_config.mixed_precision.param_dtype: bf16`): the
-    /// matrix products of the hand-written layers and of the LM head round both operands to
-    /// bf16 and sum in f32 (AMX tiles or AVX512-BF16 dot products, `bf16.rs`), while weights, norms, softmax, residuals and
-    /// optimizer state stay f32. Applies to f32 models on CPUs with AMX or AVX512-BF16; elsewhere products
-    /// stay in the model's dtype ([`CausalLm::bf16_matmuls`] tells which). Views from
-    /// [`CausalLm::no_grad`] inherit it.
-    pub fn set_bf16_matmuls(&mut self, on: bool) {
-        self.bf16 = on;
+    /// Sets how this model's forwards run (see [`Exec`]).
+    pub fn set_exec(&mut self, exec: Exec) {
+        self.exec = exec;
     }
 
     /// Whether products actually run in bf16 (asked for, f32 model, a bf16 kernel present).
     pub fn bf16_matmuls(&self) -> bool {
-        self.bf16 && self.dtype == DType::F32 && super::bf16::available()
+        self.exec.bf16 && self.dtype == DType::F32 && crate::kernels::bf16::available()
     }
 
     pub(super) fn blocks(&self) -> &[Block] {
@@ -624,7 +390,7 @@ impl CausalLm {
     /// Whether [`CausalLm::forward_hidden_packed`] runs without padding work here: the
     /// hand-written layer serves this model (CPU, f32/f64, not forced to the composition).
     pub fn packs_without_padding(&self) -> bool {
-        !self.composed && self.device.is_cpu() && matches!(self.dtype, DType::F32 | DType::F64)
+        !self.exec.composed && crate::kernels::supported(&self.device, self.dtype)
     }
 
     /// Every stage of a forward without cache (transformers' `output_hidden_states`, plus the
@@ -686,7 +452,7 @@ impl CausalLm {
         });
         let forward_seed = dropout.map(|d| {
             let n = d.next.fetch_add(1, Ordering::Relaxed);
-            (d.p, super::lora::mix64(d.seed ^ super::lora::mix64(n)))
+            (d.p, mix64(d.seed ^ mix64(n)))
         });
         let mut composed_bias: Option<Tensor> = None;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -702,9 +468,9 @@ impl CausalLm {
                 None => layer,
             };
             let slot = cache.as_deref_mut().map(|c| (c, i));
-            let cpu_train =
-                slot.is_none() && x.device().is_cpu() && (layer.trains() || x.track_op());
-            let fused = !self.composed && super::recompute::fused_supported(&x);
+            let training = layer.trains() || x.track_op();
+            let path =
+                LayerPath::choose(self.exec, x.device(), x.dtype(), training, slot.is_some());
             // The composition reads a bias tensor: for packed sequences built once per
             // forward, not per layer.
             let mut bias = || -> Result<Tensor> {
@@ -713,32 +479,25 @@ impl CausalLm {
                 }
                 Ok(composed_bias.clone().expect("just set"))
             };
-            x = if cpu_train && (self.recompute || fused) {
-                // Training on the CPU: one op per layer (hand-written for f32/f64), recomputed
-                // in backward when gradient checkpointing is on; the composition inside it
-                // when not fused.
-                let m = if fused {
-                    mask.clone()
-                } else {
-                    Mask::Bias(bias()?)
-                };
-                let (rc, bf) = (self.recompute, self.bf16);
-                super::recompute::block(&self.args, layer, &x, (&cos, &sin, &m), rc, fused, bf)?
-            } else if slot.is_none() && !cpu_train && fused {
-                // No graph wanted (rollout log-probs, reference): the hand-written layer.
-                let rope_mask = (&cos, &sin, &mask);
-                super::recompute::fused_forward(&self.args, layer, &x, rope_mask, self.bf16)?
-            } else {
-                block_forward(
-                    &self.args,
-                    self.dtype,
-                    layer,
-                    &x,
-                    &cos,
-                    &sin,
-                    &bias()?,
-                    slot,
-                )?
+            let bf = self.exec.bf16;
+            x = match path {
+                LayerPath::Op { fused, recompute } => {
+                    let m = if fused {
+                        mask.clone()
+                    } else {
+                        Mask::Bias(bias()?)
+                    };
+                    let rope_mask = (&cos, &sin, &m);
+                    super::recompute::block(&self.args, layer, &x, rope_mask, recompute, fused, bf)?
+                }
+                LayerPath::Fused => {
+                    let rope_mask = (&cos, &sin, &mask);
+                    super::recompute::fused_forward(&self.args, layer, &x, rope_mask, bf)?
+                }
+                LayerPath::Composed => {
+                    let (args, dtype) = (&self.args, self.dtype);
+                    block_forward(args, dtype, layer, &x, &cos, &sin, &bias()?, slot)?
+                }
             };
         }
         if let Some(st) = stages {
@@ -763,7 +522,7 @@ impl CausalLm {
     /// `[batch, seq, hidden]`, and the entropy of each position's distribution when asked,
     /// computed `chunk` positions at a time: `[batch, seq]` each (f32 for half-precision models).
     ///
-    /// On the CPU (f32, f64) this is the fused op of `ops.rs` (backward recomputes the logits
+    /// On the CPU (f32, f64) this is the fused op of `lm_head.rs` (backward recomputes the logits
     /// chunk by chunk, so nothing of size `[positions, vocab]` is kept for it); elsewhere the
     /// composition [`CausalLm::token_logprobs_composed`].
     pub fn token_logprobs(
@@ -773,17 +532,17 @@ impl CausalLm {
         chunk: usize,
         with_entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        if !super::ops::fused_supported(hidden.device(), hidden.dtype()) {
+        if !crate::kernels::supported(hidden.device(), hidden.dtype()) {
             return self.token_logprobs_composed(hidden, targets, chunk, with_entropy);
         }
         let (b, t, h) = hidden.dims3()?;
-        let (lp, ent) = super::ops::token_logprobs_fused(
+        let (lp, ent) = super::lm_head::token_logprobs_fused(
             &hidden.reshape((b * t, h))?,
             self.output_weight()?,
             targets,
             chunk,
             with_entropy,
-            self.bf16,
+            self.exec.bf16,
         )?;
         Ok((
             lp.reshape((b, t))?,
@@ -887,51 +646,4 @@ enum Keys<'a> {
     Mask(&'a Tensor),
     /// Packed sequences, `(first token, length)` each.
     Packed(Arc<[(usize, usize)]>),
-}
-
-/// One decoder layer on `x` `[batch, seq, hidden]` with rotary tables `cos`/`sin`
-/// `[batch, 1, seq, head_dim]` and attention bias `mask` `[batch, 1, seq, past + seq]`; with a
-/// cache, its past keys and values are read and the new ones appended.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn block_forward(
-    a: &ModelArgs,
-    dtype: DType,
-    l: &Block,
-    x: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    mask: &Tensor,
-    cache: Option<(&mut KvCache, usize)>,
-) -> Result<Tensor> {
-    let (b, t, _) = x.dims3()?;
-    let (nh, nkv, hd) = (a.num_attention_heads, a.num_key_value_heads, a.head_dim);
-    let h = rms_norm(x, &l.ln1, a.rms_norm_eps)?;
-    let q = apply(&l.q, &h)?.reshape((b, t, nh, hd))?.transpose(1, 2)?; // [b, nh, t, hd]
-    let k = apply(&l.k, &h)?.reshape((b, t, nkv, hd))?.transpose(1, 2)?; // [b, nkv, t, hd]
-    let v = apply(&l.v, &h)?.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
-    let q = (q.broadcast_mul(cos)? + rotate_half(&q)?.broadcast_mul(sin)?)?;
-    let k = (k.broadcast_mul(cos)? + rotate_half(&k)?.broadcast_mul(sin)?)?;
-    let (k, v) = match cache {
-        Some((c, i)) => c.append(i, &k, &v)?,
-        None => (k, v),
-    };
-    let s = k.dim(2)?;
-    let rep = nh / nkv;
-    // Grouped-query attention without copying K/V per query head: the `rep` query heads that
-    // share a KV head are stacked along the query axis, [b, nkv, rep·t, hd].
-    let qg = q.contiguous()?.reshape((b, nkv, rep * t, hd))?;
-    let scores = (qg.matmul(&k.t()?)? / (hd as f64).sqrt())?; // [b, nkv, rep·t, s]
-    let scores = scores.reshape((b, nh, t, s))?.broadcast_add(mask)?; // [b, nh, t, s]
-    let probs = candle_nn::ops::softmax(&upcast(&scores)?, D::Minus1)?.to_dtype(dtype)?;
-    let attn = probs
-        .reshape((b, nkv, rep * t, s))?
-        .matmul(&v.contiguous()?)?; // [b, nkv, rep·t, hd]
-    let attn = attn
-        .reshape((b, nh, t, hd))?
-        .transpose(1, 2)?
-        .reshape((b, t, nh * hd))?; // [b, t, nh·hd]
-    let x = (x + apply(&l.o, &attn)?)?;
-    let h = rms_norm(&x, &l.ln2, a.rms_norm_eps)?;
-    let mlp = apply(&l.down, &(apply(&l.gate, &h)?.silu()? * apply(&l.up, &h)?)?)?;
-    x + mlp
 }

@@ -377,7 +377,7 @@ fn reward_model_errors_name_the_problem() {
     let args = crate::model::ModelArgs::tiny(crate::model::Arch::Llama, 259);
     let (vm, _) = crate::testing::tiny_model(&args, candle_core::DType::F32, 0.1);
     crate::testing::write_tokenizer_dir(&lm).unwrap();
-    crate::model::hf::save_dir(&vm, &args, &lm, &[258], Some(&lm), None).unwrap();
+    crate::weights::hf::save_dir(&vm, &args, &lm, &[258], Some(&lm), None).unwrap();
     let c = cfg(&[format!(
         "reward.sources=[{{name: rm, type: model, path: {}}}]",
         lm.display()

@@ -84,7 +84,7 @@ impl RewardModel {
                 "expected an HF directory of a *ForSequenceClassification model (config.json, model.safetensors with `score.weight`, tokenizer.json); GGUF files hold no score head",
             ));
         }
-        let (loaded, tokenizer) = crate::model::load_model_and_tokenizer(
+        let (loaded, tokenizer) = crate::weights::load_model_and_tokenizer(
             o.path,
             None,
             &Map::new(),
@@ -93,7 +93,7 @@ impl RewardModel {
             false,
         )
         .map_err(|e| err(o.path, e))?;
-        let weights = crate::model::hf::read_weights(dir).map_err(|e| err(o.path, e))?;
+        let weights = crate::weights::hf::read_weights(dir).map_err(|e| err(o.path, e))?;
         let w = weights.get("score.weight").ok_or_else(|| {
             err(
                 o.path,

@@ -19,13 +19,14 @@
 
 use std::collections::VecDeque;
 
-use candle_core::{DType, Result};
+use candle_core::Result;
 use indicatif::ProgressBar;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use super::{generate_with, sample_row, Rollout, RowStreams, Sampler, SamplingParams, StopReason};
-use crate::model::decode::{self, Bf16, Elem, KvElem, Packed, SeqCache};
+use crate::kernels::elem::{Elem, KvElem};
+use crate::model::decode::{self, Decoder, Packed, SeqCache};
 use crate::model::CausalLm;
 
 /// How much generation may hold at once.
@@ -100,17 +101,16 @@ pub fn generate_with_streams(
     if prompts.is_empty() || p.max_new_tokens == 0 {
         return Ok((out, Stats::default()));
     }
-    let stats = if decode::supported(model) {
-        match model.dtype() {
-            DType::F64 => continuous::<f64, f64>(model, prompts, p, &streams, progress, &mut out)?,
-            // bf16 products keep keys and values in bf16 too (half the bytes per step).
-            _ if model.bf16_matmuls() => {
-                continuous::<f32, Bf16>(model, prompts, p, &streams, progress, &mut out)?
-            }
-            _ => continuous::<f32, f32>(model, prompts, p, &streams, progress, &mut out)?,
-        }
-    } else {
-        waves(model, prompts, p, &streams, progress, &mut out)?
+    let continuous = Continuous {
+        prompts,
+        p,
+        streams: &streams,
+        progress,
+        out: &mut out,
+    };
+    let stats = match decode::with_packed(model, continuous) {
+        Some(stats) => stats?,
+        None => waves(model, prompts, p, &streams, progress, &mut out)?,
     };
     tracing::debug!(
         "generation: {} rows, {} steps, at most {} sequences and {:.1} MB of keys/values in flight",
@@ -145,15 +145,37 @@ fn record(out: &mut Rollout, row: usize, tok: u32, lp: f32, p: &SamplingParams) 
     }
 }
 
+/// The continuous-batching loop on the packed decode engine, for [`decode::with_packed`].
+struct Continuous<'a> {
+    prompts: &'a [&'a [u32]],
+    p: &'a SamplingParams,
+    streams: &'a RowStreams,
+    progress: Option<&'a ProgressBar>,
+    out: &'a mut Rollout,
+}
+
+impl Decoder for Continuous<'_> {
+    type Out = Stats;
+    fn run<T: Elem, C: KvElem<T>>(self, packed: Packed<T>) -> Result<Stats> {
+        let Continuous {
+            prompts,
+            p,
+            streams,
+            progress,
+            out,
+        } = self;
+        continuous::<T, C>(&packed, prompts, p, streams, progress, out)
+    }
+}
+
 fn continuous<T: Elem, C: KvElem<T>>(
-    model: &CausalLm,
+    packed: &Packed<T>,
     prompts: &[&[u32]],
     p: &SamplingParams,
     streams: &RowStreams,
     progress: Option<&ProgressBar>,
     out: &mut Rollout,
 ) -> Result<Stats> {
-    let packed = Packed::<T>::new(model)?;
     let args = packed.args();
     let per_pos = SeqCache::<C>::bytes_per_position(args);
     let lim = p.limits;
@@ -414,14 +436,14 @@ mod tests {
     #[test]
     fn merged_adapters_give_the_unmerged_tokens() {
         use crate::config::fields::OneOrMany;
-        use crate::model::lora;
+        use crate::weights::peft;
         for arch in [Arch::Llama, Arch::Qwen2] {
             let args = ModelArgs::tiny(arch, 50);
             let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.5);
             let ad = candle_nn::VarMap::new();
-            let spec = lora::tests::spec(4, OneOrMany::One("all-linear".into()), None);
-            lora::attach(&mut m, &spec, &ad, 3, "k").unwrap();
-            lora::tests::randomize_b(&ad, 0.3);
+            let spec = peft::tests::spec(4, OneOrMany::One("all-linear".into()), None);
+            peft::attach(&mut m, &spec, &ad, 3, "k").unwrap();
+            peft::tests::randomize_b(&ad, 0.3);
             let view = m.no_grad();
             let ps = prompts(6, 50, 4);
             let p = params(true, 12, vec![], Limits::default());

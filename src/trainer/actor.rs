@@ -11,8 +11,8 @@ use crate::algo::agg::scalar;
 use crate::algo::{agg_loss, kl_loss, policy_loss, PolicyLossParams};
 use crate::config::{ActorConfig, MicroBatching, Plan};
 use crate::metrics::Metrics;
-use crate::model::hf::Loaded;
-use crate::model::CausalLm;
+use crate::model::{CausalLm, Exec};
+use crate::weights::hf::Loaded;
 
 /// Positions per chunk of the vocabulary projection: about 4 M logits alive at a time.
 pub fn logit_chunk(vocab: usize) -> usize {
@@ -51,8 +51,8 @@ pub struct Actor {
     pub temperature: f64,
     /// Forward passes of the old-log-prob recomputation.
     log_prob_micro: MicroBatching,
-    /// Generation's products in bf16 (`actor_rollout_ref.rollout.dtype`).
-    rollout_bf16: bool,
+    /// How generation runs (bf16 products from `actor_rollout_ref.rollout.dtype`).
+    rollout_exec: Exec,
 }
 
 /// Rows filled on one rank each (the others empty) made whole on every rank: rows laid end to
@@ -125,20 +125,20 @@ impl Actor {
             cfg: cfg.clone(),
             temperature: plan.temperatures.log_prob,
             log_prob_micro: plan.log_prob_micro,
-            rollout_bf16: false,
+            rollout_exec: Exec::default(),
         }
     }
 
-    /// Generation's precision (`actor_rollout_ref.rollout.dtype`), independent of the actor's
-    /// own (`actor.fsdp_config.mixed_precision.param_dtype`), as verl's rollout engine is.
-    pub fn set_rollout_precision(&mut self, p: crate::config::model::Precision) {
-        self.rollout_bf16 = p.is_bf16();
+    /// How generation runs (its precision is `actor_rollout_ref.rollout.dtype`, independent of
+    /// the actor's own, as verl's rollout engine is).
+    pub fn set_rollout_exec(&mut self, exec: Exec) {
+        self.rollout_exec = exec;
     }
 
     /// The view generation runs on: the current weights, in the rollout's precision.
     pub fn rollout_view(&self) -> CausalLm {
         let mut v = self.view().no_grad();
-        v.set_bf16_matmuls(self.rollout_bf16);
+        v.set_exec(self.rollout_exec);
         v
     }
 

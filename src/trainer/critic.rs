@@ -13,8 +13,8 @@ use crate::algo::agg::scalar;
 use crate::algo::{masked_mean, value_loss};
 use crate::config::{CriticConfig, MicroBatching, Plan};
 use crate::metrics::Metrics;
-use crate::model::hf::Loaded;
 use crate::model::ValueHead;
+use crate::weights::hf::Loaded;
 
 pub struct Critic {
     pub trainable: Trainable<ValueModel>,
@@ -71,7 +71,7 @@ impl Critic {
         // A critic adapter saved with its value head (PEFT's modules_to_save) restores it too.
         if let Some(dir) = lora.as_ref().and_then(|l| l.source.as_ref()) {
             let msg = |e: crate::model::ModelError| candle_core::Error::Msg(e.to_string());
-            let file = crate::model::lora::read_adapter(dir).map_err(msg)?;
+            let file = crate::weights::peft::read_adapter(dir).map_err(msg)?;
             if file.tensors.contains_key("base_model.model.score.weight") {
                 assign_heads(&varmap, &file.tensors, dir).map_err(msg)?;
             }

@@ -176,13 +176,6 @@ impl Trainer {
         let r = &cfg.actor_rollout_ref.rollout;
         let params = SamplingParams::train(r, plan.response_length, &tok.eos_token_ids);
         let pad = tok.pad_token_id;
-        let precision = cfg
-            .actor_rollout_ref
-            .actor
-            .fsdp_config
-            .mixed_precision
-            .param_dtype;
-        loaded.model.set_bf16_matmuls(precision.is_bf16());
         let mut actor = Actor::new(
             loaded,
             &cfg.actor_rollout_ref.actor,
@@ -191,7 +184,7 @@ impl Trainer {
             Layout::of(pad, &cfg.actor_rollout_ref.model),
             actor_lora,
         );
-        actor.set_rollout_precision(cfg.actor_rollout_ref.rollout.dtype);
+        actor.set_rollout_exec(setup::exec(&cfg, setup::Role::Rollout));
         let reference = setup::reference(&cfg, &plan, &actor, &device, pad)?;
         let critic = if plan.need_critic {
             let mut l = setup::load_critic(&cfg, &device, &tok)?;

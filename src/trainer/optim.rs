@@ -12,10 +12,10 @@ use std::path::Path;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{LrSchedulerType, OptimConfig};
+use crate::kernels::adamw::{AdamWRule, InPlace};
 
 /// The learning rate of each training step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -187,7 +187,7 @@ impl AdamW {
     ///
     /// An f32 parameter on the CPU is updated in place in its own storage (one pass reading the
     /// gradient and moments once); any other parameter goes through a host copy and `Var::set`.
-    /// Both give the same numbers: the element-wise rule is one function, [`Update::apply`].
+    /// Both give the same numbers: the element-wise rule is one function, [`AdamWRule::apply`].
     pub fn step(&mut self, grads: &GradStore, lr: f64) -> candle_core::Result<()> {
         self.step_scaled(grads, lr, 1.0)
     }
@@ -204,7 +204,7 @@ impl AdamW {
         self.step += 1;
         let t = self.step as i32;
         let (b1, b2) = (self.betas[0], self.betas[1]);
-        let rule = Update {
+        let rule = AdamWRule {
             b1: b1 as f32,
             b2: b2 as f32,
             eps: self.eps as f32,
@@ -309,128 +309,6 @@ impl AdamW {
             }
         }
         self.step = meta.step;
-        Ok(())
-    }
-}
-
-/// The element-wise AdamW rule of one step (constants folded from lr, betas and the step).
-#[derive(Debug, Clone, Copy)]
-struct Update {
-    b1: f32,
-    b2: f32,
-    eps: f32,
-    step_size: f32,
-    sqrt_bc2: f32,
-    decay: f32,
-    /// Multiplies each gradient before use (1 = none).
-    grad_scale: f32,
-}
-
-impl Update {
-    /// Updates `p`, `m`, `v` (all of `g`'s length) in parallel chunks; element-wise, so the
-    /// result is identical to one sequential loop.
-    fn apply(&self, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
-        const CHUNK: usize = 1 << 15;
-        let rule = *self;
-        p.par_chunks_mut(CHUNK)
-            .zip(m.par_chunks_mut(CHUNK))
-            .zip(v.par_chunks_mut(CHUNK))
-            .zip(g.par_chunks(CHUNK))
-            .for_each(|(((p, m), v), g)| {
-                #[cfg(target_arch = "x86_64")]
-                if std::arch::is_x86_feature_detected!("avx512f") {
-                    // SAFETY: the CPU has AVX-512F (checked just above).
-                    unsafe { adamw_chunk_avx512(p, m, v, g, rule) };
-                    return;
-                }
-                adamw_chunk(p, m, v, g, rule);
-            });
-    }
-}
-
-/// The AdamW rule over one chunk; a plain loop the compiler vectorises for the target it is
-/// compiled for.
-#[inline(always)]
-fn adamw_chunk(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], rule: Update) {
-    let Update {
-        b1,
-        b2,
-        eps,
-        step_size,
-        sqrt_bc2,
-        decay,
-        grad_scale,
-    } = rule;
-    let n = p.len().min(m.len()).min(v.len()).min(g.len());
-    let (p, m, v, g) = (&mut p[..n], &mut m[..n], &mut v[..n], &g[..n]);
-    for k in 0..n {
-        let gk = g[k] * grad_scale;
-        m[k] = b1 * m[k] + (1.0 - b1) * gk;
-        v[k] = b2 * v[k] + (1.0 - b2) * gk * gk;
-        p[k] = p[k] * decay - step_size * m[k] / (v[k].sqrt() / sqrt_bc2 + eps);
-    }
-}
-
-/// [`adamw_chunk`] compiled with AVX-512 (16 lanes), chosen at run time; the same IEEE
-/// operations in the same order, so results are bit-identical to the plain loop.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn adamw_chunk_avx512(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], rule: Update) {
-    adamw_chunk(p, m, v, g, rule)
-}
-
-/// The two operands of an in-place op on CPU f32 storage, as the slices their layouts view;
-/// an error naming `op` when either is not f32 or not contiguous.
-pub(super) fn f32_operands<'a>(
-    op: &str,
-    s1: &'a mut candle_core::CpuStorage,
-    l1: &candle_core::Layout,
-    s2: &'a candle_core::CpuStorage,
-    l2: &candle_core::Layout,
-) -> candle_core::Result<(&'a mut [f32], &'a [f32])> {
-    use candle_core::CpuStorage::F32;
-    let (F32(a), F32(b)) = (s1, s2) else {
-        candle_core::bail!("{op}: f32 operands only");
-    };
-    let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
-    else {
-        candle_core::bail!("{op}: contiguous operands only");
-    };
-    Ok((&mut a[a0..a1], &b[b0..b1]))
-}
-
-/// [`Update`] as an in-place op on a CPU f32 parameter's storage, with the gradient as the
-/// second operand and the moments borrowed for the call.
-struct InPlace<'a> {
-    rule: Update,
-    moments: std::cell::RefCell<(&'a mut [f32], &'a mut [f32])>,
-}
-
-impl candle_core::InplaceOp2 for InPlace<'_> {
-    fn name(&self) -> &'static str {
-        "adamw-step"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &mut candle_core::CpuStorage,
-        l1: &candle_core::Layout,
-        s2: &candle_core::CpuStorage,
-        l2: &candle_core::Layout,
-    ) -> candle_core::Result<()> {
-        let (p, g) = f32_operands("adamw-step", s1, l1, s2, l2)?;
-        let mut moments = self.moments.borrow_mut();
-        let (m, v) = &mut *moments;
-        if p.len() != g.len() || p.len() != m.len() || p.len() != v.len() {
-            candle_core::bail!(
-                "adamw-step: {} parameters, {} gradients, {}/{} moments",
-                p.len(),
-                g.len(),
-                m.len(),
-                v.len()
-            );
-        }
-        self.rule.apply(p, m, v, g);
         Ok(())
     }
 }
@@ -556,41 +434,6 @@ mod tests {
                 "the shared-storage view missed the update at {k}"
             );
         }
-    }
-
-    /// The AVX-512 build of the rule gives the plain loop's bits (no fused multiply-add is
-    /// introduced; sqrt and division are correctly rounded in both), including a ragged tail.
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn avx512_chunk_is_bit_identical_to_the_plain_loop() {
-        if !std::arch::is_x86_feature_detected!("avx512f") {
-            return;
-        }
-        let n = 1000 + 7;
-        let mk = |s: u32| -> Vec<f32> {
-            (0..n as u32)
-                .map(|i| ((i.wrapping_mul(2654435761) ^ s) % 2001) as f32 / 1000.0 - 1.0)
-                .collect()
-        };
-        let (p0, g) = (mk(1), mk(2));
-        let (m0, v0) = (mk(3), mk(4).iter().map(|x| x.abs()).collect::<Vec<_>>());
-        let c = Update {
-            b1: 0.9,
-            b2: 0.999,
-            eps: 1e-8,
-            step_size: 0.013,
-            sqrt_bc2: 0.031,
-            decay: 0.9999,
-            grad_scale: 0.37,
-        };
-        let (mut p1, mut m1, mut v1) = (p0.clone(), m0.clone(), v0.clone());
-        adamw_chunk(&mut p1, &mut m1, &mut v1, &g, c);
-        let (mut p2, mut m2, mut v2) = (p0, m0, v0);
-        unsafe { adamw_chunk_avx512(&mut p2, &mut m2, &mut v2, &g, c) };
-        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&p1), bits(&p2));
-        assert_eq!(bits(&m1), bits(&m2));
-        assert_eq!(bits(&v1), bits(&v2));
     }
 
     #[test]

@@ -16,10 +16,11 @@ use crate::config::{Config, ConfigError, ModelConfig, Plan};
 use crate::data::dataset::{load_samples, DatasetOptions};
 use crate::data::{ChatTemplate, PromptDataset, TokenizerBundle};
 use crate::metrics::Tracker;
-use crate::model::hf::Loaded;
-use crate::model::lora::{self, LoraSpec};
+use crate::model::Exec;
 use crate::reward::{ModelContext, NativeRegistry, RewardManager};
 use crate::util::expand_home;
+use crate::weights::hf::Loaded;
+use crate::weights::peft::{self, LoraSpec};
 
 /// The data-parallel rules of a run on `comm`'s ranks: `trainer.nnodes ×
 /// trainer.n_gpus_per_node` (when set) must be the number of processes the launcher started,
@@ -77,7 +78,7 @@ pub fn check_paths(cfg: &Config, plan: &Plan) -> std::result::Result<(), ConfigE
     }
     let model = &cfg.actor_rollout_ref.model;
     // A hub id (org/name) that is not a local path is fetched by the model loader.
-    if !crate::model::is_hub_id(&model.path) {
+    if !crate::weights::is_hub_id(&model.path) {
         need("actor_rollout_ref.model.path", &model.path);
     }
     if let Some(t) = &model.tokenizer_path {
@@ -86,7 +87,7 @@ pub fn check_paths(cfg: &Config, plan: &Plan) -> std::result::Result<(), ConfigE
     if let Some(t) = &cfg.data.tokenizer {
         need("data.tokenizer", t);
     }
-    if plan.need_critic && !crate::model::is_hub_id(&cfg.critic.model.path) {
+    if plan.need_critic && !crate::weights::is_hub_id(&cfg.critic.model.path) {
         need("critic.model.path", &cfg.critic.model.path);
     }
     let python_files = cfg
@@ -259,6 +260,41 @@ pub fn reward_manager(
     Ok(reward)
 }
 
+/// The model of a run an execution setting is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Actor,
+    /// Generation (rollouts, validation, `main_ppo generate`): the actor's weights.
+    Rollout,
+    Reference,
+    Critic,
+}
+
+/// How the `role` model's forwards run, read from its section in one place: per-layer
+/// recomputation from `enable_gradient_checkpointing` (training roles), bf16 products from the
+/// section's `fsdp_config.mixed_precision.param_dtype` (generation: `rollout.dtype`, as verl's
+/// rollout engine has its own precision).
+pub fn exec(cfg: &Config, role: Role) -> Exec {
+    let a = &cfg.actor_rollout_ref;
+    let (recompute, precision) = match role {
+        Role::Actor => (
+            a.model.enable_gradient_checkpointing,
+            a.actor.fsdp_config.mixed_precision.param_dtype,
+        ),
+        Role::Rollout => (false, a.rollout.dtype),
+        Role::Reference => (false, a.reference.fsdp_config.mixed_precision.param_dtype),
+        Role::Critic => (
+            cfg.critic.model.enable_gradient_checkpointing,
+            cfg.critic.model.fsdp_config.mixed_precision.param_dtype,
+        ),
+    };
+    Exec {
+        recompute,
+        composed: false,
+        bf16: precision.is_bf16(),
+    }
+}
+
 /// The policy's weights from `actor_rollout_ref.model.path` (the actor, and again the frozen
 /// reference) and the tokenizer the run reads prompts with: `data.tokenizer`, else
 /// `model.tokenizer_path`, else the model's own.
@@ -274,7 +310,7 @@ pub fn load_policy_as(
 ) -> Result<(Loaded, TokenizerBundle)> {
     let m = &cfg.actor_rollout_ref.model;
     let t0 = Instant::now();
-    let mut out = crate::model::load_model_and_tokenizer(
+    let mut out = crate::weights::load_model_and_tokenizer(
         &m.path,
         tokenizer_override(cfg),
         &m.override_config,
@@ -282,9 +318,7 @@ pub fn load_policy_as(
         device,
         true,
     )?;
-    out.0
-        .model
-        .set_gradient_checkpointing(m.enable_gradient_checkpointing);
+    out.0.model.set_exec(exec(cfg, Role::Actor));
     tracing::info!(
         "policy: {} loaded in {:.1} s",
         m.path,
@@ -311,9 +345,9 @@ pub fn attach_lora(
     let (spec, source) = match &m.lora_adapter_path {
         Some(p) => {
             let path = std::path::PathBuf::from(expand_home(p));
-            let file = lora::read_adapter(&path)
+            let file = peft::read_adapter(&path)
                 .map_err(|e| TrainerError::Other(format!("{key}.lora_adapter_path={p}: {e}")))?;
-            let dir = lora::adapter_dir(&path)?;
+            let dir = peft::adapter_dir(&path)?;
             (file.spec, Some(dir))
         }
         None => (
@@ -329,7 +363,7 @@ pub fn attach_lora(
             None,
         ),
     };
-    let adapted = lora::attach(&mut loaded.model, &spec, &adapters, seed, key)?;
+    let adapted = peft::attach(&mut loaded.model, &spec, &adapters, seed, key)?;
     // PEFT's `lora_dropout` from the adapter's config (what `PeftModel.from_pretrained(...,
     // is_trainable=True)` applies in verl), in training forwards only.
     loaded
@@ -337,8 +371,8 @@ pub fn attach_lora(
         .set_adapter_dropout(spec.dropout, seed ^ 0x6c6f_7261_5f64_726f)
         .map_err(|e| TrainerError::Other(format!("{key}: {e}")))?;
     if let Some(dir) = &source {
-        let file = lora::read_adapter(dir)?;
-        lora::assign_adapter(&adapters, &file.tensors, dir)
+        let file = peft::read_adapter(dir)?;
+        peft::assign_adapter(&adapters, &file.tensors, dir)
             .map_err(|e| TrainerError::Other(format!("{key}.lora_adapter_path: {e}")))?;
     }
     tracing::info!(
@@ -380,13 +414,7 @@ pub fn reference(
         _ => None,
     };
     if let Some(r) = &mut r {
-        let p = cfg
-            .actor_rollout_ref
-            .reference
-            .fsdp_config
-            .mixed_precision
-            .param_dtype;
-        r.model.set_bf16_matmuls(p.is_bf16());
+        r.model.set_exec(exec(cfg, Role::Reference));
     }
     Ok(r)
 }
@@ -408,7 +436,7 @@ pub fn load_critic(cfg: &Config, device: &Device, tok: &TokenizerBundle) -> Resu
         c.tokenizer_path
             .as_deref()
             .or(cfg.actor_rollout_ref.model.tokenizer_path.as_deref());
-    let (mut l, ctok) = crate::model::load_model_and_tokenizer(
+    let (mut l, ctok) = crate::weights::load_model_and_tokenizer(
         &c.path,
         tokenizer,
         &c.override_config,
@@ -416,10 +444,7 @@ pub fn load_critic(cfg: &Config, device: &Device, tok: &TokenizerBundle) -> Resu
         device,
         false,
     )?;
-    l.model
-        .set_gradient_checkpointing(c.enable_gradient_checkpointing);
-    l.model
-        .set_bf16_matmuls(c.fsdp_config.mixed_precision.param_dtype.is_bf16());
+    l.model.set_exec(exec(cfg, Role::Critic));
     let (theirs, ours) = (
         ctok.tokenizer.get_vocab_size(true),
         tok.tokenizer.get_vocab_size(true),

@@ -26,7 +26,7 @@ fn fixture() -> Fixture {
     let args = ModelArgs::tiny(Arch::Llama, 259);
     let (vm, _) = tiny_model(&args, DType::F32, 0.1);
     write_tokenizer_dir(&model).unwrap();
-    crate::model::hf::save_dir(&vm, &args, &model, &[258], Some(&model), None).unwrap();
+    crate::weights::hf::save_dir(&vm, &args, &model, &[258], Some(&model), None).unwrap();
     let data = dir.path().join("train.jsonl");
     let rows: Vec<_> = (0..16)
         .map(|i| verl_row(&format!("q{i}"), &i.to_string()))
@@ -491,7 +491,7 @@ fn checkpoint_exports_an_actor_that_loads_with_identical_outputs() {
     )
     .unwrap();
     assert_eq!(state["global_step"], 3);
-    let (loaded, tok) = crate::model::load_model_and_tokenizer(
+    let (loaded, tok) = crate::weights::load_model_and_tokenizer(
         &hf_dir.display().to_string(),
         None,
         &Map::new(),
@@ -1077,7 +1077,7 @@ mod lora;
 #[test]
 fn mixed_precision_keys_reach_actor_rollout_reference_and_critic() {
     let fx = fixture();
-    let bf16_here = crate::model::bf16::available();
+    let bf16_here = crate::kernels::bf16::available();
     let plain = trainer(
         &fx,
         &[

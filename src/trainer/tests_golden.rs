@@ -70,7 +70,7 @@ fn seeded_fixture() -> Fixture {
                 .unwrap();
         }
     }
-    crate::model::hf::save_dir(&vm, &args, &fx.model, &[258], Some(&fx.model), None).unwrap();
+    crate::weights::hf::save_dir(&vm, &args, &fx.model, &[258], Some(&fx.model), None).unwrap();
     fx
 }
 

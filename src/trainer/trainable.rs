@@ -19,8 +19,9 @@ use super::{Result, TrainerError};
 use crate::config::{MicroBatching, OptimConfig, UpdatePlan};
 use crate::data::TokenizerBundle;
 use crate::dist::Comm;
-use crate::model::lora::{self, LoraSpec};
-use crate::model::{hf, CausalLm, ModelArgs, ValueHead};
+use crate::model::{CausalLm, ModelArgs, ValueHead};
+use crate::weights::hf;
+use crate::weights::peft::{self, LoraSpec};
 
 /// A network a [`Trainable`] can hold: it gives a view of its weights without autograd.
 pub trait Network: Sized {
@@ -74,7 +75,7 @@ impl Network for ValueModel {
     }
 }
 
-/// A model's LoRA adapters (see [`crate::model::lora`]): what was added, and where from.
+/// A model's LoRA adapters (see [`crate::weights::peft`]): what was added, and where from.
 pub struct LoraState {
     pub spec: LoraSpec,
     /// The adapter variables, named as PEFT saves them.
@@ -258,7 +259,7 @@ impl<N: Network> Trainable<N> {
 
     /// PEFT's adapter folder of `l` (plus fully trained heads) in `dir`.
     fn save_adapter(&self, l: &LoraState, dir: &Path) -> Result<()> {
-        let mut tensors = lora::adapter_tensors(&l.adapters);
+        let mut tensors = peft::adapter_tensors(&l.adapters);
         let mut heads = Vec::new();
         for (name, var) in self.varmap.data().lock().expect("varmap lock").iter() {
             if !is_backbone(name) {
@@ -268,14 +269,14 @@ impl<N: Network> Trainable<N> {
         }
         heads.sort();
         heads.dedup();
-        let config = lora::adapter_config(
+        let config = peft::adapter_config(
             &l.spec,
             &l.adapted,
             &l.base_model,
             l.task_type,
             (!heads.is_empty()).then_some(heads),
         );
-        lora::save_adapter(dir, &config, &tensors)?;
+        peft::save_adapter(dir, &config, &tensors)?;
         Ok(())
     }
 
@@ -288,8 +289,8 @@ impl<N: Network> Trainable<N> {
             }
             Some(l) => {
                 let path = dir.join("lora_adapter");
-                let file = lora::read_adapter(&path)?;
-                lora::assign_adapter(&l.adapters, &file.tensors, &path)?;
+                let file = peft::read_adapter(&path)?;
+                peft::assign_adapter(&l.adapters, &file.tensors, &path)?;
                 assign_heads(&self.varmap, &file.tensors, &path)?;
             }
         }

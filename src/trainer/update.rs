@@ -25,6 +25,7 @@ use super::trainable::{Network, Trainable, UpdateSettings};
 use crate::algo::AggNorm;
 use crate::config::{MicroBatching, UpdatePlan};
 use crate::dist::Collective;
+use crate::kernels::storage::add_in_place;
 use crate::metrics::{mean, Metrics};
 use crate::util::permutation;
 
@@ -172,43 +173,6 @@ pub fn mini_batch_grads<N: Network>(
         scalars.add(out.scalars, scale);
     }
     Ok(Some(grads))
-}
-
-/// `acc += t` in `acc`'s own storage when both are contiguous f32 on the CPU with one shape
-/// (the training case: no new gigabyte of gradients per micro-batch); `false` (nothing done)
-/// otherwise. The caller guarantees that no other tensor shares `acc`'s storage.
-fn add_in_place(acc: &Tensor, t: &Tensor) -> candle_core::Result<bool> {
-    struct AddAssign;
-    impl candle_core::InplaceOp2 for AddAssign {
-        fn name(&self) -> &'static str {
-            "grad-accumulate"
-        }
-        fn cpu_fwd(
-            &self,
-            s1: &mut candle_core::CpuStorage,
-            l1: &candle_core::Layout,
-            s2: &candle_core::CpuStorage,
-            l2: &candle_core::Layout,
-        ) -> candle_core::Result<()> {
-            let (a, b) = super::optim::f32_operands("grad-accumulate", s1, l1, s2, l2)?;
-            if a.len() != b.len() {
-                candle_core::bail!("grad-accumulate: {} and {} values", a.len(), b.len());
-            }
-            crate::model::simd::par_zip(a, b, |x, y| x + y);
-            Ok(())
-        }
-    }
-    let fits = acc.device().is_cpu()
-        && t.device().is_cpu()
-        && acc.dtype() == DType::F32
-        && t.dtype() == DType::F32
-        && acc.shape() == t.shape()
-        && acc.is_contiguous()
-        && t.is_contiguous();
-    if fits {
-        acc.inplace_op2(t, &AddAssign)?;
-    }
-    Ok(fits)
 }
 
 pub(super) fn dist_error(e: crate::dist::DistError) -> candle_core::Error {

@@ -288,7 +288,7 @@ fn setup(dir: &Path) {
     let args = ModelArgs::tiny(Arch::Llama, 259);
     let (vm, _) = main_ppo::testing::tiny_model(&args, DType::F32, 0.1);
     main_ppo::testing::write_tokenizer_dir(&model).unwrap();
-    main_ppo::model::hf::save_dir(&vm, &args, &model, &[258], Some(&model), None).unwrap();
+    main_ppo::weights::hf::save_dir(&vm, &args, &model, &[258], Some(&model), None).unwrap();
     let rows: Vec<serde_json::Value> = (0..8)
         .map(|i| main_ppo::testing::verl_row(&format!("What is {i} + {i}?"), &(2 * i).to_string()))
         .collect();

@@ -8,6 +8,7 @@ use candle_core::{DType, Device};
 use proptest::prelude::*;
 
 use super::*;
+use crate::model::{Arch, ModelArgs};
 
 /// A tiny Llama in GGUF (tokenizer in the metadata) and the offset where tensor data starts.
 fn tiny_gguf(dir: &Path) -> (std::path::PathBuf, usize) {

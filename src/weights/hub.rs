@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use hf_hub::api::sync::ApiBuilder;
 use hf_hub::{Cache, Repo, RepoType};
 
-use super::ModelError;
+use crate::model::ModelError;
 
 /// Files a model directory needs (the weights are found through these or the index).
 const REQUIRED: [&str; 2] = ["config.json", "tokenizer.json"];
@@ -442,7 +442,8 @@ mod tests {
         let args = crate::model::ModelArgs::tiny(crate::model::Arch::Qwen2, 259);
         let (vm, _) = crate::testing::tiny_model(&args, candle_core::DType::F32, 0.1);
         crate::testing::write_tokenizer_dir(src.path()).unwrap();
-        crate::model::hf::save_dir(&vm, &args, src.path(), &[258], Some(src.path()), None).unwrap();
+        crate::weights::hf::save_dir(&vm, &args, src.path(), &[258], Some(src.path()), None)
+            .unwrap();
         std::fs::read_dir(src.path())
             .unwrap()
             .map(|e| {
@@ -491,7 +492,7 @@ mod tests {
                 .all(|(_, a)| a.as_deref() == Some("Bearer hf_secret")),
             "{reqs:?}"
         );
-        let loaded = crate::model::hf::load_dir(
+        let loaded = crate::weights::hf::load_dir(
             &dir,
             &serde_json::Map::new(),
             candle_core::DType::F32,
@@ -628,7 +629,8 @@ mod tests {
         let args = crate::model::ModelArgs::tiny(crate::model::Arch::Qwen2, 259);
         let (vm, _) = crate::testing::tiny_model(&args, candle_core::DType::F32, 0.1);
         crate::testing::write_tokenizer_dir(src.path()).unwrap();
-        crate::model::hf::save_dir(&vm, &args, src.path(), &[258], Some(src.path()), None).unwrap();
+        crate::weights::hf::save_dir(&vm, &args, src.path(), &[258], Some(src.path()), None)
+            .unwrap();
         let files: Vec<(String, Vec<u8>)> = std::fs::read_dir(src.path())
             .unwrap()
             .map(|e| {
@@ -646,7 +648,7 @@ mod tests {
         let snap = fake_cache(root.path(), "org/tiny", &refs);
         let dir = cached_snapshot("org/tiny", root.path()).unwrap();
         assert_eq!(dir, snap);
-        let loaded = crate::model::hf::load_dir(
+        let loaded = crate::weights::hf::load_dir(
             &dir,
             &serde_json::Map::new(),
             candle_core::DType::F32,

@@ -16,111 +16,13 @@
 //! CPU with f32/f64 runs this; other devices and dtypes use the composition
 //! (`CausalLm::token_logprobs_composed`).
 
-use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::decode::Elem;
-use super::simd::vectorized;
-
-/// Whether the fused op serves tensors on `device` of `dtype`.
-pub fn fused_supported(device: &Device, dtype: DType) -> bool {
-    matches!(device, Device::Cpu) && matches!(dtype, DType::F32 | DType::F64)
-}
-
-/// Whether a product runs on rayon's threads or on the calling thread only (inside a task that
-/// is already one of many parallel tasks).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Par {
-    Rayon,
-    None,
-}
-
-/// `dst[m, n] (+)= a[m, k] · b[k, n]` as [`gemm_strided`], with bf16 operands and f32 sums
-/// ([`super::bf16`]) when `bf16` is set, the elements are f32 and the CPU has AMX or AVX512-BF16; otherwise in
-/// the element type.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn gemm_mixed<T: Elem>(
-    bf16: bool,
-    dst: &mut [T],
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &[T],
-    a_rs: usize,
-    a_cs: usize,
-    b: &[T],
-    b_rs: usize,
-    b_cs: usize,
-    acc: bool,
-    par: Par,
-) {
-    if bf16 && super::bf16::available() {
-        if let (Some(a32), Some(b32)) = (T::f32s(a), T::f32s(b)) {
-            let d32 = T::f32s_mut(dst).expect("a, b and dst share one element type");
-            super::bf16::gemm(d32, m, n, k, a32, a_rs, a_cs, b32, b_rs, b_cs, acc, par);
-            return;
-        }
-    }
-    gemm_strided(dst, m, n, k, a, a_rs, a_cs, b, b_rs, b_cs, acc, par)
-}
-
-/// `dst[m, n] (+)= a[m, k] · b[k, n]` with explicit (row, column) strides for `a` and `b`;
-/// `dst` row-major contiguous; `acc` adds to `dst`.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn gemm_strided<T: Elem>(
-    dst: &mut [T],
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &[T],
-    a_rs: usize,
-    a_cs: usize,
-    b: &[T],
-    b_rs: usize,
-    b_cs: usize,
-    acc: bool,
-    par: Par,
-) {
-    assert!(dst.len() >= m * n);
-    if m == 0 || n == 0 || k == 0 {
-        if !acc {
-            dst[..m * n].fill(T::zero());
-        }
-        return;
-    }
-    assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs);
-    assert!(b.len() > (k - 1) * b_rs + (n - 1) * b_cs);
-    let threads = rayon::current_num_threads();
-    let par = if threads > 1 && par == Par::Rayon {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    // SAFETY: the asserts bound the largest index read from `a` and `b` and written to `dst`.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            acc,
-            a.as_ptr(),
-            a_cs as isize,
-            a_rs as isize,
-            b.as_ptr(),
-            b_cs as isize,
-            b_rs as isize,
-            T::one(),
-            T::one(),
-            false,
-            false,
-            false,
-            par,
-        )
-    }
-}
+use crate::kernels::bf16::{self, PackedB};
+use crate::kernels::elem::Elem;
+use crate::kernels::gemm::{gemm_mixed, gemm_strided};
+use crate::kernels::simd::{vectorized, Par};
 
 /// Row statistics of logits `z` (one row): (max-shifted log-sum-exp, Σ p z).
 #[inline(always)]
@@ -167,17 +69,17 @@ struct LogProbs {
 
 /// `W` `[vocab, hid]` packed for the bf16 products `x·Wᵀ` (`t`) and `x·W`, when they apply.
 struct Packs {
-    t: Option<super::bf16::PackedB>,
-    n: Option<super::bf16::PackedB>,
+    t: Option<PackedB>,
+    n: Option<PackedB>,
 }
 
 impl Packs {
     fn new<T: Elem>(bf16: bool, w: &[T], hid: usize, transposed: bool, plain: bool) -> Self {
         let vocab = w.len() / hid.max(1);
         match T::f32s(w) {
-            Some(w) if bf16 && super::bf16::available() => Packs {
-                t: transposed.then(|| super::bf16::PackedB::new(w, 1, hid, hid, vocab, Par::Rayon)),
-                n: plain.then(|| super::bf16::PackedB::new(w, hid, 1, vocab, hid, Par::Rayon)),
+            Some(w) if bf16 && bf16::available() => Packs {
+                t: transposed.then(|| PackedB::new(w, 1, hid, hid, vocab, Par::Rayon)),
+                n: plain.then(|| PackedB::new(w, hid, 1, vocab, hid, Par::Rayon)),
             },
             _ => Packs { t: None, n: None },
         }
@@ -186,7 +88,7 @@ impl Packs {
     /// `dst[m, ·] = a[m, ·] · (Wᵀ or W)` through the pack when there is one, else in `T`.
     #[allow(clippy::too_many_arguments)]
     fn product<T: Elem>(
-        pack: Option<&super::bf16::PackedB>,
+        pack: Option<&PackedB>,
         dst: &mut [T],
         m: usize,
         a: &[T],
@@ -198,7 +100,7 @@ impl Packs {
         let vocab = w.len() / hid;
         if let (Some(p), Some(a32)) = (pack, T::f32s(a)) {
             let d32 = T::f32s_mut(dst).expect("one element type");
-            super::bf16::gemm_packed(d32, m, a32, lda, 1, p, false, Par::Rayon);
+            bf16::gemm_packed(d32, m, a32, lda, 1, p, false, Par::Rayon);
         } else if transposed {
             gemm_strided(dst, m, vocab, hid, a, lda, 1, w, 1, hid, false, Par::Rayon);
         } else {

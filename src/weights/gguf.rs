@@ -15,10 +15,9 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
 
-use super::config::{Arch, ModelArgs};
 use super::hf::{build, Loaded};
-use super::ModelError;
 use crate::data::{SpecialTokens, TokenizerBundle};
+use crate::model::{Arch, ModelArgs, ModelError};
 
 fn meta<'a>(c: &'a Content, key: &str, path: &Path) -> Result<&'a Value, ModelError> {
     c.metadata

@@ -1,13 +1,12 @@
-//! LoRA adapters on the transformer's projections, and PEFT's adapter format.
+//! PEFT's LoRA on a model: which projections get adapters, attaching them, and PEFT's adapter
+//! folder (read and write). The adapter arithmetic itself is `model::proj`.
 //!
-//! A projection `y = x·Wᵀ (+ b)` with an adapter computes `y + s·(x·Aᵀ)·Bᵀ`, with `A` `[r, in]`
-//! and `B` `[out, r]` trainable and `W` frozen; `s = alpha / r` (or `alpha / √r` with
-//! `use_rslora`). `A` starts Kaiming-uniform (bound `1/√in`, what PyTorch's
-//! `kaiming_uniform_(a=√5)` gives), `B` at zero, so a fresh adapter leaves the model unchanged.
 //! Which projections get one follows PEFT's `check_target_module_exists` on HF module names
 //! (`model.layers.3.self_attn.q_proj`): a string target is a regular expression that must
 //! match the whole name (`all-linear` = every projection), a list matches a name equal to an
-//! entry or ending in `.entry`; `exclude_modules` uses the same two rules and wins.
+//! entry or ending in `.entry`; `exclude_modules` uses the same two rules and wins. `A` starts
+//! Kaiming-uniform (bound `1/√in`, what PyTorch's `kaiming_uniform_(a=√5)` gives), `B` at
+//! zero, so a fresh adapter leaves the model unchanged.
 //!
 //! On disk an adapter is PEFT's folder: `adapter_config.json` and `adapter_model.safetensors`
 //! with tensors `base_model.model.<module>.lora_A.weight` `[r, in]` and `...lora_B.weight`
@@ -16,170 +15,14 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{Device, Result, Tensor};
-use candle_nn::{Linear, VarMap};
+use candle_core::{Device, Tensor};
+use candle_nn::VarMap;
 use serde_json::{json, Value};
 
-use super::transformer::CausalLm;
-use super::ModelError;
 use crate::config::fields::OneOrMany;
-
-/// A low-rank update of one projection: `A` `[r, in]`, `B` `[out, r]`, scale `s`.
-#[derive(Clone)]
-pub struct Lora {
-    pub a: Tensor,
-    pub b: Tensor,
-    pub scale: f64,
-    /// The mask of this forward's adapter dropout; set only on the per-forward copy of a layer
-    /// that a training forward runs (see `CausalLm::set_adapter_dropout`), never on the model.
-    pub dropout: Option<Dropout>,
-}
-
-/// PEFT's `lora_dropout` on one projection in one forward: the adapter sees `x ⊙ m / (1 − p)`
-/// (`y = x·Wᵀ + s·(dropout(x)·Aᵀ)·Bᵀ`; the base sees `x`), with `m_i` = 1 with probability
-/// `1 − p`. The mask is a function of `seed` and the element's index in the row-major
-/// `[rows, in]` input (a counter-based hash), so the forward, the backward and a recomputation
-/// all draw the same mask without storing it, on any number of threads.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Dropout {
-    pub p: f64,
-    pub seed: u64,
-}
-
-/// SplitMix64's output function: a bijective mix of 64 bits.
-pub(super) fn mix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-impl Dropout {
-    /// Whether element `i` of the input is kept: a uniform draw in [0, 1) from `(seed, i)`
-    /// against `p`.
-    pub fn keeps(&self, i: usize) -> bool {
-        let u = (mix64(self.seed ^ mix64(i as u64)) >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
-        u >= self.p
-    }
-
-    /// `v ⊙ m / (1 − p)` in place (`v` row-major `[rows, in]`, element `i` masked by `keeps(i)`).
-    pub(super) fn apply<T: super::decode::Elem>(&self, v: &mut [T]) {
-        use rayon::prelude::*;
-        let s = T::from_f64(1.0 / (1.0 - self.p));
-        const CHUNK: usize = 1 << 14;
-        v.par_chunks_mut(CHUNK).enumerate().for_each(|(c, chunk)| {
-            for (j, x) in chunk.iter_mut().enumerate() {
-                *x = if self.keeps(c * CHUNK + j) {
-                    *x * s
-                } else {
-                    T::zero()
-                };
-            }
-        });
-    }
-
-    /// The mask `m / (1 − p)` as a tensor of `shape` (the candle composition's form).
-    pub(super) fn mask(
-        &self,
-        shape: &[usize],
-        dtype: candle_core::DType,
-        device: &Device,
-    ) -> Result<Tensor> {
-        let mut m = vec![1f64; shape.iter().product()];
-        self.apply(&mut m);
-        Tensor::from_vec(m, shape, &Device::Cpu)?
-            .to_dtype(dtype)?
-            .to_device(device)
-    }
-}
-
-/// One linear projection of a layer: the base weight and, with LoRA, its adapter.
-#[derive(Clone)]
-pub struct Proj {
-    pub base: Linear,
-    pub lora: Option<Lora>,
-}
-
-impl Proj {
-    pub fn new(base: Linear) -> Self {
-        Self { base, lora: None }
-    }
-
-    /// The base weight `[out, in]`.
-    pub fn weight(&self) -> &Tensor {
-        self.base.weight()
-    }
-
-    pub fn bias(&self) -> Option<&Tensor> {
-        self.base.bias()
-    }
-
-    /// The same projection cut from autograd (same storage).
-    pub fn detached(&self) -> Proj {
-        Proj {
-            base: Linear::new(self.weight().detach(), self.bias().map(Tensor::detach)),
-            lora: self.lora.as_ref().map(|l| Lora {
-                a: l.a.detach(),
-                b: l.b.detach(),
-                scale: l.scale,
-                dropout: l.dropout,
-            }),
-        }
-    }
-
-    /// `W + s·B·A` `[out, in]` (detached), or `W` itself without an adapter.
-    pub fn merged_weight(&self) -> Result<Tensor> {
-        match &self.lora {
-            None => Ok(self.weight().detach()),
-            Some(l) => {
-                let delta = (l.b.detach().matmul(&l.a.detach())? * l.scale)?; // [out, in]
-                self.weight().detach() + delta.to_dtype(self.weight().dtype())?
-            }
-        }
-    }
-}
-
-/// `x·Wᵀ` `[n, in] → [n, out]` for a frozen `W` `[out, in]` on the CPU, as one op whose backward
-/// returns only the input's gradient `g·W`. candle's matmul backward also computes `gᵀ·x` for
-/// the weight even when nothing needs it: for a LoRA model's frozen base that is a third of the
-/// projections' training FLOPs spent on a result thrown away.
-struct FrozenMatmul {
-    w: Tensor,
-}
-
-impl candle_core::CustomOp1 for FrozenMatmul {
-    fn name(&self) -> &'static str {
-        "frozen-linear"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s: &candle_core::CpuStorage,
-        l: &candle_core::Layout,
-    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let x = super::recompute::tensor_of(s, l)?; // [n, in]
-        let y = x.matmul(&self.w.t()?)?; // [n, out]
-        Ok((super::recompute::storage_of(&y)?, y.shape().clone()))
-    }
-
-    fn bwd(&self, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(grad.matmul(&self.w)?)) // [n, out]·[out, in]
-    }
-}
-
-/// `x·Wᵀ` for `x` `[n, in]`: through [`FrozenMatmul`] when `W` is frozen, `x` needs a gradient
-/// and everything is on the CPU in f32/f64; a plain product otherwise.
-pub(super) fn base_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let frozen = !w.track_op()
-        && x.track_op()
-        && matches!(x.device(), Device::Cpu)
-        && matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::F64);
-    if frozen {
-        x.contiguous()?.apply_op1(FrozenMatmul { w: w.clone() })
-    } else {
-        x.matmul(&w.t()?)
-    }
-}
+use crate::model::proj::Lora;
+use crate::model::CausalLm;
+use crate::model::ModelError;
 
 /// What LoRA adds and where: verl's `lora_rank`, `lora_alpha`, `target_modules`,
 /// `exclude_modules`, and PEFT's `use_rslora`.
@@ -191,7 +34,7 @@ pub struct LoraSpec {
     pub target_modules: OneOrMany,
     pub exclude_modules: Option<OneOrMany>,
     /// PEFT's `lora_dropout`: the probability of zeroing each adapter input in training
-    /// forwards (0 = off); see [`Dropout`].
+    /// forwards (0 = off); see [`crate::model::proj::Dropout`].
     pub dropout: f64,
 }
 
@@ -572,6 +415,7 @@ pub fn adapter_tensors(adapters: &VarMap) -> HashMap<String, Tensor> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::model::proj::Dropout;
     use crate::model::{Arch, ModelArgs};
     use candle_core::{DType, Var};
 
@@ -724,7 +568,10 @@ pub(crate) mod tests {
         ] {
             let args = ModelArgs::tiny(arch, 30);
             let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
-            m.set_composed_layers(composed);
+            m.set_exec(crate::model::Exec {
+                composed,
+                ..m.exec()
+            });
             let base = logits(&m);
             attach(&mut m, &spec(4, all(), None), &VarMap::new(), 1, "k").unwrap();
             assert!(m.has_adapters());
@@ -775,7 +622,10 @@ pub(crate) mod tests {
             sp.use_rslora = true;
             attach(&mut m, &sp, &ad, 2, "k").unwrap();
             randomize_b(&ad, 0.3);
-            m.set_gradient_checkpointing(recompute);
+            m.set_exec(crate::model::Exec {
+                recompute,
+                ..m.exec()
+            });
             let (ids, pos, mask) = batch();
             let loss = |m: &CausalLm| {
                 let h = m.forward_hidden(&ids, &pos, &mask, None).unwrap();
@@ -837,7 +687,7 @@ pub(crate) mod tests {
     #[test]
     fn reads_a_peft_adapter_fixture() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/peft_lora");
-        let base = crate::model::hf::load_dir(
+        let base = crate::weights::hf::load_dir(
             &dir.join("base"),
             &serde_json::Map::new(),
             DType::F32,
@@ -1054,7 +904,10 @@ pub(crate) mod tests {
     fn dropout_zero_is_the_plain_path_bit_for_bit() {
         for composed in [false, true] {
             let (_vm, mut m, ad) = adapted(DType::F32);
-            m.set_composed_layers(composed);
+            m.set_exec(crate::model::Exec {
+                composed,
+                ..m.exec()
+            });
             let (want_logits, want) = (logits(&m), adapter_grads(&m, &ad));
             for (i, b) in m.blocks_mut().iter_mut().enumerate() {
                 *b = b.with_dropout(0.0, 9, i);
@@ -1072,8 +925,11 @@ pub(crate) mod tests {
     fn dropout_gradients_match_finite_differences() {
         for (recompute, composed) in [(false, false), (true, false), (false, true)] {
             let (_vm, mut m, ad) = adapted(DType::F64);
-            m.set_gradient_checkpointing(recompute);
-            m.set_composed_layers(composed);
+            m.set_exec(crate::model::Exec {
+                recompute,
+                composed,
+                ..m.exec()
+            });
             m.set_adapter_dropout(0.3, 17).unwrap();
             let loss = |m: &CausalLm| {
                 m.set_dropout_position(0);
@@ -1124,8 +980,11 @@ pub(crate) mod tests {
         let run = |recompute: bool, composed: bool| {
             let (_vm, mut m, ad) = adapted(DType::F64);
             m.set_adapter_dropout(0.25, 3).unwrap();
-            m.set_gradient_checkpointing(recompute);
-            m.set_composed_layers(composed);
+            m.set_exec(crate::model::Exec {
+                recompute,
+                composed,
+                ..m.exec()
+            });
             m.set_dropout_position(42);
             adapter_grads(&m, &ad)
         };

@@ -10,9 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use serde_json::Value;
 
-use super::config::ModelArgs;
-use super::transformer::CausalLm;
-use super::ModelError;
+use crate::model::{CausalLm, ModelArgs, ModelError};
 
 /// A model with its variables (the trainer's optimizer updates these).
 pub struct Loaded {

@@ -33,7 +33,7 @@
 use rayon::prelude::*;
 use std::sync::OnceLock;
 
-use super::ops::Par;
+use super::simd::Par;
 
 /// Values in one tile row (bf16) and tile rows.
 const TK: usize = 32;
@@ -173,7 +173,7 @@ fn pack_a(a: &[f32], a_rs: usize, a_cs: usize, m: usize, k: usize, par: bool) ->
 
 /// `b[k, n]` packed as B tiles for any number of products with it (a weight used by every
 /// chunk of rows, every decode step).
-pub(super) struct PackedB {
+pub struct PackedB {
     k: usize,
     n: usize,
     tiles: Vec<u16>,
@@ -182,7 +182,7 @@ pub(super) struct PackedB {
 impl PackedB {
     /// Tile `(ct, kb)` at `(ct·kbs + kb)·TILE` (VNNI pairs): element `(p, j, e)` =
     /// `b[kb·32 + 2p + e, ct·16 + j]`.
-    pub(super) fn new(b: &[f32], b_rs: usize, b_cs: usize, k: usize, n: usize, par: Par) -> Self {
+    pub fn new(b: &[f32], b_rs: usize, b_cs: usize, k: usize, n: usize, par: Par) -> Self {
         if k > 0 && n > 0 {
             assert!(b.len() > (k - 1) * b_rs + (n - 1) * b_cs);
         }
@@ -221,7 +221,7 @@ impl PackedB {
     }
 
     /// Rows (`k`) and columns (`n`) of the packed matrix.
-    pub(super) fn dims(&self) -> (usize, usize) {
+    pub fn dims(&self) -> (usize, usize) {
         (self.k, self.n)
     }
 }
@@ -649,9 +649,9 @@ fn with_tiles<R>(kernel: Kernel, f: impl FnOnce() -> R) -> R {
 }
 
 /// `dst[m, n] (+)= a[m, k] · b[k, n]` with bf16 operands and f32 sums, strides as
-/// [`super::ops::gemm_strided`]. Callers check [`available`] first.
+/// [`super::gemm::gemm_strided`]. Callers check [`available`] first.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn gemm(
+pub fn gemm(
     dst: &mut [f32],
     m: usize,
     n: usize,
@@ -671,7 +671,7 @@ pub(super) fn gemm(
 
 /// `dst[m, n] (+)= a[m, k] · B` with `B [k, n]` packed once by [`PackedB::new`].
 #[allow(clippy::too_many_arguments)]
-pub(super) fn gemm_packed(
+pub fn gemm_packed(
     dst: &mut [f32],
     m: usize,
     a: &[f32],
@@ -930,8 +930,8 @@ mod tests {
 /// crate, same run: `cargo test --release --lib bf16::speed -- --ignored --nocapture`.
 #[cfg(test)]
 mod speed {
+    use super::super::gemm::gemm_strided;
     use super::*;
-    use crate::model::ops::gemm_strided;
     use std::time::Instant;
 
     fn time(mut f: impl FnMut()) -> f64 {

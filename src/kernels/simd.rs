@@ -12,6 +12,8 @@
 //! declined to inline larger closures (measured: the attention softmax ran as a separate,
 //! SSE2-only closure and took twice as long).
 //!
+//! [`Par`] tells a kernel whether to spread over rayon's threads or stay on the calling one.
+//!
 //! [`par_zip`] / [`par_zip2`] are the common shape: one output slice and one or two inputs of
 //! the same length, cut into chunks processed in parallel, each chunk's loop vectorized.
 
@@ -19,11 +21,19 @@ use rayon::prelude::*;
 
 /// Elements per parallel task of the element-wise helpers (64 KiB of f32: enough work per task
 /// to hide rayon's overhead, small enough to spread over the threads).
-pub(crate) const CHUNK: usize = 1 << 14;
+pub const CHUNK: usize = 1 << 14;
+
+/// Whether a product runs on rayon's threads or on the calling thread only (inside a task that
+/// is already one of many parallel tasks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Par {
+    Rayon,
+    None,
+}
 
 /// Runs `f` compiled for AVX-512 (with AVX2 and FMA) when the CPU has it, else as it is.
 #[inline(always)]
-pub(crate) fn vectorized<R>(f: impl FnOnce() -> R) -> R {
+pub fn vectorized<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
@@ -41,7 +51,7 @@ unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// `out[i] = f(out[i], a[i])` for every `i`, in parallel chunks, vectorized.
-pub(crate) fn par_zip<T: Copy + Send + Sync>(out: &mut [T], a: &[T], f: impl Fn(T, T) -> T + Sync) {
+pub fn par_zip<T: Copy + Send + Sync>(out: &mut [T], a: &[T], f: impl Fn(T, T) -> T + Sync) {
     assert_eq!(out.len(), a.len(), "par_zip: slices of different lengths");
     out.par_chunks_mut(CHUNK)
         .zip(a.par_chunks(CHUNK))
@@ -58,7 +68,7 @@ pub(crate) fn par_zip<T: Copy + Send + Sync>(out: &mut [T], a: &[T], f: impl Fn(
 }
 
 /// `out[i] = f(out[i], a[i], b[i])` for every `i`, in parallel chunks, vectorized.
-pub(crate) fn par_zip2<T: Copy + Send + Sync>(
+pub fn par_zip2<T: Copy + Send + Sync>(
     out: &mut [T],
     a: &[T],
     b: &[T],

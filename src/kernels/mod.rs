@@ -1,0 +1,44 @@
+//! CPU kernels that know no model: the ground floor of the crate (what `candle-core/src/cpu`
+//! and llm.c's `llmc/` are to theirs). Nothing here imports the rest of the crate; the model,
+//! the decode engine and the optimizer build on these.
+//!
+//! - `elem`: the element types of the hand-written paths (f32, f64; bf16 cache bits) and the
+//!   lane-wise reductions (`dot`, `sum`, `max`),
+//! - `simd`: element-wise loops compiled at AVX-512 width, and `Par` (rayon or the calling
+//!   thread),
+//! - `gemm`: strided matrix products on host slices, and the mixed f32/bf16 form,
+//! - `bf16`: bf16 products with f32 sums on AMX tiles or AVX512-BF16,
+//! - `adamw`: AdamW's element-wise rule, in place on a parameter's storage,
+//! - `storage`: CPU storage as host slices (custom ops, in-place gradient accumulation).
+//!
+//! [`supported`] is the one rule that says where the hand-written paths serve: the training
+//! layer, the fused LM head and the packed decode engine all run on the CPU in f32 or f64;
+//! everything else (CUDA, half precision) runs candle's op composition.
+
+pub mod adamw;
+pub mod bf16;
+pub mod elem;
+pub mod gemm;
+pub mod simd;
+pub mod storage;
+
+use candle_core::{DType, Device};
+
+/// Whether the hand-written CPU paths serve tensors of `dtype` on `device` (CPU, f32 or f64).
+pub fn supported(device: &Device, dtype: DType) -> bool {
+    matches!(device, Device::Cpu) && matches!(dtype, DType::F32 | DType::F64)
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device};
+
+    #[test]
+    fn hand_written_paths_serve_cpu_f32_and_f64_only() {
+        assert!(super::supported(&Device::Cpu, DType::F32));
+        assert!(super::supported(&Device::Cpu, DType::F64));
+        for d in [DType::BF16, DType::F16, DType::U32] {
+            assert!(!super::supported(&Device::Cpu, d), "{d:?}");
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! Model files on disk ↔ [`CausalLm`](crate::model::CausalLm): HF directories (config.json +
+//! safetensors, sharded or not; load and save), the HF hub cache and downloads, llama.cpp's
+//! GGUF (dequantised; tokenizer and chat template from its metadata), and PEFT's LoRA adapter
+//! folders. This room reads paths, configs and tokenizers; `model` knows none of them.
+//!
+//! - `hf`: HF directories, load and save,
+//! - `hub`: hub ids resolved in the HF cache, downloaded when allowed,
+//! - `gguf`: llama.cpp files,
+//! - `peft`: which projections get adapters, attaching them, PEFT's adapter folder.
+
+pub mod gguf;
+pub mod hf;
+pub mod hub;
+pub mod peft;
+
+use std::path::Path;
+
+use crate::model::{ModelArgs, ModelError};
+
+#[cfg(test)]
+mod props;
+#[cfg(test)]
+mod tests;
+
+/// A model and its tokenizer from `path`: a `.gguf` file, an HF directory, or a hub id found in
+/// the HF cache (downloaded with the `hub` feature); tokenizer from `tokenizer_path` when given.
+pub fn load_model_and_tokenizer(
+    path: &str,
+    tokenizer_path: Option<&str>,
+    overrides: &serde_json::Map<String, serde_json::Value>,
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+    with_lm_head: bool,
+) -> Result<(hf::Loaded, crate::data::TokenizerBundle), ModelError> {
+    let expanded = crate::util::expand_home(path);
+    let p = Path::new(&expanded);
+    let tok_from = |fallback: Option<crate::data::TokenizerBundle>| -> Result<crate::data::TokenizerBundle, ModelError> {
+        match tokenizer_path {
+            Some(t) => crate::data::TokenizerBundle::from_dir(Path::new(&crate::util::expand_home(t))).map_err(|e| ModelError::File { file: t.to_string(), message: e.to_string() }),
+            None => fallback.ok_or_else(|| ModelError::file(p, "no tokenizer".into())),
+        }
+    };
+    if p.is_file() && expanded.ends_with(".gguf") {
+        let (loaded, content) = gguf::load(p, dtype, device, with_lm_head)?;
+        let tok = if tokenizer_path.is_some() {
+            tok_from(None)?
+        } else {
+            gguf::tokenizer(&content, p)?
+        };
+        return Ok((loaded, tok));
+    }
+    if p.is_dir() {
+        let loaded = hf::load_dir(p, overrides, dtype, device, with_lm_head)?;
+        let own = if tokenizer_path.is_none() {
+            Some(
+                crate::data::TokenizerBundle::from_dir(p)
+                    .map_err(|e| ModelError::file(p, e.to_string()))?,
+            )
+        } else {
+            None
+        };
+        return Ok((loaded, tok_from(own)?));
+    }
+    if is_hub_id(path) {
+        let dir = hub::resolve(path)?;
+        let loaded = hf::load_dir(&dir, overrides, dtype, device, with_lm_head)?;
+        let own = if tokenizer_path.is_none() {
+            Some(
+                crate::data::TokenizerBundle::from_dir(&dir)
+                    .map_err(|e| ModelError::file(&dir, e.to_string()))?,
+            )
+        } else {
+            None
+        };
+        return Ok((loaded, tok_from(own)?));
+    }
+    Err(ModelError::file(p, "no such model: expected an HF model directory (config.json, model.safetensors, tokenizer.json) or a .gguf file".into()))
+}
+
+/// The hyper-parameters of the model at `path` (as [`load_model_and_tokenizer`] would read
+/// them) without reading any weights: a GGUF file's header, an HF directory's `config.json`
+/// (with `overrides`), or a hub id's cached `config.json`. `Ok(None)` when there is nothing to
+/// read without a download (a hub id not in the cache).
+pub fn read_args(
+    path: &str,
+    overrides: &serde_json::Map<String, serde_json::Value>,
+) -> Result<Option<ModelArgs>, ModelError> {
+    let expanded = crate::util::expand_home(path);
+    let p = Path::new(&expanded);
+    if p.is_file() && expanded.ends_with(".gguf") {
+        let (_, c) = gguf::open(p)?;
+        return gguf::read_args(&c, p).map(Some);
+    }
+    if p.is_dir() {
+        return hf::read_config(p, overrides).map(Some);
+    }
+    if is_hub_id(path) {
+        return match hub::cached_snapshot(path, &hub::cache_dir()) {
+            Ok(dir) => hf::read_config(&dir, overrides).map(Some),
+            Err(_) => Ok(None),
+        };
+    }
+    Ok(None)
+}
+
+/// `org/name` that is no local path and no `.gguf` file: a model-hub id.
+pub fn is_hub_id(path: &str) -> bool {
+    let expanded = crate::util::expand_home(path);
+    !Path::new(&expanded).exists()
+        && !path.starts_with(['/', '.', '~'])
+        && path.matches('/').count() == 1
+        && !path.ends_with(".gguf")
+}

@@ -1,0 +1,439 @@
+//! Loading and saving tests on tiny random models: HF directories (single and sharded,
+//! transformers 4 and 5 layouts) and GGUF files, against the same weights in memory.
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+
+use super::*;
+use crate::model::{Arch, CausalLm, ModelArgs};
+
+fn model(arch: Arch, dtype: DType) -> (VarMap, CausalLm) {
+    let mut args = ModelArgs::tiny(arch, 61);
+    args.tie_word_embeddings = arch == Arch::Llama;
+    crate::testing::tiny_model(&args, dtype, 0.3)
+}
+
+fn ids(rows: &[Vec<u32>]) -> Tensor {
+    Tensor::new(rows.to_vec(), &Device::Cpu).unwrap()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// Left-padded batch: (input ids, key mask, positions) for prompts of different lengths.
+fn left_pad(prompts: &[Vec<u32>], pad: u32) -> (Tensor, Tensor, Tensor) {
+    let w = prompts.iter().map(Vec::len).max().unwrap();
+    let mut i = Vec::new();
+    let mut m = Vec::new();
+    let mut p = Vec::new();
+    for pr in prompts {
+        let padn = w - pr.len();
+        i.push([vec![pad; padn], pr.clone()].concat());
+        m.push([vec![0u32; padn], vec![1; pr.len()]].concat());
+        p.push([vec![0u32; padn], (0..pr.len() as u32).collect()].concat());
+    }
+    (ids(&i), ids(&m), ids(&p))
+}
+
+#[test]
+fn save_and_load_round_trip_single_and_sharded() {
+    for (arch, shard) in [(Arch::Llama, None), (Arch::Qwen2, Some(20_000usize))] {
+        let (vm, m) = model(arch, DType::F32);
+        let dir = tempfile::tempdir().unwrap();
+        let tok = tempfile::tempdir().unwrap();
+        crate::testing::write_tokenizer_dir(tok.path()).unwrap();
+        hf::save_dir(&vm, &m.args, dir.path(), &[258], Some(tok.path()), shard).unwrap();
+        if shard.is_some() {
+            assert!(dir.path().join("model.safetensors.index.json").is_file());
+            let n = std::fs::read_dir(dir.path())
+                .unwrap()
+                .filter(|e| {
+                    e.as_ref()
+                        .unwrap()
+                        .file_name()
+                        .to_string_lossy()
+                        .ends_with(".safetensors")
+                })
+                .count();
+            assert!(n > 1, "sharded into {n} files");
+        }
+        assert!(
+            dir.path().join("tokenizer.json").is_file()
+                && dir.path().join("generation_config.json").is_file()
+        );
+        let loaded = hf::load_dir(
+            dir.path(),
+            &Default::default(),
+            DType::F32,
+            &Device::Cpu,
+            true,
+        )
+        .unwrap();
+        assert_eq!(loaded.model.args, m.args);
+        let (pi, pm, pp) = left_pad(&[vec![3, 1, 4, 1, 5], vec![9, 2]], 0);
+        let a = m
+            .logits(&m.forward_hidden(&pi, &pp, &pm, None).unwrap())
+            .unwrap();
+        let b = loaded
+            .model
+            .logits(&loaded.model.forward_hidden(&pi, &pp, &pm, None).unwrap())
+            .unwrap();
+        assert_eq!(
+            max_diff(&a, &b),
+            0.0,
+            "{arch:?}: identical outputs after the round trip"
+        );
+        // The tokenizer bundle reads the saved directory.
+        let bundle = crate::data::TokenizerBundle::from_dir(dir.path()).unwrap();
+        assert_eq!(bundle.eos_token_ids, vec![258]);
+    }
+}
+
+#[test]
+fn load_errors_name_the_file_and_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = hf::load_dir(
+        dir.path(),
+        &Default::default(),
+        DType::F32,
+        &Device::Cpu,
+        true,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("no config.json"), "{e}");
+    let (vm, m) = model(Arch::Llama, DType::F32);
+    hf::save_dir(&vm, &m.args, dir.path(), &[1], None, None).unwrap();
+    // Unsupported architecture.
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap())
+            .unwrap();
+    cfg["architectures"] = serde_json::json!(["GPT2LMHeadModel"]);
+    cfg["model_type"] = serde_json::json!("gpt2");
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let e = hf::load_dir(
+        dir.path(),
+        &Default::default(),
+        DType::F32,
+        &Device::Cpu,
+        true,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("GPT2LMHeadModel") && e.contains("LlamaForCausalLM"),
+        "{e}"
+    );
+    // A shape mismatch names the tensor.
+    cfg["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
+    cfg["model_type"] = serde_json::json!("llama");
+    cfg["intermediate_size"] = serde_json::json!(64);
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let e = hf::load_dir(
+        dir.path(),
+        &Default::default(),
+        DType::F32,
+        &Device::Cpu,
+        true,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("model.layers.0.mlp.down_proj.weight")
+            && e.contains("shape [32, 48], expected [32, 64]"),
+        "{e}"
+    );
+    // override_config applies before the check.
+    hf::load_dir(
+        dir.path(),
+        &serde_json::Map::from_iter([("intermediate_size".to_string(), serde_json::json!(48))]),
+        DType::F32,
+        &Device::Cpu,
+        true,
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("model.safetensors"), b"garbage").unwrap();
+    let e = hf::load_dir(
+        dir.path(),
+        &Default::default(),
+        DType::F32,
+        &Device::Cpu,
+        true,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("model.safetensors") && e.contains("safetensors"),
+        "{e}"
+    );
+}
+
+/// Writes a model as llama.cpp would: GGUF names, permuted Llama Q/K rows, `dtype` storage,
+/// and a byte-level tokenizer in the metadata.
+pub(super) fn write_gguf(
+    vm: &VarMap,
+    args: &ModelArgs,
+    path: &std::path::Path,
+    dtype: candle_core::quantized::GgmlDType,
+) {
+    use candle_core::quantized::gguf_file::Value as G;
+    use candle_core::quantized::QTensor;
+    let data = vm.data().lock().unwrap();
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    for (name, var) in data.iter() {
+        let t = var.as_tensor().clone();
+        let gg = if name == "model.embed_tokens.weight" {
+            "token_embd.weight".to_string()
+        } else if name == "model.norm.weight" {
+            "output_norm.weight".to_string()
+        } else if name == "lm_head.weight" {
+            "output.weight".to_string()
+        } else {
+            let rest = name.strip_prefix("model.layers.").unwrap();
+            let (n, part) = rest.split_once('.').unwrap();
+            let p = match part {
+                "input_layernorm.weight" => "attn_norm.weight",
+                "post_attention_layernorm.weight" => "ffn_norm.weight",
+                "self_attn.q_proj.weight" => "attn_q.weight",
+                "self_attn.k_proj.weight" => "attn_k.weight",
+                "self_attn.v_proj.weight" => "attn_v.weight",
+                "self_attn.o_proj.weight" => "attn_output.weight",
+                "mlp.gate_proj.weight" => "ffn_gate.weight",
+                "mlp.up_proj.weight" => "ffn_up.weight",
+                "mlp.down_proj.weight" => "ffn_down.weight",
+                other => panic!("unexpected {other}"),
+            };
+            format!("blk.{n}.{p}")
+        };
+        let t = if gg.ends_with("attn_q.weight") {
+            gguf::permute(&t, args.num_attention_heads).unwrap()
+        } else if gg.ends_with("attn_k.weight") {
+            gguf::permute(&t, args.num_key_value_heads).unwrap()
+        } else {
+            t
+        };
+        // 1-D tensors stay F32, as llama.cpp keeps norms.
+        let q = QTensor::quantize(
+            &t,
+            if t.rank() == 1 {
+                candle_core::quantized::GgmlDType::F32
+            } else {
+                dtype
+            },
+        )
+        .unwrap();
+        tensors.push((gg, q));
+    }
+    let tok = crate::testing::byte_tokenizer();
+    let vocab = tok.get_vocab(true);
+    let mut tokens = vec![String::new(); vocab.len()];
+    for (t, i) in &vocab {
+        tokens[*i as usize] = t.clone();
+    }
+    let types: Vec<G> = (0..tokens.len())
+        .map(|i| G::I32(if i >= 256 { 3 } else { 1 }))
+        .collect();
+    let u = |x: usize| G::U32(x as u32);
+    let meta: Vec<(&str, G)> = vec![
+        ("general.architecture", G::String("llama".into())),
+        ("llama.block_count", u(args.num_hidden_layers)),
+        ("llama.embedding_length", u(args.hidden_size)),
+        ("llama.feed_forward_length", u(args.intermediate_size)),
+        ("llama.attention.head_count", u(args.num_attention_heads)),
+        ("llama.attention.head_count_kv", u(args.num_key_value_heads)),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            G::F32(args.rms_norm_eps as f32),
+        ),
+        ("llama.rope.freq_base", G::F32(args.rope_theta as f32)),
+        ("llama.context_length", u(args.max_position_embeddings)),
+        ("llama.vocab_size", u(args.vocab_size)),
+        ("tokenizer.ggml.model", G::String("gpt2".into())),
+        ("tokenizer.ggml.pre", G::String("smollm".into())),
+        (
+            "tokenizer.ggml.tokens",
+            G::Array(tokens.iter().map(|t| G::String(t.clone())).collect()),
+        ),
+        ("tokenizer.ggml.merges", G::Array(vec![])),
+        ("tokenizer.ggml.token_type", G::Array(types)),
+        ("tokenizer.ggml.eos_token_id", u(258)),
+        (
+            "tokenizer.chat_template",
+            G::String(crate::testing::CHATML.into()),
+        ),
+    ];
+    let meta_refs: Vec<(&str, &G)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut f = std::fs::File::create(path).unwrap();
+    candle_core::quantized::gguf_file::write(&mut f, &meta_refs, &tensor_refs).unwrap();
+}
+
+#[test]
+fn a_gguf_loads_and_matches_the_same_weights_from_safetensors() {
+    use candle_core::quantized::GgmlDType;
+    let mut args = ModelArgs::tiny(Arch::Llama, 259);
+    args.tie_word_embeddings = false;
+    args.head_dim = 16; // d/2 = 8: the permutation is not its own inverse at this size
+    args.hidden_size = 64;
+    args.intermediate_size = 64; // row length a multiple of 32 for Q8_0 blocks
+    let (vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+    let dir = tempfile::tempdir().unwrap();
+    let (pi, pm, pp) = left_pad(&[vec![3, 1, 4, 1, 5, 9, 2], vec![6, 5]], 0);
+    drop(m);
+    for dtype in [GgmlDType::F32, GgmlDType::Q8_0] {
+        let path = dir.path().join(format!("m-{dtype:?}.gguf"));
+        write_gguf(&vm, &args, &path, dtype);
+        let (loaded, content) = gguf::load(&path, DType::F32, &Device::Cpu, true).unwrap();
+        assert_eq!(loaded.model.args, args);
+        let got = loaded
+            .model
+            .logits(&loaded.model.forward_hidden(&pi, &pp, &pm, None).unwrap())
+            .unwrap();
+        // The reference: the same weights after the same quantisation round trip, in the
+        // safetensors-style model (exact for F32).
+        let qvm = VarMap::new();
+        let qm = CausalLm::new(
+            &args,
+            VarBuilder::from_varmap(&qvm, DType::F32, &Device::Cpu),
+            true,
+        )
+        .unwrap();
+        for (name, var) in qvm.data().lock().unwrap().iter() {
+            let src = vm.data().lock().unwrap()[name].as_tensor().clone();
+            let t = if src.rank() == 2 {
+                candle_core::quantized::QTensor::quantize(&src, dtype)
+                    .unwrap()
+                    .dequantize(&Device::Cpu)
+                    .unwrap()
+            } else {
+                src
+            };
+            var.set(&t).unwrap();
+        }
+        let want = qm
+            .logits(&qm.forward_hidden(&pi, &pp, &pm, None).unwrap())
+            .unwrap();
+        let tol = 1e-5;
+        let d = max_diff(&got, &want);
+        assert!(d < tol, "{dtype:?}: max logit difference {d}");
+        if dtype == GgmlDType::F32 {
+            let bundle = gguf::tokenizer(&content, &path).unwrap();
+            let reference = crate::testing::byte_tokenizer();
+            for text in [
+                "Natalia sold 48 clips.<|im_end|>",
+                "ünïcödé 12345",
+                "<|im_start|>user\nhi",
+            ] {
+                let a = bundle
+                    .tokenizer
+                    .encode(text, false)
+                    .unwrap()
+                    .get_ids()
+                    .to_vec();
+                let b = reference.encode(text, false).unwrap().get_ids().to_vec();
+                // Digits are split one by one, the rest byte by byte: same ids here.
+                assert_eq!(a, b, "{text}");
+                assert_eq!(bundle.tokenizer.decode(&a, false).unwrap(), text);
+            }
+            assert_eq!(bundle.eos_token_ids, vec![258]);
+            assert!(bundle.template(None).is_ok());
+        }
+    }
+    // Not a GGUF.
+    std::fs::write(dir.path().join("bad.gguf"), b"nope").unwrap();
+    let e = gguf::load(&dir.path().join("bad.gguf"), DType::F32, &Device::Cpu, true)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("bad.gguf") && e.contains("GGUF"), "{e}");
+}
+
+/// Logits of a fixed left-padded batch under the model in `dir` (config.json as written).
+fn dir_logits(dir: &std::path::Path) -> Result<Tensor, String> {
+    let loaded = hf::load_dir(dir, &Default::default(), DType::F32, &Device::Cpu, true)
+        .map_err(|e| e.to_string())?;
+    let (pi, pm, pp) = left_pad(&[vec![3, 1, 4, 1, 5, 9, 2, 6], vec![9, 2]], 0);
+    let m = &loaded.model;
+    Ok(m.logits(&m.forward_hidden(&pi, &pp, &pm, None).unwrap())
+        .unwrap())
+}
+
+/// Rewrites `dir/config.json` through `edit`.
+fn edit_config(dir: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(&path, cfg.to_string()).unwrap();
+}
+
+/// transformers 5 writes `rope_parameters: {rope_theta, rope_type}` and no top-level
+/// `rope_theta`. A model saved that way must give the logits of the same model in the old
+/// layout (reading only the old key silently falls back to theta 10000: other logits).
+#[test]
+fn transformers_5_rope_parameters_load_like_the_old_layout() {
+    for arch in [Arch::Llama, Arch::Qwen2] {
+        let mut args = ModelArgs::tiny(arch, 61);
+        args.rope_theta = 100_000.0;
+        let (vm, _m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+        let tok = tempfile::tempdir().unwrap();
+        crate::testing::write_tokenizer_dir(tok.path()).unwrap();
+        let save = |edit: &dyn Fn(&mut serde_json::Value)| {
+            let dir = tempfile::tempdir().unwrap();
+            hf::save_dir(&vm, &args, dir.path(), &[258], Some(tok.path()), None).unwrap();
+            edit_config(dir.path(), edit);
+            dir
+        };
+        // What this crate writes: both layouts.
+        let both = save(&|_| {});
+        let written: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(both.path().join("config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(written["rope_theta"], 100_000.0);
+        assert_eq!(
+            written["rope_parameters"],
+            serde_json::json!({"rope_type": "default", "rope_theta": 100_000.0})
+        );
+        let old = save(&|c| {
+            let o = c.as_object_mut().unwrap();
+            o.remove("rope_parameters");
+            o.remove("rope_scaling");
+        });
+        let v5 = save(&|c| {
+            let o = c.as_object_mut().unwrap();
+            o.remove("rope_theta");
+            o.remove("rope_scaling");
+        });
+        let plain = save(&|c| {
+            let o = c.as_object_mut().unwrap();
+            o.remove("rope_theta");
+            o.remove("rope_parameters");
+            o.remove("rope_scaling");
+        });
+        let (a, b, c) = (
+            dir_logits(old.path()).unwrap(),
+            dir_logits(v5.path()).unwrap(),
+            dir_logits(both.path()).unwrap(),
+        );
+        assert_eq!(max_diff(&a, &b), 0.0, "{arch:?}: v5 layout = old layout");
+        assert_eq!(max_diff(&a, &c), 0.0, "{arch:?}: both layouts = old layout");
+        // The default (10000) really is another model: the test would see a lost theta.
+        let d = dir_logits(plain.path()).unwrap();
+        assert!(max_diff(&a, &d) > 1e-4, "{arch:?}: theta matters here");
+    }
+}
