@@ -4,6 +4,8 @@
 //!
 //! No gradient flows through an estimator, so each runs as a single pass over host memory
 //! (GAE is a backward scan per row; a per-timestep chain of tensor ops would launch `T` kernels).
+//! [`advantages`] works on host matrices ([`Mat`]), which is what the trainer holds;
+//! [`compute_advantage`] is the same with verl's tensor signature (the parity tests call it).
 
 use std::collections::HashMap;
 
@@ -13,7 +15,8 @@ use super::masked::host;
 use super::{bail, Result};
 use crate::config::{AdvEstimator, AlgorithmConfig};
 
-/// What the estimators read. Shapes: `[batch, response_len]`, `index` and `reward_baselines` `[batch]`.
+/// What the estimators read, as tensors. Shapes: `[batch, response_len]`, `index` and
+/// `reward_baselines` `[batch]`.
 #[derive(Debug, Clone, Copy)]
 pub struct AdvantageInputs<'a> {
     /// Rewards placed on tokens (scores, minus the KL penalty when it is in the reward).
@@ -28,15 +31,27 @@ pub struct AdvantageInputs<'a> {
     pub reward_baselines: Option<&'a Tensor>,
 }
 
-/// Row-major host copy of a `[batch, len]` tensor.
-struct Mat {
-    b: usize,
-    t: usize,
-    v: Vec<f64>,
+/// [`AdvantageInputs`] on the host.
+#[derive(Debug, Clone, Copy)]
+pub struct HostInputs<'a> {
+    pub token_level_rewards: &'a Mat,
+    pub response_mask: &'a Mat,
+    pub values: Option<&'a Mat>,
+    pub index: Option<&'a [u64]>,
+    pub reward_baselines: Option<&'a [f64]>,
+}
+
+/// A row-major host matrix `[b, t]` of f64.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mat {
+    pub b: usize,
+    pub t: usize,
+    pub v: Vec<f64>,
 }
 
 impl Mat {
-    fn from(t: &Tensor, name: &str) -> Result<Self> {
+    /// A host copy of a `[batch, len]` tensor; the error names it `name`.
+    pub fn from_tensor(t: &Tensor, name: &str) -> Result<Self> {
         let (b, len) = t.dims2().map_err(|_| {
             candle_core::Error::Msg(format!(
                 "{name} must be [batch, response_len], got {:?}",
@@ -52,17 +67,41 @@ impl Mat {
         };
         Ok(Mat { b, t: len, v })
     }
-    fn row(&self, i: usize) -> &[f64] {
+
+    /// Rows of f32 values, each zero-padded (or cut) to `width`: `[rows.len(), width]`.
+    pub fn from_rows<'r>(rows: impl ExactSizeIterator<Item = &'r [f32]>, width: usize) -> Self {
+        let mut m = Mat::zeros(rows.len(), width);
+        for (i, r) in rows.enumerate() {
+            let n = r.len().min(width);
+            for (d, &x) in m.v[i * width..i * width + n].iter_mut().zip(&r[..n]) {
+                *d = f64::from(x);
+            }
+        }
+        m
+    }
+
+    pub fn row(&self, i: usize) -> &[f64] {
         &self.v[i * self.t..(i + 1) * self.t]
     }
-    fn zeros(b: usize, t: usize) -> Self {
+
+    pub fn zeros(b: usize, t: usize) -> Self {
         Mat {
             b,
             t,
             v: vec![0.0; b * t],
         }
     }
-    fn into_tensor(self, dtype: DType, device: &Device) -> Result<Tensor> {
+
+    fn with(&self, v: Vec<f64>) -> Self {
+        Mat {
+            b: self.b,
+            t: self.t,
+            v,
+        }
+    }
+
+    /// As a tensor of `dtype` on `device`.
+    pub fn into_tensor(self, dtype: DType, device: &Device) -> Result<Tensor> {
         let shape = (self.b, self.t);
         let t = match dtype {
             DType::F32 => Tensor::from_vec(
@@ -77,14 +116,46 @@ impl Mat {
     }
 }
 
-/// Computes `(advantages, returns)` with the estimator `est`.
+/// [`advantages`] with verl's tensor signature: the results in the rewards' dtype and device.
 pub fn compute_advantage(
     est: AdvEstimator,
     inp: &AdvantageInputs,
     cfg: &AlgorithmConfig,
 ) -> Result<(Tensor, Tensor)> {
-    let r = Mat::from(inp.token_level_rewards, "token_level_rewards")?;
-    let m = Mat::from(inp.response_mask, "response_mask")?;
+    let r = Mat::from_tensor(inp.token_level_rewards, "token_level_rewards")?;
+    let m = Mat::from_tensor(inp.response_mask, "response_mask")?;
+    let values = inp
+        .values
+        .map(|v| Mat::from_tensor(v, "values"))
+        .transpose()?;
+    let baselines = inp
+        .reward_baselines
+        .map(|b| b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>())
+        .transpose()?;
+    let host = HostInputs {
+        token_level_rewards: &r,
+        response_mask: &m,
+        values: values.as_ref(),
+        index: inp.index,
+        reward_baselines: baselines.as_deref(),
+    };
+    let (adv, ret) = advantages(est, &host, cfg)?;
+    let dtype = inp.token_level_rewards.dtype();
+    let device = inp.token_level_rewards.device();
+    Ok((
+        adv.into_tensor(dtype, device)?,
+        ret.into_tensor(dtype, device)?,
+    ))
+}
+
+/// Computes `(advantages, returns)` with the estimator `est`. Outcome estimators return the
+/// advantages as the returns (verl's `return scores, scores`).
+pub fn advantages(
+    est: AdvEstimator,
+    inp: &HostInputs,
+    cfg: &AlgorithmConfig,
+) -> Result<(Mat, Mat)> {
+    let (r, m) = (inp.token_level_rewards, inp.response_mask);
     if (r.b, r.t) != (m.b, m.t) {
         return bail(format!(
             "token_level_rewards {:?} and response_mask {:?} differ in shape",
@@ -107,50 +178,34 @@ pub fn compute_advantage(
         }
     };
     let scores: Vec<f64> = (0..r.b).map(|i| r.row(i).iter().sum()).collect();
+    let outcome = |a: Vec<f64>| (broadcast(&a, m).v, None);
     let (adv, ret) = match est {
         AdvEstimator::Gae => {
-            let values = inp.values.ok_or_else(|| {
+            let v = inp.values.ok_or_else(|| {
                 candle_core::Error::Msg("adv_estimator=gae needs critic values".into())
             })?;
-            let v = Mat::from(values, "values")?;
             if (v.b, v.t) != (r.b, r.t) {
                 return bail("values and token_level_rewards differ in shape");
             }
-            let (adv, ret) = gae(&r, &v, &m, cfg.gamma, cfg.lam)?;
+            let (adv, ret) = gae(r, v, m, cfg.gamma, cfg.lam)?;
             (adv, Some(ret))
         }
-        AdvEstimator::Grpo => {
-            let a = grpo_scalars(&scores, index()?, cfg.norm_adv_by_std_in_grpo, 1e-6);
-            (broadcast(&a, &m).v, None)
-        }
+        AdvEstimator::Grpo => outcome(grpo_scalars(
+            &scores,
+            index()?,
+            cfg.norm_adv_by_std_in_grpo,
+            1e-6,
+        )),
         AdvEstimator::Rloo | AdvEstimator::RlooVectorized => {
             let single_gets_score = est == AdvEstimator::Rloo;
-            let a = rloo_scalars(&scores, index()?, single_gets_score);
-            (broadcast(&a, &m).v, None)
+            outcome(rloo_scalars(&scores, index()?, single_gets_score))
         }
         AdvEstimator::ReinforcePlusPlus => {
-            let (adv, ret) = reinforce_pp(&r, &m, cfg.gamma)?;
+            let (adv, ret) = reinforce_pp(r, m, cfg.gamma)?;
             (adv, Some(ret))
         }
         AdvEstimator::ReinforcePlusPlusBaseline => {
-            let groups = group_rows(index()?);
-            let mut a = scores.clone();
-            for rows in groups.values() {
-                let mean = if rows.len() > 1 {
-                    rows.iter().map(|&i| scores[i]).sum::<f64>() / rows.len() as f64
-                } else {
-                    0.0
-                };
-                for &i in rows {
-                    a[i] = scores[i] - mean;
-                }
-            }
-            let mut adv = broadcast(&a, &m);
-            host::whiten(&mut adv.v, &m.v).map_err(candle_core::Error::Msg)?;
-            for (x, mk) in adv.v.iter_mut().zip(&m.v) {
-                *x *= mk;
-            }
-            (adv.v, None)
+            (reinforce_pp_baseline(&scores, index()?, m)?, None)
         }
         AdvEstimator::Remax => {
             let base = inp.reward_baselines.ok_or_else(|| {
@@ -158,106 +213,131 @@ pub fn compute_advantage(
                     "adv_estimator=remax needs the greedy baseline rewards".into(),
                 )
             })?;
-            let base = base.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-            if base.len() != r.b {
-                return bail(format!(
-                    "reward_baselines has {} entries for {} responses",
-                    base.len(),
-                    r.b
-                ));
-            }
-            let mut ret = Mat::zeros(r.b, r.t);
-            let mut adv = Mat::zeros(r.b, r.t);
-            for (i, b) in base.iter().enumerate() {
-                let (rr, mm) = (r.row(i), m.row(i));
-                let mut acc = 0.0;
-                for t in (0..r.t).rev() {
-                    acc += rr[t] * mm[t];
-                    ret.v[i * r.t + t] = acc;
-                    adv.v[i * r.t + t] = acc - b * mm[t];
-                }
-            }
-            (adv.v, Some(ret.v))
+            let (adv, ret) = remax(r, m, base)?;
+            (adv, Some(ret))
         }
-        AdvEstimator::Opo => {
-            let lens: Vec<f64> = (0..r.b).map(|i| m.row(i).iter().sum()).collect();
-            let mut a = scores.clone();
-            for rows in group_rows(index()?).values() {
-                let b = if rows.len() > 1 {
-                    let num: f64 = rows.iter().map(|&i| lens[i] * scores[i]).sum();
-                    let den: f64 = rows.iter().map(|&i| lens[i]).sum();
-                    num / den
-                } else {
-                    0.0
-                };
-                for &i in rows {
-                    a[i] = scores[i] - b;
-                }
-            }
-            (broadcast(&a, &m).v, None)
-        }
-        AdvEstimator::GrpoPassk => {
-            let mut a = vec![0.0; r.b];
-            for (g, rows) in group_rows(index()?) {
-                if rows.len() < 2 {
-                    return bail(format!("adv_estimator=grpo_passk needs at least 2 responses per prompt; group {g} has {}", rows.len()));
-                }
-                // The first maximum wins ties; a tie for the maximum gives advantage 0 anyway.
-                let mut best = rows[0];
-                for &i in &rows[1..] {
-                    if scores[i] > scores[best] {
-                        best = i;
-                    }
-                }
-                let second = rows
-                    .iter()
-                    .filter(|&&i| i != best)
-                    .map(|&i| scores[i])
-                    .fold(f64::NEG_INFINITY, f64::max);
-                let mut adv = scores[best] - second;
-                if cfg.norm_adv_by_std_in_grpo {
-                    adv /= std_unbiased(rows.iter().map(|&i| scores[i])) + 1e-6;
-                }
-                a[best] = adv;
-            }
-            (broadcast(&a, &m).v, None)
-        }
+        AdvEstimator::Opo => outcome(opo_scalars(&scores, index()?, m)),
+        AdvEstimator::GrpoPassk => outcome(grpo_passk_scalars(
+            &scores,
+            index()?,
+            cfg.norm_adv_by_std_in_grpo,
+        )?),
         AdvEstimator::Gpg => {
             let nonzero = scores.iter().filter(|s| **s != 0.0).count().max(1);
             let alpha = r.b as f64 / nonzero as f64;
-            let mut a = scores.clone();
-            for rows in group_rows(index()?).values() {
-                let mean = if rows.len() > 1 {
-                    rows.iter().map(|&i| scores[i]).sum::<f64>() / rows.len() as f64
-                } else {
-                    0.0
-                };
-                for &i in rows {
-                    a[i] = alpha * (scores[i] - mean);
-                }
-            }
-            (broadcast(&a, &m).v, None)
+            outcome(centered(&scores, index()?, alpha))
         }
     };
-    let dtype = inp.token_level_rewards.dtype();
-    let device = inp.token_level_rewards.device();
-    let adv = Mat {
-        b: r.b,
-        t: r.t,
-        v: adv,
-    }
-    .into_tensor(dtype, device)?;
+    let adv = r.with(adv);
     let ret = match ret {
-        Some(ret) => Mat {
-            b: r.b,
-            t: r.t,
-            v: ret,
-        }
-        .into_tensor(dtype, device)?,
-        // Outcome estimators return the advantages as the returns (verl's `return scores, scores`).
+        Some(ret) => r.with(ret),
         None => adv.clone(),
     };
     Ok((adv, ret))
+}
+
+/// `scale·(s − mean_g)` per response, the mean over its group (0 for a group of one): GPG's
+/// advantage (`scale` = α) and REINFORCE++-baseline's before whitening (`scale` = 1).
+fn centered(scores: &[f64], index: &[u64], scale: f64) -> Vec<f64> {
+    let mut a = scores.to_vec();
+    for rows in group_rows(index).values() {
+        let mean = if rows.len() > 1 {
+            rows.iter().map(|&i| scores[i]).sum::<f64>() / rows.len() as f64
+        } else {
+            0.0
+        };
+        for &i in rows {
+            a[i] = scale * (scores[i] - mean);
+        }
+    }
+    a
+}
+
+/// REINFORCE++ with a group baseline: scores centred in their group, broadcast over the
+/// response, whitened over the batch's tokens, masked.
+fn reinforce_pp_baseline(scores: &[f64], index: &[u64], m: &Mat) -> Result<Vec<f64>> {
+    let mut adv = broadcast(&centered(scores, index, 1.0), m);
+    host::whiten(&mut adv.v, &m.v).map_err(candle_core::Error::Msg)?;
+    for (x, mk) in adv.v.iter_mut().zip(&m.v) {
+        *x *= mk;
+    }
+    Ok(adv.v)
+}
+
+/// ReMax: returns are the reward-to-go `G_t = Σ_{s≥t} r_s·m_s`; advantages `G_t − b·m_t` with
+/// `b` the greedy response's reward.
+fn remax(r: &Mat, m: &Mat, base: &[f64]) -> Result<(Vec<f64>, Vec<f64>)> {
+    if base.len() != r.b {
+        return bail(format!(
+            "reward_baselines has {} entries for {} responses",
+            base.len(),
+            r.b
+        ));
+    }
+    let mut ret = Mat::zeros(r.b, r.t);
+    let mut adv = Mat::zeros(r.b, r.t);
+    for (i, b) in base.iter().enumerate() {
+        let (rr, mm) = (r.row(i), m.row(i));
+        let mut acc = 0.0;
+        for t in (0..r.t).rev() {
+            acc += rr[t] * mm[t];
+            ret.v[i * r.t + t] = acc;
+            adv.v[i * r.t + t] = acc - b * mm[t];
+        }
+    }
+    Ok((adv.v, ret.v))
+}
+
+/// OPO: `s − b_g` with the length-weighted group baseline `b_g = Σ len·s / Σ len` (0 for a
+/// group of one).
+fn opo_scalars(scores: &[f64], index: &[u64], m: &Mat) -> Vec<f64> {
+    let lens: Vec<f64> = (0..m.b).map(|i| m.row(i).iter().sum()).collect();
+    let mut a = scores.to_vec();
+    for rows in group_rows(index).values() {
+        let b = if rows.len() > 1 {
+            let num: f64 = rows.iter().map(|&i| lens[i] * scores[i]).sum();
+            let den: f64 = rows.iter().map(|&i| lens[i]).sum();
+            num / den
+        } else {
+            0.0
+        };
+        for &i in rows {
+            a[i] = scores[i] - b;
+        }
+    }
+    a
+}
+
+/// GRPO pass@k: in each group only the best response gets an advantage, its margin over the
+/// second best (divided by the group's std + 1e-6 with `norm`); the others 0.
+fn grpo_passk_scalars(scores: &[f64], index: &[u64], norm: bool) -> Result<Vec<f64>> {
+    let mut a = vec![0.0; scores.len()];
+    for (g, rows) in group_rows(index) {
+        if rows.len() < 2 {
+            return bail(format!(
+                "adv_estimator=grpo_passk needs at least 2 responses per prompt; group {g} has {}",
+                rows.len()
+            ));
+        }
+        // The first maximum wins ties; a tie for the maximum gives advantage 0 anyway.
+        let mut best = rows[0];
+        for &i in &rows[1..] {
+            if scores[i] > scores[best] {
+                best = i;
+            }
+        }
+        let second = rows
+            .iter()
+            .filter(|&&i| i != best)
+            .map(|&i| scores[i])
+            .fold(f64::NEG_INFINITY, f64::max);
+        let mut adv = scores[best] - second;
+        if norm {
+            adv /= std_unbiased(rows.iter().map(|&i| scores[i])) + 1e-6;
+        }
+        a[best] = adv;
+    }
+    Ok(a)
 }
 
 /// GAE backward scan; positions with mask 0 carry `nextvalues` and `lastgaelam` through.

@@ -18,7 +18,7 @@ pub mod masked;
 pub mod policy;
 pub mod value;
 
-pub use advantage::{compute_advantage, AdvantageInputs};
+pub use advantage::{advantages, compute_advantage, AdvantageInputs, HostInputs, Mat};
 pub use agg::agg_loss;
 pub use agg::AggNorm;
 pub use kl::{apply_kl_penalty, kl_loss, kl_penalty, KlController};

@@ -10,17 +10,18 @@
 
 use candle_core::{Device, Tensor};
 
-use super::batch::{pad_rows, scatter_rows, Column, Ragged, StepBatch};
-use crate::algo::{apply_kl_penalty, compute_advantage, AdvantageInputs, KlController};
+use super::batch::{pad_rows, Column, Ragged, StepBatch};
+use crate::algo::{advantages, apply_kl_penalty, HostInputs, KlController, Mat};
 use crate::config::AlgorithmConfig;
 use crate::metrics::Metrics;
 
 /// Fills `token_level_rewards`, `advantages` and `returns`; returns the KL-in-reward metrics.
+/// Everything runs on the host: the columns are read as padded `[K, R]` host matrices of the
+/// kept rows, and only the KL penalty (shared with the actor's loss) goes through CPU tensors.
 pub fn compute(
     alg: &AlgorithmConfig,
     kl_ctrl: &mut KlController,
     batch: &mut StepBatch,
-    device: &Device,
 ) -> candle_core::Result<Metrics> {
     let mut m = Metrics::new();
     let kept: Vec<usize> = (0..batch.len()).filter(|&r| !batch.excluded[r]).collect();
@@ -34,49 +35,51 @@ pub fn compute(
     if !kept.is_empty() {
         let width = batch.max_response_len();
         let b: &StepBatch = batch;
-        let rows = |c: Column| b.rows(c, &kept, width, device); // [K, R]
-        let mask = pad_rows(&b.response_mask(), &kept, width, device)?; // [K, R]
-        let scores = rows(Column::TokenLevelScores)?;
-        let rewards = if alg.use_kl_in_reward {
-            let old = rows(Column::OldLogProbs)?;
-            let reference = rows(Column::RefLogProb)?;
-            let penalty = alg.kl_penalty;
-            let (r, kl, beta) =
-                apply_kl_penalty(&scores, &old, &reference, &mask, penalty, kl_ctrl)?;
+        let rows = |c: Column| -> candle_core::Result<Mat> {
+            let col = b.column(c)?;
+            Ok(Mat::from_rows(
+                kept.iter().map(|&r| col[r].as_slice()),
+                width,
+            )) // [K, R]
+        };
+        let mask_rows = b.response_mask();
+        let mask = Mat::from_rows(kept.iter().map(|&r| mask_rows[r].as_slice()), width);
+        if alg.use_kl_in_reward {
+            let (rewards, kl, beta) = kl_in_reward(alg, kl_ctrl, b, &kept, width)?;
             m.insert("actor/reward_kl_penalty".into(), kl);
             m.insert("actor/reward_kl_penalty_coeff".into(), beta);
-            r
-        } else {
-            scores
-        };
+            for (i, &r) in kept.iter().enumerate() {
+                out[0][r].copy_from_slice(&rewards[i][..lens[r]]);
+            }
+        }
+        let rewards = Mat::from_rows(kept.iter().map(|&r| out[0][r].as_slice()), width);
         let values = if b.has(Column::Values) {
             Some(rows(Column::Values)?)
         } else {
             None
         };
         let index: Vec<u64> = kept.iter().map(|&r| b.uid[r]).collect();
-        let baselines = b
+        let baselines: Option<Vec<f64>> = b
             .reward_baselines
             .as_ref()
-            .map(|base| {
-                let v: Vec<f32> = kept.iter().map(|&r| base[r] as f32).collect();
-                Tensor::from_vec(v, kept.len(), device) // [K]
-            })
-            .transpose()?;
-        let (adv, ret) = compute_advantage(
+            // f32 on the way, as the tensor these were read from held them.
+            .map(|base| kept.iter().map(|&r| f64::from(base[r] as f32)).collect());
+        let (adv, ret) = advantages(
             alg.adv_estimator,
-            &AdvantageInputs {
+            &HostInputs {
                 token_level_rewards: &rewards,
                 response_mask: &mask,
                 values: values.as_ref(),
                 index: Some(&index),
-                reward_baselines: baselines.as_ref(),
+                reward_baselines: baselines.as_deref(),
             },
             alg,
         )?;
-        let adv = (adv * &mask)?;
-        for (dst, t) in out.iter_mut().zip([&rewards, &adv, &ret]) {
-            scatter_rows(t, &kept, &lens, dst)?;
+        // Stored in f32: advantages masked in f32, returns as they are.
+        for (i, &r) in kept.iter().enumerate() {
+            let (a, rt, mk) = (adv.row(i), ret.row(i), mask.row(i));
+            out[1][r] = (0..lens[r]).map(|t| a[t] as f32 * mk[t] as f32).collect();
+            out[2][r] = rt[..lens[r]].iter().map(|&x| x as f32).collect();
         }
     }
     let [rewards, adv, ret] = out;
@@ -84,6 +87,28 @@ pub fn compute(
     batch.set(Column::Advantages, adv)?;
     batch.set(Column::Returns, ret)?;
     Ok(m)
+}
+
+/// `algorithm.use_kl_in_reward`: the kept rows' token rewards, scores − β·KL(old ‖ ref), as
+/// `[K][R]` f32 rows, with the step's KL and the β used (the controller moves).
+fn kl_in_reward(
+    alg: &AlgorithmConfig,
+    kl_ctrl: &mut KlController,
+    b: &StepBatch,
+    kept: &[usize],
+    width: usize,
+) -> candle_core::Result<(Vec<Vec<f32>>, f64, f64)> {
+    let cpu = &Device::Cpu;
+    let rows = |c: Column| pad_rows(b.column(c)?, kept, width, cpu); // [K, R]
+    let mask: Tensor = pad_rows(&b.response_mask(), kept, width, cpu)?;
+    let (scores, old, reference) = (
+        rows(Column::TokenLevelScores)?,
+        rows(Column::OldLogProbs)?,
+        rows(Column::RefLogProb)?,
+    );
+    let (r, kl, beta) =
+        apply_kl_penalty(&scores, &old, &reference, &mask, alg.kl_penalty, kl_ctrl)?;
+    Ok((r.to_vec2()?, kl, beta))
 }
 
 #[cfg(test)]
@@ -154,7 +179,7 @@ mod tests {
             ..Default::default()
         };
         let mut kl = KlController::new(&alg.kl_ctrl);
-        compute(&alg, &mut kl, b, &Device::Cpu).unwrap();
+        compute(&alg, &mut kl, b).unwrap();
         b.column(Column::Advantages).unwrap().clone()
     }
 

@@ -175,12 +175,10 @@ impl Trainer {
 
     /// The `adv` phase: token-level rewards, advantages and returns.
     pub(super) fn compute_advantages(&mut self, batch: &mut StepBatch) -> Result<Metrics> {
-        let device = self.actor.device().clone();
         Ok(advantage::compute(
             &self.cfg.algorithm,
             &mut self.kl_ctrl,
             batch,
-            &device,
         )?)
     }
 
