@@ -15,13 +15,18 @@
 //! `actor_rollout_ref.nccl_timeout` seconds for its peers (one died or hung) exits with an error
 //! naming the collective, instead of hanging silently.
 //!
+//! `grads`: what the update sums over the ranks (gradients, per-token rows, scalar metrics);
+//! `wire`: the byte format ranks exchange a step's rows in.
+//!
 //! Nothing below `trainer` imports this module.
 
+pub mod grads;
 #[cfg(feature = "mpi")]
 mod mpi_backend;
 #[cfg(feature = "nccl")]
 mod nccl_backend;
 mod watchdog;
+pub mod wire;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -48,6 +53,13 @@ pub enum DistError {
 }
 
 pub type Result<T> = std::result::Result<T, DistError>;
+
+/// Tensor code (the update's sums over the ranks) reports a failed collective as its error.
+impl From<DistError> for candle_core::Error {
+    fn from(e: DistError) -> Self {
+        candle_core::Error::Msg(e.to_string())
+    }
+}
 
 /// The collectives of data-parallel training. Every rank calls the same collectives in the same
 /// order with buffers of the same length (the root's length for a broadcast).

@@ -4,9 +4,10 @@
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 
-use super::batch::{pad_rows, scatter_rows, Column, Layout, MicroInputs, Ragged, StepBatch};
+use super::batch::{pad_rows, scatter_rows, Column, Ragged, StepBatch};
+use super::micro::{Layout, MicroInputs};
 use super::trainable::{forward_rows, LoraState, Trainable, UpdateSettings};
-use super::update::{dist_error, MicroLoss};
+use super::update::MicroLoss;
 use crate::algo::agg::scalar;
 use crate::algo::{agg_loss, kl_loss, policy_loss, PolicyLossParams};
 use crate::config::{ActorConfig, MicroBatching, Plan};
@@ -53,39 +54,6 @@ pub struct Actor {
     log_prob_micro: MicroBatching,
     /// How generation runs (bf16 products from `actor_rollout_ref.rollout.dtype`).
     rollout_exec: Exec,
-}
-
-/// Rows filled on one rank each (the others empty) made whole on every rank: rows laid end to
-/// end at their response lengths `lens`, zeros where this rank has no values, summed over the
-/// ranks (`x + 0` is exact, so every value arrives unchanged).
-fn sum_over_ranks(
-    comm: &dyn crate::dist::Collective,
-    rows: Ragged,
-    lens: &[usize],
-) -> candle_core::Result<Ragged> {
-    let mut flat = vec![0f32; lens.iter().sum()];
-    let mut at = 0;
-    for (r, (row, &len)) in rows.iter().zip(lens).enumerate() {
-        if !row.is_empty() {
-            if row.len() != len {
-                candle_core::bail!(
-                    "row {r}: {} captured values for a response of {len} tokens",
-                    row.len()
-                );
-            }
-            flat[at..at + len].copy_from_slice(row);
-        }
-        at += len;
-    }
-    crate::dist::all_reduce_sum_bucketed_f32(comm, &mut flat).map_err(dist_error)?;
-    let mut at = 0;
-    Ok(lens
-        .iter()
-        .map(|&len| {
-            at += len;
-            flat[at - len..at].to_vec()
-        })
-        .collect())
 }
 
 impl Actor {
@@ -201,8 +169,8 @@ impl Actor {
         let comm = self.trainable.comm.as_ref();
         if comm.world_size() > 1 {
             let lens = batch.response_lens();
-            lp = sum_over_ranks(comm, lp, &lens)?;
-            ent = sum_over_ranks(comm, ent, &lens)?;
+            lp = crate::dist::grads::sum_rows_over_ranks(comm, lp, &lens)?;
+            ent = crate::dist::grads::sum_rows_over_ranks(comm, ent, &lens)?;
         }
         batch.set(Column::OldLogProbs, lp)?;
         batch.set(Column::Entropys, ent)?;

@@ -6,7 +6,8 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use rand::{Rng, SeedableRng};
 
-use super::batch::{pad_rows, Column, Layout, MicroInputs, StepBatch};
+use super::batch::{pad_rows, Column, StepBatch};
+use super::micro::{Layout, MicroInputs};
 use super::trainable::{assign_heads, LoraState, Network, Trainable, UpdateSettings, ValueModel};
 use super::update::MicroLoss;
 use crate::algo::agg::scalar;

@@ -17,6 +17,7 @@ pub mod advantage;
 pub mod batch;
 pub mod critic;
 mod dumps;
+pub mod micro;
 pub mod optim;
 mod phases;
 pub mod setup;
@@ -35,8 +36,8 @@ use std::time::Instant;
 pub use optim::{clip_grad_norm, AdamW, LrSchedule};
 
 use self::actor::{Actor, Reference};
-use self::batch::Layout;
 use self::critic::Critic;
+use self::micro::Layout;
 use self::phases::RolloutWorker;
 use crate::algo::KlController;
 use crate::checkpoint::CheckpointError;
@@ -366,8 +367,8 @@ impl Trainer {
         };
         if self.cfg.trainer.balance_batch {
             let seqlens: Vec<usize> = (0..batch.len()).map(|r| batch.seq_len(r)).collect();
-            batch.update_order = Some(batch::balanced_order(&seqlens));
-            m.extend(batch::seqlen_metrics(&seqlens));
+            batch.update_order = Some(micro::balanced_order(&seqlens));
+            m.extend(micro::seqlen_metrics(&seqlens));
         }
         m.extend(t.time("adv", || self.compute_advantages(&mut batch))?);
         if let Some(c) = self.critic.as_mut() {

@@ -8,7 +8,7 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 
 use super::actor::{Actor, Reference};
-use super::batch::Layout;
+use super::micro::Layout;
 use super::trainable::LoraState;
 use super::{Result, TrainerError};
 use crate::config::reward::SourceKind;

@@ -669,7 +669,7 @@ fn on_policy_update_ignores_old_log_probs_and_reports_its_entropy() {
     let (prompts, _) = t.next_prompts().unwrap();
     let mut batch = t.generate(&prompts).unwrap();
     let seqlens: Vec<usize> = (0..batch.len()).map(|r| batch.seq_len(r)).collect();
-    batch.update_order = Some(batch::balanced_order(&seqlens));
+    batch.update_order = Some(crate::trainer::micro::balanced_order(&seqlens));
     t.compute_rewards(&mut batch).unwrap();
     t.actor.compute_log_prob(&mut batch).unwrap();
     t.compute_advantages(&mut batch).unwrap();

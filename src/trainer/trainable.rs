@@ -13,7 +13,8 @@ use std::path::Path;
 use candle_core::{Device, Tensor, Var};
 use candle_nn::VarMap;
 
-use super::batch::{scatter_rows, Layout, MicroInputs, Ragged, StepBatch};
+use super::batch::{scatter_rows, Ragged, StepBatch};
+use super::micro::{Layout, MicroInputs};
 use super::optim::{AdamW, LrSchedule};
 use super::{Result, TrainerError};
 use crate::config::{MicroBatching, OptimConfig, UpdatePlan};

@@ -17,13 +17,15 @@
 use std::collections::BTreeMap;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
-use super::batch::{MicroInputs, StepBatch};
+use super::batch::StepBatch;
+use super::micro::MicroInputs;
 use super::optim::{clip_coef, grad_norm};
 use super::trainable::{Network, Trainable, UpdateSettings};
 use crate::algo::AggNorm;
 use crate::config::{MicroBatching, UpdatePlan};
+use crate::dist::grads::{all_reduce_grads, Summed};
 use crate::dist::Collective;
 use crate::kernels::storage::add_in_place;
 use crate::metrics::{mean, Metrics};
@@ -175,103 +177,6 @@ pub fn mini_batch_grads<N: Network>(
     Ok(Some(grads))
 }
 
-pub(super) fn dist_error(e: crate::dist::DistError) -> candle_core::Error {
-    candle_core::Error::Msg(e.to_string())
-}
-
-/// Sums each variable's gradient over the ranks, in buckets of at most
-/// [`crate::dist::BUCKET_BYTES`], after the micro-batch loop and before clipping, so that the
-/// gradient norm, the skip decision and AdamW see the same numbers on every rank. A variable
-/// that received a gradient on no rank stays without one (AdamW leaves it alone, as with one
-/// process); one that did on some ranks only counts zeros for the others. Gradients of f64
-/// variables are summed in f64, all others in f32.
-pub fn all_reduce_grads(
-    comm: &dyn Collective,
-    vars: &[(String, candle_core::Var)],
-    grads: &mut GradStore,
-) -> candle_core::Result<()> {
-    if comm.world_size() == 1 {
-        return Ok(());
-    }
-    let mut present: Vec<f64> = vars
-        .iter()
-        .map(|(_, v)| f64::from(u8::from(grads.get(v.as_tensor()).is_some())))
-        .collect();
-    comm.all_reduce_sum_f64(&mut present).map_err(dist_error)?;
-    let with_grad = |f64s: bool| -> Vec<usize> {
-        (0..vars.len())
-            .filter(|&i| present[i] > 0.0 && (vars[i].1.dtype() == DType::F64) == f64s)
-            .collect()
-    };
-    reduce_group::<f64>(comm, vars, grads, &with_grad(true))?;
-    reduce_group::<f32>(comm, vars, grads, &with_grad(false))
-}
-
-/// An element type the collectives sum.
-trait Summed: candle_core::WithDType {
-    fn all_reduce(comm: &dyn Collective, buf: &mut [Self]) -> crate::dist::Result<()>;
-}
-
-impl Summed for f32 {
-    fn all_reduce(comm: &dyn Collective, buf: &mut [Self]) -> crate::dist::Result<()> {
-        comm.all_reduce_sum_f32(buf)
-    }
-}
-
-impl Summed for f64 {
-    fn all_reduce(comm: &dyn Collective, buf: &mut [Self]) -> crate::dist::Result<()> {
-        comm.all_reduce_sum_f64(buf)
-    }
-}
-
-/// [`all_reduce_grads`] for the variables `members` (indices into `vars`), summed as `T`.
-fn reduce_group<T: Summed>(
-    comm: &dyn Collective,
-    vars: &[(String, candle_core::Var)],
-    grads: &mut GradStore,
-    members: &[usize],
-) -> candle_core::Result<()> {
-    let cap =
-        (crate::dist::BUCKET_BYTES / <T as candle_core::WithDType>::DTYPE.size_in_bytes()).max(1);
-    let mut buf: Vec<T> = Vec::new();
-    let mut held: Vec<usize> = Vec::new();
-    let flush = |buf: &mut Vec<T>, held: &mut Vec<usize>, grads: &mut GradStore| {
-        T::all_reduce(comm, buf).map_err(dist_error)?;
-        let mut at = 0;
-        for &i in held.iter() {
-            let var = &vars[i].1;
-            let n = var.elem_count();
-            let t = Tensor::from_slice(&buf[at..at + n], var.shape(), var.device())?
-                .to_dtype(var.dtype())?;
-            grads.insert(var.as_tensor(), t);
-            at += n;
-        }
-        buf.clear();
-        held.clear();
-        candle_core::Result::Ok(())
-    };
-    for &i in members {
-        let var = &vars[i].1;
-        // [elem_count]: this rank's gradient, zeros where it had none
-        let flat: Vec<T> = match grads.get(var.as_tensor()) {
-            Some(g) => g
-                .flatten_all()?
-                .to_dtype(<T as candle_core::WithDType>::DTYPE)?
-                .to_vec1()?,
-            None => vec![T::zero(); var.elem_count()],
-        };
-        if !buf.is_empty() && buf.len() + flat.len() > cap {
-            flush(&mut buf, &mut held, grads)?;
-        }
-        buf.extend_from_slice(&flat);
-        held.push(i);
-    }
-    if !held.is_empty() {
-        flush(&mut buf, &mut held, grads)?;
-    }
-    Ok(())
-}
-
 impl UpdateScalars {
     /// The scalars of every rank: listed values become (sum, count) pairs, totals add up. The
     /// same on every rank (merged in rank order).
@@ -282,31 +187,17 @@ impl UpdateScalars {
             out.extend(self.totals);
             return Ok(out);
         }
-        let mine: BTreeMap<String, (f64, f64, bool)> = self
+        let mine: BTreeMap<String, Summed> = self
             .lists
             .iter()
-            .map(|(k, v)| (k.clone(), (v.iter().sum::<f64>(), v.len() as f64, false)))
+            .map(|(k, v)| (k.clone(), Summed::mean(v)))
             .chain(
                 self.totals
                     .iter()
-                    .map(|(k, &v)| (k.clone(), (v, 0.0, true))),
+                    .map(|(k, &v)| (k.clone(), Summed::total(v))),
             )
             .collect();
-        let bytes = serde_json::to_vec(&mine).map_err(candle_core::Error::wrap)?;
-        let mut merged: BTreeMap<String, (f64, f64, bool)> = BTreeMap::new();
-        for part in crate::dist::all_gather_bytes(comm, bytes).map_err(dist_error)? {
-            let p: BTreeMap<String, (f64, f64, bool)> =
-                serde_json::from_slice(&part).map_err(candle_core::Error::wrap)?;
-            for (k, (sum, count, total)) in p {
-                let e = merged.entry(k).or_insert((0.0, 0.0, total));
-                e.0 += sum;
-                e.1 += count;
-            }
-        }
-        for (k, (sum, count, total)) in merged {
-            out.insert(k, if total { sum } else { sum / count.max(1.0) });
-        }
-        Ok(out)
+        crate::dist::grads::merge_over_ranks(comm, mine)
     }
 }
 
@@ -441,7 +332,7 @@ mod tests {
     }
 
     /// Micro-batches padded to their longest prompt and response.
-    const PADDED: crate::trainer::batch::Layout = crate::trainer::batch::Layout {
+    const PADDED: crate::trainer::micro::Layout = crate::trainer::micro::Layout {
         pad_id: 0,
         packed: false,
     };

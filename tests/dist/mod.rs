@@ -15,12 +15,14 @@ use std::time::{Duration, Instant};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Var};
 use main_ppo::config::{LossAggMode, MicroBatching, OptimConfig, UpdatePlan};
+use main_ppo::dist::grads::all_reduce_grads;
 use main_ppo::dist::Comm;
 use main_ppo::model::{Arch, CausalLm, ModelArgs};
-use main_ppo::trainer::batch::{Layout, MicroInputs, StepBatch};
+use main_ppo::trainer::batch::StepBatch;
+use main_ppo::trainer::micro::{Layout, MicroInputs};
 use main_ppo::trainer::trainable::{Trainable, UpdateSettings};
 use main_ppo::trainer::update::{
-    all_reduce_grads, mini_batch_grads, mini_batch_norm, MicroCtx, MicroLoss, UpdateScalars,
+    mini_batch_grads, mini_batch_norm, MicroCtx, MicroLoss, UpdateScalars,
 };
 
 /// `mpirun` with the options this machine needs, or `None` (printed) when there is none.
