@@ -305,13 +305,13 @@ fn train_on(
         TrainerError::Config(c) => anyhow::Error::from(c),
         other => anyhow::Error::from(other),
     };
-    let mut trainer = Trainer::new(loaded.config, opts).map_err(lift)?;
+    let mut trainer = Trainer::with_plan(loaded.config, plan, opts).map_err(lift)?;
     tracing::info!(
         "training: steps {}..{} of {}, checkpoints in {}",
         trainer.global_step + 1,
         trainer.total_steps,
         trainer.total_steps,
-        plan.default_local_dir.display()
+        trainer.plan.default_local_dir.display()
     );
     match trainer.fit().map_err(lift)? {
         FitOutcome::Finished { steps } => tracing::info!("training finished after {steps} steps"),

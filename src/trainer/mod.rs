@@ -37,8 +37,7 @@ pub use optim::{clip_grad_norm, AdamW, LrSchedule};
 
 use self::actor::{Actor, Reference};
 use self::critic::Critic;
-use self::micro::Layout;
-use self::phases::RolloutWorker;
+use self::phases::{OldLogProbs, RolloutWorker};
 use crate::algo::KlController;
 use crate::checkpoint::CheckpointError;
 use crate::config::{AdvEstimator, Config, ConfigError, Plan};
@@ -144,6 +143,12 @@ impl Trainer {
     /// any model is read), then resumes from a checkpoint as `trainer.resume_mode` says.
     pub fn new(cfg: Config, opts: TrainerOptions) -> Result<Self> {
         let plan = crate::config::resolve(&cfg)?;
+        Self::with_plan(cfg, plan, opts)
+    }
+
+    /// [`Trainer::new`] with `plan` already resolved from `cfg` (the command line resolves the
+    /// configuration once and hands the plan over).
+    pub fn with_plan(cfg: Config, plan: Plan, opts: TrainerOptions) -> Result<Self> {
         for w in &plan.warnings {
             tracing::warn!("{w}");
         }
@@ -152,66 +157,31 @@ impl Trainer {
         let reward = setup::reward_manager(&cfg, &plan, &opts.natives)?;
         // One GPU per rank of a node: `auto`/`cuda` take the local rank's.
         let device = crate::model::device_at(&cfg.trainer.device, opts.comm.local_rank())?;
-        let (mut loaded, tok) = setup::load_policy(&cfg, &device)?;
-        let actor_lora = setup::attach_lora(
-            &mut loaded,
-            &cfg.actor_rollout_ref.model,
-            "actor_rollout_ref.model",
-            cfg.trainer.seed,
-            "CAUSAL_LM",
-        )?;
-        // Prompt plus response must fit each model's context (max_position_embeddings).
-        let fits = |key: &str, path: &str, limit: usize| {
-            let (p, r) = (plan.prompt_length, plan.response_length);
-            crate::config::data::check_model_context(p, r, limit, key, path)
-        };
-        fits(
-            "actor_rollout_ref.model.path",
-            &cfg.actor_rollout_ref.model.path,
-            loaded.model.args.max_position_embeddings,
-        )?;
-        let template = tok.template(cfg.actor_rollout_ref.model.custom_chat_template.as_deref())?;
-        let with_val = setup::wants_validation(&cfg);
-        let (train, val) = setup::datasets(&cfg, &plan, &tok, &template, with_val)?;
-        let total_steps = setup::total_steps(&cfg, &plan, train.len())?;
-        let r = &cfg.actor_rollout_ref.rollout;
-        let params = SamplingParams::train(r, plan.response_length, &tok.eos_token_ids);
-        let pad = tok.pad_token_id;
-        let mut actor = Actor::new(
-            loaded,
-            &cfg.actor_rollout_ref.actor,
-            &plan,
+        let setup::Policy {
+            mut actor,
+            tokenizer,
+            train,
+            val,
             total_steps,
-            Layout::of(pad, &cfg.actor_rollout_ref.model),
-            actor_lora,
-        );
-        actor.set_rollout_exec(setup::exec(&cfg, setup::Role::Rollout));
+        } = setup::policy(&cfg, &plan, &device)?;
+        let pad = tokenizer.pad_token_id;
         let reference = setup::reference(&cfg, &plan, &actor, &device, pad)?;
-        let critic = if plan.need_critic {
-            let mut l = setup::load_critic(&cfg, &device, &tok)?;
-            let critic_lora = setup::attach_lora(
-                &mut l,
-                &cfg.critic.model,
-                "critic.model",
-                cfg.trainer.seed.wrapping_add(1),
-                "TOKEN_CLS",
-            )?;
-            fits(
-                "critic.model.path",
-                &cfg.critic.model.path,
-                l.model.args.max_position_embeddings,
-            )?;
-            Some(Critic::new(
-                l,
-                &cfg.critic,
+        let mut critic = match plan.need_critic {
+            true => Some(setup::critic(
+                &cfg,
                 &plan,
+                &device,
+                &tokenizer,
                 total_steps,
-                Layout::of(pad, &cfg.critic.model),
-                critic_lora,
-            )?)
-        } else {
-            None
+            )?),
+            false => None,
         };
+        actor.trainable.set_comm(opts.comm.clone());
+        if let Some(c) = critic.as_mut() {
+            c.trainable.set_comm(opts.comm.clone());
+        }
+        let r = &cfg.actor_rollout_ref.rollout;
+        let params = SamplingParams::train(r, plan.response_length, &tokenizer.eos_token_ids);
         let loader = BatchLoader::new(
             train.len(),
             plan.train_batch_size,
@@ -223,18 +193,12 @@ impl Trainer {
             None if opts.comm.rank() == 0 => setup::tracker(&cfg)?,
             None => Tracker::with_sinks(Vec::new()),
         };
-        let mut actor = actor;
-        actor.trainable.set_comm(opts.comm.clone());
-        let mut critic = critic;
-        if let Some(c) = critic.as_mut() {
-            c.trainable.set_comm(opts.comm.clone());
-        }
         let mut t = Trainer {
             rollout: RolloutWorker::new(params, plan.n, plan.seeds.rollout),
             kl_ctrl: KlController::new(&cfg.algorithm.kl_ctrl),
             cfg,
             plan,
-            tokenizer: tok,
+            tokenizer,
             train,
             val,
             loader,
@@ -292,7 +256,7 @@ impl Trainer {
     /// Whether a stop was requested on any rank (all ranks then stop after the same step).
     fn stop_requested(&self) -> Result<bool> {
         let here = self.stop.load(Ordering::SeqCst);
-        crate::dist::any(self.comm.as_ref(), here).map_err(|e| TrainerError::Other(e.to_string()))
+        Ok(crate::dist::any(self.comm.as_ref(), here)?)
     }
 
     fn interrupted(&mut self) -> Result<FitOutcome> {
@@ -343,15 +307,8 @@ impl Trainer {
         if self.cfg.algorithm.adv_estimator == AdvEstimator::Remax {
             t.time("gen_max", || self.remax_baselines(&mut batch))?;
         }
-        // An on-policy update's own forward gives the old log-probs (verl computes them in a
-        // pass of their own, whose values the on-policy update then ignores): the pass is
-        // skipped when nothing reads them before the update.
-        // (The rule counts the step's rows over all ranks: the reward may have left rows out.)
-        let step_rows = crate::dist::sum_count(self.comm.as_ref(), batch.len())
-            .map_err(|e| TrainerError::Other(e.to_string()))?;
-        let old_from_update = !self.cfg.algorithm.use_kl_in_reward
-            && self.actor.update_replaces_old_log_prob(step_rows);
-        if !old_from_update {
+        let old = self.old_log_probs(&batch)?;
+        if old == OldLogProbs::Pass {
             t.time("old_log_prob", || self.actor.compute_log_prob(&mut batch))?;
         }
         if let Some(r) = &self.reference {
@@ -366,26 +323,10 @@ impl Trainer {
             batch
         };
         if self.cfg.trainer.balance_batch {
-            let seqlens: Vec<usize> = (0..batch.len()).map(|r| batch.seq_len(r)).collect();
-            batch.update_order = Some(micro::balanced_order(&seqlens));
-            m.extend(micro::seqlen_metrics(&seqlens));
+            m.extend(self.balance(&mut batch));
         }
         m.extend(t.time("adv", || self.compute_advantages(&mut batch))?);
-        if let Some(c) = self.critic.as_mut() {
-            m.extend(t.time("update_critic", || c.update(&batch, step))?);
-        }
-        if self.cfg.trainer.critic_warmup as u64 <= step {
-            m.extend(t.time("update_actor", || {
-                if old_from_update {
-                    self.actor.update_filling_old_log_prob(&mut batch, step)
-                } else {
-                    self.actor.update(&batch, step)
-                }
-            })?);
-        } else if old_from_update {
-            // No update this step (critic warm-up): the pass runs after all.
-            t.time("old_log_prob", || self.actor.compute_log_prob(&mut batch))?;
-        }
+        self.update_models(&mut batch, step, old, &mut t, &mut m)?;
         self.global_step = step;
         if let (Some(dir), 0) = (self.cfg.trainer.rollout_data_dir.clone(), self.comm.rank()) {
             self.dump_rollouts(&dir, &batch)?;

@@ -88,6 +88,15 @@ pub fn requests(ds: &PromptDataset, rows: &[usize], texts: &[String]) -> Vec<Sco
         .collect()
 }
 
+/// Where a step's old log-probs come from (see [`Trainer::old_log_probs`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum OldLogProbs {
+    /// The `old_log_prob` pass, in verl's place (after the reward).
+    Pass,
+    /// The on-policy update's first forward (`old_log_prob` pass skipped).
+    FromUpdate,
+}
+
 impl Trainer {
     /// Weights posted to the control API apply from this step on.
     /// With data parallelism the API runs on rank 0, which sends the changes to every rank.
@@ -134,8 +143,7 @@ impl Trainer {
         if self.comm.world_size() == 1 {
             return Ok(batch);
         }
-        let parts = crate::dist::all_gather_bytes(self.comm.as_ref(), batch.to_bytes())
-            .map_err(|e| TrainerError::Other(e.to_string()))?;
+        let parts = crate::dist::all_gather_bytes(self.comm.as_ref(), batch.to_bytes())?;
         let parts = parts
             .iter()
             .map(|b| StepBatch::from_bytes(b))
@@ -170,6 +178,59 @@ impl Trainer {
                 .map(|row| scored[row / n].score.unwrap_or(0.0))
                 .collect(),
         );
+        Ok(())
+    }
+
+    /// Where this step's old log-probs come from. An on-policy update's own forward gives
+    /// them (verl computes them in a pass of their own, whose values the on-policy update then
+    /// ignores), so the pass is skipped when nothing reads them before the update: no KL in the
+    /// reward, and the actor's rule for it holds (counting the step's rows over all ranks, as
+    /// the reward may have left rows out).
+    pub(super) fn old_log_probs(&self, batch: &StepBatch) -> Result<OldLogProbs> {
+        let step_rows = crate::dist::sum_count(self.comm.as_ref(), batch.len())?;
+        let from_update = !self.cfg.algorithm.use_kl_in_reward
+            && self.actor.update_replaces_old_log_prob(step_rows);
+        Ok(if from_update {
+            OldLogProbs::FromUpdate
+        } else {
+            OldLogProbs::Pass
+        })
+    }
+
+    /// `trainer.balance_batch`: the update order that evens out the micro-batches' tokens, and
+    /// verl's `global_seqlen/*` metrics.
+    pub(super) fn balance(&self, batch: &mut StepBatch) -> Vec<(String, f64)> {
+        let seqlens: Vec<usize> = (0..batch.len()).map(|r| batch.seq_len(r)).collect();
+        batch.update_order = Some(super::micro::balanced_order(&seqlens));
+        super::micro::seqlen_metrics(&seqlens)
+    }
+
+    /// `update_critic`, then `update_actor` once `critic_warmup` steps have passed. Old
+    /// log-probs the update was to give are computed by their pass when the actor does not
+    /// update (critic warm-up).
+    pub(super) fn update_models(
+        &mut self,
+        batch: &mut StepBatch,
+        step: u64,
+        old: OldLogProbs,
+        t: &mut Timings,
+        m: &mut Metrics,
+    ) -> Result<()> {
+        if let Some(c) = self.critic.as_mut() {
+            m.extend(t.time("update_critic", || c.update(batch, step))?);
+        }
+        let from_update = old == OldLogProbs::FromUpdate;
+        if self.cfg.trainer.critic_warmup as u64 <= step {
+            m.extend(t.time("update_actor", || {
+                if from_update {
+                    self.actor.update_filling_old_log_prob(batch, step)
+                } else {
+                    self.actor.update(batch, step)
+                }
+            })?);
+        } else if from_update {
+            t.time("old_log_prob", || self.actor.compute_log_prob(batch))?;
+        }
         Ok(())
     }
 

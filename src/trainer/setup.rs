@@ -8,6 +8,7 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 
 use super::actor::{Actor, Reference};
+use super::critic::Critic;
 use super::micro::Layout;
 use super::trainable::LoraState;
 use super::{Result, TrainerError};
@@ -390,6 +391,75 @@ pub fn attach_lora(
         task_type,
         source,
     }))
+}
+
+/// The policy side of a run: the actor (with its adapters), the tokenizer prompts are read
+/// with, the datasets, and the number of training steps.
+pub struct Policy {
+    pub actor: Actor,
+    pub tokenizer: TokenizerBundle,
+    pub train: PromptDataset,
+    pub val: Option<PromptDataset>,
+    pub total_steps: u64,
+}
+
+/// Loads the policy (`actor_rollout_ref.model`), attaches its LoRA adapters, checks that
+/// prompt plus response fit its context, and reads the datasets with its tokenizer.
+pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
+    let m = &cfg.actor_rollout_ref.model;
+    let (mut loaded, tok) = load_policy(cfg, device)?;
+    let key = "actor_rollout_ref.model";
+    let lora = attach_lora(&mut loaded, m, key, cfg.trainer.seed, "CAUSAL_LM")?;
+    let context = loaded.model.args.max_position_embeddings;
+    fits_context(plan, "actor_rollout_ref.model.path", &m.path, context)?;
+    let template = tok.template(m.custom_chat_template.as_deref())?;
+    let (train, val) = datasets(cfg, plan, &tok, &template, wants_validation(cfg))?;
+    let total_steps = total_steps(cfg, plan, train.len())?;
+    let inputs = Layout::of(tok.pad_token_id, m);
+    let a = &cfg.actor_rollout_ref.actor;
+    let mut actor = Actor::new(loaded, a, plan, total_steps, inputs, lora);
+    actor.set_rollout_exec(exec(cfg, Role::Rollout));
+    Ok(Policy {
+        actor,
+        tokenizer: tok,
+        train,
+        val,
+        total_steps,
+    })
+}
+
+/// The critic (`critic.model`, with its adapters), which must read the actor's token ids and
+/// fit prompt plus response in its context.
+pub fn critic(
+    cfg: &Config,
+    plan: &Plan,
+    device: &Device,
+    tok: &TokenizerBundle,
+    total_steps: u64,
+) -> Result<Critic> {
+    let m = &cfg.critic.model;
+    let mut l = load_critic(cfg, device, tok)?;
+    let seed = cfg.trainer.seed.wrapping_add(1);
+    let lora = attach_lora(&mut l, m, "critic.model", seed, "TOKEN_CLS")?;
+    let context = l.model.args.max_position_embeddings;
+    fits_context(plan, "critic.model.path", &m.path, context)?;
+    let inputs = Layout::of(tok.pad_token_id, m);
+    Ok(Critic::new(
+        l,
+        &cfg.critic,
+        plan,
+        total_steps,
+        inputs,
+        lora,
+    )?)
+}
+
+/// Prompt plus response must fit a model's context (`max_position_embeddings`).
+fn fits_context(plan: &Plan, key: &str, path: &str, limit: usize) -> Result<()> {
+    let (p, r) = (plan.prompt_length, plan.response_length);
+    Ok(crate::config::data::check_model_context(
+        p, r, limit, key, path,
+    )?)
 }
 
 /// The frozen reference policy when the run needs one (`use_kl_loss` or `use_kl_in_reward`):
