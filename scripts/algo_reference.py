@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Reference values for src/algo (the golden tests in src/algo/golden.rs).
 
-An independent NumPy implementation of verl's formulas as verl-reference.md §5 documents them
-(verl/trainer/ppo/core_algos.py, verl/utils/torch_functional.py, newest snapshot), written for
-this project. Writes tests/fixtures/algo_golden.json. Run: python3 scripts/algo_reference.py
+An independent NumPy implementation of verl's formulas as verl defines them
+(verl/trainer/ppo/core_algos.py, verl/utils/torch_functional.py, verl-project/verl 1dda039),
+written for this project. Writes tests/fixtures/algo_golden.json. Run: python3 scripts/algo_reference.py
 (needs numpy; CI does not run it, the JSON is committed)."""
 import json
 from collections import defaultdict

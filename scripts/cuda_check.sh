@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Type-checks the CUDA build (`cargo check --features cuda`) and the NCCL data-parallel build
 # (`--features nccl,mpi`: NCCL over torchrun or bootstrapped over MPI) on a machine without a GPU, with
-# nvcc from PyPI wheels (see DESIGN.md). The wheels go into a cached virtual environment.
+# nvcc from PyPI wheels (see docs/design.md). The wheels go into a cached virtual environment.
 # Usage: scripts/cuda_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,11 +1,13 @@
 //! main_ppo: verl's PPO trainer (`python -m verl.trainer.main_ppo`) as one Rust binary.
 //!
-//! Layers, lowest first (a module never imports one above it):
-//! `config` (every key and default) → `data` (rows → tokenised prompts) → `model` (the
-//! transformer and its files) → `rollout` (generation) → `reward` (scores) and `algo` (PPO
-//! mathematics) → `metrics` (names, sinks) and `checkpoint` (folder layout, atomic saves) →
-//! `trainer` (the loop) → `cli` (argv, logging, signals, exit codes); `util` (paths, the
-//! seeded permutation) sits below them all.
+//! Rooms, lowest first (a room never names one above it; `scripts/layering.py` checks it):
+//! `util` (paths, the seeded permutation) and `kernels` (CPU kernels that know no model) →
+//! `config` (every key and default) → `data` (rows → tokenised prompts) and `dist`
+//! (collectives, the rank wire format) → `model` (the network and how its forwards run) →
+//! `weights` (model files ↔ the network) → `rollout` (generation) and `algo` (PPO mathematics)
+//! → `reward` (scores) → `metrics` (names, sinks), `checkpoint` (folder layout, atomic saves)
+//! and `control` (the live reward-weight API) → `trainer` (the loop) → `cli` (argv, logging,
+//! signals, exit codes). `docs/design.md` has the conventions and the facts the code relies on.
 
 pub mod algo;
 pub mod checkpoint;

@@ -1,6 +1,6 @@
 //! Advantage estimators (`algorithm.adv_estimator`), ports of verl's
-//! `verl/trainer/ppo/core_algos.py` `compute_*_advantage*` functions (newest snapshot; see
-//! verl-reference §5.1). Each returns `(advantages, returns)`, both `[batch, response_len]`.
+//! `verl/trainer/ppo/core_algos.py` `compute_*_advantage*` functions (verl-project/verl
+//! 1dda039). Each returns `(advantages, returns)`, both `[batch, response_len]`.
 //!
 //! No gradient flows through an estimator, so each runs as a single pass over host memory
 //! (GAE is a backward scan per row; a per-timestep chain of tensor ops would launch `T` kernels).

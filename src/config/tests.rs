@@ -441,7 +441,7 @@ fn yaml_files_with_a_defaults_list() {
     assert!(e.contains("missing.yaml"), "{e}");
 }
 
-// ---- verl's validation rules (verl-reference §1.4), one test each ----
+// ---- verl's validation rules (`verl/utils/config.py::validate_config` and the configs' own `validate`), one test each ----
 
 #[test]
 fn valid_plan_arithmetic() {

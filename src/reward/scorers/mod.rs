@@ -33,7 +33,7 @@ pub enum Builtin {
 /// Names accepted as `scorer`.
 pub const SCORER_NAMES: [&str; 5] = ["gsm8k", "math", "math_dapo", "search_r1", "default"];
 
-/// data_source strings `default` knows (verl-reference §3.1), besides any source starting with `aime`.
+/// data_source strings `default` knows (verl's `verl/utils/reward_score/__init__.py::default_compute_score`), besides any source starting with `aime`.
 pub const KNOWN_SOURCES: [&str; 14] = [
     "openai/gsm8k",
     "lighteval/MATH",
