@@ -7,6 +7,8 @@ use main_ppo::testing::write_tokenizer_dir;
 
 /// Data parallelism over MPI (feature `mpi`).
 mod dist;
+/// verl's example command lines and config folder.
+mod verl;
 
 fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_main_ppo"));

@@ -17,6 +17,9 @@ pub fn check_output_args(
 ) -> Result<(), ConfigError> {
     let yaml = match config.source() {
         Ok(ConfigSource::File(f)) => Some(f),
+        Ok(ConfigSource::Hydra { dir, name }) => {
+            Some(dir.join(format!("{name}.yaml"))).filter(|f| f.is_file())
+        }
         _ => None,
     };
     let mut inputs = vec![("--input", input)];
@@ -88,8 +91,15 @@ pub fn check_output(
     Ok(())
 }
 
+/// A local model folder with a `config.json`, or a `.gguf` file.
+fn has_local_config(path: &str) -> bool {
+    let p = std::path::PathBuf::from(crate::util::expand_home(path));
+    p.join("config.json").is_file() || (p.is_file() && path.ends_with(".gguf"))
+}
+
 /// `config check`: prompt plus response must fit the context of the actor (and the critic, when
-/// the run has one), read from the model's header or `config.json` without loading weights. A
+/// the run has one), read from the model's header or `config.json` without loading weights; a
+/// model whose `config.json` names an architecture or feature not implemented is refused. A
 /// model whose configuration cannot be read here (a hub id not in the cache, a folder without
 /// `config.json`) is checked when training loads it.
 pub fn model_context(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
@@ -117,6 +127,14 @@ pub fn model_context(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
             Ok(None) => tracing::info!(
                 "`{key}` = {path}: not readable without a download; its context is checked when training loads it"
             ),
+            // A local model whose configuration says this implementation cannot run it
+            // (another architecture, a feature of its config.json): training would stop there.
+            Err(e) if has_local_config(path) => {
+                return Err(ConfigError::Value {
+                    key: key.into(),
+                    message: format!("{path}: {e}"),
+                })
+            }
             Err(e) => tracing::info!(
                 "`{key}`: cannot read the model's configuration ({e}); its context is checked when training loads it"
             ),

@@ -103,21 +103,12 @@ impl ConfigArgs {
         }
         match (&self.config_path, &self.config_name) {
             (None, None) => Ok(ConfigSource::Builtin),
-            (dir, Some(name)) => {
-                let dir = dir.clone().unwrap_or_else(|| PathBuf::from("."));
-                let stem = name.trim_end_matches(".yaml");
-                let file = dir.join(format!("{stem}.yaml"));
-                if !file.is_file() && stem == "ppo_trainer" {
-                    return Ok(ConfigSource::Builtin);
-                }
-                if !file.is_file() {
-                    return Err(ConfigError::File {
-                        file: file.display().to_string(),
-                        message: "no such config file (--config-path DIR --config-name NAME reads DIR/NAME.yaml)".into(),
-                    });
-                }
-                Ok(ConfigSource::File(file))
-            }
+            // Hydra's folder and name; verl's own names that the folder lacks (`ppo_trainer`,
+            // `ppo_megatron_trainer`) come from the built-in defaults.
+            (dir, Some(name)) => Ok(ConfigSource::Hydra {
+                dir: dir.clone().unwrap_or_else(|| PathBuf::from(".")),
+                name: name.trim_end_matches(".yaml").to_string(),
+            }),
             (Some(dir), None) => Err(ConfigError::File {
                 file: dir.display().to_string(),
                 message: "--config-path needs --config-name".into(),

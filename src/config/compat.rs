@@ -50,6 +50,7 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("actor_rollout_ref.model.fused_kernel_options", DIST),
     ("actor_rollout_ref.model.tiled_mlp", DIST),
     ("actor_rollout_ref.model.mtp", DIST),
+    ("actor_rollout_ref.model.mtp.enable", Unsupported { default: "false", why: "multi-token-prediction (MTP) heads are not implemented" }),
     ("critic.model.lora", DIST),
     ("critic.model.hf_config_path", DIST),
     ("critic.model.use_shm", DIST),
@@ -74,6 +75,7 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("actor_rollout_ref.actor.profiler", DIST),
     ("actor_rollout_ref.actor.router_replay", DIST),
     ("actor_rollout_ref.actor.qat", DIST),
+    ("actor_rollout_ref.actor.sum_pi_squared_checkpointing", DIST),
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", DIST),
     ("actor_rollout_ref.actor.entropy_from_logits_with_chunking", DIST),
     ("actor_rollout_ref.actor.entropy_from_logits_chunk_size", DIST),
@@ -99,6 +101,7 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("actor_rollout_ref.ref.entropy_from_logits_chunk_size", DIST),
     ("actor_rollout_ref.ref.entropy_checkpointing", DIST),
     ("actor_rollout_ref.ref.pad_to_length", DIST),
+    ("actor_rollout_ref.ref.optim", DIST),
     // inference server (vLLM/SGLang) settings
     ("actor_rollout_ref.rollout.multi_turn.enable", Unsupported { default: "false", why: "multi-turn / tool-calling rollouts are not implemented" }),
     ("actor_rollout_ref.rollout.multi_turn", DIST),
@@ -135,10 +138,20 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("actor_rollout_ref.rollout.moe_load_balance_metrics_interval", DIST),
     ("actor_rollout_ref.rollout.profiler", DIST),
     ("actor_rollout_ref.rollout.prometheus", DIST),
-    ("actor_rollout_ref.rollout.quantization", DIST),
+    ("actor_rollout_ref.rollout.quantization", Unsupported { default: "null", why: "quantized generation (fp8 and the like) is not implemented: rollouts use the policy's own weights" }),
     ("actor_rollout_ref.rollout.quantization_config_file", DIST),
     ("actor_rollout_ref.rollout.mtp", DIST),
     ("actor_rollout_ref.rollout.qat", DIST),
+    ("actor_rollout_ref.rollout.qat.enable", Unsupported { default: "false", why: "quantization-aware training is not implemented" }),
+    ("actor_rollout_ref.rollout.layer_name_map", DIST),
+    ("actor_rollout_ref.rollout.skip_rollout", Unsupported { default: "false", why: "replaying dumped rollouts instead of generating is not implemented" }),
+    ("actor_rollout_ref.rollout.skip_dump_dir", DIST),
+    ("actor_rollout_ref.rollout.moe_tensor_parallel_size", DIST),
+    ("actor_rollout_ref.rollout.router_config_path", DIST),
+    ("actor_rollout_ref.rollout.update_weights_bucket_megabytes", DIST),
+    ("actor_rollout_ref.rollout.sglang_rollout_mode", DIST),
+    ("actor_rollout_ref.rollout.server", DIST),
+    ("actor_rollout_ref.rollout.custom_async_server", DIST),
     ("actor_rollout_ref.rollout.disaggregation", DIST),
     // critic engine
     ("critic.fsdp", DIST),
@@ -148,6 +161,8 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("critic.ulysses_sequence_parallel_size", DIST),
     ("critic.profiler", DIST),
     ("critic.forward_micro_batch_size", DIST),
+    ("critic.nccl_timeout", DIST),
+    ("critic.model.fsdp_config", DIST),
     ("critic.checkpoint.async_save", DIST),
     ("critic.optim.optimizer_impl", DIST),
     ("critic.optim.zero_indexed_step", DIST),
@@ -156,6 +171,10 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("data.gen_batch_size", Unsupported { default: "null", why: "generation batches larger than train_batch_size (DAPO group filtering) are not implemented" }),
     ("data.custom_cls.path", Unsupported { default: "null", why: "custom Python dataset classes cannot run here; convert the data to verl's parquet/JSONL format" }),
     ("data.custom_cls", DIST),
+    ("data.sampler.class_path", Unsupported { default: "null", why: "custom Python sampler classes cannot run here" }),
+    ("data.sampler", DIST),
+    ("data.datagen.path", Unsupported { default: "null", why: "custom Python data generators cannot run here" }),
+    ("data.datagen", DIST),
     ("data.use_shm", DIST),
     ("data.tool_config_path", DIST),
     ("data.function_tool_path", DIST),
@@ -189,11 +208,16 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("algorithm.rollout_correction.rollout_rs", Unsupported { default: "null", why: "rollout rejection sampling is not implemented" }),
     ("algorithm.rollout_correction.bypass_mode", Unsupported { default: "false", why: "bypass mode is not implemented" }),
     ("algorithm.rollout_correction", DIST),
+    ("algorithm.gdpo_reward_keys", Unsupported { default: "null", why: "the gdpo advantage estimator is not implemented" }),
+    ("algorithm.gdpo_reward_weights", Unsupported { default: "null", why: "the gdpo advantage estimator is not implemented" }),
     // trainer runtime
     ("trainer.esi_redundant_time", DIST),
     ("trainer.default_hdfs_dir", DIST),
     ("trainer.ray_wait_register_center_timeout", DIST),
+    ("trainer.checkpoint_callback_class", Unsupported { default: "null", why: "custom Python checkpoint callbacks cannot run here" }),
     ("trainer.use_v1", DIST),
+    ("trainer.v1.trainer_mode", Unsupported { default: "sync", why: "the asynchronous trainers (colocate_async, separate_async) train on rollouts of older policies; main_ppo's loop is verl's synchronous one (trainer_mode: sync)" }),
+    ("trainer.v1.sampler.custom_sampler.path", Unsupported { default: "null", why: "custom Python replay-buffer samplers cannot run here" }),
     ("trainer.v1", DIST),
     // legacy top-level reward keys
     ("custom_reward_function.path", MovedTo("reward.custom_reward_function.path")),
@@ -203,23 +227,144 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("reward_model.model.path", MovedTo("reward.reward_model.model_path")),
     ("reward_model.reward_manager", MovedTo("reward.reward_manager.name")),
     ("reward_model.num_workers", MovedTo("reward.num_workers")),
+    ("reward_model.reward_kwargs", MovedTo("reward.reward_kwargs")),
+    ("reward_model.reward_loop_source", MovedTo("reward.reward_manager.source")),
+    ("reward_model.reward_loop_module_path", Unsupported { default: "null", why: "Python reward-manager classes are not supported; use reward.sources or reward.custom_reward_function" }),
     ("reward_model", DIST),
     ("sandbox_fusion.url", MovedTo("reward.sandbox_fusion.url")),
     ("sandbox_fusion", DIST),
+    // b178a3c's top-level reward manager (verl 1dda039 keeps it under reward.*)
+    ("reward_manager.source", MovedTo("reward.reward_manager.source")),
+    ("reward_manager.name", MovedTo("reward.reward_manager.name")),
+    ("reward_manager.module.path", Unsupported { default: "null", why: "Python reward-manager classes are not supported; use reward.sources or reward.custom_reward_function" }),
+    ("reward_manager", DIST),
+    // verl 1dda039's spelling of the FSDP engines' compute precision
+    ("actor_rollout_ref.actor.fsdp_config.dtype", MovedTo("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype")),
+    ("actor_rollout_ref.ref.fsdp_config.dtype", MovedTo("actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype")),
+    ("critic.fsdp.dtype", MovedTo("critic.model.fsdp_config.mixed_precision.param_dtype")),
+    ("critic.fsdp.mixed_precision.param_dtype", MovedTo("critic.model.fsdp_config.mixed_precision.param_dtype")),
+    ("critic.model.fsdp_config.dtype", MovedTo("critic.model.fsdp_config.mixed_precision.param_dtype")),
 ];
+
+/// The roles that own an engine section (`fsdp_config`, `megatron`, `veomni`, `torchtitan`) and
+/// an optimizer; [`ROLE_TABLE`]'s entries apply below each.
+pub const ROLES: [&str; 3] = ["actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"];
+
+/// Entries below each of [`ROLES`]: the engine sections (their layout keys have no effect) and
+/// the engine-specific optimizer keys (verl's `optim/megatron.yaml`, `optim/veomni.yaml`,
+/// `optim/torchtitan.yaml`). `lr_decay_style`, `min_lr` and `lr_min` map onto the schedule
+/// (`engines.rs`); keys that would change the update are refused unless at verl's default.
+pub const ROLE_TABLE: &[(&str, Compat)] = &[
+    ("fsdp_config", DIST),
+    ("fsdp_config.model_dtype", Unsupported { default: "fp32", why: "weights and optimizer state are kept in fp32 here; fsdp_config.mixed_precision.param_dtype=bf16 gives bf16 products" }),
+    ("fsdp_config.qat.enable", Unsupported { default: "false", why: "quantization-aware training is not implemented" }),
+    ("fsdp", DIST),
+    ("fsdp.model_dtype", Unsupported { default: "fp32", why: "weights and optimizer state are kept in fp32 here; fsdp_config.mixed_precision.param_dtype=bf16 gives bf16 products" }),
+    ("fsdp.qat.enable", Unsupported { default: "false", why: "quantization-aware training is not implemented" }),
+    ("megatron", DIST),
+    ("megatron.qat.enable", Unsupported { default: "false", why: "quantization-aware training is not implemented" }),
+    ("megatron.router_replay.mode", Unsupported { default: "disabled", why: "MoE routing replay needs a mixture-of-experts model; no MoE family is supported" }),
+    ("megatron.override_mcore_model_config", Unsupported { default: "{}", why: "it changes Megatron's model definition; main_ppo builds the model from config.json (actor_rollout_ref.model.override_config changes that)" }),
+    ("veomni", DIST),
+    ("veomni.router_replay.mode", Unsupported { default: "disabled", why: "MoE routing replay needs a mixture-of-experts model; no MoE family is supported" }),
+    ("veomni.load_checkpoint_path", Unsupported { default: "null", why: "the weights come from the model path here (actor_rollout_ref.model.path)" }),
+    ("torchtitan", DIST),
+    ("router_replay", DIST),
+    ("router_replay.mode", Unsupported { default: "disabled", why: "MoE routing replay needs a mixture-of-experts model; no MoE family is supported" }),
+    ("qat", DIST),
+    ("qat.enable", Unsupported { default: "false", why: "quantization-aware training is not implemented" }),
+    ("load_weight", Unsupported { default: "true", why: "load_weight=false starts from random weights; main_ppo always loads the model path" }),
+    ("checkpoint.mbridge_config", DIST),
+    ("strategy", DIST),
+    ("optim.lr_decay_style", DIST),
+    ("optim.min_lr", DIST),
+    ("optim.lr_min", DIST),
+    ("optim.lr_warmup_init", Unsupported { default: "0.0", why: "a warm-up that starts above 0 (Megatron's lr_warmup_init) is not implemented" }),
+    ("optim.lr_decay_steps", Unsupported { default: "null", why: "a decay shorter or longer than the run is not implemented: the schedule spans optim.total_training_steps" }),
+    ("optim.weight_decay_incr_style", Unsupported { default: "constant", why: "a changing weight decay is not implemented" }),
+    ("optim.lr_wsd_decay_style", DIST),
+    ("optim.lr_wsd_decay_steps", DIST),
+    ("optim.use_checkpoint_opt_param_scheduler", DIST),
+    ("optim.use_precision_aware_optimizer", DIST),
+    ("optim.use_layer_wise_distributed_optimizer", DIST),
+    ("optim.main_grads_dtype", Unsupported { default: "fp32", why: "gradients and optimizer state are fp32 here" }),
+    ("optim.exp_avg_dtype", Unsupported { default: "fp32", why: "gradients and optimizer state are fp32 here" }),
+    ("optim.exp_avg_sq_dtype", Unsupported { default: "fp32", why: "gradients and optimizer state are fp32 here" }),
+    ("optim.lr_start", Unsupported { default: "0.0", why: "a warm-up that starts above 0 (VeOmni's lr_start) is not implemented" }),
+    ("optim.lr_decay_ratio", Unsupported { default: "1.0", why: "a decay over part of the run (VeOmni's lr_decay_ratio) is not implemented" }),
+    ("optim.name", DIST),
+    ("optim.decay_type", DIST),
+    ("optim.min_lr_factor", DIST),
+    ("optim.muon_momentum", DIST),
+    ("optim.muon_nesterov", DIST),
+    ("optim.muon_split_qkv", DIST),
+    ("optim.muon_scale_mode", DIST),
+    ("optim.muon_coefficient_type", DIST),
+    ("optim.muon_num_ns_steps", DIST),
+    ("optim.muon_tp_mode", DIST),
+    ("optim.muon_fp32_matmul_prec", DIST),
+    ("optim.muon_extra_scale_factor", DIST),
+    ("optim.muon_scalar_optimizer", DIST),
+    ("optim.muon_match_adamw_update_rms", DIST),
+];
+
+/// verl's defaults for a GPU cluster that main_ppo replaces with its own (a CPU or one GPU per
+/// process, the launcher's process count, fp32 generation) when they come from verl's own config
+/// files; a value the user sets is honoured. `(key, verl's default)`.
+pub const HOST_DEFAULTS: &[(&str, &str)] = &[
+    ("trainer.device", "cuda"),
+    ("trainer.nnodes", "1"),
+    ("trainer.n_gpus_per_node", "8"),
+    ("actor_rollout_ref.rollout.dtype", "bfloat16"),
+];
+
+/// Every entry: [`TABLE`], then [`ROLE_TABLE`] below each role.
+fn entries() -> &'static [(String, Compat)] {
+    static ALL: std::sync::OnceLock<Vec<(String, Compat)>> = std::sync::OnceLock::new();
+    ALL.get_or_init(|| {
+        let mut all: Vec<(String, Compat)> =
+            TABLE.iter().map(|(e, c)| (e.to_string(), *c)).collect();
+        for role in ROLES {
+            all.extend(ROLE_TABLE.iter().map(|(e, c)| (format!("{role}.{e}"), *c)));
+        }
+        all
+    })
+}
+
+/// The table entry that covers a key.
+#[derive(Debug, Clone, Copy)]
+pub struct Found {
+    pub compat: Compat,
+    /// How many leading segments of the key the entry names.
+    pub depth: usize,
+    /// The key is the entry itself (not a key below it).
+    pub exact: bool,
+    /// A Hydra class marker (`_target_`), never reported.
+    pub target: bool,
+}
 
 /// The table entry covering `path` (the most specific one), if any. Segments named `_target_`
 /// (Hydra's class markers) are always covered.
-pub fn lookup(path: &[String]) -> Option<(&'static str, Compat)> {
+pub fn lookup(path: &[String]) -> Option<Found> {
     if path.iter().any(|s| s == "_target_") {
-        return Some(("_target_", NoEffect));
+        return Some(Found {
+            compat: NoEffect,
+            depth: path.len(),
+            exact: true,
+            target: true,
+        });
     }
-    let mut best: Option<(&'static str, Compat)> = None;
-    for (entry, compat) in TABLE {
+    let mut best: Option<Found> = None;
+    for (entry, compat) in entries() {
         let segs: Vec<&str> = entry.split('.').collect();
         let covers = segs.len() <= path.len() && segs.iter().zip(path).all(|(a, b)| *a == b);
-        if covers && best.is_none_or(|(b, _)| b.split('.').count() < segs.len()) {
-            best = Some((entry, *compat));
+        if covers && best.is_none_or(|b| b.depth < segs.len()) {
+            best = Some(Found {
+                compat: *compat,
+                depth: segs.len(),
+                exact: segs.len() == path.len(),
+                target: false,
+            });
         }
     }
     best
@@ -228,17 +373,22 @@ pub fn lookup(path: &[String]) -> Option<(&'static str, Compat)> {
 /// True when `path` is an ancestor of some table entry (`reward_model` for `reward_model.enable`),
 /// so that setting a mapping there is acceptable.
 pub fn is_table_prefix(path: &[String]) -> bool {
-    TABLE.iter().any(|(entry, _)| {
+    entries().iter().any(|(entry, _)| {
         let segs: Vec<&str> = entry.split('.').collect();
         segs.len() > path.len() && segs.iter().zip(path).all(|(a, b)| *a == b)
     })
+}
+
+/// Every key the table names (for "did you mean" suggestions of a key given in the wrong place).
+pub fn entry_keys() -> impl Iterator<Item = &'static str> {
+    entries().iter().map(|(e, _)| e.as_str())
 }
 
 /// The top-level and nested names the table knows at the level below `parent`
 /// (for "did you mean" suggestions).
 pub fn names_under(parent: &[String]) -> Vec<String> {
     let mut out = Vec::new();
-    for (entry, _) in TABLE {
+    for (entry, _) in entries() {
         let segs: Vec<&str> = entry.split('.').collect();
         if segs.len() > parent.len() && segs.iter().zip(parent).all(|(a, b)| *a == b) {
             let name = segs[parent.len()].to_string();
@@ -248,6 +398,34 @@ pub fn names_under(parent: &[String]) -> Vec<String> {
         }
     }
     out
+}
+
+/// Whether two values are the same setting: numbers by value (`0` is `0.0`), strings without
+/// regard to case and with verl's two spellings of a precision (`fp32`/`float32`,
+/// `bf16`/`bfloat16`) taken as one, mappings and lists element by element.
+pub fn same_value(a: &Value, b: &Value) -> bool {
+    fn canon(s: &str) -> String {
+        let l = s.to_ascii_lowercase();
+        match l.as_str() {
+            "float32" => "fp32".into(),
+            "bfloat16" => "bf16".into(),
+            "float16" => "fp16".into(),
+            _ => l,
+        }
+    }
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => x.as_f64() == y.as_f64(),
+        (Value::String(x), Value::String(y)) => canon(x) == canon(y),
+        (Value::Sequence(x), Value::Sequence(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| same_value(p, q))
+        }
+        (Value::Mapping(x), Value::Mapping(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .all(|(k, v)| y.get(k).is_some_and(|w| same_value(v, w)))
+        }
+        _ => a == b,
+    }
 }
 
 /// Parses an `Unsupported` default literal.

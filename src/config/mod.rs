@@ -13,7 +13,10 @@ pub mod algorithm;
 pub mod compat;
 pub mod critic;
 pub mod data;
+mod engines;
 pub mod fields;
+mod groups;
+mod hydra;
 mod interpolate;
 pub mod load;
 pub mod model;
@@ -119,11 +122,21 @@ pub enum ConfigError {
         value: String,
         why: String,
     },
-    #[error("invalid configuration:\n  - {}", .0.join("\n  - "))]
+    /// Broken rules, one per entry (shown on one line when there is one).
+    #[error("{}", invalid_lines(.0))]
     Invalid(Vec<String>),
+}
+
+fn invalid_lines(rules: &[String]) -> String {
+    match rules {
+        [one] => format!("invalid configuration: {one}"),
+        many => format!("invalid configuration:\n  - {}", many.join("\n  - ")),
+    }
 }
 
 #[cfg(test)]
 mod props;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_hydra;

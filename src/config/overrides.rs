@@ -147,7 +147,21 @@ pub fn parse_value(text: &str) -> Result<Value, String> {
     if structured {
         check_nesting(t).map_err(|e| format!("cannot parse `{}`: {e}", clip(t)))?;
     }
-    match serde_yaml_ng::from_str::<Value>(t) {
+    // Hydra's own grammar for unquoted elements (`\{`, `\,` escapes, `*` in a name), which YAML
+    // reads otherwise: the elements are quoted and the containers parsed (again).
+    let container = t.starts_with('[') || t.starts_with('{');
+    let parsed = if container && t.contains('\\') {
+        serde_yaml_ng::from_str::<Value>(&quote_hydra_elements(t))
+    } else {
+        serde_yaml_ng::from_str::<Value>(t)
+    };
+    let parsed = match parsed {
+        Err(_) if container => {
+            serde_yaml_ng::from_str::<Value>(&quote_hydra_elements(t)).or(parsed)
+        }
+        other => other,
+    };
+    match parsed {
         Ok(v @ (Value::Sequence(_) | Value::Mapping(_))) if structured => Ok(v),
         Ok(Value::String(s)) if structured => Ok(Value::String(s)),
         Ok(v @ (Value::Number(_) | Value::Bool(_) | Value::Null)) => Ok(v),
@@ -157,6 +171,69 @@ pub fn parse_value(text: &str) -> Result<Value, String> {
         Err(e) if structured => Err(format!("cannot parse `{}`: {}", clip(t), yaml_message(&e))),
         Err(_) => Ok(Value::String(t.to_string())),
     }
+}
+
+/// A flow list or dict in Hydra's override grammar rewritten as YAML: each unquoted element is
+/// single-quoted with Hydra's backslash escapes removed (`\{*\}` is `{*}`), and a dict's `key:`
+/// gets the space YAML wants.
+fn quote_hydra_elements(t: &str) -> String {
+    let mut out = String::with_capacity(t.len() + 16);
+    let mut token = String::new();
+    let mut stack: Vec<char> = Vec::new();
+    let mut key_done = false;
+    let mut chars = t.chars();
+    let flush = |token: &mut String, out: &mut String| {
+        let tok = token.trim();
+        if !tok.is_empty() {
+            out.push('\'');
+            out.push_str(&tok.replace('\'', "''"));
+            out.push('\'');
+        }
+        token.clear();
+    };
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                if let Some(n) = chars.next() {
+                    token.push(n);
+                }
+            }
+            '\'' | '"' if token.trim().is_empty() => {
+                // A quoted element stays as written.
+                out.push(c);
+                for q in chars.by_ref() {
+                    out.push(q);
+                    if q == c {
+                        break;
+                    }
+                }
+            }
+            '[' | '{' if token.trim().is_empty() => {
+                stack.push(c);
+                key_done = false;
+                out.push(c);
+            }
+            ']' | '}' | ',' => {
+                flush(&mut token, &mut out);
+                if c != ',' {
+                    stack.pop();
+                }
+                key_done = false;
+                out.push(c);
+                if c == ',' {
+                    out.push(' ');
+                }
+            }
+            ':' if stack.last() == Some(&'{') && !key_done => {
+                flush(&mut token, &mut out);
+                key_done = true;
+                out.push_str(": ");
+            }
+            c => token.push(c),
+        }
+    }
+    flush(&mut token, &mut out);
+    out
 }
 
 /// Refuses YAML text that nests more than [`MAX_DEPTH`] levels, in one linear pass before the
@@ -315,6 +392,12 @@ mod tests {
             yaml("[{name: acc, type: builtin, scorer: gsm8k, kwargs: {method: flexible}}]")
         );
         assert!(parse_value("[unclosed").is_err());
+        // Hydra's escapes and a `*` in unquoted names (verl's FSDP-turbo example scripts).
+        assert_eq!(
+            val(r"{model.layers.\{*\}:{},lm_head:{}}"),
+            yaml("{'model.layers.{*}': {}, 'lm_head': {}}")
+        );
+        assert_eq!(val(r"[a\,b,c*]"), yaml("['a,b', 'c*']"));
     }
 
     #[test]

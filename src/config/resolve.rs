@@ -94,6 +94,10 @@ pub struct Plan {
     pub temperatures: Temperatures,
     /// The reward stage, its rules checked.
     pub reward: RewardPlan,
+    /// The token budgets of the passes cut by tokens (`use_dynamic_bsz`): the key and its value.
+    /// verl checks each real micro-batch against them at run time; so does the trainer
+    /// ([`Plan::check_token_budgets`]).
+    pub token_budgets: Vec<(String, usize)>,
     /// Non-fatal findings (printed as warnings).
     pub warnings: Vec<String>,
 }
@@ -159,6 +163,84 @@ impl Plan {
     pub fn steps_per_epoch(&self, rows: usize) -> usize {
         rows / self.train_batch_size
     }
+
+    /// A step's sequences (prompt + response tokens of each batch row) against the token
+    /// budgets: one sequence longer than a budget cannot fit any micro-batch of that pass, which
+    /// stops verl's run too (`rearrange_micro_batches`). The error names the row and the key.
+    pub fn check_token_budgets(&self, seq_lens: &[usize]) -> Result<(), ConfigError> {
+        for (key, budget) in &self.token_budgets {
+            if let Some((row, len)) = seq_lens.iter().enumerate().find(|(_, l)| **l > *budget) {
+                return Err(ConfigError::Value {
+                    key: key.clone(),
+                    message: format!(
+                        "batch row {row} has {len} prompt + response tokens, more than `{key}` ({budget}): a micro-batch must hold one whole sequence; raise `{key}` to at least the longest sequence ({} tokens)",
+                        self.prompt_length + self.response_length
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The token budgets in use (see [`Plan::token_budgets`]), and a warning for each that is
+/// below the longest possible sequence.
+fn token_budgets(cfg: &Config, plan: &Plan, warnings: &mut Vec<String>) -> Vec<(String, usize)> {
+    let (rollout, reference, critic) = (
+        &cfg.actor_rollout_ref.rollout,
+        &cfg.actor_rollout_ref.reference,
+        &cfg.critic,
+    );
+    let own_or_actor = |own: Option<usize>, key: &str| match own {
+        Some(_) => key.to_string(),
+        None => format!("{A}.ppo_max_token_len_per_gpu"),
+    };
+    let mut passes = vec![
+        (
+            Some(plan.actor.micro),
+            format!("{A}.ppo_max_token_len_per_gpu"),
+        ),
+        (
+            Some(plan.log_prob_micro),
+            own_or_actor(
+                rollout.log_prob_max_token_len_per_gpu,
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+            ),
+        ),
+        (
+            plan.ref_log_prob_micro,
+            own_or_actor(
+                reference.log_prob_max_token_len_per_gpu,
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+            ),
+        ),
+        (
+            plan.critic.as_ref().map(|c| c.micro),
+            "critic.ppo_max_token_len_per_gpu".to_string(),
+        ),
+    ];
+    let forward_key = match critic.forward_max_token_len_per_gpu {
+        Some(_) => "critic.forward_max_token_len_per_gpu",
+        None => "critic.ppo_max_token_len_per_gpu",
+    };
+    passes.push((plan.critic_forward_micro, forward_key.to_string()));
+    let longest = plan.prompt_length + plan.response_length;
+    let mut out: Vec<(String, usize)> = Vec::new();
+    for (micro, key) in passes {
+        let Some(MicroBatching::TokenBudget(budget)) = micro else {
+            continue;
+        };
+        if out.iter().any(|(k, _)| *k == key) {
+            continue;
+        }
+        if budget < longest {
+            warnings.push(format!(
+                "`{key}` ({budget}) is below the longest possible sequence ({longest} = prompt + response budgets): a step whose sequence is longer than it stops with an error naming the row, as verl's does"
+            ));
+        }
+        out.push((key, budget));
+    }
+    out
 }
 
 const A: &str = "actor_rollout_ref.actor";
@@ -223,7 +305,7 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
     let (true, Some(reward)) = (f.errors.is_empty(), reward) else {
         return Err(ConfigError::Invalid(f.errors));
     };
-    Ok(Plan {
+    let mut plan = Plan {
         prompt_length: l.prompt_length,
         response_length: l.response_length,
         n: l.n,
@@ -239,8 +321,13 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
         seeds,
         temperatures,
         reward,
+        token_budgets: Vec::new(),
         warnings: f.warnings,
-    })
+    };
+    let mut warnings = std::mem::take(&mut plan.warnings);
+    plan.token_budgets = token_budgets(cfg, &plan, &mut warnings);
+    plan.warnings = warnings;
+    Ok(plan)
 }
 
 /// Rule violations (fatal, reported together) and warnings found so far.
@@ -341,8 +428,7 @@ fn unread_loss_scale_factors(warnings: &mut Vec<String>, cfg: &Config) {
 fn actor_rules(f: &mut Findings, cfg: &Config, l: &Lengths) -> UpdatePlan {
     let Findings { errors, warnings } = f;
     let actor = &cfg.actor_rollout_ref.actor;
-    let (n, tbs, prompt_length, response_length) =
-        (l.n, l.train_batch_size, l.prompt_length, l.response_length);
+    let (n, tbs) = (l.n, l.train_batch_size);
     let mini = actor.ppo_mini_batch_size;
     if mini == 0 {
         errors.push(format!("`{A}.ppo_mini_batch_size` must be at least 1"));
@@ -373,13 +459,6 @@ fn actor_rules(f: &mut Findings, cfg: &Config, l: &Lengths) -> UpdatePlan {
         actor_micro,
         &format!("{A}.ppo_micro_batch_size_per_gpu"),
     );
-    if actor.use_dynamic_bsz && actor.ppo_max_token_len_per_gpu < prompt_length + response_length {
-        errors.push(format!(
-            "`{A}.ppo_max_token_len_per_gpu` ({}) must be >= max prompt + response length ({}) so one sequence fits a micro-batch",
-            actor.ppo_max_token_len_per_gpu,
-            prompt_length + response_length
-        ));
-    }
     if actor.ppo_epochs == 0 {
         errors.push(format!("`{A}.ppo_epochs` must be at least 1"));
     }
@@ -727,8 +806,13 @@ fn trainer_rules(f: &mut Findings, cfg: &Config) -> PathBuf {
             .strip_prefix("cuda:")
             .is_some_and(|i| i.parse::<usize>().is_ok()))
     {
+        let what = if device.starts_with("npu") {
+            "Ascend NPUs are not supported; "
+        } else {
+            ""
+        };
         errors.push(format!(
-            "`trainer.device` ({device:?}) must be auto, cpu, cuda or cuda:N"
+            "`trainer.device` ({device:?}): {what}it must be auto, cpu, cuda or cuda:N"
         ));
     }
     let default_local_dir =

@@ -87,7 +87,7 @@ defaults!(RolloutConfig {
     prompt_length: None,
     response_length: None,
     ignore_eos: false,
-    max_num_seqs: 1024,
+    max_num_seqs: 256,
     max_num_batched_tokens: 8192,
     kv_cache_memory_gb: 2.0,
     log_prob_micro_batch_size: None,

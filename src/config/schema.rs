@@ -112,12 +112,18 @@ impl Schema<'_> {
         let mut all = Vec::new();
         tree::leaves(self.defaults, &mut Vec::new(), &mut all);
         let leaf = path.last().expect("non-empty");
-        for p in all {
-            if p.last() == Some(leaf) && depth + 1 == path.len() {
-                let full = tree::join(&p);
-                if full != key && !suggestions.contains(&full) && suggestions.len() < 5 {
-                    suggestions.push(full);
-                }
+        let elsewhere = all
+            .iter()
+            .map(|p| tree::join(p))
+            .chain(compat::entry_keys().map(str::to_string));
+        for full in elsewhere {
+            if full.rsplit('.').next() == Some(leaf.as_str())
+                && depth + 1 == path.len()
+                && full != key
+                && !suggestions.contains(&full)
+                && suggestions.len() < 5
+            {
+                suggestions.push(full);
             }
         }
         let hint = if !suggestions.is_empty() {

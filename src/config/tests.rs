@@ -503,11 +503,44 @@ fn rule_micro_batch_keys() {
     assert_eq!(p.actor.micro, MicroBatching::TokenBudget(16384));
     let e = rule_error(&["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6"]);
     assert!(e.contains("64 × 1 = 64 responses per mini-batch must be divisible by `actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu` (6)"), "{e}");
-    let e = rule_error(&[
+    // A token budget below the longest possible sequence is verl's run-time rule: a warning
+    // here, an error naming the row and the key when a step's sequence is longer.
+    let p = resolved(&[
         "actor_rollout_ref.actor.use_dynamic_bsz=True",
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100",
-    ]);
-    assert!(e.contains("ppo_max_token_len_per_gpu"), "{e}");
+    ])
+    .unwrap();
+    assert!(
+        p.warnings
+            .iter()
+            .any(|w| w.contains("actor_rollout_ref.actor.ppo_max_token_len_per_gpu` (100)")),
+        "{:?}",
+        p.warnings
+    );
+    p.check_token_budgets(&[60, 100]).unwrap();
+    let e = p
+        .check_token_budgets(&[60, 100, 101])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("batch row 2")
+            && e.contains("101")
+            && e.starts_with("actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+        "{e}"
+    );
+    // The old-log-prob pass follows the actor's budget unless it has its own.
+    let p = resolved(&[
+        "actor_rollout_ref.actor.use_dynamic_bsz=True",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=50",
+    ])
+    .unwrap();
+    let e = p.check_token_budgets(&[51]).unwrap_err().to_string();
+    assert!(
+        e.contains("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu` (50)"),
+        "{e}"
+    );
+    // Fixed micro-batches have no token budget.
+    assert!(resolved(&[]).unwrap().token_budgets.is_empty());
 }
 
 #[test]

@@ -303,6 +303,8 @@ impl Trainer {
         let (mut t, mut m) = (Timings::default(), Metrics::new());
         let (prompts, epoch) = self.next_prompts()?;
         let mut batch = t.time("gen", || self.generate(&prompts))?;
+        let seq_lens: Vec<usize> = (0..batch.len()).map(|r| batch.seq_len(r)).collect();
+        self.plan.check_token_budgets(&seq_lens)?;
         t.time("reward", || self.compute_rewards(&mut batch))?;
         if self.cfg.algorithm.adv_estimator == AdvEstimator::Remax {
             t.time("gen_max", || self.remax_baselines(&mut batch))?;
