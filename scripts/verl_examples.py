@@ -8,6 +8,8 @@ own variables, arrays and defaults are expanded by bash itself, exactly as a use
 script would get them. Nothing of verl's code is copied: the output is the argument lists only.
 
 Usage: scripts/verl_examples.py GIT_DIR COMMIT OUT_DIR
+       scripts/verl_examples.py --re-expect OUT_DIR   (families and "expect" again, for the
+       recorded lines, after SUPPORTED_FAMILIES or the rules below change)
 (GIT_DIR: a bare clone of verl, e.g. `git clone --bare https://github.com/verl-project/verl`.)
 The fixtures in tests/fixtures/verl_scripts/ were written with
   scripts/verl_examples.py <volcengine/verl> b178a3cd5 tests/fixtures/verl_scripts
@@ -84,12 +86,16 @@ def shims(d: Path):
 # ---- what main_ppo should make of a line ----
 
 # Families the model code implements (config.json architectures).
-SUPPORTED_FAMILIES = {"qwen2", "llama", "mistral"}
+SUPPORTED_FAMILIES = {"qwen2", "llama", "mistral", "qwen3"}
 
 # A model id's family, by its name (the first pattern found wins; VL before the base family).
 FAMILY_PATTERNS = [
     ("qwen3-vl", "qwen3_vl"), ("qwen3_vl", "qwen3_vl"),
-    ("-vl", "qwen2_5_vl"), ("_vl", "qwen2_5_vl"), ("qwen3", "qwen3"), ("qwen1.5-moe", "qwen2_moe"),
+    ("-vl", "qwen2_5_vl"), ("_vl", "qwen2_5_vl"),
+    # Qwen3.5 / Qwen3-Next (hybrid attention) and the Qwen3 MoE models before dense Qwen3.
+    ("qwen3.5", "qwen3_5"), ("qwen3_5", "qwen3_5"), ("qwen3-next", "qwen3_next"),
+    ("qwen3-30b-a3b", "qwen3_moe"), ("qwen3-235b-a22b", "qwen3_moe"), ("qwen3-coder-30b", "qwen3_moe"),
+    ("qwen3", "qwen3"), ("qwen1.5-moe", "qwen2_moe"),
     ("qwen2", "qwen2"), ("qwen30", "qwen3"), ("deepseek-llm", "llama"), ("deepseek-math", "llama"),
     ("deepseek-v", "deepseek_v3"), ("dsv3", "deepseek_v3"), ("deepseek671b", "deepseek_v3"),
     ("moonlight", "deepseek_v3"), ("kimi", "deepseek_v3"), ("llama", "llama"),
@@ -281,7 +287,21 @@ def example_configs(repo: Path, entries):
     return out
 
 
+def re_expect(out_dir):
+    configs = json.loads((out_dir / "example_configs.json").read_text())
+    for path in sorted(out_dir.glob("*.jsonl")):
+        entries = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+        for e in entries:
+            e["models"] = model_families(e["argv"], e["model"])
+            e["expect"] = expect(e, configs[e["commit"]])
+        path.write_text("".join(json.dumps(e) + "\n" for e in entries))
+        passing = sum(1 for e in entries if e["expect"] == "pass")
+        print(f"{path.name}: {len(entries)} launches, {passing} expected to pass", file=sys.stderr)
+
+
 def main():
+    if sys.argv[1] == "--re-expect":
+        return re_expect(Path(sys.argv[2]))
     git_dir, commit, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     out_dir.mkdir(parents=True, exist_ok=True)
     entries = []

@@ -1,5 +1,5 @@
 //! One decoder layer as a composition of candle ops that all have a backward pass (candle's
-//! fused softmax / rms_norm / rope kernels have none: `docs/design.md`): Llama / Qwen2 blocks
+//! fused softmax / rms_norm / rope kernels have none: `docs/design.md`): Llama / Qwen2 / Qwen3 blocks
 //! (RMSNorm, rotary attention with grouped KV heads, SiLU-gated MLP). [`block_forward`] is
 //! the reference every fast path of a layer is tested against (the hand-written layer of
 //! `layer.rs`, its recomputation, the decode engine), and the path on CUDA and in half
@@ -205,6 +205,9 @@ fn rotate_half(x: &Tensor) -> Result<Tensor> {
 pub(crate) struct Block {
     pub(crate) ln1: Tensor,
     pub(crate) ln2: Tensor,
+    /// Qwen3's RMSNorm over each head of q and of k before RoPE (`self_attn.q_norm`,
+    /// `self_attn.k_norm`, `[head_dim]` each).
+    pub(crate) qk_norm: Option<(Tensor, Tensor)>,
     pub(crate) q: Proj,
     pub(crate) k: Proj,
     pub(crate) v: Proj,
@@ -257,10 +260,18 @@ impl Block {
         b
     }
 
+    /// The layer's norm weights: `ln1`, `ln2`, then q/k norms where the layer has them.
+    pub(crate) fn norms(&self) -> Vec<&Tensor> {
+        let mut n = vec![&self.ln1, &self.ln2];
+        if let Some((q, k)) = &self.qk_norm {
+            n.extend([q, k]);
+        }
+        n
+    }
+
     /// Whether any weight of the layer receives gradients.
     pub(crate) fn trains(&self) -> bool {
-        self.ln1.track_op()
-            || self.ln2.track_op()
+        self.norms().iter().any(|n| n.track_op())
             || self
                 .projs()
                 .iter()
@@ -273,6 +284,7 @@ impl Block {
         Block {
             ln1: self.ln1.detach(),
             ln2: self.ln2.detach(),
+            qk_norm: self.qk_norm.as_ref().map(|(q, k)| (q.detach(), k.detach())),
             q: lin(&self.q),
             k: lin(&self.k),
             v: lin(&self.v),
@@ -301,8 +313,18 @@ pub(crate) fn block_forward(
     let (b, t, _) = x.dims3()?;
     let (nh, nkv, hd) = (a.num_attention_heads, a.num_key_value_heads, a.head_dim);
     let h = rms_norm(x, &l.ln1, a.rms_norm_eps)?;
-    let q = apply(&l.q, &h)?.reshape((b, t, nh, hd))?.transpose(1, 2)?; // [b, nh, t, hd]
-    let k = apply(&l.k, &h)?.reshape((b, t, nkv, hd))?.transpose(1, 2)?; // [b, nkv, t, hd]
+    let q = apply(&l.q, &h)?.reshape((b, t, nh, hd))?; // [b, t, nh, hd]
+    let k = apply(&l.k, &h)?.reshape((b, t, nkv, hd))?; // [b, t, nkv, hd]
+    let (q, k) = match &l.qk_norm {
+        // Each head normed over its hd values.
+        Some((qn, kn)) => (
+            rms_norm(&q, qn, a.rms_norm_eps)?,
+            rms_norm(&k, kn, a.rms_norm_eps)?,
+        ),
+        None => (q, k),
+    };
+    let q = q.transpose(1, 2)?; // [b, nh, t, hd]
+    let k = k.transpose(1, 2)?; // [b, nkv, t, hd]
     let v = apply(&l.v, &h)?.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
     let q = (q.broadcast_mul(cos)? + rotate_half(&q)?.broadcast_mul(sin)?)?;
     let k = (k.broadcast_mul(cos)? + rotate_half(&k)?.broadcast_mul(sin)?)?;

@@ -1,5 +1,5 @@
 //! The architecture hyper-parameters of an HF `config.json` (Llama family: Llama 2/3, SmolLM2,
-//! Mistral-style GQA; Qwen2/Qwen2.5), in the layout of transformers 4 (`rope_theta`,
+//! Mistral-style GQA; Qwen2/Qwen2.5; Qwen3), in the layout of transformers 4 (`rope_theta`,
 //! `rope_scaling`) or 5 (`rope_parameters`), and the rotary frequencies they define
 //! (transformers' `modeling_rope_utils`: default and llama3).
 
@@ -14,17 +14,98 @@ pub enum Arch {
     Llama,
     /// `Qwen2ForCausalLM`: biases on the q/k/v projections.
     Qwen2,
+    /// `Qwen3ForCausalLM`: an RMSNorm over each head of q and of k before RoPE (`q_norm`,
+    /// `k_norm`, weight `[head_dim]`), an explicit `head_dim`, biases only with `attention_bias`.
+    Qwen3,
 }
 
-/// Architectures this implementation loads.
-pub const SUPPORTED: [&str; 6] = [
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "LlamaForSequenceClassification",
-    "Qwen2ForSequenceClassification",
-    "MistralForSequenceClassification",
+impl Arch {
+    /// Whether each head of q and k goes through an RMSNorm before RoPE.
+    pub fn qk_norm(self) -> bool {
+        matches!(self, Arch::Qwen3)
+    }
+
+    /// The `architectures` entry and `model_type` a causal LM of this layout is saved with.
+    pub fn hf_names(self) -> (&'static str, &'static str) {
+        match self {
+            Arch::Llama => ("LlamaForCausalLM", "llama"),
+            Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
+            Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+        }
+    }
+}
+
+/// The `architectures` (`config.json`) this implementation loads, and the block layout each
+/// follows: causal LMs, and the token- and sequence-classification models critics and reward
+/// models are (their backbone plus a `score` head).
+pub const ARCHITECTURES: [(&str, Arch); 12] = [
+    ("LlamaForCausalLM", Arch::Llama),
+    ("LlamaForTokenClassification", Arch::Llama),
+    ("LlamaForSequenceClassification", Arch::Llama),
+    ("MistralForCausalLM", Arch::Llama),
+    ("MistralForTokenClassification", Arch::Llama),
+    ("MistralForSequenceClassification", Arch::Llama),
+    ("Qwen2ForCausalLM", Arch::Qwen2),
+    ("Qwen2ForTokenClassification", Arch::Qwen2),
+    ("Qwen2ForSequenceClassification", Arch::Qwen2),
+    ("Qwen3ForCausalLM", Arch::Qwen3),
+    ("Qwen3ForTokenClassification", Arch::Qwen3),
+    ("Qwen3ForSequenceClassification", Arch::Qwen3),
 ];
+
+/// `model_type`s read when a config has no `architectures`.
+const MODEL_TYPES: [(&str, Arch); 4] = [
+    ("llama", Arch::Llama),
+    ("mistral", Arch::Llama),
+    ("qwen2", Arch::Qwen2),
+    ("qwen3", Arch::Qwen3),
+];
+
+/// The block layout of a config: from `architectures` (every entry must be one this
+/// implementation loads), else from `model_type`; anything else is refused by name with the
+/// supported list (no fallback to Llama).
+pub fn arch_of(v: &Value) -> Result<Arch, String> {
+    let archs: Vec<&str> = v
+        .get("architectures")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let model_type = v.get("model_type").and_then(Value::as_str);
+    let supported = || {
+        ARCHITECTURES
+            .iter()
+            .map(|(n, _)| *n)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if archs.is_empty() {
+        return match model_type.and_then(|t| MODEL_TYPES.iter().find(|(m, _)| *m == t)) {
+            Some(&(_, a)) => Ok(a),
+            None => Err(format!(
+                "config.json: model_type {model_type:?} (no `architectures`) is not a supported architecture; supported: {}",
+                supported()
+            )),
+        };
+    }
+    let mut found = None;
+    for name in &archs {
+        match ARCHITECTURES.iter().find(|(n, _)| n == name) {
+            Some(&(_, a)) if found.is_none_or(|f| f == a) => found = Some(a),
+            Some(_) => {
+                return Err(format!(
+                    "config.json: architectures {archs:?} name different layouts"
+                ))
+            }
+            None => {
+                return Err(format!(
+                    "config.json: architecture `{name}` is not supported; supported: {}",
+                    supported()
+                ))
+            }
+        }
+    }
+    Ok(found.expect("architectures is not empty"))
+}
 
 /// RoPE frequency scaling (`rope_type` other than `default`). Only Llama 3.x's is supported;
 /// other types are refused when the config is read.
@@ -58,8 +139,12 @@ pub struct ModelArgs {
     #[serde(default)]
     pub rope_scaling: Option<RopeScaling>,
     pub tie_word_embeddings: bool,
-    /// Biases on q/k/v (Qwen2 always; Llama when `attention_bias`).
+    /// Biases on q/k/v (Qwen2 always; Llama and Qwen3 when `attention_bias`).
     pub qkv_bias: bool,
+    /// A bias on the attention's output projection (Llama and Qwen3 when `attention_bias`;
+    /// never in Qwen2).
+    #[serde(default)]
+    pub o_bias: bool,
     pub max_position_embeddings: usize,
     /// Labels of a sequence-classification head (`num_labels`), when the checkpoint has one.
     pub num_labels: Option<usize>,
@@ -268,27 +353,11 @@ fn refuse_unsupported(v: &Value) -> Result<(), String> {
 impl ModelArgs {
     /// Reads an HF `config.json` value (after `override_config` entries were applied).
     pub fn from_hf(v: &Value) -> Result<Self, String> {
-        let archs: Vec<&str> = v
-            .get("architectures")
-            .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
-        let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
-        let arch = if archs.iter().any(|a| a.starts_with("Qwen2")) || model_type == "qwen2" {
-            Arch::Qwen2
-        } else if archs
-            .iter()
-            .any(|a| a.starts_with("Llama") || a.starts_with("Mistral"))
-            || matches!(model_type, "llama" | "mistral")
-        {
-            Arch::Llama
-        } else {
-            return Err(format!(
-                "config.json: unsupported architecture {:?} (model_type {model_type:?}); supported: {}",
-                archs,
-                SUPPORTED.join(", ")
-            ));
-        };
+        let arch = arch_of(v)?;
+        let attention_bias = v
+            .get("attention_bias")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
         let (rope_theta, rope_scaling) = read_rope(v)?;
         refuse_unsupported(v)?;
         let hidden_size = get_usize(v, "hidden_size")?;
@@ -325,10 +394,8 @@ impl ModelArgs {
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
-            qkv_bias: arch == Arch::Qwen2
-                || v.get("attention_bias")
-                    .and_then(Value::as_bool)
-                    .unwrap_or(false),
+            qkv_bias: arch == Arch::Qwen2 || attention_bias,
+            o_bias: arch != Arch::Qwen2 && attention_bias,
             max_position_embeddings: v
                 .get("max_position_embeddings")
                 .and_then(Value::as_u64)
@@ -382,10 +449,7 @@ impl ModelArgs {
     /// written in both layouts, `rope_theta` + `rope_scaling` (transformers 4) and
     /// `rope_parameters` (transformers 5), with the same values, so both read it alike.
     pub fn to_hf(&self) -> Value {
-        let (arch, model_type) = match self.arch {
-            Arch::Llama => ("LlamaForCausalLM", "llama"),
-            Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
-        };
+        let (arch, model_type) = self.arch.hf_names();
         let rope_scaling = match self.rope_scaling {
             None => Value::Null,
             Some(_) => {
@@ -411,7 +475,7 @@ impl ModelArgs {
             "rope_scaling": rope_scaling,
             "rope_parameters": self.rope_parameters(),
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.qkv_bias,
+            "attention_bias": self.qkv_bias && self.arch != Arch::Qwen2,
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu",
             "torch_dtype": "float32",
@@ -434,6 +498,7 @@ impl ModelArgs {
             rope_scaling: None,
             tie_word_embeddings: arch == Arch::Llama,
             qkv_bias: arch == Arch::Qwen2,
+            o_bias: false,
             max_position_embeddings: 512,
             num_labels: None,
         }

@@ -54,6 +54,10 @@ struct Layer<T> {
     qkv: Mat<T>,
     /// `[(heads + 2·kv_heads)·head_dim]` (Qwen2 and `attention_bias` models).
     qkv_bias: Option<Vec<T>>,
+    /// Qwen3's per-head RMSNorm weights of q and k (`[head_dim]` each).
+    qk_norm: Option<(Vec<T>, Vec<T>)>,
+    /// `[hidden]`: the output projection's bias (`attention_bias` models but Qwen2).
+    o_bias: Option<Vec<T>>,
     /// `[heads·head_dim, hidden]`.
     o: Mat<T>,
     /// `[hidden, 2·intermediate]`: gate columns, then up columns.
@@ -310,6 +314,11 @@ impl<T: Elem> Packed<T> {
                 ln2: flat(&b.ln2)?,
                 qkv: Mat::from_weights(&[&q, &k, &v], bf16)?,
                 qkv_bias,
+                qk_norm: match &b.qk_norm {
+                    Some((q, k)) => Some((flat(q)?, flat(k)?)),
+                    None => None,
+                },
+                o_bias: b.o.bias().map(flat).transpose()?,
                 o: Mat::from_weights(&[&o], bf16)?,
                 gate_up: Mat::from_weights(&[&gate, &up], bf16)?,
                 down: Mat::from_weights(&[&down], bf16)?,
@@ -400,7 +409,9 @@ impl<T: Elem> Packed<T> {
                     row.iter_mut().zip(b).for_each(|(v, &bb)| *v += bb);
                 });
             }
-            // RoPE on the q and k heads of every token (half-split layout, as HF).
+            // RoPE on the q and k heads of every token (half-split layout, as HF), after each
+            // head's RMSNorm where the model has q/k norms.
+            let (eps, hd_t) = (T::from_f64(a.rms_norm_eps), T::from_f64(hd as f64));
             qkv.par_chunks_mut(dqkv).enumerate().for_each(|(i, row)| {
                 let (c, s) = (
                     &cos[i * half..(i + 1) * half],
@@ -409,7 +420,15 @@ impl<T: Elem> Packed<T> {
                 vectorized(
                     #[inline(always)]
                     || {
-                        for head in row[..dq + dkv].chunks_mut(hd) {
+                        for (j, head) in row[..dq + dkv].chunks_mut(hd).enumerate() {
+                            if let Some((qn, kn)) = &l.qk_norm {
+                                let w = if j * hd < dq { qn } else { kn };
+                                let ss = head.iter().fold(T::zero(), |s, &v| s + v * v);
+                                let inv = (ss / hd_t + eps).sqrt().recip();
+                                for (v, &wv) in head.iter_mut().zip(w) {
+                                    *v = *v * inv * wv;
+                                }
+                            }
                             let (x1, x2) = head.split_at_mut(half);
                             for f in 0..half {
                                 let (u, w) = (x1[f], x2[f]);
@@ -444,6 +463,11 @@ impl<T: Elem> Packed<T> {
                 attend(q, &kv, hd, scale, out);
             });
             l.o.apply(&mut x, &att, m, dq, h, true);
+            if let Some(b) = &l.o_bias {
+                x.par_chunks_mut(h).for_each(|row| {
+                    row.iter_mut().zip(b).for_each(|(v, &bb)| *v += bb);
+                });
+            }
             rms_norm(&mut hn, &x, &l.ln2, a.rms_norm_eps);
             l.gate_up.apply(&mut gu, &hn, m, h, 2 * inter, false);
             act.par_chunks_mut(inter)

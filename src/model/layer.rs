@@ -11,6 +11,7 @@
 //!
 //! ```text
 //! h1 = rms(x)·ln1                 q,k,v = h1·Wqᵀ(+bq), h1·Wkᵀ(+bk), h1·Wvᵀ(+bv)
+//! (Qwen3: q ← rms(q_h)·qn, k ← rms(k_h)·kn over each head's hd values)
 //! q̃ = q⊙cos + R(q)⊙sin, k̃ alike   R([u1, u2]) = [−u2, u1]  (Rᵀ([u1, u2]) = [u2, −u1])
 //! P = softmax(q̃·k̃ᵀ/√d + bias)     a = P·v  (query head h reads KV head h / (heads/kv_heads))
 //! x2 = x + a·Woᵀ                  h2 = rms(x2)·ln2
@@ -94,6 +95,8 @@ pub(super) struct LinGrad<T> {
 pub(super) struct Weights<'a, T> {
     pub ln1: &'a [T],
     pub ln2: &'a [T],
+    /// Per-head RMSNorm weights of q and k (`[head_dim]` each), where the layer has them.
+    pub qk_norm: Option<(&'a [T], &'a [T])>,
     /// q, k, v, o, gate, up, down.
     pub lin: [Lin<'a, T>; 7],
 }
@@ -102,6 +105,7 @@ pub(super) struct Weights<'a, T> {
 pub(super) struct Grads<T> {
     pub ln1: Vec<T>,
     pub ln2: Vec<T>,
+    pub qk_norm: Option<(Vec<T>, Vec<T>)>,
     pub lin: Vec<LinGrad<T>>,
 }
 
@@ -161,10 +165,12 @@ fn blocks<'a, T>(d: &Dims, cx: &Context<'a, T>) -> Vec<Block<'a, T>> {
 /// What the backward needs from the forward: recomputed in backward, or kept from the forward
 /// when recomputation is off.
 pub(super) struct Acts<T> {
-    r1: Vec<T>,   // [rows]
-    h1: Vec<T>,   // [rows, hidden]
-    q: Vec<T>,    // [rows, heads·hd], rotated
-    k: Vec<T>,    // [rows, kv·hd], rotated
+    r1: Vec<T>, // [rows]
+    h1: Vec<T>, // [rows, hidden]
+    q: Vec<T>,  // [rows, heads·hd], rotated
+    k: Vec<T>,  // [rows, kv·hd], rotated
+    /// With q/k norms: q and k before them, and each head's `r`.
+    qk_pre: Option<QkPre<T>>,
     v: Vec<T>,    // [rows, kv·hd]
     a: Vec<T>,    // [rows, heads·hd]
     x2: Vec<T>,   // [rows, hidden]
@@ -172,6 +178,15 @@ pub(super) struct Acts<T> {
     h2: Vec<T>,   // [rows, hidden]
     gate: Vec<T>, // [rows, inter]
     up: Vec<T>,   // [rows, inter]
+}
+
+/// q and k before their per-head norms (`[rows, heads·hd]`, `[rows, kv·hd]`) and each head's
+/// `r` (`[rows·heads]`, `[rows·kv]`).
+struct QkPre<T> {
+    q: Vec<T>,
+    k: Vec<T>,
+    rq: Vec<T>,
+    rk: Vec<T>,
 }
 
 fn c<T: Elem>(v: f64) -> T {
@@ -666,6 +681,17 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
     let mut q = linear_fwd(lq, &h1, n, hid);
     let mut k = linear_fwd(lk, &h1, n, hid);
     let v = linear_fwd(lv, &h1, n, hid);
+    let qk_pre = w.qk_norm.map(|(qn, kn)| {
+        // rms_fwd's rows are the chunks of its weight's width: one per (token, head).
+        let (qh, rq) = rms_fwd(&q, qn, d.eps);
+        let (kh, rk) = rms_fwd(&k, kn, d.eps);
+        QkPre {
+            q: std::mem::replace(&mut q, qh),
+            k: std::mem::replace(&mut k, kh),
+            rq,
+            rk,
+        }
+    });
     rope(&mut q, qw, hd, cx, false);
     rope(&mut k, d.kv_width(), hd, cx, false);
     let mut acts = Acts {
@@ -673,6 +699,7 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
         h1,
         q,
         k,
+        qk_pre,
         v,
         a: Vec::new(),
         x2: Vec::new(),
@@ -755,6 +782,8 @@ fn check<T>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> Result<()> {
         (hid, it),
     ];
     let mut ok = d.head_dim.is_multiple_of(2)
+        && w.qk_norm
+            .is_none_or(|(q, k)| q.len() == d.head_dim && k.len() == d.head_dim)
         && d.kv_heads > 0
         && d.heads.is_multiple_of(d.kv_heads)
         && w.ln1.len() == hid
@@ -857,6 +886,16 @@ pub(super) fn backward<T: Elem>(
     let (mut dq, mut dk) = (dq, dk);
     rope(&mut dq, qw, hd, cx, true);
     rope(&mut dk, kw, hd, cx, true);
+    let dqk_norm = match (w.qk_norm, &acts.qk_pre) {
+        (Some((qn, kn)), Some(pre)) => {
+            let (mut dqp, mut dkp) = (vec![T::zero(); dq.len()], vec![T::zero(); dk.len()]);
+            let gqn = rms_bwd(&pre.q, &pre.rq, qn, &dq, &mut dqp);
+            let gkn = rms_bwd(&pre.k, &pre.rk, kn, &dk, &mut dkp);
+            (dq, dk) = (dqp, dkp);
+            Some((gqn, gkn))
+        }
+        _ => None,
+    };
     let mut dh1 = vec![T::zero(); n * hid];
     let gq = linear_bwd(lq, &acts.h1, &dq, n, hid, &mut dh1, false);
     let gk = linear_bwd(lk, &acts.h1, &dk, n, hid, &mut dh1, true);
@@ -868,6 +907,7 @@ pub(super) fn backward<T: Elem>(
         Grads {
             ln1: dln1,
             ln2: dln2,
+            qk_norm: dqk_norm,
             lin: vec![gq, gk, gv, go, gg, gu, gd],
         },
     ))

@@ -32,7 +32,7 @@ type Stash = Arc<Mutex<Vec<Option<Tensor>>>>;
 /// The weights of a layer that receive gradients (frozen base weights of a LoRA model do
 /// not; its adapters do), in a fixed order.
 fn weights(b: &Block) -> Vec<Tensor> {
-    let mut w = vec![b.ln1.clone(), b.ln2.clone()];
+    let mut w: Vec<Tensor> = b.norms().into_iter().cloned().collect();
     for l in b.projs() {
         w.push(l.weight().clone());
         if let Some(bias) = l.bias() {
@@ -92,7 +92,8 @@ fn with_layer<T: Elem, R>(
     }
     let lins = l.projs();
     // Host views: ln1, ln2, cos, sin, the 7 weights, per projection its bias and adapter
-    // (A, B) where present, then the attention bias when there is one.
+    // (A, B) where present, the q/k norms where present, then the attention bias when there
+    // is one.
     let mut ts: Vec<&Tensor> = vec![&l.ln1, &l.ln2, cos, sin];
     for p in lins {
         ts.push(p.weight());
@@ -102,6 +103,9 @@ fn with_layer<T: Elem, R>(
         if let Some(ad) = &p.lora {
             ts.extend([&ad.a, &ad.b]);
         }
+    }
+    if let Some((qn, kn)) = &l.qk_norm {
+        ts.extend([qn, kn]);
     }
     if let Mask::Bias(m) = mask {
         ts.push(m);
@@ -136,9 +140,17 @@ fn with_layer<T: Elem, R>(
             bf16,
         });
     }
+    let qk_norm = match l.qk_norm {
+        Some(_) => {
+            next += 2;
+            Some((host.slice::<T>(next - 2)?, host.slice::<T>(next - 1)?))
+        }
+        None => None,
+    };
     let w = layer::Weights {
         ln1: host.slice::<T>(0)?,
         ln2: host.slice::<T>(1)?,
+        qk_norm,
         lin: [lin[0], lin[1], lin[2], lin[3], lin[4], lin[5], lin[6]],
     };
     let d = layer::Dims {
@@ -279,6 +291,10 @@ impl Layer {
             (self.block.ln1.clone(), Some(g.ln1)),
             (self.block.ln2.clone(), Some(g.ln2)),
         ];
+        if let Some((qn, kn)) = &self.block.qk_norm {
+            let (gq, gk) = g.qk_norm.map_or((None, None), |(q, k)| (Some(q), Some(k)));
+            all.extend([(qn.clone(), gq), (kn.clone(), gk)]);
+        }
         for (p, lg) in self.block.projs().iter().zip(g.lin) {
             all.push((p.weight().clone(), lg.w));
             if let Some(t) = p.bias() {
@@ -482,6 +498,7 @@ mod tests {
         for (arch, dtype) in [
             (Arch::Llama, DType::F64),
             (Arch::Qwen2, DType::F64),
+            (Arch::Qwen3, DType::F64),
             (Arch::Llama, DType::F32),
         ] {
             let args = ModelArgs::tiny(arch, 30);
@@ -602,7 +619,7 @@ mod tests {
     /// outputs within 1e-5 and every gradient within 1e-4 of the tensor's largest value.
     #[test]
     fn the_hand_written_layer_equals_the_composition() {
-        for arch in [Arch::Llama, Arch::Qwen2] {
+        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
             let args = ModelArgs::tiny(arch, 30);
             let (_vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
             let l = &m.blocks()[0];
@@ -821,6 +838,8 @@ mod tests {
         for (arch, dtype, bf16) in [
             (Arch::Llama, DType::F64, false),
             (Arch::Qwen2, DType::F64, false),
+            (Arch::Qwen3, DType::F64, false),
+            (Arch::Qwen3, DType::F32, true),
             (Arch::Llama, DType::F32, false),
             (Arch::Llama, DType::F32, true),
         ] {

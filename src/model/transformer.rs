@@ -120,6 +120,14 @@ impl CausalLm {
             layers.push(Block {
                 ln1: l.get_with_hints(h, "input_layernorm.weight", Init::Const(1.0))?,
                 ln2: l.get_with_hints(h, "post_attention_layernorm.weight", Init::Const(1.0))?,
+                qk_norm: if args.arch.qk_norm() {
+                    Some((
+                        a.get_with_hints(hd, "q_norm.weight", Init::Const(1.0))?,
+                        a.get_with_hints(hd, "k_norm.weight", Init::Const(1.0))?,
+                    ))
+                } else {
+                    None
+                },
                 q: linear(
                     &a,
                     h,
@@ -141,7 +149,7 @@ impl CausalLm {
                     args.qkv_bias,
                     "v_proj",
                 )?,
-                o: linear(&a, args.num_attention_heads * hd, h, false, "o_proj")?,
+                o: linear(&a, args.num_attention_heads * hd, h, args.o_bias, "o_proj")?,
                 gate: linear(&p, h, args.intermediate_size, false, "gate_proj")?,
                 up: linear(&p, h, args.intermediate_size, false, "up_proj")?,
                 down: linear(&p, args.intermediate_size, h, false, "down_proj")?,
@@ -275,6 +283,7 @@ impl CausalLm {
         for b in self.layers.iter_mut() {
             b.ln1 = b.ln1.detach();
             b.ln2 = b.ln2.detach();
+            b.qk_norm = b.qk_norm.as_ref().map(|(q, k)| (q.detach(), k.detach()));
             for (_, p) in b.projs_mut() {
                 p.base = Linear::new(p.base.weight().detach(), p.base.bias().map(Tensor::detach));
             }

@@ -220,7 +220,7 @@ fn scan_header(r: &mut impl std::io::Read, file_len: u64) -> Result<Option<u64>,
     Ok(alignment)
 }
 
-/// Hyper-parameters from the metadata (`general.architecture` = llama or qwen2).
+/// Hyper-parameters from the metadata (`general.architecture` = llama, qwen2 or qwen3).
 pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
     let arch_name = meta(c, "general.architecture", path)?
         .to_string()
@@ -229,10 +229,11 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
     let arch = match arch_name.as_str() {
         "llama" => Arch::Llama,
         "qwen2" => Arch::Qwen2,
+        "qwen3" => Arch::Qwen3,
         other => {
             return Err(ModelError::file(
                 path,
-                format!("unsupported GGUF architecture `{other}`; supported: llama, qwen2"),
+                format!("unsupported GGUF architecture `{other}`; supported: llama, qwen2, qwen3"),
             ))
         }
     };
@@ -295,6 +296,7 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         rope_scaling: None,
         tie_word_embeddings: tied,
         qkv_bias: arch == Arch::Qwen2 || c.tensor_infos.contains_key("blk.0.attn_q.bias"),
+        o_bias: c.tensor_infos.contains_key("blk.0.attn_output.bias"),
         max_position_embeddings: meta_u(c, &k("context_length"), path).unwrap_or(4096),
         num_labels: None,
     })
@@ -323,6 +325,10 @@ fn hf_name(gguf: &str) -> Option<String> {
         "attn_k.bias" => "self_attn.k_proj.bias",
         "attn_v.bias" => "self_attn.v_proj.bias",
         "attn_output.weight" => "self_attn.o_proj.weight",
+        "attn_output.bias" => "self_attn.o_proj.bias",
+        // Qwen3's per-head q/k norms (llama.cpp's `attn_q_norm`, `attn_k_norm`).
+        "attn_q_norm.weight" => "self_attn.q_norm.weight",
+        "attn_k_norm.weight" => "self_attn.k_norm.weight",
         "ffn_gate.weight" => "mlp.gate_proj.weight",
         "ffn_up.weight" => "mlp.up_proj.weight",
         "ffn_down.weight" => "mlp.down_proj.weight",

@@ -156,7 +156,29 @@ pub fn build(
     match (built, first) {
         (_, Some((_, problem))) => Err(problem),
         (Err(e), None) => Err(ModelError::Candle(e)),
-        (Ok(model), None) => Ok(Loaded { model, varmap }),
+        (Ok(model), None) => {
+            // A layer tensor the model did not read would be weights silently left out of
+            // the computation (e.g. q/k norms under a layout without them).
+            let used = varmap.data().lock().expect("varmap lock");
+            let mut unread: Vec<&String> = tensors
+                .keys()
+                .filter(|n| n.starts_with("model.layers.") && !used.contains_key(*n))
+                .filter(|n| !n.ends_with("rotary_emb.inv_freq"))
+                .collect();
+            unread.sort();
+            if let Some(first) = unread.first() {
+                return Err(ModelError::file(
+                    source,
+                    format!(
+                        "{} layer tensor(s) this {:?} layout does not use, first `{first}`: the checkpoint is of another architecture than its config says",
+                        unread.len(),
+                        args.arch
+                    ),
+                ));
+            }
+            drop(used);
+            Ok(Loaded { model, varmap })
+        }
     }
 }
 

@@ -212,6 +212,8 @@ pub(super) fn write_gguf(
                 "self_attn.k_proj.weight" => "attn_k.weight",
                 "self_attn.v_proj.weight" => "attn_v.weight",
                 "self_attn.o_proj.weight" => "attn_output.weight",
+                "self_attn.q_norm.weight" => "attn_q_norm.weight",
+                "self_attn.k_norm.weight" => "attn_k_norm.weight",
                 "mlp.gate_proj.weight" => "ffn_gate.weight",
                 "mlp.up_proj.weight" => "ffn_up.weight",
                 "mlp.down_proj.weight" => "ffn_down.weight",
@@ -219,9 +221,11 @@ pub(super) fn write_gguf(
             };
             format!("blk.{n}.{p}")
         };
-        let t = if gg.ends_with("attn_q.weight") {
+        // llama.cpp permutes q/k rows for Llama only (Qwen rotates as HF does).
+        let llama = args.arch == Arch::Llama;
+        let t = if llama && gg.ends_with("attn_q.weight") {
             gguf::permute(&t, args.num_attention_heads).unwrap()
-        } else if gg.ends_with("attn_k.weight") {
+        } else if llama && gg.ends_with("attn_k.weight") {
             gguf::permute(&t, args.num_key_value_heads).unwrap()
         } else {
             t
@@ -248,35 +252,38 @@ pub(super) fn write_gguf(
         .map(|i| G::I32(if i >= 256 { 3 } else { 1 }))
         .collect();
     let u = |x: usize| G::U32(x as u32);
-    let meta: Vec<(&str, G)> = vec![
-        ("general.architecture", G::String("llama".into())),
-        ("llama.block_count", u(args.num_hidden_layers)),
-        ("llama.embedding_length", u(args.hidden_size)),
-        ("llama.feed_forward_length", u(args.intermediate_size)),
-        ("llama.attention.head_count", u(args.num_attention_heads)),
-        ("llama.attention.head_count_kv", u(args.num_key_value_heads)),
+    let a = args.arch.hf_names().1;
+    let k = |s: &str| format!("{a}.{s}");
+    let meta: Vec<(String, G)> = vec![
+        ("general.architecture".into(), G::String(a.into())),
+        (k("block_count"), u(args.num_hidden_layers)),
+        (k("embedding_length"), u(args.hidden_size)),
+        (k("feed_forward_length"), u(args.intermediate_size)),
+        (k("attention.head_count"), u(args.num_attention_heads)),
+        (k("attention.head_count_kv"), u(args.num_key_value_heads)),
+        (k("attention.key_length"), u(args.head_dim)),
         (
-            "llama.attention.layer_norm_rms_epsilon",
+            k("attention.layer_norm_rms_epsilon"),
             G::F32(args.rms_norm_eps as f32),
         ),
-        ("llama.rope.freq_base", G::F32(args.rope_theta as f32)),
-        ("llama.context_length", u(args.max_position_embeddings)),
-        ("llama.vocab_size", u(args.vocab_size)),
-        ("tokenizer.ggml.model", G::String("gpt2".into())),
-        ("tokenizer.ggml.pre", G::String("smollm".into())),
+        (k("rope.freq_base"), G::F32(args.rope_theta as f32)),
+        (k("context_length"), u(args.max_position_embeddings)),
+        (k("vocab_size"), u(args.vocab_size)),
+        ("tokenizer.ggml.model".into(), G::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), G::String("smollm".into())),
         (
-            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.tokens".into(),
             G::Array(tokens.iter().map(|t| G::String(t.clone())).collect()),
         ),
-        ("tokenizer.ggml.merges", G::Array(vec![])),
-        ("tokenizer.ggml.token_type", G::Array(types)),
-        ("tokenizer.ggml.eos_token_id", u(258)),
+        ("tokenizer.ggml.merges".into(), G::Array(vec![])),
+        ("tokenizer.ggml.token_type".into(), G::Array(types)),
+        ("tokenizer.ggml.eos_token_id".into(), u(258)),
         (
-            "tokenizer.chat_template",
+            "tokenizer.chat_template".into(),
             G::String(crate::testing::CHATML.into()),
         ),
     ];
-    let meta_refs: Vec<(&str, &G)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    let meta_refs: Vec<(&str, &G)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut f = std::fs::File::create(path).unwrap();
     candle_core::quantized::gguf_file::write(&mut f, &meta_refs, &tensor_refs).unwrap();
@@ -284,8 +291,14 @@ pub(super) fn write_gguf(
 
 #[test]
 fn a_gguf_loads_and_matches_the_same_weights_from_safetensors() {
+    for arch in [Arch::Llama, Arch::Qwen3] {
+        gguf_matches_safetensors(arch);
+    }
+}
+
+fn gguf_matches_safetensors(arch: Arch) {
     use candle_core::quantized::GgmlDType;
-    let mut args = ModelArgs::tiny(Arch::Llama, 259);
+    let mut args = ModelArgs::tiny(arch, 259);
     args.tie_word_embeddings = false;
     args.head_dim = 16; // d/2 = 8: the permutation is not its own inverse at this size
     args.hidden_size = 64;
@@ -386,7 +399,7 @@ fn edit_config(dir: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value))
 /// layout (reading only the old key silently falls back to theta 10000: other logits).
 #[test]
 fn transformers_5_rope_parameters_load_like_the_old_layout() {
-    for arch in [Arch::Llama, Arch::Qwen2] {
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
         let mut args = ModelArgs::tiny(arch, 61);
         args.rope_theta = 100_000.0;
         let (vm, _m) = crate::testing::tiny_model(&args, DType::F32, 0.3);

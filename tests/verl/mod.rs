@@ -27,11 +27,11 @@ fn model_dir(root: &Path, family: &str) -> PathBuf {
     }
     std::fs::create_dir_all(&dir).unwrap();
     let config = match family {
-        "qwen2" | "llama" | "mistral" => {
-            let arch = if family == "qwen2" {
-                Arch::Qwen2
-            } else {
-                Arch::Llama
+        "qwen2" | "qwen3" | "llama" | "mistral" => {
+            let arch = match family {
+                "qwen2" => Arch::Qwen2,
+                "qwen3" => Arch::Qwen3,
+                _ => Arch::Llama,
             };
             let mut c = ModelArgs::tiny(arch, 256).to_hf();
             c["max_position_embeddings"] = (1usize << 20).into();

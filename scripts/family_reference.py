@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Reference numbers for each supported model family, from transformers and PyTorch autograd.
+
+For every family this writes tests/fixtures/families/<name>/:
+  config.json, model.safetensors   a tiny random checkpoint, written by transformers'
+                                   save_pretrained (float64 weights)
+  reference.json                   prompts, greedy continuations and their log-probs (f64),
+                                   the training sequences and loss weights, the loss
+  grads.safetensors                d(loss)/d(parameter) for every parameter (f64), by autograd
+
+The greedy continuation is computed with a plain loop over full forwards (argmax of the last
+position's logits, no KV cache, no generation config), so nothing but the model's own forward
+decides it. The training loss is L = sum_i sum_t c[i][t] * log p(s_i[t+1] | s_i[..t]) over
+sequences s_i run one at a time (no padding), with fixed weights c.
+
+Run with the pinned reference venv (scripts/bench/requirements.txt: torch 2.15, transformers
+5.24):  ~/.cache/main_ppo/bench-venv/bin/python scripts/family_reference.py [NAME ...]
+The Rust tests (src/weights/family_tests.rs) read the fixtures; CI does not run this script.
+
+transformers computes some parts in float32 whatever the model's dtype (RoPE frequencies and
+tables, RMSNorm, the attention softmax): for a float64 reference those casts would only add
+float32 rounding (~1e-7) to every number. `exact_f64()` keeps them in float64: a float64
+tensor asked to become float32 stays float64, and RoPE's `arange(..., dtype=float)` is float64.
+The model code is transformers' own otherwise.
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import save_file
+
+OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "families"
+VOCAB = 96
+
+
+def exact_f64():
+    """Keeps transformers' float32 upcasts in float64 (see the module docstring)."""
+    to, flt, arange, softmax = torch.Tensor.to, torch.Tensor.float, torch.arange, torch.nn.functional.softmax
+
+    def to64(self, *args, **kw):
+        if self.dtype == torch.float64:
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kw.get("dtype") is torch.float32:
+                kw["dtype"] = torch.float64
+        return to(self, *args, **kw)
+
+    def float64(self, *args, **kw):
+        return self if self.dtype == torch.float64 else flt(self, *args, **kw)
+
+    def arange64(*args, dtype=None, **kw):
+        return arange(*args, dtype=torch.float64 if dtype is torch.float32 else dtype, **kw)
+
+    def softmax64(x, *args, dtype=None, **kw):
+        if x.dtype == torch.float64 and dtype is torch.float32:
+            dtype = torch.float64
+        return softmax(x, *args, dtype=dtype, **kw)
+
+    torch.Tensor.to = to64
+    torch.Tensor.float = float64
+    torch.arange = arange64
+    torch.nn.functional.softmax = softmax64
+
+
+def families():
+    """Tiny configurations, one per family (and variant), with what each must exercise."""
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+    )
+    return {
+        # Llama with untied embeddings and llama3 RoPE scaling.
+        "llama": transformers.LlamaConfig(
+            **common,
+            head_dim=8,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 50000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        # Qwen2: q/k/v biases, tied embeddings.
+        "qwen2": transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=10000.0),
+        # Qwen3: per-head q/k RMSNorm, an explicit head_dim unlike hidden/heads, no biases.
+        "qwen3": transformers.Qwen3Config(
+            **common, head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0
+        ),
+        # Qwen3 with tied embeddings and attention biases (attention_bias: true).
+        "qwen3_tied_bias": transformers.Qwen3Config(
+            **common, head_dim=8, tie_word_embeddings=True, attention_bias=True
+        ),
+    }
+
+
+MODEL_CLASS = {
+    "LlamaConfig": transformers.LlamaForCausalLM,
+    "Qwen2Config": transformers.Qwen2ForCausalLM,
+    "Qwen3Config": transformers.Qwen3ForCausalLM,
+}
+
+
+def rows(seed, n, lo, hi):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+def make(name, cfg):
+    torch.manual_seed(1234)
+    model = MODEL_CLASS[type(cfg).__name__](cfg).to(torch.float64).eval()
+    # Spread the weights beyond the init's 0.02 so that every path carries signal.
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(99)
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+    out = OUT / name
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    # Greedy continuations by full forwards.
+    prompts = rows(7, 3, 2, 7)
+    new = 12
+    greedy = []
+    with torch.no_grad():
+        for pr in prompts:
+            seq, lps = list(pr), []
+            for _ in range(new):
+                logits = model(torch.tensor([seq])).logits[0, -1]
+                lp = torch.log_softmax(logits, -1)
+                tok = int(torch.argmax(lp))
+                top2 = torch.topk(lp, 2).values
+                seq.append(tok)
+                lps.append({"token": tok, "logprob": float(lp[tok]), "gap": float(top2[0] - top2[1])})
+            greedy.append(lps)
+    # Training loss and gradients.
+    seqs = rows(11, 3, 4, 10)
+    g = torch.Generator().manual_seed(5)
+    weights = [(torch.rand(len(s) - 1, generator=g, dtype=torch.float64) * 2 - 1).tolist() for s in seqs]
+    model.zero_grad()
+    loss = torch.zeros((), dtype=torch.float64)
+    token_logprobs = []
+    for s, c in zip(seqs, weights):
+        ids = torch.tensor([s])
+        lp = torch.log_softmax(model(ids).logits[0, :-1], -1)
+        tl = lp.gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1)
+        token_logprobs.append(tl.detach().tolist())
+        loss = loss + (tl * torch.tensor(c, dtype=torch.float64)).sum()
+    loss.backward()
+    grads = {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters() if p.grad is not None}
+    save_file(grads, str(out / "grads.safetensors"))
+    ref = {
+        "family": name,
+        "architectures": cfg.architectures or [MODEL_CLASS[type(cfg).__name__].__name__],
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "prompts": prompts,
+        "greedy": greedy,
+        "sequences": seqs,
+        "loss_weights": weights,
+        "token_logprobs": token_logprobs,
+        "loss": float(loss.detach()),
+        "parameters": sorted(grads),
+    }
+    (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+    print(f"{name}: {len(grads)} parameters, loss {float(loss.detach()):.6f} -> {out}")
+
+
+def main():
+    exact_f64()
+    want = sys.argv[1:]
+    for name, cfg in families().items():
+        if not want or name in want:
+            make(name, cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,336 @@
+//! Parity with transformers and PyTorch autograd, family by family, on tiny random checkpoints
+//! that transformers itself wrote (`tests/fixtures/families/<name>/`, made by
+//! `scripts/family_reference.py` with transformers 5.24 / torch 2.15, float64 weights).
+//!
+//! For each checkpoint: greedy continuations (tokens and log-probs) through the rollout engine,
+//! and the training forward's token log-probs and every parameter's gradient of
+//! `L = Σ_i Σ_t c_it · log p(s_i,t+1 | s_i,≤t)`, padded and packed, through the hand-written
+//! layer (with and without recomputation) and the op composition.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use serde_json::Value;
+
+use crate::model::{CausalLm, Exec};
+use crate::rollout::{generate_all, Limits, Sampler, SamplingParams};
+
+fn dir(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/families")
+        .join(name)
+}
+
+fn reference(name: &str) -> Value {
+    let text = std::fs::read_to_string(dir(name).join("reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<Vec<u32>> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect()
+}
+
+fn floats(v: &Value) -> Vec<Vec<f64>> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        })
+        .collect()
+}
+
+fn load(name: &str, dtype: DType) -> crate::weights::hf::Loaded {
+    crate::weights::hf::load_dir(&dir(name), &Default::default(), dtype, &Device::Cpu, true)
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// Greedy continuations as transformers' full-forward argmax gives them: the same tokens and
+/// log-probs within `tol` (absolute). A step whose top-2 logit gap is below `gap` may pick the
+/// other token; the row is compared up to there.
+fn greedy_matches(name: &str, dtype: DType, tol: f64, gap: f64) {
+    let r = reference(name);
+    let loaded = load(name, dtype);
+    let prompts = ids(&r["prompts"]);
+    let steps = r["greedy"].as_array().unwrap();
+    let n = steps[0].as_array().unwrap().len();
+    let p = SamplingParams {
+        greedy: true,
+        temperature: 0.0,
+        top_k: None,
+        top_p: 1.0,
+        max_new_tokens: n,
+        eos_ids: vec![],
+        ignore_eos: true,
+        limits: Limits::default(),
+    };
+    let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let out = generate_all(
+        &loaded.model.no_grad(),
+        &refs,
+        &p,
+        &mut Sampler::new(0),
+        None,
+    )
+    .unwrap_or_else(|e| panic!("{name}: {e}"));
+    for (i, want) in steps.iter().enumerate() {
+        for (t, w) in want.as_array().unwrap().iter().enumerate() {
+            let tok = w["token"].as_u64().unwrap() as u32;
+            let lp = w["logprob"].as_f64().unwrap();
+            assert!(
+                (f64::from(out.log_probs[i][t]) - lp).abs() <= tol,
+                "{name} {dtype:?} row {i} step {t}: log-prob {} vs transformers {lp}",
+                out.log_probs[i][t]
+            );
+            if out.responses[i][t] != tok {
+                assert!(
+                    w["gap"].as_f64().unwrap() <= gap,
+                    "{name} {dtype:?} row {i} step {t}: token {} vs transformers {tok}",
+                    out.responses[i][t]
+                );
+                break;
+            }
+        }
+    }
+}
+
+/// The token log-probs of the reference's training sequences `[rows][len − 1]` and the loss,
+/// padded (left, as the trainer pads prompts) or packed end to end.
+fn loss_and_logprobs(m: &CausalLm, r: &Value, packed: bool) -> (Tensor, Vec<Vec<f64>>) {
+    let seqs = ids(&r["sequences"]);
+    let weights = floats(&r["loss_weights"]);
+    let dev = &Device::Cpu;
+    let (lp, spans): (Tensor, Vec<(usize, usize)>) = if packed {
+        let (mut toks, mut pos, mut tgt, mut segs) = (vec![], vec![], vec![], vec![]);
+        for s in &seqs {
+            segs.push((toks.len(), s.len() - 1));
+            toks.extend_from_slice(&s[..s.len() - 1]);
+            pos.extend(0..s.len() as u32 - 1);
+            tgt.extend_from_slice(&s[1..]);
+        }
+        let n = toks.len();
+        let h = m
+            .forward_hidden_packed(
+                &Tensor::from_vec(toks, n, dev).unwrap(),
+                &Tensor::from_vec(pos, n, dev).unwrap(),
+                &segs,
+            )
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap(); // [1, n, h]
+        let tgt = Tensor::from_vec(tgt, (1, n), dev).unwrap();
+        let (lp, _) = m.token_logprobs(&h, &tgt, 7, false).unwrap();
+        (lp.squeeze(0).unwrap(), segs)
+    } else {
+        let w = seqs.iter().map(Vec::len).max().unwrap() - 1;
+        let (mut toks, mut mask, mut pos, mut tgt) = (vec![], vec![], vec![], vec![]);
+        for s in &seqs {
+            let lead = w - (s.len() - 1);
+            for k in 0..w {
+                let real = k >= lead;
+                toks.push(if real { s[k - lead] } else { 0 });
+                mask.push(u32::from(real));
+                pos.push(k.saturating_sub(lead) as u32);
+                tgt.push(if real { s[k - lead + 1] } else { 0 });
+            }
+        }
+        let b = seqs.len();
+        let t = |v: Vec<u32>| Tensor::from_vec(v, (b, w), dev).unwrap();
+        let h = m.forward_hidden(&t(toks), &t(pos), &t(mask), None).unwrap();
+        let (lp, _) = m.token_logprobs(&h, &t(tgt), 5, false).unwrap();
+        let lp = lp.flatten_all().unwrap();
+        let spans = seqs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (i * w + w - (s.len() - 1), s.len() - 1))
+            .collect();
+        (lp, spans)
+    };
+    let mut c = vec![0f64; lp.dim(0).unwrap()];
+    for ((a, l), wr) in spans.iter().zip(&weights) {
+        c[*a..a + l].copy_from_slice(wr);
+    }
+    let c = Tensor::from_vec(c, lp.dim(0).unwrap(), dev)
+        .unwrap()
+        .to_dtype(lp.dtype())
+        .unwrap();
+    let loss = (&lp * c).unwrap().sum_all().unwrap();
+    let all: Vec<f64> = lp.to_dtype(DType::F64).unwrap().to_vec1().unwrap();
+    let rows = spans.iter().map(|&(a, l)| all[a..a + l].to_vec()).collect();
+    (loss, rows)
+}
+
+/// Log-probs, loss and every parameter's gradient equal PyTorch's: values within `tol`
+/// relative (absolute below 1), each gradient within `rel` of its tensor's largest entry, for every execution
+/// path and layout.
+fn training_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
+    let r = reference(name);
+    let want_lp = floats(&r["token_logprobs"]);
+    let grads =
+        candle_core::safetensors::load(dir(name).join("grads.safetensors"), &Device::Cpu).unwrap();
+    let mut loaded = load(name, dtype);
+    let exec = [
+        Exec::default(),
+        Exec {
+            recompute: true,
+            ..Exec::default()
+        },
+        Exec {
+            composed: true,
+            ..Exec::default()
+        },
+    ];
+    for e in exec {
+        for packed in [false, true] {
+            loaded.model.set_exec(e);
+            let case = format!("{name} {dtype:?} {e:?} packed {packed}");
+            let (loss, lps) = loss_and_logprobs(&loaded.model, &r, packed);
+            for (i, (got, want)) in lps.iter().zip(&want_lp).enumerate() {
+                for (t, (g, w)) in got.iter().zip(want).enumerate() {
+                    let ok = (g - w).abs() <= tol * w.abs().max(1.0);
+                    assert!(ok, "{case}: row {i} token {t}: {g} vs {w}");
+                }
+            }
+            let l: f64 = loss.to_dtype(DType::F64).unwrap().to_scalar().unwrap();
+            let wl = r["loss"].as_f64().unwrap();
+            let ok = (l - wl).abs() <= tol * 10.0 * wl.abs().max(1.0);
+            assert!(ok, "{case}: loss {l} vs {wl}");
+            let g = loss.backward().unwrap();
+            let vars = loaded.varmap.data().lock().unwrap();
+            for pname in r["parameters"].as_array().unwrap() {
+                let pname = pname.as_str().unwrap();
+                // Tied embeddings: PyTorch reports the shared tensor once, as the embedding.
+                let var = vars
+                    .get(pname)
+                    .unwrap_or_else(|| panic!("{case}: no variable `{pname}`"));
+                let got: Vec<f64> = g
+                    .get(var.as_tensor())
+                    .unwrap_or_else(|| panic!("{case}: `{pname}` got no gradient"))
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                let want: Vec<f64> = grads[pname].flatten_all().unwrap().to_vec1().unwrap();
+                let scale = want.iter().fold(0f64, |s, x| s.max(x.abs())).max(1e-12);
+                let worst = got
+                    .iter()
+                    .zip(&want)
+                    .fold(0f64, |s, (a, b)| s.max((a - b).abs()));
+                assert!(
+                    worst <= rel * scale,
+                    "{case}: ∂L/∂{pname} off by {worst:.3e} (largest entry {scale:.3e})"
+                );
+            }
+            assert_eq!(
+                vars.len(),
+                r["parameters"].as_array().unwrap().len(),
+                "{case}: variables {:?}",
+                vars.keys().collect::<Vec<_>>()
+            );
+        }
+    }
+}
+
+const FAMILIES: [&str; 4] = ["llama", "qwen2", "qwen3", "qwen3_tied_bias"];
+
+/// f64: transformers' greedy tokens and log-probs within 1e-6.
+#[test]
+fn greedy_generation_equals_transformers_in_f64() {
+    for name in FAMILIES {
+        greedy_matches(name, DType::F64, 1e-6, 0.0);
+    }
+}
+
+/// f32: log-probs within 1e-4; a token may differ only where transformers' top-2 gap is
+/// within f32 rounding (1e-4).
+#[test]
+fn greedy_generation_equals_transformers_in_f32() {
+    for name in FAMILIES {
+        greedy_matches(name, DType::F32, 1e-4, 1e-4);
+    }
+}
+
+/// f64: log-probs within 1e-8 relative, every gradient within 1e-8 of its tensor's scale
+/// (PyTorch autograd), on every execution path, padded and packed.
+#[test]
+fn training_forward_and_gradients_equal_pytorch_in_f64() {
+    for name in FAMILIES {
+        training_matches(name, DType::F64, 1e-8, 1e-8);
+    }
+}
+
+/// f32: log-probs within 1e-4 and gradients within 1e-4 of scale.
+#[test]
+fn training_forward_and_gradients_equal_pytorch_in_f32() {
+    for name in FAMILIES {
+        training_matches(name, DType::F32, 1e-4, 1e-4);
+    }
+}
+
+/// A Qwen3 checkpoint read under another layout leaves its q/k norms unread: refused, naming
+/// the tensor, instead of running without them.
+#[test]
+fn unread_layer_tensors_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(dir("qwen3").join(f), tmp.path().join(f)).unwrap();
+    }
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("config.json")).unwrap())
+            .unwrap();
+    cfg["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
+    cfg["model_type"] = serde_json::json!("llama");
+    std::fs::write(tmp.path().join("config.json"), cfg.to_string()).unwrap();
+    let e = crate::weights::hf::load_dir(
+        tmp.path(),
+        &Default::default(),
+        DType::F64,
+        &Device::Cpu,
+        true,
+    )
+    .err()
+    .expect("refused")
+    .to_string();
+    assert!(
+        e.contains("self_attn.k_norm.weight") && e.contains("Llama"),
+        "{e}"
+    );
+}
+
+/// An architecture outside the supported list is refused before any weight is read, naming it
+/// and listing what is supported.
+#[test]
+fn an_unsupported_architecture_is_refused_by_name() {
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir("qwen3").join("config.json")).unwrap())
+            .unwrap();
+    cfg["architectures"] = serde_json::json!(["GptOssForCausalLM"]);
+    let e = crate::model::ModelArgs::from_hf(&cfg).unwrap_err();
+    assert!(
+        e.contains("`GptOssForCausalLM` is not supported") && e.contains("Qwen3ForCausalLM"),
+        "{e}"
+    );
+    cfg.as_object_mut().unwrap().remove("architectures");
+    cfg["model_type"] = serde_json::json!("gpt_oss");
+    let e = crate::model::ModelArgs::from_hf(&cfg).unwrap_err();
+    assert!(
+        e.contains("\"gpt_oss\"") && e.contains("LlamaForCausalLM"),
+        "{e}"
+    );
+}
