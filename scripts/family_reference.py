@@ -100,6 +100,27 @@ def families():
         "qwen3_tied_bias": transformers.Qwen3Config(
             **common, head_dim=8, tie_word_embeddings=True, attention_bias=True
         ),
+        # Qwen3 with a sliding window from layer 1 on (use_sliding_window, max_window_layers).
+        "qwen3_window": transformers.Qwen3Config(
+            **common, head_dim=8, use_sliding_window=True, sliding_window=4, max_window_layers=1
+        ),
+        # Mistral: a sliding window on every layer.
+        "mistral_window": transformers.MistralConfig(**common, head_dim=8, sliding_window=3),
+        # Gemma 3 (text): (1 + w) norms, sandwich norms, GELU-tanh, scaled embeddings,
+        # query_pre_attn_scalar, sliding layers with their own RoPE base, linear RoPE scaling on
+        # the full layer, tied embeddings.
+        "gemma3": transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3},
+            head_dim=16,
+            query_pre_attn_scalar=12,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            tie_word_embeddings=True,
+        ),
     }
 
 
@@ -107,6 +128,8 @@ MODEL_CLASS = {
     "LlamaConfig": transformers.LlamaForCausalLM,
     "Qwen2Config": transformers.Qwen2ForCausalLM,
     "Qwen3Config": transformers.Qwen3ForCausalLM,
+    "MistralConfig": transformers.MistralForCausalLM,
+    "Gemma3TextConfig": transformers.Gemma3ForCausalLM,
 }
 
 

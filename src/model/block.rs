@@ -26,10 +26,16 @@ pub(crate) enum Mask {
 }
 
 impl Mask {
-    /// The additive bias the op composition reads: the bias itself, or for packed sequences a
-    /// block-diagonal causal one `[1, 1, n, n]` (quadratic in the total length: the
-    /// composition is the reference and the fallback, the hand-written layer never builds it).
-    pub(crate) fn bias(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+    /// The additive bias the op composition reads: the bias itself (already windowed), or for
+    /// packed sequences a block-diagonal causal one `[1, 1, n, n]`, each query seeing at most
+    /// `window` positions (quadratic in the total length: the composition is the reference and
+    /// the fallback, the hand-written layer never builds it).
+    pub(crate) fn bias(
+        &self,
+        dtype: DType,
+        device: &Device,
+        window: Option<usize>,
+    ) -> Result<Tensor> {
         match self {
             Mask::Bias(b) => Ok(b.clone()),
             Mask::Packed(segs) => {
@@ -37,7 +43,8 @@ impl Mask {
                 let mut bias = vec![-1e9f32; n * n];
                 for &(a, l) in segs.iter() {
                     for i in 0..l {
-                        bias[(a + i) * n + a..][..=i].fill(0.0);
+                        let first = window.map_or(0, |w| (i + 1).saturating_sub(w));
+                        bias[(a + i) * n + a + first..][..=i - first].fill(0.0);
                     }
                 }
                 Tensor::from_vec(bias, (1, 1, n, n), &Device::Cpu)?
@@ -185,6 +192,22 @@ pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     x32.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(w)
 }
 
+/// The model's RMSNorm: [`rms_norm`] with weight `w`, or `1 + w` for Gemma.
+pub(crate) fn norm(x: &Tensor, w: &Tensor, a: &ModelArgs) -> Result<Tensor> {
+    match a.arch.norm_offset() {
+        0.0 => rms_norm(x, w, a.rms_norm_eps),
+        off => rms_norm(x, &(w + off)?, a.rms_norm_eps),
+    }
+}
+
+/// GELU with the tanh approximation, `½x(1 + tanh(√(2/π)(x + 0.044715 x³)))`, composed of ops
+/// with exact backward passes (candle's own `gelu` differentiates with six-digit constants,
+/// ~1e-6 relative off in f64).
+fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
+    let inner = ((x + ((x.sqr()? * x)? * 0.044_715)?)? * 0.797_884_560_802_865_4)?;
+    (x * 0.5)? * (inner.tanh()? + 1.0)?
+}
+
 /// Half-precision values in f32 for softmax-type reductions; f32 and f64 stay as they are.
 pub(crate) fn upcast(x: &Tensor) -> Result<Tensor> {
     match x.dtype() {
@@ -208,6 +231,14 @@ pub(crate) struct Block {
     /// Qwen3's RMSNorm over each head of q and of k before RoPE (`self_attn.q_norm`,
     /// `self_attn.k_norm`, `[head_dim]` each).
     pub(crate) qk_norm: Option<(Tensor, Tensor)>,
+    /// Gemma's norms of the attention's and the MLP's outputs before their residual adds
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`); `ln2` is then its
+    /// `pre_feedforward_layernorm`.
+    pub(crate) sandwich: Option<(Tensor, Tensor)>,
+    /// How many positions this layer's queries see (sliding-window layers), `None`: all.
+    pub(crate) window: Option<usize>,
+    /// Whether the layer's RoPE has frequencies of its own (Gemma 3's local layers).
+    pub(crate) local_rope: bool,
     pub(crate) q: Proj,
     pub(crate) k: Proj,
     pub(crate) v: Proj,
@@ -266,6 +297,9 @@ impl Block {
         if let Some((q, k)) = &self.qk_norm {
             n.extend([q, k]);
         }
+        if let Some((a, m)) = &self.sandwich {
+            n.extend([a, m]);
+        }
         n
     }
 
@@ -285,6 +319,12 @@ impl Block {
             ln1: self.ln1.detach(),
             ln2: self.ln2.detach(),
             qk_norm: self.qk_norm.as_ref().map(|(q, k)| (q.detach(), k.detach())),
+            sandwich: self
+                .sandwich
+                .as_ref()
+                .map(|(a, m)| (a.detach(), m.detach())),
+            window: self.window,
+            local_rope: self.local_rope,
             q: lin(&self.q),
             k: lin(&self.k),
             v: lin(&self.v),
@@ -312,15 +352,12 @@ pub(crate) fn block_forward(
 ) -> Result<Tensor> {
     let (b, t, _) = x.dims3()?;
     let (nh, nkv, hd) = (a.num_attention_heads, a.num_key_value_heads, a.head_dim);
-    let h = rms_norm(x, &l.ln1, a.rms_norm_eps)?;
+    let h = norm(x, &l.ln1, a)?;
     let q = apply(&l.q, &h)?.reshape((b, t, nh, hd))?; // [b, t, nh, hd]
     let k = apply(&l.k, &h)?.reshape((b, t, nkv, hd))?; // [b, t, nkv, hd]
     let (q, k) = match &l.qk_norm {
         // Each head normed over its hd values.
-        Some((qn, kn)) => (
-            rms_norm(&q, qn, a.rms_norm_eps)?,
-            rms_norm(&k, kn, a.rms_norm_eps)?,
-        ),
+        Some((qn, kn)) => (norm(&q, qn, a)?, norm(&k, kn, a)?),
         None => (q, k),
     };
     let q = q.transpose(1, 2)?; // [b, nh, t, hd]
@@ -337,7 +374,7 @@ pub(crate) fn block_forward(
     // Grouped-query attention without copying K/V per query head: the `rep` query heads that
     // share a KV head are stacked along the query axis, [b, nkv, rep·t, hd].
     let qg = q.contiguous()?.reshape((b, nkv, rep * t, hd))?;
-    let scores = (qg.matmul(&k.t()?)? / (hd as f64).sqrt())?; // [b, nkv, rep·t, s]
+    let scores = (qg.matmul(&k.t()?)? * a.attn_scale())?; // [b, nkv, rep·t, s]
     let scores = scores.reshape((b, nh, t, s))?.broadcast_add(mask)?; // [b, nh, t, s]
     let probs = candle_nn::ops::softmax(&upcast(&scores)?, D::Minus1)?.to_dtype(dtype)?;
     let attn = probs
@@ -347,8 +384,24 @@ pub(crate) fn block_forward(
         .reshape((b, nh, t, hd))?
         .transpose(1, 2)?
         .reshape((b, t, nh * hd))?; // [b, t, nh·hd]
-    let x = (x + apply(&l.o, &attn)?)?;
-    let h = rms_norm(&x, &l.ln2, a.rms_norm_eps)?;
-    let mlp = apply(&l.down, &(apply(&l.gate, &h)?.silu()? * apply(&l.up, &h)?)?)?;
+    let attn = apply(&l.o, &attn)?;
+    let attn = match &l.sandwich {
+        Some((post, _)) => norm(&attn, post, a)?,
+        None => attn,
+    };
+    let x = (x + attn)?;
+    let h = norm(&x, &l.ln2, a)?;
+    let gate = apply(&l.gate, &h)?;
+    // Gemma: GELU with its tanh approximation; the others SiLU.
+    let gate = if a.arch.gemma() {
+        gelu_tanh(&gate)?
+    } else {
+        gate.silu()?
+    };
+    let mlp = apply(&l.down, &(gate * apply(&l.up, &h)?)?)?;
+    let mlp = match &l.sandwich {
+        Some((_, post)) => norm(&mlp, post, a)?,
+        None => mlp,
+    };
     x + mlp
 }

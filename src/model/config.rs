@@ -17,12 +17,41 @@ pub enum Arch {
     /// `Qwen3ForCausalLM`: an RMSNorm over each head of q and of k before RoPE (`q_norm`,
     /// `k_norm`, weight `[head_dim]`), an explicit `head_dim`, biases only with `attention_bias`.
     Qwen3,
+    /// `Gemma3ForCausalLM` (text): q/k norms as Qwen3; every RMSNorm scales by `1 + w`; norms
+    /// after the attention and around the MLP (`post_attention_layernorm`,
+    /// `pre_feedforward_layernorm`, `post_feedforward_layernorm`); a GELU (tanh) gated MLP;
+    /// embeddings times √hidden; scores scaled by `query_pre_attn_scalar^-½`; sliding-window
+    /// layers with their own RoPE base between global ones (`layer_types`).
+    Gemma3,
+}
+
+/// Which keys a layer's queries attend to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LayerKind {
+    /// Every earlier position.
+    Full,
+    /// The last `sliding_window` positions, its own included.
+    Sliding,
 }
 
 impl Arch {
     /// Whether each head of q and k goes through an RMSNorm before RoPE.
     pub fn qk_norm(self) -> bool {
-        matches!(self, Arch::Qwen3)
+        matches!(self, Arch::Qwen3 | Arch::Gemma3)
+    }
+
+    /// Gemma's layer: `(1 + w)` norms, sandwich norms, GELU (tanh) MLP, scaled embeddings.
+    pub fn gemma(self) -> bool {
+        matches!(self, Arch::Gemma3)
+    }
+
+    /// What RMSNorm weights add to their scale: 1 for Gemma (`x̂·(1 + w)`), else 0.
+    pub fn norm_offset(self) -> f64 {
+        if self.gemma() {
+            1.0
+        } else {
+            0.0
+        }
     }
 
     /// The `architectures` entry and `model_type` a causal LM of this layout is saved with.
@@ -31,6 +60,7 @@ impl Arch {
             Arch::Llama => ("LlamaForCausalLM", "llama"),
             Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
             Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+            Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
         }
     }
 }
@@ -38,7 +68,7 @@ impl Arch {
 /// The `architectures` (`config.json`) this implementation loads, and the block layout each
 /// follows: causal LMs, and the token- and sequence-classification models critics and reward
 /// models are (their backbone plus a `score` head).
-pub const ARCHITECTURES: [(&str, Arch); 12] = [
+pub const ARCHITECTURES: [(&str, Arch); 15] = [
     ("LlamaForCausalLM", Arch::Llama),
     ("LlamaForTokenClassification", Arch::Llama),
     ("LlamaForSequenceClassification", Arch::Llama),
@@ -51,14 +81,18 @@ pub const ARCHITECTURES: [(&str, Arch); 12] = [
     ("Qwen3ForCausalLM", Arch::Qwen3),
     ("Qwen3ForTokenClassification", Arch::Qwen3),
     ("Qwen3ForSequenceClassification", Arch::Qwen3),
+    ("Gemma3ForCausalLM", Arch::Gemma3),
+    ("Gemma3TextForTokenClassification", Arch::Gemma3),
+    ("Gemma3TextForSequenceClassification", Arch::Gemma3),
 ];
 
 /// `model_type`s read when a config has no `architectures`.
-const MODEL_TYPES: [(&str, Arch); 4] = [
+const MODEL_TYPES: [(&str, Arch); 5] = [
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Qwen2),
     ("qwen3", Arch::Qwen3),
+    ("gemma3_text", Arch::Gemma3),
 ];
 
 /// The block layout of a config: from `architectures` (every entry must be one this
@@ -107,8 +141,8 @@ pub fn arch_of(v: &Value) -> Result<Arch, String> {
     Ok(found.expect("architectures is not empty"))
 }
 
-/// RoPE frequency scaling (`rope_type` other than `default`). Only Llama 3.x's is supported;
-/// other types are refused when the config is read.
+/// RoPE frequency scaling (`rope_type` other than `default`): Llama 3.x's and linear (Gemma 3's
+/// global layers); other types are refused when the config is read.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "rope_type", rename_all = "lowercase")]
 pub enum RopeScaling {
@@ -121,6 +155,8 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: u64,
     },
+    /// Every frequency divided by `factor` (positions interpolated linearly).
+    Linear { factor: f64 },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -148,6 +184,19 @@ pub struct ModelArgs {
     pub max_position_embeddings: usize,
     /// Labels of a sequence-classification head (`num_labels`), when the checkpoint has one.
     pub num_labels: Option<usize>,
+    /// Attention scores are scaled by `query_pre_attn_scalar^-½` (Gemma); `None`: `head_dim^-½`.
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f64>,
+    /// How many positions a sliding-window layer sees (its own included).
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    /// Each layer's attention; empty = every layer full.
+    #[serde(default)]
+    pub layer_types: Vec<LayerKind>,
+    /// The RoPE base of sliding layers (Gemma 3's local layers, plain RoPE); `None`: the same
+    /// frequencies as the full layers.
+    #[serde(default)]
+    pub rope_local_theta: Option<f64>,
 }
 
 fn get_usize(v: &Value, key: &str) -> Result<usize, String> {
@@ -157,12 +206,15 @@ fn get_usize(v: &Value, key: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("config.json: missing or non-integer `{key}`"))
 }
 
+/// A RoPE base and its scaling.
+type Rope = (f64, Option<RopeScaling>);
+
 /// Where transformers keeps the RoPE settings: `rope_parameters` (transformers ≥ 5: theta,
 /// type and the scaling's fields together) and the older top-level `rope_theta` with a
 /// `rope_scaling` object (`rope_type`, or `type` before 4.45). Both may be present (files
 /// written for both versions); where they disagree on a value the file is refused rather than
 /// one silently winning.
-fn read_rope(v: &Value) -> Result<(f64, Option<RopeScaling>), String> {
+fn read_rope(v: &Value) -> Result<Rope, String> {
     let params = match v.get("rope_parameters") {
         None | Some(Value::Null) => None,
         Some(Value::Object(o)) => {
@@ -301,18 +353,159 @@ fn read_rope(v: &Value) -> Result<(f64, Option<RopeScaling>), String> {
                 original_max_position_embeddings: context as u64,
             })
         }
+        "linear" => {
+            let factor = field("factor")?;
+            if factor <= 0.0 {
+                return Err(format!("config.json: {name}.factor ({factor}) must be positive"));
+            }
+            Some(RopeScaling::Linear { factor })
+        }
         other => {
             return Err(format!(
-                "config.json: {kind_key} {other:?} is not supported (supported: \"default\", \"llama3\"); it changes the rotary frequencies, so the model cannot run without it"
+                "config.json: {kind_key} {other:?} is not supported (supported: \"default\", \"llama3\", \"linear\"); it changes the rotary frequencies, so the model cannot run without it"
             ))
         }
     };
     Ok((theta, scaling))
 }
 
+/// Gemma 3's RoPE: the full layers' settings and the sliding layers' base. transformers 5
+/// writes `rope_parameters: {full_attention: {...}, sliding_attention: {...}}`; transformers 4
+/// `rope_theta` (default 1e6), `rope_scaling` and `rope_local_base_freq` (default 1e4). The
+/// sliding layers run plain RoPE.
+fn read_gemma_rope(v: &Value) -> Result<(Rope, Option<f64>), String> {
+    let nested = v
+        .get("rope_parameters")
+        .and_then(Value::as_object)
+        .filter(|o| o.values().any(Value::is_object));
+    let Some(per_kind) = nested else {
+        let mut flat = v.clone();
+        if flat.get("rope_theta").is_none_or(Value::is_null)
+            && v.pointer("/rope_parameters/rope_theta").is_none()
+        {
+            flat["rope_theta"] = serde_json::json!(1e6);
+        }
+        let local = v
+            .get("rope_local_base_freq")
+            .and_then(Value::as_f64)
+            .unwrap_or(1e4);
+        return Ok((read_rope(&flat)?, Some(local)));
+    };
+    for k in per_kind.keys() {
+        if k != "full_attention" && k != "sliding_attention" {
+            return Err(format!(
+                "config.json: rope_parameters.{k} is not a layer type (full_attention, sliding_attention)"
+            ));
+        }
+    }
+    let one = |kind: &str, theta: f64| -> Result<Rope, String> {
+        let mut p = per_kind.get(kind).cloned().unwrap_or(serde_json::json!({}));
+        if p.get("rope_theta").is_none() {
+            p["rope_theta"] = serde_json::json!(theta);
+        }
+        read_rope(&serde_json::json!({ "rope_parameters": p }))
+            .map_err(|e| e.replace("rope_parameters", &format!("rope_parameters.{kind}")))
+    };
+    let full = one("full_attention", 1e6)?;
+    let (local, scaling) = one("sliding_attention", 1e4)?;
+    if scaling.is_some() {
+        return Err(
+            "config.json: rope_parameters.sliding_attention: RoPE scaling on sliding layers is not supported"
+                .into(),
+        );
+    }
+    Ok((full, Some(local)))
+}
+
+/// The sliding window and each layer's attention: `layer_types` (`full_attention`,
+/// `sliding_attention`; Gemma 3 defaults to every sixth layer full), Mistral's `sliding_window`
+/// on every layer, Qwen2/3's `use_sliding_window` on the layers from `max_window_layers` on.
+fn read_windows(
+    v: &Value,
+    arch: Arch,
+    layers: usize,
+) -> Result<(Option<usize>, Vec<LayerKind>), String> {
+    let window = match v.get("sliding_window") {
+        None | Some(Value::Null) => None,
+        Some(x) => match x.as_u64() {
+            Some(w) if w > 0 => Some(w as usize),
+            _ => {
+                return Err(format!(
+                    "config.json: sliding_window must be a positive integer or null, found {x}"
+                ))
+            }
+        },
+    };
+    let listed: Option<Vec<LayerKind>> = match v.get("layer_types") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(a)) => Some(
+            a.iter()
+                .enumerate()
+                .map(|(i, t)| match t.as_str() {
+                    Some("full_attention") => Ok(LayerKind::Full),
+                    Some("sliding_attention") => Ok(LayerKind::Sliding),
+                    _ => Err(format!("config.json: layer_types[{i}] {t} is not supported (full_attention, sliding_attention)")),
+                })
+                .collect::<Result<_, _>>()?,
+        ),
+        Some(x) => return Err(format!("config.json: layer_types must be a list, found {x}")),
+    };
+    let qwen = matches!(arch, Arch::Qwen2 | Arch::Qwen3);
+    let use_window = v.get("use_sliding_window").and_then(Value::as_bool);
+    let kinds = match (arch, listed) {
+        // Qwen: `use_sliding_window` decides; `layer_types` as transformers derives it.
+        (_, _) if qwen && use_window != Some(true) => Vec::new(),
+        (_, Some(l)) => l,
+        (Arch::Gemma3, None) => {
+            let pattern = v
+                .get("sliding_window_pattern")
+                .and_then(Value::as_u64)
+                .unwrap_or(6) as usize;
+            (0..layers)
+                .map(|i| match (i + 1) % pattern.max(1) {
+                    0 => LayerKind::Full,
+                    _ => LayerKind::Sliding,
+                })
+                .collect()
+        }
+        _ if qwen => {
+            let from = v
+                .get("max_window_layers")
+                .and_then(Value::as_u64)
+                .unwrap_or(layers as u64) as usize;
+            (0..layers)
+                .map(|i| match i >= from {
+                    true => LayerKind::Sliding,
+                    false => LayerKind::Full,
+                })
+                .collect()
+        }
+        // Mistral (and Llama configs that carry one): the window applies to every layer.
+        _ => match window {
+            Some(_) => vec![LayerKind::Sliding; layers],
+            None => Vec::new(),
+        },
+    };
+    if !kinds.is_empty() && kinds.len() != layers {
+        return Err(format!(
+            "config.json: layer_types lists {} layers for num_hidden_layers {layers}",
+            kinds.len()
+        ));
+    }
+    if kinds.contains(&LayerKind::Sliding) && window.is_none() {
+        return Err("config.json: sliding_attention layers need a sliding_window".into());
+    }
+    let kinds = if kinds.iter().all(|k| *k == LayerKind::Full) {
+        Vec::new()
+    } else {
+        kinds
+    };
+    Ok((window.filter(|_| !kinds.is_empty()), kinds))
+}
+
 /// Keys that would change the computation in ways this implementation does not follow: refused
 /// by name instead of silently ignored.
-fn refuse_unsupported(v: &Value) -> Result<(), String> {
+fn refuse_unsupported(v: &Value, arch: Arch) -> Result<(), String> {
     for key in [
         "partial_rotary_factor",
         "rope_parameters.partial_rotary_factor",
@@ -329,22 +522,39 @@ fn refuse_unsupported(v: &Value) -> Result<(), String> {
             }
         }
     }
-    if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
-        if act != "silu" {
+    // Gemma names it `hidden_activation` (GELU, tanh approximation); the others `hidden_act`.
+    let (act_key, want) = if arch.gemma() {
+        ("hidden_activation", "gelu_pytorch_tanh")
+    } else {
+        ("hidden_act", "silu")
+    };
+    if let Some(act) = v.get(act_key).and_then(Value::as_str) {
+        if act != want {
             return Err(format!(
-                "config.json: hidden_act {act:?} is not supported (SwiGLU with silu only)"
+                "config.json: {act_key} {act:?} is not supported (a gated MLP with {want} only)"
             ));
         }
+    }
+    for key in ["final_logit_softcapping", "attn_logit_softcapping"] {
+        if let Some(x) = v.get(key).filter(|x| !x.is_null()) {
+            return Err(format!(
+                "config.json: {key} ({x}) is not supported (logits without tanh soft-capping only)"
+            ));
+        }
+    }
+    if v.get("use_bidirectional_attention")
+        .and_then(Value::as_bool)
+        == Some(true)
+    {
+        return Err(
+            "config.json: use_bidirectional_attention true is not supported (causal attention only)"
+                .into(),
+        );
     }
     if v.get("mlp_bias").and_then(Value::as_bool) == Some(true) {
         return Err(
             "config.json: mlp_bias true is not supported (MLP projections without bias only)"
                 .into(),
-        );
-    }
-    if v.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
-        return Err(
-            "config.json: use_sliding_window true is not supported (full attention only)".into(),
         );
     }
     Ok(())
@@ -358,8 +568,13 @@ impl ModelArgs {
             .get("attention_bias")
             .and_then(Value::as_bool)
             .unwrap_or(false);
-        let (rope_theta, rope_scaling) = read_rope(v)?;
-        refuse_unsupported(v)?;
+        let gemma = arch == Arch::Gemma3;
+        let ((rope_theta, rope_scaling), rope_local_theta) = if gemma {
+            read_gemma_rope(v)?
+        } else {
+            (read_rope(v)?, None)
+        };
+        refuse_unsupported(v, arch)?;
         let hidden_size = get_usize(v, "hidden_size")?;
         let heads = get_usize(v, "num_attention_heads")?;
         let kv = v
@@ -372,6 +587,8 @@ impl ModelArgs {
             .and_then(Value::as_u64)
             .map(|x| x as usize)
             .unwrap_or(hidden_size / heads.max(1));
+        let layers = get_usize(v, "num_hidden_layers")?;
+        let windows = read_windows(v, arch, layers)?;
         if heads == 0 || kv == 0 || heads % kv != 0 {
             return Err(format!("config.json: num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv})"));
         }
@@ -380,7 +597,7 @@ impl ModelArgs {
             vocab_size: get_usize(v, "vocab_size")?,
             hidden_size,
             intermediate_size: get_usize(v, "intermediate_size")?,
-            num_hidden_layers: get_usize(v, "num_hidden_layers")?,
+            num_hidden_layers: layers,
             num_attention_heads: heads,
             num_key_value_heads: kv,
             head_dim,
@@ -404,6 +621,18 @@ impl ModelArgs {
                 .get("num_labels")
                 .and_then(Value::as_u64)
                 .map(|x| x as usize),
+            query_pre_attn_scalar: if gemma {
+                Some(
+                    v.get("query_pre_attn_scalar")
+                        .and_then(Value::as_f64)
+                        .unwrap_or(256.0),
+                )
+            } else {
+                None
+            },
+            sliding_window: windows.0,
+            layer_types: windows.1,
+            rope_local_theta,
         })
     }
 
@@ -432,7 +661,58 @@ impl ModelArgs {
                     }
                 })
                 .collect(),
+            Some(RopeScaling::Linear { factor }) => plain.map(|f| f / factor).collect(),
         }
+    }
+
+    /// The RoPE inverse frequencies of layer `layer`: a sliding layer with its own base
+    /// (`rope_local_theta`) uses plain RoPE at that base, every other layer [`Self::inv_freq`].
+    pub fn inv_freq_of(&self, layer: usize) -> Vec<f64> {
+        match (self.layer_kind(layer), self.rope_local_theta) {
+            (LayerKind::Sliding, Some(theta)) => {
+                let d = self.head_dim as f64;
+                (0..self.head_dim / 2)
+                    .map(|i| 1.0 / theta.powf(2.0 * i as f64 / d))
+                    .collect()
+            }
+            _ => self.inv_freq(),
+        }
+    }
+
+    /// Whether some layer has RoPE frequencies of its own (one table per layer kind).
+    pub fn local_rope(&self) -> bool {
+        self.rope_local_theta.is_some() && self.layer_types.contains(&LayerKind::Sliding)
+    }
+
+    pub fn layer_kind(&self, layer: usize) -> LayerKind {
+        self.layer_types
+            .get(layer)
+            .copied()
+            .unwrap_or(LayerKind::Full)
+    }
+
+    /// The window of layer `layer` (positions it sees, its own included), `None` for full
+    /// attention.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        match self.layer_kind(layer) {
+            LayerKind::Sliding => self.sliding_window,
+            LayerKind::Full => None,
+        }
+    }
+
+    /// The factor on attention scores: `query_pre_attn_scalar^-½`, else `head_dim^-½`.
+    pub fn attn_scale(&self) -> f64 {
+        1.0 / self
+            .query_pre_attn_scalar
+            .unwrap_or(self.head_dim as f64)
+            .sqrt()
+    }
+
+    /// The factor on embeddings: Gemma's √hidden, rounded to f32 as transformers keeps it.
+    pub fn embed_scale(&self) -> Option<f64> {
+        self.arch
+            .gemma()
+            .then(|| f64::from((self.hidden_size as f64).sqrt() as f32))
     }
 
     /// The RoPE settings as transformers 5 writes them (`rope_parameters`).
@@ -460,7 +740,7 @@ impl ModelArgs {
                 p
             }
         };
-        serde_json::json!({
+        let mut out = serde_json::json!({
             "architectures": [arch],
             "model_type": model_type,
             "vocab_size": self.vocab_size,
@@ -479,7 +759,42 @@ impl ModelArgs {
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu",
             "torch_dtype": "float32",
-        })
+        });
+        let kinds: Vec<&str> = (0..self.num_hidden_layers)
+            .map(|i| match self.layer_kind(i) {
+                LayerKind::Full => "full_attention",
+                LayerKind::Sliding => "sliding_attention",
+            })
+            .collect();
+        if let Some(w) = self.sliding_window {
+            out["sliding_window"] = serde_json::json!(w);
+            out["layer_types"] = serde_json::json!(kinds);
+            if matches!(self.arch, Arch::Qwen2 | Arch::Qwen3) {
+                out["use_sliding_window"] = serde_json::json!(true);
+                let first = kinds.iter().position(|k| *k == "sliding_attention");
+                out["max_window_layers"] = serde_json::json!(first.unwrap_or(kinds.len()));
+            }
+        }
+        if self.arch.gemma() {
+            let o = out.as_object_mut().expect("an object");
+            o.remove("hidden_act");
+            o.insert("hidden_activation".into(), "gelu_pytorch_tanh".into());
+            o.insert("layer_types".into(), serde_json::json!(kinds));
+            o.insert(
+                "query_pre_attn_scalar".into(),
+                serde_json::json!(self.query_pre_attn_scalar),
+            );
+            let local = self.rope_local_theta.unwrap_or(self.rope_theta);
+            o.insert("rope_local_base_freq".into(), serde_json::json!(local));
+            o.insert(
+                "rope_parameters".into(),
+                serde_json::json!({
+                    "full_attention": self.rope_parameters(),
+                    "sliding_attention": {"rope_type": "default", "rope_theta": local},
+                }),
+            );
+        }
+        out
     }
 
     /// A tiny configuration for tests.
@@ -496,11 +811,18 @@ impl ModelArgs {
             rms_norm_eps: 1e-6,
             rope_theta: 10000.0,
             rope_scaling: None,
-            tie_word_embeddings: arch == Arch::Llama,
+            tie_word_embeddings: matches!(arch, Arch::Llama | Arch::Gemma3),
             qkv_bias: arch == Arch::Qwen2,
             o_bias: false,
             max_position_embeddings: 512,
             num_labels: None,
+            query_pre_attn_scalar: (arch == Arch::Gemma3).then_some(12.0),
+            sliding_window: (arch == Arch::Gemma3).then_some(4),
+            layer_types: match arch {
+                Arch::Gemma3 => vec![LayerKind::Sliding, LayerKind::Full],
+                _ => Vec::new(),
+            },
+            rope_local_theta: (arch == Arch::Gemma3).then_some(1000.0),
         }
     }
 }

@@ -77,7 +77,7 @@ fn batch(dev: &Device) -> (Tensor, Tensor, Tensor, Tensor) {
 #[test]
 fn cuda_training_forward_and_gradients_equal_the_cpu() {
     let Some(dev) = gpu() else { return };
-    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3] {
         let (vm_c, cpu, vm_g, gpu) = pair(arch, &dev);
         let mut results = Vec::new();
         for (m, vm, d) in [(&cpu, &vm_c, Device::Cpu), (&gpu, &vm_g, dev.clone())] {
@@ -131,7 +131,7 @@ fn cuda_training_forward_and_gradients_equal_the_cpu() {
 #[test]
 fn cuda_greedy_decoding_equals_the_cpu() {
     let Some(dev) = gpu() else { return };
-    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3] {
         let (_, cpu, _, gpu) = pair(arch, &dev);
         let prompts: Vec<Vec<u32>> = (0..6u32)
             .map(|r| {

@@ -58,6 +58,12 @@ struct Layer<T> {
     qk_norm: Option<(Vec<T>, Vec<T>)>,
     /// `[hidden]`: the output projection's bias (`attention_bias` models but Qwen2).
     o_bias: Option<Vec<T>>,
+    /// Gemma's norms of the attention and MLP outputs (`[hidden]` each).
+    sandwich: Option<(Vec<T>, Vec<T>)>,
+    /// Positions this layer's queries see (sliding-window layers).
+    window: Option<usize>,
+    /// Whether the layer uses the local RoPE table.
+    local_rope: bool,
     /// `[heads·head_dim, hidden]`.
     o: Mat<T>,
     /// `[hidden, 2·intermediate]`: gate columns, then up columns.
@@ -119,6 +125,8 @@ pub struct Packed<T> {
     /// `[hidden, vocab]`.
     out: Mat<T>,
     inv_freq: Vec<f64>,
+    /// The sliding layers' own RoPE frequencies (Gemma 3), when they have them.
+    inv_freq_local: Option<Vec<f64>>,
 }
 
 /// Keys and values of one sequence, per layer `[positions, kv_heads, head_dim]` row-major, so a
@@ -274,6 +282,23 @@ fn attend_body<T: Elem, C: KvElem<T>>(q: &[T], kv: &Kv<C>, hd: usize, scale: T, 
     }
 }
 
+/// `x += rms(out)·w` per row (Gemma's norm of a sub-layer's output before its residual add),
+/// through the scratch rows `tmp`.
+fn add_normed<T: Elem>(x: &mut [T], out: &[T], w: &[T], tmp: &mut [T], eps: f64) {
+    rms_norm(tmp, out, w, eps);
+    x.par_iter_mut()
+        .zip(tmp.par_iter())
+        .for_each(|(v, &o)| *v += o);
+}
+
+/// GELU with the tanh approximation: `½z(1 + tanh(√(2/π)(z + 0.044715 z³)))`.
+#[inline(always)]
+fn gelu_tanh<T: Elem>(z: T) -> T {
+    let k0 = T::from_f64(0.797_884_560_802_865_4);
+    let k1 = T::from_f64(0.044_715);
+    T::from_f64(0.5) * z * (T::one() + (k0 * (z + k1 * z * z * z)).tanh())
+}
+
 /// `out[r] = x[r] · rsqrt(mean(x[r]²) + eps) · w` for each row of width `w.len()`.
 fn rms_norm<T: Elem>(out: &mut [T], x: &[T], w: &[T], eps: f64) {
     let h = w.len();
@@ -301,6 +326,14 @@ impl<T: Elem> Packed<T> {
         let a = &model.args;
         let bf16 = model.bf16_matmuls();
         let mut layers = Vec::with_capacity(a.num_hidden_layers);
+        // Norm weights as the scale they apply (`1 + w` for Gemma), folded in once.
+        let off = a.arch.norm_offset();
+        let nw = |w: &Tensor| -> Result<Vec<T>> {
+            match off {
+                0.0 => flat(w),
+                o => flat(&(w + o)?),
+            }
+        };
         for b in model.blocks() {
             // Adapters are folded in here, once per packing: W + s·B·A (`[out, in]` each).
             let [q, k, v, o, gate, up, down] = b.projs().map(|p| p.merged_weight());
@@ -310,14 +343,20 @@ impl<T: Elem> Packed<T> {
                 _ => None,
             };
             layers.push(Layer {
-                ln1: flat(&b.ln1)?,
-                ln2: flat(&b.ln2)?,
+                ln1: nw(&b.ln1)?,
+                ln2: nw(&b.ln2)?,
                 qkv: Mat::from_weights(&[&q, &k, &v], bf16)?,
                 qkv_bias,
                 qk_norm: match &b.qk_norm {
-                    Some((q, k)) => Some((flat(q)?, flat(k)?)),
+                    Some((q, k)) => Some((nw(q)?, nw(k)?)),
                     None => None,
                 },
+                sandwich: match &b.sandwich {
+                    Some((pa, pf)) => Some((nw(pa)?, nw(pf)?)),
+                    None => None,
+                },
+                window: b.window,
+                local_rope: b.local_rope,
                 o_bias: b.o.bias().map(flat).transpose()?,
                 o: Mat::from_weights(&[&o], bf16)?,
                 gate_up: Mat::from_weights(&[&gate, &up], bf16)?,
@@ -328,9 +367,14 @@ impl<T: Elem> Packed<T> {
             args: a.clone(),
             embed: flat(model.embedding())?,
             layers,
-            norm: flat(model.final_norm())?,
+            norm: nw(model.final_norm())?,
             out: Mat::from_weights(&[model.output_weight()?], bf16)?,
             inv_freq: model.inv_freq(),
+            inv_freq_local: model
+                .blocks()
+                .iter()
+                .position(|b| b.local_rope)
+                .map(|i| a.inv_freq_of(i)),
         })
     }
 
@@ -381,26 +425,42 @@ impl<T: Elem> Packed<T> {
         // Rotary tables for each token: [M, head_dim / 2], computed in f64 and rounded once to T
         // (the transformer's values).
         let half = hd / 2;
-        let mut cos = vec![T::zero(); m * half];
-        let mut sin = vec![T::zero(); m * half];
-        for (i, &p) in pos.iter().enumerate() {
-            for (f, &inv) in self.inv_freq.iter().enumerate() {
-                let ang = p as f64 * inv;
-                cos[i * half + f] = T::from_f64(ang.cos());
-                sin[i * half + f] = T::from_f64(ang.sin());
+        let tables = |freqs: &[f64]| {
+            let mut cos = vec![T::zero(); m * half];
+            let mut sin = vec![T::zero(); m * half];
+            for (i, &p) in pos.iter().enumerate() {
+                for (f, &inv) in freqs.iter().enumerate() {
+                    let ang = p as f64 * inv;
+                    cos[i * half + f] = T::from_f64(ang.cos());
+                    sin[i * half + f] = T::from_f64(ang.sin());
+                }
             }
-        }
+            (cos, sin)
+        };
+        let global = tables(&self.inv_freq);
+        let local = self.inv_freq_local.as_deref().map(tables);
         let mut x = vec![T::zero(); m * h]; // [M, hidden]
         for (i, &id) in ids.iter().enumerate() {
             let r = id as usize * h;
             x[i * h..(i + 1) * h].copy_from_slice(&self.embed[r..r + h]);
         }
+        if let Some(scale) = a.embed_scale() {
+            let scale = T::from_f64(scale);
+            x.par_iter_mut().for_each(|v| *v *= scale);
+        }
+        // Gemma's sandwich norms: a layer's output before its norm.
+        let mut out_pre = if a.arch.gemma() {
+            vec![T::zero(); m * h]
+        } else {
+            Vec::new()
+        };
         let mut hn = vec![T::zero(); m * h]; // [M, hidden]
         let mut qkv = vec![T::zero(); m * dqkv]; // [M, (nh + 2·nkv)·hd]
         let mut att = vec![T::zero(); m * dq]; // [M, nh·hd]
         let mut gu = vec![T::zero(); m * 2 * inter]; // [M, 2·intermediate]
         let mut act = vec![T::zero(); m * inter]; // [M, intermediate]
-        let scale = T::from_f64(1.0 / (hd as f64).sqrt());
+        let scale = T::from_f64(a.attn_scale());
+        let gelu = a.arch.gemma();
         for (li, l) in self.layers.iter().enumerate() {
             rms_norm(&mut hn, &x, &l.ln1, a.rms_norm_eps);
             l.qkv.apply(&mut qkv, &hn, m, h, dqkv, false);
@@ -412,6 +472,10 @@ impl<T: Elem> Packed<T> {
             // RoPE on the q and k heads of every token (half-split layout, as HF), after each
             // head's RMSNorm where the model has q/k norms.
             let (eps, hd_t) = (T::from_f64(a.rms_norm_eps), T::from_f64(hd as f64));
+            let (cos, sin) = match (&local, l.local_rope) {
+                (Some(t), true) => t,
+                _ => &global,
+            };
             qkv.par_chunks_mut(dqkv).enumerate().for_each(|(i, row)| {
                 let (c, s) = (
                     &cos[i * half..(i + 1) * half],
@@ -454,19 +518,34 @@ impl<T: Elem> Packed<T> {
             att.par_chunks_mut(dq).enumerate().for_each(|(i, out)| {
                 let q = &qkv[i * dqkv..][..dq];
                 let (ks, vs) = views[seq[i]];
+                // A sliding-window layer reads the last `window` positions only.
+                let first = l.window.map_or(0, |w| (pos[i] + 1).saturating_sub(w));
                 let kv = Kv {
-                    ks,
-                    vs,
-                    n: pos[i] + 1,
+                    ks: &ks[first * dkv..],
+                    vs: &vs[first * dkv..],
+                    n: pos[i] + 1 - first,
                     width: dkv,
                 };
                 attend(q, &kv, hd, scale, out);
             });
-            l.o.apply(&mut x, &att, m, dq, h, true);
-            if let Some(b) = &l.o_bias {
-                x.par_chunks_mut(h).for_each(|row| {
-                    row.iter_mut().zip(b).for_each(|(v, &bb)| *v += bb);
-                });
+            match &l.sandwich {
+                Some((pa, _)) => {
+                    l.o.apply(&mut out_pre, &att, m, dq, h, false);
+                    if let Some(b) = &l.o_bias {
+                        out_pre.par_chunks_mut(h).for_each(|row| {
+                            row.iter_mut().zip(b).for_each(|(v, &bb)| *v += bb);
+                        });
+                    }
+                    add_normed(&mut x, &out_pre, pa, &mut hn, a.rms_norm_eps);
+                }
+                None => {
+                    l.o.apply(&mut x, &att, m, dq, h, true);
+                    if let Some(b) = &l.o_bias {
+                        x.par_chunks_mut(h).for_each(|row| {
+                            row.iter_mut().zip(b).for_each(|(v, &bb)| *v += bb);
+                        });
+                    }
+                }
             }
             rms_norm(&mut hn, &x, &l.ln2, a.rms_norm_eps);
             l.gate_up.apply(&mut gu, &hn, m, h, 2 * inter, false);
@@ -477,13 +556,25 @@ impl<T: Elem> Packed<T> {
                     vectorized(
                         #[inline(always)]
                         || {
-                            for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
-                                *oi = gi / (T::one() + (-gi).exp_fast()) * ui;
+                            if gelu {
+                                for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
+                                    *oi = gelu_tanh(gi) * ui;
+                                }
+                            } else {
+                                for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
+                                    *oi = gi / (T::one() + (-gi).exp_fast()) * ui;
+                                }
                             }
                         },
                     )
                 });
-            l.down.apply(&mut x, &act, m, inter, h, true);
+            match &l.sandwich {
+                Some((_, pf)) => {
+                    l.down.apply(&mut out_pre, &act, m, inter, h, false);
+                    add_normed(&mut x, &out_pre, pf, &mut hn, a.rms_norm_eps);
+                }
+                None => l.down.apply(&mut x, &act, m, inter, h, true),
+            }
         }
         for (c, t) in caches.iter_mut().zip(tokens) {
             c.len += t.len();

@@ -16,6 +16,8 @@
 //! P = softmax(q̃·k̃ᵀ/√d + bias)     a = P·v  (query head h reads KV head h / (heads/kv_heads))
 //! x2 = x + a·Woᵀ                  h2 = rms(x2)·ln2
 //! y = x2 + (silu(h2·Wgᵀ) ⊙ h2·Wuᵀ)·Wdᵀ
+//! Gemma: every norm scales by 1 + w; x2 = x + rms(a·Woᵀ)·pa, y = x2 + rms(mlp)·pf; GELU (tanh)
+//! for silu; scores scaled by query_pre_attn_scalar^-½; sliding layers see `window` keys.
 //!
 //! rms backward, with x̂ = x·r, r = (mean x² + ε)^−½, gh the gradient of h = x̂⊙w:
 //!   ∂w = Σ_rows gh⊙x̂,   ∂x = r·(gh⊙w − x̂·mean(gh⊙w⊙x̂))
@@ -42,6 +44,15 @@ pub(super) struct Dims {
     pub head_dim: usize,
     pub inter: usize,
     pub eps: f64,
+    /// What norm weights add to their scale (Gemma: 1, `x̂·(1 + w)`).
+    pub norm_offset: f64,
+    /// The MLP's gate: GELU with the tanh approximation (Gemma) instead of SiLU.
+    pub gelu: bool,
+    /// The factor on attention scores (`head_dim^-½`, Gemma `query_pre_attn_scalar^-½`).
+    pub attn_scale: f64,
+    /// Keys a query sees in packed sequences (sliding-window layers; padded calls carry the
+    /// window in their bias).
+    pub window: Option<usize>,
     /// Matrix products with bf16 operands and f32 sums (f32 layers on CPUs with a bf16 kernel: AMX or AVX512-BF16).
     pub bf16: bool,
 }
@@ -97,6 +108,8 @@ pub(super) struct Weights<'a, T> {
     pub ln2: &'a [T],
     /// Per-head RMSNorm weights of q and k (`[head_dim]` each), where the layer has them.
     pub qk_norm: Option<(&'a [T], &'a [T])>,
+    /// Gemma's norms of the attention and MLP outputs (`[hidden]` each).
+    pub sandwich: Option<(&'a [T], &'a [T])>,
     /// q, k, v, o, gate, up, down.
     pub lin: [Lin<'a, T>; 7],
 }
@@ -106,6 +119,7 @@ pub(super) struct Grads<T> {
     pub ln1: Vec<T>,
     pub ln2: Vec<T>,
     pub qk_norm: Option<(Vec<T>, Vec<T>)>,
+    pub sandwich: Option<(Vec<T>, Vec<T>)>,
     pub lin: Vec<LinGrad<T>>,
 }
 
@@ -171,6 +185,8 @@ pub(super) struct Acts<T> {
     k: Vec<T>,  // [rows, kv·hd], rotated
     /// With q/k norms: q and k before them, and each head's `r`.
     qk_pre: Option<QkPre<T>>,
+    /// With sandwich norms: the attention and MLP outputs before them, and their `r`.
+    sandwich: Option<SandwichPre<T>>,
     v: Vec<T>,    // [rows, kv·hd]
     a: Vec<T>,    // [rows, heads·hd]
     x2: Vec<T>,   // [rows, hidden]
@@ -187,6 +203,15 @@ struct QkPre<T> {
     k: Vec<T>,
     rq: Vec<T>,
     rk: Vec<T>,
+}
+
+/// The attention output `a·Woᵀ` and the MLP output before Gemma's norms of them (`[rows,
+/// hidden]`) and their rows' `r`.
+struct SandwichPre<T> {
+    attn: Vec<T>,
+    ra: Vec<T>,
+    mlp: Vec<T>,
+    rm: Vec<T>,
 }
 
 fn c<T: Elem>(v: f64) -> T {
@@ -460,16 +485,37 @@ fn scale_in_place<T: Elem>(v: &mut [T], s: T) {
     });
 }
 
-/// The SiLU-gated product `silu(gate) ⊙ up` (`[rows, inter]` each).
-fn swiglu<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
+/// The gated product `f(gate) ⊙ up` (`[rows, inter]` each), `f` = SiLU or GELU (tanh).
+fn gated<T: Elem>(gate: &[T], up: &[T], gelu: bool) -> Vec<T> {
     let mut act = vec![T::zero(); gate.len()];
-    par_zip2(&mut act, gate, up, |_, z, u| z * sigmoid(z) * u);
+    if gelu {
+        par_zip2(&mut act, gate, up, |_, z, u| gelu_tanh(z).0 * u);
+    } else {
+        par_zip2(&mut act, gate, up, |_, z, u| z * sigmoid(z) * u);
+    }
     act
 }
 
-/// `h = x·r·w` per row with `r = 1/√(mean x² + ε)`; returns `(h, r)`.
-fn rms_fwd<T: Elem>(x: &[T], w: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const GELU_C: f64 = 0.044_715;
+
+/// GELU with the tanh approximation and its derivative at `z`:
+/// `g = ½z(1 + tanh u)`, `u = √(2/π)(z + 0.044715 z³)`,
+/// `g′ = ½(1 + tanh u) + ½z(1 − tanh² u)·√(2/π)(1 + 3·0.044715 z²)`.
+#[inline(always)]
+fn gelu_tanh<T: Elem>(z: T) -> (T, T) {
+    let (k0, k1, half) = (c::<T>(SQRT_2_OVER_PI), c::<T>(GELU_C), c::<T>(0.5));
+    let th = (k0 * (z + k1 * z * z * z)).tanh();
+    let g = half * z * (T::one() + th);
+    let dg = half * (T::one() + th)
+        + half * z * (T::one() - th * th) * k0 * (T::one() + c::<T>(3.0) * k1 * z * z);
+    (g, dg)
+}
+
+/// `h = x·r·(w + off)` per row with `r = 1/√(mean x² + ε)`; returns `(h, r)`.
+fn rms_fwd<T: Elem>(x: &[T], w: &[T], eps: f64, off: f64) -> (Vec<T>, Vec<T>) {
     let hid = w.len();
+    let off: T = c(off);
     let mut h = vec![T::zero(); x.len()];
     let mut r = vec![T::zero(); x.len() / hid];
     h.par_chunks_mut(hid)
@@ -482,7 +528,7 @@ fn rms_fwd<T: Elem>(x: &[T], w: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
                     let ss = dot(xr, xr);
                     *rr = (ss / c(hid as f64) + c(eps)).sqrt().recip();
                     for ((o, &xv), &wv) in hr.iter_mut().zip(xr).zip(w) {
-                        *o = xv * *rr * wv;
+                        *o = xv * *rr * (wv + off);
                     }
                 },
             )
@@ -490,9 +536,10 @@ fn rms_fwd<T: Elem>(x: &[T], w: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
     (h, r)
 }
 
-/// RMSNorm backward: adds `∂x` into `dx` and returns `∂w`.
-fn rms_bwd<T: Elem>(x: &[T], r: &[T], w: &[T], gh: &[T], dx: &mut [T]) -> Vec<T> {
+/// RMSNorm backward (scale `w + off`): adds `∂x` into `dx` and returns `∂w`.
+fn rms_bwd<T: Elem>(x: &[T], r: &[T], w: &[T], gh: &[T], dx: &mut [T], off: f64) -> Vec<T> {
     let hid = w.len();
+    let off: T = c(off);
     let inv_h: T = c(1.0 / hid as f64);
     dx.par_chunks_mut(hid)
         .zip(x.par_chunks(hid))
@@ -506,10 +553,12 @@ fn rms_bwd<T: Elem>(x: &[T], r: &[T], w: &[T], gh: &[T], dx: &mut [T]) -> Vec<T>
                         .iter()
                         .zip(gr)
                         .zip(w)
-                        .fold(T::zero(), |s, ((&xv, &g), &wv)| s + g * wv * xv * rr);
+                        .fold(T::zero(), |s, ((&xv, &g), &wv)| {
+                            s + g * (wv + off) * xv * rr
+                        });
                     let m = dot * inv_h;
                     for (((d, &xv), &g), &wv) in dxr.iter_mut().zip(xr).zip(gr).zip(w) {
-                        *d += rr * (g * wv - xv * rr * m);
+                        *d += rr * (g * (wv + off) - xv * rr * m);
                     }
                 },
             )
@@ -590,7 +639,7 @@ fn probs<T: Elem>(d: &Dims, acts: &Acts<T>, blk: Block<T>, g: usize, p: &mut [T]
     let (start, t, bias) = blk;
     let (hd, rep) = (d.head_dim, d.heads / d.kv_heads);
     let (qw, kw) = (d.q_width(), d.kv_width());
-    let scale: T = c(1.0 / (hd as f64).sqrt());
+    let scale: T = c(d.attn_scale);
     for j in 0..rep {
         let h = g * rep + j;
         let s = &mut p[j * t * t..][..t * t];
@@ -599,19 +648,22 @@ fn probs<T: Elem>(d: &Dims, acts: &Acts<T>, blk: Block<T>, g: usize, p: &mut [T]
         gemm_mixed(d.bf16, s, t, t, hd, q, qw, 1, k, 1, kw, false, Par::None);
         match bias {
             Some(b) => softmax_rows(s, b, t, scale),
-            None => softmax_causal(s, t, scale),
+            None => softmax_causal(s, t, scale, d.window),
         }
     }
 }
 
-/// `s ← softmax(s·scale)` over keys `0..=i` of each row `i` of `t`, zero above the diagonal
-/// (a packed sequence: causal, no padding), vectorized.
-fn softmax_causal<T: Elem>(s: &mut [T], t: usize, scale: T) {
+/// `s ← softmax(s·scale)` over keys `0..=i` of each row `i` of `t` (the last `window` of
+/// them when given), zero elsewhere (a packed sequence: causal, no padding), vectorized.
+fn softmax_causal<T: Elem>(s: &mut [T], t: usize, scale: T, window: Option<usize>) {
     vectorized(
         #[inline(always)]
         || {
             for (i, srow) in s.chunks_mut(t).enumerate() {
-                let (live, dead) = srow.split_at_mut(i + 1);
+                let first = window.map_or(0, |w| (i + 1).saturating_sub(w));
+                let (old, rest) = srow.split_at_mut(first);
+                old.fill(T::zero());
+                let (live, dead) = rest.split_at_mut(i + 1 - first);
                 for v in live.iter_mut() {
                     *v *= scale;
                 }
@@ -677,14 +729,15 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
     let (n, hid, hd) = (d.rows(), d.hidden, d.head_dim);
     let (rep, qw) = (d.heads / d.kv_heads, d.q_width());
     let [lq, lk, lv, lo, lg, lu, ld] = w.lin;
-    let (h1, r1) = rms_fwd(x, w.ln1, d.eps);
+    let off = d.norm_offset;
+    let (h1, r1) = rms_fwd(x, w.ln1, d.eps, off);
     let mut q = linear_fwd(lq, &h1, n, hid);
     let mut k = linear_fwd(lk, &h1, n, hid);
     let v = linear_fwd(lv, &h1, n, hid);
     let qk_pre = w.qk_norm.map(|(qn, kn)| {
         // rms_fwd's rows are the chunks of its weight's width: one per (token, head).
-        let (qh, rq) = rms_fwd(&q, qn, d.eps);
-        let (kh, rk) = rms_fwd(&k, kn, d.eps);
+        let (qh, rq) = rms_fwd(&q, qn, d.eps, off);
+        let (kh, rk) = rms_fwd(&k, kn, d.eps, off);
         QkPre {
             q: std::mem::replace(&mut q, qh),
             k: std::mem::replace(&mut k, kh),
@@ -700,6 +753,7 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
         q,
         k,
         qk_pre,
+        sandwich: None,
         v,
         a: Vec::new(),
         x2: Vec::new(),
@@ -751,13 +805,25 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
             }
         }
     }
-    let mut x2 = linear_fwd(lo, &a, n, qw);
+    let ao = linear_fwd(lo, &a, n, qw);
+    let (mut x2, ao_ra) = match w.sandwich {
+        Some((pa, _)) => {
+            let (an, ra) = rms_fwd(&ao, pa, d.eps, off);
+            (an, Some((ao, ra)))
+        }
+        None => (ao, None),
+    };
     par_zip(&mut x2, x, |o, xv| o + xv);
-    let (h2, r2) = rms_fwd(&x2, w.ln2, d.eps);
+    let (h2, r2) = rms_fwd(&x2, w.ln2, d.eps, off);
     let gate = linear_fwd(lg, &h2, n, hid);
     let up = linear_fwd(lu, &h2, n, hid);
-    let act = swiglu(&gate, &up);
+    let act = gated(&gate, &up, d.gelu);
     let mut y = linear_fwd(ld, &act, n, d.inter);
+    if let (Some((_, pf)), Some((attn, ra))) = (w.sandwich, ao_ra) {
+        let (yn, rm) = rms_fwd(&y, pf, d.eps, off);
+        let mlp = std::mem::replace(&mut y, yn);
+        acts.sandwich = Some(SandwichPre { attn, ra, mlp, rm });
+    }
     par_zip(&mut y, &x2, |o, xv| o + xv);
     acts.a = a;
     acts.x2 = x2;
@@ -788,6 +854,8 @@ fn check<T>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> Result<()> {
         && d.heads.is_multiple_of(d.kv_heads)
         && w.ln1.len() == hid
         && w.ln2.len() == hid
+        && w.sandwich
+            .is_none_or(|(a, m)| a.len() == hid && m.len() == hid)
         && x.len() == n * hid
         && cx.cos.len() == n * d.head_dim
         && cx.sin.len() == n * d.head_dim
@@ -859,28 +927,69 @@ pub(super) fn backward<T: Elem>(
     let (n, hid, hd, it) = (d.rows(), d.hidden, d.head_dim, d.inter);
     let (qw, kw) = (d.q_width(), d.kv_width());
     let [lq, lk, lv, lo, lg, lu, ld] = w.lin;
-    // MLP: y = x2 + act·Wdᵀ.
-    let act = swiglu(&acts.gate, &acts.up);
+    let off = d.norm_offset;
+    // MLP: y = x2 + act·Wdᵀ (Gemma: x2 + rms(act·Wdᵀ)·pf).
+    let (dmlp, dpf) = match (w.sandwich, &acts.sandwich) {
+        (Some((_, pf)), Some(sw)) => {
+            let mut dm = vec![T::zero(); n * hid];
+            let g = rms_bwd(&sw.mlp, &sw.rm, pf, gy, &mut dm, off);
+            (Some(dm), Some(g))
+        }
+        _ => (None, None),
+    };
+    let act = gated(&acts.gate, &acts.up, d.gelu);
     let mut dact = vec![T::zero(); n * it];
-    let gd = linear_bwd(ld, &act, gy, n, it, &mut dact, false);
-    drop(act);
-    // dact → (dgate, dup): dup = dact·silu(z), then dact becomes dgate in place.
+    let gd = linear_bwd(
+        ld,
+        &act,
+        dmlp.as_deref().unwrap_or(gy),
+        n,
+        it,
+        &mut dact,
+        false,
+    );
+    drop((act, dmlp));
+    // dact → (dgate, dup): dup = dact·f(z), then dact becomes dgate in place.
     let mut dup = vec![T::zero(); n * it];
-    par_zip2(&mut dup, &dact, &acts.gate, |_, dg, z| dg * z * sigmoid(z));
-    par_zip2(&mut dact, &acts.gate, &acts.up, |dg, z, u| {
-        let s = sigmoid(z);
-        dg * u * s * (T::one() + z * (T::one() - s))
-    });
+    if d.gelu {
+        par_zip2(&mut dup, &dact, &acts.gate, |_, dg, z| dg * gelu_tanh(z).0);
+        par_zip2(&mut dact, &acts.gate, &acts.up, |dg, z, u| {
+            dg * u * gelu_tanh(z).1
+        });
+    } else {
+        par_zip2(&mut dup, &dact, &acts.gate, |_, dg, z| dg * z * sigmoid(z));
+        par_zip2(&mut dact, &acts.gate, &acts.up, |dg, z, u| {
+            let s = sigmoid(z);
+            dg * u * s * (T::one() + z * (T::one() - s))
+        });
+    }
     let mut dh2 = vec![T::zero(); n * hid];
     let gg = linear_bwd(lg, &acts.h2, &dact, n, hid, &mut dh2, false);
     let gu = linear_bwd(lu, &acts.h2, &dup, n, hid, &mut dh2, true);
     drop((dact, dup));
     let mut dx2 = gy.to_vec();
-    let dln2 = rms_bwd(&acts.x2, &acts.r2, w.ln2, &dh2, &mut dx2);
+    let dln2 = rms_bwd(&acts.x2, &acts.r2, w.ln2, &dh2, &mut dx2, off);
     drop(dh2);
-    // Attention output: x2 = x + a·Woᵀ.
+    // Attention output: x2 = x + a·Woᵀ (Gemma: x + rms(a·Woᵀ)·pa).
+    let (dao, dpa) = match (w.sandwich, &acts.sandwich) {
+        (Some((pa, _)), Some(sw)) => {
+            let mut da = vec![T::zero(); n * hid];
+            let g = rms_bwd(&sw.attn, &sw.ra, pa, &dx2, &mut da, off);
+            (Some(da), Some(g))
+        }
+        _ => (None, None),
+    };
     let mut da = vec![T::zero(); n * qw];
-    let go = linear_bwd(lo, &acts.a, &dx2, n, qw, &mut da, false);
+    let go = linear_bwd(
+        lo,
+        &acts.a,
+        dao.as_deref().unwrap_or(&dx2),
+        n,
+        qw,
+        &mut da,
+        false,
+    );
+    drop(dao);
     let (dq, dk, dv) = attention_bwd(d, &acts, cx, &da);
     drop(da);
     let (mut dq, mut dk) = (dq, dk);
@@ -889,8 +998,8 @@ pub(super) fn backward<T: Elem>(
     let dqk_norm = match (w.qk_norm, &acts.qk_pre) {
         (Some((qn, kn)), Some(pre)) => {
             let (mut dqp, mut dkp) = (vec![T::zero(); dq.len()], vec![T::zero(); dk.len()]);
-            let gqn = rms_bwd(&pre.q, &pre.rq, qn, &dq, &mut dqp);
-            let gkn = rms_bwd(&pre.k, &pre.rk, kn, &dk, &mut dkp);
+            let gqn = rms_bwd(&pre.q, &pre.rq, qn, &dq, &mut dqp, off);
+            let gkn = rms_bwd(&pre.k, &pre.rk, kn, &dk, &mut dkp, off);
             (dq, dk) = (dqp, dkp);
             Some((gqn, gkn))
         }
@@ -901,13 +1010,14 @@ pub(super) fn backward<T: Elem>(
     let gk = linear_bwd(lk, &acts.h1, &dk, n, hid, &mut dh1, true);
     let gv = linear_bwd(lv, &acts.h1, &dv, n, hid, &mut dh1, true);
     let mut dx = dx2;
-    let dln1 = rms_bwd(x, &acts.r1, w.ln1, &dh1, &mut dx);
+    let dln1 = rms_bwd(x, &acts.r1, w.ln1, &dh1, &mut dx, off);
     Ok((
         dx,
         Grads {
             ln1: dln1,
             ln2: dln2,
             qk_norm: dqk_norm,
+            sandwich: dpa.zip(dpf),
             lin: vec![gq, gk, gv, go, gg, gu, gd],
         },
     ))
@@ -922,7 +1032,7 @@ fn attention_bwd<T: Elem>(
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
     let (n, hd, rep) = (d.rows(), d.head_dim, d.heads / d.kv_heads);
     let (qw, kw) = (d.q_width(), d.kv_width());
-    let scale: T = c(1.0 / (hd as f64).sqrt());
+    let scale: T = c(d.attn_scale);
     // Per (attention block, KV head): dq̃ of its `rep` heads `[rep, t, hd]`, dk̃ and dv `[t, hd]`.
     type Part<T> = (usize, usize, Vec<T>, Vec<T>, Vec<T>);
     let blks = blocks(d, cx);

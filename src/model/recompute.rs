@@ -107,6 +107,9 @@ fn with_layer<T: Elem, R>(
     if let Some((qn, kn)) = &l.qk_norm {
         ts.extend([qn, kn]);
     }
+    if let Some((pa, pf)) = &l.sandwich {
+        ts.extend([pa, pf]);
+    }
     if let Mask::Bias(m) = mask {
         ts.push(m);
     }
@@ -147,10 +150,18 @@ fn with_layer<T: Elem, R>(
         }
         None => None,
     };
+    let sandwich = match l.sandwich {
+        Some(_) => {
+            next += 2;
+            Some((host.slice::<T>(next - 2)?, host.slice::<T>(next - 1)?))
+        }
+        None => None,
+    };
     let w = layer::Weights {
         ln1: host.slice::<T>(0)?,
         ln2: host.slice::<T>(1)?,
         qk_norm,
+        sandwich,
         lin: [lin[0], lin[1], lin[2], lin[3], lin[4], lin[5], lin[6]],
     };
     let d = layer::Dims {
@@ -162,6 +173,10 @@ fn with_layer<T: Elem, R>(
         head_dim: args.head_dim,
         inter: args.intermediate_size,
         eps: args.rms_norm_eps,
+        norm_offset: args.arch.norm_offset(),
+        gelu: args.arch.gemma(),
+        attn_scale: args.attn_scale(),
+        window: l.window,
         bf16,
     };
     let cx = layer::Context {
@@ -295,6 +310,10 @@ impl Layer {
             let (gq, gk) = g.qk_norm.map_or((None, None), |(q, k)| (Some(q), Some(k)));
             all.extend([(qn.clone(), gq), (kn.clone(), gk)]);
         }
+        if let Some((pa, pf)) = &self.block.sandwich {
+            let (ga, gf) = g.sandwich.map_or((None, None), |(a, f)| (Some(a), Some(f)));
+            all.extend([(pa.clone(), ga), (pf.clone(), gf)]);
+        }
         for (p, lg) in self.block.projs().iter().zip(g.lin) {
             all.push((p.weight().clone(), lg.w));
             if let Some(t) = p.bias() {
@@ -360,7 +379,7 @@ impl CustomOp2 for Layer {
             &x,
             &self.cos,
             &self.sin,
-            &self.mask.bias(x.dtype(), x.device())?,
+            &self.mask.bias(x.dtype(), x.device(), self.block.window)?,
             None,
         )?;
         Ok((storage_of(&y)?, y.shape().clone()))
@@ -389,7 +408,7 @@ impl CustomOp2 for Layer {
             input.as_tensor(),
             &self.cos,
             &self.sin,
-            &self.mask.bias(x.dtype(), x.device())?,
+            &self.mask.bias(x.dtype(), x.device(), self.block.window)?,
             None,
         )?;
         // d(Σ y·g)/dθ = gᵀ ∂y/∂θ: the incoming gradient pushed through the layer.
@@ -499,6 +518,7 @@ mod tests {
             (Arch::Llama, DType::F64),
             (Arch::Qwen2, DType::F64),
             (Arch::Qwen3, DType::F64),
+            (Arch::Gemma3, DType::F64),
             (Arch::Llama, DType::F32),
         ] {
             let args = ModelArgs::tiny(arch, 30);
@@ -619,7 +639,7 @@ mod tests {
     /// outputs within 1e-5 and every gradient within 1e-4 of the tensor's largest value.
     #[test]
     fn the_hand_written_layer_equals_the_composition() {
-        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3] {
             let args = ModelArgs::tiny(arch, 30);
             let (_vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
             let l = &m.blocks()[0];
@@ -840,6 +860,8 @@ mod tests {
             (Arch::Qwen2, DType::F64, false),
             (Arch::Qwen3, DType::F64, false),
             (Arch::Qwen3, DType::F32, true),
+            (Arch::Gemma3, DType::F64, false),
+            (Arch::Gemma3, DType::F32, true),
             (Arch::Llama, DType::F32, false),
             (Arch::Llama, DType::F32, true),
         ] {

@@ -45,7 +45,7 @@ fn left_pad(prompts: &[Vec<u32>], pad: u32) -> (Tensor, Tensor, Tensor) {
 
 #[test]
 fn incremental_decoding_matches_the_full_forward() {
-    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3] {
         let (_vm, m) = model(arch, DType::F32);
         let prompts = vec![vec![5, 9, 2, 33, 7], vec![11, 4]];
         let cont = [vec![8u32, 1, 40], vec![3, 3, 59]];
@@ -188,7 +188,7 @@ fn chunked_logprobs_equal_the_full_log_softmax() {
 
 #[test]
 fn every_parameter_gets_a_nonzero_gradient() {
-    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3] {
         let (vm, m) = model(arch, DType::F32);
         let (pi, pm, pp) = left_pad(&[vec![4, 8, 15, 16, 23, 42], vec![1, 2, 3]], 0);
         let h = m.forward_hidden(&pi, &pp, &pm, None).unwrap();
@@ -519,7 +519,7 @@ fn rotary_tables_are_exact_in_the_model_dtype() {
     let mut f32_would_differ = false;
     for dtype in [DType::F64, DType::F32] {
         let (_vm, m) = model(Arch::Llama, dtype);
-        let (cos, sin) = m.rotary(&pos).unwrap(); // [1, 1, 5, head_dim]
+        let (cos, sin) = m.rotary(&pos, &m.inv_freq()).unwrap(); // [1, 1, 5, head_dim]
         let hd = m.args.head_dim;
         let cos: Vec<f64> = cos
             .to_dtype(DType::F64)

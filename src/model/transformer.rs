@@ -11,8 +11,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::{Init, Linear, VarBuilder};
 
-use super::block::{block_forward, linear, rms_norm, upcast, Block, KvCache, Mask};
-use super::config::ModelArgs;
+use super::block::{block_forward, linear, norm, upcast, Block, KvCache, Mask};
+use super::config::{LayerKind, ModelArgs};
 use super::proj::{mix64, Proj};
 
 /// The transformer with an optional LM head (`None` for a critic / reward backbone).
@@ -117,13 +117,31 @@ impl CausalLm {
             let l = m.pp(format!("layers.{i}"));
             let a = l.pp("self_attn");
             let p = l.pp("mlp");
+            let gemma = args.arch.gemma();
+            // Gemma's `post_attention_layernorm` norms the attention's output; its pre-MLP norm
+            // is `pre_feedforward_layernorm` (Llama's pre-MLP norm is the former).
+            let pre_mlp = match gemma {
+                true => "pre_feedforward_layernorm.weight",
+                false => "post_attention_layernorm.weight",
+            };
+            // Gemma norms scale by 1 + w: a fresh one starts at w = 0.
+            let one = Init::Const(if gemma { 0.0 } else { 1.0 });
             layers.push(Block {
-                ln1: l.get_with_hints(h, "input_layernorm.weight", Init::Const(1.0))?,
-                ln2: l.get_with_hints(h, "post_attention_layernorm.weight", Init::Const(1.0))?,
+                ln1: l.get_with_hints(h, "input_layernorm.weight", one)?,
+                ln2: l.get_with_hints(h, pre_mlp, one)?,
+                sandwich: match gemma {
+                    true => Some((
+                        l.get_with_hints(h, "post_attention_layernorm.weight", one)?,
+                        l.get_with_hints(h, "post_feedforward_layernorm.weight", one)?,
+                    )),
+                    false => None,
+                },
+                window: args.window(i),
+                local_rope: args.local_rope() && args.layer_kind(i) == LayerKind::Sliding,
                 qk_norm: if args.arch.qk_norm() {
                     Some((
-                        a.get_with_hints(hd, "q_norm.weight", Init::Const(1.0))?,
-                        a.get_with_hints(hd, "k_norm.weight", Init::Const(1.0))?,
+                        a.get_with_hints(hd, "q_norm.weight", one)?,
+                        a.get_with_hints(hd, "k_norm.weight", one)?,
                     ))
                 } else {
                     None
@@ -155,7 +173,8 @@ impl CausalLm {
                 down: linear(&p, args.intermediate_size, h, false, "down_proj")?,
             });
         }
-        let norm = m.get_with_hints(h, "norm.weight", Init::Const(1.0))?;
+        let final_one = Init::Const(if args.arch.gemma() { 0.0 } else { 1.0 });
+        let norm = m.get_with_hints(h, "norm.weight", final_one)?;
         let lm_head = if with_lm_head && !args.tie_word_embeddings {
             Some(vb.get_with_hints(
                 (args.vocab_size, h),
@@ -437,8 +456,15 @@ impl CausalLm {
         let (b, t) = input_ids.dims2()?;
         let past = cache.as_ref().map(|c| c.len()).unwrap_or(0);
         let s = past + t;
-        let (cos, sin) = self.rotary(position_ids)?; // [b, 1, t, head_dim]
-        let mask = match keys {
+        let a = &self.args;
+        // Per layer kind (0: full, 1: sliding window): rotary tables [b, 1, t, head_dim] and
+        // which keys each query sees.
+        let global = self.rotary(position_ids, &a.inv_freq())?;
+        let local = match self.layers.iter().position(|l| l.local_rope) {
+            Some(i) => Some(self.rotary(position_ids, &a.inv_freq_of(i))?),
+            None => None,
+        };
+        let masks: [Mask; 2] = match keys {
             Keys::Mask(key_mask) => {
                 if key_mask.dims2()? != (b, s) {
                     return Err(candle_core::Error::Msg(format!(
@@ -446,15 +472,24 @@ impl CausalLm {
                         key_mask.dims()
                     )));
                 }
-                Mask::Bias(self.attention_bias(key_mask, b, t, past)?) // [b, 1, t, s]
+                let km: Vec<f32> = key_mask.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+                let full = Mask::Bias(self.attention_bias(&km, b, t, past, None)?); // [b, 1, t, s]
+                let sliding = match a.sliding_window {
+                    Some(w) => Mask::Bias(self.attention_bias(&km, b, t, past, Some(w))?),
+                    None => full.clone(),
+                };
+                [full, sliding]
             }
-            Keys::Packed(segs) => Mask::Packed(segs),
+            Keys::Packed(segs) => [Mask::Packed(segs.clone()), Mask::Packed(segs)],
         };
         let mut x = self.embed.embedding(&input_ids.flatten_all()?)?.reshape((
             b,
             t,
             self.args.hidden_size,
         ))?;
+        if let Some(scale) = a.embed_scale() {
+            x = (x * scale)?;
+        }
         // A training forward with adapter dropout: this forward's number in the mask stream.
         let dropout = self.dropout.as_ref().filter(|_| {
             cache.is_none() && self.layers.iter().any(|l| l.trains() && l.has_adapters())
@@ -463,7 +498,7 @@ impl CausalLm {
             let n = d.next.fetch_add(1, Ordering::Relaxed);
             (d.p, mix64(d.seed ^ mix64(n)))
         });
-        let mut composed_bias: Option<Tensor> = None;
+        let mut composed_bias: [Option<Tensor>; 2] = [None, None];
         for (i, layer) in self.layers.iter().enumerate() {
             if let Some(st) = stages.as_deref_mut() {
                 st.push(x.clone());
@@ -480,13 +515,20 @@ impl CausalLm {
             let training = layer.trains() || x.track_op();
             let path =
                 LayerPath::choose(self.exec, x.device(), x.dtype(), training, slot.is_some());
+            let kind = usize::from(layer.window.is_some());
+            let mask = &masks[kind];
+            let (cos, sin) = match (&local, layer.local_rope) {
+                (Some(l), true) => l,
+                _ => &global,
+            };
             // The composition reads a bias tensor: for packed sequences built once per
-            // forward, not per layer.
+            // forward and layer kind, not per layer.
             let mut bias = || -> Result<Tensor> {
-                if composed_bias.is_none() {
-                    composed_bias = Some(mask.bias(self.dtype, &self.device)?);
+                if composed_bias[kind].is_none() {
+                    let w = layer.window;
+                    composed_bias[kind] = Some(mask.bias(self.dtype, &self.device, w)?);
                 }
-                Ok(composed_bias.clone().expect("just set"))
+                Ok(composed_bias[kind].clone().expect("just set"))
             };
             let bf = self.exec.bf16;
             x = match path {
@@ -496,23 +538,23 @@ impl CausalLm {
                     } else {
                         Mask::Bias(bias()?)
                     };
-                    let rope_mask = (&cos, &sin, &m);
+                    let rope_mask = (cos, sin, &m);
                     super::recompute::block(&self.args, layer, &x, rope_mask, recompute, fused, bf)?
                 }
                 LayerPath::Fused => {
-                    let rope_mask = (&cos, &sin, &mask);
+                    let rope_mask = (cos, sin, mask);
                     super::recompute::fused_forward(&self.args, layer, &x, rope_mask, bf)?
                 }
                 LayerPath::Composed => {
                     let (args, dtype) = (&self.args, self.dtype);
-                    block_forward(args, dtype, layer, &x, &cos, &sin, &bias()?, slot)?
+                    block_forward(args, dtype, layer, &x, cos, sin, &bias()?, slot)?
                 }
             };
         }
         if let Some(st) = stages {
             st.push(x.clone());
         }
-        rms_norm(&x, &self.norm, self.args.rms_norm_eps)
+        norm(&x, &self.norm, a)
     }
 
     /// Logits `[batch, seq, vocab]` (f32 for half-precision models) from hidden states. Prefer
@@ -598,20 +640,20 @@ impl CausalLm {
     /// cos and sin of each row's positions: `[batch, 1, seq, head_dim]` (HF's half-split layout).
     /// Computed in f64 and rounded once to the model's dtype (f32 tables in an f64 model put
     /// ~1e-7 relative noise into every layer).
-    pub(super) fn rotary(&self, position_ids: &Tensor) -> Result<(Tensor, Tensor)> {
+    pub(super) fn rotary(&self, position_ids: &Tensor, inv: &[f64]) -> Result<(Tensor, Tensor)> {
         let (b, t) = position_ids.dims2()?;
         let hd = self.args.head_dim;
         let pos: Vec<u32> = position_ids
             .to_dtype(DType::U32)?
             .flatten_all()?
             .to_vec1()?;
-        let inv = self.inv_freq(); // [head_dim / 2], RoPE scaling applied
+        // inv: [head_dim / 2], RoPE scaling applied
         let mut cos = Vec::with_capacity(b * t * hd);
         let mut sin = Vec::with_capacity(b * t * hd);
         for &p in &pos {
             for rep in 0..2 {
                 let _ = rep;
-                for f in &inv {
+                for f in inv {
                     let a = p as f64 * f;
                     cos.push(a.cos());
                     sin.push(a.sin());
@@ -628,16 +670,24 @@ impl CausalLm {
         Ok((cos, sin))
     }
 
-    /// Additive attention bias `[batch, 1, seq, past + seq]`: 0 where query `i` may attend key
-    /// `j` (causal: `j <= past + i`, and key `j` is a real token), −1e9 elsewhere.
-    fn attention_bias(&self, key_mask: &Tensor, b: usize, t: usize, past: usize) -> Result<Tensor> {
+    /// Additive attention bias `[batch, 1, seq, past + seq]` from the key mask `km`
+    /// `[batch, past + seq]`: 0 where query `i` may attend key `j` (causal: `j <= past + i`, key
+    /// `j` a real token, and within `window` positions: `j > past + i − window`), −1e9 elsewhere.
+    fn attention_bias(
+        &self,
+        km: &[f32],
+        b: usize,
+        t: usize,
+        past: usize,
+        window: Option<usize>,
+    ) -> Result<Tensor> {
         let s = past + t;
-        let km: Vec<f32> = key_mask.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         let mut bias = vec![0f32; b * t * s];
         for r in 0..b {
             for i in 0..t {
                 for j in 0..s {
-                    if j > past + i || km[r * s + j] == 0.0 {
+                    let old = window.is_some_and(|w| j + w <= past + i);
+                    if j > past + i || old || km[r * s + j] == 0.0 {
                         bias[(r * t + i) * s + j] = -1e9;
                     }
                 }

@@ -403,7 +403,7 @@ mod tests {
     /// same tokens, log-probs within f32 noise; also for Qwen2 (q/k/v biases, untied head).
     #[test]
     fn packed_path_equals_the_composition() {
-        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3] {
             let args = ModelArgs::tiny(arch, 50);
             let (_vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.5);
             let ps = prompts(6, 50, 2);

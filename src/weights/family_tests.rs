@@ -247,7 +247,15 @@ fn training_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
     }
 }
 
-const FAMILIES: [&str; 4] = ["llama", "qwen2", "qwen3", "qwen3_tied_bias"];
+const FAMILIES: [&str; 7] = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_tied_bias",
+    "qwen3_window",
+    "mistral_window",
+    "gemma3",
+];
 
 /// f64: transformers' greedy tokens and log-probs within 1e-6.
 #[test]

@@ -17,6 +17,7 @@ use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
 
 use super::hf::{build, Loaded};
 use crate::data::{SpecialTokens, TokenizerBundle};
+use crate::model::config::{LayerKind, RopeScaling};
 use crate::model::{Arch, ModelArgs, ModelError};
 
 fn meta<'a>(c: &'a Content, key: &str, path: &Path) -> Result<&'a Value, ModelError> {
@@ -230,12 +231,13 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         "llama" => Arch::Llama,
         "qwen2" => Arch::Qwen2,
         "qwen3" => Arch::Qwen3,
-        other => {
-            return Err(ModelError::file(
-                path,
-                format!("unsupported GGUF architecture `{other}`; supported: llama, qwen2, qwen3"),
-            ))
-        }
+        "gemma3" => Arch::Gemma3,
+        other => return Err(ModelError::file(
+            path,
+            format!(
+                "unsupported GGUF architecture `{other}`; supported: llama, qwen2, qwen3, gemma3"
+            ),
+        )),
     };
     let k = |s: &str| format!("{arch_name}.{s}");
     let hidden = meta_u(c, &k("embedding_length"), path)?;
@@ -261,20 +263,30 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
     };
     let tied = !c.tensor_infos.contains_key("output.weight");
     // Llama 3.1+ GGUFs carry their RoPE scaling as per-frequency divisors; refused rather than
-    // run with plain RoPE.
+    // run with plain RoPE. Gemma 3's linear scaling of its global layers is read.
+    let mut rope_scaling = None;
     if let Some(kind) = c
         .metadata
         .get(&k("rope.scaling.type"))
         .and_then(|v| v.to_string().ok())
         .filter(|t| t.as_str() != "none")
     {
-        return Err(ModelError::file(
-            path,
-            format!(
-                "metadata `{}` = {kind:?}: RoPE scaling is not supported in GGUF files",
-                k("rope.scaling.type")
-            ),
-        ));
+        let factor = meta_f(c, &k("rope.scaling.factor")).filter(|f| *f > 0.0);
+        match (arch, kind.as_str(), factor) {
+            (Arch::Gemma3, "linear", Some(factor)) => {
+                rope_scaling = Some(RopeScaling::Linear { factor })
+            }
+            _ => {
+                return Err(ModelError::file(
+                    path,
+                    format!(
+                        "metadata `{}` = {kind:?}: RoPE scaling is not supported in GGUF files (Gemma 3's linear scaling with `{}` is)",
+                        k("rope.scaling.type"),
+                        k("rope.scaling.factor")
+                    ),
+                ))
+            }
+        }
     }
     if c.tensor_infos.contains_key("rope_freqs.weight") {
         return Err(ModelError::file(
@@ -282,28 +294,55 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
             "tensor `rope_freqs.weight` (RoPE frequency scaling, Llama 3.1+) is not supported in GGUF files; load the HF directory instead (its rope_scaling/rope_parameters llama3 entry is supported)".into(),
         ));
     }
+    let head_dim = meta_u(c, &k("attention.key_length"), path).unwrap_or(hidden / heads);
+    let layers = meta_u(c, &k("block_count"), path)?;
+    // Gemma 3 as llama.cpp runs it: every sixth layer global, the others a sliding window with
+    // plain RoPE at base 10000, scores scaled by head_dim^-½ (hidden/heads for the 62-layer
+    // 27B).
+    let gemma = arch == Arch::Gemma3;
+    let (sliding_window, layer_types, rope_local_theta, query_pre_attn_scalar) = if gemma {
+        let window = meta_u(c, &k("attention.sliding_window"), path)?;
+        let kinds = (0..layers)
+            .map(|i| match (i + 1) % 6 {
+                0 => LayerKind::Full,
+                _ => LayerKind::Sliding,
+            })
+            .collect();
+        let scalar = if layers == 62 {
+            hidden / heads
+        } else {
+            head_dim
+        };
+        (Some(window), kinds, Some(1e4), Some(scalar as f64))
+    } else {
+        (None, Vec::new(), None, None)
+    };
     Ok(ModelArgs {
         arch,
         vocab_size: vocab,
         hidden_size: hidden,
         intermediate_size: meta_u(c, &k("feed_forward_length"), path)?,
-        num_hidden_layers: meta_u(c, &k("block_count"), path)?,
+        num_hidden_layers: layers,
         num_attention_heads: heads,
         num_key_value_heads: kv,
-        head_dim: meta_u(c, &k("attention.key_length"), path).unwrap_or(hidden / heads),
+        head_dim,
         rms_norm_eps: meta_f(c, &k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6),
         rope_theta: meta_f(c, &k("rope.freq_base")).unwrap_or(10000.0),
-        rope_scaling: None,
+        rope_scaling,
         tie_word_embeddings: tied,
         qkv_bias: arch == Arch::Qwen2 || c.tensor_infos.contains_key("blk.0.attn_q.bias"),
         o_bias: c.tensor_infos.contains_key("blk.0.attn_output.bias"),
         max_position_embeddings: meta_u(c, &k("context_length"), path).unwrap_or(4096),
         num_labels: None,
+        query_pre_attn_scalar,
+        sliding_window,
+        layer_types,
+        rope_local_theta,
     })
 }
 
-/// HF name of a GGUF tensor.
-fn hf_name(gguf: &str) -> Option<String> {
+/// HF name of a GGUF tensor of an `arch` model.
+fn hf_name(gguf: &str, arch: Arch) -> Option<String> {
     let direct = match gguf {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
@@ -317,7 +356,12 @@ fn hf_name(gguf: &str) -> Option<String> {
     let (n, part) = rest.split_once('.')?;
     let hf = match part {
         "attn_norm.weight" => "input_layernorm.weight",
+        // The pre-MLP norm: Gemma's `pre_feedforward_layernorm`, Llama's
+        // `post_attention_layernorm`.
+        "ffn_norm.weight" if arch.gemma() => "pre_feedforward_layernorm.weight",
         "ffn_norm.weight" => "post_attention_layernorm.weight",
+        "post_attention_norm.weight" if arch.gemma() => "post_attention_layernorm.weight",
+        "post_ffw_norm.weight" if arch.gemma() => "post_feedforward_layernorm.weight",
         "attn_q.weight" => "self_attn.q_proj.weight",
         "attn_k.weight" => "self_attn.k_proj.weight",
         "attn_v.weight" => "self_attn.v_proj.weight",
@@ -372,11 +416,23 @@ pub fn load(
     let args = read_args(&c, path)?;
     let mut tensors = HashMap::new();
     for name in c.tensor_infos.keys() {
-        let Some(hf) = hf_name(name) else { continue };
+        let Some(hf) = hf_name(name, args.arch) else {
+            return Err(ModelError::file(
+                path,
+                format!(
+                    "tensor `{name}` is not one this {:?} layout reads",
+                    args.arch
+                ),
+            ));
+        };
         let q = c
             .tensor(&mut f, name, &Device::Cpu)
             .map_err(|e| ModelError::file(path, format!("tensor `{name}`: {e}")))?;
         let mut t = q.dequantize(&Device::Cpu)?;
+        // llama.cpp stores Gemma's norms as 1 + w (it multiplies by the weight as it is).
+        if args.arch.gemma() && name.ends_with("norm.weight") {
+            t = (t - 1.0)?;
+        }
         if args.arch == Arch::Llama {
             if name.contains("attn_q.") {
                 t = unpermute(&t, args.num_attention_heads)?;
@@ -401,8 +457,10 @@ pub fn tokenizer(c: &Content, path: &Path) -> Result<TokenizerBundle, ModelError
             .and_then(|v| v.to_string().ok().cloned())
     };
     let model = s("tokenizer.ggml.model").unwrap_or_default();
-    if model != "gpt2" {
-        return Err(ModelError::file(path, format!("GGUF tokenizer model `{model}` is not supported (byte-level BPE `gpt2` is); use an HF directory with tokenizer.json")));
+    let arch = s("general.architecture").unwrap_or_default();
+    let gemma = model == "llama" && arch == "gemma3";
+    if model != "gpt2" && !gemma {
+        return Err(ModelError::file(path, format!("GGUF tokenizer model `{model}` (architecture `{arch}`) is not supported (byte-level BPE `gpt2`, and Gemma 3's sentencepiece vocabulary, are); use an HF directory with tokenizer.json")));
     }
     let strings = |key: &str| -> Result<Vec<String>, ModelError> {
         meta(c, key, path)?
@@ -417,6 +475,57 @@ pub fn tokenizer(c: &Content, path: &Path) -> Result<TokenizerBundle, ModelError
             .collect()
     };
     let tokens = strings("tokenizer.ggml.tokens")?;
+    let types: Vec<i64> = c
+        .metadata
+        .get("tokenizer.ggml.token_type")
+        .and_then(|v| v.to_vec().ok())
+        .map(|v| {
+            v.iter()
+                .map(|x| x.to_i32().map(i64::from).unwrap_or(1))
+                .collect()
+        })
+        .unwrap_or_default();
+    let tok = if gemma {
+        gemma_tokenizer(&tokens, &types, path)?
+    } else {
+        byte_level_tokenizer(c, &tokens, &types, path, &strings)?
+    };
+    let id = |key: &str| c.metadata.get(key).and_then(|v| v.to_u32().ok());
+    let name = |i: Option<u32>| i.and_then(|i| tokens.get(i as usize).cloned());
+    let eos = id("tokenizer.ggml.eos_token_id");
+    let special = SpecialTokens {
+        bos: name(id("tokenizer.ggml.bos_token_id")),
+        eos: name(eos),
+        pad: name(id("tokenizer.ggml.padding_token_id")),
+        unk: name(id("tokenizer.ggml.unknown_token_id")),
+    };
+    let eos_token_ids: Vec<u32> = eos.into_iter().collect();
+    let pad_token_id = id("tokenizer.ggml.padding_token_id").or(eos).unwrap_or(0);
+    Ok(TokenizerBundle {
+        tokenizer: tok,
+        chat_template: s("tokenizer.chat_template"),
+        chat_template_origin: format!("{} (tokenizer.chat_template)", path.display()),
+        special,
+        eos_token_ids,
+        pad_token_id,
+        source: path.to_path_buf(),
+    })
+}
+
+/// The byte-level BPE tokenizer of a `gpt2` vocabulary (SmolLM2's): the file's merges, the
+/// byte-level pre-tokenizer its `tokenizer.ggml.pre` names, control tokens special.
+fn byte_level_tokenizer(
+    c: &Content,
+    tokens: &[String],
+    types: &[i64],
+    path: &Path,
+    strings: &dyn Fn(&str) -> Result<Vec<String>, ModelError>,
+) -> Result<Tokenizer, ModelError> {
+    let s = |key: &str| {
+        c.metadata
+            .get(key)
+            .and_then(|v| v.to_string().ok().cloned())
+    };
     let merges: Vec<(String, String)> = strings("tokenizer.ggml.merges")?
         .into_iter()
         .filter_map(|m| {
@@ -449,16 +558,6 @@ pub fn tokenizer(c: &Content, path: &Path) -> Result<TokenizerBundle, ModelError
         }
     }
     tok.with_decoder(Some(ByteLevel::default()));
-    let types: Vec<i64> = c
-        .metadata
-        .get("tokenizer.ggml.token_type")
-        .and_then(|v| v.to_vec().ok())
-        .map(|v| {
-            v.iter()
-                .map(|x| x.to_i32().map(i64::from).unwrap_or(1))
-                .collect()
-        })
-        .unwrap_or_default();
     let specials: Vec<AddedToken> = types
         .iter()
         .enumerate()
@@ -467,24 +566,118 @@ pub fn tokenizer(c: &Content, path: &Path) -> Result<TokenizerBundle, ModelError
         .collect();
     tok.add_special_tokens(specials)
         .map_err(|e| ModelError::file(path, format!("special tokens: {e}")))?;
-    let id = |key: &str| c.metadata.get(key).and_then(|v| v.to_u32().ok());
-    let name = |i: Option<u32>| i.and_then(|i| tokens.get(i as usize).cloned());
-    let eos = id("tokenizer.ggml.eos_token_id");
-    let special = SpecialTokens {
-        bos: name(id("tokenizer.ggml.bos_token_id")),
-        eos: name(eos),
-        pad: name(id("tokenizer.ggml.padding_token_id")),
-        unk: name(id("tokenizer.ggml.unknown_token_id")),
+    Ok(tok)
+}
+
+/// Gemma 3's tokenizer from a GGUF's sentencepiece vocabulary, as transformers builds it for
+/// such a file (its `GemmaTokenizer`: BPE with byte fallback, spaces as `▁`, split after each
+/// space, no prefix space): tokens of spaces only are respelled with `▁`; the file has no
+/// merges, so they come from the vocabulary (every split of a token into two tokens, ranked by
+/// the token's place in the file, then the longer left part, then the longer right part, then
+/// the parts' ids); control tokens (type 3) are special, user-defined ones (type 4) whole.
+fn gemma_tokenizer(tokens: &[String], types: &[i64], path: &Path) -> Result<Tokenizer, ModelError> {
+    use std::collections::hash_map::Entry;
+    use tokenizers::decoders::byte_fallback::ByteFallback;
+    use tokenizers::decoders::fuse::Fuse;
+    use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+    use tokenizers::normalizers::replace::Replace;
+    use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+    use tokenizers::{DecoderWrapper, SplitDelimiterBehavior};
+    let bad =
+        |what: &str, e: String| ModelError::file(path, format!("Gemma tokenizer: {what}: {e}"));
+    let spelled: Vec<String> = tokens
+        .iter()
+        .map(|t| {
+            if t.contains(' ') && t.trim().is_empty() {
+                "\u{2581}".repeat(t.chars().count())
+            } else {
+                t.clone()
+            }
+        })
+        .collect();
+    // As a Python dict: a token's id is its last place, its rank its first place's order with
+    // the last place's score.
+    let mut vocab: HashMap<String, u32> = HashMap::with_capacity(spelled.len());
+    let mut order: Vec<&str> = Vec::with_capacity(spelled.len());
+    for (i, t) in spelled.iter().enumerate() {
+        match vocab.entry(t.clone()) {
+            Entry::Occupied(mut e) => {
+                e.insert(i as u32);
+            }
+            Entry::Vacant(e) => {
+                e.insert(i as u32);
+                order.push(t);
+            }
+        }
+    }
+    let mut merges: Vec<(i64, usize, usize, &str, &str)> = Vec::new();
+    for merge in &order {
+        let score = -i64::from(vocab[*merge]);
+        let mut local: Vec<(u32, u32, &str, &str)> = merge
+            .char_indices()
+            .skip(1)
+            .filter_map(|(at, _)| {
+                let (l, r) = merge.split_at(at);
+                Some((*vocab.get(l)?, *vocab.get(r)?, l, r))
+            })
+            .collect();
+        local.sort_by_key(|&(a, b, _, _)| (a, b));
+        merges.extend(
+            local
+                .into_iter()
+                .map(|(_, _, l, r)| (score, l.chars().count(), r.chars().count(), l, r)),
+        );
+    }
+    // Best first: highest score, then the longer left and right parts; ties keep their order.
+    merges.sort_by_key(|m| std::cmp::Reverse((m.0, m.1, m.2)));
+    let merges: Vec<(String, String)> = merges
+        .into_iter()
+        .map(|(_, _, _, l, r)| (l.to_string(), r.to_string()))
+        .collect();
+    let vocab: tokenizers::models::bpe::Vocab = vocab.into_iter().collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .unk_token("<unk>".into())
+        .fuse_unk(true)
+        .byte_fallback(true)
+        .build()
+        .map_err(|e| bad("BPE", e.to_string()))?;
+    let mut tok = Tokenizer::new(bpe);
+    let normalizer = Replace::new(" ", "\u{2581}").map_err(|e| bad("normalizer", e.to_string()))?;
+    tok.with_normalizer(Some(normalizer))
+        .map_err(|e| bad("normalizer", e.to_string()))?;
+    tok.with_pre_tokenizer(Some(
+        Split::new(
+            SplitPattern::String(" ".into()),
+            SplitDelimiterBehavior::MergedWithPrevious,
+            false,
+        )
+        .map_err(|e| bad("pre-tokenizer", e.to_string()))?,
+    ));
+    tok.with_decoder(Some(DecoderSequence::new(vec![
+        DecoderWrapper::Replace(
+            Replace::new("\u{2581}", " ").map_err(|e| bad("decoder", e.to_string()))?,
+        ),
+        DecoderWrapper::ByteFallback(ByteFallback::new()),
+        DecoderWrapper::Fuse(Fuse::new()),
+    ])));
+    let kind = |t: i64| {
+        types
+            .iter()
+            .enumerate()
+            .filter(move |(_, &k)| k == t)
+            .map(|(i, _)| tokens[i].clone())
     };
-    let eos_token_ids: Vec<u32> = eos.into_iter().collect();
-    let pad_token_id = id("tokenizer.ggml.padding_token_id").or(eos).unwrap_or(0);
-    Ok(TokenizerBundle {
-        tokenizer: tok,
-        chat_template: s("tokenizer.chat_template"),
-        chat_template_origin: format!("{} (tokenizer.chat_template)", path.display()),
-        special,
-        eos_token_ids,
-        pad_token_id,
-        source: path.to_path_buf(),
-    })
+    let specials: Vec<AddedToken> = kind(3).map(|t| AddedToken::from(t, true)).collect();
+    tok.add_special_tokens(specials)
+        .map_err(|e| bad("special tokens", e.to_string()))?;
+    // Only those the vocabulary spells as the file does (a respelled run of spaces is a plain
+    // vocabulary token, not an added one).
+    let user: Vec<AddedToken> = kind(4)
+        .filter(|t| tok.token_to_id(t).is_some())
+        .map(|t| AddedToken::from(t, false).normalized(false))
+        .collect();
+    tok.add_tokens(user)
+        .map_err(|e| bad("user-defined tokens", e.to_string()))?;
+    Ok(tok)
 }

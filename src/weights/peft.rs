@@ -583,7 +583,7 @@ pub(crate) mod tests {
     /// disabled-adapter view equals the base model exactly.
     #[test]
     fn merged_equals_unmerged_and_disabled_equals_base() {
-        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3] {
             let args = ModelArgs::tiny(arch, 30);
             let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
             let base = logits(&m);

@@ -47,7 +47,11 @@ fn left_pad(prompts: &[Vec<u32>], pad: u32) -> (Tensor, Tensor, Tensor) {
 
 #[test]
 fn save_and_load_round_trip_single_and_sharded() {
-    for (arch, shard) in [(Arch::Llama, None), (Arch::Qwen2, Some(20_000usize))] {
+    for (arch, shard) in [
+        (Arch::Llama, None),
+        (Arch::Qwen2, Some(20_000usize)),
+        (Arch::Gemma3, None),
+    ] {
         let (vm, m) = model(arch, DType::F32);
         let dir = tempfile::tempdir().unwrap();
         let tok = tempfile::tempdir().unwrap();
@@ -399,6 +403,8 @@ fn edit_config(dir: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value))
 /// layout (reading only the old key silently falls back to theta 10000: other logits).
 #[test]
 fn transformers_5_rope_parameters_load_like_the_old_layout() {
+    // Gemma 3 writes RoPE per layer type; its layout is checked against transformers' own files
+    // (weights::family_tests).
     for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
         let mut args = ModelArgs::tiny(arch, 61);
         args.rope_theta = 100_000.0;
