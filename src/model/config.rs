@@ -780,10 +780,12 @@ impl ModelArgs {
             o.remove("hidden_act");
             o.insert("hidden_activation".into(), "gelu_pytorch_tanh".into());
             o.insert("layer_types".into(), serde_json::json!(kinds));
-            o.insert(
-                "query_pre_attn_scalar".into(),
-                serde_json::json!(self.query_pre_attn_scalar),
-            );
+            // transformers' config class takes an integer here.
+            let scalar = match self.query_pre_attn_scalar {
+                Some(x) if x.fract() == 0.0 && x >= 0.0 => serde_json::json!(x as u64),
+                x => serde_json::json!(x),
+            };
+            o.insert("query_pre_attn_scalar".into(), scalar);
             let local = self.rope_local_theta.unwrap_or(self.rope_theta);
             o.insert("rope_local_base_freq".into(), serde_json::json!(local));
             o.insert(

@@ -342,3 +342,20 @@ fn an_unsupported_architecture_is_refused_by_name() {
         "{e}"
     );
 }
+
+/// A Gemma 3 config written back is one transformers' strict config class reads: an integer
+/// `query_pre_attn_scalar` (transformers 5.24 refused 256.0 in a checkpoint of ours, checked by
+/// hand: with the integer it loads the exported 270M model and reproduces its greedy tokens),
+/// and it reads back as the same arguments.
+#[test]
+fn a_saved_gemma3_config_reads_back_and_keeps_integers() {
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir("gemma3").join("config.json")).unwrap())
+            .unwrap();
+    let args = crate::model::ModelArgs::from_hf(&cfg).unwrap();
+    let out = args.to_hf();
+    assert!(out["query_pre_attn_scalar"].is_u64(), "{out}");
+    assert_eq!(out["query_pre_attn_scalar"], cfg["query_pre_attn_scalar"]);
+    assert_eq!(out["layer_types"], cfg["layer_types"]);
+    assert_eq!(crate::model::ModelArgs::from_hf(&out).unwrap(), args);
+}

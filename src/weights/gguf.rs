@@ -232,12 +232,14 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         "qwen2" => Arch::Qwen2,
         "qwen3" => Arch::Qwen3,
         "gemma3" => Arch::Gemma3,
-        other => return Err(ModelError::file(
-            path,
-            format!(
+        other => {
+            return Err(ModelError::file(
+                path,
+                format!(
                 "unsupported GGUF architecture `{other}`; supported: llama, qwen2, qwen3, gemma3"
             ),
-        )),
+            ))
+        }
     };
     let k = |s: &str| format!("{arch_name}.{s}");
     let hidden = meta_u(c, &k("embedding_length"), path)?;
