@@ -15,9 +15,11 @@
 # SmolLM2-135M-Instruct (scripts/fetch_smollm2.sh) and an f32 HF copy of it made by
 # transformers from the same GGUF; the run first checks that both sides compute the same logits.
 #
-# Usage: scripts/bench_vs_torch.sh [--only fwdbwd,gen,adamw,grpo] [--quick] [--threads N]
+# Usage: scripts/bench_vs_torch.sh [--model smollm2|gemma3] [--only fwdbwd,gen,adamw,grpo] [--quick] [--threads N]
 #          [--micro-batch N] [--precision fp32|bf16] [--data FILE.parquet] [--results DIR]
 #          [-- MAIN_PPO_OVERRIDE ...]
+#   --model M       smollm2 (SmolLM2-135M-Instruct, default) or gemma3 (Gemma 3 270M base,
+#                   scripts/fetch_gemma3.sh; prompts as "<bos>Question: ...\nAnswer:"; no grpo)
 #   --quick         fewer repetitions, 32 generated tokens, 2 GRPO steps (a few minutes)
 #   --precision P   our matrix products: fp32 (default) or bf16 (verl's mixed precision: bf16
 #                   operands, f32 sums and weights; AMX tiles). With bf16, PyTorch is measured
@@ -32,13 +34,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-only="" quick="" threads="$(nproc 2>/dev/null || echo 1)" micro=8 data="data/gsm8k/train.parquet" precision=fp32
+only="" quick="" model=smollm2 threads="$(nproc 2>/dev/null || echo 1)" micro=8 data="data/gsm8k/train.parquet" precision=fp32
 results="" extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --only) only="${2:?--only needs a list, e.g. fwdbwd,gen}"; shift 2 ;;
     --only=*) only="${1#*=}"; shift ;;
     --quick) quick="--quick"; shift ;;
+    --model) model="${2:?--model needs smollm2 or gemma3}"; shift 2 ;;
     --threads) threads="${2:?--threads needs a number}"; shift 2 ;;
     --micro-batch) micro="${2:?--micro-batch needs a number}"; shift 2 ;;
     --precision) precision="${2:?--precision needs fp32 or bf16}"; shift 2 ;;
@@ -50,6 +53,11 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$threads" in ''|*[!0-9]*|0) echo "bench_vs_torch.sh: --threads must be a positive integer, got \`$threads\`" >&2; exit 2 ;; esac
+case "$model" in smollm2|gemma3) ;; *) echo "bench_vs_torch.sh: --model must be smollm2 or gemma3, got \`$model\`" >&2; exit 2 ;; esac
+if [ "$model" = gemma3 ]; then
+  [ -n "$only" ] || only="fwdbwd,gen,adamw"
+  case ",$only," in *,grpo,*) echo "bench_vs_torch.sh: --model gemma3 has no grpo measurement (TRL's side needs a chat model)" >&2; exit 2 ;; esac
+fi
 case "$precision" in fp32|bf16) ;; *) echo "bench_vs_torch.sh: --precision must be fp32 or bf16, got \`$precision\`" >&2; exit 2 ;; esac
 case "$micro" in ''|*[!0-9]*|0) echo "bench_vs_torch.sh: --micro-batch must be a positive integer, got \`$micro\`" >&2; exit 2 ;; esac
 for m in ${only//,/ }; do
@@ -73,8 +81,13 @@ fi
 py="$venv/bin/python"
 
 # 2. The model: the GGUF for main_ppo, an f32 HF copy of the same weights for PyTorch.
-gguf="$(scripts/fetch_smollm2.sh)"
-hf="$(dirname "$gguf")/SmolLM2-135M-Instruct-f32-hf"
+if [ "$model" = gemma3 ]; then
+  gguf="$(scripts/fetch_gemma3.sh)"
+  hf="$(dirname "$gguf")/gemma-3-270m-f32-hf"
+else
+  gguf="$(scripts/fetch_smollm2.sh)"
+  hf="$(dirname "$gguf")/SmolLM2-135M-Instruct-f32-hf"
+fi
 TQDM_DISABLE=1 "$py" scripts/bench/vs_torch.py prepare-hf --gguf "$gguf" --out "$hf"
 
 # 3. Our side: the release binary and the bench executable (benches/vs_torch.rs).
@@ -99,5 +112,5 @@ ovr=()
 for o in "${extra[@]+"${extra[@]}"}"; do ovr+=("--ours-override=$o"); done
 locked "$py" scripts/bench/vs_torch.py run \
   --ours-bench "$bench_exe" --ours-bin target/release/main_ppo --ours-rev "$rev" \
-  --gguf "$gguf" --hf "$hf" --data "$data" --results "$results" --threads "$threads" \
+  --model "$model" --gguf "$gguf" --hf "$hf" --data "$data" --results "$results" --threads "$threads" \
   --micro-batch "$micro" --precision "$precision" ${only:+--only "$only"} $quick "${ovr[@]+"${ovr[@]}"}"

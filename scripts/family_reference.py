@@ -106,6 +106,31 @@ def families():
         ),
         # Mistral: a sliding window on every layer.
         "mistral_window": transformers.MistralConfig(**common, head_dim=8, sliding_window=3),
+        # Qwen3-MoE: 8 experts, top-2 renormalised, a dense layer between sparse ones
+        # (mlp_only_layers), untied.
+        "qwen3_moe": transformers.Qwen3MoeConfig(
+            **{**common, "num_hidden_layers": 3},
+            head_dim=8,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+        # Qwen3-MoE: every second layer sparse (decoder_sparse_step), top-3 of 4 experts without
+        # renormalisation, tied embeddings.
+        "qwen3_moe_step2": transformers.Qwen3MoeConfig(
+            **common,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=3,
+            moe_intermediate_size=12,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+            tie_word_embeddings=True,
+        ),
         # Gemma 3 (text): (1 + w) norms, sandwich norms, GELU-tanh, scaled embeddings,
         # query_pre_attn_scalar, sliding layers with their own RoPE base, linear RoPE scaling on
         # the full layer, tied embeddings.
@@ -128,9 +153,29 @@ MODEL_CLASS = {
     "LlamaConfig": transformers.LlamaForCausalLM,
     "Qwen2Config": transformers.Qwen2ForCausalLM,
     "Qwen3Config": transformers.Qwen3ForCausalLM,
+    "Qwen3MoeConfig": transformers.Qwen3MoeForCausalLM,
     "MistralConfig": transformers.MistralForCausalLM,
     "Gemma3TextConfig": transformers.Gemma3ForCausalLM,
 }
+
+
+def per_expert(named):
+    """transformers 5's fused expert tensors (`mlp.experts.gate_up_proj` [E, 2I, h], gate rows
+    first; `mlp.experts.down_proj` [E, h, I]) under the hub's per-expert names, as the
+    checkpoint is saved."""
+    out = {}
+    for n, t in named.items():
+        if n.endswith("mlp.experts.gate_up_proj"):
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{n[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = t[e, :half].contiguous()
+                out[f"{n[:-len('gate_up_proj')]}{e}.up_proj.weight"] = t[e, half:].contiguous()
+        elif n.endswith("mlp.experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[f"{n[:-len('down_proj')]}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[n] = t
+    return out
 
 
 def rows(seed, n, lo, hi):
@@ -139,6 +184,9 @@ def rows(seed, n, lo, hi):
 
 
 def make(name, cfg):
+    if getattr(cfg, "num_experts", None):
+        # transformers' own loop over experts (its grouped_mm kernels take no float64).
+        cfg._experts_implementation = "eager"
     torch.manual_seed(1234)
     model = MODEL_CLASS[type(cfg).__name__](cfg).to(torch.float64).eval()
     # Spread the weights beyond the init's 0.02 so that every path carries signal.
@@ -152,6 +200,9 @@ def make(name, cfg):
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    if getattr(cfg, "num_experts", None):
+        # The same weights as transformers 5 holds them (experts fused per layer).
+        model.save_pretrained(out / "fused", safe_serialization=True, save_original_format=False)
     # Greedy continuations by full forwards.
     prompts = rows(7, 3, 2, 7)
     new = 12
@@ -182,6 +233,7 @@ def make(name, cfg):
         loss = loss + (tl * torch.tensor(c, dtype=torch.float64)).sum()
     loss.backward()
     grads = {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters() if p.grad is not None}
+    grads = per_expert(grads)
     save_file(grads, str(out / "grads.safetensors"))
     ref = {
         "family": name,

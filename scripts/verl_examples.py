@@ -86,7 +86,7 @@ def shims(d: Path):
 # ---- what main_ppo should make of a line ----
 
 # Families the model code implements (config.json architectures).
-SUPPORTED_FAMILIES = {"qwen2", "llama", "mistral", "qwen3"}
+SUPPORTED_FAMILIES = {"qwen2", "llama", "mistral", "qwen3", "qwen3_moe"}
 
 # A model id's family, by its name (the first pattern found wins; VL before the base family).
 FAMILY_PATTERNS = [

@@ -509,6 +509,12 @@ PROMPT = (
     "<|im_start|>assistant\n"
 )
 
+# Gemma 3 270M is a base model: the question as it continues text.
+PROMPT_BASE = (
+    "<bos>Question: Natalia sold clips to 48 of her friends in April, and then she sold half as "
+    "many clips in May. How many clips did Natalia sell altogether in April and May?\nAnswer:"
+)
+
 ALL = ["fwdbwd", "gen", "adamw", "grpo"]
 
 
@@ -568,7 +574,7 @@ def cmd_run(a) -> None:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     prompt = out / "prompt.txt"
-    prompt.write_text(PROMPT)
+    prompt.write_text(PROMPT_BASE if a.model == "gemma3" else PROMPT)
     threads = str(a.threads)
     env = dict(
         os.environ,
@@ -590,6 +596,7 @@ def cmd_run(a) -> None:
     cpu = cpu_description()
     info = {
         "when_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "model": a.model,
         "threads": a.threads,
         "cpu": cpu,
         "cores": os.cpu_count(),
@@ -815,6 +822,7 @@ def main() -> None:
     s.add_argument("--ours-bench", required=True, help="the built benches/vs_torch.rs executable")
     s.add_argument("--ours-bin", required=True, help="the main_ppo release binary")
     s.add_argument("--ours-rev", default="?")
+    s.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2")
     s.add_argument("--gguf", required=True)
     s.add_argument("--hf", required=True)
     s.add_argument("--data", required=True)

@@ -5,13 +5,14 @@
 
 pub mod history;
 pub mod plot;
+pub mod remote;
 pub mod sinks;
 pub mod tensorboard;
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-pub use sinks::{MetricSink, Tracker};
+pub use sinks::{MetricSink, RemoteOptions, Tracker};
 
 /// One step's metrics, by verl name, sorted (as the console line prints them).
 pub type Metrics = BTreeMap<String, f64>;

@@ -1,12 +1,13 @@
 //! Where metrics go (`trainer.logger`): `console` (verl's `step:N - key:value - ...` line on
-//! stdout), `file` (one JSON object per step), `tensorboard` (event files). Backends that need a
-//! service this build does not talk to (`wandb`, `swanlab`, `mlflow`, ...) are reported once and
-//! skipped.
+//! stdout), `file` (one JSON object per step), `tensorboard` (event files), and the remote
+//! backends (`wandb`, `vemlp_wandb`, `swanlab`, `mlflow`, `clearml`, `trackio`) through their own
+//! SDKs in Python worker processes ([`super::remote`]). `rl_insight` is reported once and skipped.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use super::remote::{RemoteSettings, RemoteTracker, RunSpec};
 use super::tensorboard::EventWriter;
 use super::{py_float, Metrics};
 
@@ -102,6 +103,17 @@ pub struct Tracker {
     sinks: Vec<(String, Box<dyn MetricSink + Send>)>,
     /// `backend → path` for the sinks that write files.
     pub files: Vec<(String, PathBuf)>,
+    /// The remote backends' workers.
+    pub remotes: Vec<RemoteTracker>,
+}
+
+/// What the remote backends need: how to run their workers, the run's resolved configuration,
+/// and the run ids a resumed run continues (`backend → id`, from `trainer_state.json`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteOptions {
+    pub settings: RemoteSettings,
+    pub config: serde_json::Value,
+    pub resume_ids: std::collections::BTreeMap<String, String>,
 }
 
 /// Where the `file` sink writes: `$VERL_FILE_LOGGER_PATH`, else
@@ -136,17 +148,22 @@ const REMOTE: [&str; 7] = [
 ];
 
 impl Tracker {
-    /// The sinks named in `trainer.logger`; returns warnings for backends skipped here.
+    /// The sinks named in `trainer.logger`; returns warnings for backends skipped here. The
+    /// remote backends start their workers when `remote` is given (a missing SDK is an error
+    /// here, before any compute), and are skipped with a warning without it.
     pub fn new(
         backends: &[String],
         project: &str,
         experiment: &str,
+        remote: Option<&RemoteOptions>,
     ) -> Result<(Self, Vec<String>), String> {
         let mut t = Tracker {
             sinks: Vec::new(),
             files: Vec::new(),
+            remotes: Vec::new(),
         };
         let mut skipped = Vec::new();
+        let mut wanted: Vec<String> = Vec::new();
         for b in backends {
             match b.as_str() {
                 "console" => t.sinks.push((b.clone(), Box::new(Console::stdout()))),
@@ -161,25 +178,43 @@ impl Tracker {
                 "tensorboard" => {
                     let d = tensorboard_dir(project, experiment);
                     let w = EventWriter::create(&d).map_err(|e| {
-                        format!("trainer.logger=tensorboard: cannot write in {}: {e}", d.display())
+                        format!(
+                            "trainer.logger=tensorboard: cannot write in {}: {e}",
+                            d.display()
+                        )
                     })?;
                     t.files.push((b.clone(), w.path.clone()));
-                    t.sinks.push((b.clone(), Box::new(TensorBoard { writer: w })));
+                    t.sinks
+                        .push((b.clone(), Box::new(TensorBoard { writer: w })));
+                }
+                other if remote.is_some() && super::remote::package(other).is_some() => {
+                    if !wanted.iter().any(|w| w == other) {
+                        wanted.push(other.to_string());
+                    }
                 }
                 other if REMOTE.contains(&other) => skipped.push(other.to_string()),
                 other => {
                     return Err(format!(
-                        "trainer.logger: unknown backend `{other}` (console, file, tensorboard; verl's remote backends {} are accepted and skipped)",
-                        REMOTE.join(", ")
-                    ))
+                    "trainer.logger: unknown backend `{other}` (console, file, tensorboard, {})",
+                    REMOTE.join(", ")
+                ))
                 }
             }
+        }
+        if let (Some(r), false) = (remote, wanted.is_empty()) {
+            let run = RunSpec {
+                project: project.to_string(),
+                experiment: experiment.to_string(),
+                config: r.config.clone(),
+                resume_id: None,
+            };
+            t.remotes = super::remote::start_all(&wanted, &run, &r.resume_ids, &r.settings)?;
         }
         let warnings = if skipped.is_empty() {
             Vec::new()
         } else {
             vec![format!(
-                "trainer.logger: {} not available in this build (no network service clients); metrics go to {}",
+                "trainer.logger: {} not available here (rl_insight is not supported; remote backends are skipped where no tracker workers are started); metrics go to {}",
                 skipped.join(", "),
                 if t.sinks.is_empty() {
                     "no sink: add console, file or tensorboard".to_string()
@@ -196,15 +231,52 @@ impl Tracker {
         Tracker {
             sinks,
             files: Vec::new(),
+            remotes: Vec::new(),
         }
     }
 
     /// Sends `metrics` to every sink; a sink that fails is reported and the others still run.
+    /// Remote backends only queue the step (they never hold training up).
     pub fn log(&mut self, metrics: &Metrics, step: u64) {
         for (name, s) in &mut self.sinks {
             if let Err(e) = s.log(metrics, step) {
                 tracing::warn!("metrics sink `{name}` failed at step {step}: {e}");
             }
+        }
+        for r in &self.remotes {
+            r.log(metrics, step);
+        }
+    }
+
+    /// Validation generations `(input, output, score)` for the backends that show them (a
+    /// wandb Table, SwanLab text, an MLflow artifact, ...: verl's `ValidationGenerationsLogger`).
+    pub fn log_generations(&mut self, samples: &[(String, String, f64)], step: u64) {
+        if samples.is_empty() {
+            return;
+        }
+        for r in &self.remotes {
+            r.generations(samples, step);
+        }
+    }
+
+    /// Whether any remote backend shows validation generations.
+    pub fn wants_generations(&self) -> bool {
+        !self.remotes.is_empty()
+    }
+
+    /// The remote runs' ids (`backend → id`), saved in `trainer_state.json` so that a resumed
+    /// run continues them.
+    pub fn run_ids(&self) -> std::collections::BTreeMap<String, String> {
+        self.remotes
+            .iter()
+            .filter_map(|r| r.run_id.clone().map(|id| (r.backend.clone(), id)))
+            .collect()
+    }
+
+    /// Flushes and closes the remote runs (each within its flush timeout).
+    pub fn finish(&mut self) {
+        for r in &mut self.remotes {
+            r.finish();
         }
     }
 }
@@ -226,9 +298,11 @@ mod tests {
 
     #[test]
     fn unknown_backend_is_an_error_and_remote_ones_a_warning() {
-        let err = Tracker::new(&["consol".into()], "p", "e").err().unwrap();
+        let err = Tracker::new(&["consol".into()], "p", "e", None)
+            .err()
+            .unwrap();
         assert!(err.contains("unknown backend `consol`"), "{err}");
-        let (t, w) = Tracker::new(&["console".into(), "wandb".into()], "p", "e").unwrap();
+        let (t, w) = Tracker::new(&["console".into(), "wandb".into()], "p", "e", None).unwrap();
         assert_eq!(t.sinks.len(), 1);
         assert_eq!(w.len(), 1);
         assert!(w[0].contains("wandb") && w[0].contains("console"), "{w:?}");

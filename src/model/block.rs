@@ -224,6 +224,45 @@ fn rotate_half(x: &Tensor) -> Result<Tensor> {
     Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)
 }
 
+/// A SiLU- (GELU- for Gemma) gated MLP: `down(act(gate(x)) ⊙ up(x))`.
+#[derive(Clone)]
+pub(crate) struct Gated {
+    pub(crate) gate: Proj,
+    pub(crate) up: Proj,
+    pub(crate) down: Proj,
+}
+
+impl Gated {
+    fn map(&self, f: &impl Fn(&Proj) -> Proj) -> Gated {
+        Gated {
+            gate: f(&self.gate),
+            up: f(&self.up),
+            down: f(&self.down),
+        }
+    }
+}
+
+/// A layer's mixture of experts (Qwen3-MoE, [`super::config::MoeArgs`]).
+#[derive(Clone)]
+pub(crate) struct Experts {
+    /// The router `mlp.gate.weight` `[experts, hidden]`.
+    pub(crate) router: Tensor,
+    /// `mlp.experts.N`, each a gated MLP of width `moe_intermediate_size`.
+    pub(crate) experts: Vec<Gated>,
+    pub(crate) top_k: usize,
+    pub(crate) norm_topk_prob: bool,
+    /// Every expert on every token ([`experts_dense`], the reference) instead of each on its
+    /// tokens ([`experts_grouped`]); set from [`super::Exec::dense_experts`].
+    pub(crate) dense: bool,
+}
+
+/// What follows a layer's attention.
+#[derive(Clone)]
+pub(crate) enum Mlp {
+    Dense(Gated),
+    Experts(Experts),
+}
+
 #[derive(Clone)]
 pub(crate) struct Block {
     pub(crate) ln1: Tensor,
@@ -243,9 +282,7 @@ pub(crate) struct Block {
     pub(crate) k: Proj,
     pub(crate) v: Proj,
     pub(crate) o: Proj,
-    pub(crate) gate: Proj,
-    pub(crate) up: Proj,
-    pub(crate) down: Proj,
+    pub(crate) mlp: Mlp,
 }
 
 impl Block {
@@ -254,23 +291,69 @@ impl Block {
         self.map_proj(Proj::detached)
     }
 
-    /// The seven projections with their HF module names (`self_attn.q_proj`, `mlp.down_proj`).
-    pub(crate) fn projs_mut(&mut self) -> [(&'static str, &mut Proj); 7] {
-        [
-            ("self_attn.q_proj", &mut self.q),
-            ("self_attn.k_proj", &mut self.k),
-            ("self_attn.v_proj", &mut self.v),
-            ("self_attn.o_proj", &mut self.o),
-            ("mlp.gate_proj", &mut self.gate),
-            ("mlp.up_proj", &mut self.up),
-            ("mlp.down_proj", &mut self.down),
-        ]
+    /// The dense MLP, `None` for a layer of experts.
+    pub(crate) fn dense(&self) -> Option<&Gated> {
+        match &self.mlp {
+            Mlp::Dense(g) => Some(g),
+            Mlp::Experts(_) => None,
+        }
     }
 
-    pub(crate) fn projs(&self) -> [&Proj; 7] {
-        [
-            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
-        ]
+    /// The layer's experts, `None` for a dense layer.
+    pub(crate) fn experts(&self) -> Option<&Experts> {
+        match &self.mlp {
+            Mlp::Experts(e) => Some(e),
+            Mlp::Dense(_) => None,
+        }
+    }
+
+    /// The projections with their HF module names (`self_attn.q_proj`, `mlp.down_proj`,
+    /// `mlp.experts.3.up_proj`): attention first, then the MLP's, each gate, up, down.
+    pub(crate) fn projs_mut(&mut self) -> Vec<(String, &mut Proj)> {
+        let mut all: Vec<(String, &mut Proj)> = vec![
+            ("self_attn.q_proj".into(), &mut self.q),
+            ("self_attn.k_proj".into(), &mut self.k),
+            ("self_attn.v_proj".into(), &mut self.v),
+            ("self_attn.o_proj".into(), &mut self.o),
+        ];
+        match &mut self.mlp {
+            Mlp::Dense(g) => all.extend([
+                ("mlp.gate_proj".into(), &mut g.gate),
+                ("mlp.up_proj".into(), &mut g.up),
+                ("mlp.down_proj".into(), &mut g.down),
+            ]),
+            Mlp::Experts(x) => {
+                for (e, g) in x.experts.iter_mut().enumerate() {
+                    all.extend([
+                        (format!("mlp.experts.{e}.gate_proj"), &mut g.gate),
+                        (format!("mlp.experts.{e}.up_proj"), &mut g.up),
+                        (format!("mlp.experts.{e}.down_proj"), &mut g.down),
+                    ]);
+                }
+            }
+        }
+        all
+    }
+
+    /// The projections in [`Block::projs_mut`]'s order.
+    pub(crate) fn projs(&self) -> Vec<&Proj> {
+        let mut all = vec![&self.q, &self.k, &self.v, &self.o];
+        match &self.mlp {
+            Mlp::Dense(g) => all.extend([&g.gate, &g.up, &g.down]),
+            Mlp::Experts(x) => {
+                for g in &x.experts {
+                    all.extend([&g.gate, &g.up, &g.down]);
+                }
+            }
+        }
+        all
+    }
+
+    /// The seven projections of a dense layer, q, k, v, o, gate, up, down (the hand-written
+    /// layer and the decode engine serve dense layers only).
+    pub(crate) fn dense_projs(&self) -> Option<[&Proj; 7]> {
+        let g = self.dense()?;
+        Some([&self.q, &self.k, &self.v, &self.o, &g.gate, &g.up, &g.down])
     }
 
     /// Whether any projection carries an adapter.
@@ -284,7 +367,11 @@ impl Block {
         let mut b = self.clone();
         for (j, (_, proj)) in b.projs_mut().into_iter().enumerate() {
             if let Some(l) = proj.lora.as_mut() {
-                let seed = mix64(forward_seed ^ (((layer as u64) << 8) | j as u64));
+                // (layer, projection) in distinct bits; a dense layer's seven projections
+                // keep the low byte alone.
+                let j = j as u64;
+                let id = (((layer as u64) << 8) | (j & 0xff)) ^ ((j >> 8) << 48);
+                let seed = mix64(forward_seed ^ id);
                 l.dropout = Some(Dropout { p, seed });
             }
         }
@@ -303,16 +390,42 @@ impl Block {
         n
     }
 
+    /// The weights that are not projections: the norms, then the router of a layer of experts.
+    pub(crate) fn plain_weights(&self) -> Vec<&Tensor> {
+        let mut w = self.norms();
+        if let Some(x) = self.experts() {
+            w.push(&x.router);
+        }
+        w
+    }
+
     /// Whether any weight of the layer receives gradients.
     pub(crate) fn trains(&self) -> bool {
-        self.norms().iter().any(|n| n.track_op())
+        self.plain_weights().iter().any(|n| n.track_op())
             || self
                 .projs()
                 .iter()
                 .any(|p| p.weight().track_op() || p.lora.as_ref().is_some_and(|l| l.a.track_op()))
     }
 
-    /// The layer with each projection replaced by `f` of it, norms detached.
+    /// Cuts every weight but the adapters from autograd (norms, router, base projections).
+    pub(crate) fn freeze_base(&mut self) {
+        self.ln1 = self.ln1.detach();
+        self.ln2 = self.ln2.detach();
+        self.qk_norm = self.qk_norm.as_ref().map(|(q, k)| (q.detach(), k.detach()));
+        self.sandwich = self
+            .sandwich
+            .as_ref()
+            .map(|(a, m)| (a.detach(), m.detach()));
+        if let Mlp::Experts(x) = &mut self.mlp {
+            x.router = x.router.detach();
+        }
+        for (_, p) in self.projs_mut() {
+            p.base = Linear::new(p.base.weight().detach(), p.base.bias().map(Tensor::detach));
+        }
+    }
+
+    /// The layer with each projection replaced by `f` of it, norms and router detached.
     pub(crate) fn map_proj(&self, f: impl Fn(&Proj) -> Proj) -> Block {
         let lin = |l: &Proj| f(l);
         Block {
@@ -329,9 +442,16 @@ impl Block {
             k: lin(&self.k),
             v: lin(&self.v),
             o: lin(&self.o),
-            gate: lin(&self.gate),
-            up: lin(&self.up),
-            down: lin(&self.down),
+            mlp: match &self.mlp {
+                Mlp::Dense(g) => Mlp::Dense(g.map(&lin)),
+                Mlp::Experts(x) => Mlp::Experts(Experts {
+                    router: x.router.detach(),
+                    experts: x.experts.iter().map(|g| g.map(&lin)).collect(),
+                    top_k: x.top_k,
+                    norm_topk_prob: x.norm_topk_prob,
+                    dense: x.dense,
+                }),
+            },
         }
     }
 }
@@ -391,17 +511,122 @@ pub(crate) fn block_forward(
     };
     let x = (x + attn)?;
     let h = norm(&x, &l.ln2, a)?;
-    let gate = apply(&l.gate, &h)?;
-    // Gemma: GELU with its tanh approximation; the others SiLU.
-    let gate = if a.arch.gemma() {
-        gelu_tanh(&gate)?
-    } else {
-        gate.silu()?
-    };
-    let mlp = apply(&l.down, &(gate * apply(&l.up, &h)?)?)?;
+    let mlp = mlp(l, &h, a.arch.gemma())?;
     let mlp = match &l.sandwich {
         Some((_, post)) => norm(&mlp, post, a)?,
         None => mlp,
     };
     x + mlp
+}
+
+/// Layer `l`'s MLP on its normed input `h` `[batch, seq, hidden]`.
+pub(crate) fn mlp(l: &Block, h: &Tensor, gelu: bool) -> Result<Tensor> {
+    match &l.mlp {
+        Mlp::Dense(g) => gated(g, h, gelu),
+        Mlp::Experts(e) if e.dense => experts_dense(e, h),
+        Mlp::Experts(e) => experts_grouped(e, h),
+    }
+}
+
+/// The gated MLP on `h` `[batch, seq, hidden]`: `down(act(gate(h)) ⊙ up(h))`, act GELU (tanh)
+/// for Gemma, else SiLU.
+fn gated(g: &Gated, h: &Tensor, gelu: bool) -> Result<Tensor> {
+    let gate = apply(&g.gate, h)?;
+    let gate = if gelu {
+        gelu_tanh(&gate)?
+    } else {
+        gate.silu()?
+    };
+    apply(&g.down, &(gate * apply(&g.up, h)?)?)
+}
+
+/// The router of a layer of experts on `x` `[n, hidden]`: each token's `top_k` experts
+/// (`[n, top_k]`, most probable first) and their weights `[n, top_k]` in `x`'s dtype
+/// (softmax in f32 or f64, renormalised over the chosen when `norm_topk_prob`), the weights
+/// with their gradient to the router and to `x`.
+pub(crate) fn route(e: &Experts, x: &Tensor) -> Result<(Vec<u32>, Tensor)> {
+    let (n, _) = x.dims2()?;
+    let k = e.top_k;
+    let logits = base_matmul(x, &e.router)?; // [n, experts]
+    let probs = candle_nn::ops::softmax(&upcast(&logits)?, D::Minus1)?; // [n, experts]
+    let p: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+    let experts = e.experts.len();
+    let mut chosen = Vec::with_capacity(n * k);
+    let mut order: Vec<u32> = Vec::with_capacity(experts);
+    for row in p.chunks(experts) {
+        order.clear();
+        order.extend(0..experts as u32);
+        // Most probable first; equal probabilities by expert index (ties have measure zero
+        // for trained routers; this keeps the choice deterministic).
+        order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+        chosen.extend_from_slice(&order[..k]);
+    }
+    let idx = Tensor::from_vec(chosen.clone(), (n, k), x.device())?;
+    let top = probs.contiguous()?.gather(&idx, 1)?; // [n, k]
+    let top = if e.norm_topk_prob {
+        top.broadcast_div(&top.sum_keepdim(1)?)?
+    } else {
+        top
+    };
+    Ok((chosen, top.to_dtype(x.dtype())?))
+}
+
+/// The layer of experts on `h` `[batch, seq, hidden]`, each expert computed for the tokens
+/// routed to it only: per expert, its tokens gathered `[m, hidden]`, its gated MLP, the rows
+/// scaled by their routing weights and added back at their tokens.
+pub(crate) fn experts_grouped(e: &Experts, h: &Tensor) -> Result<Tensor> {
+    let (b, t, hs) = h.dims3()?;
+    let x = h.reshape((b * t, hs))?; // [n, hidden]
+    let (chosen, weights) = route(e, &x)?;
+    let weights = weights.flatten_all()?; // [n·k], token-major
+    let k = e.top_k;
+    // Per expert: its tokens, and where each token's weight for it sits in `weights`.
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); e.experts.len()];
+    let mut slots: Vec<Vec<u32>> = vec![Vec::new(); e.experts.len()];
+    for (s, &ex) in chosen.iter().enumerate() {
+        tokens[ex as usize].push((s / k) as u32);
+        slots[ex as usize].push(s as u32);
+    }
+    let mut out = x.zeros_like()?;
+    for (g, (tok, slot)) in e.experts.iter().zip(tokens.into_iter().zip(slots)) {
+        if tok.is_empty() {
+            continue;
+        }
+        let m = tok.len();
+        let tok = Tensor::from_vec(tok, m, x.device())?;
+        let slot = Tensor::from_vec(slot, m, x.device())?;
+        let xe = x.index_select(&tok, 0)?.unsqueeze(0)?; // [1, m, hidden]
+        let ye = gated(g, &xe, false)?.squeeze(0)?; // [m, hidden]
+        let we = weights.index_select(&slot, 0)?.unsqueeze(1)?; // [m, 1]
+        out = out.index_add(&tok, &ye.broadcast_mul(&we)?, 0)?;
+    }
+    out.reshape((b, t, hs))
+}
+
+/// [`experts_grouped`] computed densely: every expert on every token, weighted by the routing
+/// weight it has there (zero for the experts a token was not routed to). The same function
+/// with `experts / top_k` times the products: the reference the grouped path is tested and
+/// measured against.
+pub(crate) fn experts_dense(e: &Experts, h: &Tensor) -> Result<Tensor> {
+    let (b, t, hs) = h.dims3()?;
+    let n = b * t;
+    let x = h.reshape((n, hs))?;
+    let (chosen, weights) = route(e, &x)?;
+    let k = e.top_k;
+    let experts = e.experts.len();
+    // [n·experts]: routing weights scattered to their experts, zero elsewhere.
+    let mut at = Vec::with_capacity(n * k);
+    for (s, &ex) in chosen.iter().enumerate() {
+        at.push(((s / k) * experts) as u32 + ex);
+    }
+    let at = Tensor::from_vec(at, n * k, x.device())?;
+    let dense = Tensor::zeros(n * experts, weights.dtype(), x.device())?
+        .index_add(&at, &weights.flatten_all()?, 0)?
+        .reshape((n, experts))?;
+    let mut out = x.zeros_like()?;
+    for (i, g) in e.experts.iter().enumerate() {
+        let ye = gated(g, &x.unsqueeze(0)?, false)?.squeeze(0)?; // [n, hidden]
+        out = (out + ye.broadcast_mul(&dense.narrow(1, i, 1)?)?)?;
+    }
+    out.reshape((b, t, hs))
 }

@@ -1,5 +1,5 @@
 //! The architecture hyper-parameters of an HF `config.json` (Llama family: Llama 2/3, SmolLM2,
-//! Mistral-style GQA; Qwen2/Qwen2.5; Qwen3), in the layout of transformers 4 (`rope_theta`,
+//! Mistral-style GQA; Qwen2/Qwen2.5; Qwen3; Qwen3-MoE; Gemma 3 text), in the layout of transformers 4 (`rope_theta`,
 //! `rope_scaling`) or 5 (`rope_parameters`), and the rotary frequencies they define
 //! (transformers' `modeling_rope_utils`: default and llama3).
 
@@ -17,6 +17,10 @@ pub enum Arch {
     /// `Qwen3ForCausalLM`: an RMSNorm over each head of q and of k before RoPE (`q_norm`,
     /// `k_norm`, weight `[head_dim]`), an explicit `head_dim`, biases only with `attention_bias`.
     Qwen3,
+    /// `Qwen3MoeForCausalLM`: Qwen3's attention, and on its sparse layers a mixture of experts
+    /// (`mlp.gate` router `[experts, hidden]`, `mlp.experts.N.{gate,up,down}_proj`) in place of
+    /// the dense MLP ([`MoeArgs`]).
+    Qwen3Moe,
     /// `Gemma3ForCausalLM` (text): q/k norms as Qwen3; every RMSNorm scales by `1 + w`; norms
     /// after the attention and around the MLP (`post_attention_layernorm`,
     /// `pre_feedforward_layernorm`, `post_feedforward_layernorm`); a GELU (tanh) gated MLP;
@@ -37,7 +41,7 @@ pub enum LayerKind {
 impl Arch {
     /// Whether each head of q and k goes through an RMSNorm before RoPE.
     pub fn qk_norm(self) -> bool {
-        matches!(self, Arch::Qwen3 | Arch::Gemma3)
+        matches!(self, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3)
     }
 
     /// Gemma's layer: `(1 + w)` norms, sandwich norms, GELU (tanh) MLP, scaled embeddings.
@@ -60,6 +64,7 @@ impl Arch {
             Arch::Llama => ("LlamaForCausalLM", "llama"),
             Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
             Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+            Arch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
             Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
         }
     }
@@ -68,7 +73,7 @@ impl Arch {
 /// The `architectures` (`config.json`) this implementation loads, and the block layout each
 /// follows: causal LMs, and the token- and sequence-classification models critics and reward
 /// models are (their backbone plus a `score` head).
-pub const ARCHITECTURES: [(&str, Arch); 15] = [
+pub const ARCHITECTURES: [(&str, Arch); 18] = [
     ("LlamaForCausalLM", Arch::Llama),
     ("LlamaForTokenClassification", Arch::Llama),
     ("LlamaForSequenceClassification", Arch::Llama),
@@ -81,17 +86,21 @@ pub const ARCHITECTURES: [(&str, Arch); 15] = [
     ("Qwen3ForCausalLM", Arch::Qwen3),
     ("Qwen3ForTokenClassification", Arch::Qwen3),
     ("Qwen3ForSequenceClassification", Arch::Qwen3),
+    ("Qwen3MoeForCausalLM", Arch::Qwen3Moe),
+    ("Qwen3MoeForTokenClassification", Arch::Qwen3Moe),
+    ("Qwen3MoeForSequenceClassification", Arch::Qwen3Moe),
     ("Gemma3ForCausalLM", Arch::Gemma3),
     ("Gemma3TextForTokenClassification", Arch::Gemma3),
     ("Gemma3TextForSequenceClassification", Arch::Gemma3),
 ];
 
 /// `model_type`s read when a config has no `architectures`.
-const MODEL_TYPES: [(&str, Arch); 5] = [
+const MODEL_TYPES: [(&str, Arch); 6] = [
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Qwen2),
     ("qwen3", Arch::Qwen3),
+    ("qwen3_moe", Arch::Qwen3Moe),
     ("gemma3_text", Arch::Gemma3),
 ];
 
@@ -130,6 +139,12 @@ pub fn arch_of(v: &Value) -> Result<Arch, String> {
                     "config.json: architectures {archs:?} name different layouts"
                 ))
             }
+            None if ENCODER_ARCHITECTURES.contains(name) => {
+                return Err(format!(
+                    "config.json: architecture `{name}` is an encoder, loaded only as a reward model (a `type: model` reward source or reward_model.model.path); causal LMs supported here: {}",
+                    supported()
+                ))
+            }
             None => {
                 return Err(format!(
                     "config.json: architecture `{name}` is not supported; supported: {}",
@@ -139,6 +154,53 @@ pub fn arch_of(v: &Value) -> Result<Arch, String> {
         }
     }
     Ok(found.expect("architectures is not empty"))
+}
+
+/// Encoder architectures, loaded as reward models only (`model::deberta`).
+pub const ENCODER_ARCHITECTURES: [&str; 1] = [super::deberta::ARCHITECTURE];
+
+/// How a reward model's checkpoint is run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RewardArch {
+    /// A causal LM backbone with a `score` head (`*ForSequenceClassification` of [`ARCHITECTURES`]).
+    Causal(Arch),
+    /// `DebertaV2ForSequenceClassification` ([`super::deberta`]).
+    DebertaV2,
+}
+
+/// The kind of reward model a `config.json` describes: a DeBERTa-v2/v3 encoder, else a causal
+/// layout of [`ARCHITECTURES`]; any other architecture (BERT, RoBERTa, DeBERTa v1, ...) is
+/// refused by name with the list of sequence-classification architectures supported.
+pub fn reward_arch_of(v: &Value) -> Result<RewardArch, String> {
+    let archs: Vec<&str> = v
+        .get("architectures")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    if archs.contains(&super::deberta::ARCHITECTURE) {
+        if archs.len() > 1 {
+            return Err(format!(
+                "config.json: architectures {archs:?} name different layouts"
+            ));
+        }
+        return Ok(RewardArch::DebertaV2);
+    }
+    if let Some(name) = archs
+        .iter()
+        .find(|n| !ARCHITECTURES.iter().any(|(a, _)| a == *n))
+    {
+        let supported: Vec<&str> = ARCHITECTURES
+            .iter()
+            .map(|(n, _)| *n)
+            .filter(|n| n.ends_with("ForSequenceClassification"))
+            .chain(ENCODER_ARCHITECTURES)
+            .collect();
+        return Err(format!(
+            "config.json: architecture `{name}` is not supported as a reward model; supported: {}",
+            supported.join(", ")
+        ));
+    }
+    arch_of(v).map(RewardArch::Causal)
 }
 
 /// RoPE frequency scaling (`rope_type` other than `default`): Llama 3.x's and linear (Gemma 3's
@@ -197,6 +259,89 @@ pub struct ModelArgs {
     /// frequencies as the full layers.
     #[serde(default)]
     pub rope_local_theta: Option<f64>,
+    /// The mixture of experts of a Qwen3-MoE model; `None`: every layer has the dense MLP.
+    #[serde(default)]
+    pub moe: Option<MoeArgs>,
+}
+
+/// Qwen3-MoE's experts (transformers' `Qwen3MoeSparseMoeBlock`): each token's router
+/// probabilities `softmax(x·Wᵣᵀ)` over `num_experts`, its `num_experts_per_tok` most probable
+/// experts (renormalised to sum 1 when `norm_topk_prob`), and the sum of those experts'
+/// SiLU-gated MLPs (width `moe_intermediate_size`) weighted by them. Layer `i` is sparse unless
+/// it is in `mlp_only_layers` or `(i + 1) % decoder_sparse_step != 0`; the others keep the
+/// dense MLP of width `intermediate_size`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MoeArgs {
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub norm_topk_prob: bool,
+    pub moe_intermediate_size: usize,
+    pub decoder_sparse_step: usize,
+    pub mlp_only_layers: Vec<usize>,
+}
+
+impl MoeArgs {
+    /// Reads the experts' keys of a Qwen3-MoE config (`num_experts`, or transformers 5's
+    /// `num_local_experts`).
+    fn from_hf(v: &Value, layers: usize) -> Result<Self, String> {
+        let experts = match (v.get("num_experts"), v.get("num_local_experts")) {
+            (Some(a), Some(b)) if !a.is_null() && !b.is_null() && a != b => {
+                return Err(format!(
+                    "config.json: num_experts ({a}) and num_local_experts ({b}) disagree"
+                ))
+            }
+            (Some(a), _) if !a.is_null() => a,
+            (_, Some(b)) if !b.is_null() => b,
+            _ => return Err("config.json: missing `num_experts` (a Qwen3-MoE config names how many experts each sparse layer has)".into()),
+        };
+        let num_experts = experts.as_u64().filter(|&e| e > 0).ok_or_else(|| {
+            format!("config.json: num_experts must be a positive integer, found {experts}")
+        })? as usize;
+        let k = get_usize(v, "num_experts_per_tok")?;
+        if k == 0 || k > num_experts {
+            return Err(format!(
+                "config.json: num_experts_per_tok ({k}) must be between 1 and num_experts ({num_experts})"
+            ));
+        }
+        let step = v
+            .get("decoder_sparse_step")
+            .map(|x| {
+                x.as_u64().filter(|&s| s > 0).ok_or_else(|| {
+                    format!(
+                        "config.json: decoder_sparse_step must be a positive integer, found {x}"
+                    )
+                })
+            })
+            .transpose()?
+            .unwrap_or(1) as usize;
+        let only = match v.get("mlp_only_layers") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| match x.as_u64() {
+                    Some(i) if (i as usize) < layers => Ok(i as usize),
+                    _ => Err(format!("config.json: mlp_only_layers entry {x} is not a layer index below num_hidden_layers ({layers})")),
+                })
+                .collect::<Result<_, _>>()?,
+            Some(x) => return Err(format!("config.json: mlp_only_layers must be a list, found {x}")),
+        };
+        Ok(Self {
+            num_experts,
+            num_experts_per_tok: k,
+            norm_topk_prob: v
+                .get("norm_topk_prob")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            moe_intermediate_size: get_usize(v, "moe_intermediate_size")?,
+            decoder_sparse_step: step,
+            mlp_only_layers: only,
+        })
+    }
+
+    /// Whether layer `i` has experts (else the dense MLP).
+    pub fn sparse(&self, i: usize) -> bool {
+        !self.mlp_only_layers.contains(&i) && (i + 1).is_multiple_of(self.decoder_sparse_step)
+    }
 }
 
 fn get_usize(v: &Value, key: &str) -> Result<usize, String> {
@@ -450,7 +595,7 @@ fn read_windows(
         ),
         Some(x) => return Err(format!("config.json: layer_types must be a list, found {x}")),
     };
-    let qwen = matches!(arch, Arch::Qwen2 | Arch::Qwen3);
+    let qwen = matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe);
     let use_window = v.get("use_sliding_window").and_then(Value::as_bool);
     let kinds = match (arch, listed) {
         // Qwen: `use_sliding_window` decides; `layer_types` as transformers derives it.
@@ -551,6 +696,17 @@ fn refuse_unsupported(v: &Value, arch: Arch) -> Result<(), String> {
                 .into(),
         );
     }
+    // transformers adds the router's load-balancing loss to the loss only when labels are
+    // given, which verl's actor never passes: its training mathematics has no such term. The
+    // trainer here has none either, so asking for it is refused rather than ignored.
+    if arch == Arch::Qwen3Moe
+        && v.get("output_router_logits").and_then(Value::as_bool) == Some(true)
+    {
+        return Err(format!(
+            "config.json: output_router_logits true (router load-balancing loss, router_aux_loss_coef {}) is not supported: the policy loss here, as verl's FSDP actor's (no labels passed to the model), has no auxiliary router term; set it to false",
+            v.get("router_aux_loss_coef").unwrap_or(&Value::Null)
+        ));
+    }
     if v.get("mlp_bias").and_then(Value::as_bool) == Some(true) {
         return Err(
             "config.json: mlp_bias true is not supported (MLP projections without bias only)"
@@ -633,6 +789,10 @@ impl ModelArgs {
             sliding_window: windows.0,
             layer_types: windows.1,
             rope_local_theta,
+            moe: match arch {
+                Arch::Qwen3Moe => Some(MoeArgs::from_hf(v, layers)?),
+                _ => None,
+            },
         })
     }
 
@@ -769,11 +929,33 @@ impl ModelArgs {
         if let Some(w) = self.sliding_window {
             out["sliding_window"] = serde_json::json!(w);
             out["layer_types"] = serde_json::json!(kinds);
-            if matches!(self.arch, Arch::Qwen2 | Arch::Qwen3) {
+            if matches!(self.arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe) {
                 out["use_sliding_window"] = serde_json::json!(true);
                 let first = kinds.iter().position(|k| *k == "sliding_attention");
                 out["max_window_layers"] = serde_json::json!(first.unwrap_or(kinds.len()));
             }
+        }
+        if let Some(m) = &self.moe {
+            let o = out.as_object_mut().expect("an object");
+            o.insert("num_experts".into(), serde_json::json!(m.num_experts));
+            o.insert(
+                "num_experts_per_tok".into(),
+                serde_json::json!(m.num_experts_per_tok),
+            );
+            o.insert("norm_topk_prob".into(), serde_json::json!(m.norm_topk_prob));
+            o.insert(
+                "moe_intermediate_size".into(),
+                serde_json::json!(m.moe_intermediate_size),
+            );
+            o.insert(
+                "decoder_sparse_step".into(),
+                serde_json::json!(m.decoder_sparse_step),
+            );
+            o.insert(
+                "mlp_only_layers".into(),
+                serde_json::json!(m.mlp_only_layers),
+            );
+            o.insert("output_router_logits".into(), serde_json::json!(false));
         }
         if self.arch.gemma() {
             let o = out.as_object_mut().expect("an object");
@@ -825,6 +1007,14 @@ impl ModelArgs {
                 _ => Vec::new(),
             },
             rope_local_theta: (arch == Arch::Gemma3).then_some(1000.0),
+            moe: (arch == Arch::Qwen3Moe).then(|| MoeArgs {
+                num_experts: 8,
+                num_experts_per_tok: 2,
+                norm_topk_prob: true,
+                moe_intermediate_size: 16,
+                decoder_sparse_step: 1,
+                mlp_only_layers: vec![1],
+            }),
         }
     }
 }

@@ -33,11 +33,12 @@ pub trait Decoder {
 }
 
 /// Runs `d` on `model` packed for decoding, `None` when this path does not serve the model
-/// (not the CPU, or not f32/f64: the caller uses the tensor composition). The types: f64
+/// (not the CPU, not f32/f64, or a model with layers of experts: the caller uses the tensor
+/// composition). The types: f64
 /// models decode in f64; f32 models in f32, with bf16 products ([`CausalLm::bf16_matmuls`])
 /// keeping keys and values in bf16 too (half the bytes read per step, as vLLM's bf16 cache).
 pub fn with_packed<D: Decoder>(model: &CausalLm, d: D) -> Option<Result<D::Out>> {
-    if !crate::kernels::supported(model.device(), model.dtype()) {
+    if !crate::kernels::supported(model.device(), model.dtype()) || model.has_experts() {
         return None;
     }
     Some(match model.dtype() {
@@ -336,7 +337,10 @@ impl<T: Elem> Packed<T> {
         };
         for b in model.blocks() {
             // Adapters are folded in here, once per packing: W + s·B·A (`[out, in]` each).
-            let [q, k, v, o, gate, up, down] = b.projs().map(|p| p.merged_weight());
+            let Some(projs) = b.dense_projs() else {
+                candle_core::bail!("the decode engine serves dense layers only");
+            };
+            let [q, k, v, o, gate, up, down] = projs.map(|p| p.merged_weight());
             let (q, k, v, o, gate, up, down) = (q?, k?, v?, o?, gate?, up?, down?);
             let qkv_bias = match (b.q.bias(), b.k.bias(), b.v.bias()) {
                 (Some(q), Some(k), Some(v)) => Some(flat(&Tensor::cat(&[q, k, v], 0)?)?),

@@ -10,10 +10,12 @@
 //! - `lm_head`: the fused LM head + log-softmax + gather + entropy, beside its composition,
 //! - `transformer`: `CausalLm` (embedding → layers → norm → head) and its execution settings,
 //! - `heads`: the critic's value head and a reward model's score head,
+//! - `deberta`: an encoder reward model (DeBERTa-v2/v3 sequence classification), inference only,
 //! - `decode`: the no-grad decoding engine over ragged batches that rollout drives.
 
 pub mod block;
 pub mod config;
+pub mod deberta;
 pub mod decode;
 pub mod heads;
 mod layer;

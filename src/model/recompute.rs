@@ -32,7 +32,7 @@ type Stash = Arc<Mutex<Vec<Option<Tensor>>>>;
 /// The weights of a layer that receive gradients (frozen base weights of a LoRA model do
 /// not; its adapters do), in a fixed order.
 fn weights(b: &Block) -> Vec<Tensor> {
-    let mut w: Vec<Tensor> = b.norms().into_iter().cloned().collect();
+    let mut w: Vec<Tensor> = b.plain_weights().into_iter().cloned().collect();
     for l in b.projs() {
         w.push(l.weight().clone());
         if let Some(bias) = l.bias() {
@@ -90,7 +90,9 @@ fn with_layer<T: Elem, R>(
             );
         }
     }
-    let lins = l.projs();
+    let Some(lins) = l.dense_projs() else {
+        candle_core::bail!("fused decoder layer: a layer of experts runs as the composition");
+    };
     // Host views: ln1, ln2, cos, sin, the 7 weights, per projection its bias and adapter
     // (A, B) where present, the q/k norms where present, then the attention bias when there
     // is one.
@@ -314,7 +316,7 @@ impl Layer {
             let (ga, gf) = g.sandwich.map_or((None, None), |(a, f)| (Some(a), Some(f)));
             all.extend([(pa.clone(), ga), (pf.clone(), gf)]);
         }
-        for (p, lg) in self.block.projs().iter().zip(g.lin) {
+        for (p, lg) in self.block.projs().into_iter().zip(g.lin) {
             all.push((p.weight().clone(), lg.w));
             if let Some(t) = p.bias() {
                 all.push((t.clone(), lg.b));

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::{Init, Linear, VarBuilder};
 
-use super::block::{block_forward, linear, norm, upcast, Block, KvCache, Mask};
+use super::block::{
+    block_forward, linear, norm, upcast, Block, Experts, Gated, KvCache, Mask, Mlp,
+};
 use super::config::{LayerKind, ModelArgs};
 use super::proj::{mix64, Proj};
 
@@ -54,6 +56,10 @@ pub struct Exec {
     /// on CPUs with AMX or AVX512-BF16; elsewhere products stay in the model's dtype
     /// ([`CausalLm::bf16_matmuls`] tells which).
     pub bf16: bool,
+    /// Layers of experts (Qwen3-MoE) compute every expert on every token, weighted by zero
+    /// where a token was not routed: the reference the grouped computation (each expert on
+    /// its own tokens only, the default) is tested and benchmarked against.
+    pub dense_experts: bool,
 }
 
 /// How one layer of one forward runs.
@@ -71,8 +77,18 @@ enum LayerPath {
 impl LayerPath {
     /// The path for a layer of a `dtype` model on `device`: `training` when the forward
     /// builds a graph, `cached` when it reads and extends a KV cache.
-    fn choose(exec: Exec, device: &Device, dtype: DType, training: bool, cached: bool) -> Self {
-        let fused = !exec.composed && crate::kernels::supported(device, dtype);
+    fn choose(
+        exec: Exec,
+        layer: &Block,
+        device: &Device,
+        dtype: DType,
+        training: bool,
+        cached: bool,
+    ) -> Self {
+        // The hand-written layer is that of a dense MLP; a layer of experts runs as the
+        // composition (recomputed inside one op when asked).
+        let fused =
+            !exec.composed && layer.dense().is_some() && crate::kernels::supported(device, dtype);
         let cpu_train = !cached && device.is_cpu() && training;
         if cpu_train && (exec.recompute || fused) {
             LayerPath::Op {
@@ -168,9 +184,27 @@ impl CausalLm {
                     "v_proj",
                 )?,
                 o: linear(&a, args.num_attention_heads * hd, h, args.o_bias, "o_proj")?,
-                gate: linear(&p, h, args.intermediate_size, false, "gate_proj")?,
-                up: linear(&p, h, args.intermediate_size, false, "up_proj")?,
-                down: linear(&p, args.intermediate_size, h, false, "down_proj")?,
+                mlp: match args.moe.as_ref().filter(|m| m.sparse(i)) {
+                    None => Mlp::Dense(gated(&p, h, args.intermediate_size)?),
+                    Some(moe) => Mlp::Experts(Experts {
+                        router: p.get_with_hints(
+                            (moe.num_experts, h),
+                            "gate.weight",
+                            Init::Randn {
+                                mean: 0.0,
+                                stdev: 0.02,
+                            },
+                        )?,
+                        experts: (0..moe.num_experts)
+                            .map(|e| {
+                                gated(&p.pp(format!("experts.{e}")), h, moe.moe_intermediate_size)
+                            })
+                            .collect::<Result<_>>()?,
+                        top_k: moe.num_experts_per_tok,
+                        norm_topk_prob: moe.norm_topk_prob,
+                        dense: false,
+                    }),
+                },
             });
         }
         let final_one = Init::Const(if args.arch.gemma() { 0.0 } else { 1.0 });
@@ -300,12 +334,7 @@ impl CausalLm {
         self.norm = self.norm.detach();
         self.lm_head = self.lm_head.as_ref().map(Tensor::detach);
         for b in self.layers.iter_mut() {
-            b.ln1 = b.ln1.detach();
-            b.ln2 = b.ln2.detach();
-            b.qk_norm = b.qk_norm.as_ref().map(|(q, k)| (q.detach(), k.detach()));
-            for (_, p) in b.projs_mut() {
-                p.base = Linear::new(p.base.weight().detach(), p.base.bias().map(Tensor::detach));
-            }
+            b.freeze_base();
         }
     }
 
@@ -329,6 +358,11 @@ impl CausalLm {
     /// Sets how this model's forwards run (see [`Exec`]).
     pub fn set_exec(&mut self, exec: Exec) {
         self.exec = exec;
+        for l in self.layers.iter_mut() {
+            if let Mlp::Experts(e) = &mut l.mlp {
+                e.dense = exec.dense_experts;
+            }
+        }
     }
 
     /// Whether products actually run in bf16 (asked for, f32 model, a bf16 kernel present).
@@ -416,9 +450,27 @@ impl CausalLm {
     }
 
     /// Whether [`CausalLm::forward_hidden_packed`] runs without padding work here: the
-    /// hand-written layer serves this model (CPU, f32/f64, not forced to the composition).
+    /// hand-written layer serves this model (CPU, f32/f64, not forced to the composition, no
+    /// layer of experts).
     pub fn packs_without_padding(&self) -> bool {
-        !self.exec.composed && crate::kernels::supported(&self.device, self.dtype)
+        !self.exec.composed
+            && !self.has_experts()
+            && crate::kernels::supported(&self.device, self.dtype)
+    }
+
+    /// The MLP of layer `layer` alone on `h` `[batch, seq, hidden]` (its input after the
+    /// pre-MLP norm): the dense MLP, or the layer of experts computed as [`Exec::dense_experts`]
+    /// says. For measuring and testing one layer's MLP apart from the rest of the model.
+    pub fn mlp_forward(&self, layer: usize, h: &Tensor) -> Result<Tensor> {
+        let l = self.layers.get(layer).ok_or_else(|| {
+            candle_core::Error::Msg(format!("layer {layer} of {}", self.layers.len()))
+        })?;
+        super::block::mlp(l, h, self.args.arch.gemma())
+    }
+
+    /// Whether some layer is a mixture of experts (Qwen3-MoE).
+    pub fn has_experts(&self) -> bool {
+        self.layers.iter().any(|l| l.experts().is_some())
     }
 
     /// Every stage of a forward without cache (transformers' `output_hidden_states`, plus the
@@ -513,8 +565,14 @@ impl CausalLm {
             };
             let slot = cache.as_deref_mut().map(|c| (c, i));
             let training = layer.trains() || x.track_op();
-            let path =
-                LayerPath::choose(self.exec, x.device(), x.dtype(), training, slot.is_some());
+            let path = LayerPath::choose(
+                self.exec,
+                layer,
+                x.device(),
+                x.dtype(),
+                training,
+                slot.is_some(),
+            );
             let kind = usize::from(layer.window.is_some());
             let mask = &masks[kind];
             let (cos, sin) = match (&local, layer.local_rope) {
@@ -705,4 +763,13 @@ enum Keys<'a> {
     Mask(&'a Tensor),
     /// Packed sequences, `(first token, length)` each.
     Packed(Arc<[(usize, usize)]>),
+}
+
+/// A gated MLP of width `inter` under `vb` (`gate_proj`, `up_proj`, `down_proj`).
+fn gated(vb: &VarBuilder, h: usize, inter: usize) -> Result<Gated> {
+    Ok(Gated {
+        gate: linear(vb, h, inter, false, "gate_proj")?,
+        up: linear(vb, h, inter, false, "up_proj")?,
+        down: linear(vb, inter, h, false, "down_proj")?,
+    })
 }

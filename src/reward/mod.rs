@@ -7,6 +7,7 @@
 pub mod manager;
 pub mod model_source;
 pub mod native;
+pub mod pair_source;
 pub mod placement;
 pub mod pystr;
 pub mod python;
@@ -87,3 +88,6 @@ pub enum RewardError {
     #[error("{0}")]
     Score(String),
 }
+
+#[cfg(test)]
+mod pair_tests;

@@ -155,6 +155,16 @@ impl Trainer {
         setup::check_paths(&cfg, &plan)?;
         setup::check_world(&cfg, &plan, opts.comm.as_ref())?;
         let reward = setup::reward_manager(&cfg, &plan, &opts.natives)?;
+        // The trackers open their runs before any model is read: a missing SDK fails here.
+        // Only rank 0 talks to them.
+        let tracker = match opts.tracker {
+            Some(t) => t,
+            None if opts.comm.rank() == 0 => setup::tracker(
+                &cfg,
+                &state::saved_tracker_runs(&cfg, &plan.default_local_dir),
+            )?,
+            None => Tracker::with_sinks(Vec::new()),
+        };
         // One GPU per rank of a node: `auto`/`cuda` take the local rank's.
         let device = crate::model::device_at(&cfg.trainer.device, opts.comm.local_rank())?;
         let setup::Policy {
@@ -188,11 +198,6 @@ impl Trainer {
             cfg.data.shuffle,
             plan.seeds.data,
         );
-        let tracker = match opts.tracker {
-            Some(t) => t,
-            None if opts.comm.rank() == 0 => setup::tracker(&cfg)?,
-            None => Tracker::with_sinks(Vec::new()),
-        };
         let mut t = Trainer {
             rollout: RolloutWorker::new(params, plan.n, plan.seeds.rollout),
             kl_ctrl: KlController::new(&cfg.algorithm.kl_ctrl),
@@ -226,8 +231,19 @@ impl Trainer {
     }
 
     /// Runs validation before training (`val_before_train`), then steps until
-    /// `total_training_steps` or a stop request.
+    /// `total_training_steps` or a stop request; then flushes and closes the remote trackers.
     pub fn fit(&mut self) -> Result<FitOutcome> {
+        let out = self.fit_steps();
+        self.tracker.finish();
+        out
+    }
+
+    /// The remote trackers' run ids (saved in `trainer_state.json`).
+    pub fn tracker_runs(&self) -> std::collections::BTreeMap<String, String> {
+        self.tracker.run_ids()
+    }
+
+    fn fit_steps(&mut self) -> Result<FitOutcome> {
         if self.val.is_some() && (self.cfg.trainer.val_before_train || self.cfg.trainer.val_only) {
             let m = self.validate()?;
             self.log(m, self.global_step);

@@ -293,6 +293,7 @@ pub fn exec(cfg: &Config, role: Role) -> Exec {
         recompute,
         composed: false,
         bf16: precision.is_bf16(),
+        dense_experts: false,
     }
 }
 
@@ -528,11 +529,25 @@ pub fn load_critic(cfg: &Config, device: &Device, tok: &TokenizerBundle) -> Resu
     Ok(l)
 }
 
-/// The metric sinks of `trainer.logger`.
-pub fn tracker(cfg: &Config) -> Result<Tracker> {
+/// The metric sinks of `trainer.logger`; the remote backends' workers run on `reward.python`
+/// and continue the runs of `resume_ids` (`backend → run id`).
+pub fn tracker(
+    cfg: &Config,
+    resume_ids: &std::collections::BTreeMap<String, String>,
+) -> Result<Tracker> {
     let t = &cfg.trainer;
-    let (tracker, warnings) = Tracker::new(&t.logger.to_vec(), &t.project_name, &t.experiment_name)
-        .map_err(TrainerError::Other)?;
+    let remote = crate::metrics::RemoteOptions {
+        settings: crate::metrics::remote::RemoteSettings::from_env(&cfg.reward.python),
+        config: serde_json::to_value(cfg).map_err(|e| TrainerError::Other(e.to_string()))?,
+        resume_ids: resume_ids.clone(),
+    };
+    let (tracker, warnings) = Tracker::new(
+        &t.logger.to_vec(),
+        &t.project_name,
+        &t.experiment_name,
+        Some(&remote),
+    )
+    .map_err(TrainerError::Other)?;
     for w in warnings {
         tracing::warn!("{w}");
     }

@@ -31,6 +31,27 @@ pub struct TrainerState {
     /// Running statistics of normalising reward models.
     #[serde(default)]
     pub reward_model_stats: BTreeMap<String, RunningStats>,
+    /// The remote trackers' run ids (`wandb` → run id, `mlflow` → run id, ...), so that a
+    /// resumed run continues the same runs.
+    #[serde(default)]
+    pub tracker_runs: BTreeMap<String, String>,
+}
+
+/// The tracker run ids saved in the checkpoint `trainer.resume_mode` will resume from (read
+/// before the trackers start; nothing when there is none or it cannot be read, which the
+/// resume itself then reports).
+pub fn saved_tracker_runs(cfg: &crate::config::Config, root: &Path) -> BTreeMap<String, String> {
+    let t = &cfg.trainer;
+    let Ok(Some((_, dir))) =
+        checkpoint::find_resume(root, t.resume_mode, t.resume_from_path.as_deref())
+    else {
+        return BTreeMap::new();
+    };
+    std::fs::read_to_string(dir.join("trainer_state.json"))
+        .ok()
+        .and_then(|text| serde_json::from_str::<TrainerState>(&text).ok())
+        .map(|s| s.tracker_runs)
+        .unwrap_or_default()
 }
 
 /// Test hook `STEP:FILE` (debug builds only, which is what tests run): the save of step STEP
@@ -80,6 +101,7 @@ impl Trainer {
             critic_updates: self.critic.as_ref().map(|c| c.trainable.updates),
             reward_weights: self.reward.weights(),
             reward_model_stats: self.reward.model_stats(),
+            tracker_runs: self.tracker_runs(),
         };
         let config_yaml = serde_yaml_ng::to_string(&self.cfg).map_err(other)?;
         let dir = checkpoint::save_atomic(&root, self.global_step, |dir: &Path| -> Result<()> {

@@ -21,9 +21,14 @@ struct Fixture {
 
 /// A tiny Llama (byte vocabulary) saved as an HF directory, and 16 short prompts.
 fn fixture() -> Fixture {
+    fixture_of(&ModelArgs::tiny(Arch::Llama, 259))
+}
+
+/// [`fixture`] with a model of `args` (byte vocabulary: 259).
+fn fixture_of(args: &ModelArgs) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
-    let args = ModelArgs::tiny(Arch::Llama, 259);
+    let args = args.clone();
     let (vm, _) = tiny_model(&args, DType::F32, 0.1);
     write_tokenizer_dir(&model).unwrap();
     crate::weights::hf::save_dir(&vm, &args, &model, &[258], Some(&model), None).unwrap();
@@ -1181,4 +1186,68 @@ fn a_two_step_run_on_cuda_trains() {
         let dir = t.save_checkpoint().unwrap();
         assert!(dir.join("actor").is_dir(), "{est}: {}", dir.display());
     }
+}
+
+/// A Qwen3-MoE policy and critic through the loop: full fine-tuning moves the router and the
+/// experts (those some token reached) as well as the dense layer; with LoRA the adapters sit on
+/// every expert's projections (PEFT's per-expert module names) and only they move.
+#[test]
+fn a_qwen3_moe_model_trains_in_full_and_with_lora() {
+    let fx = fixture_of(&ModelArgs::tiny(Arch::Qwen3Moe, 259));
+    let mut t = trainer(
+        &fx,
+        &[
+            "algorithm.adv_estimator=gae",
+            "trainer.total_training_steps=2",
+        ],
+        None,
+    );
+    let before = weights(&t.actor.trainable.varmap);
+    assert_eq!(t.fit().unwrap(), FitOutcome::Finished { steps: 2 });
+    assert_finite(&t.history[1].1, &["actor/pg_loss", "critic/vf_loss"], "moe");
+    let after = weights(&t.actor.trainable.varmap);
+    let moved = |name: &str| {
+        let (a, b) = (
+            before.iter().find(|w| w.0 == name).unwrap(),
+            after.iter().find(|w| w.0 == name).unwrap(),
+        );
+        a.1 != b.1
+    };
+    assert!(moved("model.layers.0.mlp.gate.weight"));
+    assert!(moved("model.layers.1.mlp.down_proj.weight"));
+    let experts_moved = (0..8)
+        .filter(|e| moved(&format!("model.layers.0.mlp.experts.{e}.up_proj.weight")))
+        .count();
+    assert!(experts_moved >= 2, "{experts_moved} experts moved");
+
+    let mut t = trainer(
+        &fx,
+        &[
+            "algorithm.adv_estimator=grpo",
+            "trainer.total_training_steps=2",
+            "actor_rollout_ref.model.lora_rank=4",
+            "actor_rollout_ref.model.target_modules=all-linear",
+        ],
+        None,
+    );
+    let lora = |t: &Trainer| weights(&t.actor.trainable.lora.as_ref().expect("LoRA").adapters);
+    let names: Vec<String> = lora(&t).into_iter().map(|w| w.0).collect();
+    assert!(
+        names
+            .iter()
+            .any(|n| n.contains("mlp.experts.5.gate_proj.lora_A")),
+        "{names:?}"
+    );
+    let (base, before) = (weights(&t.actor.trainable.varmap), lora(&t));
+    assert_eq!(t.fit().unwrap(), FitOutcome::Finished { steps: 2 });
+    assert_eq!(
+        weights(&t.actor.trainable.varmap),
+        base,
+        "the base stays as loaded"
+    );
+    let after = lora(&t);
+    assert!(before
+        .iter()
+        .zip(&after)
+        .any(|(a, b)| a.0.contains("experts") && a.0.contains("lora_B") && a.1 != b.1));
 }

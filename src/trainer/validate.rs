@@ -251,6 +251,26 @@ pub fn validation_metrics(samples: &[ValSample], seed: u32) -> Metrics {
     m
 }
 
+/// Which `log_val_generations` rows verl's `_maybe_log_val_generations` shows: the rows sorted
+/// by input text (stable), shuffled by NumPy's legacy `RandomState(42).shuffle`, the first
+/// `n`. Returns indices into `rows`.
+pub fn val_generations(rows: &[Value], n: usize) -> Vec<usize> {
+    if n == 0 || rows.is_empty() {
+        return Vec::new();
+    }
+    let mut order: Vec<usize> = (0..rows.len()).collect();
+    let input = |k: usize| rows[k]["input"].as_str().unwrap_or_default();
+    order.sort_by(|&a, &b| input(a).cmp(input(b)));
+    // `RandomState.shuffle` of a list: Fisher-Yates from the back, `j` drawn in [0, i].
+    let mut rng = RandomState::new(42);
+    for i in (1..order.len()).rev() {
+        let j = rng.below(i as u64 + 1) as usize;
+        order.swap(i, j);
+    }
+    order.truncate(n);
+    order
+}
+
 impl Trainer {
     /// Generates for the validation set and returns the `val-core/*` and `val-aux/*` metrics.
     pub fn validate(&mut self) -> Result<Metrics> {
@@ -288,9 +308,10 @@ impl Trainer {
                         &r.extra,
                     ));
                 }
-                // Rows are kept only for the log lines and the dump folder that want them.
+                // Rows are kept only for the log lines, the trackers' generation tables and the
+                // dump folder that want them (the generations are drawn from all of them).
                 let wanted = self.cfg.trainer.validation_data_dir.is_some()
-                    || dumps.len() < self.cfg.trainer.log_val_generations;
+                    || self.cfg.trainer.log_val_generations > 0;
                 if !wanted {
                     continue;
                 }
@@ -305,8 +326,9 @@ impl Trainer {
             }
         }
         let m = validation_metrics(&scored, BOOTSTRAP_SEED);
-        let show = self.cfg.trainer.log_val_generations.min(dumps.len());
-        for d in dumps.iter().take(show) {
+        let shown = val_generations(&dumps, self.cfg.trainer.log_val_generations);
+        for &k in &shown {
+            let d = &dumps[k];
             tracing::info!(
                 "validation sample (step {}):\n[prompt] {}\n[response] {}\n[ground truth] {}\n[score] {}",
                 self.global_step,
@@ -316,6 +338,18 @@ impl Trainer {
                 d["score"]
             );
         }
+        let samples: Vec<(String, String, f64)> = shown
+            .iter()
+            .map(|&k| {
+                let d = &dumps[k];
+                (
+                    d["input"].as_str().unwrap_or_default().to_string(),
+                    d["output"].as_str().unwrap_or_default().to_string(),
+                    d["score"].as_f64().unwrap_or(f64::NAN),
+                )
+            })
+            .collect();
+        self.tracker.log_generations(&samples, self.global_step);
         if let Some(dir) = &self.cfg.trainer.validation_data_dir {
             let dir = std::path::PathBuf::from(crate::util::expand_home(dir));
             write_jsonl(&dir, self.global_step, &dumps)?;
@@ -327,6 +361,23 @@ impl Trainer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Expected: NumPy 2.4.6, `s = sorted(inputs); np.random.RandomState(42).shuffle(s); s[:5]`
+    /// with inputs in07 in03 in09 in01 in00 in05 in08 in02 in06 in04 in11 in10.
+    #[test]
+    fn val_generations_are_verls_seeded_shuffle_of_the_sorted_rows() {
+        let rows: Vec<Value> = [7, 3, 9, 1, 0, 5, 8, 2, 6, 4, 11, 10]
+            .iter()
+            .map(|i| json!({"input": format!("in{i:02}")}))
+            .collect();
+        let got: Vec<&str> = val_generations(&rows, 5)
+            .into_iter()
+            .map(|k| rows[k]["input"].as_str().unwrap())
+            .collect();
+        assert_eq!(got, ["in10", "in09", "in00", "in08", "in05"]);
+        assert!(val_generations(&rows, 0).is_empty());
+        assert_eq!(val_generations(&rows, 100).len(), 12);
+    }
 
     /// Printed by `scripts/val_metrics_reference.py` (NumPy 2.4.6's legacy RandomState, an
     /// independent re-computation of verl's process_validation_metrics / _val_metrics_update)

@@ -26,7 +26,7 @@ fn reference(name: &str) -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
-fn ids(v: &Value) -> Vec<Vec<u32>> {
+pub(crate) fn ids(v: &Value) -> Vec<Vec<u32>> {
     v.as_array()
         .unwrap()
         .iter()
@@ -40,7 +40,7 @@ fn ids(v: &Value) -> Vec<Vec<u32>> {
         .collect()
 }
 
-fn floats(v: &Value) -> Vec<Vec<f64>> {
+pub(crate) fn floats(v: &Value) -> Vec<Vec<f64>> {
     v.as_array()
         .unwrap()
         .iter()
@@ -247,7 +247,7 @@ fn training_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
     }
 }
 
-const FAMILIES: [&str; 7] = [
+const FAMILIES: [&str; 9] = [
     "llama",
     "qwen2",
     "qwen3",
@@ -255,6 +255,8 @@ const FAMILIES: [&str; 7] = [
     "qwen3_window",
     "mistral_window",
     "gemma3",
+    "qwen3_moe",
+    "qwen3_moe_step2",
 ];
 
 /// f64: transformers' greedy tokens and log-probs within 1e-6.
@@ -358,4 +360,94 @@ fn a_saved_gemma3_config_reads_back_and_keeps_integers() {
     assert_eq!(out["query_pre_attn_scalar"], cfg["query_pre_attn_scalar"]);
     assert_eq!(out["layer_types"], cfg["layer_types"]);
     assert_eq!(crate::model::ModelArgs::from_hf(&out).unwrap(), args);
+}
+
+/// Qwen3-MoE experts as transformers 5 holds them (`mlp.experts.gate_up_proj`
+/// `[experts, 2·inter, hidden]`, `mlp.experts.down_proj`, written by its
+/// `save_pretrained(save_original_format=False)`) load as the same variables, bit for bit, as
+/// the hub's per-expert tensors transformers writes by default.
+#[test]
+fn fused_and_per_expert_layouts_load_alike() {
+    let per_expert = load("qwen3_moe", DType::F64);
+    let fused = crate::weights::hf::load_dir(
+        &dir("qwen3_moe").join("fused"),
+        &Default::default(),
+        DType::F64,
+        &Device::Cpu,
+        true,
+    )
+    .unwrap();
+    assert!(per_expert
+        .varmap
+        .data()
+        .lock()
+        .unwrap()
+        .contains_key("model.layers.2.mlp.experts.7.up_proj.weight"));
+    assert_same_variables(&per_expert.varmap, &fused.varmap, "fused layout");
+}
+
+/// `a` and `b` hold the same variable names with bit-identical f64 values.
+fn assert_same_variables(a: &candle_nn::VarMap, b: &candle_nn::VarMap, what: &str) {
+    let (a, b) = (a.data().lock().unwrap(), b.data().lock().unwrap());
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (name, v) in a.iter() {
+        let w = b.get(name).unwrap_or_else(|| panic!("{what}: no `{name}`"));
+        let (x, y): (Vec<f64>, Vec<f64>) = (
+            v.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
+            w.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        assert_eq!(x, y, "{what}: {name}");
+    }
+}
+
+/// `output_router_logits: true` asks for a load-balancing loss term the policy loss does not
+/// have (nor does verl's actor): refused naming the key.
+#[test]
+fn a_router_loss_request_is_refused() {
+    let mut cfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir("qwen3_moe").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let args = crate::model::ModelArgs::from_hf(&cfg).unwrap();
+    let moe = args.moe.as_ref().expect("experts");
+    assert_eq!((moe.num_experts, moe.num_experts_per_tok), (8, 2));
+    assert_eq!(moe.mlp_only_layers, vec![1]);
+    assert_eq!(
+        crate::model::ModelArgs::from_hf(&args.to_hf()).unwrap(),
+        args
+    );
+    cfg["output_router_logits"] = serde_json::json!(true);
+    let e = crate::model::ModelArgs::from_hf(&cfg).unwrap_err();
+    assert!(e.contains("output_router_logits"), "{e}");
+}
+
+/// A Qwen3-MoE model saved back as an HF directory has the hub's per-expert tensors and a
+/// config naming its experts, and reads back as the same weights.
+#[test]
+fn a_saved_qwen3_moe_checkpoint_reads_back() {
+    let loaded = load("qwen3_moe", DType::F64);
+    let tmp = tempfile::tempdir().unwrap();
+    crate::weights::hf::save_dir(
+        &loaded.varmap,
+        &loaded.model.args,
+        tmp.path(),
+        &[],
+        None,
+        None,
+    )
+    .unwrap();
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(cfg["architectures"][0], "Qwen3MoeForCausalLM");
+    assert_eq!(cfg["num_experts"], 8);
+    let again = crate::weights::hf::load_dir(
+        tmp.path(),
+        &Default::default(),
+        DType::F64,
+        &Device::Cpu,
+        true,
+    )
+    .unwrap();
+    assert_same_variables(&loaded.varmap, &again.varmap, "saved and read back");
 }

@@ -340,6 +340,7 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         sliding_window,
         layer_types,
         rope_local_theta,
+        moe: None,
     })
 }
 

@@ -10,6 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use serde_json::Value;
 
+use crate::model::deberta::{DebertaConfig, DebertaV2Classifier};
 use crate::model::{CausalLm, ModelArgs, ModelError};
 
 /// A model with its variables (the trainer's optimizer updates these).
@@ -42,6 +43,36 @@ pub fn read_config(
         }
     }
     ModelArgs::from_hf(&v).map_err(|m| ModelError::file(&path, m))
+}
+
+/// `config.json` of `dir` as written, for choosing how to run the checkpoint.
+pub fn read_config_json(dir: &Path) -> Result<Value, ModelError> {
+    let path = dir.join("config.json");
+    if !path.is_file() {
+        return Err(ModelError::file(
+            dir,
+            "no config.json (an HF model directory has config.json and model.safetensors)".into(),
+        ));
+    }
+    read_json(&path)
+}
+
+/// A DeBERTa-v2/v3 sequence-classification checkpoint (`DebertaV2ForSequenceClassification`),
+/// f32 on `device`, for inference.
+pub fn load_deberta(dir: &Path, device: &Device) -> Result<DebertaV2Classifier, ModelError> {
+    let v = read_config_json(dir)?;
+    let config =
+        DebertaConfig::from_json(&v).map_err(|m| ModelError::file(&dir.join("config.json"), m))?;
+    let tensors = read_weights(dir)?;
+    let files = weight_files(dir)?;
+    let label = match files.as_slice() {
+        [one] => one.display().to_string(),
+        _ => dir
+            .join("model.safetensors.index.json")
+            .display()
+            .to_string(),
+    };
+    DebertaV2Classifier::new(config, &tensors, &label, device)
 }
 
 /// The safetensors files of a checkpoint directory.
@@ -139,6 +170,8 @@ pub fn build(
     device: &Device,
     with_lm_head: bool,
 ) -> Result<Loaded, ModelError> {
+    let split = split_fused_experts(tensors, source)?;
+    let tensors = split.as_ref().unwrap_or(tensors);
     let varmap = VarMap::new();
     let vars = CheckpointVars {
         varmap: &varmap,
@@ -180,6 +213,66 @@ pub fn build(
             Ok(Loaded { model, varmap })
         }
     }
+}
+
+/// Experts stored fused as transformers 5 holds them in memory (and writes them with
+/// `save_original_format=False`): `mlp.experts.gate_up_proj` `[experts, 2·inter, hidden]`
+/// (each expert's gate rows, then its up rows) and `mlp.experts.down_proj`
+/// `[experts, hidden, inter]`, cut into the hub's per-expert tensors
+/// `mlp.experts.N.{gate,up,down}_proj.weight`. `None` when there are none.
+fn split_fused_experts(
+    tensors: &HashMap<String, Tensor>,
+    source: &Path,
+) -> Result<Option<HashMap<String, Tensor>>, ModelError> {
+    let fused = |n: &String| {
+        n.ends_with(".mlp.experts.gate_up_proj") || n.ends_with(".mlp.experts.down_proj")
+    };
+    if !tensors.keys().any(fused) {
+        return Ok(None);
+    }
+    let bad = |name: &str, m: String| ModelError::file(source, format!("`{name}`: {m}"));
+    let mut out = HashMap::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        if !fused(name) {
+            out.insert(name.clone(), t.clone());
+            continue;
+        }
+        let (prefix, which) = name.rsplit_once('.').expect("has a dot");
+        let (experts, rows, _) = t.dims3().map_err(|_| {
+            bad(
+                name,
+                format!("expected [experts, out, in], found {:?}", t.dims()),
+            )
+        })?;
+        for e in 0..experts {
+            let w = t.get(e)?; // [out, in]
+            let parts: Vec<(&str, Tensor)> = if which == "gate_up_proj" {
+                if rows % 2 != 0 {
+                    return Err(bad(
+                        name,
+                        format!("{rows} rows do not split into gate and up halves"),
+                    ));
+                }
+                vec![
+                    ("gate_proj", w.narrow(0, 0, rows / 2)?),
+                    ("up_proj", w.narrow(0, rows / 2, rows / 2)?),
+                ]
+            } else {
+                vec![("down_proj", w)]
+            };
+            for (p, w) in parts {
+                let key = format!("{prefix}.{e}.{p}.weight");
+                if tensors.contains_key(&key) {
+                    return Err(bad(
+                        &key,
+                        format!("stored both per expert and fused in `{name}`"),
+                    ));
+                }
+                out.insert(key, w.contiguous()?);
+            }
+        }
+    }
+    Ok(Some(out))
 }
 
 /// The variables of a model built from a checkpoint. A variable the model asks for must be

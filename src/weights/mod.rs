@@ -18,6 +18,8 @@ use std::path::Path;
 use crate::model::{ModelArgs, ModelError};
 
 #[cfg(test)]
+pub(crate) mod deberta_tests;
+#[cfg(test)]
 mod family_tests;
 #[cfg(test)]
 mod props;

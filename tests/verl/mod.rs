@@ -27,10 +27,11 @@ fn model_dir(root: &Path, family: &str) -> PathBuf {
     }
     std::fs::create_dir_all(&dir).unwrap();
     let config = match family {
-        "qwen2" | "qwen3" | "llama" | "mistral" => {
+        "qwen2" | "qwen3" | "qwen3_moe" | "llama" | "mistral" => {
             let arch = match family {
                 "qwen2" => Arch::Qwen2,
                 "qwen3" => Arch::Qwen3,
+                "qwen3_moe" => Arch::Qwen3Moe,
                 _ => Arch::Llama,
             };
             let mut c = ModelArgs::tiny(arch, 256).to_hf();

@@ -1,0 +1,452 @@
+//! The tracker bridge (`trainer.logger` remote backends) end to end, on the tiny PPO run of
+//! [`super::tiny_run`]. Two kinds of tests: with a fake SDK (a `wandb` module on PYTHONPATH that
+//! records, dies or hangs; plain `python3`), which always run; and with the real SDKs from PyPI
+//! (`scripts/fetch_trackers.sh`, exported by `.ci/run` as MAIN_PPO_TRACKERS_PYTHON), which say
+//! why they did not run when that variable is unset.
+
+use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use serde_json::Value;
+
+use super::{bin_in, text, tiny_run};
+
+/// A fake `wandb` package: it appends what it is asked to `$FAKE_TRACKER_LOG`, and at step 2
+/// kills itself (`FAKE_TRACKER_MODE=die`) or stops answering (`hang`), or refuses to import
+/// (`missing`).
+const FAKE_WANDB: &str = r#"
+import json, os, time
+if os.environ.get("FAKE_TRACKER_MODE") == "missing":
+    raise ImportError("No module named 'wandb'")
+LOG = os.environ["FAKE_TRACKER_LOG"]
+MODE = os.environ.get("FAKE_TRACKER_MODE", "")
+def _w(obj):
+    with open(LOG, "a") as f:
+        f.write(json.dumps(obj) + "\n")
+class Settings:
+    def __init__(self, **kw): pass
+class Run:
+    id = "fake-run-id"
+def init(**kw):
+    _w({"init": kw.get("project"), "name": kw.get("name"), "pid": os.getpid()})
+    return Run()
+def log(data, step=None):
+    if step == 2 and MODE == "die":
+        os.kill(os.getpid(), 9)
+    if step == 2 and MODE == "hang":
+        time.sleep(3600)
+    _w({"step": step, "keys": len(data)})
+class Table:
+    def __init__(self, columns=None, data=None): pass
+def finish():
+    _w({"finish": True})
+"#;
+
+fn fake_sdk(dir: &Path) -> PathBuf {
+    let pkg = dir.join("fake_sdk/wandb");
+    std::fs::create_dir_all(&pkg).unwrap();
+    std::fs::write(pkg.join("__init__.py"), FAKE_WANDB).unwrap();
+    dir.join("fake_sdk")
+}
+
+/// The file sink's rows: step → metrics (non-finite values are null there and left out).
+fn file_rows(dir: &Path) -> BTreeMap<u64, BTreeMap<String, f64>> {
+    let text = std::fs::read_to_string(dir.join("verl_examples/gsm8k.jsonl")).unwrap();
+    text.lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            let m = v["data"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .filter_map(|(k, x)| x.as_f64().map(|x| (k.clone(), x)))
+                .collect();
+            (v["step"].as_u64().unwrap(), m)
+        })
+        .collect()
+}
+
+/// Metrics that do not depend on wall-clock time.
+fn timeless(rows: &BTreeMap<u64, BTreeMap<String, f64>>) -> BTreeMap<u64, BTreeMap<String, f64>> {
+    rows.iter()
+        .map(|(s, m)| {
+            let m = m
+                .iter()
+                .filter(|(k, _)| !k.starts_with("timing_") && !k.starts_with("perf/"))
+                .map(|(k, v)| (k.clone(), *v))
+                .collect();
+            (*s, m)
+        })
+        .collect()
+}
+
+fn mean_step_time(rows: &BTreeMap<u64, BTreeMap<String, f64>>) -> f64 {
+    let t: Vec<f64> = rows.values().map(|m| m["timing_s/step"]).collect();
+    t.iter().sum::<f64>() / t.len() as f64
+}
+
+fn train(dir: &Path, extra: &[&str], env: &[(&str, String)]) -> Output {
+    let args = tiny_run(dir, 3, extra);
+    let mut c = bin_in(dir);
+    c.args(&args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().unwrap()
+}
+
+#[test]
+fn a_missing_tracker_sdk_fails_at_start_up_naming_the_package() {
+    let dir = tempfile::tempdir().unwrap();
+    let sdk = fake_sdk(dir.path());
+    let out = train(
+        dir.path(),
+        &["trainer.logger=[console,file,wandb]"],
+        &[
+            ("PYTHONPATH", sdk.display().to_string()),
+            ("FAKE_TRACKER_MODE", "missing".into()),
+            (
+                "FAKE_TRACKER_LOG",
+                dir.path().join("log").display().to_string(),
+            ),
+        ],
+    );
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("trainer.logger")
+            && stderr.contains("`wandb`")
+            && stderr.contains("pip install wandb"),
+        "{stderr}"
+    );
+    // Nothing was computed: no step, no checkpoint.
+    assert!(!stdout.contains("step:"), "{stdout}");
+    assert!(!dir.path().join("checkpoints").exists());
+}
+
+/// A tracker worker that dies (SIGKILL) or stops answering at step 2: training finishes with
+/// the metrics of a run without trackers, one warning, and comparable step times.
+#[test]
+fn a_killed_or_hung_tracker_worker_leaves_training_unchanged() {
+    // One folder (one tiny model) for every run; each run starts from scratch.
+    let dir = tempfile::tempdir().unwrap();
+    let fresh = |d: &Path| {
+        let _ = std::fs::remove_dir_all(d.join("verl_examples"));
+        let _ = std::fs::remove_dir_all(d.join("checkpoints"));
+    };
+    let out = train(dir.path(), &["trainer.logger=[console,file]"], &[]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    let want = file_rows(dir.path());
+    assert_eq!(want.len(), 3);
+    let mut times = vec![("none".to_string(), mean_step_time(&want))];
+    for (mode, warning) in [
+        ("", None),
+        ("die", Some("its worker process exited")),
+        ("hang", Some("no answer within 2 s")),
+    ] {
+        fresh(dir.path());
+        let sdk = fake_sdk(dir.path());
+        let log = dir.path().join(format!("fake{mode}.jsonl"));
+        let t = std::time::Instant::now();
+        let out = train(
+            dir.path(),
+            &["trainer.logger=[console,file,wandb]"],
+            &[
+                ("PYTHONPATH", sdk.display().to_string()),
+                ("FAKE_TRACKER_MODE", mode.into()),
+                ("FAKE_TRACKER_LOG", log.display().to_string()),
+                ("MAIN_PPO_TRACKER_TIMEOUT_S", "2".into()),
+                ("MAIN_PPO_TRACKER_FLUSH_S", "10".into()),
+            ],
+        );
+        let (_, stderr) = text(&out);
+        assert!(out.status.success(), "{mode}: {stderr}");
+        let got = file_rows(dir.path());
+        assert_eq!(timeless(&got), timeless(&want), "{mode}");
+        let warnings = stderr.matches("trainer.logger: wandb failed").count();
+        let recorded = std::fs::read_to_string(&log).unwrap();
+        match warning {
+            None => {
+                assert_eq!(warnings, 0, "{stderr}");
+                assert_eq!(recorded.matches("\"step\"").count(), 3, "{recorded}");
+                assert!(recorded.contains("\"finish\""), "{recorded}");
+                assert!(
+                    recorded.contains("\"init\": \"verl_examples\""),
+                    "{recorded}"
+                );
+            }
+            Some(w) => {
+                assert_eq!(warnings, 1, "{stderr}");
+                assert!(stderr.contains(w), "{stderr}");
+                assert_eq!(recorded.matches("\"step\"").count(), 1, "{recorded}");
+            }
+        }
+        println!(
+            "fake wandb `{mode}`: whole run {:.2} s",
+            t.elapsed().as_secs_f64()
+        );
+        times.push((format!("fake wandb `{mode}`"), mean_step_time(&got)));
+    }
+    for (what, t) in &times {
+        println!("mean timing_s/step, trackers {what}: {t:.4} s");
+    }
+}
+
+/// The real SDKs' interpreter (`scripts/fetch_trackers.sh`), or `None` (printed).
+fn trackers_python() -> Option<String> {
+    match std::env::var("MAIN_PPO_TRACKERS_PYTHON") {
+        Ok(p) if Path::new(&p).exists() => Some(p),
+        _ => {
+            println!("skipped: MAIN_PPO_TRACKERS_PYTHON is not set (run scripts/fetch_trackers.sh and export its output)");
+            None
+        }
+    }
+}
+
+fn readback(python: &str, args: &[String]) -> Value {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/trackers/readback.py");
+    let out = std::process::Command::new(python)
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
+
+/// wandb (offline) and MLflow (a local SQLite store): a 2-step run then a resume to step 3; the
+/// metrics, config and validation generations read back with each SDK equal the file sink's,
+/// and the resumed run continues the same run id.
+#[test]
+fn wandb_and_mlflow_read_back_equal_the_file_sink_and_resume_the_same_run() {
+    let Some(python) = trackers_python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let uri = format!("sqlite:///{}", d.join("mlflow.db").display());
+    let env = [
+        ("WANDB_MODE", "offline".to_string()),
+        ("WANDB_DIR", d.display().to_string()),
+        ("WANDB_SILENT", "true".to_string()),
+        ("MLFLOW_TRACKING_URI", uri.clone()),
+    ];
+    let py = format!("reward.python={python}");
+    for steps in [2, 3] {
+        let total = format!("trainer.total_training_steps={steps}");
+        let out = train(
+            d,
+            &[
+                "trainer.logger=[console,file,wandb,mlflow]",
+                "trainer.save_freq=1",
+                "trainer.test_freq=1",
+                "trainer.log_val_generations=2",
+                &py,
+                &total,
+            ],
+            &env,
+        );
+        let (_, stderr) = text(&out);
+        assert!(out.status.success(), "{stderr}");
+        assert!(!stderr.contains("failed"), "{stderr}");
+    }
+    let want = file_rows(d);
+    assert_eq!(want.keys().copied().collect::<Vec<_>>(), vec![1, 2, 3]);
+    let state: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            d.join("checkpoints/verl_examples/gsm8k/global_step_3/trainer_state.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+
+    let ml = readback(&python, &["mlflow".into(), uri, "verl_examples".into()]);
+    assert_eq!(
+        ml["runs"].as_array().unwrap().len(),
+        1,
+        "one MLflow run: {}",
+        ml["runs"]
+    );
+    assert_eq!(ml["runs"][0], state["tracker_runs"]["mlflow"]);
+    assert_eq!(ml["run_name"], "gsm8k");
+    assert_eq!(ml["config"]["trainer/project_name"], "verl_examples");
+    for (step, m) in &want {
+        for (k, v) in m {
+            let key = k.replace('@', "_at_");
+            assert_eq!(
+                ml["metrics"][step.to_string()][&key].as_f64(),
+                Some(*v),
+                "mlflow {key} at {step}"
+            );
+        }
+    }
+    for step in 1..=3 {
+        let g = &ml["generations"][format!("val_step{step}.json")];
+        assert_eq!(g.as_array().map(Vec::len), Some(2), "{}", ml["generations"]);
+        assert!(g[0]["input"].is_string() && g[0]["score"].is_number());
+    }
+
+    let wb = readback(&python, &["wandb".into(), d.display().to_string()]);
+    let runs = wb["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2, "two offline segments: {runs:?}");
+    assert_eq!(runs[0], runs[1], "the resume continues the same wandb run");
+    assert_eq!(runs[0], state["tracker_runs"]["wandb"]);
+    assert_eq!(wb["project"], "verl_examples");
+    assert_eq!(wb["run_name"], "gsm8k");
+    assert_eq!(wb["config"]["trainer"]["project_name"], "verl_examples");
+    for (step, m) in &want {
+        for (k, v) in m {
+            assert_eq!(
+                wb["metrics"][step.to_string()][k].as_f64(),
+                Some(*v),
+                "wandb {k} at {step}"
+            );
+        }
+    }
+    let tables = wb["generations"].as_array().unwrap();
+    let last = tables.last().expect("a generations table");
+    assert_eq!(last["columns"][0], "step");
+    assert_eq!(last["columns"][1], "input_1");
+    assert_eq!(last["columns"].as_array().unwrap().len(), 7);
+}
+
+/// A free TCP port on 127.0.0.1.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A local `mlflow server` in its own process group (it serves from child processes), the
+/// whole group killed when dropped.
+struct Server(std::process::Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let group = format!("-{}", self.0.id());
+        for sig in ["-CONT", "-KILL"] {
+            let _ = std::process::Command::new("kill")
+                .args([sig, "--", &group])
+                .status();
+        }
+        let _ = self.0.wait();
+    }
+}
+
+/// MLflow through a local `mlflow server` on 127.0.0.1: a 3-step run reads back equal to the
+/// file sink; then a run during which the server is stopped (SIGSTOP, from the reward function
+/// at step 2's first call) finishes all 3 steps with one warning, the file sink complete.
+#[test]
+fn mlflow_server_run_reads_back_and_a_server_that_stops_answering_does_not_stop_training() {
+    let Some(python) = trackers_python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let port = free_port();
+    let server = Server(
+        std::process::Command::new(&python)
+            .args(["-m", "mlflow", "server", "--host", "127.0.0.1", "--port"])
+            .arg(port.to_string())
+            .arg("--backend-store-uri")
+            .arg(format!("sqlite:///{}", d.join("server.db").display()))
+            .arg("--default-artifact-root")
+            .arg(d.join("artifacts"))
+            .arg("--workers")
+            .arg("1")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .process_group(0)
+            .spawn()
+            .unwrap(),
+    );
+    let t = std::time::Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(t.elapsed().as_secs() < 120, "mlflow server did not start");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let uri = format!("http://127.0.0.1:{port}");
+    let env = [
+        ("MLFLOW_TRACKING_URI", uri.clone()),
+        ("MAIN_PPO_TRACKER_TIMEOUT_S", "3".to_string()),
+        ("MAIN_PPO_TRACKER_FLUSH_S", "10".to_string()),
+    ];
+    let py = format!("reward.python={python}");
+    let out = train(d, &["trainer.logger=[console,file,mlflow]", &py], &env);
+    let (_, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("mlflow failed"), "{stderr}");
+    let want = file_rows(d);
+    let ml = readback(
+        &python,
+        &["mlflow".into(), uri.clone(), "verl_examples".into()],
+    );
+    assert_eq!(ml["runs"].as_array().unwrap().len(), 1);
+    for (step, m) in &want {
+        for (k, v) in m {
+            let key = k.replace('@', "_at_");
+            assert_eq!(
+                ml["metrics"][step.to_string()][&key].as_f64(),
+                Some(*v),
+                "{key} at {step}"
+            );
+        }
+    }
+
+    // The same run again, the server stopped by the reward function at step 2.
+    let _ = std::fs::remove_dir_all(d.join("verl_examples"));
+    let _ = std::fs::remove_dir_all(d.join("checkpoints"));
+    let calls = d.join("calls");
+    std::fs::write(
+        d.join("reward.py"),
+        format!(
+            "import os, signal\n\
+             def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    \
+                 p = {calls:?}\n    \
+                 n = (int(open(p).read()) if os.path.exists(p) else 0) + 1\n    \
+                 open(p, 'w').write(str(n))\n    \
+                 if n == 9:\n        \
+                     os.killpg({pid}, signal.SIGSTOP)\n    \
+                 return float(len(solution_str) % 3) / 2\n",
+            calls = calls.display().to_string(),
+            pid = server.0.id()
+        ),
+    )
+    .unwrap();
+    let t = std::time::Instant::now();
+    let out = train(
+        d,
+        &[
+            "trainer.logger=[console,file,mlflow]",
+            &py,
+            "reward.num_workers=1",
+        ],
+        &env,
+    );
+    let (_, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(
+        stderr.matches("trainer.logger: mlflow failed").count(),
+        1,
+        "{stderr}"
+    );
+    assert!(stderr.contains("no answer within 3 s"), "{stderr}");
+    let got = file_rows(d);
+    assert_eq!(
+        timeless(&got),
+        timeless(&want),
+        "the same metrics with a hung server"
+    );
+    println!(
+        "stopped server: whole run {:.1} s; mean timing_s/step {:.3} s (server answering: {:.3} s)",
+        t.elapsed().as_secs_f64(),
+        mean_step_time(&got),
+        mean_step_time(&want)
+    );
+    drop(server);
+}
