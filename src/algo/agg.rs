@@ -1,4 +1,6 @@
-//! Loss aggregation (`loss_agg_mode`), verl's `core_algos.agg_loss` (newest semantics).
+//! Loss aggregation (`loss_agg_mode`), verl's `core_algos.agg_loss` as of verl-project/verl
+//! 1dda039, with b178a3c's seq-mean-token-sum-norm kept for the path that follows b178a3c's
+//! workers ([`AggNorm::legacy_sum_norm`]).
 
 use candle_core::{Tensor, D};
 
@@ -20,7 +22,13 @@ pub struct AggNorm {
     /// data parallelism whose gradient reduction averages over the ranks (FSDP/DDP), so that
     /// the average of the ranks' gradients is the global mini-batch's. `None` = 1: main_ppo's
     /// own reduction sums over the ranks (see `trainer::update`), so it leaves this unset.
+    /// As in verl, `dp_size > 1` needs the global count of the mode (an error otherwise).
     pub dp_size: Option<f64>,
+    /// seq-mean-token-sum-norm as volcengine/verl b178a3c's `agg_loss` computed it (the rows'
+    /// token sums added, no mean over rows) — what b178a3c's `dp_actor` / `dp_critic` workers
+    /// (`trainer.use_legacy_worker_impl=auto|enable`) optimise. `false` = verl 1dda039 (its
+    /// only, engine, workers): the mean over rows with a valid token, then the divisor.
+    pub legacy_sum_norm: bool,
 }
 
 /// Aggregates `loss_mat` `[batch, len]` over `mask` `[batch, len]` into a scalar.
@@ -29,10 +37,13 @@ pub struct AggNorm {
 /// - `token-sum`: Σ_M L,
 /// - `seq-mean-token-sum`: per-row Σ_M L, averaged over rows with a valid token,
 /// - `seq-mean-token-mean`: per-row mean_M L (denominator + 1e-8), averaged likewise,
-/// - `seq-mean-token-sum-norm`: Σ_rows (per-row Σ_M L) / loss_scale_factor (default: the padded
-///   width `len`); no mean over rows, so the normaliser is a constant of the run, not of the batch.
+/// - `seq-mean-token-sum-norm`: `seq-mean-token-sum` / loss_scale_factor (default: the padded
+///   width `len`); with [`AggNorm::legacy_sum_norm`], Σ_rows (per-row Σ_M L) / loss_scale_factor
+///   (no mean over rows).
 ///
-/// A zero denominator (no valid token at all) gives 0 rather than verl's NaN.
+/// The mean modes and token-sum multiply by `dp_size` (verl 1dda039; b178a3c's token-sum did
+/// not, but it never passed a `dp_size`). A zero denominator (no valid token at all) gives 0
+/// rather than verl's NaN.
 pub fn agg_loss(
     loss_mat: &Tensor,
     mask: &Tensor,
@@ -41,22 +52,32 @@ pub fn agg_loss(
 ) -> Result<Tensor> {
     let safe = |d: f64| if d == 0.0 { 1.0 } else { d };
     let dp = norm.dp_size.unwrap_or(1.0);
+    let need = |given: Option<f64>, what: &str| -> Result<()> {
+        if given.is_none() && dp > 1.0 {
+            return super::bail(format!(
+                "agg_loss: loss_agg_mode {} with dp_size {dp} needs the global {what} (as verl's agg_loss)",
+                mode_name(mode)
+            ));
+        }
+        Ok(())
+    };
     match mode {
         LossAggMode::TokenMean => {
+            need(norm.batch_num_tokens, "batch_num_tokens")?;
             let tokens = match norm.batch_num_tokens {
                 Some(n) => n,
                 None => scalar(&mask.sum_all()?)?,
             };
             masked_sum(loss_mat, mask)? / (safe(tokens) / dp)
         }
-        LossAggMode::TokenSum => masked_sum(loss_mat, mask),
-        LossAggMode::SeqMeanTokenSumNorm => {
-            let horizon = norm
-                .loss_scale_factor
-                .unwrap_or(loss_mat.dim(D::Minus1)? as f64);
-            masked_sum(loss_mat, mask)? / horizon
+        LossAggMode::TokenSum => masked_sum(loss_mat, mask)? * dp,
+        LossAggMode::SeqMeanTokenSumNorm if norm.legacy_sum_norm => {
+            masked_sum(loss_mat, mask)? / horizon(loss_mat, norm)?
         }
-        LossAggMode::SeqMeanTokenSum | LossAggMode::SeqMeanTokenMean => {
+        LossAggMode::SeqMeanTokenSum
+        | LossAggMode::SeqMeanTokenMean
+        | LossAggMode::SeqMeanTokenSumNorm => {
+            need(norm.global_batch_size, "global_batch_size")?;
             let tokens_per_row = mask.sum(D::Minus1)?; // [batch]
             let mut seq_losses = (masked_values(loss_mat, mask)? * mask)?.sum(D::Minus1)?; // [batch]
             if mode == LossAggMode::SeqMeanTokenMean {
@@ -67,8 +88,32 @@ pub fn agg_loss(
                 Some(n) => n,
                 None => scalar(&seq_mask.sum_all()?)?,
             };
-            masked_sum(&seq_losses, &seq_mask)? / (safe(seqs) / dp)
+            let loss = (masked_sum(&seq_losses, &seq_mask)? / (safe(seqs) / dp))?;
+            if mode == LossAggMode::SeqMeanTokenSumNorm {
+                loss / horizon(loss_mat, norm)?
+            } else {
+                Ok(loss)
+            }
         }
+    }
+}
+
+/// The divisor of seq-mean-token-sum-norm: `loss_scale_factor`, else the padded width.
+fn horizon(loss_mat: &Tensor, norm: AggNorm) -> Result<f64> {
+    Ok(match norm.loss_scale_factor {
+        Some(f) => f,
+        None => loss_mat.dim(D::Minus1)? as f64,
+    })
+}
+
+/// verl's spelling of a mode, for messages.
+fn mode_name(mode: LossAggMode) -> &'static str {
+    match mode {
+        LossAggMode::TokenMean => "token-mean",
+        LossAggMode::TokenSum => "token-sum",
+        LossAggMode::SeqMeanTokenSum => "seq-mean-token-sum",
+        LossAggMode::SeqMeanTokenMean => "seq-mean-token-mean",
+        LossAggMode::SeqMeanTokenSumNorm => "seq-mean-token-sum-norm",
     }
 }
 
@@ -95,8 +140,8 @@ mod tests {
         let norm = AggNorm {
             batch_num_tokens: Some(6.0),
             global_batch_size: Some(4.0),
-            loss_scale_factor: None,
             dp_size: Some(2.0),
+            ..AggNorm::default()
         };
         for (mode, want) in [
             (LossAggMode::TokenMean, 2.0),
@@ -109,25 +154,60 @@ mod tests {
     }
 
     /// seq-mean-token-sum-norm by hand: L = [[1, 2, 3], [4, 5, 6], [7, 8, 9]],
-    /// mask = [[1, 1, 0], [1, 0, 0], [0, 0, 0]]: row sums 3, 4, 0 add up to 7 (the empty row
-    /// counts nothing and is not averaged over), divided by the padded width 3 = 7/3, or by
-    /// loss_scale_factor 2 = 7/2 (verl's `agg_loss`: `sum(seq_losses) / loss_scale_factor`).
+    /// mask = [[1, 1, 0], [1, 0, 0], [0, 0, 0]]: row sums 3, 4, 0.
+    /// - verl 1dda039: their mean over the 2 rows with a valid token, 3.5, over the padded
+    ///   width 3 = 7/6; with global_batch_size 5 and loss_scale_factor 2: 7/5/2 = 0.7.
+    /// - b178a3c (`legacy_sum_norm`): 3 + 4 = 7 over the width = 7/3, or over the factor 2 = 3.5;
+    ///   the mini-batch counts play no part.
     #[test]
-    fn seq_mean_token_sum_norm_sums_the_rows() {
+    fn seq_mean_token_sum_norm_both_verls() {
         let dev = Device::Cpu;
         let l = Tensor::new(&[[1f64, 2., 3.], [4., 5., 6.], [7., 8., 9.]], &dev).unwrap();
         let m = Tensor::new(&[[1f64, 1., 0.], [1., 0., 0.], [0., 0., 0.]], &dev).unwrap();
         let mode = LossAggMode::SeqMeanTokenSumNorm;
-        let got = scalar(&agg_loss(&l, &m, mode, AggNorm::default()).unwrap()).unwrap();
-        assert!((got - 7.0 / 3.0).abs() < 1e-12, "{got}");
-        let norm = AggNorm {
+        let global = AggNorm {
             loss_scale_factor: Some(2.0),
-            // The mini-batch counts of the other modes play no part here.
             batch_num_tokens: Some(10.0),
             global_batch_size: Some(5.0),
-            dp_size: None,
+            ..AggNorm::default()
         };
-        let got = scalar(&agg_loss(&l, &m, mode, norm).unwrap()).unwrap();
-        assert!((got - 3.5).abs() < 1e-12, "{got}");
+        let legacy = |n: AggNorm| AggNorm {
+            legacy_sum_norm: true,
+            ..n
+        };
+        for (norm, want) in [
+            (AggNorm::default(), 7.0 / 6.0),
+            (global, 0.7),
+            (legacy(AggNorm::default()), 7.0 / 3.0),
+            (legacy(global), 3.5),
+        ] {
+            let got = scalar(&agg_loss(&l, &m, mode, norm).unwrap()).unwrap();
+            assert!((got - want).abs() < 1e-12, "{norm:?}: {got} vs {want}");
+        }
+    }
+
+    /// verl's rule: with `dp_size > 1` a mean mode needs its global count, named in the error;
+    /// token-sum needs none and is multiplied by dp_size (3 × 2 = 6 here).
+    #[test]
+    fn dp_size_without_global_counts_is_an_error() {
+        let dev = Device::Cpu;
+        let l = Tensor::new(&[[1f64, 2.]], &dev).unwrap();
+        let m = Tensor::new(&[[1f64, 1.]], &dev).unwrap();
+        let norm = AggNorm {
+            dp_size: Some(2.0),
+            ..AggNorm::default()
+        };
+        let e = agg_loss(&l, &m, LossAggMode::TokenMean, norm).unwrap_err();
+        assert!(e.to_string().contains("batch_num_tokens"), "{e}");
+        for mode in [
+            LossAggMode::SeqMeanTokenSum,
+            LossAggMode::SeqMeanTokenMean,
+            LossAggMode::SeqMeanTokenSumNorm,
+        ] {
+            let e = agg_loss(&l, &m, mode, norm).unwrap_err();
+            assert!(e.to_string().contains("global_batch_size"), "{mode:?}: {e}");
+        }
+        let got = scalar(&agg_loss(&l, &m, LossAggMode::TokenSum, norm).unwrap()).unwrap();
+        assert_eq!(got, 6.0);
     }
 }

@@ -235,8 +235,11 @@ fn loss_aggregation_modes() {
     for (dt, tol) in PRECISIONS {
         for c in golden()["agg"].as_array().unwrap() {
             let name = c["name"].as_str().unwrap();
+            // scripts/algo_reference.py follows b178a3c's agg_loss (seq-mean-token-sum-norm
+            // sums the rows); 1dda039's is checked against verl itself in `verl_1dda039`.
             let norm = AggNorm {
                 loss_scale_factor: c["scale"].as_f64(),
+                legacy_sum_norm: true,
                 ..AggNorm::default()
             };
             let got = agg_loss(
@@ -271,8 +274,13 @@ fn params(c: &Value) -> PolicyLossParams {
         clip_cov_ub: num(&p["clip_cov_ub"]),
         kl_cov_ratio: num(&p["kl_cov_ratio"]),
         ppo_kl_coef: num(&p["ppo_kl_coef"]),
+        dro_beta: p.get("dro_beta").and_then(Value::as_f64),
         loss_agg_mode: mode(p["agg"].as_str().unwrap()),
-        norm: AggNorm::default(),
+        // b178a3c's seq-mean-token-sum-norm, as scripts/algo_reference.py computes it.
+        norm: AggNorm {
+            legacy_sum_norm: true,
+            ..AggNorm::default()
+        },
         seed: 0,
     }
 }

@@ -86,6 +86,7 @@ fn params(mode: PolicyLossMode, agg: LossAggMode) -> PolicyLossParams {
         clip_cov_ub: 5.0,
         kl_cov_ratio: 0.0002,
         ppo_kl_coef: 0.1,
+        dro_beta: Some(0.5),
         loss_agg_mode: agg,
         norm: AggNorm::default(),
         seed: 0,
@@ -109,6 +110,7 @@ fn policy_loss_gradients_match_finite_differences() {
         PolicyLossMode::GeoMean,
         PolicyLossMode::KlCov,
         PolicyLossMode::ClipCov,
+        PolicyLossMode::Dro,
     ] {
         for agg in [
             LossAggMode::TokenMean,
@@ -141,6 +143,51 @@ fn policy_loss_gradients_match_finite_differences() {
             agg_loss(&l, &mask(), LossAggMode::TokenMean, AggNorm::default()).unwrap()
         },
     );
+
+    // DPPO: the truncated ratio and the kept-token mask are stop-gradients, so the gradient is
+    // that of −A·c₀·v₀·logp, c₀ = min(r₀, clip_ratio_c) and v₀ the mask at x0, worked out here
+    // per token from the definitions (TV: p − p_old within [−ε_low, ε_high] on the side the
+    // advantage's sign picks; binary KL: KL(Bern(p_old) ‖ Bern(p)) ≤ ε unless p moved the other
+    // way). Both kinds of token occur in these inputs.
+    let a0 = vals(2);
+    for (mode, name) in [
+        (PolicyLossMode::DppoTv, "DppoTv"),
+        (PolicyLossMode::DppoKl, "DppoKl"),
+    ] {
+        let p = params(mode, LossAggMode::TokenMean);
+        let (mut c, mut v) = (vec![0.0; B * T], vec![0.0; B * T]);
+        for i in 0..B * T {
+            let (lp, lo) = (logp[i], old[i]);
+            let (pr, po) = (lp.exp(), lo.exp());
+            c[i] = (lp - lo).exp().min(3.0);
+            let kept = match mode {
+                PolicyLossMode::DppoTv if a0[i] > 0.0 => pr - po <= 0.28,
+                PolicyLossMode::DppoTv => pr - po >= -0.2,
+                _ => {
+                    let kl =
+                        po * (lo - lp) + (1.0 - po) * ((1.0 - po + 1e-8) / (1.0 - pr + 1e-8)).ln();
+                    if a0[i] > 0.0 {
+                        kl <= 0.28 || pr <= po
+                    } else {
+                        kl <= 0.2 || pr >= po
+                    }
+                }
+            };
+            v[i] = f64::from(u8::from(kept));
+        }
+        let kept: f64 = v.iter().sum();
+        assert!(kept > 0.0 && kept < (B * T) as f64, "{name}: {v:?}");
+        let cv = t(&c).mul(&t(&v)).unwrap();
+        check_surrogate(
+            name,
+            &logp,
+            &|x| policy_loss(&old_t, x, &adv, &mask(), &p).unwrap().loss,
+            &|x| {
+                let l = cv.mul(&adv).unwrap().mul(x).unwrap().neg().unwrap();
+                agg_loss(&l, &mask(), LossAggMode::TokenMean, AggNorm::default()).unwrap()
+            },
+        );
+    }
 
     // GSPO: each token carries the frozen sequence ratio s₀ times exp(logp − logp₀).
     let p = params(PolicyLossMode::Gspo, LossAggMode::TokenMean);

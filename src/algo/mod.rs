@@ -23,7 +23,7 @@ pub use agg::agg_loss;
 pub use agg::AggNorm;
 pub use kl::{apply_kl_penalty, kl_loss, kl_penalty, KlController};
 pub use masked::{masked_mean, masked_sum, masked_var, masked_whiten};
-pub use policy::{policy_loss, PolicyLossOutput, PolicyLossParams};
+pub use policy::{policy_loss, policy_loss_weighted, PolicyLossOutput, PolicyLossParams};
 pub use value::{entropy_from_logits, value_loss};
 
 /// An error in the inputs of an algorithm (shapes, empty masks, missing inputs).
@@ -39,3 +39,5 @@ mod golden;
 mod grads;
 #[cfg(test)]
 mod props;
+#[cfg(test)]
+mod verl_1dda039;

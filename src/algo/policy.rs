@@ -24,6 +24,8 @@ pub struct PolicyLossParams {
     pub clip_cov_ub: f64,
     pub kl_cov_ratio: f64,
     pub ppo_kl_coef: f64,
+    /// dro: coefficient of the quadratic log-ratio penalty (`policy_loss.dro_beta`).
+    pub dro_beta: Option<f64>,
     pub loss_agg_mode: LossAggMode,
     pub norm: AggNorm,
     /// Seed of clip_cov's random choice of tokens.
@@ -44,6 +46,7 @@ impl PolicyLossParams {
             clip_cov_ub: a.policy_loss.clip_cov_ub,
             kl_cov_ratio: a.policy_loss.kl_cov_ratio,
             ppo_kl_coef: a.policy_loss.ppo_kl_coef,
+            dro_beta: a.policy_loss.dro_beta,
             loss_agg_mode: a.loss_agg_mode,
             norm: AggNorm {
                 loss_scale_factor: a.loss_scale_factor,
@@ -98,12 +101,28 @@ pub fn policy_loss(
     mask: &Tensor,
     p: &PolicyLossParams,
 ) -> Result<PolicyLossOutput> {
+    policy_loss_weighted(old_log_prob, log_prob, advantages, mask, p, None)
+}
+
+/// [`policy_loss`] with per-token weights `rollout_is_weights` `[batch, len]` (no gradient:
+/// rollout correction's importance weights) multiplying each token's loss before
+/// aggregation, as verl's losses take them; geo_mean, whose loss is per sequence, takes each
+/// row's geometric mean of its valid tokens' weights.
+pub fn policy_loss_weighted(
+    old_log_prob: &Tensor,
+    log_prob: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    p: &PolicyLossParams,
+    rollout_is_weights: Option<&Tensor>,
+) -> Result<PolicyLossOutput> {
+    let (old, logp, adv, w) = (old_log_prob, log_prob, advantages, rollout_is_weights);
     match p.mode {
-        PolicyLossMode::Vanilla => vanilla(old_log_prob, log_prob, advantages, mask, p),
-        PolicyLossMode::Gspo => gspo(old_log_prob, log_prob, advantages, mask, p),
+        PolicyLossMode::Vanilla => vanilla(old, logp, adv, mask, p, w),
+        PolicyLossMode::Gspo => gspo(old, logp, adv, mask, p, w),
         PolicyLossMode::Gpg => {
-            let losses = log_prob.mul(advantages)?.neg()?;
-            let loss = agg_loss(&losses, mask, p.loss_agg_mode, p.norm)?;
+            let losses = logp.mul(adv)?.neg()?;
+            let loss = agg_loss(&weighted(losses, w)?, mask, p.loss_agg_mode, p.norm)?;
             Ok(PolicyLossOutput {
                 loss,
                 pg_clipfrac: None,
@@ -111,12 +130,121 @@ pub fn policy_loss(
                 pg_clipfrac_lower: None,
             })
         }
-        PolicyLossMode::ClipCov => clip_cov(old_log_prob, log_prob, advantages, mask, p),
-        PolicyLossMode::KlCov => kl_cov(old_log_prob, log_prob, advantages, mask, p),
-        PolicyLossMode::Sapo => sapo(old_log_prob, log_prob, advantages, mask, p),
-        PolicyLossMode::Cispo => cispo(old_log_prob, log_prob, advantages, mask, p),
-        PolicyLossMode::GeoMean => geo_mean(old_log_prob, log_prob, advantages, mask, p),
+        PolicyLossMode::ClipCov => clip_cov(old, logp, adv, mask, p, w),
+        PolicyLossMode::KlCov => kl_cov(old, logp, adv, mask, p, w),
+        PolicyLossMode::Sapo => sapo(old, logp, adv, mask, p, w),
+        PolicyLossMode::Cispo => cispo(old, logp, adv, mask, p, w),
+        PolicyLossMode::GeoMean => geo_mean(old, logp, adv, mask, p, w),
+        PolicyLossMode::DppoTv => dppo(old, logp, adv, mask, p, w, Divergence::Tv),
+        PolicyLossMode::DppoKl => dppo(old, logp, adv, mask, p, w, Divergence::BinaryKl),
+        PolicyLossMode::Dro => dro(old, logp, adv, mask, p, w),
     }
+}
+
+/// `losses` times the rollout-correction weights, when there are any.
+fn weighted(losses: Tensor, w: Option<&Tensor>) -> Result<Tensor> {
+    match w {
+        Some(w) => losses.mul(&w.detach()),
+        None => Ok(losses),
+    }
+}
+
+/// Which divergence between the old and the current token probability DPPO bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Divergence {
+    /// `p − p_old` (total variation of the binary distribution {token, rest}).
+    Tv,
+    /// `KL(Bern(p_old) ‖ Bern(p))`.
+    BinaryKl,
+}
+
+/// DPPO (dppo_tv / dppo_kl, arXiv 2602.04879): a policy-gradient loss `−A·sg(min(r, c))·logp`
+/// kept only on tokens whose probability has not moved past the divergence bound in the
+/// direction the advantage pushes (`clip_ratio_high` for A > 0, `clip_ratio_low` otherwise;
+/// here they bound the divergence, not the ratio); `c` = `clip_ratio_c` truncates the ratio.
+/// `pg_clipfrac`: the share of tokens masked out; `pg_clipfrac_lower`: kept tokens whose
+/// ratio was truncated.
+fn dppo(
+    old: &Tensor,
+    logp: &Tensor,
+    adv: &Tensor,
+    mask: &Tensor,
+    p: &PolicyLossParams,
+    w: Option<&Tensor>,
+    div: Divergence,
+) -> Result<PolicyLossOutput> {
+    let (neg_kl, ratio) = clamped_ratio(old, logp)?;
+    let ppo_kl = mean_m(&neg_kl.neg()?, mask)?;
+    let truncated = ratio.minimum(p.clip_ratio_c)?.detach();
+    let (lp, lo) = (logp.detach(), old.detach());
+    let (prob, old_prob) = (lp.exp()?, lo.exp()?);
+    let (pos_ok, neg_ok) = match div {
+        Divergence::Tv => {
+            let moved = prob.sub(&old_prob)?;
+            (moved.le(p.clip_high)?, moved.ge(-p.clip_low)?)
+        }
+        Divergence::BinaryKl => {
+            // p_old·(log p_old − log p) + (1 − p_old)·log((1 − p_old + 1e-8) / (1 − p + 1e-8))
+            let rest = |x: &Tensor| -> Result<Tensor> { (x.neg()? + (1.0 + 1e-8))?.log() };
+            let kl = (old_prob.mul(&lo.sub(&lp)?)?
+                + old_prob
+                    .neg()?
+                    .affine(1.0, 1.0)?
+                    .mul(&rest(&old_prob)?.sub(&rest(&prob)?)?)?)?;
+            let (up, down) = (prob.le(&old_prob)?, prob.ge(&old_prob)?);
+            (
+                or(&kl.le(p.clip_high)?, &up)?,
+                or(&kl.le(p.clip_low)?, &down)?,
+            )
+        }
+    };
+    let valid = float(&adv.gt(0.0)?.where_cond(&pos_ok, &neg_ok)?, adv)?;
+    let losses = adv.neg()?.mul(&truncated)?.mul(logp)?.mul(&valid)?;
+    let loss = agg_loss(&weighted(losses, w)?, mask, p.loss_agg_mode, p.norm)?;
+    let pg_clipfrac = mean_m(&valid.neg()?.affine(1.0, 1.0)?, mask)?;
+    let truncated_kept = float(&ratio.gt(p.clip_ratio_c)?, adv)?.mul(&valid)?;
+    let pg_clipfrac_lower = mean_m(&truncated_kept, mask)?;
+    Ok(PolicyLossOutput {
+        loss,
+        pg_clipfrac: Some(pg_clipfrac),
+        ppo_kl: Some(ppo_kl),
+        pg_clipfrac_lower: Some(pg_clipfrac_lower),
+    })
+}
+
+/// Element-wise `a || b` of two u8 comparison results.
+fn or(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    a.maximum(b)
+}
+
+/// DRO (Direct Reward Optimization): `−(A·logp − β/2·(logp − old)²)`, β = `policy_loss.dro_beta`
+/// (> 0); no ratio clamp. Reports `actor/ppo_kl` only.
+fn dro(
+    old: &Tensor,
+    logp: &Tensor,
+    adv: &Tensor,
+    mask: &Tensor,
+    p: &PolicyLossParams,
+    w: Option<&Tensor>,
+) -> Result<PolicyLossOutput> {
+    let beta = match p.dro_beta {
+        Some(b) if b > 0.0 && b.is_finite() => b,
+        other => {
+            return super::bail(format!(
+                "policy loss dro needs `actor_rollout_ref.actor.policy_loss.dro_beta` > 0 (got {other:?})"
+            ))
+        }
+    };
+    let log_ratio = logp.sub(old)?;
+    let penalty = (log_ratio.sqr()? * (0.5 * beta))?;
+    let losses = logp.mul(adv)?.sub(&penalty)?.neg()?;
+    let loss = agg_loss(&weighted(losses, w)?, mask, p.loss_agg_mode, p.norm)?;
+    Ok(PolicyLossOutput {
+        loss,
+        pg_clipfrac: None,
+        ppo_kl: Some(mean_m(&log_ratio.neg()?, mask)?),
+        pg_clipfrac_lower: None,
+    })
 }
 
 /// Dual-clip PPO: `max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high))`, and for A < 0 at most `−A·c`;
@@ -127,6 +255,7 @@ fn vanilla(
     adv: &Tensor,
     mask: &Tensor,
     p: &PolicyLossParams,
+    w: Option<&Tensor>,
 ) -> Result<PolicyLossOutput> {
     let (neg_kl, ratio) = clamped_ratio(old, logp)?;
     let ppo_kl = mean_m(&neg_kl.neg()?, mask)?;
@@ -139,7 +268,7 @@ fn vanilla(
     let lower = (float(&clip1.gt(&l3)?, adv)? * float(&negative, adv)?)?;
     let pg_clipfrac_lower = mean_m(&lower, mask)?;
     let losses = negative.where_cond(&clip2, &clip1)?;
-    let loss = agg_loss(&losses, mask, p.loss_agg_mode, p.norm)?;
+    let loss = agg_loss(&weighted(losses, w)?, mask, p.loss_agg_mode, p.norm)?;
     Ok(PolicyLossOutput {
         loss,
         pg_clipfrac: Some(pg_clipfrac),
@@ -157,6 +286,7 @@ fn gspo(
     adv: &Tensor,
     mask: &Tensor,
     p: &PolicyLossParams,
+    w: Option<&Tensor>,
 ) -> Result<PolicyLossOutput> {
     let neg_kl = logp.sub(old)?;
     let lens = mask.sum(D::Minus1)?.clamp(1.0, f64::INFINITY)?; // [batch]
@@ -168,7 +298,12 @@ fn gspo(
     let ratio = log_ratio.exp()?;
     let (l1, l2) = clip_pair(&ratio, adv, p)?;
     let losses = l1.maximum(&l2)?;
-    let loss = agg_loss(&losses, mask, LossAggMode::SeqMeanTokenMean, p.norm)?;
+    let loss = agg_loss(
+        &weighted(losses, w)?,
+        mask,
+        LossAggMode::SeqMeanTokenMean,
+        p.norm,
+    )?;
     let pg_clipfrac = mean_m(&float(&l2.gt(&l1)?, adv)?, mask)?;
     let ppo_kl = mean_m(&neg_kl.neg()?, mask)?;
     Ok(PolicyLossOutput {
@@ -187,6 +322,7 @@ fn sapo(
     adv: &Tensor,
     mask: &Tensor,
     p: &PolicyLossParams,
+    w: Option<&Tensor>,
 ) -> Result<PolicyLossOutput> {
     let (neg_kl, ratio) = clamped_ratio(old, logp)?;
     let pos = adv.gt(0.0)?;
@@ -198,7 +334,12 @@ fn sapo(
     let sigmoid = (z.neg()?.exp()? + 1.0)?.recip()?;
     let gates = sigmoid.mul(&taus.recip()?.affine(4.0, 0.0)?)?;
     let losses = gates.mul(adv)?.neg()?;
-    let loss = agg_loss(&losses, mask, LossAggMode::SeqMeanTokenMean, p.norm)?;
+    let loss = agg_loss(
+        &weighted(losses, w)?,
+        mask,
+        LossAggMode::SeqMeanTokenMean,
+        p.norm,
+    )?;
     let ppo_kl = mean_m(&neg_kl.neg()?, mask)?;
     Ok(PolicyLossOutput {
         loss,
@@ -215,11 +356,12 @@ fn cispo(
     adv: &Tensor,
     mask: &Tensor,
     p: &PolicyLossParams,
+    w: Option<&Tensor>,
 ) -> Result<PolicyLossOutput> {
     let (neg_kl, ratio) = clamped_ratio(old, logp)?;
     let clipped = ratio.clamp(1.0 - p.clip_low, 1.0 + p.clip_high)?.detach();
     let losses = clipped.mul(adv)?.mul(logp)?.neg()?;
-    let loss = agg_loss(&losses, mask, p.loss_agg_mode, p.norm)?;
+    let loss = agg_loss(&weighted(losses, w)?, mask, p.loss_agg_mode, p.norm)?;
     let pg_clipfrac = mean_m(&float(&ratio.ne(&clipped)?, adv)?, mask)?;
     let ppo_kl = mean_m(&neg_kl.neg()?, mask)?;
     Ok(PolicyLossOutput {
@@ -238,6 +380,7 @@ fn geo_mean(
     adv: &Tensor,
     mask: &Tensor,
     p: &PolicyLossParams,
+    w: Option<&Tensor>,
 ) -> Result<PolicyLossOutput> {
     let neg_kl = logp.sub(old)?;
     let ppo_kl = mean_m(&neg_kl.neg()?, mask)?;
@@ -247,7 +390,16 @@ fn geo_mean(
     let lens = (mask.sum(D::Minus1)? + 1e-8)?;
     let ratio = (&min * mask)?.sum(D::Minus1)?.div(&lens)?.exp()?;
     let seq_adv = (adv * mask)?.sum(D::Minus1)?.div(&lens)?;
-    let loss = seq_adv.mul(&ratio)?.neg()?.mean_all()?;
+    let mut seq_losses = seq_adv.mul(&ratio)?.neg()?; // [batch]
+    if let Some(w) = w {
+        // Token weights become one per sequence: their geometric mean over the valid tokens.
+        let seq_w = ((w + 1e-10)?.log()? * mask)?
+            .sum(D::Minus1)?
+            .div(&lens)?
+            .exp()?;
+        seq_losses = seq_losses.mul(&seq_w)?;
+    }
+    let loss = seq_losses.mean_all()?;
     let clipped = float(&neg_kl.ne(&clamped)?, adv)?;
     let pg_clipfrac = mean_m(&clipped.mul(&float(&adv.gt(0.0)?, adv)?)?, mask)?;
     let pg_clipfrac_lower = mean_m(&clipped.mul(&float(&adv.lt(0.0)?, adv)?)?, mask)?;
@@ -275,6 +427,7 @@ fn clip_cov(
     adv: &Tensor,
     mask: &Tensor,
     p: &PolicyLossParams,
+    w: Option<&Tensor>,
 ) -> Result<PolicyLossOutput> {
     let neg_kl = logp.sub(old)?;
     let ratio = neg_kl.exp()?;
@@ -312,7 +465,7 @@ fn clip_cov(
     let corr = Tensor::from_vec(corr, adv.shape(), adv.device())?.to_dtype(adv.dtype())?;
     let pg_clipfrac = mean_m(&float(&corr.eq(0.0)?, adv)?, mask)?;
     let losses = l1.maximum(&l2)?.mul(&corr)?;
-    let loss = agg_loss(&losses, mask, p.loss_agg_mode, p.norm)?;
+    let loss = agg_loss(&weighted(losses, w)?, mask, p.loss_agg_mode, p.norm)?;
     Ok(PolicyLossOutput {
         loss,
         pg_clipfrac: Some(pg_clipfrac),
@@ -329,6 +482,7 @@ fn kl_cov(
     adv: &Tensor,
     mask: &Tensor,
     p: &PolicyLossParams,
+    w: Option<&Tensor>,
 ) -> Result<PolicyLossOutput> {
     let neg_kl = logp.sub(old)?;
     let abs_kl = neg_kl.abs()?;
@@ -355,7 +509,7 @@ fn kl_cov(
     }
     let pick = Tensor::from_vec(pick, adv.shape(), adv.device())?.to_dtype(DType::U8)?;
     let losses = pick.where_cond(&lkl, &l1)?;
-    let loss = agg_loss(&losses, mask, p.loss_agg_mode, p.norm)?;
+    let loss = agg_loss(&weighted(losses, w)?, mask, p.loss_agg_mode, p.norm)?;
     Ok(PolicyLossOutput {
         loss,
         pg_clipfrac: None,

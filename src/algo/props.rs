@@ -84,7 +84,7 @@ fn scalar_agg(bt: &Batch, mode: LossAggMode) -> f64 {
         LossAggMode::TokenSum => scalar_sum(bt),
         LossAggMode::SeqMeanTokenSum => seq_mean(&|s, _| s),
         LossAggMode::SeqMeanTokenMean => seq_mean(&|s, c| s / (c + 1e-8)),
-        LossAggMode::SeqMeanTokenSumNorm => (0..bt.b).map(|i| row(i).0).sum::<f64>() / bt.t as f64,
+        LossAggMode::SeqMeanTokenSumNorm => seq_mean(&|s, _| s) / bt.t as f64,
     }
 }
 

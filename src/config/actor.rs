@@ -23,8 +23,9 @@ pub enum LossAggMode {
     /// Per-sequence token mean, averaged over sequences.
     #[serde(rename = "seq-mean-token-mean")]
     SeqMeanTokenMean,
-    /// Every sequence's token sum, added up and divided by loss_scale_factor (default: the
-    /// padded response length); no mean over sequences.
+    /// seq-mean-token-sum divided by loss_scale_factor (default: the padded response length),
+    /// verl 1dda039; on the default (b178a3c dp_actor) path b178a3c's: the sequences' token sums
+    /// added, not averaged, then divided (see `algo::AggNorm::legacy_sum_norm`).
     #[serde(rename = "seq-mean-token-sum-norm")]
     SeqMeanTokenSumNorm,
 }
@@ -41,12 +42,16 @@ pub enum PolicyLossMode {
     Sapo,
     Cispo,
     GeoMean,
+    DppoTv,
+    DppoKl,
+    Dro,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PolicyLossConfig {
-    /// vanilla | gspo | gpg | clip_cov | kl_cov | sapo | cispo | geo_mean.
+    /// vanilla | gspo | gpg | clip_cov | kl_cov | sapo | cispo | geo_mean | dppo_tv | dppo_kl
+    /// | dro.
     pub loss_mode: PolicyLossMode,
     /// clip_cov: fraction of tokens whose gradient is cut.
     pub clip_cov_ratio: f64,
@@ -58,6 +63,8 @@ pub struct PolicyLossConfig {
     pub kl_cov_ratio: f64,
     /// kl_cov: coefficient of that KL term.
     pub ppo_kl_coef: f64,
+    /// dro: coefficient β of the quadratic log-ratio penalty (logp − old)²; must be > 0 with dro.
+    pub dro_beta: Option<f64>,
 }
 
 defaults!(PolicyLossConfig {
@@ -67,6 +74,7 @@ defaults!(PolicyLossConfig {
     clip_cov_ub: 5.0,
     kl_cov_ratio: 0.0002,
     ppo_kl_coef: 0.1,
+    dro_beta: None,
 });
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -485,6 +485,17 @@ fn actor_rules(f: &mut Findings, cfg: &Config, l: &Lengths) -> UpdatePlan {
         }
     }
     unread_loss_scale_factors(warnings, cfg);
+    if actor.policy_loss.loss_mode == PolicyLossMode::Dro
+        && !actor
+            .policy_loss
+            .dro_beta
+            .is_some_and(|b| b > 0.0 && b.is_finite())
+    {
+        errors.push(format!(
+            "`{A}.policy_loss.loss_mode=dro` needs `{A}.policy_loss.dro_beta` > 0 (the weight of its quadratic log-ratio penalty); it is {}",
+            actor.policy_loss.dro_beta.map_or("null".to_string(), |b| b.to_string())
+        ));
+    }
     if actor.policy_loss.loss_mode == PolicyLossMode::Gspo
         && actor.loss_agg_mode != LossAggMode::SeqMeanTokenMean
     {

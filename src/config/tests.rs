@@ -1007,3 +1007,36 @@ fn every_shipped_config_loads_and_resolves() {
     }
     assert!(seen >= 4, "only {seen} configs in {}", dir.display());
 }
+
+/// verl 1dda039's dro loss needs a positive `policy_loss.dro_beta` (verl raises when the loss
+/// first runs; here the configuration is refused up front, naming both keys); dppo_tv and
+/// dppo_kl take the clip keys as they are.
+#[test]
+fn dro_needs_a_positive_beta() {
+    let mode = "actor_rollout_ref.actor.policy_loss.loss_mode=dro";
+    for beta in [None, Some("0"), Some("-1.5")] {
+        let mut extra = vec![mode.to_string()];
+        if let Some(b) = beta {
+            extra.push(format!("actor_rollout_ref.actor.policy_loss.dro_beta={b}"));
+        }
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let e = rule_error(&extra);
+        assert!(
+            e.contains("policy_loss.loss_mode=dro") && e.contains("policy_loss.dro_beta"),
+            "{beta:?}: {e}"
+        );
+    }
+    let p = resolved(&[mode, "actor_rollout_ref.actor.policy_loss.dro_beta=0.5"]);
+    assert!(p.is_ok(), "{p:?}");
+    for m in ["dppo_tv", "dppo_kl"] {
+        let c = cfg(&[&format!(
+            "actor_rollout_ref.actor.policy_loss.loss_mode={m}"
+        )]);
+        assert_eq!(
+            serde_yaml_ng::to_string(&c.actor_rollout_ref.actor.policy_loss.loss_mode)
+                .unwrap()
+                .trim(),
+            m
+        );
+    }
+}

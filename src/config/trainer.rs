@@ -94,10 +94,12 @@ pub struct TrainerConfig {
     /// auto | enable | disable. auto/enable (verl's default dp_actor/dp_critic workers): each
     /// micro-batch's loss is aggregated over that micro-batch alone and multiplied by
     /// 1/gradient_accumulation (rows_in_micro/mini-batch rows with use_dynamic_bsz);
-    /// seq-mean-token-sum-norm divides by the response length (loss_scale_factor is not read); with
-    /// one mini-batch and one epoch the old log-prob is the current one, detached. disable (verl's
-    /// engine workers): losses normalised by the whole mini-batch's token / sequence counts, so
-    /// micro-batches add up to the mini-batch loss; loss_scale_factor honoured.
+    /// seq-mean-token-sum-norm sums the sequences and divides by the response length (b178a3c;
+    /// loss_scale_factor is not read); with one mini-batch and one epoch the old log-prob is the
+    /// current one, detached. disable (verl's engine workers, the only ones in verl 1dda039):
+    /// losses normalised by the whole mini-batch's token / sequence counts, so micro-batches add
+    /// up to the mini-batch loss; seq-mean-token-sum-norm is the mean over sequences divided by
+    /// loss_scale_factor (1dda039).
     pub use_legacy_worker_impl: LegacyWorkerImpl,
     /// Nodes of a data-parallel run; with n_gpus_per_node, nnodes × n_gpus_per_node must equal
     /// the processes the launcher started (mpirun -np, srun -n). null = whatever the launcher

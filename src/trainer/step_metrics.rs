@@ -30,7 +30,8 @@ fn variance(x: &[f64]) -> f64 {
 
 /// The data metrics of a step whose `adv` phase ran; lengths are clipped at `plan`'s limits,
 /// `actor/entropy` is aggregated with `loss_agg_mode` (seq-mean-token-sum-norm divided by
-/// `loss_scale_factor`, else the response length, as verl's trainer does), unless the update
+/// `loss_scale_factor`, else the response length, as verl's trainer does; see
+/// [`AggNorm::legacy_sum_norm`]), unless the update
 /// already reported it (verl's update metrics overwrite the old-log-prob pass's).
 pub fn data_metrics(
     m: &mut Metrics,
@@ -89,8 +90,11 @@ pub fn data_metrics(
     if b.has(Column::Entropys) && !m.contains_key("actor/entropy") {
         // verl's `actor/entropy`: the entropy of the rollout policy, aggregated like the loss.
         let width = b.max_response_len();
+        // Over the whole batch; seq-mean-token-sum-norm as the agg_loss of the verl whose
+        // workers the update follows (b178a3c's sum for the default path, 1dda039's mean).
         let norm = AggNorm {
             loss_scale_factor: loss_scale_factor.or(Some(plan.response_length as f64)),
+            legacy_sum_norm: !plan.actor.global_norm,
             ..AggNorm::default()
         };
         let e = agg_loss(

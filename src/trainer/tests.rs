@@ -834,6 +834,44 @@ fn loss_scale_factor_is_read_only_by_the_global_path() {
     );
 }
 
+/// seq-mean-token-sum-norm as each verl's workers aggregate it, against seq-mean-token-sum on
+/// the same step (one mini-batch, so both gradients come from the initial weights):
+/// - `use_legacy_worker_impl=disable` (verl 1dda039's engine workers): the mean over the
+///   mini-batch's sequences divided by the response length 6, so the gradient is 1/6 of
+///   seq-mean-token-sum's;
+/// - the default path (b178a3c's dp_actor and agg_loss): each micro-batch's rows summed, not
+///   averaged, then divided by 6: micro-batches of 2 rows give 2/6 of seq-mean-token-sum's.
+#[test]
+fn seq_mean_token_sum_norm_follows_the_workers_verl() {
+    let fx = fixture();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "trainer.total_training_steps=1",
+        ];
+        args.extend_from_slice(extra);
+        let mut t = trainer(&fx, &args, None);
+        t.step().unwrap()["actor/grad_norm"]
+    };
+    let norm = "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm";
+    let sum = "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum";
+    let disable = "trainer.use_legacy_worker_impl=disable";
+    for (extra, ratio) in [(vec![], 2.0 / 6.0), (vec![disable], 1.0 / 6.0)] {
+        let with = |mode: &'static str| {
+            let mut a = extra.clone();
+            a.push(mode);
+            run(&a)
+        };
+        let (n, s) = (with(norm), with(sum));
+        assert!(s > 1e-3, "{s}");
+        assert!(
+            (n - s * ratio).abs() <= 1e-5 * s * ratio,
+            "{extra:?}: {n} vs {s} x {ratio}"
+        );
+    }
+}
+
 /// verl's `fit`: validation, then the checkpoint, both after the `step` timer stopped, so
 /// `timing_s/step` (and perf/*) leave them out: the step's wall time holds all three.
 #[test]

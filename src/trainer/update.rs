@@ -100,10 +100,13 @@ pub fn mini_batch_norm(
             loss_scale_factor,
             // The ranks' gradients are summed, not averaged (see `all_reduce_grads`).
             dp_size: None,
+            legacy_sum_norm: false,
         }
     } else {
+        // b178a3c's dp_actor / dp_critic, with b178a3c's agg_loss.
         AggNorm {
             loss_scale_factor,
+            legacy_sum_norm: true,
             ..AggNorm::default()
         }
     }

@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Writes tests/fixtures/algo_verl_1dda039.json: inputs and the numbers verl's own
+`verl/trainer/ppo/core_algos.py` (verl-project/verl 1dda039) gives for them, in PyTorch f64.
+src/algo's `verl_1dda039` tests read it.
+
+Covered: `agg_loss` in every mode with and without the global-batch arguments (`dp_size`,
+`batch_num_tokens`, `global_batch_size`, `loss_scale_factor`); the policy losses vanilla, gspo,
+gpg, sapo, cispo, geo_mean, kl_cov, dppo_tv, dppo_kl and dro in several aggregation modes, with
+and without rollout importance-sampling weights and global-batch arguments; the clipped value
+loss with global-batch arguments. Inputs hold a fully masked row. (clip_cov draws its tokens
+with torch's generator and is left out.)
+
+Usage:
+  git -C <verl mirror> archive 1dda039 verl | tar -x -C /tmp/verl
+  PYTHONPATH=/tmp/verl python scripts/verl_algo_fixtures.py
+Needs torch, numpy and what verl's import chain wants (omegaconf, tensordict, ray, codetiming,
+orjson: the bench venv of scripts/bench_vs_torch.sh plus those).
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import verl.trainer.ppo.core_algos as ca
+from verl.workers.config import ActorConfig
+
+OUT = Path(__file__).resolve().parent.parent / "tests/fixtures/algo_verl_1dda039.json"
+B, T = 5, 6
+
+
+class Cfg(dict):
+    def __getattr__(self, k):
+        try:
+            return self[k]
+        except KeyError as e:
+            raise AttributeError(k) from e
+
+
+def actor_cfg(p, info):
+    """An ActorConfig (some losses check the type) holding the fields the losses read."""
+    fields = dict(
+        clip_ratio=p["clip_low"],
+        clip_ratio_low=p["clip_low"],
+        clip_ratio_high=p["clip_high"],
+        clip_ratio_c=p["clip_ratio_c"],
+        tau_pos=p["tau_pos"],
+        tau_neg=p["tau_neg"],
+        global_batch_info=dict(info),
+        policy_loss=Cfg(
+            clip_cov_ratio=0.0002,
+            clip_cov_lb=1.0,
+            clip_cov_ub=5.0,
+            kl_cov_ratio=p["kl_cov_ratio"],
+            ppo_kl_coef=p["ppo_kl_coef"],
+            dro_beta=p["dro_beta"],
+        ),
+    )
+    cfg = ActorConfig.__new__(ActorConfig)
+    for k, v in fields.items():
+        object.__setattr__(cfg, k, v)
+    return cfg
+
+
+def t(x):
+    return torch.tensor(x, dtype=torch.float64)
+
+
+def num(v):
+    return float(v.item()) if torch.is_tensor(v) else float(v)
+
+
+def main():
+    rng = np.random.default_rng(20261204)
+    mask = np.ones((B, T))
+    mask[1, 4:] = 0
+    mask[2, 2:] = 0
+    mask[3, :] = 0  # a row without a valid token
+    mask[4, 5:] = 0
+    loss_mat = rng.normal(size=(B, T))
+    old = rng.uniform(-2.5, -0.1, size=(B, T))
+    logp = old + rng.normal(scale=0.3, size=(B, T))
+    logp = np.minimum(logp, -1e-3)
+    adv = rng.normal(size=(B, T))
+    # Tokens that move far: probability up by 0.33 with A > 0 and down by 0.35 with A < 0
+    # (outside dppo's bounds 0.28 / 0.2), and a ratio e > clip_ratio_c 2 on a kept token.
+    for (i, j), (o, lp, a) in {
+        (0, 0): (-0.6, -0.1, 1.0),
+        (1, 0): (-0.3, -1.0, -1.0),
+        (0, 1): (-2.5, -1.5, 0.7),
+        (4, 2): (-1.2, -2.4, -0.5),
+    }.items():
+        old[i, j], logp[i, j], adv[i, j] = o, lp, a
+    weights = rng.uniform(0.5, 1.5, size=(B, T))
+    tokens, seqs = float(mask.sum()), float((mask.sum(-1) > 0).sum())
+    infos = {
+        "none": {},
+        "scale": {"loss_scale_factor": 4.0},
+        # one of two ranks of a mini-batch 3× this one's tokens and 2× its sequences
+        "global": {"dp_size": 2, "batch_num_tokens": 3 * tokens, "global_batch_size": 2 * seqs},
+        "global_scale": {
+            "dp_size": 2,
+            "batch_num_tokens": 3 * tokens,
+            "global_batch_size": 2 * seqs,
+            "loss_scale_factor": 4.0,
+        },
+    }
+    modes = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+    out = {
+        "source": "verl-project/verl 1dda039 verl/trainer/ppo/core_algos.py, torch f64 (scripts/verl_algo_fixtures.py)",
+        "loss_mat": loss_mat.tolist(),
+        "mask": mask.tolist(),
+        "old": old.tolist(),
+        "logp": logp.tolist(),
+        "adv": adv.tolist(),
+        "weights": weights.tolist(),
+        "infos": infos,
+        "agg": [],
+        "policy": [],
+        "value": [],
+    }
+    for mode in modes:
+        for name, info in infos.items():
+            got = ca.agg_loss(t(loss_mat), t(mask), mode, **info)
+            out["agg"].append(dict(mode=mode, info=name, loss=num(got)))
+
+    p = dict(
+        clip_low=0.2, clip_high=0.28, clip_ratio_c=2.0, tau_pos=1.0, tau_neg=1.05,
+        kl_cov_ratio=0.2, ppo_kl_coef=0.1, dro_beta=0.7,
+    )
+    out["params"] = p
+    losses = ["vanilla", "gspo", "gpg", "sapo", "cispo", "geo_mean", "kl_cov", "dppo_tv", "dppo_kl", "dro"]
+    for lm in losses:
+        fn = ca.get_policy_loss_fn(lm)
+        for agg in ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]:
+            for info_name in ["none", "global_scale"]:
+                for weighted in [False, True]:
+                    cfg = actor_cfg(p, infos[info_name])
+                    w = t(weights) if weighted else None
+                    lp = t(logp).requires_grad_(True)
+                    loss, metrics = fn(t(old), lp, t(adv), t(mask), agg, cfg, w)
+                    (grad,) = torch.autograd.grad(loss, lp)
+                    out["policy"].append(
+                        dict(
+                            mode=lm,
+                            agg=agg,
+                            info=info_name,
+                            weighted=weighted,
+                            loss=num(loss),
+                            grad=grad.tolist(),
+                            metrics={k.removeprefix("actor/"): num(v) for k, v in metrics.items()},
+                        )
+                    )
+    values = old + 1.0
+    vpreds = values + rng.normal(scale=0.6, size=(B, T))
+    returns = values + rng.normal(scale=1.0, size=(B, T))
+    out["vpreds"], out["values"], out["returns"] = vpreds.tolist(), values.tolist(), returns.tolist()
+    for agg in modes:
+        for name, info in infos.items():
+            loss, clipfrac = ca.compute_value_loss(t(vpreds), t(returns), t(values), t(mask), 0.5, agg, **info)
+            out["value"].append(dict(agg=agg, info=name, loss=num(loss), vf_clipfrac=num(clipfrac)))
+    OUT.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {OUT}: {len(out['agg'])} agg, {len(out['policy'])} policy, {len(out['value'])} value cases")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+//! Against verl itself: the numbers verl-project/verl 1dda039's `core_algos.py` gives in
+//! PyTorch f64 (`agg_loss` with and without the global-batch arguments, ten policy losses with
+//! and without rollout IS weights, their gradients with respect to the log-probs from torch's
+//! autograd, the clipped value loss), written to `tests/fixtures/algo_verl_1dda039.json` by
+//! `scripts/verl_algo_fixtures.py`. The inputs hold a row without a valid token. f64, 1e-9.
+
+use candle_core::{DType, Device, Tensor, Var};
+use serde_json::Value;
+
+use super::agg::{agg_loss, scalar, AggNorm};
+use super::*;
+use crate::config::{LossAggMode, PolicyLossMode};
+
+const TOL: f64 = 1e-9;
+
+fn fixture() -> Value {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/algo_verl_1dda039.json"
+    );
+    serde_json::from_str(&std::fs::read_to_string(path).expect("fixture file")).expect("JSON")
+}
+
+fn mat(v: &Value) -> Tensor {
+    let rows: Vec<Vec<f64>> = serde_json::from_value(v.clone()).expect("a matrix");
+    let (b, t) = (rows.len(), rows[0].len());
+    Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap()
+}
+
+fn num(v: &Value) -> f64 {
+    v.as_f64().unwrap_or_else(|| panic!("a number: {v}"))
+}
+
+fn close(case: &str, got: f64, want: f64) {
+    assert!(
+        (got - want).abs() <= TOL * (1.0 + want.abs()),
+        "{case}: {got}, verl {want}"
+    );
+}
+
+fn mode(s: &str) -> LossAggMode {
+    serde_yaml_ng::from_str(s).unwrap()
+}
+
+/// verl's `global_batch_info` as our normalisers (1dda039's aggregation).
+fn norm(info: &Value) -> AggNorm {
+    AggNorm {
+        batch_num_tokens: info.get("batch_num_tokens").and_then(Value::as_f64),
+        global_batch_size: info.get("global_batch_size").and_then(Value::as_f64),
+        loss_scale_factor: info.get("loss_scale_factor").and_then(Value::as_f64),
+        dp_size: info.get("dp_size").and_then(Value::as_f64),
+        legacy_sum_norm: false,
+    }
+}
+
+#[test]
+fn aggregation_equals_verl() {
+    let f = fixture();
+    let (l, m) = (mat(&f["loss_mat"]), mat(&f["mask"]));
+    for c in f["agg"].as_array().unwrap() {
+        let (md, info) = (c["mode"].as_str().unwrap(), c["info"].as_str().unwrap());
+        let got = agg_loss(&l, &m, mode(md), norm(&f["infos"][info])).unwrap();
+        close(
+            &format!("agg {md} {info}"),
+            scalar(&got).unwrap(),
+            num(&c["loss"]),
+        );
+    }
+}
+
+#[test]
+fn policy_losses_and_gradients_equal_verl() {
+    let f = fixture();
+    let p = &f["params"];
+    let (old, adv, m, w) = (
+        mat(&f["old"]),
+        mat(&f["adv"]),
+        mat(&f["mask"]),
+        mat(&f["weights"]),
+    );
+    let cases = f["policy"].as_array().unwrap();
+    assert_eq!(cases.len(), 120);
+    for c in cases {
+        let lm = c["mode"].as_str().unwrap();
+        let (agg, info) = (c["agg"].as_str().unwrap(), c["info"].as_str().unwrap());
+        let weighted = c["weighted"].as_bool().unwrap();
+        let name = format!("{lm} {agg} {info} weighted={weighted}");
+        let params = PolicyLossParams {
+            mode: serde_yaml_ng::from_str::<PolicyLossMode>(lm).unwrap(),
+            clip_low: num(&p["clip_low"]),
+            clip_high: num(&p["clip_high"]),
+            clip_ratio_c: num(&p["clip_ratio_c"]),
+            tau_pos: num(&p["tau_pos"]),
+            tau_neg: num(&p["tau_neg"]),
+            clip_cov_ratio: 0.0002,
+            clip_cov_lb: 1.0,
+            clip_cov_ub: 5.0,
+            kl_cov_ratio: num(&p["kl_cov_ratio"]),
+            ppo_kl_coef: num(&p["ppo_kl_coef"]),
+            dro_beta: p["dro_beta"].as_f64(),
+            loss_agg_mode: mode(agg),
+            norm: norm(&f["infos"][info]),
+            seed: 0,
+        };
+        let logp = Var::from_tensor(&mat(&f["logp"])).unwrap();
+        let weights = weighted.then_some(&w);
+        let out = policy::policy_loss_weighted(&old, logp.as_tensor(), &adv, &m, &params, weights)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        close(
+            &format!("{name}: loss"),
+            scalar(&out.loss).unwrap(),
+            num(&c["loss"]),
+        );
+        let grads = out.loss.backward().unwrap();
+        let g: Vec<f64> = grads
+            .get(logp.as_tensor())
+            .expect("a gradient")
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let want: Vec<Vec<f64>> = serde_json::from_value(c["grad"].clone()).unwrap();
+        for (i, (a, b)) in g.iter().zip(want.concat()).enumerate() {
+            close(&format!("{name}: d loss / d logp[{i}]"), *a, b);
+        }
+        let metrics = c["metrics"].as_object().unwrap();
+        for (key, got) in [
+            ("pg_clipfrac", out.pg_clipfrac),
+            ("ppo_kl", out.ppo_kl),
+            ("pg_clipfrac_lower", out.pg_clipfrac_lower),
+        ] {
+            match (metrics.get(key), got) {
+                (Some(v), Some(g)) => close(&format!("{name}: {key}"), g, num(v)),
+                // verl reports nothing: we report nothing, or 0 where an older verl had 0.
+                (None, g) => assert!(g.is_none_or(|g| g == 0.0), "{name}: {key} {g:?}"),
+                (Some(v), None) => panic!("{name}: verl reports {key} = {v}, we do not"),
+            }
+        }
+    }
+}
+
+#[test]
+fn value_loss_equals_verl() {
+    let f = fixture();
+    let (v, r, vals, m) = (
+        mat(&f["vpreds"]),
+        mat(&f["returns"]),
+        mat(&f["values"]),
+        mat(&f["mask"]),
+    );
+    for c in f["value"].as_array().unwrap() {
+        let (agg, info) = (c["agg"].as_str().unwrap(), c["info"].as_str().unwrap());
+        let (loss, clipfrac) =
+            value_loss(&v, &r, &vals, &m, 0.5, mode(agg), norm(&f["infos"][info])).unwrap();
+        let name = format!("value {agg} {info}");
+        close(
+            &format!("{name}: loss"),
+            scalar(&loss).unwrap(),
+            num(&c["loss"]),
+        );
+        close(
+            &format!("{name}: vf_clipfrac"),
+            clipfrac,
+            num(&c["vf_clipfrac"]),
+        );
+    }
+}
+
+/// The same checks hold in f32 to single precision (the losses' dtype follows the inputs).
+#[test]
+fn f32_inputs_follow_verl_to_single_precision() {
+    let f = fixture();
+    let to32 = |t: Tensor| t.to_dtype(DType::F32).unwrap();
+    let (l, m) = (to32(mat(&f["loss_mat"])), to32(mat(&f["mask"])));
+    for c in f["agg"].as_array().unwrap() {
+        let (md, info) = (c["mode"].as_str().unwrap(), c["info"].as_str().unwrap());
+        let got = scalar(&agg_loss(&l, &m, mode(md), norm(&f["infos"][info])).unwrap()).unwrap();
+        let want = num(&c["loss"]);
+        assert!(
+            (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+            "agg {md} {info}: {got} vs {want}"
+        );
+    }
+}
