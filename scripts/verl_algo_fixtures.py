@@ -7,7 +7,8 @@ Covered: `agg_loss` in every mode with and without the global-batch arguments (`
 `batch_num_tokens`, `global_batch_size`, `loss_scale_factor`); the policy losses vanilla, gspo,
 gpg, sapo, cispo, geo_mean, kl_cov, dppo_tv, dppo_kl and dro in several aggregation modes, with
 and without rollout importance-sampling weights and global-batch arguments; the clipped value
-loss with global-batch arguments. Inputs hold a fully masked row. (clip_cov draws its tokens
+loss with global-batch arguments; the gdpo estimator with and without reward weights. Inputs
+hold a fully masked row. (clip_cov draws its tokens
 with torch's generator and is left out.)
 
 Usage:
@@ -158,6 +159,27 @@ def main():
         for name, info in infos.items():
             loss, clipfrac = ca.compute_value_loss(t(vpreds), t(returns), t(values), t(mask), 0.5, agg, **info)
             out["value"].append(dict(agg=agg, info=name, loss=num(loss), vf_clipfrac=num(clipfrac)))
+    # gdpo: two reward components over groups [0, 0, 1, 1, 1]; "format" is all-equal in group 1.
+    index = np.array(["a", "a", "b", "b", "b"], dtype=object)
+    comps = {"accuracy": [1.0, 0.0, 1.0, 0.0, 0.0], "format": [0.5, 1.0, 1.0, 1.0, 1.0]}
+    prompts = torch.zeros((B, 3), dtype=torch.long)
+    attention = torch.cat([torch.ones((B, 3)), t(mask)], dim=1).long()
+    out["gdpo"] = []
+    for weights in [None, [1.0, 0.5]]:
+        for norm in [True, False]:
+            cfg = Cfg(gdpo_reward_keys=list(comps), gdpo_reward_weights=weights, norm_adv_by_std_in_grpo=norm)
+            adv, ret = ca.compute_gdpo_outcome_advantage(
+                token_level_rewards=torch.zeros((B, T), dtype=torch.float64),
+                response_mask=t(mask),
+                index=index,
+                norm_adv_by_std_in_grpo=norm,
+                config=cfg,
+                non_tensor_batch={k: np.array(v) for k, v in comps.items()},
+                batch={"prompts": prompts, "attention_mask": attention},
+            )
+            out["gdpo"].append(dict(weights=weights, norm=norm, adv=adv.double().tolist()))
+    out["gdpo_components"] = comps
+    out["gdpo_index"] = [0, 0, 1, 1, 1]
     OUT.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {OUT}: {len(out['agg'])} agg, {len(out['policy'])} policy, {len(out['value'])} value cases")
 

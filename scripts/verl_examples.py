@@ -151,7 +151,7 @@ def unset(v):
 
 # verl's advantage estimators and policy losses that main_ppo implements.
 ESTIMATORS = {"gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus",
-              "reinforce_plus_plus_baseline", "remax", "opo", "grpo_passk", "gpg"}
+              "reinforce_plus_plus_baseline", "remax", "opo", "grpo_passk", "gpg", "gdpo"}
 LOSSES = {"vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "sapo", "cispo", "geo_mean", "dppo_tv", "dppo_kl", "dro"}
 REWARD_MANAGERS = {"naive", "remote", "batch", "dapo"}
 
@@ -204,7 +204,6 @@ def expect(entry, configs):
         ("data.custom_cls.path", "custom Python dataset class"),
         ("data.sampler.class_path", "custom Python sampler"),
         ("data.datagen.path", "custom Python data generator"),
-        ("algorithm.gdpo_reward_keys", "GDPO"),
         ("sandbox_fusion.url", "sandbox fusion"),
         ("reward.sandbox_fusion.url", "sandbox fusion"),
         ("actor_rollout_ref.rollout.quantization", "quantized rollouts"),

@@ -39,6 +39,9 @@ pub struct HostInputs<'a> {
     pub values: Option<&'a Mat>,
     pub index: Option<&'a [u64]>,
     pub reward_baselines: Option<&'a [f64]>,
+    /// gdpo: each reward component's score per response, `[keys][rows]`, in the order of
+    /// `algorithm.gdpo_reward_keys`.
+    pub reward_components: Option<&'a [Vec<f64>]>,
 }
 
 /// A row-major host matrix `[b, t]` of f64.
@@ -138,6 +141,7 @@ pub fn compute_advantage(
         values: values.as_ref(),
         index: inp.index,
         reward_baselines: baselines.as_deref(),
+        reward_components: None,
     };
     let (adv, ret) = advantages(est, &host, cfg)?;
     let dtype = inp.token_level_rewards.dtype();
@@ -196,6 +200,17 @@ pub fn advantages(
             cfg.norm_adv_by_std_in_grpo,
             1e-6,
         )),
+        AdvEstimator::Gdpo => {
+            let comps = inp.reward_components.ok_or_else(|| {
+                candle_core::Error::Msg(
+                    "adv_estimator=gdpo needs each response's reward components (algorithm.gdpo_reward_keys)".into(),
+                )
+            })?;
+            (
+                gdpo(comps, cfg.gdpo_reward_weights.as_deref(), index()?, m, cfg)?,
+                None,
+            )
+        }
         AdvEstimator::Rloo | AdvEstimator::RlooVectorized => {
             let single_gets_score = est == AdvEstimator::Rloo;
             outcome(rloo_scalars(&scores, index()?, single_gets_score))
@@ -255,6 +270,51 @@ fn centered(scores: &[f64], index: &[u64], scale: f64) -> Vec<f64> {
 
 /// REINFORCE++ with a group baseline: scores centred in their group, broadcast over the
 /// response, whitened over the batch's tokens, masked.
+/// GDPO (arXiv 2601.05242): each reward component normalised within its groups as GRPO does
+/// (`norm_adv_by_std_in_grpo`, ε 1e-6), the results summed with `weights` (default 1 each),
+/// broadcast over the response tokens, whitened over the batch's valid tokens and masked.
+fn gdpo(
+    comps: &[Vec<f64>],
+    weights: Option<&[f64]>,
+    index: &[u64],
+    m: &Mat,
+    cfg: &AlgorithmConfig,
+) -> Result<Vec<f64>> {
+    if comps.is_empty() {
+        return bail("adv_estimator=gdpo needs at least one reward component");
+    }
+    if let Some(w) = weights {
+        if w.len() != comps.len() {
+            return bail(format!(
+                "algorithm.gdpo_reward_weights has {} entries for {} reward keys",
+                w.len(),
+                comps.len()
+            ));
+        }
+    }
+    let mut sum = vec![0.0; m.b];
+    for (k, c) in comps.iter().enumerate() {
+        if c.len() != m.b {
+            return bail(format!(
+                "reward component {k} has {} scores for {} responses",
+                c.len(),
+                m.b
+            ));
+        }
+        let w = weights.map_or(1.0, |w| w[k]);
+        let a = grpo_scalars(c, index, cfg.norm_adv_by_std_in_grpo, 1e-6);
+        for (s, x) in sum.iter_mut().zip(a) {
+            *s += w * x;
+        }
+    }
+    let mut adv = broadcast(&sum, m);
+    host::whiten(&mut adv.v, &m.v).map_err(candle_core::Error::Msg)?;
+    for (x, mk) in adv.v.iter_mut().zip(&m.v) {
+        *x *= mk;
+    }
+    Ok(adv.v)
+}
+
 fn reinforce_pp_baseline(scores: &[f64], index: &[u64], m: &Mat) -> Result<Vec<f64>> {
     let mut adv = broadcast(&centered(scores, index, 1.0), m);
     host::whiten(&mut adv.v, &m.v).map_err(candle_core::Error::Msg)?;

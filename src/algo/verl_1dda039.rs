@@ -182,3 +182,61 @@ fn f32_inputs_follow_verl_to_single_precision() {
         );
     }
 }
+
+/// gdpo: verl builds each component's token scores in f32 and normalises them in f32, so its
+/// advantages carry single precision (tolerance 1e-5); inputs are exact in f32. The second
+/// group's `format` component is all-equal: it adds 0 whatever the std division.
+#[test]
+fn gdpo_equals_verl() {
+    let f = fixture();
+    let m = Mat::from_tensor(&mat(&f["mask"]), "mask").unwrap();
+    let comps: Vec<Vec<f64>> = ["accuracy", "format"]
+        .iter()
+        .map(|k| serde_json::from_value(f["gdpo_components"][k].clone()).unwrap())
+        .collect();
+    let index: Vec<u64> = serde_json::from_value(f["gdpo_index"].clone()).unwrap();
+    let zeros = Mat::zeros(m.b, m.t);
+    for c in f["gdpo"].as_array().unwrap() {
+        let cfg = crate::config::AlgorithmConfig {
+            adv_estimator: crate::config::AdvEstimator::Gdpo,
+            norm_adv_by_std_in_grpo: c["norm"].as_bool().unwrap(),
+            gdpo_reward_weights: serde_json::from_value(c["weights"].clone()).unwrap(),
+            ..Default::default()
+        };
+        let inp = HostInputs {
+            token_level_rewards: &zeros,
+            response_mask: &m,
+            values: None,
+            index: Some(&index),
+            reward_baselines: None,
+            reward_components: Some(&comps),
+        };
+        let (adv, ret) = advantages(cfg.adv_estimator, &inp, &cfg).unwrap();
+        let want: Vec<Vec<f64>> = serde_json::from_value(c["adv"].clone()).unwrap();
+        for (i, (a, w)) in adv.v.iter().zip(want.concat()).enumerate() {
+            assert!((a - w).abs() <= 1e-5, "gdpo {c:?}[{i}]: {a} vs {w}");
+        }
+        assert_eq!(adv.v, ret.v, "gdpo's returns are its advantages");
+    }
+    // One weight per key, and the components are needed.
+    let cfg = crate::config::AlgorithmConfig {
+        gdpo_reward_weights: Some(vec![1.0]),
+        ..Default::default()
+    };
+    let inp = HostInputs {
+        token_level_rewards: &zeros,
+        response_mask: &m,
+        values: None,
+        index: Some(&index),
+        reward_baselines: None,
+        reward_components: Some(&comps),
+    };
+    let e = advantages(crate::config::AdvEstimator::Gdpo, &inp, &cfg).unwrap_err();
+    assert!(e.to_string().contains("1 entries for 2 reward keys"), "{e}");
+    let inp = HostInputs {
+        reward_components: None,
+        ..inp
+    };
+    let e = advantages(crate::config::AdvEstimator::Gdpo, &inp, &cfg).unwrap_err();
+    assert!(e.to_string().contains("gdpo_reward_keys"), "{e}");
+}

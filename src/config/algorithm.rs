@@ -33,6 +33,9 @@ pub enum AdvEstimator {
     GrpoPassk,
     /// GPG: group-mean baseline scaled by batch size over non-zero scores.
     Gpg,
+    /// GDPO: each reward component (`gdpo_reward_keys`) group-normalised on its own, weighted,
+    /// summed and whitened over the batch.
+    Gdpo,
 }
 
 impl AdvEstimator {
@@ -49,6 +52,7 @@ impl AdvEstimator {
             AdvEstimator::Opo => "opo",
             AdvEstimator::GrpoPassk => "grpo_passk",
             AdvEstimator::Gpg => "gpg",
+            AdvEstimator::Gdpo => "gdpo",
         }
     }
 }
@@ -184,7 +188,7 @@ pub struct AlgorithmConfig {
     pub gamma: f64,
     /// GAE lambda.
     pub lam: f64,
-    /// gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | opo | grpo_passk | gpg.
+    /// gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | opo | grpo_passk | gpg | gdpo.
     pub adv_estimator: AdvEstimator,
     /// GRPO: divide by the group std (false = Dr.GRPO).
     pub norm_adv_by_std_in_grpo: bool,
@@ -194,6 +198,11 @@ pub struct AlgorithmConfig {
     pub kl_penalty: KlPenalty,
     /// KL coefficient controller.
     pub kl_ctrl: KlCtrlConfig,
+    /// gdpo: the reward components, keys of the dict the reward function returns (each
+    /// response's value under each key is normalised within its group on its own).
+    pub gdpo_reward_keys: Option<Vec<String>>,
+    /// gdpo: one weight per key of gdpo_reward_keys; null = 1 each.
+    pub gdpo_reward_weights: Option<Vec<f64>>,
 }
 
 defaults!(AlgorithmConfig {
@@ -204,4 +213,6 @@ defaults!(AlgorithmConfig {
     use_kl_in_reward: false,
     kl_penalty: KlPenalty::new(KlKind::K1, false),
     kl_ctrl: KlCtrlConfig::default(),
+    gdpo_reward_keys: None,
+    gdpo_reward_weights: None,
 });

@@ -207,8 +207,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("algorithm.rollout_correction.rollout_rs", Unsupported { default: "null", why: "rollout rejection sampling is not implemented" }),
     ("algorithm.rollout_correction.bypass_mode", Unsupported { default: "false", why: "bypass mode is not implemented" }),
     ("algorithm.rollout_correction", DIST),
-    ("algorithm.gdpo_reward_keys", Unsupported { default: "null", why: "the gdpo advantage estimator is not implemented" }),
-    ("algorithm.gdpo_reward_weights", Unsupported { default: "null", why: "the gdpo advantage estimator is not implemented" }),
     // trainer runtime
     ("trainer.esi_redundant_time", DIST),
     ("trainer.default_hdfs_dir", DIST),

@@ -649,13 +649,44 @@ fn algorithm_rules(f: &mut Findings, cfg: &Config, n: usize) {
             "`algorithm.adv_estimator=grpo_passk` needs at least 2 responses per prompt; `actor_rollout_ref.rollout.n` is {n}"
         ));
     }
+    gdpo_rules(errors, algo);
     if matches!(
         algo.adv_estimator,
-        AdvEstimator::Grpo | AdvEstimator::Rloo | AdvEstimator::RlooVectorized
+        AdvEstimator::Grpo | AdvEstimator::Rloo | AdvEstimator::RlooVectorized | AdvEstimator::Gdpo
     ) && n == 1
     {
         warnings.push(format!(
             "`algorithm.adv_estimator={}` compares responses to the same prompt, but `actor_rollout_ref.rollout.n` is 1",
+            algo.adv_estimator.as_str()
+        ));
+    }
+}
+
+/// `algorithm.gdpo_reward_keys` / `gdpo_reward_weights`: needed by gdpo (as in verl), one weight
+/// per key, and never set without it (they would change nothing).
+fn gdpo_rules(errors: &mut Vec<String>, algo: &crate::config::AlgorithmConfig) {
+    let keys = algo.gdpo_reward_keys.as_deref().unwrap_or_default();
+    if algo.adv_estimator == AdvEstimator::Gdpo {
+        if keys.is_empty() {
+            errors.push("`algorithm.adv_estimator=gdpo` needs `algorithm.gdpo_reward_keys`: the keys of the dict your compute_score returns whose values are normalised one by one (e.g. [format_reward, accuracy_reward])".to_string());
+        }
+        if let Some(w) = &algo.gdpo_reward_weights {
+            if w.len() != keys.len() {
+                errors.push(format!(
+                    "`algorithm.gdpo_reward_weights` has {} entries but `algorithm.gdpo_reward_keys` has {}: one weight per key",
+                    w.len(),
+                    keys.len()
+                ));
+            }
+            if let Some(bad) = w.iter().find(|x| !x.is_finite()) {
+                errors.push(format!(
+                    "`algorithm.gdpo_reward_weights` holds {bad}: weights must be finite"
+                ));
+            }
+        }
+    } else if algo.gdpo_reward_keys.is_some() || algo.gdpo_reward_weights.is_some() {
+        errors.push(format!(
+            "`algorithm.gdpo_reward_keys` / `gdpo_reward_weights` are read only by `algorithm.adv_estimator=gdpo` (it is {})",
             algo.adv_estimator.as_str()
         ));
     }

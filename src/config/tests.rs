@@ -1040,3 +1040,21 @@ fn dro_needs_a_positive_beta() {
         );
     }
 }
+
+/// gdpo's keys: required with gdpo, one weight per key, and refused without gdpo (they would
+/// change nothing).
+#[test]
+fn gdpo_reward_keys_rules() {
+    let g = "algorithm.adv_estimator=gdpo";
+    let e = rule_error(&[g]);
+    assert!(e.contains("algorithm.gdpo_reward_keys"), "{e}");
+    let keys = "algorithm.gdpo_reward_keys=[a, b]";
+    assert!(resolved(&[g, keys]).is_ok());
+    let e = rule_error(&[g, keys, "algorithm.gdpo_reward_weights=[1.0]"]);
+    assert!(e.contains("1 entries") && e.contains("has 2"), "{e}");
+    let e = rule_error(&[keys]);
+    assert!(
+        e.contains("read only by `algorithm.adv_estimator=gdpo`"),
+        "{e}"
+    );
+}

@@ -12,7 +12,7 @@ use candle_core::{Device, Tensor};
 
 use super::batch::{pad_rows, Column, Ragged, StepBatch};
 use crate::algo::{advantages, apply_kl_penalty, HostInputs, KlController, Mat};
-use crate::config::AlgorithmConfig;
+use crate::config::{AdvEstimator, AlgorithmConfig};
 use crate::metrics::Metrics;
 
 /// Fills `token_level_rewards`, `advantages` and `returns`; returns the KL-in-reward metrics.
@@ -64,6 +64,23 @@ pub fn compute(
             .as_ref()
             // f32 on the way, as the tensor these were read from held them.
             .map(|base| kept.iter().map(|&r| f64::from(base[r] as f32)).collect());
+        let components = match (alg.adv_estimator, &alg.gdpo_reward_keys) {
+            (AdvEstimator::Gdpo, Some(keys)) => Some(reward_components(b, &kept, keys)?),
+            _ => None,
+        };
+        if let (Some(comps), Some(keys)) = (&components, &alg.gdpo_reward_keys) {
+            // verl's gdpo/<key>/{mean,std,max,min} (population std), over the kept rows.
+            for (key, c) in keys.iter().zip(comps) {
+                let n = c.len() as f64;
+                let mean = c.iter().sum::<f64>() / n;
+                let std = (c.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n).sqrt();
+                let max = c.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let min = c.iter().copied().fold(f64::INFINITY, f64::min);
+                for (stat, v) in [("mean", mean), ("std", std), ("max", max), ("min", min)] {
+                    m.insert(format!("gdpo/{key}/{stat}"), v);
+                }
+            }
+        }
         let (adv, ret) = advantages(
             alg.adv_estimator,
             &HostInputs {
@@ -72,6 +89,7 @@ pub fn compute(
                 values: values.as_ref(),
                 index: Some(&index),
                 reward_baselines: baselines.as_deref(),
+                reward_components: components.as_deref(),
             },
             alg,
         )?;
@@ -87,6 +105,41 @@ pub fn compute(
     batch.set(Column::Advantages, adv)?;
     batch.set(Column::Returns, ret)?;
     Ok(m)
+}
+
+/// gdpo's reward components: for each of `keys`, the kept rows' values under that key of what the
+/// reward function returned (a number or a bool), rounded to f32 as verl reads them. A row
+/// without the key, or with a value that is not a number, is an error naming both.
+fn reward_components(
+    b: &StepBatch,
+    kept: &[usize],
+    keys: &[String],
+) -> candle_core::Result<Vec<Vec<f64>>> {
+    keys.iter()
+        .map(|key| {
+            kept.iter()
+                .map(|&r| {
+                    let extra = &b.rewards[r].extra;
+                    let v = match extra.get(key) {
+                        Some(serde_json::Value::Bool(x)) => Some(f64::from(u8::from(*x))),
+                        Some(v) => v.as_f64(),
+                        None => {
+                            let have: Vec<&str> = extra.keys().map(String::as_str).collect();
+                            return Err(candle_core::Error::Msg(format!(
+                                "algorithm.gdpo_reward_keys: response {r} has no `{key}` among the values its reward returned ({have:?}); compute_score must return a dict holding every key"
+                            )));
+                        }
+                    };
+                    v.map(|x| f64::from(x as f32)).ok_or_else(|| {
+                        candle_core::Error::Msg(format!(
+                            "algorithm.gdpo_reward_keys: response {r}'s `{key}` is {}, not a number",
+                            extra[key]
+                        ))
+                    })
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// `algorithm.use_kl_in_reward`: the kept rows' token rewards, scores − β·KL(old ‖ ref), as

@@ -74,6 +74,24 @@ fn natives() -> NativeRegistry {
     )
     .unwrap();
     n.register(
+        "parts",
+        |inp: &ScoreInput, _: &Map<String, serde_json::Value>| {
+            let chars: Vec<char> = inp.solution_str.chars().collect();
+            let a = chars.iter().filter(|&&c| c == 'a').count() as f64;
+            let share = if chars.is_empty() {
+                0.0
+            } else {
+                a / chars.len() as f64
+            };
+            let even = f64::from(u8::from(chars.len().is_multiple_of(2)));
+            let mut extra = Map::new();
+            extra.insert("share".into(), share.into());
+            extra.insert("even".into(), chars.len().is_multiple_of(2).into());
+            Ok(ScoreResult { score: even, extra })
+        },
+    )
+    .unwrap();
+    n.register(
         "one",
         |_: &ScoreInput, _: &Map<String, serde_json::Value>| {
             Ok(ScoreResult {
@@ -870,6 +888,67 @@ fn seq_mean_token_sum_norm_follows_the_workers_verl() {
             "{extra:?}: {n} vs {s} x {ratio}"
         );
     }
+}
+
+/// gdpo through the whole step, with the components a reward function returns as extra values
+/// (`even`: 1 for an even response length, also the score; `share`: the share of `a`s).
+/// Independent check: one component equal to the score, without std division, is
+/// whiten(score − group mean) — exactly reinforce_plus_plus_baseline — so both runs give the
+/// same advantages and update. With two components the update differs, verl's gdpo/<key>/*
+/// metrics appear, and a key the reward does not return is an error naming it.
+#[test]
+fn gdpo_trains_on_the_reward_components() {
+    let fx = fixture();
+    let base = [
+        "reward.sources=[{name: p, type: native, function: parts}]",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "trainer.total_training_steps=1",
+    ];
+    let run = |extra: &[&str]| {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        trainer(&fx, &args, None).step()
+    };
+    let rpp = run(&["algorithm.adv_estimator=reinforce_plus_plus_baseline"]).unwrap();
+    let one = run(&[
+        "algorithm.adv_estimator=gdpo",
+        "algorithm.norm_adv_by_std_in_grpo=False",
+        "algorithm.gdpo_reward_keys=[even]",
+    ])
+    .unwrap();
+    for k in [
+        "critic/advantages/mean",
+        "critic/advantages/max",
+        "actor/grad_norm",
+    ] {
+        assert!(rpp[k].abs() > 0.0 || k.ends_with("mean"), "{k}: {}", rpp[k]);
+        assert!(
+            (rpp[k] - one[k]).abs() <= 1e-6 * (1.0 + rpp[k].abs()),
+            "{k}: {} vs {}",
+            rpp[k],
+            one[k]
+        );
+    }
+    let two = run(&[
+        "algorithm.adv_estimator=gdpo",
+        "algorithm.gdpo_reward_keys=[even, share]",
+        "algorithm.gdpo_reward_weights=[1.0, 0.5]",
+    ])
+    .unwrap();
+    assert!((0.0..=1.0).contains(&two["gdpo/share/mean"]), "{two:?}");
+    assert!((two["gdpo/even/mean"] - two["critic/score/mean"]).abs() < 1e-6);
+    assert!(two["actor/grad_norm"] != one["actor/grad_norm"]);
+    let e = run(&[
+        "algorithm.adv_estimator=gdpo",
+        "algorithm.gdpo_reward_keys=[even, format]",
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("`format`") && e.contains("gdpo_reward_keys"),
+        "{e}"
+    );
 }
 
 /// verl's `fit`: validation, then the checkpoint, both after the `step` timer stopped, so
