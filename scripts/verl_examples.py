@@ -153,7 +153,7 @@ def unset(v):
 ESTIMATORS = {"gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus",
               "reinforce_plus_plus_baseline", "remax", "opo", "grpo_passk", "gpg", "gdpo"}
 LOSSES = {"vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "sapo", "cispo", "geo_mean", "dppo_tv", "dppo_kl", "dro"}
-REWARD_MANAGERS = {"naive", "remote", "batch", "dapo"}
+REWARD_MANAGERS = {"naive", "remote", "batch", "dapo", "gdpo"}
 
 # Keys a few example lines set that verl's own config does not define at that commit (verl
 # refuses those lines too): (commit, key).

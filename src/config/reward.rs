@@ -36,6 +36,10 @@ pub enum RewardManagerName {
     Batch,
     /// naive plus DAPO's overlong-response penalty (reward_kwargs.overlong_buffer_cfg).
     Dapo,
+    /// verl's GDPO manager: naive, with `extra_info["experiment_name"]` set to
+    /// `trainer.experiment_name` in every call (the components gdpo reads are the dict's keys,
+    /// as with naive).
+    Gdpo,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -43,7 +47,7 @@ pub enum RewardManagerName {
 pub struct RewardManagerConfig {
     /// register (a built-in manager by name); verl's importlib (a Python class) is not supported.
     pub source: String,
-    /// naive | batch | dapo.
+    /// naive | batch | dapo | gdpo.
     pub name: RewardManagerName,
 }
 

@@ -80,11 +80,27 @@ pub fn decode(tok: &TokenizerBundle, responses: &[Vec<u32>]) -> Result<Vec<Strin
         .collect()
 }
 
-/// The reward requests of responses `texts` to dataset rows `rows` of `ds`.
-pub fn requests(ds: &PromptDataset, rows: &[usize], texts: &[String]) -> Vec<ScoreRequest> {
+/// The reward requests of responses `texts` to dataset rows `rows` of `ds`. `experiment`: with
+/// verl's `gdpo` reward manager, the experiment name it writes into each request's
+/// `extra_info["experiment_name"]` (an `extra_info` that is not a mapping becomes one).
+pub fn requests(
+    ds: &PromptDataset,
+    rows: &[usize],
+    texts: &[String],
+    experiment: Option<&str>,
+) -> Vec<ScoreRequest> {
     rows.iter()
         .zip(texts)
-        .map(|(&i, text)| ScoreRequest::new(&ds.samples[i], text.clone()))
+        .map(|(&i, text)| {
+            let mut r = ScoreRequest::new(&ds.samples[i], text.clone());
+            if let Some(name) = experiment {
+                if !r.extra_info.is_object() {
+                    r.extra_info = serde_json::Value::Object(Default::default());
+                }
+                r.extra_info["experiment_name"] = name.into();
+            }
+            r
+        })
         .collect()
 }
 
@@ -98,6 +114,12 @@ pub(super) enum OldLogProbs {
 }
 
 impl Trainer {
+    /// The experiment name verl's `gdpo` reward manager puts in `extra_info` (else `None`).
+    pub(super) fn reward_experiment(&self) -> Option<&str> {
+        (self.cfg.reward.reward_manager.name == crate::config::RewardManagerName::Gdpo)
+            .then_some(self.cfg.trainer.experiment_name.as_str())
+    }
+
     /// Weights posted to the control API apply from this step on.
     /// With data parallelism the API runs on rank 0, which sends the changes to every rank.
     pub(super) fn apply_weight_changes(&mut self, step: u64) -> Result<()> {
@@ -155,7 +177,12 @@ impl Trainer {
     /// rows the reward stage excluded.
     pub(super) fn compute_rewards(&mut self, batch: &mut StepBatch) -> Result<()> {
         batch.texts = decode(&self.tokenizer, &batch.responses)?;
-        let reqs = requests(&self.train, &batch.sample, &batch.texts);
+        let reqs = requests(
+            &self.train,
+            &batch.sample,
+            &batch.texts,
+            self.reward_experiment(),
+        );
         let scored = self.reward.score_batch(&reqs, &batch.response_lens())?;
         Ok(batch.add_rewards(scored)?)
     }
@@ -170,9 +197,10 @@ impl Trainer {
             .greedy(&self.actor.rollout_view(), &self.train, &firsts)?;
         let texts = decode(&self.tokenizer, &responses)?;
         let lens: Vec<usize> = responses.iter().map(Vec::len).collect();
-        let scored = self
-            .reward
-            .score(&requests(&self.train, &firsts, &texts), &lens)?;
+        let scored = self.reward.score(
+            &requests(&self.train, &firsts, &texts, self.reward_experiment()),
+            &lens,
+        )?;
         batch.reward_baselines = Some(
             (0..batch.len())
                 .map(|row| scored[row / n].score.unwrap_or(0.0))

@@ -92,6 +92,20 @@ fn natives() -> NativeRegistry {
     )
     .unwrap();
     n.register(
+        "in_experiment_x",
+        |inp: &ScoreInput, _: &Map<String, serde_json::Value>| {
+            let named = inp
+                .extra_info
+                .get("experiment_name")
+                .and_then(|v| v.as_str());
+            Ok(ScoreResult {
+                score: f64::from(u8::from(named == Some("x"))),
+                extra: Map::new(),
+            })
+        },
+    )
+    .unwrap();
+    n.register(
         "one",
         |_: &ScoreInput, _: &Map<String, serde_json::Value>| {
             Ok(ScoreResult {
@@ -949,6 +963,34 @@ fn gdpo_trains_on_the_reward_components() {
         e.contains("`format`") && e.contains("gdpo_reward_keys"),
         "{e}"
     );
+}
+
+/// verl's `gdpo` reward manager is naive plus `extra_info["experiment_name"]`: a scorer that
+/// checks for it scores 1 under gdpo and 0 under naive, in training and validation alike.
+#[test]
+fn the_gdpo_reward_manager_names_the_experiment() {
+    let fx = fixture();
+    for (manager, want) in [("gdpo", 1.0), ("naive", 0.0)] {
+        let mut t = trainer(
+            &fx,
+            &[
+                "reward.sources=[{name: x, type: native, function: in_experiment_x}]",
+                &format!("reward.reward_manager.name={manager}"),
+                "trainer.experiment_name=x",
+                "trainer.total_training_steps=1",
+                "trainer.test_freq=1",
+            ],
+            None,
+        );
+        let m = t.step().unwrap();
+        assert_eq!(m["critic/score/mean"], want, "{manager}");
+        let val = m
+            .iter()
+            .find(|(k, _)| k.starts_with("val-aux/") && k.contains("/reward/mean"))
+            .map(|(k, v)| (k.clone(), *v));
+        let (k, v) = val.unwrap_or_else(|| panic!("{manager}: no validation reward in {m:?}"));
+        assert_eq!(v, want, "{manager}: {k}");
+    }
 }
 
 /// verl's `fit`: validation, then the checkpoint, both after the `step` timer stopped, so

@@ -297,7 +297,10 @@ impl Trainer {
             let out = generate_rows(&view, ds, &rows, &params, &mut sampler)?;
             let texts = decode(&self.tokenizer, &out.responses)?;
             let lens: Vec<usize> = out.responses.iter().map(Vec::len).collect();
-            let rewards = self.reward.score(&requests(ds, &rows, &texts), &lens)?;
+            let rewards = self.reward.score(
+                &requests(ds, &rows, &texts, self.reward_experiment()),
+                &lens,
+            )?;
             for (k, r) in rewards.iter().enumerate() {
                 let sample = &ds.samples[rows[k]];
                 if let Some(score) = r.score {
