@@ -47,10 +47,12 @@ def t(x):
     return torch.tensor(x, dtype=torch.float64)
 
 
-def actor_cfg(p, scale=None):
+def actor_cfg(p, scale=None, info=None):
     """An ActorConfig (gspo checks the type) holding only the fields the losses read: made
-    without __init__, whose validation wants a whole actor section."""
-    info = {} if scale is None else {"loss_scale_factor": scale}
+    without __init__, whose validation wants a whole actor section. `info`: verl's
+    global_batch_info (default: loss_scale_factor alone, when `scale` is given)."""
+    if info is None:
+        info = {} if scale is None else {"loss_scale_factor": scale}
     fields = dict(
         clip_ratio=p["clip_low"],
         clip_ratio_low=p["clip_low"],
@@ -58,13 +60,14 @@ def actor_cfg(p, scale=None):
         clip_ratio_c=p["clip_ratio_c"],
         tau_pos=p["tau_pos"],
         tau_neg=p["tau_neg"],
-        global_batch_info=info,
+        global_batch_info=dict(info),
         policy_loss=Cfg(
             clip_cov_ratio=p["clip_cov_ratio"],
             clip_cov_lb=p["clip_cov_lb"],
             clip_cov_ub=p["clip_cov_ub"],
             kl_cov_ratio=p["kl_cov_ratio"],
             ppo_kl_coef=p["ppo_kl_coef"],
+            dro_beta=p.get("dro_beta"),
         ),
     )
     cfg = ActorConfig.__new__(ActorConfig)

@@ -23,51 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import verl.trainer.ppo.core_algos as ca
-from verl.workers.config import ActorConfig
+from verl_algo_check import Cfg, actor_cfg, num, t  # same directory
 
 OUT = Path(__file__).resolve().parent.parent / "tests/fixtures/algo_verl_1dda039.json"
 B, T = 5, 6
-
-
-class Cfg(dict):
-    def __getattr__(self, k):
-        try:
-            return self[k]
-        except KeyError as e:
-            raise AttributeError(k) from e
-
-
-def actor_cfg(p, info):
-    """An ActorConfig (some losses check the type) holding the fields the losses read."""
-    fields = dict(
-        clip_ratio=p["clip_low"],
-        clip_ratio_low=p["clip_low"],
-        clip_ratio_high=p["clip_high"],
-        clip_ratio_c=p["clip_ratio_c"],
-        tau_pos=p["tau_pos"],
-        tau_neg=p["tau_neg"],
-        global_batch_info=dict(info),
-        policy_loss=Cfg(
-            clip_cov_ratio=0.0002,
-            clip_cov_lb=1.0,
-            clip_cov_ub=5.0,
-            kl_cov_ratio=p["kl_cov_ratio"],
-            ppo_kl_coef=p["ppo_kl_coef"],
-            dro_beta=p["dro_beta"],
-        ),
-    )
-    cfg = ActorConfig.__new__(ActorConfig)
-    for k, v in fields.items():
-        object.__setattr__(cfg, k, v)
-    return cfg
-
-
-def t(x):
-    return torch.tensor(x, dtype=torch.float64)
-
-
-def num(v):
-    return float(v.item()) if torch.is_tensor(v) else float(v)
 
 
 def main():
@@ -127,6 +86,7 @@ def main():
     p = dict(
         clip_low=0.2, clip_high=0.28, clip_ratio_c=2.0, tau_pos=1.0, tau_neg=1.05,
         kl_cov_ratio=0.2, ppo_kl_coef=0.1, dro_beta=0.7,
+        clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0,
     )
     out["params"] = p
     losses = ["vanilla", "gspo", "gpg", "sapo", "cispo", "geo_mean", "kl_cov", "dppo_tv", "dppo_kl", "dro"]
@@ -135,7 +95,7 @@ def main():
         for agg in ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]:
             for info_name in ["none", "global_scale"]:
                 for weighted in [False, True]:
-                    cfg = actor_cfg(p, infos[info_name])
+                    cfg = actor_cfg(p, info=infos[info_name])
                     w = t(weights) if weighted else None
                     lp = t(logp).requires_grad_(True)
                     loss, metrics = fn(t(old), lp, t(adv), t(mask), agg, cfg, w)

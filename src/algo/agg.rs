@@ -56,7 +56,7 @@ pub fn agg_loss(
         if given.is_none() && dp > 1.0 {
             return super::bail(format!(
                 "agg_loss: loss_agg_mode {} with dp_size {dp} needs the global {what} (as verl's agg_loss)",
-                mode_name(mode)
+                mode.as_str()
             ));
         }
         Ok(())
@@ -104,17 +104,6 @@ fn horizon(loss_mat: &Tensor, norm: AggNorm) -> Result<f64> {
         Some(f) => f,
         None => loss_mat.dim(D::Minus1)? as f64,
     })
-}
-
-/// verl's spelling of a mode, for messages.
-fn mode_name(mode: LossAggMode) -> &'static str {
-    match mode {
-        LossAggMode::TokenMean => "token-mean",
-        LossAggMode::TokenSum => "token-sum",
-        LossAggMode::SeqMeanTokenSum => "seq-mean-token-sum",
-        LossAggMode::SeqMeanTokenMean => "seq-mean-token-mean",
-        LossAggMode::SeqMeanTokenSumNorm => "seq-mean-token-sum-norm",
-    }
 }
 
 /// A 0-d tensor's value as f64, whatever its dtype.

@@ -93,15 +93,20 @@ fn params(mode: PolicyLossMode, agg: LossAggMode) -> PolicyLossParams {
     }
 }
 
-#[test]
-fn policy_loss_gradients_match_finite_differences() {
+/// The policy-loss inputs `(old, adv, logp)` of the gradient checks.
+/// Ratios exp(±0.1): inside the clip range, so the unclipped branch is active and smooth;
+/// plus two tokens far outside where the clipped branch is active (gradient 0 there).
+fn inputs() -> (Vec<f64>, Tensor, Vec<f64>) {
     let old: Vec<f64> = vals(1).iter().map(|v| v - 1.5).collect();
-    let adv = t(&vals(2));
-    // Ratios exp(±0.1): inside the clip range, so the unclipped branch is active and smooth;
-    // plus two tokens far outside where the clipped branch is active (gradient 0 there).
     let mut logp: Vec<f64> = old.iter().zip(vals(3)).map(|(o, d)| o + 0.1 * d).collect();
     logp[1] = old[1] + 1.0;
     logp[5] = old[5] - 1.0;
+    (old, t(&vals(2)), logp)
+}
+
+#[test]
+fn policy_loss_gradients_match_finite_differences() {
+    let (old, adv, logp) = inputs();
     let old_t = t(&old);
     for mode in [
         PolicyLossMode::Vanilla,
@@ -144,6 +149,54 @@ fn policy_loss_gradients_match_finite_differences() {
         },
     );
 
+    // GSPO: each token carries the frozen sequence ratio s₀ times exp(logp − logp₀).
+    let p = params(PolicyLossMode::Gspo, LossAggMode::TokenMean);
+    let m = mask();
+    let seq0 = x0
+        .sub(&old_t)
+        .unwrap()
+        .mul(&m)
+        .unwrap()
+        .sum(1)
+        .unwrap()
+        .div(&m.sum(1).unwrap())
+        .unwrap();
+    check_surrogate(
+        "Gspo",
+        &logp,
+        &|x| policy_loss(&old_t, x, &adv, &m, &p).unwrap().loss,
+        &|x| {
+            let r = x
+                .sub(&x0)
+                .unwrap()
+                .broadcast_add(&seq0.unsqueeze(1).unwrap())
+                .unwrap()
+                .exp()
+                .unwrap();
+            let l1 = r.mul(&adv).unwrap().neg().unwrap();
+            let l2 = r
+                .clamp(0.8, 1.28)
+                .unwrap()
+                .mul(&adv)
+                .unwrap()
+                .neg()
+                .unwrap();
+            agg_loss(
+                &l1.maximum(&l2).unwrap(),
+                &m,
+                LossAggMode::SeqMeanTokenMean,
+                AggNorm::default(),
+            )
+            .unwrap()
+        },
+    );
+}
+
+/// DPPO (dppo_tv, dppo_kl) on the inputs of [`policy_loss_gradients_match_finite_differences`].
+#[test]
+fn dppo_gradients_match_their_surrogate() {
+    let (old, adv, logp) = inputs();
+    let old_t = t(&old);
     // DPPO: the truncated ratio and the kept-token mask are stop-gradients, so the gradient is
     // that of −A·c₀·v₀·logp, c₀ = min(r₀, clip_ratio_c) and v₀ the mask at x0, worked out here
     // per token from the definitions (TV: p − p_old within [−ε_low, ε_high] on the side the
@@ -188,48 +241,6 @@ fn policy_loss_gradients_match_finite_differences() {
             },
         );
     }
-
-    // GSPO: each token carries the frozen sequence ratio s₀ times exp(logp − logp₀).
-    let p = params(PolicyLossMode::Gspo, LossAggMode::TokenMean);
-    let m = mask();
-    let seq0 = x0
-        .sub(&old_t)
-        .unwrap()
-        .mul(&m)
-        .unwrap()
-        .sum(1)
-        .unwrap()
-        .div(&m.sum(1).unwrap())
-        .unwrap();
-    check_surrogate(
-        "Gspo",
-        &logp,
-        &|x| policy_loss(&old_t, x, &adv, &m, &p).unwrap().loss,
-        &|x| {
-            let r = x
-                .sub(&x0)
-                .unwrap()
-                .broadcast_add(&seq0.unsqueeze(1).unwrap())
-                .unwrap()
-                .exp()
-                .unwrap();
-            let l1 = r.mul(&adv).unwrap().neg().unwrap();
-            let l2 = r
-                .clamp(0.8, 1.28)
-                .unwrap()
-                .mul(&adv)
-                .unwrap()
-                .neg()
-                .unwrap();
-            agg_loss(
-                &l1.maximum(&l2).unwrap(),
-                &m,
-                LossAggMode::SeqMeanTokenMean,
-                AggNorm::default(),
-            )
-            .unwrap()
-        },
-    );
 }
 
 #[test]

@@ -92,9 +92,9 @@ fn policy_losses_and_gradients_equal_verl() {
             clip_ratio_c: num(&p["clip_ratio_c"]),
             tau_pos: num(&p["tau_pos"]),
             tau_neg: num(&p["tau_neg"]),
-            clip_cov_ratio: 0.0002,
-            clip_cov_lb: 1.0,
-            clip_cov_ub: 5.0,
+            clip_cov_ratio: num(&p["clip_cov_ratio"]),
+            clip_cov_lb: num(&p["clip_cov_lb"]),
+            clip_cov_ub: num(&p["clip_cov_ub"]),
             kl_cov_ratio: num(&p["kl_cov_ratio"]),
             ppo_kl_coef: num(&p["ppo_kl_coef"]),
             dro_beta: p["dro_beta"].as_f64(),
@@ -196,20 +196,20 @@ fn gdpo_equals_verl() {
         .collect();
     let index: Vec<u64> = serde_json::from_value(f["gdpo_index"].clone()).unwrap();
     let zeros = Mat::zeros(m.b, m.t);
+    let inp = HostInputs {
+        token_level_rewards: &zeros,
+        response_mask: &m,
+        values: None,
+        index: Some(&index),
+        reward_baselines: None,
+        reward_components: Some(&comps),
+    };
     for c in f["gdpo"].as_array().unwrap() {
         let cfg = crate::config::AlgorithmConfig {
             adv_estimator: crate::config::AdvEstimator::Gdpo,
             norm_adv_by_std_in_grpo: c["norm"].as_bool().unwrap(),
             gdpo_reward_weights: serde_json::from_value(c["weights"].clone()).unwrap(),
             ..Default::default()
-        };
-        let inp = HostInputs {
-            token_level_rewards: &zeros,
-            response_mask: &m,
-            values: None,
-            index: Some(&index),
-            reward_baselines: None,
-            reward_components: Some(&comps),
         };
         let (adv, ret) = advantages(cfg.adv_estimator, &inp, &cfg).unwrap();
         let want: Vec<Vec<f64>> = serde_json::from_value(c["adv"].clone()).unwrap();
@@ -222,14 +222,6 @@ fn gdpo_equals_verl() {
     let cfg = crate::config::AlgorithmConfig {
         gdpo_reward_weights: Some(vec![1.0]),
         ..Default::default()
-    };
-    let inp = HostInputs {
-        token_level_rewards: &zeros,
-        response_mask: &m,
-        values: None,
-        index: Some(&index),
-        reward_baselines: None,
-        reward_components: Some(&comps),
     };
     let e = advantages(crate::config::AdvEstimator::Gdpo, &inp, &cfg).unwrap_err();
     assert!(e.to_string().contains("1 entries for 2 reward keys"), "{e}");

@@ -30,6 +30,19 @@ pub enum LossAggMode {
     SeqMeanTokenSumNorm,
 }
 
+impl LossAggMode {
+    /// verl's string for this mode.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LossAggMode::TokenMean => "token-mean",
+            LossAggMode::TokenSum => "token-sum",
+            LossAggMode::SeqMeanTokenSum => "seq-mean-token-sum",
+            LossAggMode::SeqMeanTokenMean => "seq-mean-token-mean",
+            LossAggMode::SeqMeanTokenSumNorm => "seq-mean-token-sum-norm",
+        }
+    }
+}
+
 /// `policy_loss.loss_mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

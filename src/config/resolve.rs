@@ -501,7 +501,7 @@ fn actor_rules(f: &mut Findings, cfg: &Config, l: &Lengths) -> UpdatePlan {
     {
         warnings.push(format!(
             "`{A}.policy_loss.loss_mode=gspo` always aggregates seq-mean-token-mean (as verl); `{A}.loss_agg_mode` ({}) is not used by the policy loss",
-            loss_agg_str(actor.loss_agg_mode)
+            actor.loss_agg_mode.as_str()
         ));
     }
     check_optim(errors, &format!("{A}.optim"), &actor.optim);
@@ -926,11 +926,4 @@ fn check_optim(errors: &mut Vec<String>, prefix: &str, o: &super::OptimConfig) {
             o.weight_decay
         ));
     }
-}
-
-fn loss_agg_str(m: LossAggMode) -> String {
-    serde_yaml_ng::to_string(&m)
-        .unwrap_or_default()
-        .trim()
-        .to_string()
 }

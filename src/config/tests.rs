@@ -1058,3 +1058,18 @@ fn gdpo_reward_keys_rules() {
         "{e}"
     );
 }
+
+/// `LossAggMode::as_str` (used in messages) is the spelling the config reads.
+#[test]
+fn loss_agg_mode_names_are_the_config_spellings() {
+    for name in [
+        "token-mean",
+        "token-sum",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+    ] {
+        let m: LossAggMode = serde_yaml_ng::from_str(name).unwrap();
+        assert_eq!(m.as_str(), name);
+    }
+}
