@@ -42,6 +42,7 @@ STRUCTS = {
     "reward.control": "RewardControlConfig",
     "algorithm": "AlgorithmConfig",
     "algorithm.kl_ctrl": "KlCtrlConfig",
+    "algorithm.filter_groups": "FilterGroupsConfig",
     "trainer": "TrainerConfig",
 }
 SECTION_DOCS = {

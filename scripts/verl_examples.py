@@ -192,7 +192,6 @@ def expect(entry, configs):
         "actor_rollout_ref.actor.calculate_sum_pi_squared": "optimal-token baseline",
         "actor_rollout_ref.model.mtp.enable": "multi-token prediction",
         "algorithm.use_pf_ppo": "priority-filtered PPO",
-        "algorithm.filter_groups.enable": "DAPO group filtering",
         "algorithm.rollout_correction.bypass_mode": "rollout correction",
     }
     for key, what in feature_flags.items():
@@ -210,6 +209,14 @@ def expect(entry, configs):
     ]:
         if not unset(st.get(key)):
             refuse(key, what)
+    if truthy(st.get("algorithm.filter_groups.enable")):
+        if truthy(st.get("algorithm.use_kl_in_reward")):
+            refuse("algorithm.filter_groups.enable", "DAPO group filtering with the KL in the reward")
+        if unset(st.get("algorithm.filter_groups.metric")):
+            refuse("algorithm.filter_groups.metric", "DAPO group filtering without a metric")
+    elif not unset(st.get("data.gen_batch_size")) and \
+            str(st.get("data.gen_batch_size")) != str(st.get("data.train_batch_size", 1024)):
+        refuse("data.gen_batch_size", "generation batches other than the step without group filtering")
     rate = st.get("actor_rollout_ref.rollout.over_sample_rate")
     if rate is not None and float(rate) != 0:
         refuse("actor_rollout_ref.rollout.over_sample_rate", "rollout over-sampling")

@@ -5,7 +5,8 @@
 //! - [`advantage`]: the advantage estimators (`algorithm.adv_estimator`),
 //! - [`policy`]: policy losses (`actor.policy_loss.loss_mode`) and [`agg::agg_loss`],
 //! - [`value`]: the clipped value loss and entropy,
-//! - [`kl`]: KL estimators, KL in the reward, KL controllers, KL loss.
+//! - [`kl`]: KL estimators, KL in the reward, KL controllers, KL loss,
+//! - [`filter`]: DAPO's group filter (which groups carry a signal).
 //!
 //! Tensors are `[batch, response_len]` unless noted; masks are 0/1 in the values' dtype.
 //! Estimators need no gradient and run as one pass over host memory; losses are tensor
@@ -13,6 +14,7 @@
 
 pub mod advantage;
 pub mod agg;
+pub mod filter;
 pub mod kl;
 pub mod masked;
 pub mod policy;

@@ -139,8 +139,17 @@ fn update_words(out: &mut String, who: &str, u: &UpdatePlan, n: usize, key: &str
 /// The report `config check` prints.
 pub fn explain(cfg: &Config, plan: &Plan, data: &DataSummary) -> String {
     let mut o = String::new();
-    let n = plan.n;
     let _ = writeln!(o, "Configuration is valid.\n");
+    data_section(&mut o, cfg, plan, data);
+    step_section(&mut o, cfg, plan);
+    schedule_section(&mut o, cfg, plan, data);
+    models_section(&mut o, cfg, plan);
+    reward_section(&mut o, cfg);
+    o
+}
+
+/// The data: prompts kept, where from, the budgets.
+fn data_section(o: &mut String, cfg: &Config, plan: &Plan, data: &DataSummary) {
     let _ = writeln!(o, "Data");
     let _ = writeln!(
         o,
@@ -172,7 +181,11 @@ pub fn explain(cfg: &Config, plan: &Plan, data: &DataSummary) -> String {
         "  prompt budget {} tokens, response budget {} tokens",
         plan.prompt_length, plan.response_length
     );
+}
 
+/// One training step: its batch sizes and passes.
+fn step_section(o: &mut String, cfg: &Config, plan: &Plan) {
+    let n = plan.n;
     let _ = writeln!(o, "\nOne training step");
     let _ = writeln!(
         o,
@@ -185,6 +198,18 @@ pub fn explain(cfg: &Config, plan: &Plan, data: &DataSummary) -> String {
         plan.train_batch_size,
         plan.responses_per_step()
     );
+    if let Some(f) = &plan.filter_groups {
+        let _ = writeln!(
+            o,
+            "  dynamic sampling (algorithm.filter_groups): batches of {} prompts (data.gen_batch_size) until {} groups whose `{}` differs are kept; {}",
+            plan.gen_batch_size,
+            plan.train_batch_size,
+            f.metric,
+            f.max_num_gen_batches
+                .map(|k| format!("at most {k} batches a step (max_num_gen_batches)"))
+                .unwrap_or_else(|| "no limit on batches a step".into())
+        );
+    }
     let _ = writeln!(o, "  old log-probs: {}", micro_words(plan.log_prob_micro));
     if let Some(r) = plan.ref_log_prob_micro {
         let _ = writeln!(o, "  reference log-probs: {}", micro_words(r));
@@ -193,9 +218,9 @@ pub fn explain(cfg: &Config, plan: &Plan, data: &DataSummary) -> String {
         let _ = writeln!(o, "  critic values: {}", micro_words(c));
     }
     if let Some(c) = &plan.critic {
-        update_words(&mut o, "critic", c, n, "critic");
+        update_words(o, "critic", c, n, "critic");
     }
-    update_words(&mut o, "actor", &plan.actor, n, "actor_rollout_ref.actor");
+    update_words(o, "actor", &plan.actor, n, "actor_rollout_ref.actor");
     if cfg.trainer.critic_warmup > 0 {
         let _ = writeln!(
             o,
@@ -203,14 +228,23 @@ pub fn explain(cfg: &Config, plan: &Plan, data: &DataSummary) -> String {
             cfg.trainer.critic_warmup
         );
     }
+}
 
+/// Steps, checkpoints and validation.
+fn schedule_section(o: &mut String, cfg: &Config, plan: &Plan, data: &DataSummary) {
     let _ = writeln!(o, "\nSchedule");
     let spe = plan.steps_per_epoch(data.train_rows);
-    let _ = writeln!(
-        o,
-        "  steps per epoch: {} prompts / {} per step = {spe} (the last partial batch is dropped)",
-        data.train_rows, plan.train_batch_size
-    );
+    let (rows, g) = (data.train_rows, plan.gen_batch_size);
+    let _ = match plan.filter_groups {
+        Some(_) => writeln!(
+            o,
+            "  steps per epoch: {rows} prompts / {g} per generation batch (data.gen_batch_size) = at most {spe}: a step draws one or more batches (the last partial batch is dropped)"
+        ),
+        None => writeln!(
+            o,
+            "  steps per epoch: {rows} prompts / {g} per step = {spe} (the last partial batch is dropped)"
+        ),
+    };
     let total = match cfg.trainer.total_training_steps {
         Some(t) => {
             let _ = writeln!(
@@ -255,7 +289,10 @@ pub fn explain(cfg: &Config, plan: &Plan, data: &DataSummary) -> String {
             ""
         }
     );
+}
 
+/// Which models load, and why.
+fn models_section(o: &mut String, cfg: &Config, plan: &Plan) {
     let _ = writeln!(o, "\nModels");
     let _ = writeln!(
         o,
@@ -291,7 +328,10 @@ pub fn explain(cfg: &Config, plan: &Plan, data: &DataSummary) -> String {
             cfg.algorithm.adv_estimator.as_str()
         );
     }
+}
 
+/// The reward stage.
+fn reward_section(o: &mut String, cfg: &Config) {
     let _ = writeln!(o, "\nReward");
     let r = &cfg.reward;
     if !r.sources.is_empty() {
@@ -345,5 +385,4 @@ pub fn explain(cfg: &Config, plan: &Plan, data: &DataSummary) -> String {
             "  built-in scorers chosen by each row's data_source (verl's default_compute_score)"
         );
     }
-    o
 }

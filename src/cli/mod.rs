@@ -306,6 +306,9 @@ fn train_on(
     );
     match trainer.fit().map_err(lift)? {
         FitOutcome::Finished { steps } => tracing::info!("training finished after {steps} steps"),
+        FitOutcome::DataExhausted { steps } => {
+            tracing::info!("training ended after {steps} steps: the training data ran out")
+        }
         FitOutcome::ValidatedOnly => tracing::info!("validation done (trainer.val_only)"),
         FitOutcome::Interrupted { step, checkpoint } => tracing::info!(
             "stopped after step {step}{}",

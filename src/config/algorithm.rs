@@ -203,7 +203,34 @@ pub struct AlgorithmConfig {
     pub gdpo_reward_keys: Option<Vec<String>>,
     /// gdpo: one weight per key of gdpo_reward_keys; null = 1 each.
     pub gdpo_reward_weights: Option<Vec<f64>>,
+    /// DAPO's dynamic sampling: groups whose responses all score the same are dropped.
+    pub filter_groups: FilterGroupsConfig,
 }
+
+/// `algorithm.filter_groups`: DAPO's dynamic sampling. Each step generates batches of
+/// `data.gen_batch_size` prompts, drops every group whose responses share one value of
+/// `metric` (no GRPO signal), and keeps generating until `data.train_batch_size` groups remain.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FilterGroupsConfig {
+    /// Turn dynamic sampling on.
+    pub enable: bool,
+    /// What a group's responses must differ in: acc | score | seq_reward | seq_final_reward,
+    /// or any key of the dict the reward function returns.
+    pub metric: Option<String>,
+    /// Generation batches one step may draw before the run stops with an error; <= 0 = no limit.
+    pub max_num_gen_batches: i64,
+    /// verl's bound on generation batches in flight at once (its asynchronous trainer); here
+    /// batches are generated one after another, so it only has to be >= 1.
+    pub max_inflight_gen_batches: i64,
+}
+
+defaults!(FilterGroupsConfig {
+    enable: false,
+    metric: None,
+    max_num_gen_batches: 0,
+    max_inflight_gen_batches: 1,
+});
 
 defaults!(AlgorithmConfig {
     gamma: 1.0,
@@ -215,4 +242,5 @@ defaults!(AlgorithmConfig {
     kl_ctrl: KlCtrlConfig::default(),
     gdpo_reward_keys: None,
     gdpo_reward_weights: None,
+    filter_groups: FilterGroupsConfig::default(),
 });

@@ -167,7 +167,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("critic.optim.zero_indexed_step", DIST),
     ("critic.optim.override_optimizer_config", DIST),
     // data loader options of the Python implementation
-    ("data.gen_batch_size", Unsupported { default: "null", why: "generation batches larger than train_batch_size (DAPO group filtering) are not implemented" }),
     ("data.custom_cls.path", Unsupported { default: "null", why: "custom Python dataset classes cannot run here; convert the data to verl's parquet/JSONL format" }),
     ("data.custom_cls", DIST),
     ("data.sampler.class_path", Unsupported { default: "null", why: "custom Python sampler classes cannot run here" }),
@@ -201,8 +200,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     // algorithm extensions not implemented
     ("algorithm.use_pf_ppo", Unsupported { default: "false", why: "priority-filtered PPO reweighting is not implemented" }),
     ("algorithm.pf_ppo", DIST),
-    ("algorithm.filter_groups.enable", Unsupported { default: "false", why: "DAPO dynamic group filtering is not implemented" }),
-    ("algorithm.filter_groups", DIST),
     ("algorithm.rollout_correction.rollout_is", Unsupported { default: "null", why: "rollout importance-sampling correction is not implemented (rollout and training share one engine here)" }),
     ("algorithm.rollout_correction.rollout_rs", Unsupported { default: "null", why: "rollout rejection sampling is not implemented" }),
     ("algorithm.rollout_correction.bypass_mode", Unsupported { default: "false", why: "bypass mode is not implemented" }),

@@ -48,6 +48,10 @@ pub struct DataConfig {
     pub max_response_length: usize,
     /// Prompts per training step.
     pub train_batch_size: usize,
+    /// Prompts per generation batch with `algorithm.filter_groups.enable` (DAPO's dynamic
+    /// sampling draws batches of this size until `train_batch_size` groups are kept); null =
+    /// train_batch_size. Without filtering it must equal train_batch_size.
+    pub gen_batch_size: Option<usize>,
     /// Prompts per validation batch; null = the whole validation set at once.
     pub val_batch_size: Option<usize>,
     /// Shuffle the training data each epoch; also makes *_max_samples keep a seeded random subset.
@@ -77,6 +81,7 @@ defaults!(DataConfig {
     max_prompt_length: 512,
     max_response_length: 512,
     train_batch_size: 1024,
+    gen_batch_size: None,
     val_batch_size: None,
     shuffle: true,
     seed: None,

@@ -33,7 +33,9 @@ pub mod tree;
 use serde::{Deserialize, Serialize};
 
 pub use actor::{ActorConfig, LossAggMode, PolicyLossMode};
-pub use algorithm::{AdvEstimator, AlgorithmConfig, KlCtrlType, KlKind, KlPenalty};
+pub use algorithm::{
+    AdvEstimator, AlgorithmConfig, FilterGroupsConfig, KlCtrlType, KlKind, KlPenalty,
+};
 pub use critic::CriticConfig;
 pub use data::{DataConfig, Truncation};
 pub use load::{load, ConfigSource, Loaded};
@@ -41,7 +43,7 @@ pub use model::ModelConfig;
 pub use optim::{LrSchedulerType, OptimConfig};
 pub use reference::RefConfig;
 pub use resolve::{
-    resolve, sequence_budgets, MicroBatching, Plan, Seeds, Temperatures, UpdatePlan,
+    resolve, sequence_budgets, FilterPlan, MicroBatching, Plan, Seeds, Temperatures, UpdatePlan,
 };
 pub use reward::{OnError, RewardConfig, RewardManagerName, RewardSource, RewardSourceType};
 pub use rollout::{RolloutConfig, SamplingConfig};

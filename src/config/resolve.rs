@@ -75,6 +75,11 @@ pub struct Plan {
     /// Responses per prompt.
     pub n: usize,
     pub train_batch_size: usize,
+    /// Prompts per generation batch (`data.gen_batch_size`, else train_batch_size): the
+    /// loader's batch size.
+    pub gen_batch_size: usize,
+    /// DAPO's dynamic sampling (`algorithm.filter_groups.enable`); None = off.
+    pub filter_groups: Option<FilterPlan>,
     pub actor: UpdatePlan,
     /// None when there is no critic.
     pub critic: Option<UpdatePlan>,
@@ -100,6 +105,15 @@ pub struct Plan {
     pub token_budgets: Vec<(String, usize)>,
     /// Non-fatal findings (printed as warnings).
     pub warnings: Vec<String>,
+}
+
+/// DAPO's dynamic sampling as the trainer runs it (`algorithm.filter_groups`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FilterPlan {
+    /// The value a kept group's responses must differ in (`algorithm.filter_groups.metric`).
+    pub metric: String,
+    /// Generation batches one step may draw (`max_num_gen_batches`); None = no limit.
+    pub max_num_gen_batches: Option<u64>,
 }
 
 /// Every seed a run draws from, resolved once: each stream of randomness reads its own.
@@ -158,10 +172,11 @@ impl Plan {
         self.train_batch_size * self.n
     }
 
-    /// Training steps per epoch for a data set of `rows` prompts (the loader drops the last
-    /// partial batch, as verl's).
+    /// Training steps per epoch for a data set of `rows` prompts: the loader's batches
+    /// (`gen_batch_size` prompts each, the last partial one dropped), as verl counts them. With
+    /// dynamic sampling a step may draw several batches, so an epoch then holds fewer steps.
     pub fn steps_per_epoch(&self, rows: usize) -> usize {
-        rows / self.train_batch_size
+        rows / self.gen_batch_size.max(1)
     }
 
     /// A step's sequences (prompt + response tokens of each batch row) against the token
@@ -298,6 +313,7 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
     let log_prob_micro = rollout_rules(&mut f.errors, cfg);
     let (need_reference, ref_log_prob_micro) = reference_rules(&mut f, cfg);
     algorithm_rules(&mut f, cfg, l.n);
+    let (gen_batch_size, filter_groups) = filter_groups_rules(&mut f, cfg, &l);
     let (need_critic, critic, critic_forward_micro) = critic_rules(&mut f.errors, cfg, &l);
     let reward = reward_rules(&mut f.errors, cfg);
     let default_local_dir = trainer_rules(&mut f, cfg);
@@ -310,6 +326,8 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
         response_length: l.response_length,
         n: l.n,
         train_batch_size: l.train_batch_size,
+        gen_batch_size,
+        filter_groups,
         actor,
         critic,
         log_prob_micro,
@@ -690,6 +708,51 @@ fn gdpo_rules(errors: &mut Vec<String>, algo: &crate::config::AlgorithmConfig) {
             algo.adv_estimator.as_str()
         ));
     }
+}
+
+/// `algorithm.filter_groups` and `data.gen_batch_size`: the generation batch size and DAPO's
+/// dynamic sampling, under verl's rules (a metric is needed, at least one batch in flight) and
+/// two of this implementation: verl computes the in-reward KL, and moves its adaptive
+/// controller, on every generation batch including the groups it then drops, which is not
+/// built here; and without filtering verl trains on every generated prompt, so a
+/// `gen_batch_size` other than `train_batch_size` would silently change the step's size.
+fn filter_groups_rules(f: &mut Findings, cfg: &Config, l: &Lengths) -> (usize, Option<FilterPlan>) {
+    let (errors, fg) = (&mut f.errors, &cfg.algorithm.filter_groups);
+    let gen_batch_size = cfg.data.gen_batch_size.unwrap_or(l.train_batch_size);
+    if gen_batch_size == 0 {
+        errors
+            .push("`data.gen_batch_size` must be at least 1 (null = data.train_batch_size)".into());
+    }
+    if !fg.enable {
+        if gen_batch_size != l.train_batch_size {
+            errors.push(format!(
+                "`data.gen_batch_size` ({gen_batch_size}) differs from `data.train_batch_size` ({}) but `algorithm.filter_groups.enable` is false: verl then trains each step on all {gen_batch_size} generated prompts; set data.train_batch_size to that, or enable filter_groups (DAPO's dynamic sampling)",
+                l.train_batch_size
+            ));
+        }
+        return (gen_batch_size, None);
+    }
+    let metric = fg.metric.clone().filter(|m| !m.is_empty());
+    if metric.is_none() {
+        errors.push("`algorithm.filter_groups.metric` must be set when `algorithm.filter_groups.enable` is true: the value a group's responses must differ in (acc, score, seq_reward, seq_final_reward, or a key your compute_score returns)".into());
+    }
+    if fg.max_inflight_gen_batches <= 0 {
+        errors.push(format!(
+            "`algorithm.filter_groups.max_inflight_gen_batches` ({}) must be a positive integer",
+            fg.max_inflight_gen_batches
+        ));
+    }
+    if cfg.algorithm.use_kl_in_reward {
+        errors.push("`algorithm.filter_groups.enable` with `algorithm.use_kl_in_reward=true` is not implemented: verl computes the KL penalty, and updates its KL controller, on every generation batch before filtering; DAPO itself runs without a KL term (use_kl_in_reward=false, or actor.use_kl_loss for a KL loss)".into());
+    }
+    if l.n == 1 {
+        f.warnings.push("`algorithm.filter_groups.enable` with `actor_rollout_ref.rollout.n` = 1: a group of one response is always kept (as in verl), so nothing is filtered".into());
+    }
+    let plan = metric.map(|metric| FilterPlan {
+        metric,
+        max_num_gen_batches: (fg.max_num_gen_batches > 0).then_some(fg.max_num_gen_batches as u64),
+    });
+    (gen_batch_size, plan)
 }
 
 /// `critic.*`: whether there is a critic, its update plan and its forward passes.

@@ -362,8 +362,6 @@ fn no_effect_keys_are_reported_and_unsupported_values_refused() {
         e.contains("actor_rollout_ref.model.lora.rank = 8") && e.contains("LoRA"),
         "{e}"
     );
-    let e = err(&["algorithm.filter_groups.enable=True"]);
-    assert!(e.contains("not supported"), "{e}");
     // use_remove_padding is a typed key now (packed sequences), on by default as in verl.
     assert!(Config::default().actor_rollout_ref.model.use_remove_padding);
     let c = cfg(&[
@@ -1056,6 +1054,67 @@ fn gdpo_reward_keys_rules() {
     assert!(
         e.contains("read only by `algorithm.adv_estimator=gdpo`"),
         "{e}"
+    );
+}
+
+/// DAPO's dynamic sampling: verl's rules (a metric, at least one batch in flight) and ours (no
+/// KL in the reward; without filtering gen_batch_size must be the step's size); the plan.
+#[test]
+fn filter_groups_rules() {
+    let on = "algorithm.filter_groups.enable=True";
+    let acc = "algorithm.filter_groups.metric=acc";
+    let e = rule_error(&[on]);
+    assert!(
+        e.contains("algorithm.filter_groups.metric` must be set"),
+        "{e}"
+    );
+    let e = rule_error(&[
+        on,
+        acc,
+        "algorithm.filter_groups.max_inflight_gen_batches=0",
+    ]);
+    assert!(e.contains("max_inflight_gen_batches` (0)"), "{e}");
+    let e = rule_error(&[on, acc, "algorithm.use_kl_in_reward=True"]);
+    assert!(
+        e.contains("use_kl_in_reward=true` is not implemented"),
+        "{e}"
+    );
+    let e = rule_error(&["data.gen_batch_size=512"]);
+    assert!(
+        e.contains("`data.gen_batch_size` (512) differs from `data.train_batch_size` (256)"),
+        "{e}"
+    );
+    let e = rule_error(&[on, acc, "data.gen_batch_size=0"]);
+    assert!(
+        e.contains("`data.gen_batch_size` must be at least 1"),
+        "{e}"
+    );
+    // Off: the loader's batch is the step's.
+    let p = resolved(&["data.gen_batch_size=256"]).unwrap();
+    assert_eq!((p.gen_batch_size, p.filter_groups.is_none()), (256, true));
+    assert_eq!(p.steps_per_epoch(7473), 29);
+    let p = resolved(&[on, acc, "data.gen_batch_size=512"]).unwrap();
+    assert_eq!(p.gen_batch_size, 512);
+    assert_eq!(
+        p.steps_per_epoch(7473),
+        14,
+        "epochs count generation batches"
+    );
+    assert_eq!(
+        p.filter_groups,
+        Some(FilterPlan {
+            metric: "acc".into(),
+            max_num_gen_batches: None
+        })
+    );
+    let p = resolved(&[on, acc, "algorithm.filter_groups.max_num_gen_batches=10"]).unwrap();
+    assert_eq!(p.filter_groups.unwrap().max_num_gen_batches, Some(10));
+    assert_eq!(p.gen_batch_size, 256, "null = train_batch_size");
+    let p = resolved(&[on, acc, "actor_rollout_ref.rollout.n=1"]).unwrap();
+    assert!(
+        p.warnings.iter().any(|w| w.contains("nothing is filtered")),
+        "{:?}",
+        p.warnings
     );
 }
 

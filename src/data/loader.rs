@@ -68,6 +68,12 @@ impl BatchLoader {
         self.cursor
     }
 
+    /// The epoch the next batch belongs to.
+    pub fn next_epoch(&self) -> u64 {
+        let used_up = self.cursor.batches_served as usize >= self.batches_per_epoch();
+        self.cursor.epoch + u64::from(used_up)
+    }
+
     /// The next batch of indices, moving to the next epoch (with a new order) when this one is
     /// used up. `None` when the data set holds less than one batch.
     pub fn next_batch(&mut self) -> Option<Vec<usize>> {

@@ -220,6 +220,34 @@ impl StepBatch {
         Ok(out)
     }
 
+    /// Rows `rows` (in that order) as a batch of their own, with every filled column and
+    /// ReMax baseline; the update order is dropped (it is set on a whole batch).
+    pub fn select(&self, rows: &[usize]) -> StepBatch {
+        fn pick<T: Clone>(v: &[T], rows: &[usize]) -> Vec<T> {
+            match v.is_empty() {
+                true => Vec::new(),
+                false => rows.iter().map(|&r| v[r].clone()).collect(),
+            }
+        }
+        StepBatch {
+            prompts: pick(&self.prompts, rows),
+            responses: pick(&self.responses, rows),
+            sample: pick(&self.sample, rows),
+            uid: pick(&self.uid, rows),
+            truncated: pick(&self.truncated, rows),
+            excluded: pick(&self.excluded, rows),
+            texts: pick(&self.texts, rows),
+            rewards: pick(&self.rewards, rows),
+            reward_baselines: self.reward_baselines.as_deref().map(|b| pick(b, rows)),
+            update_order: None,
+            columns: self
+                .columns
+                .iter()
+                .map(|(c, v)| (*c, pick(v, rows)))
+                .collect(),
+        }
+    }
+
     /// A filled column; an error names the column and the phase that fills it.
     pub fn column(&self, c: Column) -> Result<&Ragged> {
         self.columns.get(&c).ok_or_else(|| {

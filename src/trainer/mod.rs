@@ -7,6 +7,9 @@
 //!         ─► validation (test_freq, last) ─► checkpoint (save_freq, last) ─► metrics
 //! ```
 //!
+//! With `algorithm.filter_groups.enable` the rollout and reward repeat over generation
+//! batches until enough groups differ in their reward (`dynamic`, DAPO's dynamic sampling).
+//!
 //! Parts: `batch` (a step's rows and their tensors), `actor` (policy and reference log-probs,
 //! policy update), `critic` (values, value update), `update` (the mini/micro-batch schedule),
 //! `optim` (AdamW, LR schedules), `state` (checkpoint save and resume), `validate`
@@ -17,6 +20,7 @@ pub mod advantage;
 pub mod batch;
 pub mod critic;
 mod dumps;
+pub mod dynamic;
 pub mod micro;
 pub mod optim;
 mod phases;
@@ -40,7 +44,7 @@ use self::critic::Critic;
 use self::phases::{OldLogProbs, RolloutWorker};
 use crate::algo::KlController;
 use crate::checkpoint::CheckpointError;
-use crate::config::{AdvEstimator, Config, ConfigError, Plan};
+use crate::config::{Config, ConfigError, Plan};
 use crate::control::ControlServer;
 use crate::data::{BatchLoader, DataError, PromptDataset, TokenizerBundle};
 use crate::dist::Comm;
@@ -67,6 +71,16 @@ pub enum TrainerError {
     Tensor(#[from] candle_core::Error),
     #[error("{0}")]
     Other(String),
+    /// Dynamic sampling used up the data of `trainer.total_epochs` before a step had its groups
+    /// (the run ends there, as verl's does when its loader runs out).
+    #[error("the training data of trainer.total_epochs = {epochs} epoch(s) ran out during step {step}: dynamic sampling (algorithm.filter_groups) had kept {kept} of data.train_batch_size = {needed} groups after {gen_batches} generation batch(es)")]
+    DataExhausted {
+        epochs: usize,
+        step: u64,
+        kept: usize,
+        needed: usize,
+        gen_batches: usize,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, TrainerError>;
@@ -78,6 +92,10 @@ pub enum FitOutcome {
     Finished { steps: u64 },
     /// `trainer.val_only`: one validation, no training.
     ValidatedOnly,
+    /// Dynamic sampling ran out of training data (`trainer.total_epochs`) before
+    /// `total_training_steps`: `steps` steps ran; the last is checkpointed when
+    /// `trainer.save_freq` is set.
+    DataExhausted { steps: u64 },
     /// A stop was requested (Ctrl-C, SIGTERM): the step finished and a checkpoint was saved.
     Interrupted {
         step: u64,
@@ -194,7 +212,7 @@ impl Trainer {
         let params = SamplingParams::train(r, plan.response_length, &tokenizer.eos_token_ids);
         let loader = BatchLoader::new(
             train.len(),
-            plan.train_batch_size,
+            plan.gen_batch_size,
             cfg.data.shuffle,
             plan.seeds.data,
         );
@@ -256,7 +274,10 @@ impl Trainer {
             if self.stop_requested()? {
                 return self.interrupted();
             }
-            let m = self.step()?;
+            let m = match self.step() {
+                Err(e @ TrainerError::DataExhausted { .. }) => return self.data_exhausted(e),
+                m => m?,
+            };
             self.log(m, self.global_step);
             bar.set_position(self.global_step);
         }
@@ -273,6 +294,19 @@ impl Trainer {
     fn stop_requested(&self) -> Result<bool> {
         let here = self.stop.load(Ordering::SeqCst);
         Ok(crate::dist::any(self.comm.as_ref(), here)?)
+    }
+
+    /// The end of a run whose data ran out mid-step: the completed steps' checkpoint (with
+    /// `save_freq`, when the last one is not saved yet; the partial step left no trace in it).
+    fn data_exhausted(&mut self, e: TrainerError) -> Result<FitOutcome> {
+        tracing::warn!("{e}; the run ends after step {}", self.global_step);
+        let unsaved = self.global_step > 0 && self.last_saved != Some(self.global_step);
+        if self.cfg.trainer.save_freq.is_some() && unsaved {
+            self.save_checkpoint()?;
+        }
+        Ok(FitOutcome::DataExhausted {
+            steps: self.global_step,
+        })
     }
 
     fn interrupted(&mut self) -> Result<FitOutcome> {
@@ -317,14 +351,24 @@ impl Trainer {
         let (step, started) = (self.global_step + 1, Instant::now());
         self.apply_weight_changes(step)?;
         let (mut t, mut m) = (Timings::default(), Metrics::new());
-        let (prompts, epoch) = self.next_prompts()?;
-        let mut batch = t.time("gen", || self.generate(&prompts))?;
-        let seq_lens: Vec<usize> = (0..batch.len()).map(|r| batch.seq_len(r)).collect();
-        self.plan.check_token_budgets(&seq_lens)?;
-        t.time("reward", || self.compute_rewards(&mut batch))?;
-        if self.cfg.algorithm.adv_estimator == AdvEstimator::Remax {
-            t.time("gen_max", || self.remax_baselines(&mut batch))?;
-        }
+        let (mut batch, epoch) = match self.plan.filter_groups.clone() {
+            None => {
+                let (prompts, epoch) = self.next_prompts()?;
+                (self.rollout_and_reward(&prompts, &mut t)?, epoch)
+            }
+            Some(f) => match self.dynamic_sampling(&f, &mut t, &mut m)? {
+                Ok(rows) => rows,
+                Err(e) => {
+                    return Err(TrainerError::DataExhausted {
+                        epochs: self.cfg.trainer.total_epochs,
+                        step,
+                        kept: e.kept,
+                        needed: self.plan.train_batch_size,
+                        gen_batches: e.gen_batches,
+                    })
+                }
+            },
+        };
         let old = self.old_log_probs(&batch)?;
         if old == OldLogProbs::Pass {
             t.time("old_log_prob", || self.actor.compute_log_prob(&mut batch))?;

@@ -147,6 +147,22 @@ impl Trainer {
         Ok((prompts, epoch.max(self.loader.cursor().epoch)))
     }
 
+    /// `prompts` rolled out and scored (`gen`, `reward`, ReMax's `gen_max`): this rank's rows.
+    pub(super) fn rollout_and_reward(
+        &mut self,
+        prompts: &[usize],
+        t: &mut Timings,
+    ) -> Result<StepBatch> {
+        let mut batch = t.time("gen", || self.generate(prompts))?;
+        let seq_lens: Vec<usize> = (0..batch.len()).map(|r| batch.seq_len(r)).collect();
+        self.plan.check_token_budgets(&seq_lens)?;
+        t.time("reward", || self.compute_rewards(&mut batch))?;
+        if self.cfg.algorithm.adv_estimator == crate::config::AdvEstimator::Remax {
+            t.time("gen_max", || self.remax_baselines(&mut batch))?;
+        }
+        Ok(batch)
+    }
+
     /// The `gen` phase: this rank's rows of the step, from the actor's current weights. Each
     /// rank takes an equal, contiguous share of the step's prompts (whole groups: all `n`
     /// responses of a prompt on one rank, as verl dispatches them).

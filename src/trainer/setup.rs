@@ -53,6 +53,12 @@ pub fn check_world(
             plan.train_batch_size
         ));
     }
+    if !plan.gen_batch_size.is_multiple_of(world) {
+        errors.push(format!(
+            "data.gen_batch_size ({}) must be divisible by the number of processes ({world}): each rank generates whole prompts",
+            plan.gen_batch_size
+        ));
+    }
     if errors.is_empty() {
         Ok(())
     } else {
@@ -225,8 +231,9 @@ pub fn total_steps(
     let steps_per_epoch = plan.steps_per_epoch(train_rows) as u64;
     if steps_per_epoch == 0 {
         return Err(ConfigError::Invalid(vec![format!(
-            "data.train_files: {train_rows} prompts after filtering, fewer than data.train_batch_size ({}): not one step can run",
-            plan.train_batch_size
+            "data.train_files: {train_rows} prompts after filtering, fewer than {} ({}): not one step can run",
+            if plan.filter_groups.is_some() { "data.gen_batch_size" } else { "data.train_batch_size" },
+            plan.gen_batch_size
         )]));
     }
     Ok(cfg

@@ -185,8 +185,7 @@ impl Trainer {
             }
             _ => {}
         }
-        self.loader =
-            BatchLoader::resume(self.train.len(), self.plan.train_batch_size, state.loader);
+        self.loader = BatchLoader::resume(self.train.len(), self.plan.gen_batch_size, state.loader);
         self.rollout.sampler = Sampler::restore(state.sampler);
         self.kl_ctrl = state.kl_ctrl;
         // Weights of sources that still exist; a source added since keeps its configured weight.

@@ -1235,6 +1235,9 @@ mod golden;
 #[path = "tests_lora.rs"]
 mod lora;
 
+#[path = "tests_dapo.rs"]
+mod dapo;
+
 /// verl's mixed-precision keys reach every model of the run: actor (training and old
 /// log-probs), rollout, reference and critic each take their own key, and a 3-step gae run with
 /// all of them in bf16 trains (finite losses, weights move). Without the keys nothing is bf16.
