@@ -376,9 +376,10 @@ fn checkpoint_bytes(dir: &Path, step: u64) -> Vec<u8> {
     std::fs::read(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()))
 }
 
-/// 3 steps of PPO with a critic (gae), of GRPO, and of GRPO with one mini-batch per step (an
+/// 3 steps of PPO with a critic (gae), of GRPO, of GRPO with one mini-batch per step (an
 /// on-policy update, whose own forward gives the old log-probs: each rank fills the rows of its
-/// micro-batches and the ranks exchange them, so no `old_log_prob` pass runs): 2 ranks, 1 rank
+/// micro-batches and the ranks exchange them, so no `old_log_prob` pass runs), and of GRPO with
+/// DAPO's dynamic sampling (each rank generates half of every batch): 2 ranks, 1 rank
 /// through MPI and a plain process log the same metrics (1e-6; `actor/entropy` is read from
 /// the exchanged rows) and save the same actor.
 #[test]
@@ -386,14 +387,28 @@ fn two_ranks_and_one_log_the_same_metrics_for_gae_and_grpo() {
     if mpirun(1).is_none() {
         return;
     }
-    for (est, mini) in [("gae", 2), ("grpo", 2), ("grpo", 4)] {
-        let extra = [
+    for (est, mini, dapo) in [
+        ("gae", 2, false),
+        ("grpo", 2, false),
+        ("grpo", 4, false),
+        ("grpo", 2, true),
+    ] {
+        let mut extra = vec![
             format!("algorithm.adv_estimator={est}"),
             format!("actor_rollout_ref.actor.ppo_mini_batch_size={mini}"),
             "trainer.save_freq=3".into(),
         ];
+        if dapo {
+            // Dynamic sampling: batches of 2 prompts (one per rank), gathered and filtered on
+            // every rank alike, until 4 groups whose scores differ are kept.
+            extra.extend([
+                "algorithm.filter_groups.enable=True".into(),
+                "algorithm.filter_groups.metric=score".into(),
+                "data.gen_batch_size=2".into(),
+            ]);
+        }
         let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-        let est = format!("{est} mini-batch {mini}");
+        let est = format!("{est} mini-batch {mini}{}", if dapo { " dapo" } else { "" });
         // One mini-batch of the step's 8 rows: the on-policy update.
         let on_policy = mini == 4;
         let mut runs = Vec::new();
@@ -410,6 +425,16 @@ fn two_ranks_and_one_log_the_same_metrics_for_gae_and_grpo() {
         }
         let (_, base, actor, _) = &runs[0];
         assert_eq!(base.len(), 3);
+        if dapo {
+            let batches: f64 = base
+                .iter()
+                .map(|m| m["train/num_gen_batches"].as_f64().unwrap())
+                .sum();
+            assert!(
+                batches >= 6.0,
+                "{est}: at least 2 batches a step, {batches} in all"
+            );
+        }
         assert!(
             base[2].contains_key("actor/pg_loss"),
             "{:?}",
