@@ -43,6 +43,7 @@ STRUCTS = {
     "algorithm": "AlgorithmConfig",
     "algorithm.kl_ctrl": "KlCtrlConfig",
     "algorithm.filter_groups": "FilterGroupsConfig",
+    "algorithm.rollout_correction": "RolloutCorrectionConfig",
     "trainer": "TrainerConfig",
 }
 SECTION_DOCS = {

@@ -192,14 +192,11 @@ def expect(entry, configs):
         "actor_rollout_ref.actor.calculate_sum_pi_squared": "optimal-token baseline",
         "actor_rollout_ref.model.mtp.enable": "multi-token prediction",
         "algorithm.use_pf_ppo": "priority-filtered PPO",
-        "algorithm.rollout_correction.bypass_mode": "rollout correction",
     }
     for key, what in feature_flags.items():
         if truthy(st.get(key)):
             refuse(key, what)
     for key, what in [
-        ("algorithm.rollout_correction.rollout_is", "rollout correction"),
-        ("algorithm.rollout_correction.rollout_rs", "rollout correction"),
         ("data.custom_cls.path", "custom Python dataset class"),
         ("data.sampler.class_path", "custom Python sampler"),
         ("data.datagen.path", "custom Python data generator"),

@@ -18,6 +18,7 @@ pub mod filter;
 pub mod kl;
 pub mod masked;
 pub mod policy;
+pub mod rollout_corr;
 pub mod value;
 
 pub use advantage::{advantages, compute_advantage, AdvantageInputs, HostInputs, Mat};

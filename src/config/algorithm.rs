@@ -205,7 +205,52 @@ pub struct AlgorithmConfig {
     pub gdpo_reward_weights: Option<Vec<f64>>,
     /// DAPO's dynamic sampling: groups whose responses all score the same are dropped.
     pub filter_groups: FilterGroupsConfig,
+    /// Importance weights and rejection between the rollout's log-probs and the trainer's.
+    pub rollout_correction: RolloutCorrectionConfig,
 }
+
+/// A threshold given as a number or as a string (`"0.5_5.0"`, `"0.5_2.0,0.1"`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Threshold {
+    Number(f64),
+    Text(String),
+}
+
+/// `algorithm.rollout_correction` (verl 1dda039): how the trainer corrects for the rollout
+/// sampling from numbers other than its own (bf16 decode against the f32 update here).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolloutCorrectionConfig {
+    /// Importance weights old/rollout multiplying each token's loss: null (none; the
+    /// diagnostics are logged anyway) | token | sequence (the product over the response).
+    pub rollout_is: Option<String>,
+    /// A number: weights truncated there (TIS); "lower_upper": weights outside zeroed (IcePop).
+    pub rollout_is_threshold: Threshold,
+    /// Divide the weights by their batch mean.
+    pub rollout_is_batch_normalize: bool,
+    /// Rejection: comma-separated token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3,
+    /// seq_max_k2|k3; a token or sequence outside its bound leaves the loss; null = none.
+    pub rollout_rs: Option<String>,
+    /// One bound per rollout_rs option, comma-separated, or one for all: "lower_upper" ratio
+    /// bounds (or one number u for [1/u, u]) for k1, an upper bound for k2/k3.
+    pub rollout_rs_threshold: Option<Threshold>,
+    /// Use the rollout's log-probs as the old ones: no old-log-prob pass.
+    pub bypass_mode: bool,
+    /// The loss in bypass mode: ppo_clip (the ratio to the rollout policy, clipped) | reinforce
+    /// (log-prob times advantage times the IS weights).
+    pub loss_type: String,
+}
+
+defaults!(RolloutCorrectionConfig {
+    rollout_is: None,
+    rollout_is_threshold: Threshold::Number(2.0),
+    rollout_is_batch_normalize: false,
+    rollout_rs: None,
+    rollout_rs_threshold: None,
+    bypass_mode: false,
+    loss_type: "ppo_clip".into(),
+});
 
 /// `algorithm.filter_groups`: DAPO's dynamic sampling. Each step generates batches of
 /// `data.gen_batch_size` prompts, drops every group whose responses share one value of
@@ -243,4 +288,5 @@ defaults!(AlgorithmConfig {
     gdpo_reward_keys: None,
     gdpo_reward_weights: None,
     filter_groups: FilterGroupsConfig::default(),
+    rollout_correction: RolloutCorrectionConfig::default(),
 });

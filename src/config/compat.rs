@@ -128,7 +128,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("actor_rollout_ref.rollout.disable_log_stats", DIST),
     ("actor_rollout_ref.rollout.multi_stage_wake_up", DIST),
     ("actor_rollout_ref.rollout.engine_kwargs", DIST),
-    ("actor_rollout_ref.rollout.calculate_log_probs", DIST),
     ("actor_rollout_ref.rollout.agent", DIST),
     ("actor_rollout_ref.rollout.checkpoint_engine", DIST),
     ("actor_rollout_ref.rollout.trace", DIST),
@@ -200,10 +199,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     // algorithm extensions not implemented
     ("algorithm.use_pf_ppo", Unsupported { default: "false", why: "priority-filtered PPO reweighting is not implemented" }),
     ("algorithm.pf_ppo", DIST),
-    ("algorithm.rollout_correction.rollout_is", Unsupported { default: "null", why: "rollout importance-sampling correction is not implemented (rollout and training share one engine here)" }),
-    ("algorithm.rollout_correction.rollout_rs", Unsupported { default: "null", why: "rollout rejection sampling is not implemented" }),
-    ("algorithm.rollout_correction.bypass_mode", Unsupported { default: "false", why: "bypass mode is not implemented" }),
-    ("algorithm.rollout_correction", DIST),
     // trainer runtime
     ("trainer.esi_redundant_time", DIST),
     ("trainer.default_hdfs_dir", DIST),

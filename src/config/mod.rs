@@ -26,6 +26,7 @@ pub mod reference;
 pub mod resolve;
 pub mod reward;
 pub mod rollout;
+pub mod rollout_corr;
 mod schema;
 pub mod trainer;
 pub mod tree;
@@ -35,6 +36,7 @@ use serde::{Deserialize, Serialize};
 pub use actor::{ActorConfig, LossAggMode, PolicyLossMode};
 pub use algorithm::{
     AdvEstimator, AlgorithmConfig, FilterGroupsConfig, KlCtrlType, KlKind, KlPenalty,
+    RolloutCorrectionConfig, Threshold,
 };
 pub use critic::CriticConfig;
 pub use data::{DataConfig, Truncation};
@@ -43,7 +45,8 @@ pub use model::ModelConfig;
 pub use optim::{LrSchedulerType, OptimConfig};
 pub use reference::RefConfig;
 pub use resolve::{
-    resolve, sequence_budgets, FilterPlan, MicroBatching, Plan, Seeds, Temperatures, UpdatePlan,
+    resolve, sequence_budgets, BypassLoss, FilterPlan, MicroBatching, Plan, RolloutCorrPlan, Seeds,
+    Temperatures, UpdatePlan,
 };
 pub use reward::{OnError, RewardConfig, RewardManagerName, RewardSource, RewardSourceType};
 pub use rollout::{RolloutConfig, SamplingConfig};

@@ -80,6 +80,9 @@ pub struct Plan {
     pub gen_batch_size: usize,
     /// DAPO's dynamic sampling (`algorithm.filter_groups.enable`); None = off.
     pub filter_groups: Option<FilterPlan>,
+    /// Rollout correction and its diagnostics; None when the rollout keeps no log-probs
+    /// (`actor_rollout_ref.rollout.calculate_log_probs=false`).
+    pub rollout_correction: Option<RolloutCorrPlan>,
     pub actor: UpdatePlan,
     /// None when there is no critic.
     pub critic: Option<UpdatePlan>,
@@ -114,6 +117,32 @@ pub struct FilterPlan {
     pub metric: String,
     /// Generation batches one step may draw (`max_num_gen_batches`); None = no limit.
     pub max_num_gen_batches: Option<u64>,
+}
+
+/// `algorithm.rollout_correction` as the trainer applies it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RolloutCorrPlan {
+    /// IS weights and rejection (both off: the `rollout_corr/*` diagnostics only).
+    pub correction: super::rollout_corr::Correction,
+    /// `bypass_mode`: the rollout's log-probs are the old ones (no old-log-prob pass), with
+    /// this loss.
+    pub bypass: Option<BypassLoss>,
+}
+
+impl RolloutCorrPlan {
+    /// Whether the update reads anything of it (IS weights, a rejection mask or bypass mode).
+    pub fn corrects(&self) -> bool {
+        self.correction.is.is_some() || !self.correction.rs.is_empty() || self.bypass.is_some()
+    }
+}
+
+/// `algorithm.rollout_correction.loss_type` in bypass mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BypassLoss {
+    /// The configured policy loss with the rollout's log-probs as the old ones.
+    PpoClip,
+    /// −w·log π·A with the IS weights w.
+    Reinforce,
 }
 
 /// Every seed a run draws from, resolved once: each stream of randomness reads its own.
@@ -314,6 +343,7 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
     let (need_reference, ref_log_prob_micro) = reference_rules(&mut f, cfg);
     algorithm_rules(&mut f, cfg, l.n);
     let (gen_batch_size, filter_groups) = filter_groups_rules(&mut f, cfg, &l);
+    let rollout_correction = rollout_corr_rules(&mut f, cfg);
     let (need_critic, critic, critic_forward_micro) = critic_rules(&mut f.errors, cfg, &l);
     let reward = reward_rules(&mut f.errors, cfg);
     let default_local_dir = trainer_rules(&mut f, cfg);
@@ -328,6 +358,7 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
         train_batch_size: l.train_batch_size,
         gen_batch_size,
         filter_groups,
+        rollout_correction,
         actor,
         critic,
         log_prob_micro,
@@ -753,6 +784,52 @@ fn filter_groups_rules(f: &mut Findings, cfg: &Config, l: &Lengths) -> (usize, O
         max_num_gen_batches: (fg.max_num_gen_batches > 0).then_some(fg.max_num_gen_batches as u64),
     });
     (gen_batch_size, plan)
+}
+
+/// `algorithm.rollout_correction` under verl's rules (each error names its key), and the
+/// rollout log-probs it needs.
+fn rollout_corr_rules(f: &mut Findings, cfg: &Config) -> Option<RolloutCorrPlan> {
+    const K: &str = "algorithm.rollout_correction";
+    let rc = &cfg.algorithm.rollout_correction;
+    let built = super::rollout_corr::build(
+        rc.rollout_is.as_deref(),
+        &rc.rollout_is_threshold,
+        rc.rollout_is_batch_normalize,
+        rc.rollout_rs.as_deref(),
+        rc.rollout_rs_threshold.as_ref(),
+    );
+    let correction = match built {
+        Ok(c) => c,
+        Err((key, e)) => {
+            f.errors.push(format!("`{K}.{key}`: {e}"));
+            return None;
+        }
+    };
+    let bypass = match (rc.bypass_mode, rc.loss_type.as_str()) {
+        (true, "ppo_clip") => Some(BypassLoss::PpoClip),
+        (true, "reinforce") => Some(BypassLoss::Reinforce),
+        (_, other) if other != "ppo_clip" && other != "reinforce" => {
+            f.errors.push(format!(
+                "`{K}.loss_type` is `{other}`: ppo_clip or reinforce"
+            ));
+            return None;
+        }
+        (false, "reinforce") => {
+            f.warnings.push(format!(
+                "`{K}.loss_type=reinforce` is read only with `{K}.bypass_mode=true` (as in verl)"
+            ));
+            None
+        }
+        _ => None,
+    };
+    let plan = RolloutCorrPlan { correction, bypass };
+    if !cfg.actor_rollout_ref.rollout.calculate_log_probs {
+        if plan.corrects() {
+            f.errors.push(format!("`{K}` (rollout_is, rollout_rs or bypass_mode) needs the rollout's log-probs: set `actor_rollout_ref.rollout.calculate_log_probs=true`"));
+        }
+        return None;
+    }
+    Some(plan)
 }
 
 /// `critic.*`: whether there is a critic, its update plan and its forward passes.

@@ -75,6 +75,10 @@ pub struct RolloutConfig {
     pub val_kwargs: SamplingConfig,
     /// Precision of generation's products: float32 (our default on the CPU) or bfloat16 (verl's default; AMX tiles or AVX512-BF16 on the CPU).
     pub dtype: Precision,
+    /// Keep each sampled token's log-probability (`rollout_log_probs`): rollout correction
+    /// needs them, and with them every step logs how far the rollout's numbers are from the
+    /// trainer's (`training/rollout_probs_diff_*`, `rollout_corr/*` diagnostics).
+    pub calculate_log_probs: bool,
 }
 
 defaults!(RolloutConfig {
@@ -96,4 +100,5 @@ defaults!(RolloutConfig {
     log_prob_max_token_len_per_gpu: None,
     val_kwargs: SamplingConfig::default(),
     dtype: Precision::Fp32,
+    calculate_log_probs: true,
 });

@@ -1118,6 +1118,71 @@ fn filter_groups_rules() {
     );
 }
 
+/// `algorithm.rollout_correction`: verl's rules, each error naming its key; the plan.
+#[test]
+fn rollout_correction_rules() {
+    const K: &str = "algorithm.rollout_correction";
+    let e = rule_error(&[&format!("{K}.rollout_is=bogus")]);
+    assert!(e.contains(&format!("`{K}.rollout_is`: `bogus`")), "{e}");
+    let e = rule_error(&[
+        &format!("{K}.rollout_is=token"),
+        &format!("{K}.rollout_is_threshold='5.0_0.5'"),
+    ]);
+    assert!(
+        e.contains(&format!("`{K}.rollout_is_threshold`")) && e.contains("<= the upper"),
+        "{e}"
+    );
+    let e = rule_error(&[
+        &format!("{K}.rollout_rs=token_k2"),
+        &format!("{K}.rollout_rs_threshold='0.5_2.0'"),
+    ]);
+    assert!(
+        e.contains(&format!("`{K}.rollout_rs_threshold`")) && e.contains("one upper bound"),
+        "{e}"
+    );
+    let e = rule_error(&[
+        &format!("{K}.rollout_rs=seq_max_k1"),
+        &format!("{K}.rollout_rs_threshold=2.0"),
+    ]);
+    assert!(
+        e.contains(&format!("`{K}.rollout_rs`")) && e.contains("unknown option"),
+        "{e}"
+    );
+    let e = rule_error(&[&format!("{K}.rollout_rs=token_k1")]);
+    assert!(e.contains("rollout_rs_threshold"), "{e}");
+    let e = rule_error(&[&format!("{K}.loss_type=pg")]);
+    assert!(e.contains(&format!("`{K}.loss_type` is `pg`")), "{e}");
+    let e = rule_error(&[
+        &format!("{K}.rollout_is=sequence"),
+        "actor_rollout_ref.rollout.calculate_log_probs=False",
+    ]);
+    assert!(e.contains("calculate_log_probs=true"), "{e}");
+    let e = err(&[&format!("{K}.rollout_is_threshold=True")]);
+    assert!(e.contains("rollout_is_threshold"), "{e}");
+    // Defaults: the diagnostics only; off without the rollout's log-probs.
+    let p = resolved(&[]).unwrap();
+    assert!(!p.rollout_correction.unwrap().corrects());
+    let p = resolved(&["actor_rollout_ref.rollout.calculate_log_probs=False"]).unwrap();
+    assert!(p.rollout_correction.is_none());
+    let p = resolved(&[&format!("{K}.loss_type=reinforce")]).unwrap();
+    assert!(
+        p.warnings.iter().any(|w| w.contains("bypass_mode=true")),
+        "{:?}",
+        p.warnings
+    );
+    let p = resolved(&[
+        &format!("{K}.bypass_mode=True"),
+        &format!("{K}.loss_type=reinforce"),
+        &format!("{K}.rollout_rs='token_k1,seq_mean_k3'"),
+        &format!("{K}.rollout_rs_threshold='0.5_2.0,0.1'"),
+    ])
+    .unwrap();
+    let c = p.rollout_correction.unwrap();
+    assert_eq!(c.bypass, Some(BypassLoss::Reinforce));
+    assert_eq!(c.correction.rs.len(), 2);
+    assert_eq!(c.correction.rs[0].lower, Some(0.5));
+}
+
 /// `LossAggMode::as_str` (used in messages) is the spelling the config reads.
 #[test]
 fn loss_agg_mode_names_are_the_config_spellings() {

@@ -6,10 +6,13 @@ use candle_nn::VarMap;
 
 use super::batch::{pad_rows, scatter_rows, Column, Ragged, StepBatch};
 use super::micro::{Layout, MicroInputs};
+use super::rollout_corr::bypass_loss;
 use super::trainable::{forward_rows, LoraState, Trainable, UpdateSettings};
 use super::update::MicroLoss;
 use crate::algo::agg::scalar;
-use crate::algo::{agg_loss, kl_loss, policy_loss, PolicyLossParams};
+use crate::algo::rollout_corr::Correction;
+use crate::algo::{agg_loss, kl_loss, policy_loss_weighted, PolicyLossParams};
+use crate::config::BypassLoss;
 use crate::config::{ActorConfig, MicroBatching, Plan};
 use crate::metrics::Metrics;
 use crate::model::{CausalLm, Exec};
@@ -54,6 +57,9 @@ pub struct Actor {
     log_prob_micro: MicroBatching,
     /// How generation runs (bf16 products from `actor_rollout_ref.rollout.dtype`).
     rollout_exec: Exec,
+    /// Rollout correction's bypass mode: the loss and the correction each micro-batch
+    /// recomputes (the old log-probs are then the rollout's).
+    bypass: Option<(BypassLoss, Correction)>,
 }
 
 impl Actor {
@@ -94,6 +100,10 @@ impl Actor {
             temperature: plan.temperatures.log_prob,
             log_prob_micro: plan.log_prob_micro,
             rollout_exec: Exec::default(),
+            bypass: plan
+                .rollout_correction
+                .as_ref()
+                .and_then(|c| c.bypass.map(|l| (l, c.correction.clone()))),
         }
     }
 
@@ -192,6 +202,7 @@ impl Actor {
         let base = PolicyLossParams::from_actor(cfg);
         let mode = cfg.loss_agg_mode;
         let global = self.trainable.settings.plan.global_norm;
+        let bypass = &self.bypass;
         let need_entropy = cfg.entropy_coeff != 0.0 || (cfg.calculate_entropy && !global);
         let old_log_prob = if capture.is_some() {
             None
@@ -199,6 +210,12 @@ impl Actor {
             Some(batch.column(Column::OldLogProbs)?)
         };
         let advantages = batch.column(Column::Advantages)?;
+        // Rollout correction's IS weights multiply each token's policy loss.
+        let is_weights = if batch.has(Column::RolloutIsWeights) {
+            Some(batch.column(Column::RolloutIsWeights)?)
+        } else {
+            None
+        };
         let reference = if cfg.use_kl_loss {
             Some(batch.column(Column::RefLogProb)?)
         } else {
@@ -224,9 +241,10 @@ impl Actor {
             }
             let ent = if need_entropy { ent } else { None };
             // On-policy (one mini-batch, one epoch): the current log-prob, detached, is the old
-            // one, so the ratio is exactly 1 (verl's `on_policy` in `update_policy`).
+            // one, so the ratio is exactly 1 (verl's `on_policy` in `update_policy`); never in
+            // bypass mode, whose old log-probs are the rollout's.
             let old = match old_log_prob {
-                Some(old) if !ctx.on_policy => pad_rows(old, rows, r, device)?,
+                Some(old) if !ctx.on_policy || bypass.is_some() => pad_rows(old, rows, r, device)?,
                 _ => lp.detach(),
             };
             let adv = pad_rows(advantages, rows, r, device)?;
@@ -237,7 +255,17 @@ impl Actor {
                 .wrapping_add(step.wrapping_mul(1 << 20))
                 .wrapping_add(micro_index);
             micro_index += 1;
-            let out = policy_loss(&old, &lp, &adv, mask, &params)?;
+            let w = match is_weights {
+                Some(w) => Some(pad_rows(w, rows, r, device)?),
+                None => None,
+            };
+            let (out, corr_metrics) = match bypass {
+                Some((loss, c)) => bypass_loss(*loss, c, &lp, &old, &adv, mask, &params)?,
+                None => (
+                    policy_loss_weighted(&old, &lp, &adv, mask, &params, w.as_ref())?,
+                    Metrics::new(),
+                ),
+            };
             let mut scalars = vec![("actor/pg_loss", scalar(&out.loss)?)];
             for (k, v) in [
                 ("actor/pg_clipfrac", out.pg_clipfrac),
@@ -269,7 +297,11 @@ impl Actor {
                 loss = (loss + (kl * cfg.kl_loss_coef)?)?;
             }
             scalars.push(("actor/loss", scalar(&loss)?));
-            Ok(MicroLoss { loss, scalars })
+            Ok(MicroLoss {
+                loss,
+                scalars,
+                extra: corr_metrics,
+            })
         })?;
         if !global {
             m.entry("actor/kl_loss".into()).or_insert(0.0);

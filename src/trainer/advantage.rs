@@ -15,13 +15,17 @@ use crate::algo::{advantages, apply_kl_penalty, HostInputs, KlController, Mat};
 use crate::config::{AdvEstimator, AlgorithmConfig};
 use crate::metrics::Metrics;
 
-/// Fills `token_level_rewards`, `advantages` and `returns`; returns the KL-in-reward metrics.
-/// Everything runs on the host: the columns are read as padded `[K, R]` host matrices of the
-/// kept rows, and only the KL penalty (shared with the actor's loss) goes through CPU tensors.
+/// Fills `token_level_rewards`, `advantages` and `returns`; returns the KL-in-reward metrics
+/// and those of `correct`, which runs between the KL penalty and the estimator (verl's place
+/// for rollout correction: the penalty sees the rollout's mask, the estimator the corrected
+/// one). Everything runs on the host: the columns are read as padded `[K, R]` host matrices of
+/// the kept rows, and only the KL penalty (shared with the actor's loss) goes through CPU
+/// tensors.
 pub fn compute(
     alg: &AlgorithmConfig,
     kl_ctrl: &mut KlController,
     batch: &mut StepBatch,
+    correct: &mut dyn FnMut(&mut StepBatch) -> candle_core::Result<Metrics>,
 ) -> candle_core::Result<Metrics> {
     let mut m = Metrics::new();
     let kept: Vec<usize> = (0..batch.len()).filter(|&r| !batch.excluded[r]).collect();
@@ -32,8 +36,17 @@ pub fn compute(
         zeros.clone(),
         zeros,
     ];
+    let width = batch.max_response_len();
+    if alg.use_kl_in_reward && !kept.is_empty() {
+        let (rewards, kl, beta) = kl_in_reward(alg, kl_ctrl, batch, &kept, width)?;
+        m.insert("actor/reward_kl_penalty".into(), kl);
+        m.insert("actor/reward_kl_penalty_coeff".into(), beta);
+        for (i, &r) in kept.iter().enumerate() {
+            out[0][r].copy_from_slice(&rewards[i][..lens[r]]);
+        }
+    }
+    m.extend(correct(batch)?);
     if !kept.is_empty() {
-        let width = batch.max_response_len();
         let b: &StepBatch = batch;
         let rows = |c: Column| -> candle_core::Result<Mat> {
             let col = b.column(c)?;
@@ -44,14 +57,6 @@ pub fn compute(
         };
         let mask_rows = b.response_mask();
         let mask = Mat::from_rows(kept.iter().map(|&r| mask_rows[r].as_slice()), width);
-        if alg.use_kl_in_reward {
-            let (rewards, kl, beta) = kl_in_reward(alg, kl_ctrl, b, &kept, width)?;
-            m.insert("actor/reward_kl_penalty".into(), kl);
-            m.insert("actor/reward_kl_penalty_coeff".into(), beta);
-            for (i, &r) in kept.iter().enumerate() {
-                out[0][r].copy_from_slice(&rewards[i][..lens[r]]);
-            }
-        }
         let rewards = Mat::from_rows(kept.iter().map(|&r| out[0][r].as_slice()), width);
         let values = if b.has(Column::Values) {
             Some(rows(Column::Values)?)
@@ -232,7 +237,7 @@ mod tests {
             ..Default::default()
         };
         let mut kl = KlController::new(&alg.kl_ctrl);
-        compute(&alg, &mut kl, b).unwrap();
+        compute(&alg, &mut kl, b, &mut |_| Ok(Metrics::new())).unwrap();
         b.column(Column::Advantages).unwrap().clone()
     }
 

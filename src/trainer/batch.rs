@@ -30,11 +30,18 @@ pub enum Column {
     TokenLevelRewards,
     Advantages,
     Returns,
+    /// Log-probs of the sampled tokens as the rollout computed them (`rollout.calculate_log_probs`).
+    RolloutLogProbs,
+    /// Rollout correction's importance weights (`algorithm.rollout_correction.rollout_is`).
+    RolloutIsWeights,
+    /// The response mask after rollout correction's rejection (`rollout_rs`): 0 on rejected
+    /// tokens. Absent: 1 on every response token of the rows in the update.
+    ResponseMask,
 }
 
 impl Column {
     /// Every column, in a fixed order (the wire order of [`StepBatch::to_bytes`]).
-    pub const ALL: [Column; 8] = [
+    pub const ALL: [Column; 11] = [
         Column::TokenLevelScores,
         Column::OldLogProbs,
         Column::Entropys,
@@ -43,6 +50,9 @@ impl Column {
         Column::TokenLevelRewards,
         Column::Advantages,
         Column::Returns,
+        Column::RolloutLogProbs,
+        Column::RolloutIsWeights,
+        Column::ResponseMask,
     ];
 
     /// verl's key.
@@ -56,6 +66,9 @@ impl Column {
             Column::TokenLevelRewards => "token_level_rewards",
             Column::Advantages => "advantages",
             Column::Returns => "returns",
+            Column::RolloutLogProbs => "rollout_log_probs",
+            Column::RolloutIsWeights => "rollout_is_weights",
+            Column::ResponseMask => "response_mask",
         }
     }
 
@@ -67,6 +80,8 @@ impl Column {
             Column::RefLogProb => "ref (reference policy)",
             Column::Values => "values (critic)",
             Column::TokenLevelRewards | Column::Advantages | Column::Returns => "adv",
+            Column::RolloutLogProbs => "gen (actor_rollout_ref.rollout.calculate_log_probs)",
+            Column::RolloutIsWeights | Column::ResponseMask => "adv (algorithm.rollout_correction)",
         }
     }
 }
@@ -320,19 +335,35 @@ impl StepBatch {
         self.prompts[row].len() + self.responses[row].len()
     }
 
-    /// Response tokens of every row in the update (excluded rows count 0).
+    /// Response tokens of `row` in the update (excluded rows count 0, tokens rejected by
+    /// rollout correction are left out).
     pub fn mask_len(&self, row: usize) -> usize {
-        if self.excluded[row] {
-            0
-        } else {
-            self.responses[row].len()
+        match (self.excluded[row], self.columns.get(&Column::ResponseMask)) {
+            (true, _) => 0,
+            (false, None) => self.responses[row].len(),
+            (false, Some(m)) => m[row].iter().filter(|&&x| x != 0.0).count(),
         }
     }
 
-    /// verl's `response_mask`: 1 per response token, all 0 for an excluded row.
+    /// Whether token `t` of `row` is in the update (verl's `response_mask` at that position).
+    pub fn token_in_update(&self, row: usize, t: usize) -> bool {
+        !self.excluded[row]
+            && t < self.responses[row].len()
+            && self
+                .columns
+                .get(&Column::ResponseMask)
+                .is_none_or(|m| m[row][t] != 0.0)
+    }
+
+    /// verl's `response_mask`: 1 per response token, all 0 for an excluded row, 0 on tokens
+    /// rollout correction rejected.
     pub fn response_mask(&self) -> Ragged {
         (0..self.len())
-            .map(|r| vec![if self.excluded[r] { 0.0 } else { 1.0 }; self.response_len(r)])
+            .map(|r| {
+                (0..self.response_len(r))
+                    .map(|t| f32::from(u8::from(self.token_in_update(r, t))))
+                    .collect()
+            })
             .collect()
     }
 

@@ -138,6 +138,7 @@ impl Critic {
             let (loss, clipfrac) = value_loss(&vpreds, &ret, &old, mask, cliprange, mode, norm)?;
             let vpred_mean = scalar(&masked_mean(&vpreds.detach(), mask)?)?;
             Ok(MicroLoss {
+                extra: Default::default(),
                 scalars: vec![
                     ("critic/vf_loss", scalar(&loss)?),
                     ("critic/vf_clipfrac", clipfrac),

@@ -87,10 +87,9 @@ impl StepBatch {
                 mask.push(u32::from(real));
                 pos.push(k.saturating_sub(lead) as u32);
             }
-            let keep = !self.excluded[row];
             for j in 0..r {
                 targets.push(rs.get(j).copied().unwrap_or(pad_id));
-                rmask.push(if j < rs.len() && keep { 1f32 } else { 0f32 });
+                rmask.push(f32::from(u8::from(self.token_in_update(row, j))));
             }
         }
         Ok(MicroInputs {
@@ -138,7 +137,6 @@ impl StepBatch {
             let len = ids.len() - start;
             pos.extend(0..len as u32);
             segments.push((start, len));
-            let keep = !self.excluded[row];
             for j in 0..r {
                 if j < rs.len() {
                     spread.push(at.len() as u32);
@@ -149,7 +147,7 @@ impl StepBatch {
                     spread.push(0);
                 }
                 targets.push(rs.get(j).copied().unwrap_or(pad_id));
-                rmask.push(if j < rs.len() && keep { 1f32 } else { 0f32 });
+                rmask.push(f32::from(u8::from(self.token_in_update(row, j))));
             }
         }
         if at.is_empty() {

@@ -24,6 +24,7 @@ pub mod dynamic;
 pub mod micro;
 pub mod optim;
 mod phases;
+pub mod rollout_corr;
 pub mod setup;
 mod state;
 mod step_metrics;
@@ -217,7 +218,12 @@ impl Trainer {
             plan.seeds.data,
         );
         let mut t = Trainer {
-            rollout: RolloutWorker::new(params, plan.n, plan.seeds.rollout),
+            rollout: RolloutWorker::new(
+                params,
+                plan.n,
+                plan.seeds.rollout,
+                plan.rollout_correction.is_some(),
+            ),
             kl_ctrl: KlController::new(&cfg.algorithm.kl_ctrl),
             cfg,
             plan,
@@ -370,8 +376,15 @@ impl Trainer {
             },
         };
         let old = self.old_log_probs(&batch)?;
-        if old == OldLogProbs::Pass {
-            t.time("old_log_prob", || self.actor.compute_log_prob(&mut batch))?;
+        match old {
+            OldLogProbs::Pass => {
+                t.time("old_log_prob", || self.actor.compute_log_prob(&mut batch))?
+            }
+            OldLogProbs::Rollout => {
+                let rollout = batch.column(batch::Column::RolloutLogProbs)?.clone();
+                batch.set(batch::Column::OldLogProbs, rollout)?;
+            }
+            OldLogProbs::FromUpdate => {}
         }
         if let Some(r) = &self.reference {
             t.time("ref", || r.compute_ref_log_prob(&mut batch))?;
@@ -389,6 +402,9 @@ impl Trainer {
         }
         m.extend(t.time("adv", || self.compute_advantages(&mut batch))?);
         self.update_models(&mut batch, step, old, &mut t, &mut m)?;
+        if old == OldLogProbs::FromUpdate {
+            m.extend(self.rollout_diagnostics_after_update(&mut batch)?);
+        }
         self.global_step = step;
         if let (Some(dir), 0) = (self.cfg.trainer.rollout_data_dir.clone(), self.comm.rank()) {
             self.dump_rollouts(&dir, &batch)?;

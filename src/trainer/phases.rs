@@ -2,7 +2,7 @@
 //! rollout, reward, ReMax's baseline, advantages, the after-update work (checkpoint,
 //! validation) and the step's metrics. Each fills the step's [`StepBatch`].
 
-use super::batch::StepBatch;
+use super::batch::{Column, StepBatch};
 use super::{advantage, step_metrics, Result, Trainer, TrainerError};
 use crate::control::ControlServer;
 use crate::data::{PromptDataset, TokenizerBundle};
@@ -19,14 +19,17 @@ pub struct RolloutWorker {
     pub sampler: Sampler,
     params: SamplingParams,
     n: usize,
+    /// Keep the sampled tokens' log-probs (`rollout.calculate_log_probs`).
+    log_probs: bool,
 }
 
 impl RolloutWorker {
-    pub fn new(params: SamplingParams, n: usize, seed: u64) -> Self {
+    pub fn new(params: SamplingParams, n: usize, seed: u64, log_probs: bool) -> Self {
         Self {
             sampler: Sampler::new(seed),
             params,
             n: n.max(1),
+            log_probs,
         }
     }
 
@@ -43,7 +46,7 @@ impl RolloutWorker {
         let rows = repeat_rows(prompts, self.n);
         let first_row = first_prompt * self.n;
         let out = generate_rows_from(model, ds, &rows, &self.params, &mut self.sampler, first_row)?;
-        Ok(StepBatch::new(
+        let mut batch = StepBatch::new(
             rows.iter().map(|&i| ds.prompt_ids[i].clone()).collect(),
             out.responses,
             rows.clone(),
@@ -51,7 +54,11 @@ impl RolloutWorker {
                 .map(|k| (first_prompt + k / self.n) as u64)
                 .collect(),
             out.stop.iter().map(|s| *s == StopReason::Length).collect(),
-        ))
+        );
+        if self.log_probs {
+            batch.set(Column::RolloutLogProbs, out.log_probs)?;
+        }
+        Ok(batch)
     }
 
     /// One greedy response to each of `prompts` (ReMax's baseline), with the training limits.
@@ -111,6 +118,8 @@ pub(super) enum OldLogProbs {
     Pass,
     /// The on-policy update's first forward (`old_log_prob` pass skipped).
     FromUpdate,
+    /// The rollout's own log-probs (`rollout_correction.bypass_mode`: no pass).
+    Rollout,
 }
 
 impl Trainer {
@@ -230,9 +239,16 @@ impl Trainer {
     /// ignores), so the pass is skipped when nothing reads them before the update: no KL in the
     /// reward, and the actor's rule for it holds (counting the step's rows over all ranks, as
     /// the reward may have left rows out).
+    /// Rollout correction reads them before the update too; in bypass mode they are the
+    /// rollout's.
     pub(super) fn old_log_probs(&self, batch: &StepBatch) -> Result<OldLogProbs> {
+        let corr = self.plan.rollout_correction.as_ref();
+        if corr.is_some_and(|c| c.bypass.is_some()) {
+            return Ok(OldLogProbs::Rollout);
+        }
         let step_rows = crate::dist::sum_count(self.comm.as_ref(), batch.len())?;
         let from_update = !self.cfg.algorithm.use_kl_in_reward
+            && !corr.is_some_and(|c| c.corrects())
             && self.actor.update_replaces_old_log_prob(step_rows);
         Ok(if from_update {
             OldLogProbs::FromUpdate
@@ -278,13 +294,44 @@ impl Trainer {
         Ok(())
     }
 
-    /// The `adv` phase: token-level rewards, advantages and returns.
+    /// The `adv` phase: token-level rewards, rollout correction (when the old log-probs are
+    /// known by now, outside bypass mode), advantages and returns.
     pub(super) fn compute_advantages(&mut self, batch: &mut StepBatch) -> Result<Metrics> {
+        let corr = self
+            .plan
+            .rollout_correction
+            .as_ref()
+            .filter(|c| c.bypass.is_none() && batch.has(Column::OldLogProbs));
+        let mut correct = |b: &mut StepBatch| match corr {
+            Some(c) => {
+                let mut m = super::rollout_corr::probs_diff_metrics(b)?;
+                m.extend(super::rollout_corr::apply(&c.correction, b)?);
+                Ok(m)
+            }
+            None => Ok(Metrics::new()),
+        };
         Ok(advantage::compute(
             &self.cfg.algorithm,
             &mut self.kl_ctrl,
             batch,
+            &mut correct,
         )?)
+    }
+
+    /// The rollout-correction diagnostics of a step whose old log-probs came from the update
+    /// (nothing corrected: the metrics only).
+    pub(super) fn rollout_diagnostics_after_update(
+        &self,
+        batch: &mut StepBatch,
+    ) -> Result<Metrics> {
+        match &self.plan.rollout_correction {
+            Some(c) if !c.corrects() && batch.has(Column::OldLogProbs) => {
+                let mut m = super::rollout_corr::probs_diff_metrics(batch)?;
+                m.extend(super::rollout_corr::apply(&c.correction, batch)?);
+                Ok(m)
+            }
+            _ => Ok(Metrics::new()),
+        }
     }
 
     /// After the updates, in verl's order (`RayPPOTrainer.fit`): validation every `test_freq`

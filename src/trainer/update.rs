@@ -36,6 +36,8 @@ use crate::util::permutation;
 pub struct MicroLoss {
     pub loss: Tensor,
     pub scalars: Vec<(&'static str, f64)>,
+    /// More averaged scalars, named at run time (bypass mode's `rollout_corr/*`).
+    pub extra: BTreeMap<String, f64>,
 }
 
 /// How one micro-batch's loss is built.
@@ -176,6 +178,9 @@ pub fn mini_batch_grads<N: Network>(
             crate::metrics::rss_bytes().unwrap_or(0) as f64 / (1u64 << 30) as f64
         );
         scalars.add(out.scalars, scale);
+        for (k, v) in out.extra {
+            scalars.lists.entry(k).or_default().push(v);
+        }
     }
     Ok(Some(grads))
 }
@@ -363,6 +368,7 @@ mod tests {
         let mask = mi.response_mask.to_dtype(lp.dtype())?;
         let loss = agg_loss(&lp.neg()?, &mask, LossAggMode::TokenMean, ctx.norm)?;
         Ok(MicroLoss {
+            extra: Default::default(),
             scalars: vec![
                 ("actor/pg_loss", scalar(&loss)?),
                 ("actor/rows", rows.len() as f64),

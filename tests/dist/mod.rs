@@ -125,6 +125,7 @@ fn nll(
     let loss = main_ppo::algo::agg_loss(&lp.neg()?, &mask, LossAggMode::TokenMean, ctx.norm)?;
     Ok(MicroLoss {
         scalars: vec![("actor/pg_loss", main_ppo::algo::agg::scalar(&loss)?)],
+        extra: Default::default(),
         loss,
     })
 }
