@@ -640,7 +640,7 @@ mod tests {
     fn correction(c: &Value) -> Result<Correction, (&'static str, String)> {
         build(
             c["rollout_is"].as_str(),
-            &spec(&c["rollout_is_threshold"]).unwrap(),
+            spec(&c["rollout_is_threshold"]).as_ref(),
             c["rollout_is_batch_normalize"].as_bool().unwrap(),
             c["rollout_rs"].as_str(),
             spec(&c["rollout_rs_threshold"]).as_ref(),
@@ -752,7 +752,7 @@ mod tests {
         for level in ["token", "sequence"] {
             let c = build(
                 Some(level),
-                &Threshold::Number(2.0),
+                Some(&Threshold::Number(2.0)),
                 true,
                 Some("token_k1,seq_max_k3"),
                 Some(&Threshold::Text("0.9_1.1,0.01".into())),

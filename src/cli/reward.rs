@@ -378,8 +378,8 @@ struct EvalLine {
 }
 
 impl EvalLine {
-    /// `mean@n`, `best@n`, `nonzero@n` (share of responses scoring non-zero: the format rate
-    /// of gsm8k with `format_score > 0`) and the mean response length in tokens when the
+    /// `mean@n`, `best@n`, `nonzero@n` (share of responses scoring non-zero before DAPO's
+    /// overlong penalty: the format rate of gsm8k with `format_score > 0`) and the mean response length in tokens when the
     /// generations carry `response_lengths` for every response.
     fn render(&self, ds: &str) -> String {
         let n = self.n;
@@ -445,9 +445,13 @@ pub fn eval(args: &EvalArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
         .iter()
         .map(|r| vec![None; r["responses"].as_array().map_or(0, Vec::len)])
         .collect();
+    // The scores before DAPO's overlong penalty, for nonzero@n (the penalty makes long answers
+    // negative, well formed or not).
+    let mut base_per_row = per_row.clone();
     let mut failed = 0;
     for ((i, j), r) in owner.iter().zip(&results) {
         per_row[*i][*j] = r.score;
+        base_per_row[*i][*j] = r.unpenalised.or(r.score);
         if let Some(e) = &r.error {
             failed += 1;
             eprintln!("row {i}, response {j}: {}", e.lines().next().unwrap_or(""));
@@ -455,7 +459,7 @@ pub fn eval(args: &EvalArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
     }
     let mut table: BTreeMap<String, EvalLine> = BTreeMap::new();
     let mut k = 0; // index into `lens`, in (row, response) order
-    for (row, scores) in rows.iter().zip(&per_row) {
+    for ((row, scores), base) in rows.iter().zip(&per_row).zip(&base_per_row) {
         let ds = row
             .get("data_source")
             .and_then(Value::as_str)
@@ -471,7 +475,7 @@ pub fn eval(args: &EvalArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
         e.prompts += 1;
         e.n = e.n.max(vals.len());
         e.responses += vals.len();
-        e.nonzero += vals.iter().filter(|v| **v != 0.0).count();
+        e.nonzero += base.iter().filter(|v| v.unwrap_or(0.0) != 0.0).count();
         for l in lens[k..k + vals.len()].iter().flatten() {
             e.tokens += l;
             e.with_length += 1;

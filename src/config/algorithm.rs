@@ -225,8 +225,9 @@ pub struct RolloutCorrectionConfig {
     /// Importance weights old/rollout multiplying each token's loss: null (none; the
     /// diagnostics are logged anyway) | token | sequence (the product over the response).
     pub rollout_is: Option<String>,
-    /// A number: weights truncated there (TIS); "lower_upper": weights outside zeroed (IcePop).
-    pub rollout_is_threshold: Threshold,
+    /// A number: weights truncated there (TIS); "lower_upper": weights outside zeroed (IcePop);
+    /// required with rollout_is.
+    pub rollout_is_threshold: Option<Threshold>,
     /// Divide the weights by their batch mean.
     pub rollout_is_batch_normalize: bool,
     /// Rejection: comma-separated token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3,
@@ -244,7 +245,7 @@ pub struct RolloutCorrectionConfig {
 
 defaults!(RolloutCorrectionConfig {
     rollout_is: None,
-    rollout_is_threshold: Threshold::Number(2.0),
+    rollout_is_threshold: Some(Threshold::Number(2.0)),
     rollout_is_batch_normalize: false,
     rollout_rs: None,
     rollout_rs_threshold: None,

@@ -793,7 +793,7 @@ fn rollout_corr_rules(f: &mut Findings, cfg: &Config) -> Option<RolloutCorrPlan>
     let rc = &cfg.algorithm.rollout_correction;
     let built = super::rollout_corr::build(
         rc.rollout_is.as_deref(),
-        &rc.rollout_is_threshold,
+        rc.rollout_is_threshold.as_ref(),
         rc.rollout_is_batch_normalize,
         rc.rollout_rs.as_deref(),
         rc.rollout_rs_threshold.as_ref(),

@@ -238,7 +238,7 @@ fn option(name: &str, spec: &str) -> Result<RsOption, String> {
 /// (`rollout_is`, `rollout_is_threshold`, `rollout_rs`, `rollout_rs_threshold`) and the rule.
 pub fn build(
     rollout_is: Option<&str>,
-    is_threshold: &Threshold,
+    is_threshold: Option<&Threshold>,
     is_batch_normalize: bool,
     rollout_rs: Option<&str>,
     rs_threshold: Option<&Threshold>,
@@ -256,7 +256,13 @@ pub fn build(
                     ))
                 }
             };
-            let t = parse_is_threshold(is_threshold).map_err(|e| ("rollout_is_threshold", e))?;
+            // verl skips the weights when the threshold is null; here that is an error, as
+            // the weights were asked for.
+            let spec = is_threshold.ok_or((
+                "rollout_is_threshold",
+                "must be set when rollout_is is (a number, or \"lower_upper\")".to_string(),
+            ))?;
+            let t = parse_is_threshold(spec).map_err(|e| ("rollout_is_threshold", e))?;
             Some((level, t))
         }
     };

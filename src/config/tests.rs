@@ -1157,6 +1157,12 @@ fn rollout_correction_rules() {
         "actor_rollout_ref.rollout.calculate_log_probs=False",
     ]);
     assert!(e.contains("calculate_log_probs=true"), "{e}");
+    let e = rule_error(&[
+        &format!("{K}.rollout_is=token"),
+        &format!("{K}.rollout_is_threshold=null"),
+    ]);
+    assert!(e.contains("must be set when rollout_is is"), "{e}");
+    assert!(resolved(&[&format!("{K}.rollout_is_threshold=null")]).is_ok());
     let e = err(&[&format!("{K}.rollout_is_threshold=True")]);
     assert!(e.contains("rollout_is_threshold"), "{e}");
     // Defaults: the diagnostics only; off without the rollout's log-probs.

@@ -134,6 +134,9 @@ pub struct SampleReward {
     pub gated: Vec<String>,
     /// Left out of the policy update by a `skip_update` gate.
     pub gate_skip: bool,
+    /// The score before DAPO's overlong penalty (`None` when the sample has no score).
+    #[serde(default)]
+    pub unpenalised: Option<f64>,
 }
 
 /// Counters since the manager started (`reward/errors`, `reward/timeouts`).
@@ -379,6 +382,7 @@ impl RewardManager {
             .zip(&self.sources)
             .map(|((_, s), src)| s.unwrap_or(0.0) * src.weight)
             .sum();
+        sample.unpenalised = Some(total);
         if let Some(o) = self.overlong {
             let expected = o.max_resp_len - o.len;
             let exceed = len as f64 - expected;

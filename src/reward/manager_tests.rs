@@ -172,6 +172,8 @@ fn dapo_overlong_penalty() {
         vec![1.0, 0.5, 0.0]
     );
     assert_eq!(out[1].extra["overlong"], json!(true));
+    // The score before the penalty is kept (the format rate reads it).
+    assert!(out.iter().all(|s| s.unpenalised == Some(1.0)));
     let bad = cfg(&[
         "reward.reward_manager.name=dapo".into(),
         "+reward.reward_kwargs.overlong_buffer_cfg={enable: true, len: 4}".into(),

@@ -216,7 +216,7 @@ mod tests {
         b.excluded[1] = true;
         let c = build(
             Some("token"),
-            &Threshold::Number(2.0),
+            Some(&Threshold::Number(2.0)),
             false,
             Some("token_k2"),
             Some(&Threshold::Number(0.5)),

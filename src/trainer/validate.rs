@@ -71,7 +71,8 @@ pub struct ValSample {
 
 impl ValSample {
     /// A scored response: `reward` (the score), the scorers' extra values, and `format`: 1 when
-    /// the score is non-zero, else 0 (unless a scorer reported its own `format`).
+    /// the score before DAPO's overlong penalty (`base`) is non-zero, else 0 (unless a scorer
+    /// reported its own `format`): the penalty makes long answers negative, well formed or not.
     ///
     /// `format` is the format rate of verl's `gsm8k` scorer with `format_score > 0`: a
     /// well-formed wrong answer scores `format_score`, a right one `score`, one without a
@@ -84,6 +85,7 @@ impl ValSample {
         data_source: &str,
         uid: usize,
         score: f64,
+        base: f64,
         extra: &serde_json::Map<String, Value>,
     ) -> Self {
         let mut vars: BTreeMap<String, ValValue> = extra
@@ -92,7 +94,7 @@ impl ValSample {
             .collect();
         vars.insert("reward".into(), ValValue::Num(score));
         vars.entry("format".into())
-            .or_insert(ValValue::Num(f64::from(u8::from(score != 0.0))));
+            .or_insert(ValValue::Num(f64::from(u8::from(base != 0.0))));
         ValSample {
             data_source: data_source.to_string(),
             uid,
@@ -304,10 +306,12 @@ impl Trainer {
             for (k, r) in rewards.iter().enumerate() {
                 let sample = &ds.samples[rows[k]];
                 if let Some(score) = r.score {
+                    let base = r.unpenalised.unwrap_or(score);
                     scored.push(ValSample::scored(
                         &sample.data_source,
                         rows[k],
                         score,
+                        base,
                         &r.extra,
                     ));
                 }
@@ -523,7 +527,7 @@ val-core/ds_b/reward/mean@3 0.5
         };
         let samples: Vec<ValSample> = [(0, 0.1), (0, 0.0), (1, 1.0), (1, 0.1), (2, 0.0), (2, 0.0)]
             .iter()
-            .map(|&(uid, s)| ValSample::scored("openai/gsm8k", uid, s, &acc(s)))
+            .map(|&(uid, s)| ValSample::scored("openai/gsm8k", uid, s, s, &acc(s)))
             .collect();
         let m = validation_metrics(&samples, BOOTSTRAP_SEED);
         assert!((m["val-aux/openai/gsm8k/format/mean@2"] - 0.5).abs() < 1e-12);
@@ -537,14 +541,21 @@ val-core/ds_b/reward/mean@3 0.5
         // Greedy (one response per prompt): 2 of 3 well formed.
         let one: Vec<ValSample> = [(0, 0.1), (1, 1.0), (2, 0.0)]
             .iter()
-            .map(|&(uid, s)| ValSample::scored("openai/gsm8k", uid, s, &acc(s)))
+            .map(|&(uid, s)| ValSample::scored("openai/gsm8k", uid, s, s, &acc(s)))
             .collect();
         let m = validation_metrics(&one, BOOTSTRAP_SEED);
         assert!((m["val-aux/openai/gsm8k/format/mean@1"] - 2.0 / 3.0).abs() < 1e-12);
         // A scorer's own `format` wins.
         let mut own = acc(0.0);
         own.insert("format".into(), json!(true));
-        let s = ValSample::scored("x", 0, 0.0, &own);
+        let s = ValSample::scored("x", 0, 0.0, 0.0, &own);
+        assert_eq!(s.vars["format"], ValValue::Num(1.0));
+        // DAPO's overlong penalty: a long answer without `####` scores 0 − 0.05 and is not well
+        // formed; a long well-formed one scores 0.1 − 0.05 and is.
+        let s = ValSample::scored("x", 0, -0.05, 0.0, &acc(0.0));
+        assert_eq!(s.vars["format"], ValValue::Num(0.0));
+        assert_eq!(s.vars["reward"], ValValue::Num(-0.05));
+        let s = ValSample::scored("x", 0, 0.05, 0.1, &acc(0.1));
         assert_eq!(s.vars["format"], ValValue::Num(1.0));
     }
 
