@@ -199,6 +199,10 @@ pub const TABLE: &[(&str, Compat)] = &[
     // algorithm extensions not implemented
     ("algorithm.use_pf_ppo", Unsupported { default: "false", why: "priority-filtered PPO reweighting is not implemented" }),
     ("algorithm.pf_ppo", DIST),
+    // verl 0.7's rollout-correction keys (gone at 1dda039, which reads both rejection bounds
+    // from rollout_rs_threshold)
+    ("algorithm.rollout_correction.rollout_rs_threshold_lower", Unsupported { default: "null", why: "verl 0.7's separate lower rejection bound: write both bounds in rollout_rs_threshold as \"lower_upper\" (verl 1dda039)" }),
+    ("algorithm.rollout_correction.rollout_token_veto_threshold", Unsupported { default: "null", why: "verl 0.7's catastrophic-token veto is not implemented (verl 1dda039 removed it; rollout_rs=token_k1 with a lower bound rejects such tokens)" }),
     // trainer runtime
     ("trainer.esi_redundant_time", DIST),
     ("trainer.default_hdfs_dir", DIST),

@@ -1163,6 +1163,13 @@ fn rollout_correction_rules() {
     ]);
     assert!(e.contains("must be set when rollout_is is"), "{e}");
     assert!(resolved(&[&format!("{K}.rollout_is_threshold=null")]).is_ok());
+    // verl 0.7's keys: accepted at their null default, refused otherwise.
+    assert!(resolved(&[&format!("{K}.rollout_token_veto_threshold=null")]).is_ok());
+    let e = err(&[&format!("{K}.rollout_token_veto_threshold=1e-4")]);
+    assert!(
+        e.contains("rollout_token_veto_threshold") && e.contains("veto"),
+        "{e}"
+    );
     let e = err(&[&format!("{K}.rollout_is_threshold=True")]);
     assert!(e.contains("rollout_is_threshold"), "{e}");
     // Defaults: the diagnostics only; off without the rollout's log-probs.

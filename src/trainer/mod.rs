@@ -9,6 +9,9 @@
 //!
 //! With `algorithm.filter_groups.enable` the rollout and reward repeat over generation
 //! batches until enough groups differ in their reward (`dynamic`, DAPO's dynamic sampling).
+//! Rollout correction (`rollout_corr`) weighs or rejects tokens in the `adv` phase, between the
+//! KL penalty and the estimator, from the rollout's own log-probs; in bypass mode those are the
+//! old log-probs and the `old_log_prob` pass does not run.
 //!
 //! Parts: `batch` (a step's rows and their tensors), `actor` (policy and reference log-probs,
 //! policy update), `critic` (values, value update), `update` (the mini/micro-batch schedule),
