@@ -21,6 +21,10 @@ pub struct TrainerState {
     pub loader: LoaderCursor,
     /// Prompts in the training data when saved (a resumed run must see the same data).
     pub train_rows: usize,
+    /// Prompts per loader batch when saved (`data.gen_batch_size`, else `train_batch_size`):
+    /// the cursor counts batches of this size. Absent in checkpoints of earlier versions.
+    #[serde(default)]
+    pub loader_batch_size: Option<usize>,
     pub sampler: SamplerState,
     pub kl_ctrl: KlController,
     pub actor_updates: u64,
@@ -95,6 +99,7 @@ impl Trainer {
             global_step: self.global_step,
             loader: self.loader.cursor(),
             train_rows: self.train.len(),
+            loader_batch_size: Some(self.plan.gen_batch_size),
             sampler: self.rollout.sampler.state(),
             kl_ctrl: self.kl_ctrl,
             actor_updates: self.actor.trainable.updates,
@@ -172,6 +177,15 @@ impl Trainer {
                 state.train_rows,
                 self.train.len()
             )));
+        }
+        match state.loader_batch_size {
+            Some(saved) if saved != self.plan.gen_batch_size => {
+                return Err(other(format!(
+                    "the checkpoint's loader served batches of {saved} prompts, this run's serve {} (data.gen_batch_size, else data.train_batch_size): its position counts batches, so the data order cannot continue; set the batch size back to {saved}",
+                    self.plan.gen_batch_size
+                )))
+            }
+            _ => {}
         }
         self.actor
             .trainable

@@ -238,3 +238,30 @@ fn a_metric_the_reward_does_not_report_names_the_row_and_the_keys() {
         assert!(m["train/num_gen_batches"] >= 1.0, "{metric}");
     }
 }
+
+/// A checkpoint's loader position counts batches of its size: resuming it with another
+/// `data.gen_batch_size` is refused, naming the key and the saved size.
+#[test]
+fn resuming_with_another_generation_batch_size_is_refused() {
+    let fx = fixture();
+    let extra: &[&str] = &["trainer.total_training_steps=1", "trainer.save_freq=1"];
+    let mut t = dapo_trainer(&fx, extra, Default::default(), quiet()).unwrap();
+    t.fit().unwrap();
+    drop(t);
+    let other: Vec<&str> = extra
+        .iter()
+        .copied()
+        .chain(["data.gen_batch_size=8"])
+        .collect();
+    let e = match dapo_trainer(&fx, &other, Default::default(), quiet()) {
+        Ok(_) => panic!("resumed with another batch size"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("data.gen_batch_size") && e.contains("back to 4"),
+        "{e}"
+    );
+    // The same size resumes.
+    let t = dapo_trainer(&fx, extra, Default::default(), quiet()).unwrap();
+    assert_eq!(t.global_step, 1);
+}
