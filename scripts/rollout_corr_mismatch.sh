@@ -14,6 +14,13 @@ cd "$root"
 steps="${1:-2}"
 work="${2:-$(mktemp -d)}"
 model="$(scripts/fetch_smollm2.sh)"
+# bf16 products need AVX512-BF16 (AMD Zen 4/5) or AMX (Intel Xeon 4th gen on); elsewhere the
+# config's bf16 runs as f32 and the decoupled run shows f32 rounding only.
+if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then
+  echo "CPU: bf16 instructions present (bf16 decode against the trainer's forward)"
+else
+  echo "CPU: no bf16 instructions: both sides compute in f32 here"
+fi
 cargo build --release --locked --quiet
 bin="$root/target/release/main_ppo"
 common=(
