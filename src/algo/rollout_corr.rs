@@ -124,8 +124,13 @@ fn min(v: impl IntoIterator<Item = f64>) -> f64 {
 }
 
 /// The share of `true`s, in f32 as verl takes it (`bool_tensor.float().mean()`).
-fn frac32(v: &[bool]) -> f64 {
-    (v.iter().filter(|&&b| b).count() as f32 / v.len() as f32) as f64
+fn frac32(v: impl IntoIterator<Item = bool>) -> f64 {
+    let (mut yes, mut n) = (0usize, 0usize);
+    for b in v {
+        yes += usize::from(b);
+        n += 1;
+    }
+    (yes as f32 / n as f32) as f64
 }
 
 fn indicator(g: &Grid, f: impl Fn(f64) -> bool) -> Grid {
@@ -186,7 +191,7 @@ fn clamp_log(x: f64) -> f64 {
     x.clamp(-SAFETY_BOUND, SAFETY_BOUND)
 }
 
-/// IS weights and their metrics (`compute_rollout_correction_weights`, `compute_is_metrics`).
+/// IS weights and their metrics (`compute_rollout_correction_weights`).
 fn is_weights(
     log_ratio: &Grid,
     mask: &Grid,
@@ -212,108 +217,95 @@ fn is_weights(
         None => raw.map(|x| x.min(t.upper)),
         Some(lo) => raw.map(|x| if x >= lo && x <= t.upper { x } else { 0.0 }),
     };
+    is_metrics(m, &weights, &raw, &seq_sums, mask, level, t);
+    match batch_normalize {
+        true => normalize(weights, mask, level, m),
+        false => weights,
+    }
+}
+
+/// The metrics of IS `weights` (`compute_is_metrics`): `raw` are the weights before truncation,
+/// `seq_sums` each row's summed log-ratio.
+fn is_metrics(
+    m: &mut BTreeMap<String, f64>,
+    weights: &Grid,
+    raw: &Grid,
+    seq_sums: &[f64],
+    mask: &Grid,
+    level: IsLevel,
+    t: IsThreshold,
+) {
     let lower = t.lower.unwrap_or(1.0 / t.upper);
     // verl compares against logs of float32 scalars.
     let (log_up, log_lo) = ((t.upper as f32).ln() as f64, (lower as f32).ln() as f64);
-    let put = |m: &mut BTreeMap<String, f64>, k: &str, v: f64| {
+    let mut put = |k: &str, v: f64| {
         m.insert(format!("rollout_is_{k}"), v);
     };
-    put(m, "mean", masked_mean(&weights, mask));
+    put("mean", masked_mean(weights, mask));
+    let sums = || seq_sums.iter().copied();
     match level {
         IsLevel::Sequence => {
-            put(
-                m,
-                "max",
-                max(seq_sums.iter().copied()).min(SAFETY_BOUND).exp(),
-            );
-            put(m, "min", min(seq_sums.iter().copied()).exp());
-            put(
-                m,
-                "ratio_fraction_high",
-                frac32(&seq_sums.iter().map(|&s| s > log_up).collect::<Vec<_>>()),
-            );
-            put(
-                m,
-                "ratio_fraction_low",
-                frac32(&seq_sums.iter().map(|&s| s < log_lo).collect::<Vec<_>>()),
-            );
+            put("max", max(sums()).min(SAFETY_BOUND).exp());
+            put("min", min(sums()).exp());
+            put("ratio_fraction_high", frac32(sums().map(|s| s > log_up)));
+            put("ratio_fraction_low", frac32(sums().map(|s| s < log_lo)));
         }
         IsLevel::Token => {
+            let high = masked_mean(&indicator(raw, |x| x > t.upper), mask);
+            put("ratio_fraction_high", high);
             put(
-                m,
-                "ratio_fraction_high",
-                masked_mean(&indicator(&raw, |x| x > t.upper), mask),
-            );
-            put(
-                m,
                 "ratio_fraction_low",
-                masked_mean(&indicator(&raw, |x| x < lower), mask),
+                masked_mean(&indicator(raw, |x| x < lower), mask),
             );
-            put(m, "max", max(masked(&weights, mask)));
-            put(m, "min", min(masked(&weights, mask)));
+            put("max", max(masked(weights, mask)));
+            put("min", min(masked(weights, mask)));
         }
     }
+    put("std", clamped_std(weights, mask, 0.0, t.upper));
     let clamped = weights.map(|x| x.clamp(0.0, t.upper));
-    let tokens: f64 = mask.data.iter().sum();
-    let std = if tokens > 1.0 {
-        let mu = masked_mean(&clamped, mask);
-        (masked_mean(&clamped.map(|x| x * x), mask) - mu * mu)
-            .max(0.0)
-            .sqrt()
-    } else {
-        0.0
-    };
-    put(m, "std", std);
     let mu = masked_mean(&clamped, mask);
-    let normed = clamped.map(|x| (x / (mu + 1e-8)).powi(2));
+    let second = masked_mean(&clamped.map(|x| (x / (mu + 1e-8)).powi(2)), mask);
     // Every weight zeroed (an IcePop band no token falls in): no effective sample (verl divides
     // by zero there and stops).
-    let second = masked_mean(&normed, mask);
     put(
-        m,
         "eff_sample_size",
         if second > 0.0 { 1.0 / second } else { 0.0 },
     );
-    let seq_mean = masked_mean_rows(&weights, mask);
-    put(m, "seq_mean", mean(&seq_mean));
+    let seq_mean = masked_mean_rows(weights, mask);
+    let rows = || seq_mean.iter().copied();
+    put("seq_mean", mean(&seq_mean));
+    let seq_std = if seq_mean.len() > 1 {
+        std_unbiased(&seq_mean)
+    } else {
+        0.0
+    };
+    put("seq_std", seq_std);
+    put("seq_max", max(rows()));
+    put("seq_min", min(rows()));
+    put("seq_max_deviation", max(rows().map(|x| (x - 1.0).abs())));
+    let raw_seq = masked_mean_rows(raw, mask);
     put(
-        m,
-        "seq_std",
-        if b > 1 { std_unbiased(&seq_mean) } else { 0.0 },
-    );
-    put(m, "seq_max", max(seq_mean.iter().copied()));
-    put(m, "seq_min", min(seq_mean.iter().copied()));
-    put(
-        m,
-        "seq_max_deviation",
-        max(seq_mean.iter().map(|x| (x - 1.0).abs())),
-    );
-    let raw_seq = masked_mean_rows(&raw, mask);
-    put(
-        m,
         "seq_fraction_high",
-        frac32(&raw_seq.iter().map(|&x| x > t.upper).collect::<Vec<_>>()),
+        frac32(raw_seq.iter().map(|&x| x > t.upper)),
     );
     put(
-        m,
         "seq_fraction_low",
-        frac32(&raw_seq.iter().map(|&x| x < lower).collect::<Vec<_>>()),
+        frac32(raw_seq.iter().map(|&x| x < lower)),
     );
     if let Some(lo) = t.lower {
-        put(
-            m,
-            "oob_ratio",
-            masked_mean(&indicator(&raw, |x| x < lo || x > t.upper), mask),
-        );
+        let oob = indicator(raw, |x| x < lo || x > t.upper);
+        put("oob_ratio", masked_mean(&oob, mask));
     }
-    if !batch_normalize {
-        return weights;
-    }
+}
+
+/// `rollout_is_batch_normalize`: the weights divided by their mean over tokens (token level) or
+/// over the sequences with a token (sequence level), unless that mean is <= 1e-8.
+fn normalize(weights: Grid, mask: &Grid, level: IsLevel, m: &mut BTreeMap<String, f64>) -> Grid {
     let factor = match level {
         IsLevel::Token => masked_mean(&weights, mask),
         IsLevel::Sequence => {
-            let counts = count_rows(mask);
-            let valid: Vec<f64> = counts
+            let seq_mean = masked_mean_rows(&weights, mask);
+            let valid: Vec<f64> = count_rows(mask)
                 .iter()
                 .map(|&c| f64::from(u8::from(c > 0.0)))
                 .collect();
@@ -321,13 +313,28 @@ fn is_weights(
             s / valid.iter().sum::<f64>().max(1e-8)
         }
     };
-    if factor > 1e-8 {
-        put(m, "batch_norm_factor", factor);
-        weights.map(|x| x / factor)
-    } else {
-        put(m, "batch_norm_factor", 1.0);
-        weights
+    let ok = factor > 1e-8;
+    m.insert(
+        "rollout_is_batch_norm_factor".into(),
+        if ok { factor } else { 1.0 },
+    );
+    match ok {
+        true => weights.map(|x| x / factor),
+        false => weights,
     }
+}
+
+/// verl's clamped masked deviation: `v` clamped to `[lo, hi]` (`hi` wins where `lo > hi`, as in
+/// torch.clamp), `sqrt(max(E[x²] − E[x]², 0))` over the mask; 0 with fewer than two tokens.
+fn clamped_std(v: &Grid, mask: &Grid, lo: f64, hi: f64) -> f64 {
+    if mask.data.iter().sum::<f64>() <= 1.0 {
+        return 0.0;
+    }
+    let c = v.map(|x| x.max(lo).min(hi));
+    let mu = masked_mean(&c, mask);
+    (masked_mean(&c.map(|x| x * x), mask) - mu * mu)
+        .max(0.0)
+        .sqrt()
 }
 
 /// The rejection mask and its metrics (`compute_rollout_rejection_mask`, `compute_rs_metrics`).
@@ -437,7 +444,10 @@ fn rejection(
                 .any(|(&k, &q)| q != 0.0 && k <= 0.5)
         })
         .collect();
-    m.insert("rollout_rs_seq_masked_fraction".into(), frac32(&has_masked));
+    m.insert(
+        "rollout_rs_seq_masked_fraction".into(),
+        frac32(has_masked.iter().copied()),
+    );
     mask.zip(&combined, |q, k| q * k)
 }
 
@@ -471,12 +481,9 @@ fn rs_metrics(
     if seq_level && !valid.is_empty() {
         put("max", max(valid.iter().copied()));
         put("min", min(valid.iter().copied()));
-        put(
-            "fraction_high",
-            frac32(&valid.iter().map(|&x| x > upper).collect::<Vec<_>>()),
-        );
+        put("fraction_high", frac32(valid.iter().map(|&x| x > upper)));
         let low = if apply_lower {
-            frac32(&valid.iter().map(|&x| x < lower).collect::<Vec<_>>())
+            frac32(valid.iter().map(|&x| x < lower))
         } else {
             0.0
         };
@@ -495,19 +502,8 @@ fn rs_metrics(
         };
         put("fraction_low", low);
     }
-    let tokens: f64 = mask.data.iter().sum();
-    let std = if tokens > 1.0 {
-        let lo = if apply_lower { lower } else { 0.0 };
-        // torch.clamp(min, max): max wins where min > max.
-        let c = stat.map(|x| x.max(lo).min(upper));
-        let mu = masked_mean(&c, mask);
-        (masked_mean(&c.map(|x| x * x), mask) - mu * mu)
-            .max(0.0)
-            .sqrt()
-    } else {
-        0.0
-    };
-    put("std", std);
+    let lo = if apply_lower { lower } else { 0.0 };
+    put("std", clamped_std(stat, mask, lo, upper));
     if valid.is_empty() {
         for k in [
             "seq_mean",
@@ -536,13 +532,10 @@ fn rs_metrics(
     put("seq_max_deviation", max(valid.iter().map(|x| x.abs())));
     put(
         "seq_fraction_high",
-        frac32(&valid.iter().map(|&x| x > upper).collect::<Vec<_>>()),
+        frac32(valid.iter().map(|&x| x > upper)),
     );
     if apply_lower {
-        put(
-            "seq_fraction_low",
-            frac32(&valid.iter().map(|&x| x < lower).collect::<Vec<_>>()),
-        );
+        put("seq_fraction_low", frac32(valid.iter().map(|&x| x < lower)));
     }
 }
 

@@ -130,23 +130,27 @@ impl RsOption {
 
 /// `rollout_rs` (comma-separated, duplicates dropped) with `rollout_rs_threshold` (one entry
 /// per option, or one for all), under verl's rules.
-pub fn parse_rs(options: &str, threshold: Option<&Threshold>) -> Result<Vec<RsOption>, String> {
+/// An error names the key it is about (`rollout_rs` or `rollout_rs_threshold`).
+pub fn parse_rs(
+    options: &str,
+    threshold: Option<&Threshold>,
+) -> Result<Vec<RsOption>, (&'static str, String)> {
+    const OPTS: &str = "rollout_rs";
+    const THR: &str = "rollout_rs_threshold";
     let mut names: Vec<&str> = Vec::new();
     for o in options.split(',').map(str::trim).filter(|o| !o.is_empty()) {
         if !RS_OPTIONS.contains(&o) {
-            return Err(format!(
-                "unknown option `{o}`: one of {}",
-                RS_OPTIONS.join(", ")
-            ));
+            let known = RS_OPTIONS.join(", ");
+            return Err((OPTS, format!("unknown option `{o}`: one of {known}")));
         }
         if !names.contains(&o) {
             names.push(o);
         }
     }
     if names.is_empty() {
-        return Err("must name at least one option".into());
+        return Err((OPTS, "must name at least one option".into()));
     }
-    let threshold = threshold.ok_or("needs rollout_rs_threshold")?;
+    let threshold = threshold.ok_or((THR, "must be set when rollout_rs is".to_string()))?;
     let mut specs: Vec<String> = match threshold {
         Threshold::Number(x) => vec![x.to_string()],
         Threshold::Text(s) => s
@@ -157,13 +161,16 @@ pub fn parse_rs(options: &str, threshold: Option<&Threshold>) -> Result<Vec<RsOp
             .collect(),
     };
     if specs.is_empty() {
-        return Err("rollout_rs_threshold holds no value".into());
+        return Err((THR, "holds no value".into()));
     }
     if specs.len() != 1 && specs.len() != names.len() {
-        return Err(format!(
-            "rollout_rs_threshold holds {} values for {} options: give one for all or one per option",
-            specs.len(),
-            names.len()
+        return Err((
+            THR,
+            format!(
+                "holds {} values for {} options: give one for all or one per option",
+                specs.len(),
+                names.len()
+            ),
         ));
     }
     if specs.len() == 1 {
@@ -172,7 +179,7 @@ pub fn parse_rs(options: &str, threshold: Option<&Threshold>) -> Result<Vec<RsOp
     names
         .iter()
         .zip(&specs)
-        .map(|(name, spec)| option(name, spec))
+        .map(|(name, spec)| option(name, spec).map_err(|e| (THR, e)))
         .collect()
 }
 
@@ -268,17 +275,7 @@ pub fn build(
     };
     let rs = match rollout_rs {
         None => Vec::new(),
-        Some(opts) => parse_rs(opts, rs_threshold).map_err(|e| {
-            let key = if e.contains("rollout_rs_threshold")
-                || e.contains("bound")
-                || e.contains("threshold")
-            {
-                "rollout_rs_threshold"
-            } else {
-                "rollout_rs"
-            };
-            (key, e)
-        })?,
+        Some(opts) => parse_rs(opts, rs_threshold)?,
     };
     Ok(Correction {
         is,

@@ -303,11 +303,7 @@ impl Trainer {
             .as_ref()
             .filter(|c| c.bypass.is_none() && batch.has(Column::OldLogProbs));
         let mut correct = |b: &mut StepBatch| match corr {
-            Some(c) => {
-                let mut m = super::rollout_corr::probs_diff_metrics(b)?;
-                m.extend(super::rollout_corr::apply(&c.correction, b)?);
-                Ok(m)
-            }
+            Some(c) => super::rollout_corr::apply_with_diagnostics(&c.correction, b),
             None => Ok(Metrics::new()),
         };
         Ok(advantage::compute(
@@ -325,11 +321,9 @@ impl Trainer {
         batch: &mut StepBatch,
     ) -> Result<Metrics> {
         match &self.plan.rollout_correction {
-            Some(c) if !c.corrects() && batch.has(Column::OldLogProbs) => {
-                let mut m = super::rollout_corr::probs_diff_metrics(batch)?;
-                m.extend(super::rollout_corr::apply(&c.correction, batch)?);
-                Ok(m)
-            }
+            Some(c) if !c.corrects() && batch.has(Column::OldLogProbs) => Ok(
+                super::rollout_corr::apply_with_diagnostics(&c.correction, batch)?,
+            ),
             _ => Ok(Metrics::new()),
         }
     }

@@ -60,6 +60,17 @@ pub fn apply(correction: &Correction, b: &mut StepBatch) -> candle_core::Result<
     Ok(out.metrics)
 }
 
+/// [`probs_diff_metrics`] (on the mask before rejection), then [`apply`]: what a step logs and
+/// changes.
+pub fn apply_with_diagnostics(
+    correction: &Correction,
+    b: &mut StepBatch,
+) -> candle_core::Result<Metrics> {
+    let mut m = probs_diff_metrics(b)?;
+    m.extend(apply(correction, b)?);
+    Ok(m)
+}
+
 /// verl's `training/rollout_probs_diff_*` (`calculate_debug_metrics`): over the tokens in the
 /// update, |p_trainer − p_rollout| of each sampled token's probability — its max, mean and
 /// (Bessel-corrected) std — and the Pearson correlation of the two probabilities. With fewer
