@@ -261,8 +261,10 @@ defaults!(RolloutCorrectionConfig {
 pub struct FilterGroupsConfig {
     /// Turn dynamic sampling on.
     pub enable: bool,
-    /// What a group's responses must differ in: acc | score | seq_reward | seq_final_reward,
-    /// or any key of the dict the reward function returns.
+    /// What a group's responses must differ in: `reward` (the summed reward before any KL
+    /// penalty, verl 0.9's default), acc | score | seq_reward | seq_final_reward, or any key of
+    /// the dict the reward function returns. null (verl 1dda039's default) is refused when
+    /// filtering is on.
     pub metric: Option<String>,
     /// Generation batches one step may draw before the run stops with an error; <= 0 = no limit.
     pub max_num_gen_batches: i64,
@@ -273,7 +275,7 @@ pub struct FilterGroupsConfig {
 
 defaults!(FilterGroupsConfig {
     enable: false,
-    metric: None,
+    metric: Some("reward".into()),
     max_num_gen_batches: 0,
     max_inflight_gen_batches: 1,
 });

@@ -765,7 +765,7 @@ fn filter_groups_rules(f: &mut Findings, cfg: &Config, l: &Lengths) -> (usize, O
     }
     let metric = fg.metric.clone().filter(|m| !m.is_empty());
     if metric.is_none() {
-        errors.push("`algorithm.filter_groups.metric` must be set when `algorithm.filter_groups.enable` is true: the value a group's responses must differ in (acc, score, seq_reward, seq_final_reward, or a key your compute_score returns)".into());
+        errors.push("`algorithm.filter_groups.metric` must be set when `algorithm.filter_groups.enable` is true: the value a group's responses must differ in (reward, acc, score, seq_reward, seq_final_reward, or a key your compute_score returns)".into());
     }
     if fg.max_inflight_gen_batches <= 0 {
         errors.push(format!(

@@ -1063,11 +1063,14 @@ fn gdpo_reward_keys_rules() {
 fn filter_groups_rules() {
     let on = "algorithm.filter_groups.enable=True";
     let acc = "algorithm.filter_groups.metric=acc";
-    let e = rule_error(&[on]);
+    // verl 1dda039 spells the default null (refused with filtering on), verl 0.9 `reward`.
+    let e = rule_error(&[on, "algorithm.filter_groups.metric=null"]);
     assert!(
         e.contains("algorithm.filter_groups.metric` must be set"),
         "{e}"
     );
+    let p = resolved(&[on]).unwrap();
+    assert_eq!(p.filter_groups.unwrap().metric, "reward");
     let e = rule_error(&[
         on,
         acc,

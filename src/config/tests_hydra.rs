@@ -423,8 +423,13 @@ const SAME_BY_INTERPOLATION: &[&str] = &[
 ];
 
 /// Defaults verl 0.7.0 (the release before b178a3c) had and later verl changed: rollout's
-/// `max_num_seqs` was 1024 (256 from b178a3c on).
-const OLDER_DEFAULTS: &[&str] = &["actor_rollout_ref.rollout.max_num_seqs"];
+/// `max_num_seqs` was 1024 (256 from b178a3c on), and the rollout kept no log-probs of its
+/// own (`calculate_log_probs: False`; True in 0.9.1 and 1dda039, which rollout correction
+/// reads).
+const OLDER_DEFAULTS: &[&str] = &[
+    "actor_rollout_ref.rollout.max_num_seqs",
+    "actor_rollout_ref.rollout.calculate_log_probs",
+];
 
 /// b178a3c's critic (and Megatron's actor) is padded by default (`use_remove_padding: False`):
 /// packed and padded sequences give the same results here.
@@ -489,6 +494,21 @@ fn verls_folder_composes_to_the_built_in_defaults() {
                 "{} {name} {groups:?}: verl's folder and the built-in defaults differ at {differ:?}",
                 dir.display()
             );
+            // The plans agree once the built-in defaults take the folder's older values.
+            let tree_of = |c: &Config| serde_yaml_ng::to_value(c).unwrap();
+            let theirs = tree_of(&from_verl.config);
+            let older: Vec<String> = changed
+                .iter()
+                .filter_map(|k| {
+                    let path: Vec<String> = k.split('.').map(String::from).collect();
+                    let v = tree::get(&theirs, &path)?;
+                    let text = serde_yaml_ng::to_string(v).unwrap();
+                    Some(format!("{k}={}", text.trim()))
+                })
+                .collect();
+            let mut ovs2 = ovs.clone();
+            ovs2.extend(older.iter().map(String::as_str));
+            let same = load_with(&hydra(Path::new("/nonexistent"), name), &ovs2).unwrap();
             let (p, q) = (
                 resolve(&from_verl.config).unwrap(),
                 resolve(&same.config).unwrap(),

@@ -24,12 +24,13 @@ use crate::metrics::{Metrics, Timings};
 use crate::rollout::Sampler;
 
 /// Each row's value of the filter `metric`, and the precision verl compares it in. The
-/// summed token-level rewards for `seq_reward` / `seq_final_reward` (the same here: the KL
-/// penalty is never in the reward with filtering); else the reward's value of that name (`acc`
+/// summed token-level rewards for `reward` (verl 0.9's name: the reward before any KL
+/// penalty, never read from the reward function's dict), `seq_reward` and `seq_final_reward`
+/// (all the same here: the KL penalty is never in the reward with filtering); else the reward's value of that name (`acc`
 /// and `score` always exist, any key the reward function returns; a bool counts 1 / 0). Rows
 /// left out of the update give `None`. An error names the row's prompt and the keys it has.
 pub fn metric_values(b: &StepBatch, metric: &str) -> Result<(Vec<Option<f64>>, Precision)> {
-    if matches!(metric, "seq_reward" | "seq_final_reward") {
+    if matches!(metric, "reward" | "seq_reward" | "seq_final_reward") {
         let scores = b.column(Column::TokenLevelScores)?;
         let v = (0..b.len())
             .map(|r| (!b.excluded[r]).then(|| scores[r].iter().sum::<f32>() as f64))
@@ -59,7 +60,7 @@ pub fn metric_values(b: &StepBatch, metric: &str) -> Result<(Vec<Option<f64>>, P
         let Some(value) = value else {
             let keys: Vec<&str> = reward.extra.keys().map(String::as_str).collect();
             return Err(TrainerError::Other(format!(
-                "algorithm.filter_groups.metric = `{metric}`: the response to training row {} {}; its reward holds [{}] (and seq_reward, seq_final_reward)",
+                "algorithm.filter_groups.metric = `{metric}`: the response to training row {} {}; its reward holds [{}] (and reward, seq_reward, seq_final_reward)",
                 b.sample[r],
                 match found {
                     Some(v) => format!("has `{metric}` = {v}, not a number or bool"),

@@ -229,8 +229,8 @@ fn a_metric_the_reward_does_not_report_names_the_row_and_the_keys() {
         e.contains("`share`") && e.contains("training row") && e.contains("[acc]"),
         "{e}"
     );
-    // A key the reward function returns works, as do seq_reward and a bool.
-    for metric in ["share", "even", "seq_reward", "score"] {
+    // A key the reward function returns works, as do seq_reward, reward (verl 0.9) and a bool.
+    for metric in ["share", "even", "seq_reward", "reward", "score"] {
         let key = format!("algorithm.filter_groups.metric={metric}");
         let parts = "reward.sources=[{name: r, type: native, function: parts}]";
         let mut t = dapo_trainer(&fx, &[&key, parts], Default::default(), quiet()).unwrap();
