@@ -160,3 +160,37 @@ pub fn tiny_reward_model_dir(dir: &Path, seed_stdev: f32) {
     write_tokenizer_dir(dir).expect("tokenizer files");
     crate::weights::hf::save_dir(&varmap, &args, dir, &[258], Some(dir), None).expect("save");
 }
+
+#[cfg(test)]
+mod tests {
+    /// tests/fixtures/byte_tokenizer is what [`super::write_tokenizer_dir`] writes (the GPU
+    /// checks' model directory takes its tokenizer from there: scripts/gpu/model.py). With
+    /// MAIN_PPO_REGENERATE=1 the fixture is written anew.
+    #[test]
+    fn the_byte_tokenizer_fixture_is_current() {
+        let fixture =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/byte_tokenizer");
+        if std::env::var_os("MAIN_PPO_REGENERATE").is_some() {
+            super::write_tokenizer_dir(&fixture).unwrap();
+        }
+        let dir = tempfile::tempdir().unwrap();
+        super::write_tokenizer_dir(dir.path()).unwrap();
+        for name in [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+        ] {
+            let read = |p: &std::path::Path| -> serde_json::Value {
+                let text = std::fs::read_to_string(p.join(name)).unwrap_or_else(|e| {
+                    panic!("{}: {e} (MAIN_PPO_REGENERATE=1 writes it)", p.display())
+                });
+                serde_json::from_str(&text).unwrap()
+            };
+            assert_eq!(
+                read(&fixture),
+                read(dir.path()),
+                "{name} is stale: MAIN_PPO_REGENERATE=1 rewrites it"
+            );
+        }
+    }
+}

@@ -351,7 +351,7 @@ fn entropy_gradient_matches_finite_differences() {
     let _ = DType::F64;
 }
 
-/// The losses on CUDA (cargo feature `cuda`, a GPU present; `scripts/gpu_check.sh`): every
+/// The losses on CUDA (cargo feature `cuda`, a GPU present; `scripts/gpu/run.sh`): every
 /// policy loss, the value loss and every KL penalty give the CPU's value and gradient on the
 /// same f64 inputs (≤ 1e-12 relative: the same operations, summed in another order). Without a
 /// GPU the test prints why it did not run.

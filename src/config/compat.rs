@@ -110,7 +110,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("actor_rollout_ref.rollout.nnodes", DIST),
     ("actor_rollout_ref.rollout.n_gpus_per_node", DIST),
     ("actor_rollout_ref.rollout.full_determinism", DIST),
-    ("actor_rollout_ref.rollout.gpu_memory_utilization", DIST),
     ("actor_rollout_ref.rollout.enforce_eager", DIST),
     ("actor_rollout_ref.rollout.cudagraph_capture_sizes", DIST),
     ("actor_rollout_ref.rollout.free_cache_engine", DIST),

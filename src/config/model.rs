@@ -43,7 +43,8 @@ pub enum Precision {
     #[serde(rename = "fp32", alias = "float32")]
     Fp32,
     /// bf16 operands, f32 sums, f32 weights and optimizer state (verl's default on GPUs); on
-    /// the CPU it runs on AMX tiles or AVX512-BF16 dot products where the CPU has them, and as f32 elsewhere.
+    /// the CPU it runs on AMX tiles or AVX512-BF16 dot products where the CPU has them, and as
+    /// f32 elsewhere; on CUDA as bf16 cuBLAS products of the f32 weights.
     #[serde(rename = "bf16", alias = "bfloat16")]
     Bf16,
 }
@@ -59,7 +60,7 @@ impl Precision {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MixedPrecision {
-    /// Precision of the forward and backward products: fp32 (our default) or bf16 (verl's default on GPUs; AMX or AVX512-BF16 on the CPU).
+    /// Precision of the forward and backward products: fp32 (our default) or bf16 (verl's default on GPUs; AMX or AVX512-BF16 on the CPU, cuBLAS on CUDA).
     pub param_dtype: Precision,
 }
 

@@ -597,6 +597,12 @@ fn rollout_rules(errors: &mut Vec<String>, cfg: &Config) -> MicroBatching {
             rollout.temperature
         ));
     }
+    let util = rollout.gpu_memory_utilization;
+    if !(util > 0.0 && util <= 1.0) {
+        errors.push(format!(
+            "`actor_rollout_ref.rollout.gpu_memory_utilization` ({util}) must be in (0, 1]: the share of a GPU's memory generation's keys and values may fill"
+        ));
+    }
     if !(rollout.top_p > 0.0 && rollout.top_p <= 1.0) {
         errors.push(format!(
             "`actor_rollout_ref.rollout.top_p` ({}) must be in (0, 1]",

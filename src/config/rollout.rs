@@ -61,8 +61,10 @@ pub struct RolloutConfig {
     pub max_num_seqs: usize,
     /// Prompt tokens prefilled in one generation step at most.
     pub max_num_batched_tokens: usize,
-    /// Key/value cache memory of the sequences in flight at most, in GB (ours: vLLM sizes it from gpu_memory_utilization).
+    /// Key/value cache memory of the sequences in flight at most, in GB, on the CPU (ours; on CUDA gpu_memory_utilization sizes it).
     pub kv_cache_memory_gb: f64,
+    /// On CUDA, the share of the GPU's memory that generation's keys and values may fill, less what the run already holds there (verl's vLLM setting); the CPU reads kv_cache_memory_gb.
+    pub gpu_memory_utilization: f64,
     /// Deprecated global micro-batch size of the old-log-prob pass; use the _per_gpu key.
     pub log_prob_micro_batch_size: Option<usize>,
     /// Sequences per forward pass when recomputing old log-probs.
@@ -73,7 +75,7 @@ pub struct RolloutConfig {
     pub log_prob_max_token_len_per_gpu: Option<usize>,
     /// Validation sampling.
     pub val_kwargs: SamplingConfig,
-    /// Precision of generation's products: float32 (our default on the CPU) or bfloat16 (verl's default; AMX tiles or AVX512-BF16 on the CPU).
+    /// Precision of generation's products: float32 (our default on the CPU) or bfloat16 (verl's default; AMX tiles or AVX512-BF16 on the CPU, cuBLAS on CUDA).
     pub dtype: Precision,
     /// Keep each sampled token's log-probability (`rollout_log_probs`): rollout correction
     /// needs them, and with them every step logs how far the rollout's numbers are from the
@@ -94,6 +96,7 @@ defaults!(RolloutConfig {
     max_num_seqs: 256,
     max_num_batched_tokens: 8192,
     kv_cache_memory_gb: 2.0,
+    gpu_memory_utilization: 0.5,
     log_prob_micro_batch_size: None,
     log_prob_micro_batch_size_per_gpu: None,
     log_prob_use_dynamic_bsz: None,

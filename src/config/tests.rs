@@ -328,7 +328,6 @@ fn legacy_reward_keys_map_onto_reward() {
 fn no_effect_keys_are_reported_and_unsupported_values_refused() {
     let l = with(&[
         "actor_rollout_ref.rollout.name=vllm",
-        "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "actor_rollout_ref.actor.fsdp_config.param_offload=True",
         "+actor_rollout_ref.actor.fsdp_config.anything.below=1",
@@ -340,7 +339,6 @@ fn no_effect_keys_are_reported_and_unsupported_values_refused() {
     .unwrap();
     for k in [
         "actor_rollout_ref.rollout.name",
-        "actor_rollout_ref.rollout.gpu_memory_utilization",
         "actor_rollout_ref.actor.fsdp_config.param_offload",
         "actor_rollout_ref.rollout.nnodes",
         "ray_kwargs.ray_init.num_cpus",
@@ -357,6 +355,18 @@ fn no_effect_keys_are_reported_and_unsupported_values_refused() {
         "null is verl's unset value"
     );
     assert_eq!(l.config, Config::default(), "no-effect keys change nothing");
+    // gpu_memory_utilization sizes generation's KV budget on CUDA: typed, checked.
+    let l = with(&["actor_rollout_ref.rollout.gpu_memory_utilization=0.4"]).unwrap();
+    assert_eq!(
+        l.config.actor_rollout_ref.rollout.gpu_memory_utilization,
+        0.4
+    );
+    assert!(l.no_effect.is_empty(), "{:?}", l.no_effect);
+    let e = rule_error(&["actor_rollout_ref.rollout.gpu_memory_utilization=1.5"]);
+    assert!(
+        e.contains("gpu_memory_utilization` (1.5) must be in (0, 1]"),
+        "{e}"
+    );
     let e = err(&["actor_rollout_ref.model.lora.rank=8"]);
     assert!(
         e.contains("actor_rollout_ref.model.lora.rank = 8") && e.contains("LoRA"),

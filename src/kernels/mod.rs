@@ -9,7 +9,9 @@
 //! - `gemm`: strided matrix products on host slices, and the mixed f32/bf16 form,
 //! - `bf16`: bf16 products with f32 sums on AMX tiles or AVX512-BF16,
 //! - `adamw`: AdamW's element-wise rule, in place on a parameter's storage,
-//! - `storage`: CPU storage as host slices (custom ops, in-place gradient accumulation).
+//! - `storage`: CPU storage as host slices (custom ops, in-place gradient accumulation),
+//! - `cuda` (feature `cuda`): the GPU kernels: sampling, AdamW and accumulation in place, the
+//!   memory pool's statistics.
 //!
 //! [`supported`] is the one rule that says where the hand-written paths serve: the training
 //! layer, the fused LM head and the packed decode engine all run on the CPU in f32 or f64;
@@ -17,6 +19,8 @@
 
 pub mod adamw;
 pub mod bf16;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod elem;
 pub mod gemm;
 pub mod simd;

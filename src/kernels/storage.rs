@@ -54,9 +54,14 @@ pub fn f32_operands<'a>(
 }
 
 /// `acc += t` in `acc`'s own storage when both are contiguous f32 on the CPU with one shape
-/// (the training case: no new gigabyte of gradients per micro-batch); `false` (nothing done)
-/// otherwise. The caller guarantees that no other tensor shares `acc`'s storage.
+/// (the training case: no new gigabyte of gradients per micro-batch), or both on one GPU
+/// (`cuda::add_in_place`); `false` (nothing done) otherwise. The caller guarantees that no
+/// other tensor shares `acc`'s storage.
 pub fn add_in_place(acc: &Tensor, t: &Tensor) -> candle_core::Result<bool> {
+    #[cfg(feature = "cuda")]
+    if acc.device().is_cuda() {
+        return super::cuda::add_in_place(acc, t);
+    }
     struct AddAssign;
     impl candle_core::InplaceOp2 for AddAssign {
         fn name(&self) -> &'static str {

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::{Init, Linear, VarBuilder};
 
+use super::attention::{attention, attention_composed, Keys};
 use super::config::ModelArgs;
 use super::proj::{base_matmul, mix64, Dropout, Proj};
 
@@ -54,6 +55,18 @@ impl Mask {
         }
     }
 
+    /// What layer `l`'s composition reads: packed sequences stay sequences where the layer's
+    /// attention is the blocked op ([`Block::blocked`]), anything else becomes the bias.
+    pub(crate) fn layer_keys(&self, l: &Block, dtype: DType, device: &Device) -> Result<Keys> {
+        match self {
+            Mask::Packed(segments) if l.blocked => Ok(Keys::Packed {
+                segments: segments.clone(),
+                window: l.window,
+            }),
+            _ => Ok(Keys::Bias(self.bias(dtype, device, l.window)?)),
+        }
+    }
+
     pub(crate) fn detach(&self) -> Mask {
         match self {
             Mask::Bias(b) => Mask::Bias(b.detach()),
@@ -70,13 +83,22 @@ pub struct KvCache {
     /// first `len` positions are filled. New positions are written in place (no copy of the past).
     layers: Vec<Option<(Tensor, Tensor)>>,
     len: usize,
+    /// Positions the first allocation makes room for (0: as needed, doubling).
+    reserve: usize,
 }
 
 impl KvCache {
     pub fn new(num_layers: usize) -> Self {
+        Self::with_capacity(num_layers, 0)
+    }
+
+    /// A cache whose buffers hold `positions` from the start, so appends up to that length
+    /// never reallocate (and copy) the past.
+    pub fn with_capacity(num_layers: usize, positions: usize) -> Self {
         Self {
             layers: vec![None; num_layers],
             len: 0,
+            reserve: positions,
         }
     }
 
@@ -114,7 +136,10 @@ impl KvCache {
         };
         if grow {
             let (b, h, _, d) = k.dims4()?;
-            let cap = (2 * need).max(need + 64);
+            let cap = match self.reserve >= need {
+                true => self.reserve,
+                false => (2 * need).max(need + 64),
+            };
             let kb = Tensor::zeros((b, h, cap, d), k.dtype(), k.device())?;
             let vb = Tensor::zeros((b, h, cap, d), v.dtype(), v.device())?;
             if let Some((ok, ov)) = slot.take() {
@@ -160,10 +185,13 @@ pub(crate) fn linear(
 /// `Linear` on 3-D input runs one small product per batch row, which is several times slower).
 /// With an adapter, `s·(dropout(x)·Aᵀ)·Bᵀ` is added (PEFT's `lora.Linear`; dropout only
 /// where this forward's copy of the layer carries a mask).
-fn apply(l: &Proj, x: &Tensor) -> Result<Tensor> {
+fn apply(l: &Proj, x: &Tensor, mixed: bool) -> Result<Tensor> {
     let (b, t, i) = x.dims3()?;
     let x2 = x.reshape((b * t, i))?; // [b·t, in]
-    let y = base_matmul(&x2, l.weight())?; // [b·t, out]
+    let y = match mixed {
+        true => mixed_matmul(&x2, l.weight())?,
+        false => base_matmul(&x2, l.weight())?,
+    }; // [b·t, out]
     let y = match l.bias() {
         Some(bias) => y.broadcast_add(bias)?,
         None => y,
@@ -180,6 +208,17 @@ fn apply(l: &Proj, x: &Tensor) -> Result<Tensor> {
         None => y,
     };
     y.reshape((b, t, ()))
+}
+
+/// `x·Wᵀ` `[n, in] → [n, out]` with both operands rounded to bf16 and the product returned in
+/// `x`'s dtype (verl's mixed precision on a GPU: f32 master weights, bf16 products on cuBLAS
+/// with f32 accumulation). The casts are differentiable, so the f32 weight receives the
+/// gradient of the bf16 product in f32.
+pub(crate) fn mixed_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let dtype = x.dtype();
+    x.to_dtype(DType::BF16)?
+        .matmul(&w.to_dtype(DType::BF16)?.t()?)?
+        .to_dtype(dtype)
 }
 
 /// `x · rsqrt(mean(x²) + eps) · w`, computed in f32.
@@ -278,6 +317,14 @@ pub(crate) struct Block {
     pub(crate) window: Option<usize>,
     /// Whether the layer's RoPE has frequencies of its own (Gemma 3's local layers).
     pub(crate) local_rope: bool,
+    /// The composition's projections as bf16 products ([`mixed_matmul`]): an f32 model with
+    /// bf16 products asked for on a device whose products the CPU kernels do not serve (CUDA);
+    /// set from [`super::Exec::bf16`] by `CausalLm::set_exec`.
+    pub(crate) mixed: bool,
+    /// Attention without a cache as the blocked op of `attention.rs` (no `[batch, heads, seq,
+    /// seq]` tensor kept for backward, packed sequences without a mask) rather than the plain
+    /// composition: off the CPU unless [`super::Exec::composed`]; set by `CausalLm::set_exec`.
+    pub(crate) blocked: bool,
     pub(crate) q: Proj,
     pub(crate) k: Proj,
     pub(crate) v: Proj,
@@ -438,6 +485,8 @@ impl Block {
                 .map(|(a, m)| (a.detach(), m.detach())),
             window: self.window,
             local_rope: self.local_rope,
+            mixed: self.mixed,
+            blocked: self.blocked,
             q: lin(&self.q),
             k: lin(&self.k),
             v: lin(&self.v),
@@ -458,11 +507,12 @@ impl Block {
 
 /// One decoder layer on `x` `[batch, seq, hidden]` with rotary tables `cos`/`sin`
 /// `[batch, 1, seq, head_dim]` and attention bias `mask` `[batch, 1, seq, past + seq]`; with a
-/// cache, its past keys and values are read and the new ones appended.
+/// cache, its past keys and values are read and the new ones appended. (The tests' form of
+/// [`block_forward_keys`].)
+#[cfg(test)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn block_forward(
     a: &ModelArgs,
-    dtype: DType,
     l: &Block,
     x: &Tensor,
     cos: &Tensor,
@@ -470,11 +520,26 @@ pub(crate) fn block_forward(
     mask: &Tensor,
     cache: Option<(&mut KvCache, usize)>,
 ) -> Result<Tensor> {
+    block_forward_keys(a, l, x, cos, sin, &Keys::Bias(mask.clone()), cache)
+}
+
+/// [`block_forward`] with the keys each query sees as [`Keys`] (a bias, or packed sequences
+/// where the layer's attention is the blocked op).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn block_forward_keys(
+    a: &ModelArgs,
+    l: &Block,
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    keys: &Keys,
+    cache: Option<(&mut KvCache, usize)>,
+) -> Result<Tensor> {
     let (b, t, _) = x.dims3()?;
     let (nh, nkv, hd) = (a.num_attention_heads, a.num_key_value_heads, a.head_dim);
     let h = norm(x, &l.ln1, a)?;
-    let q = apply(&l.q, &h)?.reshape((b, t, nh, hd))?; // [b, t, nh, hd]
-    let k = apply(&l.k, &h)?.reshape((b, t, nkv, hd))?; // [b, t, nkv, hd]
+    let q = apply(&l.q, &h, l.mixed)?.reshape((b, t, nh, hd))?; // [b, t, nh, hd]
+    let k = apply(&l.k, &h, l.mixed)?.reshape((b, t, nkv, hd))?; // [b, t, nkv, hd]
     let (q, k) = match &l.qk_norm {
         // Each head normed over its hd values.
         Some((qn, kn)) => (norm(&q, qn, a)?, norm(&k, kn, a)?),
@@ -482,29 +547,28 @@ pub(crate) fn block_forward(
     };
     let q = q.transpose(1, 2)?; // [b, nh, t, hd]
     let k = k.transpose(1, 2)?; // [b, nkv, t, hd]
-    let v = apply(&l.v, &h)?.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
+    let v = apply(&l.v, &h, l.mixed)?
+        .reshape((b, t, nkv, hd))?
+        .transpose(1, 2)?;
     let q = (q.broadcast_mul(cos)? + rotate_half(&q)?.broadcast_mul(sin)?)?;
     let k = (k.broadcast_mul(cos)? + rotate_half(&k)?.broadcast_mul(sin)?)?;
+    let cached = cache.is_some();
     let (k, v) = match cache {
         Some((c, i)) => c.append(i, &k, &v)?,
         None => (k, v),
     };
-    let s = k.dim(2)?;
-    let rep = nh / nkv;
-    // Grouped-query attention without copying K/V per query head: the `rep` query heads that
-    // share a KV head are stacked along the query axis, [b, nkv, rep·t, hd].
-    let qg = q.contiguous()?.reshape((b, nkv, rep * t, hd))?;
-    let scores = (qg.matmul(&k.t()?)? * a.attn_scale())?; // [b, nkv, rep·t, s]
-    let scores = scores.reshape((b, nh, t, s))?.broadcast_add(mask)?; // [b, nh, t, s]
-    let probs = candle_nn::ops::softmax(&upcast(&scores)?, D::Minus1)?.to_dtype(dtype)?;
-    let attn = probs
-        .reshape((b, nkv, rep * t, s))?
-        .matmul(&v.contiguous()?)?; // [b, nkv, rep·t, hd]
-    let attn = attn
-        .reshape((b, nh, t, hd))?
-        .transpose(1, 2)?
-        .reshape((b, t, nh * hd))?; // [b, t, nh·hd]
-    let attn = apply(&l.o, &attn)?;
+    // [b, nh, t, hd]; grouped queries share their KV head without a copy of K/V. The blocked
+    // op also serves a prefill (many queries over a cache), never a one-token decode step.
+    let blocked = l.blocked && (!cached || t > 1);
+    let attn = match keys {
+        keys if blocked => attention(&q, &k, &v, keys.clone(), a.attn_scale())?,
+        Keys::Bias(bias) => attention_composed(&q, &k, &v, bias, a.attn_scale())?,
+        Keys::Packed { .. } => candle_core::bail!(
+            "packed sequences reach the composition's attention only through the blocked op"
+        ),
+    };
+    let attn = attn.transpose(1, 2)?.reshape((b, t, nh * hd))?; // [b, t, nh·hd]
+    let attn = apply(&l.o, &attn, l.mixed)?;
     let attn = match &l.sandwich {
         Some((post, _)) => norm(&attn, post, a)?,
         None => attn,
@@ -522,22 +586,22 @@ pub(crate) fn block_forward(
 /// Layer `l`'s MLP on its normed input `h` `[batch, seq, hidden]`.
 pub(crate) fn mlp(l: &Block, h: &Tensor, gelu: bool) -> Result<Tensor> {
     match &l.mlp {
-        Mlp::Dense(g) => gated(g, h, gelu),
-        Mlp::Experts(e) if e.dense => experts_dense(e, h),
-        Mlp::Experts(e) => experts_grouped(e, h),
+        Mlp::Dense(g) => gated(g, h, gelu, l.mixed),
+        Mlp::Experts(e) if e.dense => experts_dense(e, h, l.mixed),
+        Mlp::Experts(e) => experts_grouped(e, h, l.mixed),
     }
 }
 
 /// The gated MLP on `h` `[batch, seq, hidden]`: `down(act(gate(h)) ⊙ up(h))`, act GELU (tanh)
 /// for Gemma, else SiLU.
-fn gated(g: &Gated, h: &Tensor, gelu: bool) -> Result<Tensor> {
-    let gate = apply(&g.gate, h)?;
+fn gated(g: &Gated, h: &Tensor, gelu: bool, mixed: bool) -> Result<Tensor> {
+    let gate = apply(&g.gate, h, mixed)?;
     let gate = if gelu {
         gelu_tanh(&gate)?
     } else {
         gate.silu()?
     };
-    apply(&g.down, &(gate * apply(&g.up, h)?)?)
+    apply(&g.down, &(gate * apply(&g.up, h, mixed)?)?, mixed)
 }
 
 /// The router of a layer of experts on `x` `[n, hidden]`: each token's `top_k` experts
@@ -574,7 +638,7 @@ pub(crate) fn route(e: &Experts, x: &Tensor) -> Result<(Vec<u32>, Tensor)> {
 /// The layer of experts on `h` `[batch, seq, hidden]`, each expert computed for the tokens
 /// routed to it only: per expert, its tokens gathered `[m, hidden]`, its gated MLP, the rows
 /// scaled by their routing weights and added back at their tokens.
-pub(crate) fn experts_grouped(e: &Experts, h: &Tensor) -> Result<Tensor> {
+pub(crate) fn experts_grouped(e: &Experts, h: &Tensor, mixed: bool) -> Result<Tensor> {
     let (b, t, hs) = h.dims3()?;
     let x = h.reshape((b * t, hs))?; // [n, hidden]
     let (chosen, weights) = route(e, &x)?;
@@ -596,7 +660,7 @@ pub(crate) fn experts_grouped(e: &Experts, h: &Tensor) -> Result<Tensor> {
         let tok = Tensor::from_vec(tok, m, x.device())?;
         let slot = Tensor::from_vec(slot, m, x.device())?;
         let xe = x.index_select(&tok, 0)?.unsqueeze(0)?; // [1, m, hidden]
-        let ye = gated(g, &xe, false)?.squeeze(0)?; // [m, hidden]
+        let ye = gated(g, &xe, false, mixed)?.squeeze(0)?; // [m, hidden]
         let we = weights.index_select(&slot, 0)?.unsqueeze(1)?; // [m, 1]
         out = out.index_add(&tok, &ye.broadcast_mul(&we)?, 0)?;
     }
@@ -607,7 +671,7 @@ pub(crate) fn experts_grouped(e: &Experts, h: &Tensor) -> Result<Tensor> {
 /// weight it has there (zero for the experts a token was not routed to). The same function
 /// with `experts / top_k` times the products: the reference the grouped path is tested and
 /// measured against.
-pub(crate) fn experts_dense(e: &Experts, h: &Tensor) -> Result<Tensor> {
+pub(crate) fn experts_dense(e: &Experts, h: &Tensor, mixed: bool) -> Result<Tensor> {
     let (b, t, hs) = h.dims3()?;
     let n = b * t;
     let x = h.reshape((n, hs))?;
@@ -625,7 +689,7 @@ pub(crate) fn experts_dense(e: &Experts, h: &Tensor) -> Result<Tensor> {
         .reshape((n, experts))?;
     let mut out = x.zeros_like()?;
     for (i, g) in e.experts.iter().enumerate() {
-        let ye = gated(g, &x.unsqueeze(0)?, false)?.squeeze(0)?; // [n, hidden]
+        let ye = gated(g, &x.unsqueeze(0)?, false, mixed)?.squeeze(0)?; // [n, hidden]
         out = (out + ye.broadcast_mul(&dense.narrow(1, i, 1)?)?)?;
     }
     out.reshape((b, t, hs))

@@ -13,7 +13,9 @@
 //! ∂L/∂h = dz · W,   ∂L/∂W = dzᵀ · h          (dz = g_lp ∂log p(t)/∂z + g_H ∂H/∂z)
 //! ```
 //!
-//! CPU with f32/f64 runs this; other devices and dtypes use the composition
+//! CPU with f32/f64 runs it on host slices; on a GPU the same op runs as chunked tensor
+//! operations (`forward_tensors` / `backward_tensors`, chunks of ~2^28 logits, bf16 products
+//! when asked); half precision on the CPU uses the composition
 //! (`CausalLm::token_logprobs_composed`).
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
@@ -65,6 +67,11 @@ struct LogProbs {
     /// Products with bf16 operands and f32 sums (f32 on CPUs with a bf16 kernel), the weight packed once per
     /// pass for all chunks.
     bf16: bool,
+    /// Off the CPU: the weight (sharing its storage, outside autograd) and the targets on its
+    /// device, for [`LogProbs::forward_tensors`] (the op's inputs arrive as bare storage).
+    device: Option<(Tensor, Tensor)>,
+    /// The tensor path's chunks hold at least this many logits (`chunk` rows otherwise).
+    min_chunk_logits: usize,
 }
 
 /// `W` `[vocab, hid]` packed for the bf16 products `x·Wᵀ` (`t`) and `x·W`, when they apply.
@@ -221,6 +228,119 @@ impl LogProbs {
     }
 }
 
+/// f64 stays f64, anything else computes in f32.
+fn wide(d: DType) -> DType {
+    match d {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    }
+}
+
+/// The same op as tensor operations on any device (the path on a GPU): per chunk of rows the
+/// logits `[c, vocab]` in f32 (bf16 products when asked), their row statistics, and in
+/// backward the logits again and `dz` formed from them; nothing of size `[rows, vocab]`
+/// outlives a chunk.
+impl LogProbs {
+    /// `z = h_c · Wᵀ` in f32: `[c, vocab]`.
+    fn chunk_logits(&self, hc: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let z = match self.bf16 {
+            true => super::block::mixed_matmul(hc, w)?,
+            false => hc.matmul(&w.t()?)?,
+        };
+        z.to_dtype(wide(hc.dtype()))
+    }
+
+    /// (lse, Σ p z) of each row of `z` `[c, vocab]`: `[c, 1]` each, and `e = exp(z − max)`,
+    /// `Σ e`.
+    fn chunk_stats(z: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        let mx = z.max_keepdim(1)?;
+        let e = z.broadcast_sub(&mx)?.exp()?;
+        let s = e.sum_keepdim(1)?;
+        let lse = (mx + s.log()?)?;
+        let mean_z = (&e * z)?.sum_keepdim(1)?.div(&s)?;
+        Ok((lse, mean_z, e, s))
+    }
+
+    /// The rows a chunk of the tensor path holds: `chunk`, or more to reach
+    /// `min_chunk_logits` (2^28 on a GPU: 1 GiB of f32 logits, large products).
+    fn device_chunk(&self, vocab: usize) -> usize {
+        self.chunk.max(self.min_chunk_logits / vocab.max(1)).max(1)
+    }
+
+    /// Forward: `[rows, 2]` = (log-prob of the target, entropy or 0), in `h`'s dtype.
+    fn forward_tensors(&self, h: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let n = h.dim(0)?;
+        let chunk = self.device_chunk(w.dim(0)?);
+        let mut outs = Vec::new();
+        for start in (0..n).step_by(chunk) {
+            let c = chunk.min(n - start);
+            let z = self.chunk_logits(&h.narrow(0, start, c)?, w)?; // [c, vocab]
+            let (lse, mean_z, _, _) = Self::chunk_stats(&z)?;
+            let tg = targets.narrow(0, start, c)?.unsqueeze(1)?; // [c, 1]
+            let lp = (z.gather(&tg, 1)? - &lse)?;
+            let ent = match self.with_entropy {
+                true => (lse - mean_z)?,
+                false => lp.zeros_like()?,
+            };
+            outs.push(Tensor::cat(&[lp, ent], 1)?);
+        }
+        Tensor::cat(&outs, 0)?.to_dtype(h.dtype())
+    }
+
+    /// Backward: gradients of `h` and (when `need_w`) `w` from `g` `[rows, 2]`.
+    fn backward_tensors(
+        &self,
+        h: &Tensor,
+        w: &Tensor,
+        targets: &Tensor,
+        g: &Tensor,
+        need_w: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let n = h.dim(0)?;
+        let chunk = self.device_chunk(w.dim(0)?);
+        let g = g.to_dtype(wide(h.dtype()))?;
+        let mut gh = Vec::new();
+        let mut gw: Option<Tensor> = None;
+        for start in (0..n).step_by(chunk) {
+            let c = chunk.min(n - start);
+            let hc = h.narrow(0, start, c)?;
+            let z = self.chunk_logits(&hc, w)?; // [c, vocab]
+            let (lse, mean_z, e, s) = Self::chunk_stats(&z)?;
+            let p = e.broadcast_div(&s)?;
+            let gc = g.narrow(0, start, c)?;
+            let g_lp = gc.narrow(1, 0, 1)?; // [c, 1]
+                                            // dz = −g_lp p − g_H p (z − lse + H) + g_lp at the target
+            let mut coef = g_lp.neg()?.broadcast_as(z.shape())?.contiguous()?;
+            if self.with_entropy {
+                let g_h = gc.narrow(1, 1, 1)?;
+                let ent = (&lse - &mean_z)?;
+                let shifted = z.broadcast_sub(&lse)?.broadcast_add(&ent)?; // z − lse + H
+                coef = (coef - shifted.broadcast_mul(&g_h)?)?;
+            }
+            let tg = targets.narrow(0, start, c)?.unsqueeze(1)?;
+            let dz = (p * coef)?.scatter_add(&tg, &g_lp.contiguous()?, 1)?; // [c, vocab]
+            let dz = dz.to_dtype(h.dtype())?;
+            // ∂h = dz · W,  ∂W += dzᵀ · h_c
+            let ghc = match self.bf16 {
+                true => super::block::mixed_matmul(&dz, &w.t()?)?,
+                false => dz.matmul(w)?,
+            };
+            gh.push(ghc);
+            if need_w {
+                let d = match self.bf16 {
+                    true => super::block::mixed_matmul(&dz.t()?, &hc.t()?)?,
+                    false => dz.t()?.matmul(&hc)?,
+                };
+                gw = Some(match gw {
+                    Some(a) => (a + d)?,
+                    None => d,
+                });
+            }
+        }
+        Ok((Tensor::cat(&gh, 0)?, gw))
+    }
+}
+
 fn host_vec<T: WithDType>(t: &Tensor) -> Result<Vec<T>> {
     t.contiguous()?.flatten_all()?.to_vec1::<T>()
 }
@@ -237,6 +357,15 @@ impl CustomOp2 for LogProbs {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        if let Some((w, targets)) = &self.device {
+            // The tensor path on CPU tensors (tests compare it with the host-slice path).
+            let h = crate::kernels::storage::tensor_of(s1, l1)?;
+            let out = self.forward_tensors(&h, w, targets)?;
+            return Ok((
+                crate::kernels::storage::storage_of(&out)?,
+                out.shape().clone(),
+            ));
+        }
         let (rows, hid) = l1.shape().dims2()?;
         let (_, hid2) = l2.shape().dims2()?;
         if hid != hid2 || rows != self.targets.len() {
@@ -263,6 +392,22 @@ impl CustomOp2 for LogProbs {
         Ok((out, Shape::from((rows, 2))))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        _s2: &candle_core::CudaStorage,
+        _l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let Some((w, targets)) = &self.device else {
+            candle_core::bail!("fused log-probs: the device path was not prepared");
+        };
+        let h = crate::kernels::cuda::tensor_of(s1, l1)?;
+        let out = self.forward_tensors(&h, w, targets)?;
+        Ok((crate::kernels::cuda::storage_of(&out)?, out.shape().clone()))
+    }
+
     fn bwd(
         &self,
         h: &Tensor,
@@ -270,6 +415,16 @@ impl CustomOp2 for LogProbs {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if let Some((_, targets)) = &self.device {
+            let (gh, gw) = self.backward_tensors(
+                &h.detach(),
+                &w.detach(),
+                targets,
+                &grad.detach(),
+                w.track_op(),
+            )?;
+            return Ok((Some(gh), gw));
+        }
         fn run<T: Elem>(
             op: &LogProbs,
             h: &Tensor,
@@ -311,11 +466,37 @@ pub fn token_logprobs_fused(
     if let Some(&t) = targets.iter().find(|&&t| t as usize >= vocab) {
         candle_core::bail!("target token id {t} outside the vocabulary ({vocab})");
     }
+    // Off the CPU the op runs as chunked tensor operations on the weight's device, ~2^28
+    // logits per chunk.
+    let tensors = (!weight.device().is_cpu()).then_some(1 << 28);
+    token_logprobs_op(hidden, weight, targets, chunk, with_entropy, bf16, tensors)
+}
+
+/// [`token_logprobs_fused`] with the path chosen: `tensors` runs the op as chunked tensor
+/// operations (the GPU path) on any device, chunks of at least that many logits.
+fn token_logprobs_op(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: Vec<u32>,
+    chunk: usize,
+    with_entropy: bool,
+    bf16: bool,
+    tensors: Option<usize>,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let device = match tensors {
+        None => None,
+        Some(_) => Some((
+            weight.detach(),
+            Tensor::from_vec(targets.clone(), targets.len(), weight.device())?,
+        )),
+    };
     let op = LogProbs {
         targets,
         chunk: chunk.max(1),
         with_entropy,
         bf16,
+        device,
+        min_chunk_logits: tensors.unwrap_or(0),
     };
     let out = hidden.contiguous()?.apply_op2(&weight.contiguous()?, op)?; // [rows, 2]
     let lp = out.narrow(1, 0, 1)?.squeeze(1)?;
@@ -333,7 +514,18 @@ mod tests {
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
-    use super::token_logprobs_fused;
+    use super::{token_logprobs_fused, token_logprobs_op};
+
+    /// Which implementation a test runs.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Path {
+        /// The op on host slices (the CPU path).
+        Host,
+        /// The op as chunked tensor operations (the GPU path), here on the CPU.
+        Tensors,
+        /// The plain composition of candle ops.
+        Composed,
+    }
 
     fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f64) -> Vec<f64> {
         (0..n)
@@ -379,7 +571,7 @@ mod tests {
     }
 
     /// Loss and gradients (hidden, weight) with the fused op or the composition, in `dtype`.
-    fn run(c: &Case, dtype: DType, fused: bool, chunk: usize) -> (f64, Vec<f64>, Vec<f64>) {
+    fn run(c: &Case, dtype: DType, path: Path, chunk: usize) -> (f64, Vec<f64>, Vec<f64>) {
         let dev = Device::Cpu;
         let h = Var::from_tensor(
             &Tensor::from_vec(c.h.clone(), (c.rows, c.hid), &dev)
@@ -396,8 +588,11 @@ mod tests {
         )
         .unwrap();
         let t = Tensor::from_vec(c.t.clone(), c.rows, &dev).unwrap();
-        let (lp, ent) = if fused {
+        let (lp, ent) = if path == Path::Host {
             token_logprobs_fused(h.as_tensor(), w.as_tensor(), &t, chunk, true, false).unwrap()
+        } else if path == Path::Tensors {
+            let (h, w) = (h.as_tensor(), w.as_tensor());
+            token_logprobs_op(h, w, c.t.clone(), chunk, true, false, Some(0)).unwrap()
         } else {
             // The composition of transformer.rs, on the same [rows, hidden] layout.
             let z = h.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap();
@@ -449,9 +644,9 @@ mod tests {
         for seed in 0..6 {
             let c = case(seed);
             let chunk = 1 + seed as usize % 4;
-            let (_, gh, gw) = run(&c, DType::F64, true, chunk);
+            let (_, gh, gw) = run(&c, DType::F64, Path::Host, chunk);
             let eps = 1e-6;
-            let fd = |c2: &Case| run(c2, DType::F64, true, chunk).0;
+            let fd = |c2: &Case| run(c2, DType::F64, Path::Host, chunk).0;
             for i in (0..c.h.len()).step_by(3) {
                 let (mut p, mut m) = (case(seed), case(seed));
                 p.h[i] += eps;
@@ -486,14 +681,36 @@ mod tests {
     fn fused_logprobs_equal_the_composition_in_f32() {
         for seed in 10..20 {
             let c = case(seed);
-            let (l1, gh1, gw1) = run(&c, DType::F32, true, 1 + seed as usize % 5);
-            let (l2, gh2, gw2) = run(&c, DType::F32, false, 0);
+            let (l1, gh1, gw1) = run(&c, DType::F32, Path::Host, 1 + seed as usize % 5);
+            let (l2, gh2, gw2) = run(&c, DType::F32, Path::Composed, 0);
             assert!(
                 (l1 - l2).abs() <= 1e-5 * l2.abs().max(1.0),
                 "loss {l1} vs {l2}"
             );
             for (x, y) in gh1.iter().zip(&gh2).chain(gw1.iter().zip(&gw2)) {
                 assert!((x - y).abs() <= 1e-4 * y.abs().max(1.0), "grad {x} vs {y}");
+            }
+        }
+    }
+
+    /// The op as chunked tensor operations (the path on a GPU, run here on the CPU) equals the
+    /// host-slice op whose backward is checked against finite differences above: loss and
+    /// every gradient within 1e-12 in f64, in chunks of 2 rows.
+    #[test]
+    fn the_tensor_path_equals_the_host_op() {
+        for seed in 30..36 {
+            let c = case(seed);
+            let (l1, gh1, gw1) = run(&c, DType::F64, Path::Host, 2);
+            let (l2, gh2, gw2) = run(&c, DType::F64, Path::Tensors, 2);
+            assert!(
+                (l1 - l2).abs() <= 1e-12 * l1.abs().max(1.0),
+                "loss {l1} vs {l2}"
+            );
+            for (x, y) in gh1.iter().zip(&gh2).chain(gw1.iter().zip(&gw2)) {
+                assert!(
+                    (x - y).abs() <= 1e-12 * y.abs().max(1.0),
+                    "seed {seed}: {x} vs {y}"
+                );
             }
         }
     }

@@ -3,6 +3,8 @@
 //!
 //! - `config`: architecture hyper-parameters (`ModelArgs`) from an HF `config.json` value,
 //! - `proj`: one projection with its LoRA adapter and adapter dropout,
+//! - `attention`: attention as one op that keeps no scores (blocked over queries, recomputed
+//!   in backward; packed sequences without a mask), beside the plain composition,
 //! - `block`: one decoder layer as a composition of candle ops (the reference), the attention
 //!   mask and the composition's KV cache,
 //! - `layer` + `recompute`: the hand-written layer (forward and backward) and per-layer
@@ -13,6 +15,7 @@
 //! - `deberta`: an encoder reward model (DeBERTa-v2/v3 sequence classification), inference only,
 //! - `decode`: the no-grad decoding engine over ragged batches that rollout drives.
 
+mod attention;
 pub mod block;
 pub mod config;
 pub mod deberta;
@@ -72,7 +75,14 @@ pub fn device(spec: &str) -> Result<candle_core::Device, ModelError> {
 /// rank of a node); `cuda:N` stays the GPU it names.
 pub fn device_at(spec: &str, local_rank: usize) -> Result<candle_core::Device, ModelError> {
     let cuda = |i: usize| {
-        candle_core::Device::new_cuda(i).map_err(|e| ModelError::File { file: format!("trainer.device={spec}"), message: format!("CUDA device {i} is not available: {e} (build with --features cuda on a machine with an NVIDIA GPU)") })
+        let d = candle_core::Device::new_cuda(i).map_err(|e| ModelError::File { file: format!("trainer.device={spec}"), message: format!("CUDA device {i} is not available: {e} (build with --features cuda on a machine with an NVIDIA GPU)") })?;
+        // Freed tensors stay in the memory pool for the next allocation (the pool would hand
+        // them back to the driver at every synchronisation otherwise).
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(c) = &d {
+            crate::kernels::cuda::memory::keep_freed_memory(c)?;
+        }
+        Ok(d)
     };
     match spec {
         "cpu" => Ok(candle_core::Device::Cpu),

@@ -21,7 +21,7 @@ use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor, Var,
 };
 
-use super::block::{block_forward, Block, Mask};
+use super::block::{block_forward_keys, Block, Mask};
 use super::config::ModelArgs;
 use super::layer;
 use crate::kernels::elem::Elem;
@@ -374,14 +374,37 @@ impl CustomOp2 for Layer {
             return Ok((y, l1.shape().clone()));
         }
         let x = tensor_of(s1, l1)?;
-        let y = block_forward(
+        let y = block_forward_keys(
             &self.args,
-            x.dtype(),
             &self.block.detached(),
             &x,
             &self.cos,
             &self.sin,
-            &self.mask.bias(x.dtype(), x.device(), self.block.window)?,
+            &self.mask.layer_keys(&self.block, x.dtype(), x.device())?,
+            None,
+        )?;
+        Ok((storage_of(&y)?, y.shape().clone()))
+    }
+
+    /// On a GPU the layer runs as the composition (no hand-written CUDA layer): the input is
+    /// copied into a tensor, the layer run without a graph, the output copied out.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        _s2: &candle_core::CudaStorage,
+        _l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use crate::kernels::cuda::{storage_of, tensor_of};
+        let x = tensor_of(s1, l1)?;
+        let y = block_forward_keys(
+            &self.args,
+            &self.block.detached(),
+            &x,
+            &self.cos,
+            &self.sin,
+            &self.mask.layer_keys(&self.block, x.dtype(), x.device())?,
             None,
         )?;
         Ok((storage_of(&y)?, y.shape().clone()))
@@ -403,14 +426,13 @@ impl CustomOp2 for Layer {
         }
         // The layer again, this time with a graph from a fresh leaf input to the weights.
         let input = Var::from_tensor(&x.detach())?;
-        let y = block_forward(
+        let y = block_forward_keys(
             &self.args,
-            x.dtype(),
             &self.block,
             input.as_tensor(),
             &self.cos,
             &self.sin,
-            &self.mask.bias(x.dtype(), x.device(), self.block.window)?,
+            &self.mask.layer_keys(&self.block, x.dtype(), x.device())?,
             None,
         )?;
         // d(Σ y·g)/dθ = gᵀ ∂y/∂θ: the incoming gradient pushed through the layer.
@@ -442,6 +464,17 @@ impl CustomOp1 for Carrier {
         Ok((zero, Shape::from(())))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let zero = crate::kernels::cuda::zero_scalar(s, s.dtype())?;
+        Ok((zero, Shape::from(())))
+    }
+
     fn bwd(&self, w: &Tensor, _res: &Tensor, _grad: &Tensor) -> Result<Option<Tensor>> {
         let taken = self
             .stash
@@ -456,7 +489,7 @@ impl CustomOp1 for Carrier {
     }
 }
 
-/// Layer `l` on `x` `[batch, seq, hidden]` as one op (CPU tensors): with `recompute` its
+/// Layer `l` on `x` `[batch, seq, hidden]` as one op (CPU or CUDA tensors): with `recompute` its
 /// backward runs the layer again; without, the hand-written layer (f32/f64) keeps its
 /// activations from the forward.
 pub(super) fn block(
@@ -507,7 +540,8 @@ pub(super) fn block(
 mod tests {
     use candle_core::{DType, Device, Tensor, Var};
 
-    use super::{block, block_forward, fused_forward, weights, Mask};
+    use super::{block, fused_forward, weights, Mask};
+    use crate::model::block::block_forward;
     use crate::model::{Arch, ModelArgs};
 
     /// Gradients of a padded batch's summed log-probs and entropies with and without
@@ -648,17 +682,7 @@ mod tests {
             let (x, cos, sin, mask, g) = layer_inputs(&args, DType::F32, -1e9);
             // Reference: the composition with a graph.
             let xv = Var::from_tensor(&x).unwrap();
-            let y_ref = block_forward(
-                &args,
-                DType::F32,
-                l,
-                xv.as_tensor(),
-                &cos,
-                &sin,
-                &mask,
-                None,
-            )
-            .unwrap();
+            let y_ref = block_forward(&args, l, xv.as_tensor(), &cos, &sin, &mask, None).unwrap();
             let grads = (&y_ref * &g)
                 .unwrap()
                 .sum_all()

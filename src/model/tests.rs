@@ -619,3 +619,121 @@ fn grouped_experts_equal_dense_experts() {
         }
     }
 }
+
+/// The GPU path builds the rotary tables and the attention bias with tensor ops on the device;
+/// run here on the CPU they equal the host-built ones: the bias exactly (padding, causality,
+/// a past of 3 cached positions, a window of 2), the tables within one rounding of the model's
+/// dtype (f64 angles on both sides; `cos`/`sin` of two libraries may differ in the last bit).
+#[test]
+fn device_built_tables_and_masks_equal_the_host_ones() {
+    let (_vm, m) = model(Arch::Qwen2, DType::F32);
+    let km: Vec<u32> = vec![0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1];
+    let key_mask = Tensor::from_vec(km.clone(), (2, 7), &Device::Cpu).unwrap();
+    let kmf: Vec<f32> = km.iter().map(|&v| v as f32).collect();
+    for (t, past, window) in [(7, 0, None), (4, 3, None), (4, 3, Some(2)), (1, 6, None)] {
+        let host = m.attention_bias(&kmf, 2, t, past, window).unwrap();
+        let dev = m
+            .attention_bias_on_device(&key_mask, t, past, window)
+            .unwrap();
+        let (h, d): (Vec<f32>, Vec<f32>) = (
+            host.flatten_all().unwrap().to_vec1().unwrap(),
+            dev.flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        assert_eq!(h, d, "t {t} past {past} window {window:?}");
+    }
+    let pos = Tensor::new(&[[0u32, 1, 2, 900], [5, 6, 7, 30000]], &Device::Cpu).unwrap();
+    let inv = m.inv_freq();
+    let (hc, hs) = m.rotary(&pos, &inv).unwrap();
+    let (dc, ds) = m.rotary_on_device(&pos, &inv).unwrap();
+    for (a, b) in [(hc, dc), (hs, ds)] {
+        assert_eq!(a.dims(), b.dims());
+        let d = max_diff(&a, &b);
+        assert!(d <= 2.0 * f32::EPSILON, "rotary tables differ by {d}");
+    }
+}
+
+/// Summed log-probs of a padded batch, or of the same two sequences packed end to end, and the
+/// gradient of every parameter (f64), for [`blocked_attention_in_the_model_equals_the_composition`].
+fn logprob_grads(vm: &VarMap, m: &CausalLm, packed: bool) -> (f64, Vec<(String, Vec<f64>)>) {
+    let (a, b) = (vec![4u32, 8, 15, 16, 23, 42], vec![1u32, 2, 3]);
+    let (ta, tb) = (vec![8u32, 15, 16, 23, 42, 1], vec![2u32, 3, 4]);
+    let lp = if packed {
+        let ids = Tensor::new([a, b].concat(), &Device::Cpu).unwrap();
+        let pos = Tensor::new(
+            [(0..6u32).collect::<Vec<_>>(), (0..3).collect()].concat(),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let h = m
+            .forward_hidden_packed(&ids, &pos, &[(0, 6), (6, 3)])
+            .unwrap();
+        let tgt = Tensor::new([ta, tb].concat(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        m.token_logprobs(&h.unsqueeze(0).unwrap(), &tgt, 4, false)
+            .unwrap()
+            .0
+    } else {
+        let (pi, pm, pp) = left_pad(&[a, b], 0);
+        let h = m.forward_hidden(&pi, &pp, &pm, None).unwrap();
+        let tgt = ids(&[ta, [vec![0u32; 3], tb].concat()]);
+        let (lp, _) = m.token_logprobs(&h, &tgt, 4, false).unwrap();
+        (lp * pm.to_dtype(DType::F64).unwrap()).unwrap()
+    };
+    let loss = lp.sum_all().unwrap();
+    let grads = loss.backward().unwrap();
+    let mut g: Vec<(String, Vec<f64>)> = vm
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(n, v)| {
+            let t = grads.get(v.as_tensor()).unwrap();
+            (n.clone(), t.flatten_all().unwrap().to_vec1().unwrap())
+        })
+        .collect();
+    g.sort_by(|x, y| x.0.cmp(&y.0));
+    (loss.to_scalar().unwrap(), g)
+}
+
+/// The blocked attention op inside the model (what a GPU runs: `Block::blocked`, switched on
+/// here on the CPU over the composition): the composed model's summed log-probs and every
+/// parameter's gradient are the plain composition's (f64, 1e-10 of scale), for a padded batch
+/// and for the same sequences packed without padding (which the plain composition runs with
+/// its block-diagonal bias).
+#[test]
+fn blocked_attention_in_the_model_equals_the_composition() {
+    for arch in [Arch::Qwen2, Arch::Gemma3] {
+        let (vm, mut m) = model(arch, DType::F64);
+        m.set_exec(Exec {
+            composed: true,
+            ..Exec::default()
+        });
+        let (want, gw) = logprob_grads(&vm, &m, false);
+        let (want_packed, gwp) = logprob_grads(&vm, &m, true);
+        assert!(
+            (want - want_packed).abs() < 1e-10 * want.abs(),
+            "{arch:?}: packing"
+        );
+        for l in m.blocks_mut() {
+            l.blocked = true;
+        }
+        for (packed, want, gw) in [(false, want, &gw), (true, want_packed, &gwp)] {
+            let (got, gg) = logprob_grads(&vm, &m, packed);
+            assert!(
+                (got - want).abs() < 1e-10 * want.abs(),
+                "{arch:?} packed={packed}: {got} vs {want}"
+            );
+            for ((n, a), (_, b)) in gw.iter().zip(&gg) {
+                let scale = a.iter().fold(1e-30f64, |s, v| s.max(v.abs()));
+                for (u, v) in a.iter().zip(b) {
+                    assert!(
+                        (u - v).abs() <= 1e-10 * scale,
+                        "{arch:?} packed={packed} {n}: {u} vs {v}"
+                    );
+                }
+            }
+        }
+    }
+}

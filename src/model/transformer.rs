@@ -11,8 +11,9 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::{Init, Linear, VarBuilder};
 
+use super::attention::Keys as AttnKeys;
 use super::block::{
-    block_forward, linear, norm, upcast, Block, Experts, Gated, KvCache, Mask, Mlp,
+    block_forward_keys, linear, norm, upcast, Block, Experts, Gated, KvCache, Mask, Mlp,
 };
 use super::config::{LayerKind, ModelArgs};
 use super::proj::{mix64, Proj};
@@ -43,18 +44,19 @@ pub struct Exec {
     /// Per-layer recomputation (verl's `enable_gradient_checkpointing`): a training forward
     /// keeps only each layer's input, and backward runs the layer again to get its gradients
     /// (`recompute.rs`). Same gradients, far less memory, about one more forward of compute.
-    /// Applies on the CPU; elsewhere every activation is kept as without it.
+    /// Applies on the CPU and on CUDA.
     pub recompute: bool,
     /// Every layer as the plain candle composition (`block.rs`) instead of the hand-written
     /// layer (`layer.rs`, one op per layer with its own backward, on the CPU in f32/f64): the
     /// reference the hand-written layer is tested against (slower; same results to rounding).
     pub composed: bool,
-    /// verl's mixed precision on the CPU (`fsdp_config.mixed_precision.param_dtype: bf16`):
-    /// the matrix products of the hand-written layers, the LM head and decoding round both
-    /// operands to bf16 and sum in f32 (AMX tiles or AVX512-BF16, `kernels::bf16`), while
-    /// weights, norms, softmax, residuals and optimizer state stay f32. Applies to f32 models
-    /// on CPUs with AMX or AVX512-BF16; elsewhere products stay in the model's dtype
-    /// ([`CausalLm::bf16_matmuls`] tells which).
+    /// verl's mixed precision (`fsdp_config.mixed_precision.param_dtype: bf16`, the rollout's
+    /// `dtype: bfloat16`): the matrix products of the layers' projections, the LM head and
+    /// decoding round both operands to bf16 and sum in f32, while weights, norms, softmax,
+    /// residuals, losses and optimizer state stay f32. On the CPU the hand-written layers do it
+    /// on AMX tiles or AVX512-BF16 (`kernels::bf16`; without them products stay f32); on CUDA
+    /// the composition's projections and LM head run as bf16 cuBLAS products of f32 master
+    /// weights cast per forward. Applies to f32 models ([`CausalLm::bf16_matmuls`] tells).
     pub bf16: bool,
     /// Layers of experts (Qwen3-MoE) compute every expert on every token, weighted by zero
     /// where a token was not routed: the reference the grouped computation (each expert on
@@ -89,7 +91,10 @@ impl LayerPath {
         // composition (recomputed inside one op when asked).
         let fused =
             !exec.composed && layer.dense().is_some() && crate::kernels::supported(device, dtype);
-        let cpu_train = !cached && device.is_cpu() && training;
+        // The layer as one op (hand-written, or recomputed in backward) where custom ops run:
+        // the CPU, and CUDA builds on a GPU (recomputation of the composition only).
+        let op_device = device.is_cpu() || (cfg!(feature = "cuda") && device.is_cuda());
+        let cpu_train = !cached && op_device && training;
         if cpu_train && (exec.recompute || fused) {
             LayerPath::Op {
                 fused,
@@ -154,6 +159,8 @@ impl CausalLm {
                 },
                 window: args.window(i),
                 local_rope: args.local_rope() && args.layer_kind(i) == LayerKind::Sliding,
+                mixed: false,
+                blocked: false,
                 qk_norm: if args.arch.qk_norm() {
                     Some((
                         a.get_with_hints(hd, "q_norm.weight", one)?,
@@ -221,7 +228,7 @@ impl CausalLm {
         } else {
             None
         };
-        Ok(Self {
+        let mut m = Self {
             args: args.clone(),
             embed,
             layers,
@@ -232,7 +239,10 @@ impl CausalLm {
             dtype: vb.dtype(),
             exec: Exec::default(),
             dropout: None,
-        })
+        };
+        // The layers' per-device settings (blocked attention off the CPU) for the defaults.
+        m.set_exec(Exec::default());
+        Ok(m)
     }
 
     /// A view of this model whose weights are detached from autograd: it shares their storage
@@ -358,16 +368,36 @@ impl CausalLm {
     /// Sets how this model's forwards run (see [`Exec`]).
     pub fn set_exec(&mut self, exec: Exec) {
         self.exec = exec;
+        let (mixed, blocked) = (self.mixed_products(), self.blocked_attention());
         for l in self.layers.iter_mut() {
+            l.mixed = mixed;
+            l.blocked = blocked;
             if let Mlp::Experts(e) = &mut l.mlp {
                 e.dense = exec.dense_experts;
             }
         }
     }
 
-    /// Whether products actually run in bf16 (asked for, f32 model, a bf16 kernel present).
+    /// Whether products actually run in bf16: asked for, an f32 model, and on the CPU a bf16
+    /// kernel present (AMX or AVX512-BF16); on a GPU cuBLAS serves them.
     pub fn bf16_matmuls(&self) -> bool {
-        self.exec.bf16 && self.dtype == DType::F32 && crate::kernels::bf16::available()
+        self.exec.bf16
+            && self.dtype == DType::F32
+            && (self.device.is_cuda() || crate::kernels::bf16::available())
+    }
+
+    /// Whether the op composition (the path off the CPU) takes its products in bf16.
+    fn mixed_products(&self) -> bool {
+        self.exec.bf16 && self.dtype == DType::F32 && !self.device.is_cpu()
+    }
+
+    /// `x·Wᵀ` for the LM head's output projection `w` `[vocab, hidden]` on `x` `[n, hidden]`:
+    /// bf16 operands when the composition runs mixed precision (see [`Exec::bf16`]).
+    fn head_matmul(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        match self.mixed_products() {
+            true => super::block::mixed_matmul(x, w),
+            false => x.matmul(&w.t()?),
+        }
     }
 
     pub(super) fn blocks(&self) -> &[Block] {
@@ -420,9 +450,9 @@ impl CausalLm {
     /// order and covering all `n` tokens. Each token attends to the earlier tokens of its own
     /// sequence only, so a sequence's states equal those of the padded batch
     /// ([`CausalLm::forward_hidden`]) at its real tokens, and no padding is computed.
-    /// The hand-written layer runs it without an `[n, n]` mask; other paths (the composition:
-    /// CUDA, half precision) build a block-diagonal bias, so prefer padding there
-    /// ([`CausalLm::packs_without_padding`]).
+    /// The hand-written layer and the blocked attention (CUDA) run it without an `[n, n]` mask;
+    /// the plain composition (half precision on the CPU) builds a block-diagonal bias, so
+    /// prefer padding there ([`CausalLm::packs_without_padding`]).
     pub fn forward_hidden_packed(
         &self,
         input_ids: &Tensor,
@@ -451,11 +481,17 @@ impl CausalLm {
 
     /// Whether [`CausalLm::forward_hidden_packed`] runs without padding work here: the
     /// hand-written layer serves this model (CPU, f32/f64, not forced to the composition, no
-    /// layer of experts).
+    /// layer of experts), or its attention is the blocked op (CUDA, not forced to the
+    /// composition).
     pub fn packs_without_padding(&self) -> bool {
-        !self.exec.composed
-            && !self.has_experts()
-            && crate::kernels::supported(&self.device, self.dtype)
+        let cpu = !self.has_experts() && crate::kernels::supported(&self.device, self.dtype);
+        !self.exec.composed && (cpu || self.blocked_attention())
+    }
+
+    /// Whether attention without a cache runs as the blocked op of `attention.rs` (off the
+    /// CPU, unless forced to the plain composition).
+    fn blocked_attention(&self) -> bool {
+        !self.exec.composed && !self.device.is_cpu()
     }
 
     /// The MLP of layer `layer` alone on `h` `[batch, seq, hidden]` (its input after the
@@ -524,10 +560,17 @@ impl CausalLm {
                         key_mask.dims()
                     )));
                 }
-                let km: Vec<f32> = key_mask.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-                let full = Mask::Bias(self.attention_bias(&km, b, t, past, None)?); // [b, 1, t, s]
+                // [b, 1, t, s] each: built where the model is (no host loop, no copy up on a GPU)
+                let bias = |w: Option<usize>| -> Result<Tensor> {
+                    if !self.device.is_cpu() {
+                        return self.attention_bias_on_device(key_mask, t, past, w);
+                    }
+                    let km: Vec<f32> = key_mask.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+                    self.attention_bias(&km, b, t, past, w)
+                };
+                let full = Mask::Bias(bias(None)?);
                 let sliding = match a.sliding_window {
-                    Some(w) => Mask::Bias(self.attention_bias(&km, b, t, past, Some(w))?),
+                    Some(w) => Mask::Bias(bias(Some(w))?),
                     None => full.clone(),
                 };
                 [full, sliding]
@@ -550,7 +593,7 @@ impl CausalLm {
             let n = d.next.fetch_add(1, Ordering::Relaxed);
             (d.p, mix64(d.seed ^ mix64(n)))
         });
-        let mut composed_bias: [Option<Tensor>; 2] = [None, None];
+        let mut composed_bias: [Option<AttnKeys>; 2] = [None, None];
         for (i, layer) in self.layers.iter().enumerate() {
             if let Some(st) = stages.as_deref_mut() {
                 st.push(x.clone());
@@ -579,22 +622,22 @@ impl CausalLm {
                 (Some(l), true) => l,
                 _ => &global,
             };
-            // The composition reads a bias tensor: for packed sequences built once per
-            // forward and layer kind, not per layer.
-            let mut bias = || -> Result<Tensor> {
+            // The composition reads a bias tensor (for packed sequences built once per
+            // forward and layer kind, not per layer), or packed sequences as they are where
+            // its attention is the blocked op.
+            let mut keys = || -> Result<AttnKeys> {
                 if composed_bias[kind].is_none() {
-                    let w = layer.window;
-                    composed_bias[kind] = Some(mask.bias(self.dtype, &self.device, w)?);
+                    composed_bias[kind] = Some(mask.layer_keys(layer, self.dtype, &self.device)?);
                 }
                 Ok(composed_bias[kind].clone().expect("just set"))
             };
             let bf = self.exec.bf16;
             x = match path {
                 LayerPath::Op { fused, recompute } => {
-                    let m = if fused {
-                        mask.clone()
-                    } else {
-                        Mask::Bias(bias()?)
+                    let m = match (fused, keys()?) {
+                        (true, _) => mask.clone(),
+                        (false, AttnKeys::Bias(b)) => Mask::Bias(b),
+                        (false, AttnKeys::Packed { .. }) => mask.clone(),
                     };
                     let rope_mask = (cos, sin, &m);
                     super::recompute::block(&self.args, layer, &x, rope_mask, recompute, fused, bf)?
@@ -604,8 +647,7 @@ impl CausalLm {
                     super::recompute::fused_forward(&self.args, layer, &x, rope_mask, bf)?
                 }
                 LayerPath::Composed => {
-                    let (args, dtype) = (&self.args, self.dtype);
-                    block_forward(args, dtype, layer, &x, cos, sin, &bias()?, slot)?
+                    block_forward_keys(&self.args, layer, &x, cos, sin, &keys()?, slot)?
                 }
             };
         }
@@ -619,10 +661,10 @@ impl CausalLm {
     /// [`CausalLm::token_logprobs`] for long sequences: it never holds all the logits at once.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let (b, t, h) = hidden.dims3()?;
+        let rows = hidden.reshape((b * t, h))?;
         upcast(
-            &hidden
-                .reshape((b * t, h))?
-                .matmul(&self.output_weight()?.t()?)?
+            &self
+                .head_matmul(&rows, self.output_weight()?)?
                 .reshape((b, t, ()))?,
         )
     }
@@ -631,9 +673,11 @@ impl CausalLm {
     /// `[batch, seq, hidden]`, and the entropy of each position's distribution when asked,
     /// computed `chunk` positions at a time: `[batch, seq]` each (f32 for half-precision models).
     ///
-    /// On the CPU (f32, f64) this is the fused op of `lm_head.rs` (backward recomputes the logits
-    /// chunk by chunk, so nothing of size `[positions, vocab]` is kept for it); elsewhere the
-    /// composition [`CausalLm::token_logprobs_composed`].
+    /// This is the fused op of `lm_head.rs` (backward recomputes the logits chunk by chunk, so
+    /// nothing of size `[positions, vocab]` is kept for it): on host slices on the CPU (f32,
+    /// f64), as chunked tensor operations on a GPU; half precision on the CPU, or
+    /// [`Exec::composed`] on a GPU, runs the composition
+    /// [`CausalLm::token_logprobs_composed`].
     pub fn token_logprobs(
         &self,
         hidden: &Tensor,
@@ -641,7 +685,9 @@ impl CausalLm {
         chunk: usize,
         with_entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        if !crate::kernels::supported(hidden.device(), hidden.dtype()) {
+        let cpu = crate::kernels::supported(hidden.device(), hidden.dtype());
+        let device = !hidden.device().is_cpu() && !self.exec.composed;
+        if !cpu && !device {
             return self.token_logprobs_composed(hidden, targets, chunk, with_entropy);
         }
         let (b, t, h) = hidden.dims3()?;
@@ -651,7 +697,11 @@ impl CausalLm {
             targets,
             chunk,
             with_entropy,
-            self.exec.bf16,
+            if cpu {
+                self.exec.bf16
+            } else {
+                self.mixed_products()
+            },
         )?;
         Ok((
             lp.reshape((b, t))?,
@@ -671,13 +721,13 @@ impl CausalLm {
         let (b, t, h) = hidden.dims3()?;
         let rows = hidden.reshape((b * t, h))?;
         let tgt = targets.flatten_all()?;
-        let w = self.output_weight()?.t()?;
+        let w = self.output_weight()?;
         let chunk = chunk.max(1);
         let (mut lps, mut ents) = (Vec::new(), Vec::new());
         let mut start = 0;
         while start < b * t {
             let n = chunk.min(b * t - start);
-            let logits = upcast(&rows.narrow(0, start, n)?.matmul(&w)?)?; // [n, vocab]
+            let logits = upcast(&self.head_matmul(&rows.narrow(0, start, n)?, w)?)?; // [n, vocab]
             let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
             let idx = tgt.narrow(0, start, n)?.unsqueeze(1)?;
             lps.push(lsm.contiguous()?.gather(&idx, 1)?.squeeze(1)?);
@@ -701,6 +751,9 @@ impl CausalLm {
     pub(super) fn rotary(&self, position_ids: &Tensor, inv: &[f64]) -> Result<(Tensor, Tensor)> {
         let (b, t) = position_ids.dims2()?;
         let hd = self.args.head_dim;
+        if !self.device.is_cpu() {
+            return self.rotary_on_device(position_ids, inv);
+        }
         let pos: Vec<u32> = position_ids
             .to_dtype(DType::U32)?
             .flatten_all()?
@@ -731,7 +784,7 @@ impl CausalLm {
     /// Additive attention bias `[batch, 1, seq, past + seq]` from the key mask `km`
     /// `[batch, past + seq]`: 0 where query `i` may attend key `j` (causal: `j <= past + i`, key
     /// `j` a real token, and within `window` positions: `j > past + i − window`), −1e9 elsewhere.
-    fn attention_bias(
+    pub(super) fn attention_bias(
         &self,
         km: &[f32],
         b: usize,
@@ -754,6 +807,62 @@ impl CausalLm {
         Tensor::from_vec(bias, (b, 1, t, s), &Device::Cpu)?
             .to_dtype(self.dtype)?
             .to_device(&self.device)
+    }
+}
+
+impl CausalLm {
+    /// [`CausalLm::rotary`] computed on the model's device (the GPU path): the same f64
+    /// angles, one rounding to the model's dtype.
+    pub(super) fn rotary_on_device(
+        &self,
+        position_ids: &Tensor,
+        inv: &[f64],
+    ) -> Result<(Tensor, Tensor)> {
+        let (b, t) = position_ids.dims2()?;
+        let twice: Vec<f64> = inv.iter().chain(inv).copied().collect(); // [hd]
+        let hd = twice.len();
+        let freq = Tensor::from_vec(twice, (1, 1, hd), &self.device)?;
+        let angle = position_ids
+            .to_device(&self.device)?
+            .to_dtype(DType::F64)?
+            .unsqueeze(2)?
+            .broadcast_mul(&freq)?; // [b, t, hd]
+        let shape = (b, 1, t, hd);
+        Ok((
+            angle.cos()?.to_dtype(self.dtype)?.reshape(shape)?,
+            angle.sin()?.to_dtype(self.dtype)?.reshape(shape)?,
+        ))
+    }
+
+    /// [`CausalLm::attention_bias`] built on the model's device from `key_mask` `[batch,
+    /// past + seq]` (the GPU path): `[batch, 1, seq, past + seq]`.
+    pub(super) fn attention_bias_on_device(
+        &self,
+        key_mask: &Tensor,
+        t: usize,
+        past: usize,
+        window: Option<usize>,
+    ) -> Result<Tensor> {
+        let dev = &self.device;
+        let (b, s) = key_mask.dims2()?;
+        let pos = |n: usize| Tensor::arange(0u32, n as u32, dev)?.to_dtype(DType::F32);
+        let i = (pos(t)? + past as f64)?.reshape((1, t, 1))?; // each query's position
+        let j = pos(s)?.reshape((1, 1, s))?; // each key's
+        let ahead = i.broadcast_sub(&j)?; // [1, t, s]: how far back key j is
+        let mut ok = ahead.ge(0f64)?.to_dtype(DType::F32)?;
+        if let Some(w) = window {
+            ok = (ok * ahead.lt(w as f64)?.to_dtype(DType::F32)?)?;
+        }
+        let real = key_mask
+            .to_device(dev)?
+            .to_dtype(DType::F32)?
+            .ne(0f64)?
+            .to_dtype(DType::F32)?
+            .reshape((b, 1, s))?;
+        let ok = ok.broadcast_mul(&real)?.ne(0f64)?; // [b, t, s]
+        let zero = Tensor::zeros((b, t, s), self.dtype, dev)?;
+        let blocked = Tensor::full(-1e9f32, (b, t, s), dev)?.to_dtype(self.dtype)?;
+        ok.where_cond(&zero, &blocked)?.reshape((b, 1, t, s))
     }
 }
 

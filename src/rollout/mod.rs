@@ -87,12 +87,14 @@ impl SamplingParams {
         .with_limits(r)
     }
 
-    /// `rollout.max_num_seqs`, `max_num_batched_tokens` and `kv_cache_memory_gb`.
+    /// `rollout.max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory_gb` and
+    /// `gpu_memory_utilization`.
     fn with_limits(mut self, r: &RolloutConfig) -> Self {
         self.limits = Limits {
             max_num_seqs: r.max_num_seqs.max(1),
             max_num_batched_tokens: r.max_num_batched_tokens.max(1),
             kv_cache_bytes: (r.kv_cache_memory_gb.max(0.0) * 1e9) as usize,
+            gpu_memory_utilization: r.gpu_memory_utilization,
         };
         self
     }
@@ -264,6 +266,45 @@ pub fn sample_row(logits: &[f32], p: &SamplingParams, rng: &mut ChaCha8Rng) -> (
     (pick as u32, ((logits[pick] / t) as f64 - lse) as f32)
 }
 
+/// One token per row of `logits` `[rows, vocab]` for the batch rows `active` (row `active[i]`
+/// of `rngs` draws for logits row `i`), as [`sample_row`] chooses them. On a GPU the rows are
+/// sampled where the logits are (`kernels::cuda::sample_rows`, the same rule with the same
+/// uniforms) and only (token, log-prob) pairs come back; elsewhere each row is copied to the
+/// host and sampled there.
+fn sample_rows(
+    logits: &Tensor,
+    active: &[usize],
+    p: &SamplingParams,
+    rngs: &mut [ChaCha8Rng],
+) -> candle_core::Result<Vec<(u32, f32)>> {
+    #[cfg(feature = "cuda")]
+    if logits.device().is_cuda() {
+        use crate::kernels::cuda::{sample_rows, RowSampling};
+        // One uniform per sampled token, drawn exactly where `sample_row` draws it.
+        let u: Vec<f64> = active
+            .iter()
+            .map(|&r| match p.greedy {
+                true => 0.0,
+                false => rngs[r].random(),
+            })
+            .collect();
+        let s = RowSampling {
+            greedy: p.greedy,
+            temperature: p.temperature as f32,
+            top_k: p.top_k.map_or(0, |k| k.clamp(1, u32::MAX as usize) as u32),
+            top_p: p.top_p,
+        };
+        let (tokens, lps) = sample_rows(&logits.to_dtype(DType::F32)?, s, &u)?;
+        return Ok(tokens.into_iter().zip(lps).collect());
+    }
+    let host: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
+    Ok(active
+        .iter()
+        .zip(&host)
+        .map(|(&r, row)| sample_row(row, p, &mut rngs[r]))
+        .collect())
+}
+
 /// Each dataset row of `prompts` `n` times in a row (the rows of one prompt's group together).
 pub fn repeat_rows(prompts: &[usize], n: usize) -> Vec<usize> {
     prompts
@@ -368,7 +409,8 @@ fn generate_with(
                 .collect()
         })
         .collect();
-    let mut cache = KvCache::new(model.args.num_hidden_layers);
+    // Room for every position at once: the cache never grows (a copy of the past) mid-call.
+    let mut cache = KvCache::with_capacity(model.args.num_hidden_layers, width + p.max_new_tokens);
     let hidden = model.forward_hidden(
         &u32s(input_ids.to_vec(), (batch, width))?,
         &u32s(positions, (batch, width))?,
@@ -378,15 +420,12 @@ fn generate_with(
     let mut last = hidden.narrow(1, width - 1, 1)?.squeeze(1)?.detach(); // [active, hidden]
     let mut active: Vec<usize> = (0..batch).collect();
     for step in 0..p.max_new_tokens {
-        let logits: Vec<Vec<f32>> = model
-            .logits(&last.unsqueeze(1)?)?
-            .squeeze(1)?
-            .to_dtype(DType::F32)?
-            .to_vec2()?;
+        let logits = model.logits(&last.unsqueeze(1)?)?.squeeze(1)?; // [active, vocab]
+        let picks = sample_rows(&logits, &active, p, rngs)?;
         let mut next = Vec::with_capacity(active.len());
         let mut still = Vec::with_capacity(active.len());
         for (slot, &row) in active.iter().enumerate() {
-            let (tok, lp) = sample_row(&logits[slot], p, &mut rngs[row]);
+            let (tok, lp) = picks[slot];
             rollout.responses[row].push(tok);
             rollout.log_probs[row].push(lp);
             if !p.ignore_eos && p.eos_ids.contains(&tok) {

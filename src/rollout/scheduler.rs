@@ -30,7 +30,7 @@ use crate::model::decode::{self, Decoder, Packed, SeqCache};
 use crate::model::CausalLm;
 
 /// How much generation may hold at once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Limits {
     /// Sequences in flight at most (`rollout.max_num_seqs`).
     pub max_num_seqs: usize,
@@ -40,6 +40,9 @@ pub struct Limits {
     /// Key/value cache bytes of the sequences in flight at most (`rollout.kv_cache_memory_gb`).
     /// A single sequence larger than the budget still runs, alone.
     pub kv_cache_bytes: usize,
+    /// On CUDA the budget is instead this share of the GPU's memory less what the process
+    /// holds there when generation starts (`rollout.gpu_memory_utilization`).
+    pub gpu_memory_utilization: f64,
 }
 
 impl Default for Limits {
@@ -48,6 +51,7 @@ impl Default for Limits {
             max_num_seqs: 1024,
             max_num_batched_tokens: 8192,
             kv_cache_bytes: 2 << 30,
+            gpu_memory_utilization: 0.5,
         }
     }
 }
@@ -263,7 +267,10 @@ fn waves(
     out: &mut Rollout,
 ) -> Result<Stats> {
     let per_pos = decode::kv_bytes_per_position(&model.args, model.dtype().size_in_bytes());
-    let lim = p.limits;
+    let mut lim = p.limits;
+    if let Some(bytes) = device_kv_budget(model, lim.gpu_memory_utilization)? {
+        lim.kv_cache_bytes = bytes;
+    }
     let mut stats = Stats::default();
     let mut start = 0;
     while start < prompts.len() {
@@ -305,6 +312,28 @@ fn waves(
         start = end;
     }
     Ok(stats)
+}
+
+/// On a GPU: `utilization` × the device's memory less the bytes this process's memory pool
+/// holds in tensors now (weights, optimizer state, the reference and the critic: what vLLM's
+/// `gpu_memory_utilization` leaves for the KV cache beside the model); `None` elsewhere.
+fn device_kv_budget(model: &CausalLm, utilization: f64) -> Result<Option<usize>> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = model.device() {
+        use crate::kernels::cuda::memory;
+        let (_, total) = memory::device_info(d)?;
+        let (used, _) = memory::current(d)?;
+        let budget = (utilization * total as f64 - used as f64).max(0.0) as usize;
+        tracing::debug!(
+            "generation: KV budget {:.1} GB ({utilization} of {:.1} GB, {:.1} GB in use)",
+            budget as f64 / 1e9,
+            total as f64 / 1e9,
+            used as f64 / 1e9
+        );
+        return Ok(Some(budget));
+    }
+    let _ = (model, utilization);
+    Ok(None)
 }
 
 #[cfg(test)]
@@ -373,6 +402,7 @@ mod tests {
                 max_num_seqs: 5,
                 max_num_batched_tokens: 20,
                 kv_cache_bytes: budget,
+                ..Limits::default()
             };
             let (got, stats) = run(&m, &ps, &params(greedy, 9, eos.clone(), tight), 3);
             assert!(stats.peak_seqs <= 5, "{stats:?}");

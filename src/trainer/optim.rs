@@ -89,12 +89,26 @@ pub fn clip_grad_norm(
 }
 
 /// The L2 norm of the gradients of `vars` (those that have one), squares summed in f64.
+/// Gradients on a GPU are reduced there into one f64 scalar, read back once (one
+/// synchronisation per step, not one per parameter).
 pub fn grad_norm(vars: &[(String, Var)], grads: &GradStore) -> candle_core::Result<f64> {
     let mut sq = 0f64;
+    let mut on_device: Option<Tensor> = None;
     for (_, v) in vars {
         if let Some(g) = grads.get(v.as_tensor()) {
-            sq += sum_of_squares(g)?;
+            if g.device().is_cpu() {
+                sq += sum_of_squares(g)?;
+            } else {
+                let s = g.to_dtype(DType::F64)?.sqr()?.sum_all()?;
+                on_device = Some(match on_device {
+                    Some(acc) => (acc + s)?,
+                    None => s,
+                });
+            }
         }
+    }
+    if let Some(s) = on_device {
+        sq += s.to_scalar::<f64>()?;
     }
     Ok(sq.sqrt())
 }
@@ -142,11 +156,72 @@ struct Meta {
     weight_decay: f64,
 }
 
+/// One moment of one parameter: host f32 values, or (for an f32 parameter on a GPU) an f32
+/// tensor on its device, updated there in place and copied to the host only for checkpoints;
+/// zeros not yet allocated before the first step or load.
+enum Moment {
+    Zero,
+    Host(Vec<f32>),
+    Device(Tensor),
+}
+
+impl Moment {
+    /// Zeros for `var`: on its device when that is a GPU and the parameter is f32.
+    fn zeros(var: &Var) -> candle_core::Result<Self> {
+        let p = var.as_tensor();
+        Ok(match Self::on_device(p) {
+            true => Moment::Device(Tensor::zeros(p.shape(), DType::F32, p.device())?),
+            false => Moment::Host(vec![0f32; p.elem_count()]),
+        })
+    }
+
+    /// Allocates the zeros of a [`Moment::Zero`] for `var`.
+    fn allocate(&mut self, var: &Var) -> candle_core::Result<()> {
+        if matches!(self, Moment::Zero) {
+            *self = Moment::zeros(var)?;
+        }
+        Ok(())
+    }
+
+    /// Whether `p`'s moments live on its device (AdamW runs there, `kernels::cuda`).
+    fn on_device(p: &Tensor) -> bool {
+        cfg!(feature = "cuda") && p.device().is_cuda() && p.dtype() == DType::F32
+    }
+
+    /// The values on the host (checkpoints) of a moment of `n` values.
+    fn to_host(&self, n: usize) -> candle_core::Result<Vec<f32>> {
+        match self {
+            Moment::Zero => Ok(vec![0f32; n]),
+            Moment::Host(v) => Ok(v.clone()),
+            Moment::Device(t) => t.flatten_all()?.to_vec1(),
+        }
+    }
+
+    /// Replaces the values with `t`'s (a checkpoint's tensor of `var`'s shape).
+    fn set(&mut self, var: &Var, t: &Tensor) -> candle_core::Result<()> {
+        let t = t.to_dtype(DType::F32)?;
+        self.allocate(var)?;
+        match self {
+            Moment::Zero => unreachable!("allocated above"),
+            Moment::Host(v) => *v = t.flatten_all()?.to_vec1()?,
+            Moment::Device(d) => *d = t.to_device(d.device())?.reshape(d.shape())?.contiguous()?,
+        }
+        Ok(())
+    }
+
+    fn host_mut(&mut self) -> candle_core::Result<&mut Vec<f32>> {
+        match self {
+            Moment::Host(v) => Ok(v),
+            _ => candle_core::bail!("AdamW: a device moment read as host values"),
+        }
+    }
+}
+
 /// AdamW over named variables.
 pub struct AdamW {
     vars: Vec<(String, Var)>,
-    m: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    m: Vec<Moment>,
+    v: Vec<Moment>,
     /// Optimizer steps taken.
     pub step: u64,
     pub betas: [f64; 2],
@@ -160,14 +235,8 @@ impl AdamW {
     pub fn new(vars: HashMap<String, Var>, o: &OptimConfig) -> Self {
         let sorted: BTreeMap<String, Var> = vars.into_iter().collect();
         let vars: Vec<(String, Var)> = sorted.into_iter().collect();
-        let m = vars
-            .iter()
-            .map(|(_, v)| vec![0f32; v.elem_count()])
-            .collect();
-        let v = vars
-            .iter()
-            .map(|(_, v)| vec![0f32; v.elem_count()])
-            .collect();
+        let m = vars.iter().map(|_| Moment::Zero).collect();
+        let v = vars.iter().map(|_| Moment::Zero).collect();
         Self {
             vars,
             m,
@@ -217,8 +286,15 @@ impl AdamW {
             let Some(g) = grads.get(var.as_tensor()) else {
                 continue;
             };
-            let (m, v) = (&mut self.m[i], &mut self.v[i]);
             let p = var.as_tensor();
+            self.m[i].allocate(var)?;
+            self.v[i].allocate(var)?;
+            #[cfg(feature = "cuda")]
+            if let (Moment::Device(m), Moment::Device(v)) = (&self.m[i], &self.v[i]) {
+                crate::kernels::cuda::adamw_in_place(p, m, v, g, rule)?;
+                continue;
+            }
+            let (m, v) = (self.m[i].host_mut()?, self.v[i].host_mut()?);
             if p.device().is_cpu() && p.dtype() == DType::F32 && p.is_contiguous() {
                 let g = g
                     .to_dtype(DType::F32)?
@@ -258,11 +334,19 @@ impl AdamW {
         for (i, (name, var)) in self.vars.iter().enumerate() {
             map.insert(
                 format!("m.{name}"),
-                Tensor::from_vec(self.m[i].clone(), var.as_tensor().shape(), &Device::Cpu)?,
+                Tensor::from_vec(
+                    self.m[i].to_host(var.elem_count())?,
+                    var.as_tensor().shape(),
+                    &Device::Cpu,
+                )?,
             );
             map.insert(
                 format!("v.{name}"),
-                Tensor::from_vec(self.v[i].clone(), var.as_tensor().shape(), &Device::Cpu)?,
+                Tensor::from_vec(
+                    self.v[i].to_host(var.elem_count())?,
+                    var.as_tensor().shape(),
+                    &Device::Cpu,
+                )?,
             );
         }
         candle_core::safetensors::save(&map, dir.join("optim.safetensors"))?;
@@ -305,7 +389,7 @@ impl AdamW {
                         var.as_tensor().dims()
                     )));
                 }
-                *slot = t.flatten_all()?.to_vec1()?;
+                slot.set(var, t)?;
             }
         }
         self.step = meta.step;

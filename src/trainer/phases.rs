@@ -387,6 +387,15 @@ impl Trainer {
                 b as f64 / (1u64 << 30) as f64,
             );
         }
+        // verl's device memory metrics (PyTorch's max_memory_allocated / _reserved since the
+        // start, in GiB): the peaks of the memory pool every CUDA tensor is allocated from.
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(d) = self.actor.device() {
+            let (used, reserved) = crate::kernels::cuda::memory::peaks(d)?;
+            let gib = (1u64 << 30) as f64;
+            m.insert("perf/max_memory_allocated_gb".into(), used as f64 / gib);
+            m.insert("perf/max_memory_reserved_gb".into(), reserved as f64 / gib);
+        }
         Ok(())
     }
 }
