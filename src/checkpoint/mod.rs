@@ -143,6 +143,7 @@ pub fn find_resume(
                     "trainer.resume_from_path={p}: no such folder"
                 )));
             }
+            refuse_newer(root, step, &format!("trainer.resume_from_path={p}"))?;
             Ok(Some((step, path)))
         }
         ResumeMode::Auto => {
@@ -178,6 +179,7 @@ pub fn find_resume(
             })?;
             let dir = step_dir(root, step);
             if dir.is_dir() {
+                refuse_newer(root, step, &format!("{} (step {step})", tracker.display()))?;
                 return Ok(Some((step, dir)));
             }
             match list(root).pop() {
@@ -200,18 +202,31 @@ pub fn find_resume(
     }
 }
 
-/// `trainer.resume_mode=disable` starts from step 0, and its saves would replace same-numbered
-/// `global_step_N` folders and rewind the tracker: refused while `root` holds any checkpoint.
-fn refuse_to_replace(root: &Path) -> Result<(), CheckpointError> {
-    let existing: Vec<u64> = list(root).into_iter().map(|(s, _)| s).collect();
-    if existing.is_empty() {
+/// A run resumed at `step` (chosen by `from`) saves `global_step_{step + k}` into `root`: the
+/// complete checkpoints there past `step` would be replaced one by one (and pruning, which
+/// keeps the highest steps, could delete the new ones before them). Refused, naming them.
+fn refuse_newer(root: &Path, step: u64, from: &str) -> Result<(), CheckpointError> {
+    let newer: Vec<u64> = list(root)
+        .into_iter()
+        .map(|(s, _)| s)
+        .filter(|&s| s > step)
+        .collect();
+    if newer.is_empty() {
         return Ok(());
     }
-    let names: Vec<String> = existing
-        .iter()
-        .map(|s| format!("global_step_{s}"))
-        .collect();
-    let shown = if names.len() > 4 {
+    Err(CheckpointError::Invalid(format!(
+        "resuming from step {step} ({from}), but trainer.default_local_dir ({}) holds later checkpoints ({}) that this run's saves would replace; \
+         resume from the newest instead, or move the later folders out of {} to continue from step {step}",
+        root.display(),
+        show_steps(&newer),
+        root.display()
+    )))
+}
+
+/// `global_step_N` names of `steps`, the middle elided past four.
+fn show_steps(steps: &[u64]) -> String {
+    let names: Vec<String> = steps.iter().map(|s| format!("global_step_{s}")).collect();
+    if names.len() > 4 {
         format!(
             "{}, {}, ..., {} ({} in all)",
             names[0],
@@ -221,7 +236,17 @@ fn refuse_to_replace(root: &Path) -> Result<(), CheckpointError> {
         )
     } else {
         names.join(", ")
-    };
+    }
+}
+
+/// `trainer.resume_mode=disable` starts from step 0, and its saves would replace same-numbered
+/// `global_step_N` folders and rewind the tracker: refused while `root` holds any checkpoint.
+fn refuse_to_replace(root: &Path) -> Result<(), CheckpointError> {
+    let existing: Vec<u64> = list(root).into_iter().map(|(s, _)| s).collect();
+    if existing.is_empty() {
+        return Ok(());
+    }
+    let shown = show_steps(&existing);
     Err(CheckpointError::Invalid(format!(
         "trainer.resume_mode=disable starts a fresh run, but trainer.default_local_dir ({}) already holds checkpoints ({shown}) that its saves would replace; \
          set trainer.default_local_dir to a new folder for the fresh run, or trainer.resume_mode=auto to continue from the newest one",
@@ -393,6 +418,39 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains(TRACKER), "{e}");
+    }
+
+    /// Resuming from an older checkpoint while later ones sit in the folder (a tracker that
+    /// names an older step, a resume_from_path to one) is refused naming the later ones: the
+    /// run's saves would replace them one by one (they used to be replaced silently). The
+    /// newest resumes as before.
+    #[test]
+    fn resuming_behind_later_checkpoints_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        for step in [2, 4, 6] {
+            save(dir.path(), step, "x");
+        }
+        std::fs::write(dir.path().join(TRACKER), "2").unwrap();
+        let e = find_resume(dir.path(), ResumeMode::Auto, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("global_step_4, global_step_6") && e.contains("step 2"),
+            "{e}"
+        );
+        let older = step_dir(dir.path(), 4).display().to_string();
+        let e = find_resume(dir.path(), ResumeMode::ResumePath, Some(&older))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("global_step_6") && e.contains("resume_from_path"),
+            "{e}"
+        );
+        std::fs::write(dir.path().join(TRACKER), "6").unwrap();
+        let (step, _) = find_resume(dir.path(), ResumeMode::Auto, None)
+            .unwrap()
+            .unwrap();
+        assert_eq!(step, 6);
     }
 
     #[test]

@@ -308,10 +308,22 @@ fn models_section(o: &mut String, cfg: &Config, plan: &Plan) {
             (true, false) => "actor_rollout_ref.actor.use_kl_loss",
             _ => "algorithm.use_kl_in_reward",
         };
-        let _ = writeln!(
-            o,
-            "  reference (frozen copy of the actor, for {why}): loaded"
-        );
+        match cfg.actor_rollout_ref.model.is_lora() {
+            // With LoRA the reference is the actor with its adapters switched off (PEFT's
+            // disable_adapter): nothing more is loaded.
+            true => {
+                let _ = writeln!(
+                    o,
+                    "  reference (for {why}): the actor's base weights with the LoRA adapters off; no second copy is loaded"
+                );
+            }
+            false => {
+                let _ = writeln!(
+                    o,
+                    "  reference (frozen copy of the actor, for {why}): loaded"
+                );
+            }
+        }
     } else {
         let _ = writeln!(o, "  reference: not loaded (neither actor.use_kl_loss nor algorithm.use_kl_in_reward is on)");
     }

@@ -4,7 +4,8 @@
 
 use std::path::Path;
 
-use crate::config::{Config, ConfigError, ConfigSource, Plan};
+use crate::config::{Config, ConfigError, ConfigSource, ModelConfig, Plan};
+use crate::model::ModelArgs;
 
 use super::ConfigArgs;
 
@@ -98,32 +99,31 @@ fn has_local_config(path: &str) -> bool {
 }
 
 /// `config check`: prompt plus response must fit the context of the actor (and the critic, when
-/// the run has one), read from the model's header or `config.json` without loading weights; a
+/// the run has one), read from the model's header or `config.json` without loading weights, and
+/// a LoRA rank must fit the projections it adapts (`lora_rank`, or the `r` of
+/// `lora_adapter_path`'s `adapter_config.json`; [`crate::weights::peft::rank_problem`]); a
 /// model whose `config.json` names an architecture or feature not implemented is refused. A
 /// model whose configuration cannot be read here (a hub id not in the cache, a folder without
 /// `config.json`) is checked when training loads it.
 pub fn model_context(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
-    let mut models = vec![(
-        "actor_rollout_ref.model.path",
-        &cfg.actor_rollout_ref.model.path,
-        &cfg.actor_rollout_ref.model.override_config,
-    )];
+    let mut models = vec![("actor_rollout_ref.model", &cfg.actor_rollout_ref.model)];
     if plan.need_critic {
-        models.push((
-            "critic.model.path",
-            &cfg.critic.model.path,
-            &cfg.critic.model.override_config,
-        ));
+        models.push(("critic.model", &cfg.critic.model));
     }
-    for (key, path, overrides) in models {
-        match crate::weights::read_args(path, overrides) {
-            Ok(Some(args)) => crate::config::data::check_model_context(
-                plan.prompt_length,
-                plan.response_length,
-                args.max_position_embeddings,
-                key,
-                path,
-            )?,
+    for (group, m) in models {
+        let key = format!("{group}.path");
+        let path = &m.path;
+        match crate::weights::read_args(path, &m.override_config) {
+            Ok(Some(args)) => {
+                crate::config::data::check_model_context(
+                    plan.prompt_length,
+                    plan.response_length,
+                    args.max_position_embeddings,
+                    &key,
+                    path,
+                )?;
+                lora_rank(group, m, &args)?;
+            }
             Ok(None) => tracing::info!(
                 "`{key}` = {path}: not readable without a download; its context is checked when training loads it"
             ),
@@ -131,7 +131,7 @@ pub fn model_context(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
             // (another architecture, a feature of its config.json): training would stop there.
             Err(e) if has_local_config(path) => {
                 return Err(ConfigError::Value {
-                    key: key.into(),
+                    key,
                     message: format!("{path}: {e}"),
                 })
             }
@@ -141,6 +141,33 @@ pub fn model_context(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
         }
     }
     Ok(())
+}
+
+/// The LoRA rank `m` (the `group` of the configuration) asks for against the projections of a
+/// model of `args`, as training checks it before allocating adapters; an adapter folder's
+/// `adapter_config.json` is read (not its tensors). An adapter folder that cannot be read here
+/// is left to training, which reads it whole.
+fn lora_rank(group: &str, m: &ModelConfig, args: &ModelArgs) -> Result<(), ConfigError> {
+    if !m.is_lora() {
+        return Ok(());
+    }
+    let (spec, adapter) = match &m.lora_adapter_path {
+        None => (crate::trainer::setup::lora_spec(m), None),
+        Some(p) => {
+            let path = std::path::PathBuf::from(crate::util::expand_home(p));
+            match crate::weights::peft::read_adapter_config(&path) {
+                Ok((dir, spec, _)) => (spec, Some(dir)),
+                Err(e) => {
+                    tracing::info!(
+                        "`{group}.lora_adapter_path` = {p}: {e}; the adapter is checked when training reads it"
+                    );
+                    return Ok(());
+                }
+            }
+        }
+    };
+    let projections = crate::weights::peft::projections_of(args);
+    crate::trainer::setup::check_lora_rank(&spec, adapter.as_deref(), group, projections)
 }
 
 #[cfg(test)]
@@ -200,5 +227,81 @@ mod tests {
             &dir.path().join("nope"),
             &dir.path().join("nope")
         ));
+    }
+
+    /// `config check` refuses a LoRA rank larger than the projections it adapts from the
+    /// model's `config.json` alone, naming the key, for the actor, the critic and an adapter
+    /// folder's `r`; a rank that fits passes. (Training refuses the same ranks:
+    /// `trainer::tests_lora`.)
+    #[test]
+    fn a_lora_rank_beyond_the_model_is_refused_from_its_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let args = crate::model::ModelArgs::tiny(crate::model::Arch::Qwen3Moe, 259);
+        std::fs::write(dir.path().join("config.json"), args.to_hf().to_string()).unwrap();
+        let check = |extra: &[String]| {
+            let mut o = vec![
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4".to_string(),
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8".into(),
+                "critic.ppo_micro_batch_size_per_gpu=4".into(),
+                "data.max_prompt_length=128".into(),
+                "data.max_response_length=6".into(),
+                format!("actor_rollout_ref.model.path={}", dir.path().display()),
+                format!("critic.model.path={}", dir.path().display()),
+            ];
+            o.extend(extra.iter().cloned());
+            let cfg = crate::config::load(&ConfigSource::Builtin, &o)
+                .unwrap()
+                .config;
+            let plan = crate::config::resolve(&cfg).unwrap();
+            model_context(&cfg, &plan).map_err(|e| e.to_string())
+        };
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        // k_proj and v_proj are [16, 32], the experts' up/gate [16, 32]: 16 fits, 17 does not.
+        check(&s(&["actor_rollout_ref.model.lora_rank=16"])).unwrap();
+        for (extra, key) in [
+            (
+                s(&["actor_rollout_ref.model.lora_rank=10000000"]),
+                "actor_rollout_ref.model.lora_rank",
+            ),
+            (
+                s(&[
+                    "algorithm.adv_estimator=gae",
+                    "critic.model.lora_rank=17",
+                    "critic.model.target_modules=[up_proj]",
+                ]),
+                "critic.model.lora_rank",
+            ),
+        ] {
+            let e = check(&extra).unwrap_err();
+            assert!(e.contains(key) && e.contains("16"), "{e}");
+        }
+        // The dense layer 1 (mlp_only_layers) has up_proj [48, 32]: 17 fits there alone, 33
+        // does not.
+        let layer_1 = "actor_rollout_ref.model.target_modules=model\\.layers\\.1\\.mlp\\.up_proj";
+        check(&s(&["actor_rollout_ref.model.lora_rank=17", layer_1])).unwrap();
+        let e = check(&s(&["actor_rollout_ref.model.lora_rank=33", layer_1])).unwrap_err();
+        assert!(e.contains("33") && e.contains("[48, 32]"), "{e}");
+        // An adapter folder that is not there (yet) is left to training.
+        let adapter = dir.path().join("adapter");
+        check(&[format!(
+            "actor_rollout_ref.model.lora_adapter_path={}",
+            adapter.display()
+        )])
+        .unwrap();
+        std::fs::create_dir(&adapter).unwrap();
+        let config = serde_json::json!({"peft_type": "LORA", "r": 10_000_000, "lora_alpha": 8, "target_modules": ["q_proj"]});
+        std::fs::write(adapter.join("adapter_config.json"), config.to_string()).unwrap();
+        let e = check(&[format!(
+            "actor_rollout_ref.model.lora_adapter_path={}",
+            adapter.display()
+        )])
+        .unwrap_err();
+        assert!(
+            e.contains("actor_rollout_ref.model.lora_adapter_path")
+                && e.contains("adapter_config.json")
+                && e.contains("10000000")
+                && e.contains("32"),
+            "{e}"
+        );
     }
 }

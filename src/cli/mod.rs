@@ -217,6 +217,13 @@ pub fn main_with<A: Into<OsString>>(
 
 /// Runs a command; `Ok(false)` is a completed run that found failures (exit status 1).
 fn run(cli: Cli, natives: &crate::reward::NativeRegistry) -> anyhow::Result<bool> {
+    let choice = std::env::var("MAIN_PPO_BF16_KERNEL").ok();
+    crate::kernels::bf16::check_choice(choice.as_deref()).map_err(|message| {
+        ConfigError::Value {
+            key: "MAIN_PPO_BF16_KERNEL".into(),
+            message,
+        }
+    })?;
     match cli.command {
         None => train(&cli.config, natives).map(|_| true),
         Some(Command::Train(args)) => train(&args, natives).map(|_| true),

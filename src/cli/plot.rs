@@ -72,6 +72,24 @@ pub fn run(args: &PlotArgs) -> anyhow::Result<()> {
         (None, Some(_)) => None,
         (None, None) => Some(default_png(&runs[0])),
     };
+    // No chart replaces a file it was drawn from, however the paths are spelt (a symlink, a
+    // hard link, an input named `.png` whose default chart is itself).
+    let inputs: Vec<(String, &Path)> = runs
+        .iter()
+        .flat_map(|r| r.files.iter())
+        .map(|f| (format!("the run file {}", f.display()), f.as_path()))
+        .collect();
+    let inputs: Vec<(&str, &Path)> = inputs.iter().map(|(w, p)| (w.as_str(), *p)).collect();
+    for (flag, out) in [("--out", &png), ("--svg", &args.svg)] {
+        if let Some(out) = out {
+            super::guard::check_output(out, flag, &inputs)?;
+        }
+    }
+    if let (Some(a), Some(b)) = (&png, &args.svg) {
+        if super::guard::same_file(a, b) || a == b {
+            anyhow::bail!("--out and --svg name one file ({}): give two", a.display());
+        }
+    }
     if let Some(p) = &png {
         plot::write_png(p, &runs, &metrics, args.width, args.height)?;
         println!("{}", p.display());
@@ -87,4 +105,69 @@ pub fn run(args: &PlotArgs) -> anyhow::Result<()> {
         metrics.join(", ")
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(runs: Vec<PathBuf>, out: Option<PathBuf>, svg: Option<PathBuf>) -> PlotArgs {
+        PlotArgs {
+            runs,
+            metrics: vec![],
+            out,
+            svg,
+            width: 320,
+            height: 240,
+        }
+    }
+
+    /// A run file of three steps; returns its path and its bytes.
+    fn run_file(dir: &Path, name: &str) -> (PathBuf, Vec<u8>) {
+        let p = dir.join(name);
+        let text: String = (1..=3)
+            .map(|s| {
+                format!(
+                    "{{\"step\": {s}, \"data\": {{\"critic/score/mean\": {}}}}}\n",
+                    s as f64 / 10.0
+                )
+            })
+            .collect();
+        std::fs::write(&p, &text).unwrap();
+        (p, text.into_bytes())
+    }
+
+    /// No chart replaces the run it is drawn from: a run file named `.png` charted to its
+    /// default `--out` (itself), `--out` reaching it through a symlink, `--svg` through a hard
+    /// link. Each is refused naming the flag, and the run file keeps its bytes.
+    #[test]
+    fn a_chart_never_replaces_its_run_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (png_named, bytes) = run_file(dir.path(), "run.png");
+        let e = run(&args(vec![png_named.clone()], None, None))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--out") && e.contains("same file"), "{e}");
+        assert_eq!(std::fs::read(&png_named).unwrap(), bytes);
+
+        let (jsonl, bytes) = run_file(dir.path(), "run.jsonl");
+        let link = dir.path().join("link.png");
+        std::os::unix::fs::symlink(&jsonl, &link).unwrap();
+        let e = run(&args(vec![jsonl.clone()], Some(link), None))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--out") && e.contains("same file"), "{e}");
+        let hard = dir.path().join("hard.svg");
+        std::fs::hard_link(&jsonl, &hard).unwrap();
+        let e = run(&args(vec![jsonl.clone()], None, Some(hard)))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--svg") && e.contains("same file"), "{e}");
+        assert_eq!(std::fs::read(&jsonl).unwrap(), bytes);
+
+        // A fresh output is written as before.
+        let fine = dir.path().join("chart.png");
+        run(&args(vec![jsonl], Some(fine.clone()), None)).unwrap();
+        assert!(std::fs::read(&fine).unwrap().starts_with(b"\x89PNG"));
+    }
 }

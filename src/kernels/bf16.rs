@@ -54,7 +54,8 @@ pub enum Kernel {
 
 /// The bf16 kernel of this CPU and kernel (checked once per process): AMX when the CPU has it
 /// and Linux grants the tile state, else AVX512-BF16, else `None` (the f32 path).
-/// `MAIN_PPO_BF16_KERNEL=avx512bf16` skips AMX, `none` turns both off (to compare them).
+/// `MAIN_PPO_BF16_KERNEL=avx512bf16` skips AMX, `amx` insists on it, `none` turns both off (to
+/// compare them); unset or `auto` chooses. [`check_choice`] refuses other values at start-up.
 pub fn kernel() -> Option<Kernel> {
     static K: OnceLock<Option<Kernel>> = OnceLock::new();
     *K.get_or_init(|| {
@@ -62,10 +63,45 @@ pub fn kernel() -> Option<Kernel> {
         match forced.as_deref() {
             Some("none") => None,
             Some("avx512bf16") => avx512_bf16().then_some(Kernel::Avx512Bf16),
+            Some("amx") => amx().then_some(Kernel::Amx),
             _ if amx() => Some(Kernel::Amx),
             _ => avx512_bf16().then_some(Kernel::Avx512Bf16),
         }
     })
+}
+
+/// Whether `value` (of `MAIN_PPO_BF16_KERNEL`) names a choice this CPU can honour: unset,
+/// `auto`, `none`, or a kernel it has; anything else is an error naming the value and the
+/// choices (the caller names the variable).
+pub fn check_choice(value: Option<&str>) -> Result<(), String> {
+    let lacks = |k: &str| {
+        Err(format!(
+            "`{k}`: this CPU (or its kernel) offers no {k} instructions; use auto, none{}",
+            match (amx(), avx512_bf16()) {
+                (true, _) => ", amx or avx512bf16",
+                (false, true) => " or avx512bf16",
+                _ => "",
+            }
+        ))
+    };
+    match value {
+        None | Some("") | Some("auto") | Some("none") => Ok(()),
+        Some("amx") if amx() => Ok(()),
+        Some("avx512bf16") if avx512_bf16() => Ok(()),
+        Some(k @ ("amx" | "avx512bf16")) => lacks(k),
+        Some(other) => Err(format!(
+            "`{other}` is not a choice: auto (the default), amx, avx512bf16 or none"
+        )),
+    }
+}
+
+/// The bf16 kernel in use, in words (for the log).
+pub fn describe() -> &'static str {
+    match kernel() {
+        Some(Kernel::Amx) => "AMX tiles",
+        Some(Kernel::Avx512Bf16) => "AVX512-BF16 dot products",
+        None => "none: this CPU has neither AMX nor AVX512-BF16 (or MAIN_PPO_BF16_KERNEL=none), products stay f32",
+    }
 }
 
 /// Whether this process runs bf16 products (either kernel).
@@ -805,6 +841,30 @@ struct Buf([f32; 1024]);
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    /// MAIN_PPO_BF16_KERNEL's values: the choices pass, a kernel this CPU lacks and an unknown
+    /// spelling are errors naming the value and what to use (they were ignored silently).
+    #[test]
+    fn kernel_choices_are_checked() {
+        for ok in [None, Some(""), Some("auto"), Some("none")] {
+            assert!(check_choice(ok).is_ok(), "{ok:?}");
+        }
+        let e = check_choice(Some("avx2")).unwrap_err();
+        assert!(
+            e.contains("`avx2` is not a choice") && e.contains("avx512bf16"),
+            "{e}"
+        );
+        for (k, has) in [("amx", amx()), ("avx512bf16", avx512_bf16())] {
+            match check_choice(Some(k)) {
+                Ok(()) => assert!(has, "{k} accepted without the instructions"),
+                Err(e) => {
+                    assert!(!has, "{k} refused on a CPU that has it: {e}");
+                    assert!(e.contains("offers no"), "{e}");
+                }
+            }
+        }
+        assert!(!describe().is_empty());
+    }
 
     /// The reference: f64 sums of the bf16-rounded operands (independent of tiles and packing).
     #[allow(clippy::too_many_arguments)]

@@ -1,7 +1,7 @@
 //! CPU storage seen as host slices, for custom ops and in-place updates: copies between a
 //! storage and a tensor ([`tensor_of`], [`storage_of`]), the f32 operands of an in-place op
-//! ([`f32_operands`], shared by AdamW and gradient accumulation), and `acc += t` in place
-//! ([`add_in_place`]).
+//! ([`f32_operands`], shared by AdamW and gradient accumulation), `acc += t` in place
+//! ([`add_in_place`]), and the NaN / infinity scan of tensors read from files ([`non_finite`]).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Layout, Result, Tensor};
@@ -93,4 +93,108 @@ pub fn add_in_place(acc: &Tensor, t: &Tensor) -> candle_core::Result<bool> {
         acc.inplace_op2(t, &AddAssign)?;
     }
     Ok(fits)
+}
+
+/// Where a tensor holds NaN or ±infinity: how many such values, the row-major index of the
+/// first, and that value.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NonFinite {
+    pub count: usize,
+    pub first: usize,
+    pub value: f64,
+}
+
+/// The NaN and infinite values of `t`, `None` when there are none (always for integer dtypes).
+/// One pass over the values as they lie in host memory, by bit pattern (an exponent of all
+/// ones), with no copy of a contiguous CPU tensor (what a safetensors or GGUF read gives); a
+/// tensor elsewhere is copied to the host first, a strided one made contiguous.
+pub fn non_finite(t: &Tensor) -> Result<Option<NonFinite>> {
+    if !t.dtype().is_float() {
+        return Ok(None);
+    }
+    if !t.device().is_cpu() {
+        return non_finite(&t.to_device(&Device::Cpu)?);
+    }
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let (candle_core::Storage::Cpu(s), Some((a, b))) = (&*storage, layout.contiguous_offsets())
+    else {
+        candle_core::bail!("non_finite: a contiguous CPU tensor was expected");
+    };
+    Ok(match s {
+        CpuStorage::F32(v) => scan(&v[a..b], |x| x.to_bits() & 0x7f80_0000 == 0x7f80_0000)
+            .map(|(count, first)| (count, first, f64::from(v[a + first]))),
+        CpuStorage::F64(v) => scan(&v[a..b], |x| {
+            x.to_bits() & 0x7ff0_0000_0000_0000 == 0x7ff0_0000_0000_0000
+        })
+        .map(|(count, first)| (count, first, v[a + first])),
+        CpuStorage::BF16(v) => scan(&v[a..b], |x| x.to_bits() & 0x7f80 == 0x7f80)
+            .map(|(count, first)| (count, first, v[a + first].to_f64())),
+        CpuStorage::F16(v) => scan(&v[a..b], |x| x.to_bits() & 0x7c00 == 0x7c00)
+            .map(|(count, first)| (count, first, v[a + first].to_f64())),
+        // The 8-bit and smaller float formats: through f32 (rare, small files).
+        _ => {
+            drop(storage);
+            return non_finite(&t.to_dtype(DType::F32)?);
+        }
+    }
+    .map(|(count, first, value)| NonFinite {
+        count,
+        first,
+        value,
+    }))
+}
+
+/// `(count, first index)` of the elements of `v` that are `bad`. Counted per block without
+/// branches (the loop vectorises), blocks on rayon's threads for large tensors; only the first
+/// block with a count is searched for the index.
+fn scan<T: Copy + Send + Sync>(v: &[T], bad: impl Fn(T) -> bool + Sync) -> Option<(usize, usize)> {
+    use rayon::prelude::*;
+    const BLOCK: usize = 1 << 14;
+    let count = |c: &[T]| c.iter().map(|&x| usize::from(bad(x))).sum::<usize>();
+    let counts: Vec<usize> = if v.len() >= 1 << 20 {
+        v.par_chunks(BLOCK).map(count).collect()
+    } else {
+        v.chunks(BLOCK).map(count).collect()
+    };
+    let block = counts.iter().position(|&c| c > 0)?;
+    let at = v[block * BLOCK..].iter().position(|&x| bad(x))?;
+    Some((counts.iter().sum(), block * BLOCK + at))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NaN and both infinities are found in every float dtype, in a strided view and off the
+    /// first block; finite extremes (the largest value, subnormals) and integers are not.
+    #[test]
+    fn non_finite_finds_nan_and_infinities_in_every_float_dtype() {
+        let n = (1 << 20) + 5;
+        let mut v = vec![1.5f64; n];
+        v[3] = f64::MIN_POSITIVE / 4.0;
+        v[4] = 65504.0; // f16's largest finite value
+        v[(1 << 14) + 7] = f64::NEG_INFINITY;
+        v[n - 1] = f64::NAN;
+        v[n - 2] = f64::INFINITY;
+        let t = Tensor::from_vec(v, n, &Device::Cpu).unwrap();
+        for dtype in [DType::F64, DType::F32, DType::BF16, DType::F16] {
+            let got = non_finite(&t.to_dtype(dtype).unwrap()).unwrap().unwrap();
+            assert_eq!((got.count, got.first), (3, (1 << 14) + 7), "{dtype:?}");
+            assert!(got.value.is_infinite(), "{dtype:?}");
+        }
+        let clean =
+            Tensor::new(&[[0f32, -2.0], [f32::MAX, f32::MIN_POSITIVE]], &Device::Cpu).unwrap();
+        assert_eq!(non_finite(&clean).unwrap(), None);
+        let m = Tensor::new(&[[1f32, f32::NAN], [2.0, 3.0]], &Device::Cpu).unwrap();
+        let got = non_finite(&m.t().unwrap()).unwrap().unwrap();
+        assert_eq!(
+            (got.count, got.first),
+            (1, 2),
+            "row-major index of the view"
+        );
+        assert!(got.value.is_nan());
+        let ints = Tensor::new(&[u32::MAX, 0], &Device::Cpu).unwrap();
+        assert_eq!(non_finite(&ints).unwrap(), None);
+    }
 }

@@ -11,6 +11,9 @@ use std::path::{Path, PathBuf};
 pub struct Run {
     pub name: String,
     pub source: PathBuf,
+    /// Every file read (the JSONL, or each event file of a log folder): what an output must not
+    /// replace.
+    pub files: Vec<PathBuf>,
     /// `metric -> [(step, value)]`, sorted by step; non-finite values are kept as NaN.
     pub series: BTreeMap<String, Vec<(u64, f64)>>,
 }
@@ -61,6 +64,7 @@ pub fn read_run(path: &Path) -> Result<Run, HistoryError> {
         return Err(HistoryError::Missing(path.to_path_buf()));
     }
     let mut points: Vec<(String, u64, f64)> = Vec::new();
+    let mut read: Vec<PathBuf> = Vec::new();
     let is_events = |p: &Path| {
         p.file_name()
             .and_then(|n| n.to_str())
@@ -83,10 +87,13 @@ pub fn read_run(path: &Path) -> Result<Run, HistoryError> {
         for f in &files {
             read_events(f, &mut points)?;
         }
+        read = files;
     } else if is_events(path) {
         read_events(path, &mut points)?;
+        read.push(path.to_path_buf());
     } else {
         read_jsonl(path, &mut points)?;
+        read.push(path.to_path_buf());
     }
     let mut series: BTreeMap<String, Vec<(u64, f64)>> = BTreeMap::new();
     for (k, step, v) in points {
@@ -102,6 +109,7 @@ pub fn read_run(path: &Path) -> Result<Run, HistoryError> {
     Ok(Run {
         name: run_name(path),
         source: path.to_path_buf(),
+        files: read,
         series,
     })
 }
@@ -132,7 +140,10 @@ fn read_jsonl(path: &Path, out: &mut Vec<(String, u64, f64)>) -> Result<(), Hist
             line: i + 1,
             message,
         };
-        let row: serde_json::Value = match serde_json::from_str(line) {
+        // Python's json writes NaN, Infinity and -Infinity literals (not JSON): read them as
+        // the non-finite values they are instead of refusing the whole run.
+        let line = python_literals(line);
+        let row: serde_json::Value = match serde_json::from_str(&line) {
             Ok(v) => v,
             // A run being written may end in half a line: plot what is complete.
             Err(_) if i + 1 == lines.len() && !text.ends_with('\n') => {
@@ -166,6 +177,45 @@ fn read_jsonl(path: &Path, out: &mut Vec<(String, u64, f64)>) -> Result<(), Hist
     Ok(())
 }
 
+/// `line` with Python's bare `NaN`, `Infinity` and `-Infinity` (outside strings) replaced by
+/// `null`, which the reader takes as a non-finite value; anything else is left as it is.
+fn python_literals(line: &str) -> std::borrow::Cow<'_, str> {
+    if !(line.contains("NaN") || line.contains("Infinity")) {
+        return std::borrow::Cow::Borrowed(line);
+    }
+    let mut out = String::with_capacity(line.len());
+    let (mut in_string, mut escaped) = (false, false);
+    let mut rest = line;
+    while let Some(c) = rest.chars().next() {
+        if in_string {
+            out.push(c);
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => in_string = false,
+                _ => {}
+            }
+            rest = &rest[c.len_utf8()..];
+            continue;
+        }
+        let literal = ["-Infinity", "Infinity", "NaN"]
+            .into_iter()
+            .find(|l| rest.starts_with(l));
+        match literal {
+            Some(l) => {
+                out.push_str("null");
+                rest = &rest[l.len()..];
+            }
+            None => {
+                in_string = c == '"';
+                out.push(c);
+                rest = &rest[c.len_utf8()..];
+            }
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 fn read_events(path: &Path, out: &mut Vec<(String, u64, f64)>) -> Result<(), HistoryError> {
     let data = std::fs::read(path).map_err(|source| HistoryError::Io {
         path: path.to_path_buf(),
@@ -177,11 +227,22 @@ fn read_events(path: &Path, out: &mut Vec<(String, u64, f64)>) -> Result<(), His
         offset: e.offset,
         message: e.message,
     })?;
+    let mut negative = 0usize;
     for (step, values) in records {
-        let step = u64::try_from(step).unwrap_or(0);
+        // A negative step has no place on the chart's axis (it used to be drawn at 0).
+        let Ok(step) = u64::try_from(step) else {
+            negative += 1;
+            continue;
+        };
         for (tag, v) in values {
             out.push((tag, step, f64::from(v)));
         }
+    }
+    if negative > 0 {
+        tracing::warn!(
+            "{}: {negative} record(s) with a negative step left out of the chart",
+            path.display()
+        );
     }
     Ok(())
 }
@@ -283,5 +344,40 @@ mod tests {
         let name = w.path.file_name().unwrap().to_string_lossy().into_owned();
         assert!(e.contains(&name) && e.contains("record 2"), "{e}");
         assert!(e.contains("checksum"), "{e}");
+    }
+    /// Python's json writes bare NaN / Infinity / -Infinity: those values read as non-finite
+    /// (the rest of the run plots) instead of refusing the file; a string holding the words is
+    /// left alone.
+    #[test]
+    fn python_nan_and_infinity_literals_read_as_non_finite() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("r.jsonl");
+        let lines = [
+            r#"{"step": 1, "data": {"a": NaN, "b": 2.0, "note": "NaN, Infinity"}}"#,
+            r#"{"step": 2, "data": {"a": -Infinity, "b": Infinity}}"#,
+            r#"{"step": 3, "data": {"a": 0.5, "b": 1e-3}}"#,
+        ];
+        std::fs::write(&p, lines.join("\n") + "\n").unwrap();
+        let run = read_run(&p).unwrap();
+        let a = &run.series["a"];
+        assert!(a[0].1.is_nan() && a[1].1.is_nan(), "{a:?}");
+        assert_eq!(a[2], (3, 0.5));
+        assert_eq!(run.series["b"][0], (1, 2.0));
+        assert!(run.series["b"][1].1.is_nan());
+        assert!(!run.series.contains_key("note"), "text is not plotted");
+        assert_eq!(run.files, vec![p]);
+    }
+
+    /// A TensorBoard record with a negative step is left out (it was drawn at step 0).
+    #[test]
+    fn negative_tensorboard_steps_are_left_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = EventWriter::create(dir.path()).unwrap();
+        w.scalars(-3, &[("x", 9.0)]).unwrap();
+        w.scalars(2, &[("x", 1.0)]).unwrap();
+        drop(w);
+        let run = read_run(dir.path()).unwrap();
+        assert_eq!(run.series["x"], vec![(2, 1.0)]);
+        assert_eq!(run.files.len(), 1);
     }
 }

@@ -583,6 +583,7 @@ mod tests {
         let run = Run {
             name: "r".into(),
             source: PathBuf::from("r.jsonl"),
+            files: vec![PathBuf::from("r.jsonl")],
             series: keys
                 .iter()
                 .map(|k| (k.to_string(), vec![(1, 0.5)]))

@@ -321,6 +321,51 @@ impl RewardManager {
     }
 
     /// Process ids of every Python worker (for tests).
+    /// What to tell the user about `rows` (`(file, row, data_source, ground_truth)`) whose
+    /// ground truth is a JSON number where a built-in source compares it as text (gsm8k): they
+    /// score 0, in verl as here, and nothing else would say so. `None` when no row is such.
+    pub fn numeric_ground_truth_warning<'a>(
+        &self,
+        rows: impl IntoIterator<Item = (&'a str, usize, &'a str, &'a Value)>,
+    ) -> Option<String> {
+        let scorers: Vec<(&str, &Builtin)> = self
+            .sources
+            .iter()
+            .filter_map(|s| match &s.kind {
+                Kind::Builtin(b) => Some((s.name.as_str(), b)),
+                _ => None,
+            })
+            .collect();
+        let mut count = 0usize;
+        let mut first: Option<(&str, usize, &str, &Value, &str)> = None;
+        for (file, row, source, gt) in rows {
+            let Some((name, _)) = scorers
+                .iter()
+                .find(|(_, b)| gt.is_number() && b.is_gsm8k_for(source))
+            else {
+                continue;
+            };
+            count += 1;
+            first.get_or_insert((file, row, source, gt, name));
+        }
+        let (file, row, source, gt, name) = first?;
+        Some(format!(
+            "{count} row(s) have a number as ground truth where the built-in gsm8k scorer compares text, so they score 0 (verl scores them 0 too); the first: {file}, row {row}, ground_truth {gt} (data_source `{source}`, reward source `{name}`). Write ground truths as strings (\"{gt}\")"
+        ))
+    }
+
+    /// Whether a non-zero reward of a `data_source` row means a well-formed answer, the format
+    /// rate validation reports: the reward is one built-in gsm8k source (with `format_score`
+    /// credit, a well-formed wrong answer scores it; without, non-zero means right). A Python
+    /// function with a floor (0.1 for any answer), other scorers or a weighted sum of sources
+    /// give no such meaning.
+    pub fn format_rate_applies(&self, data_source: &str) -> bool {
+        match self.sources.as_slice() {
+            [one] => matches!(&one.kind, Kind::Builtin(b) if b.is_gsm8k_for(data_source)),
+            _ => false,
+        }
+    }
+
     pub fn python_pids(&self) -> Vec<u32> {
         self.sources
             .iter()

@@ -455,3 +455,47 @@ fn gates_act_on_exactly_the_samples_below_the_threshold() {
         vec![0.0, 0.0, 0.0]
     );
 }
+
+/// A numeric ground truth scores 0 with the built-in gsm8k scorer (verl's comparison of text
+/// with a number; the score stays verl's) and the manager says so: how many rows, the first
+/// one's file, row and value, and what to write instead. String ground truths, other
+/// data_sources of the default dispatch, and Python sources say nothing.
+#[test]
+fn numeric_ground_truths_under_gsm8k_are_named() {
+    let mut m = manager(&Config::default().reward, &NativeRegistry::new()).unwrap();
+    let mut numeric = item("#### 42", "42");
+    numeric.ground_truth = json!(42);
+    let out = m.score(&[numeric], &[3]).unwrap();
+    assert_eq!(
+        out[0].score,
+        Some(0.0),
+        "verl's score: a number never equals the text"
+    );
+    let (n42, s42, obj) = (json!(42), json!("42"), json!({"target": ["x"]}));
+    let rows = [
+        ("train.parquet", 0, "openai/gsm8k", &s42),
+        ("train.parquet", 7, "openai/gsm8k", &n42),
+        ("train.parquet", 9, "openai/gsm8k", &n42),
+        ("train.parquet", 11, "searchR1_nq", &obj),
+    ];
+    let w = m.numeric_ground_truth_warning(rows).unwrap();
+    assert!(w.starts_with("2 row(s)"), "{w}");
+    assert!(w.contains("train.parquet, row 7, ground_truth 42"), "{w}");
+    assert!(w.contains("(\"42\")"), "{w}");
+    assert!(m
+        .numeric_ground_truth_warning([("t", 0, "openai/gsm8k", &s42)])
+        .is_none());
+    // The format rate means format for the default dispatch's gsm8k rows only.
+    assert!(m.format_rate_applies("openai/gsm8k"));
+    assert!(!m.format_rate_applies("lighteval/MATH"));
+    // An explicit gsm8k source scores every data_source so.
+    let c = cfg(&["reward.sources=[{name: g, type: builtin, scorer: gsm8k}]".into()]);
+    let m = manager(&c, &NativeRegistry::new()).unwrap();
+    let w = m.numeric_ground_truth_warning([("t", 3, "my/source", &n42)]);
+    assert!(w.is_some_and(|w| w.contains("reward source `g`")));
+    assert!(m.format_rate_applies("my/source"));
+    // Two sources summed: a non-zero sum says nothing about format.
+    let c = cfg(&["reward.sources=[{name: g, type: builtin, scorer: gsm8k}, {name: m, type: builtin, scorer: math}]".into()]);
+    let m = manager(&c, &NativeRegistry::new()).unwrap();
+    assert!(!m.format_rate_applies("openai/gsm8k"));
+}

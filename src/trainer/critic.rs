@@ -52,7 +52,7 @@ impl Critic {
         plan: &Plan,
         total_steps: u64,
         inputs: Layout,
-        lora: Option<LoraState>,
+        mut lora: Option<LoraState>,
     ) -> candle_core::Result<Self> {
         let seed = plan.seeds.value_head;
         let (backbone, varmap) = (loaded.model, loaded.varmap);
@@ -69,12 +69,16 @@ impl Critic {
             let w = Tensor::from_vec(seeded_normal(hidden, 0.02, seed), (1, hidden), &Device::Cpu)?;
             vars["score.weight"].set(&w.to_dtype(dtype)?.to_device(&device)?)?;
         }
-        // A critic adapter saved with its value head (PEFT's modules_to_save) restores it too.
-        if let Some(dir) = lora.as_ref().and_then(|l| l.source.as_ref()) {
-            let msg = |e: crate::model::ModelError| candle_core::Error::Msg(e.to_string());
-            let file = crate::weights::peft::read_adapter(dir).map_err(msg)?;
-            if file.tensors.contains_key("base_model.model.score.weight") {
-                assign_heads(&varmap, &file.tensors, dir).map_err(msg)?;
+        // A critic adapter saved with its value head (PEFT's modules_to_save) restores it too
+        // (from the tensors `setup::attach_lora` kept of its one read of the folder).
+        if let Some(l) = lora.as_mut() {
+            let saved = std::mem::take(&mut l.saved_modules);
+            if let (Some(dir), true) = (
+                &l.source,
+                saved.contains_key("base_model.model.score.weight"),
+            ) {
+                let msg = |e: crate::model::ModelError| candle_core::Error::Msg(e.to_string());
+                assign_heads(&varmap, &saved, dir).map_err(msg)?;
             }
         }
         let (Some(update_plan), Some(forward_micro)) = (&plan.critic, plan.critic_forward_micro)

@@ -189,6 +189,24 @@ impl Trainer {
         };
         // One GPU per rank of a node: `auto`/`cuda` take the local rank's.
         let device = crate::model::device_at(&cfg.trainer.device, opts.comm.local_rank())?;
+        // Which kernel serves bf16 products on the CPU, said once (a CPU without one keeps f32).
+        let bf16: Vec<&str> = [
+            (setup::Role::Actor, "actor"),
+            (setup::Role::Rollout, "rollout"),
+            (setup::Role::Reference, "reference"),
+            (setup::Role::Critic, "critic"),
+        ]
+        .into_iter()
+        .filter(|(r, _)| setup::exec(&cfg, *r).bf16)
+        .map(|(_, name)| name)
+        .collect();
+        if device.is_cpu() && !bf16.is_empty() {
+            let kernel = crate::kernels::bf16::describe();
+            match crate::kernels::bf16::available() {
+                true => tracing::info!("bf16 products ({}): {kernel}", bf16.join(", ")),
+                false => tracing::warn!("bf16 products asked for ({}): {kernel}", bf16.join(", ")),
+            }
+        }
         let setup::Policy {
             mut actor,
             tokenizer,
@@ -196,6 +214,15 @@ impl Trainer {
             val,
             total_steps,
         } = setup::policy(&cfg, &plan, &device)?;
+        for ds in std::iter::once(&train).chain(val.as_ref()) {
+            let rows = ds.samples.iter().map(|s| {
+                let file = s.file.as_str();
+                (file, s.row, s.data_source.as_str(), &s.ground_truth)
+            });
+            if let Some(w) = reward.numeric_ground_truth_warning(rows) {
+                tracing::warn!("{w}");
+            }
+        }
         let pad = tokenizer.pad_token_id;
         let reference = setup::reference(&cfg, &plan, &actor, &device, pad)?;
         let mut critic = match plan.need_critic {

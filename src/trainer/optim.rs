@@ -389,12 +389,35 @@ impl AdamW {
                         var.as_tensor().dims()
                     )));
                 }
+                check_moment(&moments, &key, t, prefix == "v")?;
                 slot.set(var, t)?;
             }
         }
         self.step = meta.step;
         Ok(())
     }
+}
+
+/// Refuses a saved moment that would make every later update NaN: a NaN or infinite value
+/// (named with [`crate::weights::check_finite`]), or a negative second moment (`v` is a mean of
+/// squares; its square root would be NaN).
+fn check_moment(file: &Path, key: &str, t: &Tensor, second: bool) -> candle_core::Result<()> {
+    crate::weights::check_finite(file, key, t)
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    if second && t.elem_count() > 0 {
+        let low = t
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .min(0)?
+            .to_scalar::<f32>()?;
+        if low < 0.0 {
+            return Err(candle_core::Error::Msg(format!(
+                "{}: `{key}` holds a negative value ({low}): a second moment is a mean of squares and never negative",
+                file.display()
+            )));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -565,6 +588,42 @@ mod tests {
         std::fs::remove_file(dir.path().join("optim.json")).unwrap();
         let e = make().load(dir.path()).unwrap_err().to_string();
         assert!(e.contains("optim.json"), "{e}");
+    }
+
+    /// A moment that is NaN or infinite (or a negative second moment, whose square root is
+    /// NaN) would turn every later update into NaN: it is refused on load, naming the file and
+    /// the key.
+    #[test]
+    fn a_non_finite_moment_is_refused_naming_the_file_and_key() {
+        let var =
+            Var::from_tensor(&Tensor::new(&[0.5f32, 1.0, -2.0], &Device::Cpu).unwrap()).unwrap();
+        let c = Tensor::new(&[1.0f32, -1.0, 0.25], &Device::Cpu).unwrap();
+        let make = || AdamW::new(HashMap::from([("p".to_string(), var.clone())]), &cfg());
+        let mut a = make();
+        a.step(&grads_of(&var, &c), 0.05).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        a.save(dir.path()).unwrap();
+        let moments = dir.path().join("optim.safetensors");
+        let full = std::fs::read(&moments).unwrap();
+        for (key, at, value, says) in [
+            ("m.p", 1, f32::NAN, "index 1"),
+            ("v.p", 2, f32::INFINITY, "index 2"),
+            ("v.p", 0, -1.0, "negative"),
+        ] {
+            std::fs::write(&moments, &full).unwrap();
+            let mut tensors = candle_core::safetensors::load(&moments, &Device::Cpu).unwrap();
+            let mut v: Vec<f32> = tensors[key].to_vec1().unwrap();
+            v[at] = value;
+            tensors.insert(key.into(), Tensor::new(v.as_slice(), &Device::Cpu).unwrap());
+            candle_core::safetensors::save(&tensors, &moments).unwrap();
+            let e = make().load(dir.path()).unwrap_err().to_string();
+            assert!(
+                e.contains("optim.safetensors")
+                    && e.contains(&format!("`{key}`"))
+                    && e.contains(says),
+                "{key}[{at}] = {value}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -119,6 +119,37 @@ pub fn check_paths(cfg: &Config, plan: &Plan) -> std::result::Result<(), ConfigE
             need(&key, p.trim_start_matches("file://"));
         }
     }
+    // LoRA settings training reads before any weight: the adapter folder, the module patterns.
+    let mut models = vec![("actor_rollout_ref.model", &cfg.actor_rollout_ref.model)];
+    if plan.need_critic {
+        models.push(("critic.model", &cfg.critic.model));
+    }
+    for (key, m) in &models {
+        if let Some(p) = &m.lora_adapter_path {
+            need(&format!("{key}.lora_adapter_path"), p);
+        }
+    }
+    // (With an adapter folder its adapter_config.json sets the targets instead.)
+    for (key, m) in models
+        .iter()
+        .filter(|(_, m)| m.is_lora() && m.lora_adapter_path.is_none())
+    {
+        let patterns = [
+            ("target_modules", Some(&m.target_modules)),
+            ("exclude_modules", m.exclude_modules.as_ref()),
+        ];
+        for (name, targets) in patterns {
+            if let Some(Err(e)) = targets.map(crate::weights::peft::check_pattern) {
+                problems.push(format!("`{key}.{name}`: {e}"));
+            }
+        }
+    }
+    // A hub id with HF_HUB_OFFLINE set must be in the cache already: nothing will download it.
+    problems.extend(offline_hub_problems(
+        cfg,
+        plan,
+        &crate::weights::hub::HubSettings::from_env(),
+    ));
     let t = &cfg.trainer;
     let outputs = [
         (
@@ -140,6 +171,35 @@ pub fn check_paths(cfg: &Config, plan: &Plan) -> std::result::Result<(), ConfigE
     } else {
         Err(ConfigError::Invalid(problems))
     }
+}
+
+/// The models named by hub id that are not in the cache while `hub` is offline
+/// (HF_HUB_OFFLINE): nothing would download them, so training would stop at loading.
+fn offline_hub_problems(
+    cfg: &Config,
+    plan: &Plan,
+    hub: &crate::weights::hub::HubSettings,
+) -> Vec<String> {
+    if !hub.offline {
+        return Vec::new();
+    }
+    let mut models = vec![(
+        "actor_rollout_ref.model.path",
+        &cfg.actor_rollout_ref.model.path,
+    )];
+    if plan.need_critic {
+        models.push(("critic.model.path", &cfg.critic.model.path));
+    }
+    models
+        .into_iter()
+        .filter(|(_, p)| crate::weights::is_hub_id(p))
+        .filter_map(|(key, p)| {
+            let why = crate::weights::hub::cached_snapshot(p, &hub.cache).err()?;
+            Some(format!(
+                "`{key}` = {p}: {why}; HF_HUB_OFFLINE is set, so nothing is downloaded"
+            ))
+        })
+        .collect()
 }
 
 /// Whether `dir` exists as a writable folder or can be created: the nearest existing
@@ -336,10 +396,47 @@ pub fn load_policy_as(
     Ok(out)
 }
 
+/// The fresh adapters `m`'s keys ask for (`lora_rank`, `lora_alpha`, `target_modules`,
+/// `exclude_modules`), when no `lora_adapter_path` gives them.
+pub fn lora_spec(m: &ModelConfig) -> LoraSpec {
+    LoraSpec {
+        rank: m.lora_rank,
+        alpha: m.lora_alpha as f64,
+        use_rslora: false,
+        target_modules: m.target_modules.clone(),
+        exclude_modules: m.exclude_modules.clone(),
+        // verl's FSDP config has no dropout key: PEFT's default, 0.
+        dropout: 0.0,
+    }
+}
+
+/// Refuses adapters of `spec`'s rank on `projections` when [`peft::rank_problem`] does, naming
+/// `{key}.lora_rank`, or the `adapter_config.json` in `adapter` (the folder of
+/// `{key}.lora_adapter_path`) when the rank came from there.
+pub fn check_lora_rank(
+    spec: &LoraSpec,
+    adapter: Option<&Path>,
+    key: &str,
+    projections: impl IntoIterator<Item = (String, usize, usize)>,
+) -> std::result::Result<(), ConfigError> {
+    let value = |key: String, message: String| ConfigError::Value { key, message };
+    let why = peft::rank_problem(spec, projections).map_err(|e| value(key.into(), e))?;
+    match (why, adapter) {
+        (None, _) => Ok(()),
+        (Some(why), None) => Err(value(format!("{key}.lora_rank"), why)),
+        (Some(why), Some(dir)) => Err(value(
+            format!("{key}.lora_adapter_path"),
+            format!("{}: `r`: {why}", dir.join("adapter_config.json").display()),
+        )),
+    }
+}
+
 /// LoRA on `loaded` as `m` (`actor_rollout_ref.model` or `critic.model`, named by `key`) asks:
 /// `None` when `lora_rank` is 0 and no `lora_adapter_path` is given (verl's rule). From an
 /// adapter folder (ours or PEFT's) its `adapter_config.json` sets rank, alpha and targets and
 /// its tensors the starting values; otherwise fresh adapters (A seeded from `seed`, B zero).
+/// A rank the model's projections cannot take ([`peft::rank_problem`]) is refused naming the
+/// key (or the adapter's config file) before any adapter is allocated.
 pub fn attach_lora(
     loaded: &mut Loaded,
     m: &ModelConfig,
@@ -351,27 +448,19 @@ pub fn attach_lora(
         return Ok(None);
     }
     let adapters = candle_nn::VarMap::new();
-    let (spec, source) = match &m.lora_adapter_path {
+    let (spec, mut source) = match &m.lora_adapter_path {
         Some(p) => {
             let path = std::path::PathBuf::from(expand_home(p));
             let file = peft::read_adapter(&path)
                 .map_err(|e| TrainerError::Other(format!("{key}.lora_adapter_path={p}: {e}")))?;
             let dir = peft::adapter_dir(&path)?;
-            (file.spec, Some(dir))
+            (file.spec, Some((dir, file.tensors)))
         }
-        None => (
-            LoraSpec {
-                rank: m.lora_rank,
-                alpha: m.lora_alpha as f64,
-                use_rslora: false,
-                target_modules: m.target_modules.clone(),
-                exclude_modules: m.exclude_modules.clone(),
-                // verl's FSDP config has no dropout key: PEFT's default, 0.
-                dropout: 0.0,
-            },
-            None,
-        ),
+        None => (lora_spec(m), None),
     };
+    let projections = peft::projections(&mut loaded.model)?;
+    let adapter = source.as_ref().map(|(dir, _)| dir.as_path());
+    check_lora_rank(&spec, adapter, key, projections)?;
     let adapted = peft::attach(&mut loaded.model, &spec, &adapters, seed, key)?;
     // PEFT's `lora_dropout` from the adapter's config (what `PeftModel.from_pretrained(...,
     // is_trainable=True)` applies in verl), in training forwards only.
@@ -379,10 +468,17 @@ pub fn attach_lora(
         .model
         .set_adapter_dropout(spec.dropout, seed ^ 0x6c6f_7261_5f64_726f)
         .map_err(|e| TrainerError::Other(format!("{key}: {e}")))?;
-    if let Some(dir) = &source {
-        let file = peft::read_adapter(dir)?;
-        peft::assign_adapter(&adapters, &file.tensors, dir)
+    let mut saved_modules = std::collections::HashMap::new();
+    if let Some((dir, tensors)) = &mut source {
+        peft::assign_adapter(&adapters, tensors, dir)
             .map_err(|e| TrainerError::Other(format!("{key}.lora_adapter_path: {e}")))?;
+        // Heads only (the critic's `score.*`); the rest (adapters, an actor's saved
+        // `lm_head` or embeddings, which are not read) is dropped now.
+        saved_modules = std::mem::take(tensors);
+        saved_modules.retain(|k, _| {
+            k.strip_prefix("base_model.model.")
+                .is_some_and(|name| !super::trainable::is_backbone(name))
+        });
     }
     tracing::info!(
         "{key}: LoRA rank {} alpha {} dropout {} on {} projections",
@@ -397,7 +493,8 @@ pub fn attach_lora(
         adapted,
         base_model: m.path.clone(),
         task_type,
-        source,
+        source: source.map(|(dir, _)| dir),
+        saved_modules,
     }))
 }
 
@@ -597,5 +694,72 @@ mod tests {
             e.contains("trainer.default_local_dir") && e.contains("trainer.rollout_data_dir"),
             "{e}"
         );
+    }
+
+    /// The pre-flight `config check` shares with training refuses what training would refuse
+    /// before loading any weight (each was reported valid by `config check` before): a
+    /// `target_modules` that is not a regular expression, a `lora_adapter_path` that does not
+    /// exist, and a hub id that is not cached while HF_HUB_OFFLINE is set (an empty cache given
+    /// through HubSettings: the process environment is not changed).
+    #[test]
+    fn the_pre_flight_refuses_what_training_would() {
+        let base: Vec<String> = vec![
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4".into(),
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8".into(),
+            "critic.ppo_micro_batch_size_per_gpu=4".into(),
+        ];
+        let plan_of = |extra: &[&str]| {
+            let mut o = base.clone();
+            o.extend(extra.iter().map(|s| s.to_string()));
+            let cfg = crate::config::load(&crate::config::ConfigSource::Builtin, &o)
+                .unwrap()
+                .config;
+            let plan = crate::config::resolve(&cfg).unwrap();
+            (cfg, plan)
+        };
+        let check = |extra: &[&str]| {
+            let mut all = vec![
+                "data.train_files=Cargo.toml",
+                "data.val_files=Cargo.toml",
+                "actor_rollout_ref.model.path=src",
+                "critic.model.path=src",
+                "trainer.default_local_dir=/tmp/main_ppo_preflight",
+            ];
+            all.extend(extra);
+            let (cfg, plan) = plan_of(&all);
+            check_paths(&cfg, &plan).map_err(|e| e.to_string())
+        };
+        assert!(check(&[]).is_ok(), "{:?}", check(&[]));
+        let bad = "actor_rollout_ref.model.target_modules=q_proj|(";
+        let e = check(&["actor_rollout_ref.model.lora_rank=8", bad]).unwrap_err();
+        assert!(
+            e.contains("actor_rollout_ref.model.target_modules")
+                && e.contains("not a regular expression"),
+            "{e}"
+        );
+        // all-linear is not a pattern; without LoRA the key is not read.
+        assert!(check(&["actor_rollout_ref.model.lora_rank=8"]).is_ok());
+        assert!(check(&[bad]).is_ok());
+        let e = check(&["actor_rollout_ref.model.lora_adapter_path=/no/such/adapter"]).unwrap_err();
+        assert!(
+            e.contains("lora_adapter_path") && e.contains("/no/such/adapter does not exist"),
+            "{e}"
+        );
+        let empty = tempfile::tempdir().unwrap();
+        let hub = crate::weights::hub::HubSettings::from_vars(|k| match k {
+            "HF_HUB_OFFLINE" => Some("1".into()),
+            "HF_HUB_CACHE" => Some(empty.path().display().to_string()),
+            _ => None,
+        });
+        let (cfg, plan) = plan_of(&["actor_rollout_ref.model.path=org/not-cached"]);
+        let e = offline_hub_problems(&cfg, &plan, &hub).join("; ");
+        assert!(
+            e.contains("actor_rollout_ref.model.path")
+                && e.contains("org/not-cached")
+                && e.contains("HF_HUB_OFFLINE"),
+            "{e}"
+        );
+        let online = crate::weights::hub::HubSettings::from_vars(|_| None);
+        assert!(offline_hub_problems(&cfg, &plan, &online).is_empty());
     }
 }

@@ -187,6 +187,18 @@ impl Trainer {
             }
             _ => {}
         }
+        // A position past the end of an epoch cannot come from a run over this data: the file
+        // was edited or damaged (the loader would serve an empty order).
+        let per_epoch = self.train.len() / self.plan.gen_batch_size.max(1);
+        if state.loader.batches_served as usize > per_epoch {
+            return Err(other(format!(
+                "{}: loader.batches_served = {} is past the end of an epoch ({} prompts in batches of {} make {per_epoch}): the file was edited or is damaged",
+                state_path.display(),
+                state.loader.batches_served,
+                self.train.len(),
+                self.plan.gen_batch_size
+            )));
+        }
         self.actor
             .trainable
             .load(&dir.join("actor"), state.actor_updates)?;

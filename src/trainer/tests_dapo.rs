@@ -265,3 +265,28 @@ fn resuming_with_another_generation_batch_size_is_refused() {
     let t = dapo_trainer(&fx, extra, Default::default(), quiet()).unwrap();
     assert_eq!(t.global_step, 1);
 }
+
+/// A checkpoint whose loader position lies past the end of an epoch (an edited or damaged
+/// `trainer_state.json`) is refused naming the file and the field; it used to be accepted.
+#[test]
+fn an_impossible_loader_position_is_refused() {
+    let fx = fixture();
+    let extra: &[&str] = &["trainer.total_training_steps=1", "trainer.save_freq=1"];
+    let mut t = dapo_trainer(&fx, extra, Default::default(), quiet()).unwrap();
+    t.fit().unwrap();
+    let state =
+        crate::checkpoint::step_dir(&t.plan.default_local_dir, 1).join("trainer_state.json");
+    drop(t);
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
+    v["loader"]["batches_served"] = serde_json::json!(999);
+    std::fs::write(&state, v.to_string()).unwrap();
+    let e = match dapo_trainer(&fx, extra, Default::default(), quiet()) {
+        Ok(_) => panic!("resumed from loader position 999"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("trainer_state.json") && e.contains("batches_served = 999"),
+        "{e}"
+    );
+}

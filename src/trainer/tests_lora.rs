@@ -389,3 +389,70 @@ fn stopped_at_2_then_resumed(fx: &Fixture, extra: &[&str]) -> (Trainer, VecDeque
     history.extend(c.history.iter().cloned());
     (c, history)
 }
+
+/// A LoRA rank larger than the projections it adapts (`lora_rank=10000000` asked for tens of
+/// gigabytes of adapters on this tiny model and aborted the process) is an error naming the
+/// key, the rank and the limit, before any adapter is allocated: the configured rank of the
+/// actor and of the critic, and the `r` of an adapter folder's `adapter_config.json`.
+#[test]
+fn a_lora_rank_beyond_the_model_is_refused_naming_the_key() {
+    let fx = fixture();
+    let new = |extra: &[&str]| {
+        Trainer::new(
+            config(&fx, extra),
+            TrainerOptions {
+                natives: natives(),
+                stop: Arc::new(AtomicBool::new(false)),
+                tracker: Some(Tracker::with_sinks(Vec::new())),
+                ..TrainerOptions::default()
+            },
+        )
+        .err()
+        .expect("the rank is refused")
+        .to_string()
+    };
+    // The tiny model's k_proj and v_proj are [16, 32]: 16 is the largest rank on all-linear.
+    for (extra, key) in [
+        (
+            vec!["actor_rollout_ref.model.lora_rank=10000000"],
+            "actor_rollout_ref.model.lora_rank",
+        ),
+        (
+            vec![
+                "algorithm.adv_estimator=gae",
+                "critic.model.lora_rank=10000000",
+            ],
+            "critic.model.lora_rank",
+        ),
+    ] {
+        let e = new(&extra);
+        assert!(
+            e.contains(key) && e.contains("10000000") && e.contains("16"),
+            "{e}"
+        );
+    }
+    // An adapter folder whose config asks for such a rank.
+    let dir = fx.dir.path().join("huge_adapter");
+    let spec = crate::weights::peft::LoraSpec {
+        rank: 10_000_000,
+        alpha: 16.0,
+        use_rslora: false,
+        target_modules: crate::config::fields::OneOrMany::Many(vec!["v_proj".into()]),
+        exclude_modules: None,
+        dropout: 0.0,
+    };
+    let cfg = crate::weights::peft::adapter_config(&spec, &[], "base", "CAUSAL_LM", None);
+    crate::weights::peft::save_adapter(&dir, &cfg, &std::collections::HashMap::new()).unwrap();
+    let path = format!(
+        "actor_rollout_ref.model.lora_adapter_path={}",
+        dir.display()
+    );
+    let e = new(&[path.as_str()]);
+    assert!(
+        e.contains("lora_adapter_path")
+            && e.contains("adapter_config.json")
+            && e.contains("10000000")
+            && e.contains("16"),
+        "{e}"
+    );
+}

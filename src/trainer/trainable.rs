@@ -89,11 +89,15 @@ pub struct LoraState {
     pub task_type: &'static str,
     /// The adapter folder it started from (`lora_adapter_path`), if any.
     pub source: Option<std::path::PathBuf>,
+    /// That folder's heads saved whole (PEFT's `modules_to_save` outside the backbone,
+    /// `base_model.model.score.*`: the critic's value head), kept from its one read for
+    /// `Critic::new`; empty otherwise.
+    pub saved_modules: HashMap<String, Tensor>,
 }
 
 /// Whether a variable of the model's own map belongs to the transformer (frozen under LoRA)
 /// rather than a head (the critic's value head `score.*` stays fully trainable).
-fn is_backbone(name: &str) -> bool {
+pub(super) fn is_backbone(name: &str) -> bool {
     name.starts_with("model.") || name.starts_with("lm_head.")
 }
 

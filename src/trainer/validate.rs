@@ -70,9 +70,12 @@ pub struct ValSample {
 }
 
 impl ValSample {
-    /// A scored response: `reward` (the score), the scorers' extra values, and `format`: 1 when
-    /// the score before DAPO's overlong penalty (`base`) is non-zero, else 0 (unless a scorer
-    /// reported its own `format`): the penalty makes long answers negative, well formed or not.
+    /// A scored response: `reward` (the score), the scorers' extra values, and, when
+    /// `format_rate` (the reward is the built-in gsm8k scorer:
+    /// `RewardManager::format_rate_applies`), `format`: 1 when the score before DAPO's overlong
+    /// penalty (`base`) is non-zero, else 0 (unless a scorer reported its own `format`): the
+    /// penalty makes long answers negative, well formed or not. For any other reward a non-zero
+    /// score says nothing about format (a function with a 0.1 floor would read 1.0).
     ///
     /// `format` is the format rate of verl's `gsm8k` scorer with `format_score > 0`: a
     /// well-formed wrong answer scores `format_score`, a right one `score`, one without a
@@ -84,17 +87,19 @@ impl ValSample {
     pub fn scored(
         data_source: &str,
         uid: usize,
-        score: f64,
-        base: f64,
+        (score, base): (f64, f64),
         extra: &serde_json::Map<String, Value>,
+        format_rate: bool,
     ) -> Self {
         let mut vars: BTreeMap<String, ValValue> = extra
             .iter()
             .filter_map(|(k, v)| Some((k.clone(), ValValue::from_json(v)?)))
             .collect();
         vars.insert("reward".into(), ValValue::Num(score));
-        vars.entry("format".into())
-            .or_insert(ValValue::Num(f64::from(u8::from(base != 0.0))));
+        if format_rate {
+            vars.entry("format".into())
+                .or_insert(ValValue::Num(f64::from(u8::from(base != 0.0))));
+        }
         ValSample {
             data_source: data_source.to_string(),
             uid,
@@ -310,9 +315,9 @@ impl Trainer {
                     scored.push(ValSample::scored(
                         &sample.data_source,
                         rows[k],
-                        score,
-                        base,
+                        (score, base),
                         &r.extra,
+                        self.reward.format_rate_applies(&sample.data_source),
                     ));
                 }
                 // Rows are kept only for the log lines, the trackers' generation tables and the
@@ -527,7 +532,7 @@ val-core/ds_b/reward/mean@3 0.5
         };
         let samples: Vec<ValSample> = [(0, 0.1), (0, 0.0), (1, 1.0), (1, 0.1), (2, 0.0), (2, 0.0)]
             .iter()
-            .map(|&(uid, s)| ValSample::scored("openai/gsm8k", uid, s, s, &acc(s)))
+            .map(|&(uid, s)| ValSample::scored("openai/gsm8k", uid, (s, s), &acc(s), true))
             .collect();
         let m = validation_metrics(&samples, BOOTSTRAP_SEED);
         assert!((m["val-aux/openai/gsm8k/format/mean@2"] - 0.5).abs() < 1e-12);
@@ -541,22 +546,31 @@ val-core/ds_b/reward/mean@3 0.5
         // Greedy (one response per prompt): 2 of 3 well formed.
         let one: Vec<ValSample> = [(0, 0.1), (1, 1.0), (2, 0.0)]
             .iter()
-            .map(|&(uid, s)| ValSample::scored("openai/gsm8k", uid, s, s, &acc(s)))
+            .map(|&(uid, s)| ValSample::scored("openai/gsm8k", uid, (s, s), &acc(s), true))
             .collect();
         let m = validation_metrics(&one, BOOTSTRAP_SEED);
         assert!((m["val-aux/openai/gsm8k/format/mean@1"] - 2.0 / 3.0).abs() < 1e-12);
         // A scorer's own `format` wins.
         let mut own = acc(0.0);
         own.insert("format".into(), json!(true));
-        let s = ValSample::scored("x", 0, 0.0, 0.0, &own);
+        let s = ValSample::scored("x", 0, (0.0, 0.0), &own, true);
         assert_eq!(s.vars["format"], ValValue::Num(1.0));
         // DAPO's overlong penalty: a long answer without `####` scores 0 − 0.05 and is not well
         // formed; a long well-formed one scores 0.1 − 0.05 and is.
-        let s = ValSample::scored("x", 0, -0.05, 0.0, &acc(0.0));
+        let s = ValSample::scored("x", 0, (-0.05, 0.0), &acc(0.0), true);
         assert_eq!(s.vars["format"], ValValue::Num(0.0));
         assert_eq!(s.vars["reward"], ValValue::Num(-0.05));
-        let s = ValSample::scored("x", 0, 0.05, 0.1, &acc(0.1));
+        let s = ValSample::scored("x", 0, (0.05, 0.1), &acc(0.1), true);
         assert_eq!(s.vars["format"], ValValue::Num(1.0));
+        // A reward that is not the gsm8k scorer (a Python function with a 0.1 floor): no
+        // format rate at all, rather than one that reads 1.0 (it used to).
+        let floor: Vec<ValSample> = [(0, 0.1), (1, 1.0), (2, 0.1)]
+            .iter()
+            .map(|&(uid, s)| ValSample::scored("openai/gsm8k", uid, (s, s), &acc(s), false))
+            .collect();
+        let m = validation_metrics(&floor, BOOTSTRAP_SEED);
+        assert!(!m.keys().any(|k| k.contains("/format/")), "{m:?}");
+        assert!((m["val-core/openai/gsm8k/acc/mean@1"] - 0.4).abs() < 1e-12);
     }
 
     #[test]

@@ -408,7 +408,8 @@ pub fn permute(t: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
         .reshape(dims)
 }
 
-/// Loads a `.gguf` as trainable variables (dequantised to `dtype`).
+/// Loads a `.gguf` as trainable variables (dequantised to `dtype`); a NaN or infinite value
+/// (after dequantisation: a block scale can be one) is an error naming the GGUF tensor.
 pub fn load(
     path: &Path,
     dtype: DType,
@@ -432,6 +433,7 @@ pub fn load(
             .tensor(&mut f, name, &Device::Cpu)
             .map_err(|e| ModelError::file(path, format!("tensor `{name}`: {e}")))?;
         let mut t = q.dequantize(&Device::Cpu)?;
+        super::check_finite(path, name, &t)?;
         // llama.cpp stores Gemma's norms as 1 + w (it multiplies by the weight as it is).
         if args.arch.gemma() && name.ends_with("norm.weight") {
             t = (t - 1.0)?;

@@ -150,12 +150,14 @@ pub fn load_dir(
     build(&args, &tensors, dir, dtype, device, with_lm_head)
 }
 
-/// Every tensor of an HF directory's safetensors weights (one file or shards), on the CPU.
+/// Every tensor of an HF directory's safetensors weights (one file or shards), on the CPU; a
+/// NaN or infinite value is an error naming the file (the shard) and the tensor.
 pub fn read_weights(dir: &Path) -> Result<HashMap<String, Tensor>, ModelError> {
     let mut tensors = HashMap::new();
     for f in weight_files(dir)? {
         let part = candle_core::safetensors::load(&f, &Device::Cpu)
             .map_err(|e| ModelError::file(&f, format!("not a readable safetensors file: {e}")))?;
+        super::check_all_finite(&f, &part)?;
         tensors.extend(part);
     }
     Ok(tensors)

@@ -107,6 +107,43 @@ pub fn read_args(
     Ok(None)
 }
 
+/// Refuses the tensor `name` read from `file` when it holds NaN or ±infinity: such a weight,
+/// adapter or optimizer moment makes every forward and update that touches it NaN (rollouts of
+/// junk, every step skipped) without stopping the run. The error names the file, the tensor,
+/// how many values and the first one's row-major index. Every reader of tensor files calls it
+/// once per tensor, on the host values it has just read (one pass, [`non_finite`]).
+///
+/// [`non_finite`]: crate::kernels::storage::non_finite
+pub fn check_finite(file: &Path, name: &str, t: &candle_core::Tensor) -> Result<(), ModelError> {
+    let Some(bad) = crate::kernels::storage::non_finite(t)? else {
+        return Ok(());
+    };
+    Err(ModelError::file(
+        file,
+        format!(
+            "tensor `{name}` (shape {:?}) holds {} non-finite value(s) (NaN or ±inf) among {}, the first ({}) at index {}: the file is damaged or was saved from a diverged run",
+            t.dims(),
+            bad.count,
+            t.elem_count(),
+            bad.value,
+            bad.first
+        ),
+    ))
+}
+
+/// [`check_finite`] over every tensor of `file`, in name order (the same tensor is reported
+/// first every time).
+pub fn check_all_finite(
+    file: &Path,
+    tensors: &std::collections::HashMap<String, candle_core::Tensor>,
+) -> Result<(), ModelError> {
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    names
+        .into_iter()
+        .try_for_each(|n| check_finite(file, n, &tensors[n]))
+}
+
 /// `org/name` that is no local path and no `.gguf` file: a model-hub id.
 pub fn is_hub_id(path: &str) -> bool {
     let expanded = crate::util::expand_home(path);

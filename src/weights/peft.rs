@@ -21,8 +21,8 @@ use serde_json::{json, Value};
 
 use crate::config::fields::OneOrMany;
 use crate::model::proj::Lora;
-use crate::model::CausalLm;
 use crate::model::ModelError;
+use crate::model::{CausalLm, ModelArgs};
 
 /// What LoRA adds and where: verl's `lora_rank`, `lora_alpha`, `target_modules`,
 /// `exclude_modules`, and PEFT's `use_rslora`.
@@ -40,6 +40,16 @@ pub struct LoraSpec {
 
 /// PEFT's shorthand for every linear layer but the output one.
 pub const ALL_LINEAR: &str = "all-linear";
+
+/// Whether `targets` (a `target_modules` / `exclude_modules` value) is usable: a single
+/// string other than `all-linear` is a regular expression full-matched against module names
+/// (PEFT's rule), so it must compile. An error names the pattern and the regex error.
+pub fn check_pattern(targets: &OneOrMany) -> std::result::Result<(), String> {
+    match targets {
+        OneOrMany::One(p) if p != ALL_LINEAR => full_match(p, "").map(|_| ()),
+        _ => Ok(()),
+    }
+}
 
 fn full_match(pattern: &str, key: &str) -> std::result::Result<bool, String> {
     regex::Regex::new(&format!("^(?:{pattern})$"))
@@ -82,9 +92,91 @@ pub fn tensor_name(module: &str, which: &str) -> String {
     format!("base_model.model.{module}.{which}.weight")
 }
 
+/// The projections of `model` that can carry an adapter: HF module name and weight shape
+/// `(out, in)`, in [`attach`]'s order. Reads shapes only.
+pub fn projections(
+    model: &mut CausalLm,
+) -> std::result::Result<Vec<(String, usize, usize)>, ModelError> {
+    let mut all = Vec::new();
+    for (i, block) in model.blocks_mut().iter_mut().enumerate() {
+        for (name, p) in block.projs_mut() {
+            let (out, inp) = p.weight().dims2()?;
+            all.push((format!("model.layers.{i}.{name}"), out, inp));
+        }
+    }
+    Ok(all)
+}
+
+/// The projections a model of `args` has, as [`projections`] lists them, from the
+/// hyper-parameters alone (`config check` reads no weights).
+pub fn projections_of(args: &ModelArgs) -> impl Iterator<Item = (String, usize, usize)> + '_ {
+    let h = args.hidden_size;
+    let q = args.num_attention_heads * args.head_dim;
+    let kv = args.num_key_value_heads * args.head_dim;
+    (0..args.num_hidden_layers).flat_map(move |i| {
+        let at = move |n: &str| format!("model.layers.{i}.{n}");
+        let gated = move |prefix: String, inter: usize| {
+            [
+                (format!("{prefix}.gate_proj"), inter, h),
+                (format!("{prefix}.up_proj"), inter, h),
+                (format!("{prefix}.down_proj"), h, inter),
+            ]
+        };
+        let attention = [
+            (at("self_attn.q_proj"), q, h),
+            (at("self_attn.k_proj"), kv, h),
+            (at("self_attn.v_proj"), kv, h),
+            (at("self_attn.o_proj"), h, q),
+        ];
+        let mlp: Vec<(String, usize, usize)> = match &args.moe {
+            Some(m) if m.sparse(i) => (0..m.num_experts)
+                .flat_map(|e| gated(at(&format!("mlp.experts.{e}")), m.moe_intermediate_size))
+                .collect(),
+            _ => gated(at("mlp"), args.intermediate_size).into(),
+        };
+        attention.into_iter().chain(mlp)
+    })
+}
+
+/// Why adapters of rank `spec.rank` cannot go on the projections `spec` targets among
+/// `projections` (HF module name, `out`, `in`); `None` when they can.
+///
+/// The rule: the rank may not exceed the smaller side of any projection it adapts. `B·A` of
+/// rank `min(in, out)` already reaches every change of an `[out, in]` weight, so a larger rank
+/// adds parameters, memory and optimizer state but no capacity (PEFT accepts it all the same;
+/// verl's LoRA examples use ranks 32 and 64 on models whose smallest adapted side is 128 or
+/// more). A looser bound by bytes (adapters no larger than the model) would still admit such
+/// useless ranks. It is checked before anything is allocated: `lora_rank=10000000` asked for
+/// tens of gigabytes of adapters and aborted the process.
+pub fn rank_problem(
+    spec: &LoraSpec,
+    projections: impl IntoIterator<Item = (String, usize, usize)>,
+) -> std::result::Result<Option<String>, String> {
+    let mut smallest: Option<(String, usize, usize)> = None;
+    for (module, out, inp) in projections {
+        let side = out.min(inp);
+        let smaller = smallest
+            .as_ref()
+            .is_none_or(|(_, o, i)| side < (*o).min(*i));
+        if smaller && spec.targets(&module)? {
+            smallest = Some((module, out, inp));
+        }
+    }
+    Ok(smallest
+        .filter(|(_, out, inp)| spec.rank > (*out).min(*inp))
+        .map(|(module, out, inp)| {
+            let limit = out.min(inp);
+            format!(
+                "rank {} is larger than {limit}, the smaller side of `{module}` ([{out}, {inp}]), one of the projections it adapts: a rank above min(in, out) adds parameters but no capacity; use at most {limit}",
+                spec.rank
+            )
+        }))
+}
+
 /// Adds adapters to the projections of `model` that `spec` targets (A seeded Kaiming-uniform
 /// from `seed` and the tensor's name, B zero), as variables of `adapters`, and freezes every
-/// base weight. Returns the adapted module names; none is an error naming the rule.
+/// base weight. Returns the adapted module names; none is an error naming the rule, and so is
+/// a rank [`rank_problem`] refuses (before anything is allocated).
 pub fn attach(
     model: &mut CausalLm,
     spec: &LoraSpec,
@@ -98,6 +190,9 @@ pub fn attach(
     };
     if spec.rank == 0 {
         return Err(bad("lora_rank must be positive to add adapters".into()));
+    }
+    if let Some(why) = rank_problem(spec, projections(model)?).map_err(bad)? {
+        return Err(bad(format!("LoRA {why}")));
     }
     let (dtype, device) = (model.dtype(), model.device().clone());
     let scale = spec.scale();
@@ -278,8 +373,33 @@ fn str_or_list(
 }
 
 /// Reads a PEFT LoRA adapter (ours or PEFT's). Settings this implementation cannot reproduce
-/// (DoRA, biases, per-module ranks, `fan_in_fan_out`, layer selection) are refused by name.
+/// (DoRA, biases, per-module ranks, `fan_in_fan_out`, layer selection) are refused by name, and
+/// so is a tensor holding NaN or ±infinity.
 pub fn read_adapter(path: &Path) -> std::result::Result<AdapterFile, ModelError> {
+    let (dir, spec, modules_to_save) = read_adapter_config(path)?;
+    let weights = dir.join("adapter_model.safetensors");
+    if !weights.is_file() {
+        return Err(ModelError::file(
+            &dir,
+            "no adapter_model.safetensors (PyTorch adapter_model.bin is not supported: save with safe_serialization=True)".into(),
+        ));
+    }
+    let tensors = candle_core::safetensors::load(&weights, &Device::Cpu)
+        .map_err(|e| ModelError::file(&weights, format!("not a readable safetensors file: {e}")))?;
+    super::check_all_finite(&weights, &tensors)?;
+    Ok(AdapterFile {
+        spec,
+        tensors,
+        modules_to_save,
+    })
+}
+
+/// The adapter folder of `path` ([`adapter_dir`]) with the settings of its
+/// `adapter_config.json` and the modules it saves whole, without reading its tensors; refused
+/// settings as [`read_adapter`] refuses them.
+pub fn read_adapter_config(
+    path: &Path,
+) -> std::result::Result<(PathBuf, LoraSpec, Vec<String>), ModelError> {
     let dir = adapter_dir(path)?;
     let file = dir.join("adapter_config.json");
     let text =
@@ -361,20 +481,7 @@ pub fn read_adapter(path: &Path) -> std::result::Result<AdapterFile, ModelError>
         None => Vec::new(),
         Some(m) => m.to_vec(),
     };
-    let weights = dir.join("adapter_model.safetensors");
-    if !weights.is_file() {
-        return Err(ModelError::file(
-            &dir,
-            "no adapter_model.safetensors (PyTorch adapter_model.bin is not supported: save with safe_serialization=True)".into(),
-        ));
-    }
-    let tensors = candle_core::safetensors::load(&weights, &Device::Cpu)
-        .map_err(|e| ModelError::file(&weights, format!("not a readable safetensors file: {e}")))?;
-    Ok(AdapterFile {
-        spec,
-        tensors,
-        modules_to_save,
-    })
+    Ok((dir, spec, modules_to_save))
 }
 
 /// Copies an adapter file's `lora_A` / `lora_B` tensors into `adapters` (from [`attach`] with the
@@ -805,6 +912,122 @@ pub(crate) mod tests {
         std::fs::write(dir.path().join("adapter_config.json"), base.to_string()).unwrap();
         let e = read_adapter(dir.path()).err().unwrap().to_string();
         assert!(e.contains("adapter_model.safetensors"), "{e}");
+    }
+
+    /// Rewrites `file` (safetensors) with element `at` of tensor `name` set to `value`.
+    fn poison(file: &Path, name: &str, at: usize, value: f32) {
+        let mut tensors = candle_core::safetensors::load(file, &Device::Cpu).unwrap();
+        let t = &tensors[name];
+        let mut v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        v[at] = value;
+        let shape = t.shape().clone();
+        tensors.insert(
+            name.to_string(),
+            Tensor::from_vec(v, shape, &Device::Cpu).unwrap(),
+        );
+        candle_core::safetensors::save(&tensors, file).unwrap();
+    }
+
+    /// An adapter whose `adapter_model.safetensors` holds a NaN or an infinity is refused when
+    /// it is read, naming the file and the tensor: ours (saved by [`save_adapter`]) and PEFT's
+    /// (the `tests/fixtures/peft_lora` adapter).
+    #[test]
+    fn a_non_finite_adapter_is_refused_naming_the_file_and_tensor() {
+        let (_vm, _m, ad) = adapted(DType::F32);
+        let ours = tempfile::tempdir().unwrap();
+        let cfg = adapter_config(&spec(3, all(), None), &[], "base", "CAUSAL_LM", None);
+        save_adapter(ours.path(), &cfg, &adapter_tensors(&ad)).unwrap();
+        let b = "base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight";
+        let file = ours.path().join("adapter_model.safetensors");
+        poison(&file, b, 4, f32::INFINITY);
+        let e = read_adapter(ours.path())
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            e.contains("adapter_model.safetensors") && e.contains(b) && e.contains("index 4"),
+            "{e}"
+        );
+        let fixture =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/peft_lora/adapter");
+        let peft = tempfile::tempdir().unwrap();
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::copy(fixture.join(f), peft.path().join(f)).unwrap();
+        }
+        let a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight";
+        poison(
+            &peft.path().join("adapter_model.safetensors"),
+            a,
+            0,
+            f32::NAN,
+        );
+        let e = read_adapter(peft.path())
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            e.contains("adapter_model.safetensors") && e.contains(a) && e.contains("index 0"),
+            "{e}"
+        );
+    }
+
+    /// A rank larger than the projections it adapts is refused before anything is allocated
+    /// (`lora_rank=10000000` asked for tens of gigabytes of adapters and aborted the process),
+    /// naming the rank and the limit; a rank of exactly the smallest side is accepted.
+    #[test]
+    fn a_rank_larger_than_the_projections_is_refused_before_allocating() {
+        let args = ModelArgs::tiny(Arch::Llama, 30);
+        let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+        let ad = VarMap::new();
+        let e = attach(
+            &mut m,
+            &spec(10_000_000, all(), None),
+            &ad,
+            0,
+            "actor_rollout_ref.model",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("actor_rollout_ref.model") && e.contains("10000000") && e.contains("16"),
+            "{e}"
+        );
+        assert!(ad.data().lock().unwrap().is_empty(), "nothing attached");
+        assert!(!m.has_adapters());
+        // k_proj and v_proj are [16, 32]: 16 is the largest rank all-linear allows, q_proj's
+        // 32 the largest when only q_proj is adapted.
+        let q = || OneOrMany::Many(vec!["q_proj".into()]);
+        attach(&mut m, &spec(16, all(), None), &VarMap::new(), 0, "k").unwrap();
+        let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+        attach(&mut m, &spec(32, q(), None), &VarMap::new(), 0, "k").unwrap();
+        let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+        let e = attach(&mut m, &spec(33, q(), None), &VarMap::new(), 0, "k")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("33") && e.contains("32") && e.contains("q_proj"),
+            "{e}"
+        );
+    }
+
+    /// The projections listed from the hyper-parameters (what `config check` checks ranks
+    /// against) are the model's own, names and shapes, for every family (Qwen3-MoE with a
+    /// dense layer among its expert layers included).
+    #[test]
+    fn projections_from_the_config_are_the_models() {
+        for arch in [
+            Arch::Llama,
+            Arch::Qwen2,
+            Arch::Qwen3,
+            Arch::Gemma3,
+            Arch::Qwen3Moe,
+        ] {
+            let mut args = ModelArgs::tiny(arch, 30);
+            args.head_dim = 4; // q_proj [16, 32]: not square
+            let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+            let want = projections(&mut m).unwrap();
+            assert_eq!(projections_of(&args).collect::<Vec<_>>(), want, "{arch:?}");
+        }
     }
 
     /// Σ log p + Σ entropy over the real tokens of [`batch`]: a loss whose gradient reaches

@@ -456,3 +456,84 @@ fn transformers_5_rope_parameters_load_like_the_old_layout() {
         assert!(max_diff(&a, &d) > 1e-4, "{arch:?}: theta matters here");
     }
 }
+
+/// Rewrites the safetensors file `file` with element `at` of tensor `name` set to `value`.
+fn poison(file: &std::path::Path, name: &str, at: usize, value: f32) {
+    let mut tensors = candle_core::safetensors::load(file, &Device::Cpu).unwrap();
+    let t = &tensors[name];
+    let mut v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+    v[at] = value;
+    let shape = t.shape().clone();
+    tensors.insert(
+        name.to_string(),
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&tensors, file).unwrap();
+}
+
+/// A NaN or an infinity in a model's weights is refused where the file is read, naming the
+/// file (the shard that holds it), the tensor, how many values and the first index: an HF
+/// directory in one file and in shards, and a GGUF file.
+#[test]
+fn a_non_finite_weight_is_refused_naming_the_file_and_tensor() {
+    let load = |dir: &std::path::Path| {
+        hf::load_dir(dir, &Default::default(), DType::F32, &Device::Cpu, true)
+            .err()
+            .expect("a non-finite weight is refused")
+            .to_string()
+    };
+    let (vm, m) = model(Arch::Qwen2, DType::F32);
+    let name = "model.layers.1.mlp.up_proj.weight";
+    // One file: a NaN at index 5.
+    let dir = tempfile::tempdir().unwrap();
+    hf::save_dir(&vm, &m.args, dir.path(), &[1], None, None).unwrap();
+    poison(&dir.path().join("model.safetensors"), name, 5, f32::NAN);
+    let e = load(dir.path());
+    assert!(
+        e.contains("model.safetensors")
+            && e.contains(name)
+            && e.contains("1 non-finite")
+            && e.contains("index 5"),
+        "{e}"
+    );
+    // Shards: the error names the shard that holds the tensor (two infinities, first at 3).
+    let dir = tempfile::tempdir().unwrap();
+    hf::save_dir(&vm, &m.args, dir.path(), &[1], None, Some(20_000)).unwrap();
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let shard = index["weight_map"][name].as_str().unwrap().to_string();
+    poison(&dir.path().join(&shard), name, 7, f32::NEG_INFINITY);
+    poison(&dir.path().join(&shard), name, 3, f32::INFINITY);
+    let e = load(dir.path());
+    assert!(
+        e.contains(&shard)
+            && e.contains(name)
+            && e.contains("2 non-finite")
+            && e.contains("index 3"),
+        "{e}"
+    );
+    // GGUF: an infinity in an F32 tensor, named by its GGUF name.
+    let mut args = ModelArgs::tiny(Arch::Qwen3, 259);
+    args.tie_word_embeddings = false;
+    let (vm, _m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+    {
+        let data = vm.data().lock().unwrap();
+        let var = &data["model.layers.0.mlp.down_proj.weight"];
+        let mut v: Vec<f32> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        v[2] = f32::INFINITY;
+        let t = Tensor::from_vec(v, var.as_tensor().shape(), &Device::Cpu).unwrap();
+        var.set(&t).unwrap();
+    }
+    let path = dir.path().join("m.gguf");
+    write_gguf(&vm, &args, &path, candle_core::quantized::GgmlDType::F32);
+    let e = gguf::load(&path, DType::F32, &Device::Cpu, true)
+        .err()
+        .expect("an infinite GGUF weight is refused")
+        .to_string();
+    assert!(
+        e.contains("m.gguf") && e.contains("blk.0.ffn_down.weight") && e.contains("index 2"),
+        "{e}"
+    );
+}

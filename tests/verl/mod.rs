@@ -34,7 +34,14 @@ fn model_dir(root: &Path, family: &str) -> PathBuf {
                 "qwen3_moe" => Arch::Qwen3Moe,
                 _ => Arch::Llama,
             };
-            let mut c = ModelArgs::tiny(arch, 256).to_hf();
+            // Tiny, but with every projection at least 128 wide: the lines' LoRA ranks (up to
+            // 64) must fit the projections they adapt, which `config check` checks.
+            let mut args = ModelArgs::tiny(arch, 256);
+            (args.hidden_size, args.head_dim, args.intermediate_size) = (128, 64, 128);
+            if let Some(m) = args.moe.as_mut() {
+                m.moe_intermediate_size = 128;
+            }
+            let mut c = args.to_hf();
             c["max_position_embeddings"] = (1usize << 20).into();
             if family == "mistral" {
                 c["architectures"] = serde_json::json!(["MistralForCausalLM"]);
@@ -92,7 +99,7 @@ fn write_gsm8k_subset(root: &Path) {
 }
 
 /// The line with its paths swapped: data files, model folders of the same family, the reward
-/// file, output folders and example config folders; the actor's and critic's model paths and the
+/// file, LoRA adapter folders, output folders and example config folders; the actor's and critic's model paths and the
 /// data files are added where the line leaves verl's defaults (`~/models/...`, `~/data/...`).
 fn swapped(entry: &Value, root: &Path) -> Vec<String> {
     let commit = entry["commit"].as_str().unwrap();
@@ -126,6 +133,11 @@ fn swapped(entry: &Value, root: &Path) -> Vec<String> {
             Some(format!("{k}={}", model_dir(root, fam).display()))
         } else if key.ends_with("custom_reward_function.path") {
             Some(format!("{k}={}", root.join("reward.py").display()))
+        } else if key.ends_with("lora_adapter_path") {
+            // An adapter folder that exists (the PEFT fixture's): the lines name their own.
+            let adapter =
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/peft_lora/adapter");
+            Some(format!("{k}={}", adapter.display()))
         } else if OUTPUT_KEYS.contains(&key) {
             Some(format!("{k}={}", root.join("out").display()))
         } else {

@@ -179,6 +179,21 @@ impl Builtin {
         })
     }
 
+    /// Whether this scorer scores a row of `data_source` with verl's gsm8k rule: it compares
+    /// the ground truth as text that a JSON number never equals (verl's `answer ==
+    /// ground_truth` is False for a number, so such rows score 0 in verl and here; the math
+    /// scorers refuse a non-string ground truth by name instead), and its non-zero scores are
+    /// exactly the well-formed answers when `format_score > 0`.
+    pub fn is_gsm8k_for(&self, data_source: &str) -> bool {
+        match self {
+            Builtin::Gsm8k { .. } => true,
+            Builtin::Default => {
+                matches!(Builtin::for_source(data_source), Ok(Builtin::Gsm8k { .. }))
+            }
+            _ => false,
+        }
+    }
+
     /// Scores one response.
     pub fn score(&self, input: &ScoreInput) -> Result<ScoreResult, RewardError> {
         let gt_str = |scorer: &str| -> Result<&str, RewardError> {
