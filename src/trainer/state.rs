@@ -39,6 +39,47 @@ pub struct TrainerState {
     /// resumed run continues the same runs.
     #[serde(default)]
     pub tracker_runs: BTreeMap<String, String>,
+    /// Of each model trained with LoRA (`actor`, `critic`): the fingerprint of the frozen base
+    /// weights the adapters were trained on ([`base_fingerprint`]); a resumed run must load the
+    /// same base. Absent in checkpoints of earlier versions.
+    #[serde(default)]
+    pub lora_bases: BTreeMap<String, String>,
+}
+
+/// What identifies the base weights under LoRA adapters: CRC-32C over every base tensor's f32
+/// values (name order, little-endian) with its name and shape, as hex with the tensor count.
+/// Independent of where and in which format the model is stored (a moved folder, a safetensors
+/// copy of a GGUF's values give the same), different for any changed value.
+/// Tensors that train (`trained`: a value head saved with the adapters) are left out.
+pub fn base_fingerprint(
+    varmap: &candle_nn::VarMap,
+    trained: &[(String, candle_core::Var)],
+) -> candle_core::Result<String> {
+    let data = varmap.data().lock().expect("varmap lock");
+    let trained: std::collections::HashSet<_> =
+        trained.iter().map(|(_, v)| v.as_tensor().id()).collect();
+    let mut names: Vec<&String> = data
+        .keys()
+        .filter(|n| !trained.contains(&data[*n].as_tensor().id()))
+        .collect();
+    names.sort();
+    let mut crc = 0u32;
+    let mut bytes = Vec::new();
+    for name in &names {
+        let t = data[*name].as_tensor();
+        crc = crc32c::crc32c_append(crc, name.as_bytes());
+        crc = crc32c::crc32c_append(crc, format!("{:?}", t.dims()).as_bytes());
+        let values: Vec<f32> = t
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1()?;
+        for chunk in values.chunks(1 << 16) {
+            bytes.clear();
+            bytes.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
+            crc = crc32c::crc32c_append(crc, &bytes);
+        }
+    }
+    Ok(format!("crc32c:{crc:08x}/{}", names.len()))
 }
 
 /// The tracker run ids saved in the checkpoint `trainer.resume_mode` will resume from (read
@@ -107,6 +148,7 @@ impl Trainer {
             reward_weights: self.reward.weights(),
             reward_model_stats: self.reward.model_stats(),
             tracker_runs: self.tracker_runs(),
+            lora_bases: self.lora_bases()?,
         };
         let config_yaml = serde_yaml_ng::to_string(&self.cfg).map_err(other)?;
         let dir = checkpoint::save_atomic(&root, self.global_step, |dir: &Path| -> Result<()> {
@@ -165,6 +207,35 @@ impl Trainer {
         Ok(())
     }
 
+    /// [`base_fingerprint`] of each model that trains LoRA adapters.
+    fn lora_bases(&self) -> Result<BTreeMap<String, String>> {
+        let mut out = BTreeMap::new();
+        let actor = &self.actor.trainable;
+        let critic = self.critic.as_ref().map(|c| &c.trainable);
+        let parts = [
+            (
+                "actor",
+                actor
+                    .lora
+                    .is_some()
+                    .then(|| (&actor.varmap, actor.optimizer.vars())),
+            ),
+            (
+                "critic",
+                critic
+                    .filter(|c| c.lora.is_some())
+                    .map(|c| (&c.varmap, c.optimizer.vars())),
+            ),
+        ];
+        for (part, base) in parts {
+            if let Some((varmap, trained)) = base {
+                let f = base_fingerprint(varmap, trained).map_err(other)?;
+                out.insert(part.to_string(), f);
+            }
+        }
+        Ok(out)
+    }
+
     fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
         let state_path = dir.join("trainer_state.json");
         let text = std::fs::read_to_string(&state_path)
@@ -198,6 +269,23 @@ impl Trainer {
                 self.train.len(),
                 self.plan.gen_batch_size
             )));
+        }
+        // LoRA adapters only make sense on the base they were trained on.
+        let now = self.lora_bases()?;
+        for (part, saved) in &state.lora_bases {
+            match now.get(part) {
+                Some(current) if current != saved => {
+                    let key = match part.as_str() {
+                        "critic" => "critic.model.path",
+                        _ => "actor_rollout_ref.model.path",
+                    };
+                    return Err(other(format!(
+                        "{}: the {part}'s LoRA adapters were trained on other base weights (fingerprint {saved}) than {key} loads now ({current}): resume with the base model the run started from",
+                        state_path.display()
+                    )));
+                }
+                _ => {}
+            }
         }
         self.actor
             .trainable

@@ -456,3 +456,37 @@ fn a_lora_rank_beyond_the_model_is_refused_naming_the_key() {
         "{e}"
     );
 }
+
+/// A LoRA checkpoint resumed on other base weights is refused naming trainer_state.json and
+/// the key (the adapters were resumed on whatever model the path held, silently, before).
+#[test]
+fn a_lora_checkpoint_resumes_only_on_its_base_weights() {
+    let fx = fixture();
+    let extra = [
+        LORA,
+        &["trainer.total_training_steps=1", "trainer.save_freq=1"],
+    ]
+    .concat();
+    let mut t = trainer(&fx, &extra, None);
+    t.fit().unwrap();
+    drop(t);
+    // Another tiny model of the same shape written over the base folder.
+    let args = ModelArgs::tiny(Arch::Llama, 259);
+    let (vm, _) = tiny_model(&args, DType::F32, 0.35);
+    crate::weights::hf::save_dir(&vm, &args, &fx.model, &[258], Some(&fx.model), None).unwrap();
+    let opts = TrainerOptions {
+        natives: natives(),
+        tracker: Some(Tracker::with_sinks(Vec::new())),
+        ..TrainerOptions::default()
+    };
+    let e = match Trainer::new(config(&fx, &extra), opts) {
+        Ok(_) => panic!("resumed LoRA adapters on other base weights"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("trainer_state.json")
+            && e.contains("other base weights")
+            && e.contains("actor_rollout_ref.model.path"),
+        "{e}"
+    );
+}
