@@ -1,6 +1,7 @@
 # main_ppo reward worker: loads a user reward function and scores requests read as JSON lines
-# on stdin, writing one JSON line per scored item to the original stdout. Shipped inside the
-# main_ppo binary and run as `python3 -u -c <this file>`; the user's own prints go to stderr.
+# on descriptor 3, writing one JSON line per scored item to descriptor 4. Shipped inside the
+# main_ppo binary and run as `python3 -u -c <this file>`, with stdin /dev/null (a function that
+# reads it gets end-of-file) and stdout and stderr into main_ppo's log (the user's own prints).
 import asyncio
 import importlib
 import importlib.util
@@ -8,22 +9,34 @@ import inspect
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
 import traceback
 
-_proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
-os.dup2(2, 1)
-sys.stdout = sys.stderr
+# The protocol's descriptors stay out of processes the function starts.
+os.set_inheritable(3, False)
+os.set_inheritable(4, False)
+_requests = os.fdopen(3, "r", encoding="utf-8")
+_proto = os.fdopen(4, "w", buffering=1, encoding="utf-8")
+
+
+def _orphaned():
+    # main_ppo went away without stopping this worker (killed, or exited at once on a second
+    # Ctrl-C): end the processes the function started, and this one. main_ppo makes each worker
+    # the leader of a process group of its own.
+    if os.getpgrp() == os.getpid():
+        os.killpg(0, signal.SIGKILL)
+    os._exit(1)
 
 
 def _watch_parent(ppid):
-    # Exit when main_ppo goes away, even while user code is stuck.
+    # Notices main_ppo's end even while user code is stuck.
     while True:
         time.sleep(0.5)
         if os.getppid() != ppid:
-            os._exit(1)
+            _orphaned()
 
 
 threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
@@ -160,7 +173,7 @@ def error_reply(req_id, index, exc):
 
 def main():
     binding = None
-    for line in sys.stdin:
+    for line in _requests:
         msg = json.loads(line)
         op = msg.get("op")
         if op == "load":
@@ -172,6 +185,9 @@ def main():
                 send({"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
         elif op == "score":
             req_id, items = msg["id"], msg["items"]
+            # Accepted before the function runs: a worker that ends before this line never ran
+            # the request, and main_ppo sends it again to a new worker.
+            send({"id": req_id, "accepted": True})
             if binding.batch:
                 try:
                     columns = {plural: [it[single] for it in items] for plural, single in zip(BATCH, VERL)}
@@ -208,7 +224,8 @@ def main():
                     except Exception as exc:  # noqa: BLE001
                         send(error_reply(req_id, i, exc))
         elif op == "quit":
-            break
+            return  # main_ppo ends the process group once this worker has exited
+    _orphaned()  # the requests ended without `quit`: main_ppo is gone
 
 
 main()

@@ -320,7 +320,6 @@ impl RewardManager {
         })
     }
 
-    /// Process ids of every Python worker (for tests).
     /// What to tell the user about `rows` (`(file, row, data_source, ground_truth)`) whose
     /// ground truth is a JSON number where a built-in source compares it as text (gsm8k): they
     /// score 0, in verl as here, and nothing else would say so. `None` when no row is such.
@@ -366,6 +365,7 @@ impl RewardManager {
         }
     }
 
+    /// Process ids of every Python worker (for tests).
     pub fn python_pids(&self) -> Vec<u32> {
         self.sources
             .iter()

@@ -1,13 +1,24 @@
 //! Python reward functions in a pool of long-lived `python3` worker processes.
 //!
 //! Each worker runs the bridge script shipped in this binary (`bridge.py`): it loads the user's
-//! function once, then answers requests (JSON lines on stdin) with one JSON line per scored
-//! response. A batch of responses is split over all workers at once. A call slower than the
-//! timeout, or a worker that dies (segfault, `os._exit`), costs one response: the worker is
-//! killed and replaced and the rest of its share continues on the new one.
+//! function once, then answers requests (JSON lines on descriptor 3) with one JSON line per
+//! scored response (on descriptor 4). The worker's stdin is /dev/null and its stdout and stderr
+//! go to the log, so a function that reads stdin gets end-of-file and one that prints cannot
+//! disturb the replies. A batch of responses is split over all workers at once. A call slower
+//! than the timeout, or a worker that dies (segfault, `os._exit`), costs one response: the
+//! worker is killed and replaced and the rest of its share continues on the new one. A worker
+//! that ends before accepting a request (the bridge accepts each one before the function runs;
+//! say it was killed from outside while idle) costs nothing: the same request goes once to its
+//! replacement.
+//!
+//! Each worker leads a process group of its own; killing a worker kills its group, so processes
+//! the function started end with it (when it is replaced, and when the pool is dropped). If
+//! main_ppo itself dies, the bridge notices within half a second and kills its group.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::io::{BufRead, BufReader, PipeWriter, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
@@ -16,6 +27,11 @@ use serde_json::{json, Map, Value};
 use super::{RewardError, ScoreResult};
 
 const BRIDGE: &str = include_str!("bridge.py");
+
+/// The worker's descriptors for requests (it reads) and replies (it writes); `bridge.py` opens
+/// the same numbers.
+const REQUEST_FD: RawFd = 3;
+const REPLY_FD: RawFd = 4;
 
 /// Which function to run and how.
 #[derive(Debug, Clone, PartialEq)]
@@ -89,11 +105,84 @@ enum Line {
 
 struct Worker {
     child: Child,
-    stdin: ChildStdin,
+    /// The write end of the worker's request pipe.
+    requests: PipeWriter,
     rx: Receiver<Line>,
     next_id: u64,
     /// The function is `async def` (its items run concurrently).
     is_async: bool,
+    /// The worker has been waited for (after its group was killed), so its pid no longer
+    /// names its group.
+    reaped: bool,
+}
+
+/// `fd` duplicated to a number above the worker's protocol descriptors (close-on-exec, like
+/// every descriptor of main_ppo), so that moving the two pipe ends onto 3 and 4 in the child
+/// cannot overwrite one with the other, nor with stdin, stdout or stderr.
+fn above_protocol_fds(fd: OwnedFd) -> std::io::Result<OwnedFd> {
+    // SAFETY: fcntl on a descriptor this function owns; the duplicate is owned by the result.
+    let raised = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, REPLY_FD + 1) };
+    if raised < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `raised` is a fresh descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(raised) })
+}
+
+/// Starts `python3 -c bridge.py` in a process group of its own, with stdin /dev/null, stdout
+/// and stderr into the log, requests on descriptor 3 and replies on descriptor 4. Returns the
+/// child, the request pipe and the replies as they arrive.
+fn launch(
+    settings: &PoolSettings,
+    id: usize,
+) -> std::io::Result<(Child, PipeWriter, Receiver<Line>)> {
+    let (req_read, requests) = std::io::pipe()?;
+    let (replies, reply_write) = std::io::pipe()?;
+    let (log, log_write) = std::io::pipe()?;
+    let req_read = above_protocol_fds(req_read.into())?;
+    let reply_write = above_protocol_fds(reply_write.into())?;
+    let (r, w) = (req_read.as_raw_fd(), reply_write.as_raw_fd());
+    let mut cmd = Command::new(&settings.python);
+    cmd.arg("-u")
+        .arg("-c")
+        .arg(BRIDGE)
+        .stdin(Stdio::null())
+        .stdout(log_write.try_clone()?)
+        .stderr(log_write)
+        .process_group(0);
+    // SAFETY: only dup2 runs between fork and exec (async-signal-safe); `r` and `w` stay open
+    // in the parent until the child has been started. dup2's copies are not close-on-exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(r, REQUEST_FD) < 0 || libc::dup2(w, REPLY_FD) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn()?;
+    // The child's ends are the child's alone now: the replies end when it exits.
+    drop((cmd, req_read, reply_write));
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(replies).lines() {
+            let Ok(line) = line else { break };
+            let msg = serde_json::from_str(&line).unwrap_or_else(|e| {
+                let shown: String = line.chars().take(200).collect();
+                json!({"protocol_error": format!("not JSON ({e}): {shown}")})
+            });
+            if tx.send(Line::Msg(msg)).is_err() {
+                return;
+            }
+        }
+        let _ = tx.send(Line::Eof);
+    });
+    std::thread::spawn(move || {
+        for line in BufReader::new(log).lines().map_while(Result::ok) {
+            tracing::debug!(target: "main_ppo::reward", "[python worker {id}] {line}");
+        }
+    });
+    Ok((child, requests, rx))
 }
 
 impl Worker {
@@ -102,48 +191,19 @@ impl Worker {
         func: &PythonFunction,
         id: usize,
     ) -> Result<Self, RewardError> {
-        let mut child = Command::new(&settings.python)
-            .arg("-u")
-            .arg("-c")
-            .arg(BRIDGE)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| {
-                RewardError::Config(format!(
-                    "cannot start the Python interpreter `{}` (reward.python): {e}",
-                    settings.python
-                ))
-            })?;
-        let stdin = child.stdin.take().expect("piped stdin");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let stderr = child.stderr.take().expect("piped stderr");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                let msg = serde_json::from_str(&line).unwrap_or_else(|e| {
-                    let shown: String = line.chars().take(200).collect();
-                    json!({"protocol_error": format!("not JSON ({e}): {shown}")})
-                });
-                if tx.send(Line::Msg(msg)).is_err() {
-                    return;
-                }
-            }
-            let _ = tx.send(Line::Eof);
-        });
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                tracing::debug!(target: "main_ppo::reward", "[python worker {id}] {line}");
-            }
-        });
+        let (child, requests, rx) = launch(settings, id).map_err(|e| {
+            RewardError::Config(format!(
+                "cannot start the Python interpreter `{}` (reward.python): {e}",
+                settings.python
+            ))
+        })?;
         let mut w = Worker {
             child,
-            stdin,
+            requests,
             rx,
             next_id: 0,
             is_async: false,
+            reaped: false,
         };
         let load = json!({"op": "load", "path": func.path, "name": func.name, "kwargs": func.kwargs, "batch": func.batch});
         w.send(&load).map_err(|e| {
@@ -162,7 +222,7 @@ impl Worker {
                 m["traceback"].as_str().unwrap_or("").trim_end()
             ))),
             Ok(Line::Eof) => {
-                let status = w.child.wait().map(|s| s.to_string()).unwrap_or_default();
+                let status = w.kill();
                 Err(RewardError::Config(format!(
                     "the Python worker for {} exited while loading it ({status})",
                     func.path
@@ -178,12 +238,43 @@ impl Worker {
     fn send(&mut self, msg: &Value) -> std::io::Result<()> {
         let mut line = serde_json::to_string(msg).map_err(std::io::Error::other)?;
         line.push('\n');
-        self.stdin.write_all(line.as_bytes())?;
-        self.stdin.flush()
+        self.requests.write_all(line.as_bytes())?;
+        self.requests.flush()
     }
 
+    /// The worker process has exited (looked at without reaping it, so that its pid keeps
+    /// naming its process group until [`Worker::kill`]).
+    fn exited(&self) -> bool {
+        if self.reaped {
+            return true;
+        }
+        // SAFETY: waitid fills `info`, a plain C struct that all-zero bytes make valid.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let r = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                self.child.id() as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+            )
+        };
+        // An error means there is no such child left to wait for; no state change leaves
+        // `info` zero.
+        r != 0 || info.si_signo != 0
+    }
+
+    /// Kills the worker's process group (the worker and whatever its function started) and
+    /// reaps the worker; returns how it ended.
     fn kill(&mut self) -> String {
-        let _ = self.child.kill();
+        if !self.reaped {
+            // The worker leads its group, and its pid is not reused before it is reaped below,
+            // so the group is still the worker's.
+            // SAFETY: a plain system call.
+            if unsafe { libc::killpg(self.child.id() as libc::pid_t, libc::SIGKILL) } != 0 {
+                let _ = self.child.kill();
+            }
+            self.reaped = true;
+        }
         self.child
             .wait()
             .map(|s| s.to_string())
@@ -193,12 +284,14 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
+        if self.reaped {
+            return;
+        }
+        // Asked to quit first, so that the function's exit handlers run; then its group goes,
+        // with anything the function left running.
         let _ = self.send(&json!({"op": "quit"}));
         let deadline = Instant::now() + Duration::from_millis(200);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
+        while Instant::now() < deadline && !self.exited() {
             std::thread::sleep(Duration::from_millis(5));
         }
         self.kill();
@@ -380,6 +473,124 @@ fn blame(
     start
 }
 
+/// Whether `m` is the bridge's acceptance of request `req_id` (it accepts a request when it
+/// reads it, before the function runs): `false` for a late line of an abandoned request, a
+/// protocol error for anything else.
+fn accepted(m: &Value, req_id: u64, func: &PythonFunction) -> Result<bool, CallError> {
+    let protocol = |detail: String| CallError::Protocol {
+        function: format!("{} from {}", func.name, func.path),
+        detail,
+    };
+    if let Some(p) = m.get("protocol_error").and_then(Value::as_str) {
+        return Err(protocol(p.to_string()));
+    }
+    match m["id"].as_u64() {
+        Some(id) if id == req_id && m["accepted"] == json!(true) => Ok(true),
+        Some(id) if id < req_id => Ok(false),
+        _ => Err(protocol(format!(
+            "no acceptance of request {req_id} in {}",
+            short(m)
+        ))),
+    }
+}
+
+/// Why a request did not reach the function.
+enum Undelivered {
+    /// The worker had ended, or ended before accepting it: the request never ran.
+    Gone(String),
+    /// The worker broke the protocol or did not accept within the timeout (it was killed).
+    Failed(CallError),
+}
+
+/// Sends request `msg` (id `req_id`) to `w` and waits until the worker accepts it.
+fn offer(
+    w: &mut Worker,
+    msg: &Value,
+    req_id: u64,
+    func: &PythonFunction,
+    settings: &PoolSettings,
+) -> Result<(), Undelivered> {
+    if w.exited() {
+        return Err(Undelivered::Gone("it had exited".into()));
+    }
+    w.send(msg)
+        .map_err(|e| Undelivered::Gone(format!("request pipe closed: {e}")))?;
+    let deadline = Instant::now() + settings.timeout;
+    loop {
+        match w
+            .rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            Ok(Line::Msg(m)) => match accepted(&m, req_id, func) {
+                Ok(true) => return Ok(()),
+                Ok(false) => continue,
+                Err(e) => {
+                    w.kill();
+                    return Err(Undelivered::Failed(e));
+                }
+            },
+            Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => {
+                return Err(Undelivered::Gone(
+                    "its replies ended before it accepted the request".into(),
+                ))
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                w.kill();
+                return Err(Undelivered::Failed(CallError::Timeout {
+                    seconds: settings.timeout.as_secs_f64(),
+                }));
+            }
+        }
+    }
+}
+
+/// Sends request `msg` (id `req_id`) to `w`. A worker that ends before accepting the request
+/// (killed from outside while idle: it has exited, its request pipe is closed, or its replies
+/// end first) never ran it, so it is replaced and the same request goes once to the
+/// replacement, costing no sample. Errors: the request could not be delivered even then, the
+/// worker broke the protocol, or it did not accept the request within the timeout.
+fn deliver(
+    w: &mut Worker,
+    msg: &Value,
+    req_id: u64,
+    func: &PythonFunction,
+    settings: &PoolSettings,
+    id: usize,
+    stats: &mut PoolStats,
+) -> Result<(), CallError> {
+    let mut resent = false;
+    loop {
+        let why = match offer(w, msg, req_id, func, settings) {
+            Ok(()) => return Ok(()),
+            Err(Undelivered::Failed(e)) => {
+                if matches!(e, CallError::Timeout { .. }) {
+                    stats.timeouts += 1;
+                }
+                return Err(e);
+            }
+            Err(Undelivered::Gone(why)) => why,
+        };
+        let status = w.kill();
+        if resent {
+            return Err(CallError::Died {
+                status: format!("{status}; {why}"),
+            });
+        }
+        tracing::warn!(
+            target: "main_ppo::reward",
+            "the Python worker {id} running `{}` died while idle ({status}; {why}); replaced, and the request it never received sent to the new one",
+            func.name
+        );
+        stats.restarts += 1;
+        *w = Worker::spawn(settings, func, id).map_err(|e| CallError::Died {
+            status: format!("died while idle ({status}) and could not restart: {e}"),
+        })?;
+        // Replies carry the request id, and older ids are ignored as late lines.
+        w.next_id = req_id;
+        resent = true;
+    }
+}
+
 /// Scores one worker's share, replacing the worker after a timeout or a crash.
 fn run_share(
     w: &mut Worker,
@@ -395,13 +606,8 @@ fn run_share(
         let pending = &items[start..];
         w.next_id += 1;
         let req_id = w.next_id;
-        let sent = w.send(&json!({"op": "score", "id": req_id, "items": pending}));
-        let mut failure: Option<CallError> = None;
-        if let Err(e) = sent {
-            failure = Some(CallError::Died {
-                status: format!("stdin closed: {e}"),
-            });
-        }
+        let request = json!({"op": "score", "id": req_id, "items": pending});
+        let mut failure = deliver(w, &request, req_id, func, settings, id, &mut stats).err();
         let mut done = 0;
         let mut deadline = Instant::now() + settings.timeout;
         while failure.is_none() && done < pending.len() {

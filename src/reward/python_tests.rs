@@ -368,3 +368,146 @@ fn non_finite_extras_arrive_as_strings_with_the_score_intact() {
         }
     }
 }
+
+/// Polls `pid` until it is gone (true) or `within` has passed (false).
+fn gone_within(pid: u32, within: Duration) -> bool {
+    let deadline = std::time::Instant::now() + within;
+    while std::time::Instant::now() < deadline {
+        if !alive(pid) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    !alive(pid)
+}
+
+/// The pid a function wrote into `file`.
+fn pid_in(file: &Path) -> u32 {
+    std::fs::read_to_string(file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Ends a process a test left behind (only when it failed, so the next run starts clean).
+fn end(pid: u32) {
+    if alive(pid) {
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+}
+
+/// Processes a reward function starts run in its worker's process group, which is killed with
+/// the worker: when the pool is dropped, and when a hung call's worker is replaced. They used
+/// to outlive main_ppo (a `sleep 600` stayed for ten minutes).
+#[test]
+fn processes_a_function_starts_end_with_its_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let code = format!(
+        "import subprocess, time\ndef f(solution_str):\n    p = subprocess.Popen(['sleep', '600'])\n    with open({dir:?} + '/' + solution_str + '.pid', 'w') as out:\n        out.write(str(p.pid))\n    if solution_str == 'hang':\n        time.sleep(60)\n    return 1.0\n",
+        dir = dir.path().display().to_string()
+    );
+    let f = write(dir.path(), "r.py", &code);
+    let mut p = pool(&f, "f", Map::new(), false, 1, 1.0).unwrap();
+    let out = p.score(&[item("hang", ""), item("idle", "")]);
+    assert!(
+        matches!(out[0], Err(CallError::Timeout { .. })),
+        "{:?}",
+        out[0]
+    );
+    assert_eq!(out[1].as_ref().unwrap().score, 1.0);
+    let hung = pid_in(&dir.path().join("hang.pid"));
+    let hung_gone = gone_within(hung, Duration::from_secs(5));
+    end(hung);
+    assert!(
+        hung_gone,
+        "the hung call's child {hung} outlived its replaced worker"
+    );
+    let idle = pid_in(&dir.path().join("idle.pid"));
+    assert!(alive(idle), "the child runs while its worker does");
+    drop(p);
+    let idle_gone = gone_within(idle, Duration::from_secs(5));
+    end(idle);
+    assert!(idle_gone, "the child {idle} outlived the dropped pool");
+}
+
+/// A function that reads stdin gets end-of-file at once: the worker's stdin is /dev/null and
+/// requests arrive on a descriptor of their own. It used to read the request pipe and hang
+/// until `timeout_s`.
+#[test]
+fn a_function_reading_stdin_gets_eof_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(
+        dir.path(),
+        "r.py",
+        "import sys\ndef f(solution_str):\n    data = sys.stdin.read()\n    try:\n        input()\n    except EOFError:\n        pass\n    return 3.0 if data == '' else 4.0\n",
+    );
+    let mut p = pool(&f, "f", Map::new(), false, 1, 5.0).unwrap();
+    let t0 = std::time::Instant::now();
+    let out = p.score(&[item("a", ""), item("b", "")]);
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "took {:?} (timeout_s is 5)",
+        t0.elapsed()
+    );
+    for r in out {
+        assert_eq!(r.unwrap().score, 3.0);
+    }
+    assert_eq!((p.stats.errors, p.stats.timeouts), (0, 0));
+}
+
+/// What a function prints (print(), a raw write to descriptor 1, a child process's stdout)
+/// goes to the log, never into the replies.
+#[test]
+fn prints_to_stdout_do_not_disturb_the_replies() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(
+        dir.path(),
+        "r.py",
+        "import os, subprocess, sys\ndef f(solution_str):\n    print('a user print', solution_str)\n    print('{\"id\": 99, \"index\": 0, \"score\": 7.0}')\n    print('no newline', end='')\n    sys.stdout.flush()\n    os.write(1, b'raw descriptor 1\\n')\n    subprocess.run(['echo', 'from a child'])\n    return 2.0\n",
+    );
+    let mut p = pool(&f, "f", Map::new(), false, 2, 30.0).unwrap();
+    let out = p.score(&[item("a", ""), item("b", ""), item("c", "")]);
+    for r in out {
+        assert_eq!(r.unwrap().score, 2.0);
+    }
+    assert_eq!(p.stats, PoolStats::default());
+}
+
+/// A worker killed from outside while idle never received the next request: the request is
+/// re-sent once to its replacement and every sample scores. It used to fail the sample ("the
+/// Python worker died (stdin closed: Broken pipe)").
+#[test]
+fn a_worker_killed_while_idle_is_replaced_without_losing_a_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(dir.path(), "r.py", VERL);
+    let mut p = pool(&f, "compute_score", Map::new(), false, 2, 30.0).unwrap();
+    let items: Vec<Item> = (0..6).map(|i| item(&i.to_string(), "3")).collect();
+    assert!(p.score(&items).iter().all(Result::is_ok));
+    let killed = p.pids()[0];
+    unsafe { libc::kill(killed as i32, libc::SIGKILL) };
+    assert!(gone_within(killed, Duration::from_secs(5)));
+    let out = p.score(&items);
+    for (i, r) in out.iter().enumerate() {
+        let r = r.as_ref().unwrap_or_else(|e| panic!("item {i}: {e}"));
+        assert_eq!(r.score, if i == 3 { 1.0 } else { 0.0 }, "item {i}");
+    }
+    assert_eq!((p.stats.errors, p.stats.restarts), (0, 1));
+    assert_ne!(p.pids()[0], killed);
+    // The batch and async conventions re-send the same way.
+    let b = write(
+        dir.path(),
+        "b.py",
+        "import asyncio\nasync def a(solution_str):\n    return 1.0\n\ndef b(data_sources, solution_strs, ground_truths, extra_infos):\n    return [1.0 for _ in solution_strs]\n",
+    );
+    for (name, batch) in [("a", false), ("b", true)] {
+        let mut p = pool(&b, name, Map::new(), batch, 1, 30.0).unwrap();
+        let killed = p.pids()[0];
+        unsafe { libc::kill(killed as i32, libc::SIGKILL) };
+        assert!(gone_within(killed, Duration::from_secs(5)));
+        for r in p.score(&items) {
+            assert_eq!(r.unwrap_or_else(|e| panic!("{name}: {e}")).score, 1.0);
+        }
+        assert_eq!((p.stats.errors, p.stats.restarts), (0, 1), "{name}");
+    }
+}
