@@ -98,6 +98,12 @@ fn has_local_config(path: &str) -> bool {
     p.join("config.json").is_file() || (p.is_file() && path.ends_with(".gguf"))
 }
 
+/// A LoRA adapter folder or part of a LoRA checkpoint, given as a model path.
+fn is_adapter(path: &str) -> bool {
+    let p = std::path::PathBuf::from(crate::util::expand_home(path));
+    p.is_dir() && crate::weights::peft::adapter_behind(&p).is_some()
+}
+
 /// `config check`: prompt plus response must fit the context of the actor (and the critic, when
 /// the run has one), read from the model's header or `config.json` without loading weights, and
 /// a LoRA rank must fit the projections it adapts (`lora_rank`, or the `r` of
@@ -128,8 +134,9 @@ pub fn model_context(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
                 "`{key}` = {path}: not readable without a download; its context is checked when training loads it"
             ),
             // A local model whose configuration says this implementation cannot run it
-            // (another architecture, a feature of its config.json): training would stop there.
-            Err(e) if has_local_config(path) => {
+            // (another architecture, a feature of its config.json), or a LoRA adapter folder
+            // given as a model: training would stop there.
+            Err(e) if has_local_config(path) || is_adapter(path) => {
                 return Err(ConfigError::Value {
                     key,
                     message: format!("{path}: {e}"),

@@ -8,6 +8,7 @@ mod check;
 mod generate;
 mod guard;
 pub mod logging;
+mod merge;
 mod plot;
 mod reward;
 
@@ -73,6 +74,10 @@ pub enum Command {
     Eval(reward::EvalArgs),
     /// Generate `rollout.n` responses per prompt of a dataset (verl's main_generation).
     Generate(generate::GenerateArgs),
+    /// Write a checkpoint (LoRA adapters folded into their base model, or full weights), a LoRA
+    /// adapter folder with its base model, or a model as one HF model folder (verl's
+    /// `model_merger merge`).
+    Merge(merge::MergeArgs),
     /// Chart metrics of runs (the `file` logger's JSONL or TensorBoard logs) against the step:
     /// PNG and/or SVG, one line per run.
     Plot(plot::PlotArgs),
@@ -237,6 +242,7 @@ fn run(cli: Cli, natives: &crate::reward::NativeRegistry) -> anyhow::Result<bool
         Some(Command::Eval(args)) => reward::eval(&args, natives),
         Some(Command::Generate(args)) => generate::run(&args).map(|_| true),
         Some(Command::Plot(args)) => plot::run(&args).map(|_| true),
+        Some(Command::Merge(args)) => merge::run(&args).map(|_| true),
     }
 }
 

@@ -490,3 +490,76 @@ fn a_lora_checkpoint_resumes_only_on_its_base_weights() {
         "{e}"
     );
 }
+
+/// `main_ppo merge`'s work on a trained LoRA checkpoint (two PPO steps, LoRA on actor and
+/// critic): `global_step_2/` merges into an actor folder with the trained actor's logits
+/// (f32, 1e-5), `global_step_2/critic` into a backbone with the trained critic's hidden
+/// states and its trained value head.
+#[test]
+fn a_trained_lora_checkpoint_merges_into_the_trained_models() {
+    use crate::weights::merge;
+    let fx = fixture();
+    let extra = [
+        LORA,
+        &["trainer.total_training_steps=2", "trainer.save_freq=2"],
+    ]
+    .concat();
+    let mut t = trainer(&fx, &extra, None);
+    t.fit().unwrap();
+    let step = crate::checkpoint::step_dir(&t.plan.default_local_dir, 2);
+    let diff = |a: &[f32], b: &[f32]| {
+        assert_eq!(a.len(), b.len());
+        a.iter().zip(b).fold(0f32, |d, (x, y)| d.max((x - y).abs()))
+    };
+    let actor_out = fx.dir.path().join("merged_actor");
+    let source = merge::resolve(&step, None).unwrap();
+    let merged = merge::merge(&source).unwrap();
+    assert_eq!(merged.projections, 2 * 7, "all-linear on 2 layers");
+    merge::save(&merged, &actor_out).unwrap();
+    let (actor, _) = crate::weights::load_model_and_tokenizer(
+        &actor_out.display().to_string(),
+        None,
+        &Default::default(),
+        DType::F32,
+        &Device::Cpu,
+        true,
+    )
+    .unwrap();
+    let d = diff(&logits_of(&actor.model), &logits_of(t.actor.view()));
+    assert!(d <= 1e-5, "merged actor vs trained actor: {d}");
+
+    let source = merge::resolve(&step.join("critic"), None).unwrap();
+    assert!(matches!(source, merge::Source::Lora { critic: true, .. }));
+    let critic_out = fx.dir.path().join("merged_critic");
+    merge::save(&merge::merge(&source).unwrap(), &critic_out).unwrap();
+    let (backbone, _) = crate::weights::load_model_and_tokenizer(
+        &critic_out.display().to_string(),
+        None,
+        &Default::default(),
+        DType::F32,
+        &Device::Cpu,
+        false,
+    )
+    .unwrap();
+    let hidden = |m: &crate::model::CausalLm| -> Vec<f32> {
+        let dev = Device::Cpu;
+        let ids = Tensor::new(&[[72u32, 101, 108, 108, 111, 33]], &dev).unwrap();
+        let pos = Tensor::new(&[[0u32, 1, 2, 3, 4, 5]], &dev).unwrap();
+        let mask = Tensor::new(&[[1u32; 6]], &dev).unwrap();
+        let h = m.forward_hidden(&ids, &pos, &mask, None).unwrap();
+        h.flatten_all().unwrap().to_vec1().unwrap()
+    };
+    let critic = t.critic.as_ref().unwrap();
+    let d = diff(
+        &hidden(&backbone.model),
+        &hidden(&critic.trainable.view().backbone),
+    );
+    assert!(d <= 1e-5, "merged critic backbone vs trained: {d}");
+    let saved = crate::weights::hf::read_weights(&critic_out).unwrap();
+    let trained = weights(&critic.trainable.varmap);
+    for name in ["score.weight", "score.bias"] {
+        let want = &trained.iter().find(|(n, _)| n == name).unwrap().1;
+        let got: Vec<f32> = saved[name].flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(&got, want, "{name}");
+    }
+}

@@ -31,10 +31,7 @@ pub fn read_config(
 ) -> Result<ModelArgs, ModelError> {
     let path = dir.join("config.json");
     if !path.is_file() {
-        return Err(ModelError::file(
-            dir,
-            "no config.json (an HF model directory has config.json and model.safetensors)".into(),
-        ));
+        return Err(no_config(dir));
     }
     let mut v = read_json(&path)?;
     if let Some(obj) = v.as_object_mut() {
@@ -49,10 +46,7 @@ pub fn read_config(
 pub fn read_config_json(dir: &Path) -> Result<Value, ModelError> {
     let path = dir.join("config.json");
     if !path.is_file() {
-        return Err(ModelError::file(
-            dir,
-            "no config.json (an HF model directory has config.json and model.safetensors)".into(),
-        ));
+        return Err(no_config(dir));
     }
     read_json(&path)
 }
@@ -73,6 +67,11 @@ pub fn load_deberta(dir: &Path, device: &Device) -> Result<DebertaV2Classifier, 
             .to_string(),
     };
     DebertaV2Classifier::new(config, &tensors, &label, device)
+}
+
+/// Whether `dir` holds model weights: `model.safetensors` or a shard index.
+pub fn has_weights(dir: &Path) -> bool {
+    dir.join("model.safetensors").is_file() || dir.join("model.safetensors.index.json").is_file()
 }
 
 /// The safetensors files of a checkpoint directory.
@@ -104,7 +103,36 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
         }
         return Ok(paths);
     }
+    // A LoRA checkpoint's `huggingface/` has a config and no weights: its adapters are beside it.
+    if let Some(e) = super::peft::adapter_instead_of_model(dir) {
+        return Err(e);
+    }
     Err(ModelError::file(dir, "no model.safetensors or model.safetensors.index.json (PyTorch .bin checkpoints are not supported: convert them to safetensors)".into()))
+}
+
+/// Why `dir` has no `config.json`: a LoRA adapter folder or LoRA checkpoint part is named as
+/// such ([`super::peft::adapter_instead_of_model`]), a checkpoint's `actor/` (or `critic/`) or
+/// `global_step_N/` folder points at the `huggingface/` model inside it.
+fn no_config(dir: &Path) -> ModelError {
+    if let Some(e) = super::peft::adapter_instead_of_model(dir) {
+        return e;
+    }
+    for inner in ["huggingface", "actor/huggingface"] {
+        let model = dir.join(inner);
+        if model.join("config.json").is_file() {
+            return ModelError::file(
+                dir,
+                format!(
+                    "no config.json: a checkpoint folder, whose model is {}",
+                    model.display()
+                ),
+            );
+        }
+    }
+    ModelError::file(
+        dir,
+        "no config.json (an HF model directory has config.json and model.safetensors)".into(),
+    )
 }
 
 /// Copies `tensors` into the model's variables; every variable must be found with its shape.

@@ -6,11 +6,13 @@
 //! - `hf`: HF directories, load and save,
 //! - `hub`: hub ids resolved in the HF cache, downloaded when allowed,
 //! - `gguf`: llama.cpp files,
-//! - `peft`: which projections get adapters, attaching them, PEFT's adapter folder.
+//! - `peft`: which projections get adapters, attaching them, PEFT's adapter folder,
+//! - `merge`: a checkpoint or base + adapters written as one HF model (`main_ppo merge`).
 
 pub mod gguf;
 pub mod hf;
 pub mod hub;
+pub mod merge;
 pub mod peft;
 
 use std::path::Path;
@@ -21,6 +23,8 @@ use crate::model::{ModelArgs, ModelError};
 pub(crate) mod deberta_tests;
 #[cfg(test)]
 mod family_tests;
+#[cfg(test)]
+pub(crate) mod merge_tests;
 #[cfg(test)]
 mod props;
 #[cfg(test)]
@@ -96,7 +100,14 @@ pub fn read_args(
         return gguf::read_args(&c, p).map(Some);
     }
     if p.is_dir() {
-        return hf::read_config(p, overrides).map(Some);
+        let args = hf::read_config(p, overrides)?;
+        // A LoRA checkpoint's `huggingface/` has a config and no weights: named before a run.
+        if !hf::has_weights(p) {
+            if let Some(e) = peft::adapter_instead_of_model(p) {
+                return Err(e);
+            }
+        }
+        return Ok(Some(args));
     }
     if is_hub_id(path) {
         return match hub::cached_snapshot(path, &hub::cache_dir()) {

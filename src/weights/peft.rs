@@ -346,6 +346,62 @@ pub fn adapter_dir(path: &Path) -> std::result::Result<PathBuf, ModelError> {
     ))
 }
 
+/// The adapter folder behind `dir` when `dir`, given where a model was expected, holds an
+/// adapter instead: `dir` itself (PEFT's folder, a checkpoint's `lora_adapter/`), its
+/// `lora_adapter/` (a LoRA checkpoint's `actor/`), the `lora_adapter/` beside it (a LoRA
+/// checkpoint's `huggingface/`, which keeps only config and tokenizer) or `actor/lora_adapter/`
+/// (a LoRA checkpoint's `global_step_N/`). Callers ask only once they found no model weights.
+pub fn adapter_behind(dir: &Path) -> Option<PathBuf> {
+    let mut places = vec![
+        dir.to_path_buf(),
+        dir.join("lora_adapter"),
+        dir.join("actor").join("lora_adapter"),
+    ];
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        places.push(parent.join("lora_adapter"));
+    }
+    places
+        .into_iter()
+        .find(|p| p.join("adapter_config.json").is_file())
+}
+
+/// `base_model_name_or_path` of the adapter folder `dir`'s `adapter_config.json` (the model it
+/// was trained on, as training was given it); `None` when absent, empty or unreadable.
+pub fn adapter_base(dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join("adapter_config.json")).ok()?;
+    let v: Value = serde_json::from_str(&text).ok()?;
+    v.get("base_model_name_or_path")
+        .and_then(Value::as_str)
+        .filter(|s| !s.trim().is_empty())
+        .map(str::to_string)
+}
+
+/// The error for `dir`, given where a model was expected, when it is a LoRA adapter folder or
+/// part of a LoRA checkpoint ([`adapter_behind`]): it names the adapter folder and its base
+/// model, and says what to pass instead (the two model keys, or `main_ppo merge`). The loader
+/// does not know which configuration group it serves, so the keys are named by their last
+/// parts. `None` when `dir` holds no adapter.
+pub fn adapter_instead_of_model(dir: &Path) -> Option<ModelError> {
+    let adapter = adapter_behind(dir)?;
+    let base = match adapter_base(&adapter) {
+        Some(b) => b,
+        None => "<the model it was trained from: its adapter_config.json names none>".into(),
+    };
+    let what = if adapter == dir {
+        "a LoRA adapter folder, not a model"
+    } else {
+        "part of a LoRA checkpoint, with a LoRA adapter and no model weights"
+    };
+    Some(ModelError::file(
+        dir,
+        format!(
+            "{what} (a LoRA checkpoint holds adapters in lora_adapter/ and no base weights): load the base model with the adapter on it, `model.path={base}` and `model.lora_adapter_path={}` (under actor_rollout_ref or critic), or write base + adapter as one HF model with `main_ppo merge --local_dir {} --target_dir <new folder>` and load that",
+            adapter.display(),
+            dir.display()
+        ),
+    ))
+}
+
 fn str_or_list(
     v: &Value,
     key: &str,
