@@ -337,7 +337,8 @@ fn train_on(
 }
 
 /// A flag set by the first Ctrl-C or SIGTERM (the trainer finishes its step, saves and exits
-/// 0); a second signal exits at once with status 130.
+/// 0; a hub download while the models load stops at once, see `weights::hub::request_stop`);
+/// a second signal exits at once with status 130.
 fn stop_on_signals() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, OnceLock};
@@ -350,7 +351,12 @@ fn stop_on_signals() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
                 eprintln!("second interrupt: exiting without saving");
                 std::process::exit(130);
             }
-            eprintln!("interrupt: finishing the current step, then saving a checkpoint (interrupt again to quit now)");
+            // A model download under way ends now, with an error saying so: no step has begun.
+            if crate::weights::hub::request_stop() {
+                eprintln!("interrupt: stopping the model download (interrupt again to quit now)");
+            } else {
+                eprintln!("interrupt: finishing the current step, then saving a checkpoint (interrupt again to quit now)");
+            }
         });
         if let Err(e) = installed {
             tracing::warn!("cannot install the Ctrl-C handler: {e}");

@@ -144,12 +144,18 @@ pub fn check_paths(cfg: &Config, plan: &Plan) -> std::result::Result<(), ConfigE
             }
         }
     }
-    // A hub id with HF_HUB_OFFLINE set must be in the cache already: nothing will download it.
-    problems.extend(offline_hub_problems(
-        cfg,
-        plan,
-        &crate::weights::hub::HubSettings::from_env(),
-    ));
+    // A hub id with HF_HUB_OFFLINE set must be in the cache already: nothing will download it;
+    // a download timeout variable that is not a number of seconds refuses every download.
+    let hub = crate::weights::hub::HubSettings::from_env();
+    problems.extend(offline_hub_problems(cfg, plan, &hub));
+    let models = [&cfg.actor_rollout_ref.model.path, &cfg.critic.model.path];
+    if let Some(bad) = hub
+        .invalid
+        .as_ref()
+        .filter(|_| models.iter().any(|p| crate::weights::is_hub_id(p)))
+    {
+        problems.push(format!("{bad}: a hub model would not download"));
+    }
     let t = &cfg.trainer;
     let outputs = [
         (
