@@ -7,9 +7,11 @@ Covered: `agg_loss` in every mode with and without the global-batch arguments (`
 `batch_num_tokens`, `global_batch_size`, `loss_scale_factor`); the policy losses vanilla, gspo,
 gpg, sapo, cispo, geo_mean, kl_cov, dppo_tv, dppo_kl and dro in several aggregation modes, with
 and without rollout importance-sampling weights and global-batch arguments; the clipped value
-loss with global-batch arguments; the gdpo estimator with and without reward weights. Inputs
-hold a fully masked row. (clip_cov draws its tokens
-with torch's generator and is left out.)
+loss with global-batch arguments; the gdpo estimator with and without reward weights; the
+optimal_token_baseline and tir_optimal_token_baseline estimators (with and without rollout IS
+weights, on masks that are prefixes and on masks with tokens left out inside a response) and
+`metric_utils.compute_variance_proxy_metrics` on the same inputs. Inputs hold a fully masked
+row. (clip_cov draws its tokens with torch's generator and is left out.)
 
 Usage:
   git -C <verl mirror> archive 1dda039 verl | tar -x -C /tmp/verl
@@ -140,8 +142,97 @@ def main():
             out["gdpo"].append(dict(weights=weights, norm=norm, adv=adv.double().tolist()))
     out["gdpo_components"] = comps
     out["gdpo_index"] = [0, 0, 1, 1, 1]
+    out["otb"] = otb_cases()
     OUT.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {OUT}: {len(out['agg'])} agg, {len(out['policy'])} policy, {len(out['value'])} value cases")
+    print(
+        f"wrote {OUT}: {len(out['agg'])} agg, {len(out['policy'])} policy, {len(out['value'])} value, "
+        f"{len(out['otb']['cases'])} optimal-token-baseline, {len(out['otb']['variance_proxy'])} variance-proxy cases"
+    )
+
+
+def otb_cases():
+    """The optimal token baselines on 12 responses of 7 positions in five groups: a (lengths
+    7, 4, 2: one strictly longest, so the zero tail applies; rewards on every token), b (three
+    responses of 5 tokens scoring 1 each: all-equal), c (5 tokens and an empty response), d (a
+    group of one), e (6, 6 and 5 tokens: a tie for the longest). "prefix" masks are each
+    response's first tokens; "holes" leaves tokens out inside rows 0 and 11 (what rollout
+    rejection does here, tool outputs in verl's multi-turn rollouts). Its own generator, so the
+    inputs above stay as they were."""
+    from verl import DataProto
+    from verl.trainer.ppo.metric_utils import compute_variance_proxy_metrics
+
+    rng = np.random.default_rng(20261205)
+    b, tl = 12, 7
+    groups = ["a", "a", "a", "b", "b", "b", "c", "c", "d", "e", "e", "e"]
+    lens = [7, 4, 2, 5, 5, 5, 5, 0, 3, 6, 6, 5]
+    scores = [1.0, 0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.0, 0.7, 0.0, 1.0, 1.0]
+    prefix = np.zeros((b, tl))
+    for i, n in enumerate(lens):
+        prefix[i, :n] = 1
+    holes = prefix.copy()
+    holes[0, [2, 5]] = 0
+    holes[11, :] = [1, 1, 0, 1, 1, 1, 0]
+    rewards = np.zeros((b, tl))
+    for i, n in enumerate(lens):
+        if n:
+            rewards[i, n - 1] = scores[i]
+    rewards[:3] += rng.normal(scale=0.3, size=(3, tl)) * prefix[:3]
+    old = rng.uniform(-3.0, -0.01, size=(b, tl))
+    pi = np.exp(old)
+    spi2 = pi**2 + rng.uniform(0.0, 1.0, size=(b, tl)) * (1 - pi**2) * 0.6
+    weights = rng.uniform(0.5, 1.5, size=(b, tl))
+    index = np.array(groups, dtype=object)
+    fns = {
+        "optimal_token_baseline": ca.compute_optimal_token_baseline_advantage,
+        "tir_optimal_token_baseline": ca.compute_multi_turn_optimal_token_baseline_advantage,
+    }
+    masks = {"prefix": prefix, "holes": holes}
+    out = {
+        "index": [ord(g) - ord("a") for g in groups],
+        "rewards": rewards.tolist(),
+        "old_log_probs": old.tolist(),
+        "sum_pi_squared": spi2.tolist(),
+        "rollout_is_weights": weights.tolist(),
+        "masks": {k: v.tolist() for k, v in masks.items()},
+        "cases": [],
+        "variance_proxy": [],
+    }
+    for name, fn in fns.items():
+        for mask_name, mask in masks.items():
+            for weighted in [False, True]:
+                adv, ret = fn(
+                    token_level_rewards=t(rewards),
+                    response_mask=t(mask),
+                    index=index,
+                    old_log_probs=t(old),
+                    sum_pi_squared=t(spi2),
+                    rollout_is_weights=t(weights) if weighted else None,
+                )
+                out["cases"].append(
+                    dict(estimator=name, mask=mask_name, weighted=weighted, adv=adv.tolist(), ret=ret.tolist())
+                )
+    # The W-score metrics on the optimal token baseline's advantages (prefix masks).
+    adv, _ = ca.compute_optimal_token_baseline_advantage(
+        token_level_rewards=t(rewards), response_mask=t(prefix), index=index,
+        old_log_probs=t(old), sum_pi_squared=t(spi2),
+    )
+    out["variance_proxy_advantages"] = adv.tolist()
+    for mask_name, mask in masks.items():
+        for weighted in [False, True]:
+            for grad_norm in [None, 0.3]:
+                tensors = {
+                    "old_log_probs": t(old), "sum_pi_squared": t(spi2), "advantages": adv,
+                    "response_mask": t(mask),
+                }
+                if weighted:
+                    tensors["rollout_is_weights"] = t(weights)
+                batch = DataProto.from_dict(tensors=tensors)
+                metrics = compute_variance_proxy_metrics(batch, gradient_norm=grad_norm)
+                out["variance_proxy"].append(
+                    dict(mask=mask_name, weighted=weighted, grad_norm=grad_norm,
+                         metrics={k: num(v) for k, v in metrics.items()})
+                )
+    return out
 
 
 if __name__ == "__main__":

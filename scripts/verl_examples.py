@@ -151,7 +151,8 @@ def unset(v):
 
 # verl's advantage estimators and policy losses that main_ppo implements.
 ESTIMATORS = {"gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus",
-              "reinforce_plus_plus_baseline", "remax", "opo", "grpo_passk", "gpg", "gdpo"}
+              "reinforce_plus_plus_baseline", "remax", "opo", "grpo_passk", "gpg", "gdpo",
+              "optimal_token_baseline", "tir_optimal_token_baseline"}
 LOSSES = {"vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "sapo", "cispo", "geo_mean", "dppo_tv", "dppo_kl", "dro"}
 REWARD_MANAGERS = {"naive", "remote", "batch", "dapo", "gdpo"}
 
@@ -183,13 +184,19 @@ def expect(entry, configs):
         refuse("critic.model.path", f"model family {family(critic_model)}")
     if adv not in ESTIMATORS:
         refuse("algorithm.adv_estimator", f"advantage estimator {adv}")
+    if adv in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        # Σπ² comes from the old-log-prob pass (verl asserts the key; bypass mode has no pass).
+        if not truthy(st.get("actor_rollout_ref.actor.calculate_sum_pi_squared")):
+            refuse("algorithm.adv_estimator", f"{adv} without calculate_sum_pi_squared")
+            refuse("actor_rollout_ref.actor.calculate_sum_pi_squared", f"{adv} without calculate_sum_pi_squared")
+        if truthy(st.get("algorithm.rollout_correction.bypass_mode")):
+            refuse("algorithm.rollout_correction.bypass_mode", f"{adv} in bypass mode")
     loss = st.get("actor_rollout_ref.actor.policy_loss.loss_mode")
     if loss is not None and str(loss) not in LOSSES:
         refuse("actor_rollout_ref.actor.policy_loss.loss_mode", f"policy loss {loss}")
     feature_flags = {
         "actor_rollout_ref.rollout.multi_turn.enable": "multi-turn tool rollouts",
         "distillation.enabled": "distillation",
-        "actor_rollout_ref.actor.calculate_sum_pi_squared": "optimal-token baseline",
         "actor_rollout_ref.model.mtp.enable": "multi-token prediction",
         "algorithm.use_pf_ppo": "priority-filtered PPO",
     }

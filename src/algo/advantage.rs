@@ -42,6 +42,13 @@ pub struct HostInputs<'a> {
     /// gdpo: each reward component's score per response, `[keys][rows]`, in the order of
     /// `algorithm.gdpo_reward_keys`.
     pub reward_components: Option<&'a [Vec<f64>]>,
+    /// The optimal token baselines: log-probs of the sampled tokens under the old policy.
+    pub old_log_probs: Option<&'a Mat>,
+    /// The optimal token baselines: Σπ² of the old policy at each position.
+    pub sum_pi_squared: Option<&'a Mat>,
+    /// Rollout correction's IS weights ρ̄ (the optimal token baselines scale the path variance
+    /// by ρ̄²); `None` without them.
+    pub rollout_is_weights: Option<&'a Mat>,
 }
 
 /// A row-major host matrix `[b, t]` of f64.
@@ -142,6 +149,9 @@ pub fn compute_advantage(
         index: inp.index,
         reward_baselines: baselines.as_deref(),
         reward_components: None,
+        old_log_probs: None,
+        sum_pi_squared: None,
+        rollout_is_weights: None,
     };
     let (adv, ret) = advantages(est, &host, cfg)?;
     let dtype = inp.token_level_rewards.dtype();
@@ -242,6 +252,12 @@ pub fn advantages(
             let alpha = r.b as f64 / nonzero as f64;
             outcome(centered(&scores, index()?, alpha))
         }
+        AdvEstimator::OptimalTokenBaseline | AdvEstimator::TirOptimalTokenBaseline => {
+            let o = otb_inputs(est, inp)?;
+            let tir = est == AdvEstimator::TirOptimalTokenBaseline;
+            let (adv, ret) = optimal_token_baseline(r, m, &o, index()?, tir);
+            (adv, Some(ret))
+        }
     };
     let adv = r.with(adv);
     let ret = match ret {
@@ -249,6 +265,164 @@ pub fn advantages(
         None => adv.clone(),
     };
     Ok((adv, ret))
+}
+
+/// The optimal token baselines' ε in `Σ G·W / (Σ W + ε)` (verl's default; its trainer passes
+/// no other).
+const OTB_EPS: f64 = 1e-8;
+
+/// What the optimal token baselines read besides the rewards and the mask.
+struct OtbInputs<'a> {
+    old_log_probs: &'a Mat,
+    sum_pi_squared: &'a Mat,
+    is_weights: Option<&'a Mat>,
+}
+
+fn otb_inputs<'a>(est: AdvEstimator, inp: &HostInputs<'a>) -> Result<OtbInputs<'a>> {
+    let r = inp.token_level_rewards;
+    let need = |m: Option<&'a Mat>, what: &str| -> Result<&'a Mat> {
+        let m = m.ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "adv_estimator={} needs {what} of the old policy (set actor_rollout_ref.actor.calculate_sum_pi_squared=True)",
+                est.as_str()
+            ))
+        })?;
+        if (m.b, m.t) != (r.b, r.t) {
+            return bail(format!(
+                "{what} {:?} and token_level_rewards {:?} differ in shape",
+                (m.b, m.t),
+                (r.b, r.t)
+            ));
+        }
+        Ok(m)
+    };
+    let is_weights = match inp.rollout_is_weights {
+        Some(w) => Some(need(Some(w), "rollout_is_weights")?),
+        None => None,
+    };
+    Ok(OtbInputs {
+        old_log_probs: need(inp.old_log_probs, "old_log_probs")?,
+        sum_pi_squared: need(inp.sum_pi_squared, "sum_pi_squared")?,
+        is_weights,
+    })
+}
+
+/// Reward-to-go `G_t = Σ_{s≥t} r_s·m_s` and the cumulative path variance
+/// `W_t = Σ_{s≤t} w_s·m_s`, `w_s = (1 − 2π_s + Σπ²_s)·ρ̄_s²` (`π_s = exp(old log-prob)`, `ρ̄_s`
+/// the rollout IS weight, 1 without): `[b, t]` each. `w_s = Σ_j (δ_j,y_s − π_j)²`, the squared
+/// norm of the log-prob's gradient with respect to the logits.
+fn returns_and_path_variance(r: &Mat, m: &Mat, o: &OtbInputs) -> (Vec<f64>, Vec<f64>) {
+    let (mut g, mut w) = (vec![0.0; r.b * r.t], vec![0.0; r.b * r.t]);
+    for i in 0..r.b {
+        let row = i * r.t..(i + 1) * r.t;
+        let (rr, mm) = (&r.v[row.clone()], &m.v[row.clone()]);
+        let mut acc = 0.0;
+        for t in (0..r.t).rev() {
+            acc += rr[t] * mm[t];
+            g[i * r.t + t] = acc;
+        }
+        let (old, sq) = (o.old_log_probs.row(i), o.sum_pi_squared.row(i));
+        let mut cum = 0.0;
+        for t in 0..r.t {
+            let mut ws = 1.0 - 2.0 * old[t].exp() + sq[t];
+            if let Some(rho) = o.is_weights {
+                ws *= rho.row(i)[t].powi(2);
+            }
+            cum += ws * mm[t];
+            w[i * r.t + t] = cum;
+        }
+    }
+    (g, w)
+}
+
+/// `optimal_token_baseline` (verl's `compute_optimal_token_baseline_advantage`) and, with `tir`,
+/// `tir_optimal_token_baseline` (`compute_multi_turn_optimal_token_baseline_advantage`):
+/// advantages `(G_t − B_t)·m_t` and the returns `G_t`. In each group of two or more rows the
+/// baseline of step `k` is `B_k = Σ G_k·W_k / (Σ W_k + ε)` over the group's rows (a group of one
+/// keeps its return). Step `k` is position `k` (rows with no token count in their group), or
+/// with `tir` each row's `k`-th token in the mask (rows with no token are in no group).
+fn optimal_token_baseline(
+    r: &Mat,
+    m: &Mat,
+    o: &OtbInputs,
+    index: &[u64],
+    tir: bool,
+) -> (Vec<f64>, Vec<f64>) {
+    let (g, w) = returns_and_path_variance(r, m, o);
+    // Each row's steps: its positions, or (tir) its positions in the mask.
+    let steps: Vec<Vec<usize>> = (0..m.b)
+        .map(|i| match tir {
+            false => (0..m.t).collect(),
+            true => (0..m.t).filter(|&t| m.row(i)[t] != 0.0).collect(),
+        })
+        .collect();
+    // verl's lengths: the mask's sum, truncated to an integer.
+    let lens: Vec<usize> = (0..m.b)
+        .map(|i| m.row(i).iter().sum::<f64>() as usize)
+        .collect();
+    let width = steps.iter().map(Vec::len).max().unwrap_or(0);
+    // G·W·m and W·m at each step of each row, 0 past its steps: [b, width]
+    let (mut gw, mut wm) = (vec![0.0; m.b * width], vec![0.0; m.b * width]);
+    for (i, st) in steps.iter().enumerate() {
+        for (k, &t) in st.iter().enumerate() {
+            let (x, mk) = (i * m.t + t, m.v[i * m.t + t]);
+            gw[i * width + k] = g[x] * w[x] * mk;
+            wm[i * width + k] = w[x] * mk;
+        }
+    }
+    let members: Vec<usize> = (0..m.b).filter(|&i| !tir || lens[i] > 0).collect();
+    let base = group_baselines(&gw, &wm, width, &lens, index, &members); // [b, width]
+    let mut adv = vec![0.0; m.b * m.t];
+    for (i, st) in steps.iter().enumerate() {
+        for (k, &t) in st.iter().enumerate() {
+            let x = i * m.t + t;
+            adv[x] = (g[x] - base[i * width + k]) * m.v[x];
+        }
+    }
+    (adv, g)
+}
+
+/// The per-step baselines `[b, width]` of the groups that `members` form: `Σ gw / (Σ wm + ε)`
+/// over each group of two or more rows, 0 elsewhere, then verl's zero tail: when one row of a
+/// group is strictly the longest (`lens`), its baseline is 0 from the second-longest row's
+/// length on (no other response of the group reaches those steps).
+fn group_baselines(
+    gw: &[f64],
+    wm: &[f64],
+    width: usize,
+    lens: &[usize],
+    index: &[u64],
+    members: &[usize],
+) -> Vec<f64> {
+    let mut groups: HashMap<u64, Vec<usize>> = HashMap::new();
+    for &i in members {
+        groups.entry(index[i]).or_default().push(i);
+    }
+    let mut base = vec![0.0; lens.len() * width];
+    for rows in groups.values().filter(|rows| rows.len() > 1) {
+        let (mut num, mut den) = (vec![0.0; width], vec![0.0; width]);
+        for &i in rows {
+            for k in 0..width {
+                num[k] += gw[i * width + k];
+                den[k] += wm[i * width + k];
+            }
+        }
+        for &i in rows {
+            for k in 0..width {
+                base[i * width + k] = num[k] / (den[k] + OTB_EPS);
+            }
+        }
+        let mut sorted: Vec<usize> = rows.iter().map(|&i| lens[i]).collect();
+        sorted.sort_unstable();
+        let (max, second) = (sorted[sorted.len() - 1], sorted[sorted.len() - 2]);
+        let longest: Vec<usize> = rows.iter().copied().filter(|&i| lens[i] == max).collect();
+        if let ([one], true) = (longest.as_slice(), max > second) {
+            for k in second..width {
+                base[one * width + k] = 0.0;
+            }
+        }
+    }
+    base
 }
 
 /// `scale·(s − mean_g)` per response, the mean over its group (0 for a group of one): GPG's

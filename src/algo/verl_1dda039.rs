@@ -3,13 +3,15 @@
 //! and without rollout IS weights, their gradients with respect to the log-probs from torch's
 //! autograd, the clipped value loss), written to `tests/fixtures/algo_verl_1dda039.json` by
 //! `scripts/verl_algo_fixtures.py`. The inputs hold a row without a valid token. f64, 1e-9.
+//! Also gdpo and the optimal token baselines (`compute_optimal_token_baseline_advantage`,
+//! `compute_multi_turn_optimal_token_baseline_advantage`) on inputs of their own.
 
 use candle_core::{DType, Device, Tensor, Var};
 use serde_json::Value;
 
 use super::agg::{agg_loss, scalar, AggNorm};
 use super::*;
-use crate::config::{LossAggMode, PolicyLossMode};
+use crate::config::{AdvEstimator, LossAggMode, PolicyLossMode};
 
 const TOL: f64 = 1e-9;
 
@@ -203,6 +205,9 @@ fn gdpo_equals_verl() {
         index: Some(&index),
         reward_baselines: None,
         reward_components: Some(&comps),
+        old_log_probs: None,
+        sum_pi_squared: None,
+        rollout_is_weights: None,
     };
     for c in f["gdpo"].as_array().unwrap() {
         let cfg = crate::config::AlgorithmConfig {
@@ -231,4 +236,120 @@ fn gdpo_equals_verl() {
     };
     let e = advantages(crate::config::AdvEstimator::Gdpo, &inp, &cfg).unwrap_err();
     assert!(e.to_string().contains("gdpo_reward_keys"), "{e}");
+}
+
+fn host(v: &Value) -> Mat {
+    Mat::from_tensor(&mat(v), "fixture").unwrap()
+}
+
+/// optimal_token_baseline and tir_optimal_token_baseline against verl's
+/// `compute_optimal_token_baseline_advantage` and
+/// `compute_multi_turn_optimal_token_baseline_advantage` (1dda039, torch f64; the fixture's
+/// `otb` part): 12 responses in five groups — one with a strictly longest response (zero
+/// tail) and rewards on every token, one all-equal, one holding an empty response, a group of
+/// one, a tie for the longest — with and without rollout IS weights, on prefix masks and on
+/// masks with tokens left out inside two responses. Advantages and returns within 1e-9
+/// (relative above 1). On prefix masks verl's two functions agree, and so do ours.
+#[test]
+fn optimal_token_baselines_equal_verl() {
+    let f = fixture();
+    let o = &f["otb"];
+    let (r, old, spi2, w) = (
+        host(&o["rewards"]),
+        host(&o["old_log_probs"]),
+        host(&o["sum_pi_squared"]),
+        host(&o["rollout_is_weights"]),
+    );
+    let index: Vec<u64> = serde_json::from_value(o["index"].clone()).unwrap();
+    let cases = o["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 8);
+    let mut ours = Vec::new();
+    for c in cases {
+        let est: AdvEstimator = serde_yaml_ng::from_str(c["estimator"].as_str().unwrap()).unwrap();
+        let mask_name = c["mask"].as_str().unwrap();
+        let weighted = c["weighted"].as_bool().unwrap();
+        let m = host(&o["masks"][mask_name]);
+        let inp = HostInputs {
+            token_level_rewards: &r,
+            response_mask: &m,
+            values: None,
+            index: Some(&index),
+            reward_baselines: None,
+            reward_components: None,
+            old_log_probs: Some(&old),
+            sum_pi_squared: Some(&spi2),
+            rollout_is_weights: weighted.then_some(&w),
+        };
+        let cfg = crate::config::AlgorithmConfig {
+            adv_estimator: est,
+            ..Default::default()
+        };
+        let (adv, ret) = advantages(est, &inp, &cfg).unwrap();
+        let name = format!("{} {mask_name} weighted={weighted}", est.as_str());
+        for (what, got) in [("adv", &adv), ("ret", &ret)] {
+            let want: Vec<Vec<f64>> = serde_json::from_value(c[what].clone()).unwrap();
+            for (i, (g, v)) in got.v.iter().zip(want.concat()).enumerate() {
+                close(&format!("{name}: {what}[{}, {}]", i / r.t, i % r.t), *g, v);
+            }
+        }
+        ours.push(((est, mask_name, weighted), adv, c["adv"].clone()));
+    }
+    // The tir variant differs from the plain one only where masks have holes.
+    for ((est, mask, weighted), adv, verl) in &ours {
+        if *est != AdvEstimator::TirOptimalTokenBaseline {
+            continue;
+        }
+        let (_, plain, plain_verl) = ours
+            .iter()
+            .find(|(k, ..)| *k == (AdvEstimator::OptimalTokenBaseline, *mask, *weighted))
+            .unwrap();
+        assert_eq!(
+            *mask == "prefix",
+            adv == plain,
+            "{mask} weighted={weighted}"
+        );
+        assert_eq!(*mask == "prefix", verl == plain_verl, "verl: {mask}");
+    }
+}
+
+/// The optimal token baselines need Σπ² and the old log-probs: without them the error names
+/// the key that computes them.
+#[test]
+fn optimal_token_baselines_name_calculate_sum_pi_squared() {
+    let m = Mat::zeros(2, 3);
+    let inp = HostInputs {
+        token_level_rewards: &m,
+        response_mask: &m,
+        values: None,
+        index: Some(&[0, 0]),
+        reward_baselines: None,
+        reward_components: None,
+        old_log_probs: Some(&m),
+        sum_pi_squared: None,
+        rollout_is_weights: None,
+    };
+    let e = advantages(
+        AdvEstimator::OptimalTokenBaseline,
+        &inp,
+        &Default::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("calculate_sum_pi_squared=True") && e.contains("sum_pi_squared"),
+        "{e}"
+    );
+    let short = Mat::zeros(2, 2);
+    let inp = HostInputs {
+        sum_pi_squared: Some(&short),
+        ..inp
+    };
+    let e = advantages(
+        AdvEstimator::TirOptimalTokenBaseline,
+        &inp,
+        &Default::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("sum_pi_squared (2, 2)"), "{e}");
 }

@@ -143,6 +143,10 @@ pub struct ActorConfig {
     pub entropy_coeff: f64,
     /// Compute entropy in the update even when entropy_coeff is 0 (for the metric).
     pub calculate_entropy: bool,
+    /// Compute Σπ² (the sum of the squared token probabilities) at every response position in
+    /// the old-log-prob pass, by the fused LM head: the optimal-token-baseline estimators need
+    /// it, and with it the variance_proxy/* metrics are logged.
+    pub calculate_sum_pi_squared: bool,
     /// Add a KL(actor‖ref) loss term (needs the reference model).
     pub use_kl_loss: bool,
     /// Coefficient of the KL loss.
@@ -181,6 +185,7 @@ defaults!(ActorConfig {
     loss_scale_factor: None,
     entropy_coeff: 0.0,
     calculate_entropy: false,
+    calculate_sum_pi_squared: false,
     use_kl_loss: false,
     kl_loss_coef: 0.001,
     kl_loss_type: KlPenalty::new(KlKind::K3, false),

@@ -36,6 +36,14 @@ pub enum AdvEstimator {
     /// GDPO: each reward component (`gdpo_reward_keys`) group-normalised on its own, weighted,
     /// summed and whitened over the batch.
     Gdpo,
+    /// Optimal token baseline: reward-to-go minus a per-step group baseline weighted by each
+    /// response's cumulative path variance Σ(1 − 2π_t + Σπ²) (needs
+    /// `actor_rollout_ref.actor.calculate_sum_pi_squared`).
+    OptimalTokenBaseline,
+    /// The optimal token baseline over each response's k-th token in the update instead of its
+    /// k-th position (verl's variant for tool-interleaved responses; the same as
+    /// `optimal_token_baseline` unless tokens inside a response are left out of the mask).
+    TirOptimalTokenBaseline,
 }
 
 impl AdvEstimator {
@@ -53,6 +61,8 @@ impl AdvEstimator {
             AdvEstimator::GrpoPassk => "grpo_passk",
             AdvEstimator::Gpg => "gpg",
             AdvEstimator::Gdpo => "gdpo",
+            AdvEstimator::OptimalTokenBaseline => "optimal_token_baseline",
+            AdvEstimator::TirOptimalTokenBaseline => "tir_optimal_token_baseline",
         }
     }
 }
@@ -188,7 +198,7 @@ pub struct AlgorithmConfig {
     pub gamma: f64,
     /// GAE lambda.
     pub lam: f64,
-    /// gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | opo | grpo_passk | gpg | gdpo.
+    /// gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | opo | grpo_passk | gpg | gdpo | optimal_token_baseline | tir_optimal_token_baseline.
     pub adv_estimator: AdvEstimator,
     /// GRPO: divide by the group std (false = Dr.GRPO).
     pub norm_adv_by_std_in_grpo: bool,

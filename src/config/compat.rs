@@ -63,7 +63,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("critic.model.tiled_mlp", DIST),
     ("critic.model.mtp", DIST),
     // actor engine
-    ("actor_rollout_ref.actor.calculate_sum_pi_squared", Unsupported { default: "false", why: "the optimal-token-baseline estimators are not implemented" }),
     ("actor_rollout_ref.actor.fsdp_config", DIST),
     ("actor_rollout_ref.actor.megatron", DIST),
     ("actor_rollout_ref.actor.strategy", DIST),

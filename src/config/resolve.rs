@@ -676,6 +676,7 @@ fn reference_rules(f: &mut Findings, cfg: &Config) -> (bool, Option<MicroBatchin
 
 /// `algorithm.*`: the KL controller, GAE's factors, the estimator against `rollout.n`.
 fn algorithm_rules(f: &mut Findings, cfg: &Config, n: usize) {
+    otb_rules(f, cfg);
     let Findings { errors, warnings } = f;
     let algo = &cfg.algorithm;
     if algo.use_kl_in_reward
@@ -707,12 +708,47 @@ fn algorithm_rules(f: &mut Findings, cfg: &Config, n: usize) {
     gdpo_rules(errors, algo);
     if matches!(
         algo.adv_estimator,
-        AdvEstimator::Grpo | AdvEstimator::Rloo | AdvEstimator::RlooVectorized | AdvEstimator::Gdpo
+        AdvEstimator::Grpo
+            | AdvEstimator::Rloo
+            | AdvEstimator::RlooVectorized
+            | AdvEstimator::Gdpo
+            | AdvEstimator::OptimalTokenBaseline
+            | AdvEstimator::TirOptimalTokenBaseline
     ) && n == 1
     {
         warnings.push(format!(
             "`algorithm.adv_estimator={}` compares responses to the same prompt, but `actor_rollout_ref.rollout.n` is 1",
             algo.adv_estimator.as_str()
+        ));
+    }
+}
+
+/// The optimal token baselines read Σπ² from the old-log-prob pass: verl asserts
+/// `actor_rollout_ref.actor.calculate_sum_pi_squared` (here a configuration error, before
+/// anything runs), and bypass mode has no such pass (verl fails at its first step).
+fn otb_rules(f: &mut Findings, cfg: &Config) {
+    const SPI2: &str = "actor_rollout_ref.actor.calculate_sum_pi_squared";
+    let algo = &cfg.algorithm;
+    let on = cfg.actor_rollout_ref.actor.calculate_sum_pi_squared;
+    let bypass = algo.rollout_correction.bypass_mode;
+    if matches!(
+        algo.adv_estimator,
+        AdvEstimator::OptimalTokenBaseline | AdvEstimator::TirOptimalTokenBaseline
+    ) {
+        let est = algo.adv_estimator.as_str();
+        if !on {
+            f.errors.push(format!(
+                "`algorithm.adv_estimator={est}` needs `{SPI2}=True`: its baseline weighs each response by the path variance Σ(1 − 2π_t + Σπ²), and Σπ² comes from the old-log-prob pass"
+            ));
+        }
+        if bypass {
+            f.errors.push(format!(
+                "`algorithm.adv_estimator={est}` cannot run with `algorithm.rollout_correction.bypass_mode=true`: bypass mode has no old-log-prob pass to compute Σπ² (`{SPI2}`) in"
+            ));
+        }
+    } else if on && bypass {
+        f.warnings.push(format!(
+            "`{SPI2}=True` computes nothing with `algorithm.rollout_correction.bypass_mode=true` (no old-log-prob pass): no variance_proxy/* metrics"
         ));
     }
 }

@@ -1067,6 +1067,40 @@ fn gdpo_reward_keys_rules() {
     );
 }
 
+/// The optimal token baselines need Σπ² from the old-log-prob pass: without
+/// `actor.calculate_sum_pi_squared=True` (verl asserts it at the first step), or in bypass mode
+/// (no such pass), the configuration is refused naming the keys; on its own the key is
+/// accepted (it adds the variance_proxy/* metrics), with a warning in bypass mode.
+#[test]
+fn optimal_token_baseline_rules() {
+    let spi2 = "actor_rollout_ref.actor.calculate_sum_pi_squared=True";
+    let bypass = [
+        "actor_rollout_ref.rollout.calculate_log_probs=True",
+        "algorithm.rollout_correction.bypass_mode=True",
+    ];
+    for est in ["optimal_token_baseline", "tir_optimal_token_baseline"] {
+        let a = format!("algorithm.adv_estimator={est}");
+        let e = rule_error(&[&a]);
+        assert!(
+            e.contains(&format!("`algorithm.adv_estimator={est}`"))
+                && e.contains("`actor_rollout_ref.actor.calculate_sum_pi_squared=True`"),
+            "{e}"
+        );
+        assert!(resolved(&[&a, spi2]).is_ok());
+        let e = rule_error(&[&a, spi2, bypass[0], bypass[1]]);
+        assert!(e.contains("bypass_mode") && e.contains(est), "{e}");
+    }
+    let plan = resolved(&[spi2, bypass[0], bypass[1]]).unwrap();
+    assert!(
+        plan.warnings
+            .iter()
+            .any(|w| w.contains("calculate_sum_pi_squared")),
+        "{:?}",
+        plan.warnings
+    );
+    assert!(resolved(&[spi2, "algorithm.adv_estimator=grpo"]).is_ok());
+}
+
 /// DAPO's dynamic sampling: verl's rules (a metric, at least one batch in flight) and ours (no
 /// KL in the reward; without filtering gen_batch_size must be the step's size); the plan.
 #[test]

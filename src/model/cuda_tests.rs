@@ -71,6 +71,38 @@ fn batch(dev: &Device) -> (Tensor, Tensor, Tensor, Tensor) {
     (t(&rows), t(&mask), t(&pos), t(&tgt))
 }
 
+/// Σπ² (`actor.calculate_sum_pi_squared`) on CUDA — the LM head as chunked tensor operations,
+/// and the composition (`Exec::composed`) — equals the CPU's fused head on the same weights
+/// (f32, 1e-5); the log-probs are those without it.
+#[test]
+fn cuda_sum_pi_squared_equals_the_cpu() {
+    let Some(dev) = gpu() else { return };
+    let stats = HeadStats {
+        entropy: true,
+        sum_pi_squared: true,
+    };
+    let (_vc, cpu, _vg, mut gpu) = pair(Arch::Qwen2, &dev);
+    let sq = |m: &CausalLm, d: &Device| {
+        let (ids, mask, pos, tgt) = batch(d);
+        let h = m.forward_hidden(&ids, &pos, &mask, None).unwrap();
+        let out = m.token_stats(&h, &tgt, 5, stats).unwrap();
+        let (lp, _) = m.token_logprobs(&h, &tgt, 5, false).unwrap();
+        assert_eq!(host(&lp), host(&out.log_probs));
+        host(out.sum_pi_squared.as_ref().unwrap())
+    };
+    let want = sq(&cpu, &Device::Cpu);
+    for composed in [false, true] {
+        gpu.set_exec(Exec {
+            composed,
+            ..Exec::default()
+        });
+        let got = sq(&gpu, &dev);
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-5, "composed={composed}: {g} vs {w}");
+        }
+    }
+}
+
 /// Log-probs, entropies and every parameter's gradient of `Σ log p · w + Σ entropy` agree
 /// between the CPU (hand-written layers, fused LM head) and CUDA (the composition): values to
 /// 1e-4 of their scale, gradients to 1e-3 of each tensor's largest entry (cuBLAS and the CPU

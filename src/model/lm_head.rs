@@ -11,6 +11,7 @@
 //! log p(t) = z_t − lse                       ∂/∂z_j = δ_jt − p_j
 //! H = −Σ p log p = lse − Σ p_j z_j           ∂H/∂z_j = −p_j (z_j − lse + H)
 //! ∂L/∂h = dz · W,   ∂L/∂W = dzᵀ · h          (dz = g_lp ∂log p(t)/∂z + g_H ∂H/∂z)
+//! Σ p² = Σ e² / (Σ e)²,  e = exp(z − max)     (when asked; forward only, no gradient)
 //! ```
 //!
 //! CPU with f32/f64 runs it on host slices; on a GPU the same op runs as chunked tensor
@@ -58,12 +59,48 @@ fn row_stats<T: Elem>(z: &[T]) -> (T, T) {
     )
 }
 
+/// [`row_stats`] and Σ p² = Σ e² / (Σ e)² with `e = exp(z − max)`, the sums in f64 in the same
+/// 16 lanes (a function of its own, so that the pass without Σ p² keeps its loop).
+#[inline(always)]
+fn row_stats_sq<T: Elem>(z: &[T]) -> (T, T, f64) {
+    let mx = z
+        .iter()
+        .fold(T::neg_infinity(), |a, &v| num_traits::Float::max(a, v));
+    let (mut s, mut sz, mut s2) = ([0f64; 16], [0f64; 16], [0f64; 16]);
+    let n = z.len() / 16 * 16;
+    for c in z[..n].chunks_exact(16) {
+        for (((a, b), q), &v) in s.iter_mut().zip(sz.iter_mut()).zip(s2.iter_mut()).zip(c) {
+            let e = WithDType::to_f64((v - mx).exp_fast());
+            *a += e;
+            *b += e * WithDType::to_f64(v);
+            *q += e * e;
+        }
+    }
+    let (mut s1, mut sz1, mut s21) = (0f64, 0f64, 0f64);
+    for &v in &z[n..] {
+        let e = WithDType::to_f64((v - mx).exp_fast());
+        s1 += e;
+        sz1 += e * WithDType::to_f64(v);
+        s21 += e * e;
+    }
+    let s = s.iter().fold(s1, |a, &b| a + b);
+    let sz = sz.iter().fold(sz1, |a, &b| a + b);
+    let s2 = s2.iter().fold(s21, |a, &b| a + b);
+    (
+        T::from_f64(WithDType::to_f64(mx) + s.ln()),
+        T::from_f64(sz / s),
+        s2 / (s * s),
+    )
+}
+
 /// The fused LM-head op: inputs hidden `[rows, hidden]` and the output weight `[vocab, hidden]`
-/// (both contiguous); output `[rows, 2]` = (log-prob of the target, entropy).
+/// (both contiguous); output `[rows, 2]` = (log-prob of the target, entropy), `[rows, 3]` with
+/// Σ p² as the third column when `with_sum_pi_squared` (no gradient flows from it).
 struct LogProbs {
     targets: Vec<u32>,
     chunk: usize,
     with_entropy: bool,
+    with_sum_pi_squared: bool,
     /// Products with bf16 operands and f32 sums (f32 on CPUs with a bf16 kernel), the weight packed once per
     /// pass for all chunks.
     bf16: bool,
@@ -124,10 +161,16 @@ fn contiguous<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, what: &str) -> Re
 }
 
 impl LogProbs {
+    /// Output columns: log-prob, entropy, and Σ p² when asked.
+    fn cols(&self) -> usize {
+        2 + usize::from(self.with_sum_pi_squared)
+    }
+
     fn forward<T: Elem>(&self, h: &[T], w: &[T], hid: usize) -> Result<Vec<T>> {
         let n = self.targets.len();
         let vocab = w.len() / hid;
-        let mut out = vec![T::zero(); n * 2];
+        let cols = self.cols();
+        let mut out = vec![T::zero(); n * cols]; // [n, cols]
         let packs = Packs::new(self.bf16, w, hid, true, false);
         for start in (0..n).step_by(self.chunk) {
             let c = self.chunk.min(n - start);
@@ -135,15 +178,24 @@ impl LogProbs {
             let hc = &h[start * hid..(start + c) * hid];
             Packs::product(packs.t.as_ref(), &mut z, c, hc, hid, w, hid, true);
             let tg = &self.targets[start..start + c];
-            out[start * 2..(start + c) * 2]
-                .par_chunks_mut(2)
+            out[start * cols..(start + c) * cols]
+                .par_chunks_mut(cols)
                 .zip(z.par_chunks(vocab))
                 .zip(tg.par_iter())
                 .for_each(|((o, zr), &t)| {
-                    let (lse, mean_z) = vectorized(
-                        #[inline(always)]
-                        || row_stats(zr),
-                    );
+                    let (lse, mean_z) = if self.with_sum_pi_squared {
+                        let (lse, mean_z, sq) = vectorized(
+                            #[inline(always)]
+                            || row_stats_sq(zr),
+                        );
+                        o[2] = T::from_f64(sq);
+                        (lse, mean_z)
+                    } else {
+                        vectorized(
+                            #[inline(always)]
+                            || row_stats(zr),
+                        )
+                    };
                     o[0] = zr[t as usize] - lse;
                     o[1] = if self.with_entropy {
                         lse - mean_z
@@ -156,7 +208,7 @@ impl LogProbs {
     }
 
     /// Gradients of hidden `[rows, hidden]` and weight `[vocab, hidden]` from the output's
-    /// gradient `g` `[rows, 2]`.
+    /// gradient `g` `[rows, cols]` (a Σ p² column's gradient is not read).
     /// Gradients of `h` and, when `need_w` (the weight is trained: not a LoRA model's frozen
     /// output embedding), of `w`.
     fn backward<T: Elem>(
@@ -183,10 +235,11 @@ impl LogProbs {
             let z = &mut buf[..c * vocab]; // [c, vocab], becomes dz in place
             Packs::product(packs.t.as_ref(), z, c, hc, hid, w, hid, true);
             let tg = &self.targets[start..start + c];
-            let gc = &g[start * 2..(start + c) * 2];
+            let cols = self.cols();
+            let gc = &g[start * cols..(start + c) * cols];
             z.par_chunks_mut(vocab)
                 .zip(tg.par_iter())
-                .zip(gc.par_chunks(2))
+                .zip(gc.par_chunks(cols))
                 .for_each(|((zr, &t), gr)| {
                     let (g_lp, g_h) = (gr[0], if self.with_entropy { gr[1] } else { T::zero() });
                     vectorized(
@@ -250,8 +303,8 @@ impl LogProbs {
         z.to_dtype(wide(hc.dtype()))
     }
 
-    /// (lse, Σ p z) of each row of `z` `[c, vocab]`: `[c, 1]` each, and `e = exp(z − max)`,
-    /// `Σ e`.
+    /// (lse, Σ p z) of each row of `z` `[c, vocab]`: `[c, 1]` each, and `e = exp(z − max)`
+    /// `[c, vocab]`, `Σ e` `[c, 1]`.
     fn chunk_stats(z: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
         let mx = z.max_keepdim(1)?;
         let e = z.broadcast_sub(&mx)?.exp()?;
@@ -267,7 +320,8 @@ impl LogProbs {
         self.chunk.max(self.min_chunk_logits / vocab.max(1)).max(1)
     }
 
-    /// Forward: `[rows, 2]` = (log-prob of the target, entropy or 0), in `h`'s dtype.
+    /// Forward: `[rows, cols]` = (log-prob of the target, entropy or 0, and Σ p² when asked), in
+    /// `h`'s dtype. Σ p² = Σ e² / (Σ e)², summed in the logits' dtype (f32, f64 for f64).
     fn forward_tensors(&self, h: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let n = h.dim(0)?;
         let chunk = self.device_chunk(w.dim(0)?);
@@ -275,14 +329,19 @@ impl LogProbs {
         for start in (0..n).step_by(chunk) {
             let c = chunk.min(n - start);
             let z = self.chunk_logits(&h.narrow(0, start, c)?, w)?; // [c, vocab]
-            let (lse, mean_z, _, _) = Self::chunk_stats(&z)?;
+            let (lse, mean_z, e, s) = Self::chunk_stats(&z)?;
             let tg = targets.narrow(0, start, c)?.unsqueeze(1)?; // [c, 1]
             let lp = (z.gather(&tg, 1)? - &lse)?;
             let ent = match self.with_entropy {
                 true => (lse - mean_z)?,
                 false => lp.zeros_like()?,
             };
-            outs.push(Tensor::cat(&[lp, ent], 1)?);
+            let mut parts = vec![lp, ent];
+            if self.with_sum_pi_squared {
+                // Σ e² / (Σ e)²: [c, 1]
+                parts.push(e.sqr()?.sum_keepdim(1)?.div(&s.sqr()?)?);
+            }
+            outs.push(Tensor::cat(&parts, 1)?);
         }
         Tensor::cat(&outs, 0)?.to_dtype(h.dtype())
     }
@@ -389,7 +448,7 @@ impl CustomOp2 for LogProbs {
             )?),
             _ => candle_core::bail!("fused log-probs: f32 or f64 inputs of one dtype only"),
         };
-        Ok((out, Shape::from((rows, 2))))
+        Ok((out, Shape::from((rows, self.cols()))))
     }
 
     #[cfg(feature = "cuda")]
@@ -450,6 +509,23 @@ impl CustomOp2 for LogProbs {
     }
 }
 
+/// What the head computes besides each target's log-prob.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeadStats {
+    /// The entropy of each position's distribution (differentiable).
+    pub entropy: bool,
+    /// Σ_j p_j² of each position's distribution (detached: no gradient flows from it).
+    pub sum_pi_squared: bool,
+}
+
+/// The head's outputs, `[rows]` each (`[batch, seq]` from `CausalLm::token_stats`).
+#[derive(Debug, Clone)]
+pub struct HeadOut {
+    pub log_probs: Tensor,
+    pub entropy: Option<Tensor>,
+    pub sum_pi_squared: Option<Tensor>,
+}
+
 /// Log-probabilities of `targets` `[rows]` under logits `hidden · weightᵀ` and, when asked, the
 /// entropy of each row's distribution: `[rows]` each. `hidden` `[rows, hidden]`, `weight`
 /// `[vocab, hidden]`; `chunk` rows at a time. Differentiable in both inputs.
@@ -461,6 +537,23 @@ pub fn token_logprobs_fused(
     with_entropy: bool,
     bf16: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    let stats = HeadStats {
+        entropy: with_entropy,
+        sum_pi_squared: false,
+    };
+    let out = token_stats_fused(hidden, weight, targets, chunk, stats, bf16)?;
+    Ok((out.log_probs, out.entropy))
+}
+
+/// [`token_logprobs_fused`] with the statistics `stats` asks for (Σ p² among them).
+pub fn token_stats_fused(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    chunk: usize,
+    stats: HeadStats,
+    bf16: bool,
+) -> Result<HeadOut> {
     let targets: Vec<u32> = targets.to_dtype(DType::U32)?.flatten_all()?.to_vec1()?;
     let vocab = weight.dim(0)?;
     if let Some(&t) = targets.iter().find(|&&t| t as usize >= vocab) {
@@ -469,20 +562,20 @@ pub fn token_logprobs_fused(
     // Off the CPU the op runs as chunked tensor operations on the weight's device, ~2^28
     // logits per chunk.
     let tensors = (!weight.device().is_cpu()).then_some(1 << 28);
-    token_logprobs_op(hidden, weight, targets, chunk, with_entropy, bf16, tensors)
+    token_logprobs_op(hidden, weight, targets, chunk, stats, bf16, tensors)
 }
 
-/// [`token_logprobs_fused`] with the path chosen: `tensors` runs the op as chunked tensor
+/// [`token_stats_fused`] with the path chosen: `tensors` runs the op as chunked tensor
 /// operations (the GPU path) on any device, chunks of at least that many logits.
 fn token_logprobs_op(
     hidden: &Tensor,
     weight: &Tensor,
     targets: Vec<u32>,
     chunk: usize,
-    with_entropy: bool,
+    stats: HeadStats,
     bf16: bool,
     tensors: Option<usize>,
-) -> Result<(Tensor, Option<Tensor>)> {
+) -> Result<HeadOut> {
     let device = match tensors {
         None => None,
         Some(_) => Some((
@@ -493,19 +586,22 @@ fn token_logprobs_op(
     let op = LogProbs {
         targets,
         chunk: chunk.max(1),
-        with_entropy,
+        with_entropy: stats.entropy,
+        with_sum_pi_squared: stats.sum_pi_squared,
         bf16,
         device,
         min_chunk_logits: tensors.unwrap_or(0),
     };
-    let out = hidden.contiguous()?.apply_op2(&weight.contiguous()?, op)?; // [rows, 2]
-    let lp = out.narrow(1, 0, 1)?.squeeze(1)?;
-    let ent = if with_entropy {
-        Some(out.narrow(1, 1, 1)?.squeeze(1)?)
-    } else {
-        None
-    };
-    Ok((lp, ent))
+    let out = hidden.contiguous()?.apply_op2(&weight.contiguous()?, op)?; // [rows, 2 or 3]
+    let column = |k: usize| out.narrow(1, k, 1)?.squeeze(1); // [rows]
+    Ok(HeadOut {
+        log_probs: column(0)?,
+        entropy: stats.entropy.then(|| column(1)).transpose()?,
+        sum_pi_squared: stats
+            .sum_pi_squared
+            .then(|| column(2).map(|t| t.detach()))
+            .transpose()?,
+    })
 }
 
 #[cfg(test)]
@@ -592,7 +688,12 @@ mod tests {
             token_logprobs_fused(h.as_tensor(), w.as_tensor(), &t, chunk, true, false).unwrap()
         } else if path == Path::Tensors {
             let (h, w) = (h.as_tensor(), w.as_tensor());
-            token_logprobs_op(h, w, c.t.clone(), chunk, true, false, Some(0)).unwrap()
+            let stats = super::HeadStats {
+                entropy: true,
+                sum_pi_squared: false,
+            };
+            let out = token_logprobs_op(h, w, c.t.clone(), chunk, stats, false, Some(0)).unwrap();
+            (out.log_probs, out.entropy)
         } else {
             // The composition of transformer.rs, on the same [rows, hidden] layout.
             let z = h.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap();
@@ -712,6 +813,123 @@ mod tests {
                     "seed {seed}: {x} vs {y}"
                 );
             }
+        }
+    }
+
+    /// Σ p² straight from its definition: the logits `h·Wᵀ` and the softmax in plain f64 loops.
+    fn direct_sum_pi_squared(c: &Case) -> Vec<f64> {
+        (0..c.rows)
+            .map(|r| {
+                let z: Vec<f64> = (0..c.vocab)
+                    .map(|j| {
+                        (0..c.hid)
+                            .map(|k| c.h[r * c.hid + k] * c.w[j * c.hid + k])
+                            .sum()
+                    })
+                    .collect();
+                let mx = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let total: f64 = z.iter().map(|v| (v - mx).exp()).sum();
+                z.iter().map(|v| ((v - mx).exp() / total).powi(2)).sum()
+            })
+            .collect()
+    }
+
+    /// Σ p² of the fused head, on host slices and as chunked tensor operations, equals the
+    /// softmax computed directly (f64, 1e-12), flat and peaked distributions, vocabularies
+    /// below and above one 16-lane block, chunks of 1–4 rows; asking for it changes neither the
+    /// log-probs nor the entropies (bit for bit on host slices), and it carries no gradient.
+    #[test]
+    fn sum_pi_squared_equals_the_softmax_on_both_paths() {
+        let stats = super::HeadStats {
+            entropy: true,
+            sum_pi_squared: true,
+        };
+        for seed in 40..48 {
+            let mut c = case(seed);
+            if seed % 2 == 1 {
+                // peaked rows: Σ p² near 1
+                c.h.iter_mut().for_each(|x| *x *= 6.0);
+            }
+            let want = direct_sum_pi_squared(&c);
+            let dev = Device::Cpu;
+            let h = Tensor::from_vec(c.h.clone(), (c.rows, c.hid), &dev).unwrap();
+            let w =
+                Var::from_tensor(&Tensor::from_vec(c.w.clone(), (c.vocab, c.hid), &dev).unwrap())
+                    .unwrap();
+            let chunk = 1 + seed as usize % 4;
+            for tensors in [None, Some(0)] {
+                let w = w.as_tensor();
+                let out =
+                    token_logprobs_op(&h, w, c.t.clone(), chunk, stats, false, tensors).unwrap();
+                let sq: Vec<f64> = out.sum_pi_squared.as_ref().unwrap().to_vec1().unwrap();
+                for (r, (g, e)) in sq.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - e).abs() <= 1e-12,
+                        "seed {seed} {tensors:?} row {r}: {g} vs {e}"
+                    );
+                }
+                let plain = super::HeadStats {
+                    entropy: true,
+                    sum_pi_squared: false,
+                };
+                let base =
+                    token_logprobs_op(&h, w, c.t.clone(), chunk, plain, false, tensors).unwrap();
+                let v = |t: &Tensor| t.to_vec1::<f64>().unwrap();
+                let (lp, lp0) = (v(&out.log_probs), v(&base.log_probs));
+                let (ent, ent0) = (
+                    v(out.entropy.as_ref().unwrap()),
+                    v(base.entropy.as_ref().unwrap()),
+                );
+                if tensors.is_none() {
+                    assert_eq!((&lp, &ent), (&lp0, &ent0), "seed {seed}");
+                }
+                for (a, b) in lp.iter().zip(&lp0).chain(ent.iter().zip(&ent0)) {
+                    assert!(
+                        (a - b).abs() <= 1e-12,
+                        "seed {seed} {tensors:?}: {a} vs {b}"
+                    );
+                }
+                // Σ p² is detached: a loss on it alone has no gradient to the weight.
+                let loss = out.sum_pi_squared.unwrap().sum_all().unwrap();
+                assert!(loss.backward().unwrap().get(w).is_none(), "seed {seed}");
+            }
+        }
+    }
+
+    /// In f32 (the CPU's training dtype) Σ p² of the host path keeps f64 sums: within 1e-6 of
+    /// the f64 softmax over a 49,152-token vocabulary with one dominant logit.
+    #[test]
+    fn sum_pi_squared_in_f32_over_a_large_vocabulary() {
+        let (vocab, hid) = (49_152, 2);
+        let mut w = vec![0f32; vocab * hid];
+        for j in 0..vocab {
+            w[j * hid] = -17.0 + (j % 7) as f32 * 0.5;
+        }
+        w[123 * hid] = 0.0;
+        w[124 * hid + 1] = -1.0;
+        let h = [1f32, 1.0, 1.0, 0.0]; // two rows
+        let z = |r: usize, j: usize| {
+            f64::from(h[r * 2]) * f64::from(w[j * hid])
+                + f64::from(h[r * 2 + 1]) * f64::from(w[j * hid + 1])
+        };
+        let dev = Device::Cpu;
+        let ht = Tensor::from_vec(h.to_vec(), (2, hid), &dev).unwrap();
+        let wt = Tensor::from_vec(w.clone(), (vocab, hid), &dev).unwrap();
+        let stats = super::HeadStats {
+            entropy: false,
+            sum_pi_squared: true,
+        };
+        let out = token_logprobs_op(&ht, &wt, vec![0, 1], 1, stats, false, None).unwrap();
+        let got: Vec<f32> = out.sum_pi_squared.unwrap().to_vec1().unwrap();
+        for (r, g) in got.iter().enumerate() {
+            let zs: Vec<f64> = (0..vocab).map(|j| z(r, j)).collect();
+            let mx = zs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let total: f64 = zs.iter().map(|v| (v - mx).exp()).sum();
+            let want: f64 = zs.iter().map(|v| ((v - mx).exp() / total).powi(2)).sum();
+            assert!(
+                (f64::from(*g) - want).abs() < 1e-6,
+                "row {r}: {g} vs {want}"
+            );
         }
     }
 

@@ -59,6 +59,7 @@ impl ModelError {
 pub use block::KvCache;
 pub use config::{Arch, ModelArgs};
 pub use heads::{ScoreHead, ValueHead};
+pub use lm_head::{HeadOut, HeadStats};
 pub use transformer::{CausalLm, Exec};
 
 #[cfg(all(test, feature = "cuda"))]

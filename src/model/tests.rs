@@ -186,6 +186,53 @@ fn chunked_logprobs_equal_the_full_log_softmax() {
     );
 }
 
+/// Σπ² of the model's head (`token_stats`), fused and composed, equals Σ softmax² of the full
+/// logits (f64, 1e-12), the tempered logits included; log-probs and entropies are those of
+/// `token_logprobs`.
+#[test]
+fn sum_pi_squared_of_the_head_equals_the_full_softmax() {
+    let (_vm, m) = model(Arch::Qwen2, DType::F64);
+    let x = ids(&[vec![1, 2, 3, 4], vec![5, 6, 7, 8]]);
+    let h = m
+        .forward_hidden(
+            &x,
+            &ids(&[vec![0, 1, 2, 3], vec![0, 1, 2, 3]]),
+            &ids(&[vec![1; 4], vec![1; 4]]),
+            None,
+        )
+        .unwrap();
+    let tgt = ids(&[vec![2, 3, 4, 9], vec![6, 7, 8, 0]]);
+    let stats = crate::model::HeadStats {
+        entropy: true,
+        sum_pi_squared: true,
+    };
+    let max_diff = |a: &Tensor, b: &Tensor| -> f64 {
+        let d = (a - b).unwrap().abs().unwrap().flatten_all().unwrap();
+        d.max(0).unwrap().to_scalar::<f64>().unwrap()
+    };
+    for scale in [1.0, 1.0 / 0.7, 25.0] {
+        let h = (&h * scale).unwrap();
+        let probs = candle_nn::ops::softmax_last_dim(&m.logits(&h).unwrap()).unwrap();
+        let want = probs.sqr().unwrap().sum(candle_core::D::Minus1).unwrap(); // [2, 4]
+        let fused = m.token_stats(&h, &tgt, 3, stats).unwrap();
+        let composed = m.token_stats_composed(&h, &tgt, 3, stats).unwrap();
+        for out in [&fused, &composed] {
+            let got = out.sum_pi_squared.as_ref().unwrap();
+            assert!(
+                max_diff(got, &want) < 1e-12,
+                "scale {scale}: {}",
+                max_diff(got, &want)
+            );
+        }
+        let (lp, ent) = m.token_logprobs(&h, &tgt, 3, true).unwrap();
+        assert_eq!(max_diff(&lp, &fused.log_probs), 0.0);
+        assert_eq!(
+            max_diff(&ent.unwrap(), fused.entropy.as_ref().unwrap()),
+            0.0
+        );
+    }
+}
+
 #[test]
 fn every_parameter_gets_a_nonzero_gradient() {
     for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3] {

@@ -16,6 +16,7 @@ use super::block::{
     block_forward_keys, linear, norm, upcast, Block, Experts, Gated, KvCache, Mask, Mlp,
 };
 use super::config::{LayerKind, ModelArgs};
+use super::lm_head::{HeadOut, HeadStats};
 use super::proj::{mix64, Proj};
 
 /// The transformer with an optional LM head (`None` for a critic / reward backbone).
@@ -685,28 +686,47 @@ impl CausalLm {
         chunk: usize,
         with_entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        let stats = HeadStats {
+            entropy: with_entropy,
+            sum_pi_squared: false,
+        };
+        let out = self.token_stats(hidden, targets, chunk, stats)?;
+        Ok((out.log_probs, out.entropy))
+    }
+
+    /// [`CausalLm::token_logprobs`] with the statistics `stats` asks for: the entropy and Σ p²
+    /// (detached), `[batch, seq]` each.
+    pub fn token_stats(
+        &self,
+        hidden: &Tensor,
+        targets: &Tensor,
+        chunk: usize,
+        stats: HeadStats,
+    ) -> Result<HeadOut> {
         let cpu = crate::kernels::supported(hidden.device(), hidden.dtype());
         let device = !hidden.device().is_cpu() && !self.exec.composed;
         if !cpu && !device {
-            return self.token_logprobs_composed(hidden, targets, chunk, with_entropy);
+            return self.token_stats_composed(hidden, targets, chunk, stats);
         }
         let (b, t, h) = hidden.dims3()?;
-        let (lp, ent) = super::lm_head::token_logprobs_fused(
+        let out = super::lm_head::token_stats_fused(
             &hidden.reshape((b * t, h))?,
             self.output_weight()?,
             targets,
             chunk,
-            with_entropy,
+            stats,
             if cpu {
                 self.exec.bf16
             } else {
                 self.mixed_products()
             },
         )?;
-        Ok((
-            lp.reshape((b, t))?,
-            ent.map(|e| e.reshape((b, t))).transpose()?,
-        ))
+        let rows = |x: Option<Tensor>| x.map(|e| e.reshape((b, t))).transpose();
+        Ok(HeadOut {
+            log_probs: out.log_probs.reshape((b, t))?,
+            entropy: rows(out.entropy)?,
+            sum_pi_squared: rows(out.sum_pi_squared)?,
+        })
     }
 
     /// [`CausalLm::token_logprobs`] as a composition of candle ops (the reference the fused op
@@ -718,12 +738,28 @@ impl CausalLm {
         chunk: usize,
         with_entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        let stats = HeadStats {
+            entropy: with_entropy,
+            sum_pi_squared: false,
+        };
+        let out = self.token_stats_composed(hidden, targets, chunk, stats)?;
+        Ok((out.log_probs, out.entropy))
+    }
+
+    /// [`CausalLm::token_stats`] as a composition of candle ops, `chunk` positions at a time.
+    pub fn token_stats_composed(
+        &self,
+        hidden: &Tensor,
+        targets: &Tensor,
+        chunk: usize,
+        stats: HeadStats,
+    ) -> Result<HeadOut> {
         let (b, t, h) = hidden.dims3()?;
         let rows = hidden.reshape((b * t, h))?;
         let tgt = targets.flatten_all()?;
         let w = self.output_weight()?;
         let chunk = chunk.max(1);
-        let (mut lps, mut ents) = (Vec::new(), Vec::new());
+        let (mut lps, mut ents, mut sqs) = (Vec::new(), Vec::new(), Vec::new());
         let mut start = 0;
         while start < b * t {
             let n = chunk.min(b * t - start);
@@ -731,18 +767,23 @@ impl CausalLm {
             let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
             let idx = tgt.narrow(0, start, n)?.unsqueeze(1)?;
             lps.push(lsm.contiguous()?.gather(&idx, 1)?.squeeze(1)?);
-            if with_entropy {
+            if stats.entropy {
                 ents.push((lsm.exp()? * &lsm)?.sum(D::Minus1)?.neg()?);
+            }
+            if stats.sum_pi_squared {
+                // Σ p² = Σ exp(2 log p): [n]
+                sqs.push((&lsm * 2.0)?.exp()?.sum(D::Minus1)?.detach());
             }
             start += n;
         }
-        let lp = Tensor::cat(&lps, 0)?.reshape((b, t))?;
-        let ent = if with_entropy {
-            Some(Tensor::cat(&ents, 0)?.reshape((b, t))?)
-        } else {
-            None
+        let cat = |v: Vec<Tensor>, on: bool| -> Result<Option<Tensor>> {
+            on.then(|| Tensor::cat(&v, 0)?.reshape((b, t))).transpose()
         };
-        Ok((lp, ent))
+        Ok(HeadOut {
+            log_probs: Tensor::cat(&lps, 0)?.reshape((b, t))?,
+            entropy: cat(ents, stats.entropy)?,
+            sum_pi_squared: cat(sqs, stats.sum_pi_squared)?,
+        })
     }
 
     /// cos and sin of each row's positions: `[batch, 1, seq, head_dim]` (HF's half-split layout).

@@ -15,7 +15,7 @@ use crate::algo::{agg_loss, kl_loss, policy_loss_weighted, PolicyLossParams};
 use crate::config::BypassLoss;
 use crate::config::{ActorConfig, MicroBatching, Plan};
 use crate::metrics::Metrics;
-use crate::model::{CausalLm, Exec};
+use crate::model::{CausalLm, Exec, HeadOut, HeadStats};
 use crate::weights::hf::Loaded;
 
 /// Positions per chunk of the vocabulary projection: about 4 M logits alive at a time.
@@ -31,6 +31,22 @@ pub fn response_logprobs(
     temperature: f64,
     with_entropy: bool,
 ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+    let stats = HeadStats {
+        entropy: with_entropy,
+        sum_pi_squared: false,
+    };
+    let out = response_stats(model, mi, temperature, stats)?;
+    Ok((out.log_probs, out.entropy))
+}
+
+/// [`response_logprobs`] with the head statistics `stats` asks for (Σπ² among them, of the
+/// tempered distribution as verl computes it): `[m, r]` each.
+pub fn response_stats(
+    model: &CausalLm,
+    mi: &MicroInputs,
+    temperature: f64,
+    stats: HeadStats,
+) -> candle_core::Result<HeadOut> {
     let h = mi.response_hidden(model)?; // [m, r, h] or [1, k, h]
                                         // (h·W)/T = (h/T)·W: scaling the hidden state scales every logit.
     let h = if temperature > 0.0 && temperature != 1.0 {
@@ -38,13 +54,18 @@ pub fn response_logprobs(
     } else {
         h
     };
-    let (lp, ent) = model.token_logprobs(
+    let out = model.token_stats(
         &h,
         mi.response_targets(),
         logit_chunk(model.args.vocab_size),
-        with_entropy,
+        stats,
     )?;
-    Ok((mi.to_rows(&lp)?, ent.map(|e| mi.to_rows(&e)).transpose()?))
+    let rows = |x: Option<Tensor>| x.map(|e| mi.to_rows(&e)).transpose();
+    Ok(HeadOut {
+        log_probs: mi.to_rows(&out.log_probs)?,
+        entropy: rows(out.entropy)?,
+        sum_pi_squared: rows(out.sum_pi_squared)?,
+    })
 }
 
 /// The policy being trained.
@@ -130,16 +151,29 @@ impl Actor {
     }
 
     /// The `old_log_prob` phase: fills `old_log_probs` and `entropys` (verl's
-    /// `compute_log_prob`).
+    /// `compute_log_prob`), and `sum_pi_squared` with `calculate_sum_pi_squared`.
     pub fn compute_log_prob(&self, batch: &mut StepBatch) -> candle_core::Result<()> {
         let t = self.temperature;
+        let stats = HeadStats {
+            entropy: true,
+            sum_pi_squared: self.cfg.calculate_sum_pi_squared,
+        };
+        let k = 2 + usize::from(stats.sum_pi_squared);
         let mut out = self
             .trainable
-            .forward_rows(batch, self.log_prob_micro, 2, |model, mi| {
-                let (lp, ent) = response_logprobs(model, mi, t, true)?;
-                let ent = ent.ok_or_else(|| candle_core::Error::Msg("no entropy".into()))?;
-                Ok(vec![lp, ent])
+            .forward_rows(batch, self.log_prob_micro, k, |model, mi| {
+                let out = response_stats(model, mi, t, stats)?;
+                let ent = out
+                    .entropy
+                    .ok_or_else(|| candle_core::Error::Msg("no entropy".into()))?;
+                Ok([Some(out.log_probs), Some(ent), out.sum_pi_squared]
+                    .into_iter()
+                    .flatten()
+                    .collect())
             })?;
+        if stats.sum_pi_squared {
+            batch.set(Column::SumPiSquared, out.pop().unwrap_or_default())?;
+        }
         batch.set(Column::Entropys, out.pop().unwrap_or_default())?;
         batch.set(Column::OldLogProbs, out.pop().unwrap_or_default())
     }

@@ -4,7 +4,8 @@
 //!
 //! Rows left out of the update (`reward.on_error=skip`, a `skip_update` gate) are left out
 //! here too: the estimator runs on the other rows only, so they enter no group baseline
-//! (GRPO, RLOO, OPO, GPG, pass@k, REINFORCE++ baseline), no batch statistic (whitening, GPG's
+//! (GRPO, RLOO, OPO, GPG, pass@k, REINFORCE++ baseline, the optimal token baselines and their
+//! zero tail), no batch statistic (whitening, GPG's
 //! scale, the KL controller's mean) and a group whose rows are all left out contributes
 //! nothing. Left-out rows get advantage and return 0 and their scores as rewards.
 
@@ -69,6 +70,31 @@ pub fn compute(
             .as_ref()
             // f32 on the way, as the tensor these were read from held them.
             .map(|base| kept.iter().map(|&r| f64::from(base[r] as f32)).collect());
+        // The optimal token baselines: the old policy's log-probs and Σπ², and rollout
+        // correction's IS weights when it made them (verl's `rollout_is_weights`).
+        let otb = matches!(
+            alg.adv_estimator,
+            AdvEstimator::OptimalTokenBaseline | AdvEstimator::TirOptimalTokenBaseline
+        );
+        let (old, spi2, is_w) = if otb {
+            if !b.has(Column::SumPiSquared) {
+                return Err(candle_core::Error::Msg(format!(
+                    "algorithm.adv_estimator={} needs `sum_pi_squared` from the old-log-prob pass: set actor_rollout_ref.actor.calculate_sum_pi_squared=True",
+                    alg.adv_estimator.as_str()
+                )));
+            }
+            let is_w = match b.has(Column::RolloutIsWeights) {
+                true => Some(rows(Column::RolloutIsWeights)?),
+                false => None,
+            };
+            (
+                Some(rows(Column::OldLogProbs)?),
+                Some(rows(Column::SumPiSquared)?),
+                is_w,
+            )
+        } else {
+            (None, None, None)
+        };
         let components = match (alg.adv_estimator, &alg.gdpo_reward_keys) {
             (AdvEstimator::Gdpo, Some(keys)) => Some(reward_components(b, &kept, keys)?),
             _ => None,
@@ -95,6 +121,9 @@ pub fn compute(
                 index: Some(&index),
                 reward_baselines: baselines.as_deref(),
                 reward_components: components.as_deref(),
+                old_log_probs: old.as_ref(),
+                sum_pi_squared: spi2.as_ref(),
+                rollout_is_weights: is_w.as_ref(),
             },
             alg,
         )?;
@@ -193,7 +222,18 @@ mod tests {
             .enumerate()
             .map(|(r, &l)| (0..l).map(|t| 0.1 * (r + t) as f32).collect())
             .collect();
-        b.set(Column::Values, values).unwrap();
+        b.set(Column::Values, values.clone()).unwrap();
+        // Old log-probs and Σπ² for the optimal token baselines: π = e^(−0.1·(r+t+1)).
+        let old: Ragged = values
+            .iter()
+            .map(|r| r.iter().map(|v| -v - 0.1).collect())
+            .collect();
+        let sq: Ragged = old
+            .iter()
+            .map(|r| r.iter().map(|lp| (2.0 * lp).exp() + 0.05).collect())
+            .collect();
+        b.set(Column::OldLogProbs, old).unwrap();
+        b.set(Column::SumPiSquared, sq).unwrap();
         b.reward_baselines = Some((0..rows).map(|r| 0.25 * (r / 4) as f64).collect());
         if let Some(s) = skip {
             b.excluded[s] = true;
@@ -222,8 +262,9 @@ mod tests {
         let s: Vec<f64> = pick(b.len()).map(|i| scores[i]).collect();
         let placed = crate::reward::placement::place_rows(&s, &lens).unwrap();
         out.set(Column::TokenLevelScores, placed).unwrap();
-        out.set(Column::Values, keep(b.column(Column::Values).unwrap()))
-            .unwrap();
+        for c in [Column::Values, Column::OldLogProbs, Column::SumPiSquared] {
+            out.set(c, keep(b.column(c).unwrap())).unwrap();
+        }
         out.reward_baselines = b
             .reward_baselines
             .as_ref()
@@ -256,6 +297,8 @@ mod tests {
             AdvEstimator::Opo,
             AdvEstimator::GrpoPassk,
             AdvEstimator::Gpg,
+            AdvEstimator::OptimalTokenBaseline,
+            AdvEstimator::TirOptimalTokenBaseline,
         ];
         for est in all {
             let mut skipped = batch(&scores, Some(0));

@@ -22,6 +22,8 @@ pub enum Column {
     OldLogProbs,
     /// Entropy of that policy at each response position.
     Entropys,
+    /// Σπ² of that policy at each response position (`actor.calculate_sum_pi_squared`).
+    SumPiSquared,
     /// Log-probs under the frozen reference policy.
     RefLogProb,
     /// The critic's value estimates.
@@ -41,10 +43,11 @@ pub enum Column {
 
 impl Column {
     /// Every column, in a fixed order (the wire order of [`StepBatch::to_bytes`]).
-    pub const ALL: [Column; 11] = [
+    pub const ALL: [Column; 12] = [
         Column::TokenLevelScores,
         Column::OldLogProbs,
         Column::Entropys,
+        Column::SumPiSquared,
         Column::RefLogProb,
         Column::Values,
         Column::TokenLevelRewards,
@@ -61,6 +64,7 @@ impl Column {
             Column::TokenLevelScores => "token_level_scores",
             Column::OldLogProbs => "old_log_probs",
             Column::Entropys => "entropys",
+            Column::SumPiSquared => "sum_pi_squared",
             Column::RefLogProb => "ref_log_prob",
             Column::Values => "values",
             Column::TokenLevelRewards => "token_level_rewards",
@@ -77,6 +81,9 @@ impl Column {
         match self {
             Column::TokenLevelScores => "reward",
             Column::OldLogProbs | Column::Entropys => "old_log_prob (actor)",
+            Column::SumPiSquared => {
+                "old_log_prob (actor, with actor_rollout_ref.actor.calculate_sum_pi_squared=True)"
+            }
             Column::RefLogProb => "ref (reference policy)",
             Column::Values => "values (critic)",
             Column::TokenLevelRewards | Column::Advantages | Column::Returns => "adv",

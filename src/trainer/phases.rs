@@ -240,7 +240,9 @@ impl Trainer {
     /// reward, and the actor's rule for it holds (counting the step's rows over all ranks, as
     /// the reward may have left rows out).
     /// Rollout correction reads them before the update too; in bypass mode they are the
-    /// rollout's.
+    /// rollout's. `actor.calculate_sum_pi_squared` asks the pass for Σπ² (read by the
+    /// optimal token baselines before the update and by the variance-proxy metrics): the pass
+    /// runs.
     pub(super) fn old_log_probs(&self, batch: &StepBatch) -> Result<OldLogProbs> {
         let corr = self.plan.rollout_correction.as_ref();
         if corr.is_some_and(|c| c.bypass.is_some()) {
@@ -248,6 +250,7 @@ impl Trainer {
         }
         let step_rows = crate::dist::sum_count(self.comm.as_ref(), batch.len())?;
         let from_update = !self.cfg.algorithm.use_kl_in_reward
+            && !self.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
             && !corr.is_some_and(|c| c.corrects())
             && self.actor.update_replaces_old_log_prob(step_rows);
         Ok(if from_update {
@@ -369,6 +372,7 @@ impl Trainer {
             actor.loss_scale_factor,
         )?;
         step_metrics::reward_metrics(m, &self.reward, &batch.rewards);
+        step_metrics::variance_proxy_metrics(m, batch)?;
         m.insert("training/global_step".into(), self.global_step as f64);
         m.insert("training/epoch".into(), epoch as f64);
         timing.seconds.insert("step", elapsed);

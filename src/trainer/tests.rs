@@ -972,6 +972,85 @@ fn gdpo_trains_on_the_reward_components() {
     );
 }
 
+/// `algorithm.adv_estimator=optimal_token_baseline` / `tir_optimal_token_baseline` with
+/// `actor.calculate_sum_pi_squared=True`: the old-log-prob pass fills `sum_pi_squared` (each
+/// value in [π², 1] for the sampled token's π) and runs although the update is on-policy (one
+/// mini-batch: the pass would otherwise be skipped); two steps train (every actor parameter
+/// moves, finite metrics, verl's variance_proxy/* logged). Without the key the trainer is
+/// refused before anything runs, naming both keys.
+#[test]
+fn optimal_token_baseline_trains_on_sum_pi_squared() {
+    let fx = fixture();
+    for est in ["optimal_token_baseline", "tir_optimal_token_baseline"] {
+        let a = format!("algorithm.adv_estimator={est}");
+        let args = [
+            a.as_str(),
+            "actor_rollout_ref.actor.calculate_sum_pi_squared=True",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "trainer.total_training_steps=2",
+        ];
+        let mut t = trainer(&fx, &args, None);
+        let (prompts, _) = t.next_prompts().unwrap();
+        let mut batch = t.generate(&prompts).unwrap();
+        t.compute_rewards(&mut batch).unwrap();
+        t.actor.compute_log_prob(&mut batch).unwrap();
+        let (old, sq) = (
+            batch.column(batch::Column::OldLogProbs).unwrap(),
+            batch.column(batch::Column::SumPiSquared).unwrap(),
+        );
+        for (lp, s) in old.iter().flatten().zip(sq.iter().flatten()) {
+            let pi = lp.exp();
+            assert!(
+                *s >= pi * pi * (1.0 - 1e-5) && *s <= 1.0 + 1e-6,
+                "{est}: Σπ² {s}, π {pi}"
+            );
+        }
+        t.compute_advantages(&mut batch).unwrap();
+        let before = weights(&t.actor.trainable.varmap);
+        assert_eq!(t.fit().unwrap(), FitOutcome::Finished { steps: 2 }, "{est}");
+        let m = &t.history[1].1;
+        assert_finite(
+            m,
+            &[
+                "critic/advantages/mean",
+                "critic/returns/mean",
+                "actor/pg_loss",
+                "actor/grad_norm",
+                "timing_s/old_log_prob",
+                "variance_proxy/proxy1_signal_strength",
+                "variance_proxy/proxy2_total_power",
+                "variance_proxy/proxy3_pure_noise",
+                "variance_proxy/expected_a_squared",
+                "variance_proxy/expected_w",
+            ],
+            est,
+        );
+        assert_eq!(
+            m["variance_proxy/proxy1_signal_strength"],
+            m["actor/grad_norm"].powi(2)
+        );
+        let after = weights(&t.actor.trainable.varmap);
+        let moved = before
+            .iter()
+            .zip(&after)
+            .filter(|(x, y)| x.1 != y.1)
+            .count();
+        assert_eq!(moved, before.len(), "{est}: every actor parameter moves");
+    }
+    let cfg = config(&fx, &["algorithm.adv_estimator=optimal_token_baseline"]);
+    let options = TrainerOptions {
+        natives: natives(),
+        ..Default::default()
+    };
+    let e = Trainer::new(cfg, options).err().unwrap().to_string();
+    assert!(
+        e.contains("algorithm.adv_estimator=optimal_token_baseline")
+            && e.contains("actor_rollout_ref.actor.calculate_sum_pi_squared=True"),
+        "{e}"
+    );
+}
+
 /// verl's `gdpo` reward manager is naive plus `extra_info["experiment_name"]`: a scorer that
 /// checks for it scores 1 under gdpo and 0 under naive, in training and validation alike.
 #[test]
