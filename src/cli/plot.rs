@@ -74,15 +74,20 @@ pub fn run(args: &PlotArgs) -> anyhow::Result<()> {
     };
     // No chart replaces a file it was drawn from, however the paths are spelt (a symlink, a
     // hard link, an input named `.png` whose default chart is itself).
-    let inputs: Vec<(String, &Path)> = runs
+    // (Identity only: a chart's missing folder is created, as before.)
+    let inputs: Vec<&Path> = runs
         .iter()
         .flat_map(|r| r.files.iter())
-        .map(|f| (format!("the run file {}", f.display()), f.as_path()))
+        .map(PathBuf::as_path)
         .collect();
-    let inputs: Vec<(&str, &Path)> = inputs.iter().map(|(w, p)| (w.as_str(), *p)).collect();
     for (flag, out) in [("--out", &png), ("--svg", &args.svg)] {
-        if let Some(out) = out {
-            super::guard::check_output(out, flag, &inputs)?;
+        let Some(out) = out else { continue };
+        if let Some(input) = inputs.iter().find(|i| super::guard::same_file(out, i)) {
+            anyhow::bail!(
+                "{flag} {} is the same file as the run file {}; writing it would destroy the input: choose another output file",
+                out.display(),
+                input.display()
+            );
         }
     }
     if let (Some(a), Some(b)) = (&png, &args.svg) {
