@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes a Python virtual environment with the tracking SDKs the tracker bridge is tested with
-# (scripts/trackers/requirements.txt: wandb, mlflow, swanlab, pinned, from PyPI) and prints its
+# (scripts/trackers/requirements.txt: wandb, mlflow, swanlab, trackio, clearml, pinned, from PyPI) and prints its
 # python. Cached: the venv is keyed on the requirements file's sha256, so a second run only
 # prints the path. `.ci/run` exports it as MAIN_PPO_TRACKERS_PYTHON for the SDK tests.
 # Usage: scripts/fetch_trackers.sh   Environment: MAIN_PPO_CACHE (default ~/.cache/main_ppo),
@@ -18,6 +18,6 @@ rm -rf "$venv"
 mkdir -p "$(dirname "$venv")"
 "${PYTHON:-python3}" -m venv "$venv" >&2
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$req" >&2
-"$venv/bin/python" -c "import wandb, mlflow, swanlab" >&2
+"$venv/bin/python" -c "import wandb, mlflow, swanlab, trackio, clearml" >&2
 touch "$venv/.complete"
 echo "$venv/bin/python"

@@ -3,6 +3,9 @@
 # Used by the tracker tests (tests/trackers/mod.rs) to compare with the file sink.
 # Usage: python readback.py mlflow TRACKING_URI EXPERIMENT
 #        python readback.py wandb WANDB_DIR
+#        python readback.py swanlab SWANLAB_LOG_DIR       (offline mode's run files)
+#        python readback.py trackio TRACKIO_DIR PROJECT
+#        python readback.py clearml CLEARML_CACHE_DIR     (offline mode's sessions)
 import glob
 import json
 import math
@@ -104,11 +107,110 @@ def wandb_run(root):
     return out
 
 
+def swanlab_run(logdir):
+    """SwanLab's offline runs under `logdir`, read with the SDK's own record reader (the one
+    `swanlab sync` uploads from): one segment folder per start or resume."""
+    import yaml
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    out = {"runs": [], "metrics": {}, "config": {}, "generations": []}
+    for run_dir in sorted(glob.glob(os.path.join(logdir, "run-*"))):
+        for f in glob.glob(os.path.join(run_dir, "run-*.swanlab")):
+            reader = DataStoreReader()
+            reader.open(f)
+            for raw in reader:
+                r = Record()
+                r.ParseFromString(raw)
+                which = r.WhichOneof("record_type")
+                if which == "start":
+                    out["runs"].append(r.start.id)
+                    out["project"] = r.start.project
+                    out["run_name"] = r.start.name
+                elif which == "scalar":
+                    out["metrics"].setdefault(str(r.scalar.step), {})[r.scalar.key] = clean(r.scalar.value.number)
+                elif which == "media" and r.media.key == "val/generations":
+                    for item in r.media.value.items:
+                        with open(os.path.join(run_dir, "media", "echarts", item.filename)) as t:
+                            out["generations"].append({"step": r.media.step, **json.load(t)})
+            reader.close()
+        config = os.path.join(run_dir, "files", "config.yaml")
+        if os.path.exists(config):
+            with open(config) as c:
+                out["config"] = {k: v["value"] for k, v in (yaml.safe_load(c) or {}).items()}
+    return out
+
+
+def trackio_run(root, project):
+    """Trackio's local SQLite store (`TRACKIO_DIR`), read with its storage API."""
+    os.environ["TRACKIO_DIR"] = root
+    from trackio.sqlite_storage import SQLiteStorage
+
+    runs = SQLiteStorage.get_runs(project)
+    out = {"runs": runs, "metrics": {}, "config": {}, "generations": []}
+    if not runs:
+        return out
+    name = runs[0]
+    for row in SQLiteStorage.get_logs(project, name):
+        step = row.pop("step")
+        row.pop("timestamp", None)
+        for k, v in row.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out["metrics"].setdefault(str(step), {})[k] = clean(float(v))
+    out["config"] = {k: v for k, v in (SQLiteStorage.get_run_config(project, name) or {}).items() if not k.startswith("_")}
+    out["run_name"] = name
+    for t in sorted(glob.glob(os.path.join(root, "traces", project, name, "*.jsonl"))):
+        with open(t) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        session = next(x for x in lines if x["type"] == "session")["trackio"]
+        texts = [x["message"]["content"][0]["text"] for x in lines if x["type"] == "message"]
+        out["generations"].append({"step": session["step"], "key": session["key"], "messages": texts, **session["metadata"]})
+    return out
+
+
+def clearml_run(cache_dir):
+    """ClearML's offline sessions under `CLEARML_CACHE_DIR` (what `Task.import_offline_session`
+    uploads): task.json and the reported events; the configuration parsed with the SDK's HOCON
+    reader."""
+    from clearml.utilities.pyhocon import ConfigFactory
+
+    out = {"runs": [], "metrics": {}, "config": {}, "generations": []}
+    for folder in sorted(glob.glob(os.path.join(cache_dir, "offline", "offline-*"))):
+        if not os.path.isdir(folder):
+            continue
+        with open(os.path.join(folder, "task.json")) as f:
+            task = json.load(f)
+        out["runs"].append(task["id"])
+        out["project"] = task.get("project_name")
+        out["run_name"] = task.get("name")
+        hyper = task.get("configuration", {}).get("Hyperparameters")
+        if hyper:
+            out["config"] = ConfigFactory.parse_string(hyper["value"]).as_plain_ordered_dict()
+        events = os.path.join(folder, "metrics.jsonl")
+        if not os.path.exists(events):
+            continue
+        with open(events) as f:
+            for line in f:
+                for e in json.loads(line):
+                    if e.get("type") == "training_stats_scalar":
+                        key = e["metric"] if e["variant"] == e["metric"] else f"{e['metric']}/{e['variant']}"
+                        out["metrics"].setdefault(str(e["iter"]), {})[key] = clean(e["value"])
+                    elif e.get("type") == "plot":
+                        out["generations"].append({"step": e["iter"], "metric": e["metric"], "variant": e["variant"], "plot": json.loads(e["plot_str"])})
+    return out
+
+
 if __name__ == "__main__":
     kind = sys.argv[1]
     if kind == "mlflow":
         print(json.dumps(mlflow_run(sys.argv[2], sys.argv[3])))
     elif kind == "wandb":
         print(json.dumps(wandb_run(sys.argv[2])))
+    elif kind == "swanlab":
+        print(json.dumps(swanlab_run(sys.argv[2])))
+    elif kind == "trackio":
+        print(json.dumps(trackio_run(sys.argv[2], sys.argv[3])))
+    elif kind == "clearml":
+        print(json.dumps(clearml_run(sys.argv[2])))
     else:
         sys.exit(f"unknown tracker {kind}")

@@ -192,7 +192,11 @@ class Clearml:
         self.task = sdk.Task.init(
             task_name=req["experiment"],
             project_name=req["project"],
-            continue_last_task=req.get("resume_id") or True,
+            # verl continues the last task of this name (or the resumed run's task); the
+            # integer 0 continues it without ClearML's iteration offset (last iteration + 1
+            # added to every reported step), so steps stay the trainer's own numbers.
+            continue_last_task=0,
+            reuse_last_task_id=req.get("resume_id") or True,
             output_uri=False,
         )
         self.run_id = getattr(self.task, "id", None)

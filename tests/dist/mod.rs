@@ -604,6 +604,56 @@ fn a_killed_rank_ends_the_others_with_an_error() {
     assert!(rank_pid(&marker, 0).is_none(), "rank 0 still runs");
 }
 
+/// Two ranks with a remote tracker (the fake `wandb` SDK of the tracker tests, which records
+/// every call with its pid): only rank 0 starts a tracker worker and opens a run; its 3 steps
+/// are logged once each, and the run is finished.
+#[test]
+fn with_two_ranks_only_rank_0_opens_a_tracker_run() {
+    if mpirun(2).is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sdk = super::trackers::fake_sdk(dir.path());
+    let log = dir.path().join("fake_wandb.jsonl");
+    let mut args = run_args(dir.path(), 3, &[]);
+    args.push("trainer.logger=[file,wandb]".into());
+    let out = mpirun(2)
+        .unwrap()
+        .arg(env!("CARGO_BIN_EXE_main_ppo"))
+        .current_dir(dir.path())
+        .env_remove("VERL_FILE_LOGGER_PATH")
+        .env_remove("VERL_FILE_LOGGER_ROOT")
+        .env("PYTHONPATH", &sdk)
+        .env("FAKE_TRACKER_LOG", &log)
+        .args(&args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let calls: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let inits: Vec<_> = calls.iter().filter(|c| c.get("init").is_some()).collect();
+    assert_eq!(inits.len(), 1, "one run opened: {calls:?}");
+    let pids: std::collections::BTreeSet<_> = calls
+        .iter()
+        .filter_map(|c| c.get("pid").and_then(|p| p.as_u64()))
+        .collect();
+    assert_eq!(pids.len(), 1, "one worker process: {calls:?}");
+    let steps: Vec<u64> = calls
+        .iter()
+        .filter_map(|c| c.get("step").and_then(|s| s.as_u64()))
+        .collect();
+    assert_eq!(steps, vec![1, 2, 3], "{calls:?}");
+    assert_eq!(
+        calls.iter().filter(|c| c.get("finish").is_some()).count(),
+        1,
+        "{calls:?}"
+    );
+    assert_eq!(metrics(dir.path()).len(), 3);
+}
+
 /// Launched as 2 ranks, a configuration that asks for another world size is refused naming
 /// both keys; a batch that does not split into whole prompts per rank names its key.
 #[test]

@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use super::{bin_in, text, tiny_run};
 
-/// A fake `wandb` package: it appends what it is asked to `$FAKE_TRACKER_LOG`, and at step 2
+/// A fake `wandb` package (also used by the MPI tests): it appends what it is asked to `$FAKE_TRACKER_LOG`, and at step 2
 /// kills itself (`FAKE_TRACKER_MODE=die`) or stops answering (`hang`), or refuses to import
 /// (`missing`).
 const FAKE_WANDB: &str = r#"
@@ -37,14 +37,14 @@ def log(data, step=None):
         os.kill(os.getpid(), 9)
     if step == 2 and MODE == "hang":
         time.sleep(3600)
-    _w({"step": step, "keys": len(data)})
+    _w({"step": step, "keys": len(data), "pid": os.getpid()})
 class Table:
     def __init__(self, columns=None, data=None): pass
 def finish():
-    _w({"finish": True})
+    _w({"finish": True, "pid": os.getpid()})
 "#;
 
-fn fake_sdk(dir: &Path) -> PathBuf {
+pub(crate) fn fake_sdk(dir: &Path) -> PathBuf {
     let pkg = dir.join("fake_sdk/wandb");
     std::fs::create_dir_all(&pkg).unwrap();
     std::fs::write(pkg.join("__init__.py"), FAKE_WANDB).unwrap();
@@ -311,6 +311,129 @@ fn wandb_and_mlflow_read_back_equal_the_file_sink_and_resume_the_same_run() {
     assert_eq!(last["columns"][0], "step");
     assert_eq!(last["columns"][1], "input_1");
     assert_eq!(last["columns"].as_array().unwrap().len(), 7);
+}
+
+/// SwanLab (offline mode), Trackio (its local SQLite store) and ClearML (offline mode): a
+/// 2-step run then a resume to step 3; the metrics, configuration and validation generations
+/// read back from each backend's own storage equal the file sink's. SwanLab's resume continues
+/// the same run id (a second offline segment), Trackio's the same run, ClearML's the same
+/// offline session (at the trainer's step numbers: a continued task's iteration offset is
+/// reset, which verl's logger leaves).
+#[test]
+fn swanlab_trackio_and_clearml_read_back_equal_the_file_sink() {
+    let Some(python) = trackers_python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let env = [
+        ("SWANLAB_MODE", "offline".to_string()),
+        ("SWANLAB_LOG_DIR", d.join("swanlog").display().to_string()),
+        ("TRACKIO_DIR", d.join("trackio").display().to_string()),
+        ("CLEARML_OFFLINE_MODE", "1".to_string()),
+        ("CLEARML_CACHE_DIR", d.join("clearml").display().to_string()),
+    ];
+    let py = format!("reward.python={python}");
+    for steps in [2, 3] {
+        let total = format!("trainer.total_training_steps={steps}");
+        let out = train(
+            d,
+            &[
+                "trainer.logger=[console,file,swanlab,trackio,clearml]",
+                "trainer.save_freq=1",
+                "trainer.test_freq=1",
+                "trainer.log_val_generations=2",
+                &py,
+                &total,
+            ],
+            &env,
+        );
+        let (_, stderr) = text(&out);
+        assert!(out.status.success(), "{stderr}");
+        assert!(!stderr.contains("failed"), "{stderr}");
+    }
+    let want = file_rows(d);
+    assert_eq!(want.keys().copied().collect::<Vec<_>>(), vec![1, 2, 3]);
+    let state: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            d.join("checkpoints/verl_examples/gsm8k/global_step_3/trainer_state.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let same_metrics = |name: &str, got: &Value, steps: &[u64]| {
+        for step in steps {
+            for (k, v) in &want[step] {
+                assert_eq!(
+                    got["metrics"][step.to_string()][k].as_f64(),
+                    Some(*v),
+                    "{name} {k} at {step}: {}",
+                    got["metrics"][step.to_string()]
+                );
+            }
+        }
+    };
+
+    let sw = readback(
+        &python,
+        &["swanlab".into(), d.join("swanlog").display().to_string()],
+    );
+    let runs = sw["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2, "two offline segments: {runs:?}");
+    assert_eq!(
+        runs[0], runs[1],
+        "the resume continues the same SwanLab run"
+    );
+    assert_eq!(runs[0], state["tracker_runs"]["swanlab"]);
+    assert_eq!(sw["project"], "verl_examples");
+    assert_eq!(sw["run_name"], "gsm8k");
+    assert_eq!(sw["config"]["trainer"]["project_name"], "verl_examples");
+    assert_eq!(sw["config"]["FRAMEWORK"], "main_ppo");
+    same_metrics("swanlab", &sw, &[1, 2, 3]);
+    let tables = sw["generations"].as_array().unwrap();
+    assert_eq!(tables.len(), 3, "one table per validation: {tables:?}");
+    let last = tables.last().unwrap();
+    assert_eq!(last["step"], 3);
+    assert_eq!(last["rowData"].as_array().map(Vec::len), Some(2), "{last}");
+    assert!(last["rowData"][0]["output"].is_string() && last["rowData"][0]["score"].is_number());
+
+    let tr = readback(
+        &python,
+        &[
+            "trackio".into(),
+            d.join("trackio").display().to_string(),
+            "verl_examples".into(),
+        ],
+    );
+    assert_eq!(tr["runs"], serde_json::json!(["gsm8k"]), "one Trackio run");
+    assert_eq!(tr["config"]["trainer"]["project_name"], "verl_examples");
+    same_metrics("trackio", &tr, &[1, 2, 3]);
+    let traces = tr["generations"].as_array().unwrap();
+    assert_eq!(traces.len(), 6, "2 traces per validation: {traces:?}");
+    assert!(traces
+        .iter()
+        .all(|t| t["key"] == "val/generations" && t["score"].is_number()));
+
+    let cl = readback(
+        &python,
+        &["clearml".into(), d.join("clearml").display().to_string()],
+    );
+    assert_eq!(
+        cl["runs"].as_array().map(Vec::len),
+        Some(1),
+        "{}",
+        cl["runs"]
+    );
+    assert_eq!(cl["runs"][0], state["tracker_runs"]["clearml"]);
+    assert_eq!(cl["project"], "verl_examples");
+    assert_eq!(cl["run_name"], "gsm8k");
+    assert_eq!(cl["config"]["trainer"]["project_name"], "verl_examples");
+    same_metrics("clearml", &cl, &[1, 2, 3]);
+    let plots = cl["generations"].as_array().unwrap();
+    assert!(
+        plots.iter().any(|p| p["step"] == 3),
+        "a generations table at step 3: {plots:?}"
+    );
 }
 
 /// A free TCP port on 127.0.0.1.
