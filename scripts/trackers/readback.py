@@ -23,6 +23,8 @@ def mlflow_run(uri, experiment):
     import mlflow
     from mlflow.tracking import MlflowClient
 
+    if uri.startswith("file:"):
+        os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # MLflow 3 refuses the file store without it
     mlflow.set_tracking_uri(uri)
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment)

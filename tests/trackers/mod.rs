@@ -436,6 +436,43 @@ fn swanlab_trackio_and_clearml_read_back_equal_the_file_sink() {
     );
 }
 
+/// MLflow's file store (`file:` URI; MLflow 3 refuses it unless `MLFLOW_ALLOW_FILE_STORE=true`,
+/// which the worker passes on as the SDK reads it): a 3-step run reads back equal to the file
+/// sink.
+#[test]
+fn mlflow_file_store_reads_back_equal_the_file_sink() {
+    let Some(python) = trackers_python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let uri = format!("file://{}", d.join("mlruns").display());
+    let env = [
+        ("MLFLOW_TRACKING_URI", uri.clone()),
+        ("MLFLOW_ALLOW_FILE_STORE", "true".to_string()),
+    ];
+    let py = format!("reward.python={python}");
+    let out = train(d, &["trainer.logger=[console,file,mlflow]", &py], &env);
+    let (_, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("mlflow failed"), "{stderr}");
+    let want = file_rows(d);
+    assert_eq!(want.len(), 3);
+    let ml = readback(&python, &["mlflow".into(), uri, "verl_examples".into()]);
+    assert_eq!(ml["runs"].as_array().unwrap().len(), 1);
+    assert_eq!(ml["config"]["trainer/experiment_name"], "gsm8k");
+    for (step, m) in &want {
+        for (k, v) in m {
+            let key = k.replace('@', "_at_");
+            assert_eq!(
+                ml["metrics"][step.to_string()][&key].as_f64(),
+                Some(*v),
+                "{key} at {step}"
+            );
+        }
+    }
+}
+
 /// A free TCP port on 127.0.0.1.
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
