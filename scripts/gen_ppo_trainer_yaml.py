@@ -44,6 +44,10 @@ STRUCTS = {
     "algorithm.kl_ctrl": "KlCtrlConfig",
     "algorithm.filter_groups": "FilterGroupsConfig",
     "algorithm.rollout_correction": "RolloutCorrectionConfig",
+    "distillation": "DistillationConfig",
+    "distillation.distillation_loss": "DistillationLossConfig",
+    "distillation.teacher_models.teacher_model": "TeacherModelConfig",
+    "distillation.teacher_models.teacher_model.inference": "TeacherInferenceConfig",
     "trainer": "TrainerConfig",
 }
 SECTION_DOCS = {
@@ -52,7 +56,13 @@ SECTION_DOCS = {
     "critic": "The value model (used by adv_estimator=gae).",
     "reward": "Where scores come from.",
     "algorithm": "Advantage estimation and KL control.",
+    "distillation": "On-policy distillation: frozen teachers' log-probs of each response in the actor's loss.",
     "trainer": "Run length, logging, validation, checkpoints, device.",
+}
+
+# Entries of maps whose keys the user names (their fields are documented by their struct).
+ENTRY_DOCS = {
+    "distillation.teacher_models.teacher_model": "verl's default (single) teacher entry; add others with +distillation.teacher_models.<name>.*",
 }
 
 
@@ -105,6 +115,8 @@ def main():
         parent = ".".join(k for _, k in stack)
         struct = STRUCTS.get(parent)
         doc = docs.get(struct, {}).get(key, "") if struct else ""
+        if f"{parent}.{key}" in ENTRY_DOCS:
+            doc = ENTRY_DOCS[f"{parent}.{key}"]
         if parent == "" and key in SECTION_DOCS:
             doc = SECTION_DOCS[key]
             lines.append("")

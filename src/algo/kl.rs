@@ -16,7 +16,13 @@ pub fn kl_penalty_forward(logp: &Tensor, ref_logp: &Tensor, kind: KlKind) -> Res
     let diff = logp.sub(ref_logp)?;
     match kind {
         KlKind::K1 => Ok(diff),
-        KlKind::Abs => diff.abs(),
+        // |d| with PyTorch's gradient sign(d), 0 at d = 0 (candle's abs backward gives 1
+        // there): d · sg(sign d).
+        KlKind::Abs => {
+            let sign =
+                (diff.gt(0.0)?.to_dtype(diff.dtype())? - diff.lt(0.0)?.to_dtype(diff.dtype())?)?;
+            diff.mul(&sign.detach())
+        }
         KlKind::K2 => diff.sqr()? * 0.5,
         KlKind::K3 => {
             let d = diff.neg()?.clamp(-20.0, 20.0)?;

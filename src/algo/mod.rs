@@ -6,7 +6,8 @@
 //! - [`policy`]: policy losses (`actor.policy_loss.loss_mode`) and [`agg::agg_loss`],
 //! - [`value`]: the clipped value loss and entropy,
 //! - [`kl`]: KL estimators, KL in the reward, KL controllers, KL loss,
-//! - [`filter`]: DAPO's group filter (which groups carry a signal).
+//! - [`filter`]: DAPO's group filter (which groups carry a signal),
+//! - [`distill`]: on-policy distillation's loss against a teacher's log-probs.
 //!
 //! Tensors are `[batch, response_len]` unless noted; masks are 0/1 in the values' dtype.
 //! Estimators need no gradient and run as one pass over host memory; losses are tensor
@@ -14,6 +15,7 @@
 
 pub mod advantage;
 pub mod agg;
+pub mod distill;
 pub mod filter;
 pub mod kl;
 pub mod masked;

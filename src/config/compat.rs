@@ -34,8 +34,14 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("transfer_queue", DIST),
     ("ray_kwargs", DIST),
     ("hydra", DIST),
-    ("distillation.enabled", Unsupported { default: "false", why: "distillation is not implemented" }),
-    ("distillation", DIST),
+    // on-policy distillation: the teachers run in the trainer's process (no resource pool, no
+    // inference server); the student's top-k log-probs are always computed in chunks
+    ("distillation.n_gpus_per_node", DIST),
+    ("distillation.nnodes", DIST),
+    ("distillation.teacher_models.teacher_model.num_replicas", DIST),
+    ("distillation.teacher_models.teacher_model.inference", DIST),
+    ("distillation.distillation_loss.use_chunked_topk", DIST),
+    ("distillation.distillation_loss.chunked_topk_chunk_size", DIST),
     ("actor_rollout_ref.hybrid_engine", DIST),
     // model loading options of HF/FSDP
     ("actor_rollout_ref.model.lora.rank", Unsupported { default: "0", why: "Megatron's LoRA section is not read: use actor_rollout_ref.model.lora_rank (the FSDP keys)" }),
@@ -334,9 +340,28 @@ pub struct Found {
     pub target: bool,
 }
 
+/// Maps whose entries all follow one schema, verl's dicts of named sections: `(the map's path,
+/// the entry the defaults hold)`. `distillation.teacher_models.gsm8k.model_path` is typed (and
+/// covered by the table) as `distillation.teacher_models.teacher_model.model_path` is.
+pub const KEYED_MAPS: &[(&str, &str)] = &[("distillation.teacher_models", "teacher_model")];
+
+/// `path` with the entry name of a [`KEYED_MAPS`] map replaced by the entry the defaults hold.
+pub fn canonical(path: &[String]) -> Vec<String> {
+    let mut out = path.to_vec();
+    for (map, entry) in KEYED_MAPS {
+        let segs: Vec<&str> = map.split('.').collect();
+        let under = path.len() > segs.len() && segs.iter().zip(path).all(|(a, b)| *a == b);
+        if under {
+            out[segs.len()] = entry.to_string();
+        }
+    }
+    out
+}
+
 /// The table entry covering `path` (the most specific one), if any. Segments named `_target_`
 /// (Hydra's class markers) are always covered.
 pub fn lookup(path: &[String]) -> Option<Found> {
+    let path = &canonical(path)[..];
     if path.iter().any(|s| s == "_target_") {
         return Some(Found {
             compat: NoEffect,
@@ -364,6 +389,7 @@ pub fn lookup(path: &[String]) -> Option<Found> {
 /// True when `path` is an ancestor of some table entry (`reward_model` for `reward_model.enable`),
 /// so that setting a mapping there is acceptable.
 pub fn is_table_prefix(path: &[String]) -> bool {
+    let path = &canonical(path)[..];
     entries().iter().any(|(entry, _)| {
         let segs: Vec<&str> = entry.split('.').collect();
         segs.len() > path.len() && segs.iter().zip(path).all(|(a, b)| *a == b)

@@ -13,6 +13,7 @@ pub mod algorithm;
 pub mod compat;
 pub mod critic;
 pub mod data;
+pub mod distillation;
 mod engines;
 pub mod fields;
 mod groups;
@@ -40,6 +41,7 @@ pub use algorithm::{
 };
 pub use critic::CriticConfig;
 pub use data::{DataConfig, Truncation};
+pub use distillation::{DistillLossMode, DistillPlan, DistillationConfig, TeacherPlan};
 pub use load::{load, ConfigSource, Loaded};
 pub use model::ModelConfig;
 pub use optim::{LrSchedulerType, OptimConfig};
@@ -89,6 +91,7 @@ pub struct Config {
     pub critic: CriticConfig,
     pub reward: RewardConfig,
     pub algorithm: AlgorithmConfig,
+    pub distillation: DistillationConfig,
     pub trainer: TrainerConfig,
 }
 
@@ -98,6 +101,7 @@ defaults!(Config {
     critic: CriticConfig::default(),
     reward: RewardConfig::default(),
     algorithm: AlgorithmConfig::default(),
+    distillation: DistillationConfig::default(),
     trainer: TrainerConfig::default(),
 });
 

@@ -106,6 +106,8 @@ pub struct Plan {
     /// verl checks each real micro-batch against them at run time; so does the trainer
     /// ([`Plan::check_token_budgets`]).
     pub token_budgets: Vec<(String, usize)>,
+    /// On-policy distillation (`distillation.enabled`); None = off.
+    pub distillation: Option<super::DistillPlan>,
     /// Non-fatal findings (printed as warnings).
     pub warnings: Vec<String>,
 }
@@ -346,6 +348,8 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
     let rollout_correction = rollout_corr_rules(&mut f, cfg);
     let (need_critic, critic, critic_forward_micro) = critic_rules(&mut f.errors, cfg, &l);
     let reward = reward_rules(&mut f.errors, cfg);
+    let context = l.prompt_length + l.response_length;
+    let distillation = super::distillation::rules(&mut f.errors, cfg, context);
     let default_local_dir = trainer_rules(&mut f, cfg);
     let (seeds, temperatures) = seeds_and_temperatures(cfg);
     let (true, Some(reward)) = (f.errors.is_empty(), reward) else {
@@ -371,6 +375,7 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
         temperatures,
         reward,
         token_budgets: Vec::new(),
+        distillation,
         warnings: f.warnings,
     };
     let mut warnings = std::mem::take(&mut plan.warnings);

@@ -25,6 +25,7 @@ pub(super) struct Schema<'a> {
 
 impl Schema<'_> {
     pub(super) fn kind(&self, path: &[String]) -> KeyKind {
+        let path = &compat::canonical(path)[..];
         if tree::get(self.defaults, path).is_some() {
             return KeyKind::Typed;
         }
@@ -58,7 +59,7 @@ impl Schema<'_> {
             match self.kind(path) {
                 KeyKind::Unknown => return Err(self.unknown(path)),
                 KeyKind::Typed => {
-                    let is_struct = tree::get(self.defaults, path)
+                    let is_struct = tree::get(self.defaults, &compat::canonical(path))
                         .and_then(Value::as_mapping)
                         .is_some_and(|m| !m.is_empty());
                     if is_struct {
@@ -77,18 +78,19 @@ impl Schema<'_> {
     pub(super) fn unknown(&self, path: &[String]) -> ConfigError {
         let key = tree::join(path);
         // Deepest existing typed parent.
+        let canon = compat::canonical(path);
         let mut depth = path.len() - 1;
-        while depth > 0 && tree::get(self.defaults, &path[..depth]).is_none() {
+        while depth > 0 && tree::get(self.defaults, &canon[..depth]).is_none() {
             depth -= 1;
         }
         let parent = &path[..depth];
         let name = &path[depth];
-        let mut siblings: Vec<String> = tree::get(self.defaults, parent)
+        let mut siblings: Vec<String> = tree::get(self.defaults, &canon[..depth])
             .and_then(Value::as_mapping)
             .map(|m| m.keys().map(tree::key_str).collect())
             .unwrap_or_default();
         siblings.extend(
-            compat::names_under(parent)
+            compat::names_under(&canon[..depth])
                 .into_iter()
                 .filter(|n| n != "_target_"),
         );

@@ -1257,3 +1257,118 @@ fn loss_agg_mode_names_are_the_config_spellings() {
         assert_eq!(m.as_str(), name);
     }
 }
+
+/// `distillation.*` (verl 1dda039's DistillationConfig rules): the plan of one teacher and of
+/// several (verl drops `teacher_model` then, and routes by key); the errors name their keys.
+#[test]
+fn distillation_rules() {
+    let on = "distillation.enabled=True";
+    let path = "distillation.teacher_models.teacher_model.model_path=/m/teacher";
+    let p = resolved(&[on, path]).unwrap();
+    let d = p.distillation.expect("planned");
+    assert_eq!(d.teachers.len(), 1);
+    assert_eq!(
+        (d.teachers[0].key.as_deref(), d.clip_low, d.clip_high),
+        (None, 0.2, 0.2)
+    );
+    assert!(
+        resolved(&[path]).unwrap().distillation.is_none(),
+        "off by default"
+    );
+    let e = rule_error(&[on]);
+    assert!(
+        e.contains("distillation.teacher_models.teacher_model.model_path` must be set"),
+        "{e}"
+    );
+    let e = rule_error(&[on, path, "distillation.distillation_loss.loss_mode=k1"]);
+    assert!(
+        e.contains("loss_mode=k1") && e.contains("use_policy_gradient=true"),
+        "{e}"
+    );
+    assert!(resolved(&[
+        on,
+        path,
+        "distillation.distillation_loss.loss_mode=k1",
+        "distillation.distillation_loss.use_policy_gradient=True",
+    ])
+    .is_ok());
+    let e = rule_error(&[
+        on,
+        path,
+        "distillation.distillation_loss.loss_mode=forward_kl_topk",
+    ]);
+    assert!(
+        e.contains("forward_kl_topk") && e.contains("not implemented"),
+        "{e}"
+    );
+    let e = rule_error(&[
+        on,
+        path,
+        "distillation.distillation_loss.policy_loss_mode=gspo",
+    ]);
+    assert!(
+        e.contains("policy_loss_mode") && e.contains("vanilla"),
+        "{e}"
+    );
+    let e = err(&[on, path, "distillation.distillation_loss.loss_mode=k4"]);
+    assert!(
+        e.contains("distillation.distillation_loss.loss_mode"),
+        "{e}"
+    );
+    // Several teachers: `teacher_model` is dropped, each other entry needs a key, keys unique.
+    let two = [
+        on,
+        path,
+        "+distillation.teacher_models.math.model_path=/m/a",
+        "+distillation.teacher_models.math.key=openai/gsm8k",
+        "+distillation.teacher_models.code.model_path=/m/b",
+        "+distillation.teacher_models.code.key=code",
+        "+distillation.teacher_models.code.inference.dtype=bf16",
+    ];
+    let d = resolved(&two).unwrap().distillation.unwrap();
+    let got: Vec<(&str, Option<&str>, bool)> = d
+        .teachers
+        .iter()
+        .map(|t| (t.name.as_str(), t.key.as_deref(), t.bf16))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("code", Some("code"), true),
+            ("math", Some("openai/gsm8k"), false)
+        ]
+    );
+    let e = rule_error(&[
+        on,
+        "+distillation.teacher_models.math.model_path=/m/a",
+        "+distillation.teacher_models.code.model_path=/m/b",
+        "+distillation.teacher_models.code.key=code",
+    ]);
+    assert!(
+        e.contains("distillation.teacher_models.math.key` must be set"),
+        "{e}"
+    );
+    let e = rule_error(&[
+        on,
+        "+distillation.teacher_models.math.model_path=/m/a",
+        "+distillation.teacher_models.math.key=x",
+        "+distillation.teacher_models.code.model_path=/m/b",
+        "+distillation.teacher_models.code.key=x",
+    ]);
+    assert!(e.contains("another teacher has this key"), "{e}");
+    let e = rule_error(&[
+        on,
+        path,
+        "distillation.teacher_models.teacher_model.inference.max_model_len=100",
+    ]);
+    assert!(e.contains("inference.max_model_len"), "{e}");
+    // verl's inference-server keys are accepted as having no effect.
+    let l = with(&[
+        on,
+        path,
+        "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=4",
+        "distillation.n_gpus_per_node=4",
+    ])
+    .unwrap();
+    assert_eq!(l.no_effect.len(), 2, "{:?}", l.no_effect);
+}

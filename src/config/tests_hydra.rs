@@ -420,6 +420,7 @@ const SAME_BY_INTERPOLATION: &[&str] = &[
     "critic.forward_micro_batch_size_per_gpu",
     "critic.model.tokenizer_path",
     "trainer.default_local_dir",
+    "distillation.teacher_models.teacher_model.inference.dtype",
 ];
 
 /// Defaults verl 0.7.0 (the release before b178a3c) had and later verl changed: rollout's

@@ -141,6 +141,9 @@ pub struct Summed {
     pub count: f64,
     /// Totals add up over the ranks; the others are means over every rank's values.
     pub total: bool,
+    /// A minimum (`Some(false)`) or maximum (`Some(true)`) over the ranks, held in `sum`.
+    #[serde(default)]
+    pub extreme: Option<bool>,
 }
 
 impl Summed {
@@ -150,6 +153,21 @@ impl Summed {
             sum: values.iter().sum(),
             count: values.len() as f64,
             total: false,
+            extreme: None,
+        }
+    }
+
+    /// The smallest (`max` false) or largest of `values` (none: no entry is made from it).
+    pub fn extreme(values: &[f64], max: bool) -> Self {
+        let v = match max {
+            true => values.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+            false => values.iter().copied().fold(f64::INFINITY, f64::min),
+        };
+        Summed {
+            sum: v,
+            count: 1.0,
+            total: false,
+            extreme: Some(max),
         }
     }
 
@@ -158,6 +176,7 @@ impl Summed {
             sum: v,
             count: 0.0,
             total: true,
+            extreme: None,
         }
     }
 }
@@ -175,18 +194,27 @@ pub fn merge_over_ranks(
             serde_json::from_slice(&part).map_err(candle_core::Error::wrap)?;
         for (k, s) in p {
             let e = merged.entry(k).or_insert(Summed {
-                sum: 0.0,
+                sum: match s.extreme {
+                    Some(true) => f64::NEG_INFINITY,
+                    Some(false) => f64::INFINITY,
+                    None => 0.0,
+                },
                 count: 0.0,
                 total: s.total,
+                extreme: s.extreme,
             });
-            e.sum += s.sum;
+            match s.extreme {
+                Some(true) => e.sum = e.sum.max(s.sum),
+                Some(false) => e.sum = e.sum.min(s.sum),
+                None => e.sum += s.sum,
+            }
             e.count += s.count;
         }
     }
     Ok(merged
         .into_iter()
         .map(|(k, s)| {
-            let v = if s.total {
+            let v = if s.total || s.extreme.is_some() {
                 s.sum
             } else {
                 s.sum / s.count.max(1.0)

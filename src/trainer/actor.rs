@@ -10,6 +10,7 @@ use super::rollout_corr::bypass_loss;
 use super::trainable::{forward_rows, LoraState, Trainable, UpdateSettings};
 use super::update::MicroLoss;
 use crate::algo::agg::scalar;
+use crate::algo::distill::{self, DistillParams};
 use crate::algo::rollout_corr::Correction;
 use crate::algo::{agg_loss, kl_loss, policy_loss_weighted, PolicyLossParams};
 use crate::config::BypassLoss;
@@ -81,6 +82,41 @@ pub struct Actor {
     /// Rollout correction's bypass mode: the loss and the correction each micro-batch
     /// recomputes (the old log-probs are then the rollout's).
     bypass: Option<(BypassLoss, Correction)>,
+    /// On-policy distillation's loss term (`distillation.enabled`).
+    distill: Option<Distill>,
+}
+
+/// How the distillation loss enters the actor's (verl's `distillation_ppo_loss`).
+#[derive(Debug, Clone)]
+pub struct Distill {
+    pub params: DistillParams,
+    /// Keep the task's policy loss (else the distillation loss alone).
+    pub use_task_rewards: bool,
+    /// `distillation_loss_coef` (with task rewards).
+    pub coef: f64,
+}
+
+impl Distill {
+    /// The term `plan` asks for (None with distillation off, or with the top-k loss, which
+    /// reads no `teacher_logprobs` and is refused by the configuration rules).
+    pub fn of(plan: &Plan, actor: &ActorConfig) -> Option<Self> {
+        let d = plan.distillation.as_ref()?;
+        let kind = distill::estimator(d.loss.loss_mode)?;
+        let base = PolicyLossParams::from_actor(actor);
+        Some(Distill {
+            params: DistillParams {
+                kind,
+                loss_max_clamp: d.loss.loss_max_clamp,
+                policy_gradient: d
+                    .loss
+                    .use_policy_gradient
+                    .then(|| DistillParams::policy_gradient_params(&base, d.clip_low, d.clip_high)),
+                loss_agg_mode: actor.loss_agg_mode,
+            },
+            use_task_rewards: d.loss.use_task_rewards,
+            coef: d.loss.distillation_loss_coef,
+        })
+    }
 }
 
 impl Actor {
@@ -125,6 +161,7 @@ impl Actor {
                 .rollout_correction
                 .as_ref()
                 .and_then(|c| c.bypass.map(|l| (l, c.correction.clone()))),
+            distill: Distill::of(plan, cfg),
         }
     }
 
@@ -255,6 +292,10 @@ impl Actor {
         } else {
             None
         };
+        let distill = match &self.distill {
+            Some(d) => Some((d, batch.column(Column::TeacherLogProbs)?)),
+            None => None,
+        };
         let mut micro_index = 0u64;
         let mut m = self.trainable.update(batch, step, |model, mi, rows, ctx| {
             let norm = ctx.norm;
@@ -329,6 +370,18 @@ impl Actor {
                 scalars.push(("actor/kl_loss", scalar(&kl)?));
                 scalars.push(("actor/kl_coef", cfg.kl_loss_coef));
                 loss = (loss + (kl * cfg.kl_loss_coef)?)?;
+            }
+            if let Some((d, teacher)) = distill {
+                let tl = pad_rows(teacher, rows, r, device)?;
+                let out =
+                    distill::distillation_loss(&lp, &tl, &old, mask, &d.params, norm, w.as_ref())?;
+                if !d.use_task_rewards && d.params.policy_gradient.is_none() {
+                    // verl computes no policy loss then, and reports none.
+                    scalars.retain(|(k, _)| !k.starts_with("actor/"));
+                }
+                scalars.extend(out.metrics);
+                scalars.push(("distillation/loss", scalar(&out.loss)?));
+                loss = distill::combine(&loss, &out.loss, d.use_task_rewards, d.coef)?;
             }
             scalars.push(("actor/loss", scalar(&loss)?));
             Ok(MicroLoss {

@@ -39,11 +39,14 @@ pub enum Column {
     /// The response mask after rollout correction's rejection (`rollout_rs`): 0 on rejected
     /// tokens. Absent: 1 on every response token of the rows in the update.
     ResponseMask,
+    /// Log-probs of the sampled tokens under the distillation teacher routed to the row
+    /// (`distillation.enabled`).
+    TeacherLogProbs,
 }
 
 impl Column {
     /// Every column, in a fixed order (the wire order of [`StepBatch::to_bytes`]).
-    pub const ALL: [Column; 12] = [
+    pub const ALL: [Column; 13] = [
         Column::TokenLevelScores,
         Column::OldLogProbs,
         Column::Entropys,
@@ -56,6 +59,7 @@ impl Column {
         Column::RolloutLogProbs,
         Column::RolloutIsWeights,
         Column::ResponseMask,
+        Column::TeacherLogProbs,
     ];
 
     /// verl's key.
@@ -73,6 +77,7 @@ impl Column {
             Column::RolloutLogProbs => "rollout_log_probs",
             Column::RolloutIsWeights => "rollout_is_weights",
             Column::ResponseMask => "response_mask",
+            Column::TeacherLogProbs => "teacher_logprobs",
         }
     }
 
@@ -89,6 +94,7 @@ impl Column {
             Column::TokenLevelRewards | Column::Advantages | Column::Returns => "adv",
             Column::RolloutLogProbs => "gen (actor_rollout_ref.rollout.calculate_log_probs)",
             Column::RolloutIsWeights | Column::ResponseMask => "adv (algorithm.rollout_correction)",
+            Column::TeacherLogProbs => "teacher (distillation.enabled)",
         }
     }
 }

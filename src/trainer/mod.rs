@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! prompts ─► rollout (n per prompt, one uid per prompt) ─► reward ─► old log-probs (actor)
-//!         ─► ref log-probs (use_kl_loss | use_kl_in_reward) ─► values (critic, gae)
+//!         ─► ref log-probs (use_kl_loss | use_kl_in_reward) ─► teacher log-probs (distillation)
+//!         ─► values (critic, gae)
 //!         ─► KL in reward ─► advantages ─► critic update ─► actor update (after critic_warmup)
 //!         ─► validation (test_freq, last) ─► checkpoint (save_freq, last) ─► metrics
 //! ```
@@ -31,6 +32,7 @@ pub mod rollout_corr;
 pub mod setup;
 mod state;
 mod step_metrics;
+pub mod teacher;
 pub mod trainable;
 pub mod update;
 mod validate;
@@ -139,6 +141,8 @@ pub struct Trainer {
     loader: BatchLoader,
     pub actor: Actor,
     reference: Option<Reference>,
+    /// On-policy distillation's frozen teachers (`distillation.enabled`).
+    teachers: Option<teacher::Teachers>,
     pub critic: Option<Critic>,
     reward: RewardManager,
     rollout: RolloutWorker,
@@ -225,6 +229,16 @@ impl Trainer {
         }
         let pad = tokenizer.pad_token_id;
         let reference = setup::reference(&cfg, &plan, &actor, &device, pad)?;
+        let teachers = match &plan.distillation {
+            Some(d) => Some(teacher::Teachers::load(
+                d,
+                &tokenizer,
+                &device,
+                plan.log_prob_micro,
+                micro::Layout::of(pad, &cfg.actor_rollout_ref.model),
+            )?),
+            None => None,
+        };
         let mut critic = match plan.need_critic {
             true => Some(setup::critic(
                 &cfg,
@@ -263,6 +277,7 @@ impl Trainer {
             loader,
             actor,
             reference,
+            teachers,
             critic,
             reward,
             tracker,
@@ -418,6 +433,10 @@ impl Trainer {
         }
         if let Some(r) = &self.reference {
             t.time("ref", || r.compute_ref_log_prob(&mut batch))?;
+        }
+        if let Some(teachers) = &self.teachers {
+            t.time("teacher", || teachers.compute(&mut batch, &self.train))?;
+            m.insert("perf/teacher_memory_gb".into(), teachers.memory_gb());
         }
         if let Some(c) = &self.critic {
             t.time("values", || c.compute_values(&mut batch))?;

@@ -1327,6 +1327,9 @@ mod dapo;
 #[path = "tests_rollout_corr.rs"]
 mod rollout_corr;
 
+#[path = "tests_distill.rs"]
+mod distill;
+
 /// verl's mixed-precision keys reach every model of the run: actor (training and old
 /// log-probs), rollout, reference and critic each take their own key, and a 3-step gae run with
 /// all of them in bf16 trains (finite losses, weights move). Without the keys nothing is bf16.

@@ -53,7 +53,23 @@ pub struct MicroCtx {
 /// Metric keys whose micro-batch values are summed (times the micro-batch scale) over the
 /// whole update, as verl accumulates its losses; the others are averaged.
 fn summed(key: &str) -> bool {
-    key.ends_with("loss")
+    // distillation/abs_loss is a mean |d| (verl aggregates it as a mean).
+    key.ends_with("loss") && key != "distillation/abs_loss"
+}
+
+/// Scalars reduced by their extreme over micro-batches (and ranks) instead of a mean: `Some(true)`
+/// a maximum, `Some(false)` a minimum, as verl's MIN / MAX metrics (`distillation/loss_max`,
+/// `loss_min`; bypass mode's `rollout_corr/*_max` stay means of the micro-batches', as before).
+fn extreme(key: &str) -> Option<bool> {
+    if !key.starts_with("distillation/") {
+        None
+    } else if key.ends_with("_max") {
+        Some(true)
+    } else if key.ends_with("_min") {
+        Some(false)
+    } else {
+        None
+    }
 }
 
 /// The factor a micro-batch of `rows` rows multiplies its loss by (1 on the global path).
@@ -190,15 +206,22 @@ impl UpdateScalars {
     /// same on every rank (merged in rank order).
     fn all_ranks(self, comm: &dyn Collective) -> candle_core::Result<BTreeMap<String, f64>> {
         let mut out: BTreeMap<String, f64> = BTreeMap::new();
+        let reduced = |k: &str, v: &[f64]| match extreme(k) {
+            Some(max) => Summed::extreme(v, max),
+            None => Summed::mean(v),
+        };
         if comm.world_size() == 1 {
-            out.extend(self.lists.iter().map(|(k, v)| (k.clone(), mean(v))));
+            out.extend(self.lists.iter().map(|(k, v)| {
+                let s = reduced(k, v);
+                (k.clone(), if s.extreme.is_some() { s.sum } else { mean(v) })
+            }));
             out.extend(self.totals);
             return Ok(out);
         }
         let mine: BTreeMap<String, Summed> = self
             .lists
             .iter()
-            .map(|(k, v)| (k.clone(), Summed::mean(v)))
+            .map(|(k, v)| (k.clone(), reduced(k, v)))
             .chain(
                 self.totals
                     .iter()

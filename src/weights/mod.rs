@@ -30,6 +30,25 @@ mod props;
 #[cfg(test)]
 mod tests;
 
+/// The tokenizer of a model path as [`load_model_and_tokenizer`] would read it (an HF folder's
+/// tokenizer files, a GGUF file's metadata, a hub id's folder), without reading any weights.
+pub fn load_tokenizer(path: &str) -> Result<crate::data::TokenizerBundle, ModelError> {
+    let expanded = crate::util::expand_home(path);
+    let p = Path::new(&expanded);
+    if p.is_file() && expanded.ends_with(".gguf") {
+        let (_, content) = gguf::open(p)?;
+        return gguf::tokenizer(&content, p);
+    }
+    let dir = if p.is_dir() {
+        p.to_path_buf()
+    } else if is_hub_id(path) {
+        hub::resolve(path)?
+    } else {
+        return Err(ModelError::file(p, "no such model: expected an HF model directory (config.json, model.safetensors, tokenizer.json) or a .gguf file".into()));
+    };
+    crate::data::TokenizerBundle::from_dir(&dir).map_err(|e| ModelError::file(&dir, e.to_string()))
+}
+
 /// A model and its tokenizer from `path`: a `.gguf` file, an HF directory, or a hub id found in
 /// the HF cache (downloaded with the `hub` feature); tokenizer from `tokenizer_path` when given.
 pub fn load_model_and_tokenizer(
