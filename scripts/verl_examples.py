@@ -177,6 +177,17 @@ def expect(entry, configs):
     fam = family(entry["model"])
     if fam not in SUPPORTED_FAMILIES:
         refuse("actor_rollout_ref.model.path", f"model family {fam}")
+    if truthy(st.get("distillation.enabled")):
+        # Each teacher's family, as the actor's (verl drops `teacher_model` beside named ones).
+        teachers = {k: v for k, v in st.items()
+                    if k.startswith("distillation.teacher_models.") and k.endswith(".model_path")}
+        if len(teachers) > 1:
+            teachers.pop("distillation.teacher_models.teacher_model.model_path", None)
+        for key, path in teachers.items():
+            if family(str(path)) not in SUPPORTED_FAMILIES:
+                refuse(key, f"model family {family(str(path))}")
+        if str(st.get("distillation.distillation_loss.policy_loss_mode", "vanilla")) != "vanilla":
+            refuse("distillation.distillation_loss.policy_loss_mode", "distillation policy loss")
     adv = str(st.get("algorithm.adv_estimator", "gae"))
     critic_on = truthy(st.get("critic.enable")) or (adv == "gae" and not st.get("critic.enable"))
     critic_model = st.get("critic.model.path") or DEFAULT_MODEL
@@ -196,7 +207,6 @@ def expect(entry, configs):
         refuse("actor_rollout_ref.actor.policy_loss.loss_mode", f"policy loss {loss}")
     feature_flags = {
         "actor_rollout_ref.rollout.multi_turn.enable": "multi-turn tool rollouts",
-        "distillation.enabled": "distillation",
         "actor_rollout_ref.model.mtp.enable": "multi-token prediction",
         "algorithm.use_pf_ppo": "priority-filtered PPO",
     }

@@ -34,9 +34,10 @@ pub fn estimator(mode: DistillLossMode) -> Option<KlKind> {
     })
 }
 
-/// The settings of [`distillation_loss`].
+/// The settings of [`distillation_loss`] (and [`distillation_loss_topk`]).
 #[derive(Debug, Clone)]
 pub struct DistillParams {
+    /// The estimator (its `kind` is not read by the top-k loss).
     pub kind: KlKind,
     /// Each token's loss clamped to `[−c, c]`.
     pub loss_max_clamp: Option<f64>,
@@ -87,7 +88,27 @@ pub fn distillation_loss(
     is_weights: Option<&Tensor>,
 ) -> Result<DistillOutput> {
     let d = kl_penalty(log_prob, teacher_log_prob, KlPenalty::new(p.kind, false))?; // [b, r]
+    finish(d, log_prob, old_log_prob, mask, p, norm, is_weights, true)
+}
+
+/// verl's `distillation_loss` after the per-token losses `d` (`[b, r]`): the range metrics
+/// (and `abs_loss` for the estimators), the clamp, then the supervised aggregate or the vanilla
+/// policy gradient on −sg(d).
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    d: Tensor,
+    log_prob: &Tensor,
+    old_log_prob: &Tensor,
+    mask: &Tensor,
+    p: &DistillParams,
+    norm: AggNorm,
+    is_weights: Option<&Tensor>,
+    with_abs: bool,
+) -> Result<DistillOutput> {
     let mut metrics = range_metrics(&d, mask)?;
+    if !with_abs {
+        metrics.retain(|(k, _)| *k != "distillation/abs_loss");
+    }
     let d = match p.loss_max_clamp {
         Some(c) => d.clamp(-c, c)?,
         None => d,
@@ -118,6 +139,147 @@ pub fn distillation_loss(
         None => agg_loss(&d, mask, p.loss_agg_mode, norm)?,
     };
     Ok(DistillOutput { loss, metrics })
+}
+
+/// The top-k loss's per-position values (verl's `compute_forward_kl_topk`, FSDP path), each
+/// `[b, r]`.
+#[derive(Debug, Clone)]
+pub struct TopkTerms {
+    /// `Σ_k p_T(k) (log p_T(k) − log π(k))` over the teacher's top-k tokens, with gradient
+    /// through the student's log-probs (not yet floored at 0).
+    pub losses: Tensor,
+    /// `Σ_k π(k)` and `Σ_k p_T(k)`: the mass of the top-k tokens (before any clamp).
+    pub student_mass: Tensor,
+    pub teacher_mass: Tensor,
+    /// How many of the teacher's top-k tokens are among the student's own top-k.
+    pub overlap_count: Tensor,
+    /// Mean of `−p_T(k) (log p_T(k) − log π(k))` over those tokens (0 without any).
+    pub overlap_token_advantage: Tensor,
+}
+
+/// The top-k terms from the student's log-probs of the teacher's top-k tokens
+/// (`student_lp`, `[b, r, k]`, with gradient), the teacher's (`teacher_lp`) and their ids
+/// (`teacher_ids`, u32), and the ids of the student's own top-k (`student_ids`); both sides'
+/// log-probs floored at `log_prob_min_clamp` before the divergence.
+pub fn topk_terms(
+    student_lp: &Tensor,
+    teacher_lp: &Tensor,
+    teacher_ids: &Tensor,
+    student_ids: &Tensor,
+    log_prob_min_clamp: Option<f64>,
+) -> Result<TopkTerms> {
+    let last = candle_core::D::Minus1;
+    let student_mass = student_lp.detach().exp()?.sum(last)?;
+    let teacher_mass = teacher_lp.exp()?.sum(last)?;
+    let (s, t) = match log_prob_min_clamp {
+        Some(c) => (student_lp.maximum(c)?, teacher_lp.maximum(c)?),
+        None => (student_lp.clone(), teacher_lp.clone()),
+    };
+    let token_kl = (t.exp()? * (&t - &s)?)?; // [b, r, k]
+    let losses = token_kl.sum(last)?;
+    // Whether each teacher token is among the student's top-k: [b, r, k, 1] == [b, r, 1, k].
+    let k = teacher_ids.dim(2)?;
+    let (b, r) = (teacher_ids.dim(0)?, teacher_ids.dim(1)?);
+    let hit = teacher_ids
+        .unsqueeze(3)?
+        .broadcast_as((b, r, k, k))?
+        .eq(&student_ids.unsqueeze(2)?.broadcast_as((b, r, k, k))?)?
+        .to_dtype(DType::F32)?
+        .max(3)? // [b, r, k]
+        .to_dtype(token_kl.dtype())?;
+    let overlap_count = hit.sum(last)?;
+    let summed = (token_kl.detach().neg()? * &hit)?.sum(last)?;
+    let overlap_token_advantage = summed.div(&overlap_count.maximum(1.0)?)?;
+    Ok(TopkTerms {
+        losses,
+        student_mass,
+        teacher_mass,
+        overlap_count,
+        overlap_token_advantage,
+    })
+}
+
+/// [`distillation_loss`] for `forward_kl_topk` (verl's `compute_forward_kl_topk` then
+/// `distillation_loss`): the per-position losses floored at 0 (top-k masses do not sum to 1, so
+/// the divergence can be negative), verl's mass and overlap metrics, then the same clamp,
+/// range metrics and supervised or policy-gradient form. `topk`: k.
+#[allow(clippy::too_many_arguments)]
+pub fn distillation_loss_topk(
+    terms: &TopkTerms,
+    log_prob: &Tensor,
+    old_log_prob: &Tensor,
+    mask: &Tensor,
+    topk: usize,
+    p: &DistillParams,
+    norm: AggNorm,
+    is_weights: Option<&Tensor>,
+) -> Result<DistillOutput> {
+    let host = |t: &Tensor| -> Result<Vec<f64>> {
+        t.detach()
+            .to_dtype(DType::F64)?
+            .flatten_all()?
+            .to_vec1::<f64>()
+    };
+    let m = host(mask)?;
+    let kept = |v: Vec<f64>| -> Vec<f64> {
+        v.into_iter()
+            .zip(&m)
+            .filter(|(_, &m)| m > 0.0)
+            .map(|(v, _)| v)
+            .collect()
+    };
+    let mut metrics = Vec::new();
+    let (count, adv) = (
+        host(&terms.overlap_count)?,
+        host(&terms.overlap_token_advantage)?,
+    );
+    let valid: Vec<usize> = (0..m.len()).filter(|&i| m[i] > 0.0).collect();
+    if !valid.is_empty() {
+        let ratio = valid.iter().map(|&i| count[i]).sum::<f64>() / valid.len() as f64;
+        metrics.push(("distillation/overlap_ratio", ratio / topk as f64));
+        let over: Vec<f64> = valid
+            .iter()
+            .filter(|&&i| count[i] > 0.0)
+            .map(|&i| adv[i])
+            .collect();
+        let mean_adv = match over.is_empty() {
+            true => 0.0,
+            false => over.iter().sum::<f64>() / over.len() as f64,
+        };
+        metrics.push(("distillation/overlap_token_advantage", mean_adv));
+        for (name, t) in [
+            ("student_mass", &terms.student_mass),
+            ("teacher_mass", &terms.teacher_mass),
+        ] {
+            let v = kept(host(t)?);
+            let (min, max) = v
+                .iter()
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
+                    (a.min(x), b.max(x))
+                });
+            let mean = v.iter().sum::<f64>() / v.len() as f64;
+            let (k_mean, k_min, k_max) = match name {
+                "student_mass" => (
+                    "distillation/student_mass",
+                    "distillation/student_mass_min",
+                    "distillation/student_mass_max",
+                ),
+                _ => (
+                    "distillation/teacher_mass",
+                    "distillation/teacher_mass_min",
+                    "distillation/teacher_mass_max",
+                ),
+            };
+            metrics.extend([(k_mean, mean), (k_min, min), (k_max, max)]);
+        }
+    }
+    let d = terms.losses.maximum(0.0)?;
+    let out = finish(d, log_prob, old_log_prob, mask, p, norm, is_weights, false)?;
+    metrics.extend(out.metrics);
+    Ok(DistillOutput {
+        loss: out.loss,
+        metrics,
+    })
 }
 
 /// `distillation/abs_loss`, `loss_min` and `loss_max` over the masked tokens (none when the
@@ -357,6 +519,112 @@ mod tests {
             assert_eq!(got.len(), want.len(), "{name}: {got:?}");
             for (k, v) in want {
                 close(&format!("{name} {k}"), got[k.as_str()], v.as_f64().unwrap());
+            }
+        }
+    }
+
+    /// verl's top-k loss (1dda039: FSDP `compute_forward_kl_topk` on student logits and the
+    /// teacher's top-k from torch.topk, then `distillation_loss`; torch f64,
+    /// scripts/verl_distill_fixtures.py): 16 cases over the log-prob floor, the loss clamp, the
+    /// supervised and policy-gradient forms and two aggregations. Here the teacher's top-k
+    /// comes from `host_topk` (its ids equal torch.topk's) and the student's log-probs from a
+    /// log-softmax; loss and every metric within 1e-6 (verl's `kl_divergence` casts to f32).
+    #[test]
+    fn verl_1dda039_topk() {
+        use candle_core::D;
+        use serde_json::Value;
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/distill_verl_1dda039.json"
+        );
+        let f: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let tk = &f["topk"];
+        let (v, k) = (
+            tk["vocab"].as_u64().unwrap() as usize,
+            tk["k"].as_u64().unwrap() as usize,
+        );
+        let cube = |x: &Value| {
+            let rows: Vec<Vec<Vec<f64>>> = serde_json::from_value(x.clone()).unwrap();
+            let (b, r) = (rows.len(), rows[0].len());
+            let flat: Vec<f64> = rows.into_iter().flatten().flatten().collect();
+            Tensor::from_vec(flat, (b, r, v), &Device::Cpu).unwrap()
+        };
+        let mat = |x: &Value| {
+            let rows: Vec<Vec<f64>> = serde_json::from_value(x.clone()).unwrap();
+            let (b, r) = (rows.len(), rows[0].len());
+            Tensor::from_vec(rows.concat(), (b, r), &Device::Cpu).unwrap()
+        };
+        let (mask, old) = (mat(&f["mask"]), mat(&f["old"]));
+        let (b, r) = mask.dims2().unwrap();
+        let lsm = |x: &Tensor| candle_nn::ops::log_softmax(x, D::Minus1).unwrap();
+        let (s_lsm, t_lsm) = (
+            lsm(&cube(&tk["student_logits"])),
+            lsm(&cube(&tk["teacher_logits"])),
+        );
+        let topk_ids = |x: &Tensor| {
+            let (_, ids) =
+                crate::model::transformer::host_topk(&x.reshape((b * r, v)).unwrap(), k).unwrap();
+            Tensor::from_vec(ids, (b, r, k), &Device::Cpu).unwrap()
+        };
+        let (t_ids, s_ids) = (topk_ids(&t_lsm), topk_ids(&s_lsm));
+        let gather = |x: &Tensor| x.contiguous().unwrap().gather(&t_ids, 2).unwrap();
+        let (s_lp, t_lp) = (gather(&s_lsm), gather(&t_lsm));
+        // The sampled tokens' log-probs the fixture gave verl: old + 0.1 on response tokens.
+        let lp = ((&old + 0.1).unwrap() * &mask).unwrap();
+        let info = &f["infos"]["global"];
+        let norm = AggNorm {
+            batch_num_tokens: info["batch_num_tokens"].as_f64(),
+            global_batch_size: info["global_batch_size"].as_f64(),
+            dp_size: info["dp_size"].as_f64(),
+            loss_scale_factor: None,
+            legacy_sum_norm: false,
+        };
+        let cases = tk["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 16);
+        for c in cases {
+            let name = c.to_string();
+            let terms = topk_terms(&s_lp, &t_lp, &t_ids, &s_ids, c["floor"].as_f64()).unwrap();
+            let agg: LossAggMode = serde_json::from_value(c["agg"].clone()).unwrap();
+            let mut p = params(KlKind::K3);
+            p.loss_agg_mode = agg;
+            p.loss_max_clamp = c["clamp"].as_f64();
+            if c["policy_gradient"].as_bool().unwrap() {
+                let base = PolicyLossParams {
+                    mode: PolicyLossMode::Vanilla,
+                    clip_low: 0.0,
+                    clip_high: 0.0,
+                    clip_ratio_c: 0.0,
+                    tau_pos: 1.0,
+                    tau_neg: 1.0,
+                    clip_cov_ratio: 0.0,
+                    clip_cov_lb: 0.0,
+                    clip_cov_ub: 0.0,
+                    kl_cov_ratio: 0.0,
+                    ppo_kl_coef: 0.0,
+                    dro_beta: None,
+                    loss_agg_mode: agg,
+                    norm,
+                    seed: 0,
+                };
+                p.policy_gradient = Some(DistillParams::policy_gradient_params(&base, 0.15, 0.25));
+            }
+            let out = distillation_loss_topk(&terms, &lp, &old, &mask, k, &p, norm, None).unwrap();
+            let close = |what: &str, got: f64, want: f64| {
+                assert!(
+                    (got - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                    "{name} {what}: {got}, verl {want}"
+                );
+            };
+            close(
+                "loss",
+                scalar(&out.loss).unwrap(),
+                c["loss"].as_f64().unwrap(),
+            );
+            let got: std::collections::BTreeMap<_, _> = out.metrics.into_iter().collect();
+            let want = c["metrics"].as_object().unwrap();
+            assert_eq!(got.len(), want.len(), "{name}: {got:?}");
+            for (key, v) in want {
+                close(key, got[key.as_str()], v.as_f64().unwrap());
             }
         }
     }

@@ -147,6 +147,61 @@ pub fn model_context(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
             ),
         }
     }
+    teachers(cfg, plan)
+}
+
+/// Distillation's teachers, as [`model_context`] checks the actor: a local teacher's
+/// configuration must name a supported architecture and fit prompt plus response (+1, verl's
+/// rule), and its tokenizer must equal the student's (both read from local files only; a hub
+/// teacher is checked when training loads it).
+fn teachers(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
+    let Some(d) = &plan.distillation else {
+        return Ok(());
+    };
+    let student_path = cfg
+        .data
+        .tokenizer
+        .as_deref()
+        .or(cfg.actor_rollout_ref.model.tokenizer_path.as_deref())
+        .unwrap_or(&cfg.actor_rollout_ref.model.path);
+    let student = has_local_config(student_path)
+        .then(|| crate::weights::load_tokenizer(student_path).ok())
+        .flatten();
+    for t in &d.teachers {
+        let key = format!("distillation.teacher_models.{}.model_path", t.name);
+        let path = &t.model_path;
+        if !has_local_config(path) {
+            tracing::info!(
+                "`{key}` = {path}: not a local model; it is checked when training loads it"
+            );
+            continue;
+        }
+        let args = crate::weights::read_args(path, &Default::default()).map_err(|e| {
+            ConfigError::Value {
+                key: key.clone(),
+                message: format!("{path}: {e}"),
+            }
+        })?;
+        if let Some(args) = args {
+            crate::config::data::check_model_context(
+                plan.prompt_length,
+                plan.response_length + 1,
+                args.max_position_embeddings,
+                &key,
+                path,
+            )?;
+        }
+        if let (Some(ours), Ok(theirs)) = (&student, crate::weights::load_tokenizer(path)) {
+            if let Some(why) = crate::trainer::teacher::vocabulary_difference(ours, &theirs) {
+                return Err(ConfigError::Value {
+                    key,
+                    message: format!(
+                        "{path}: {why}; a teacher must read the student's token ids (same tokenizer)"
+                    ),
+                });
+            }
+        }
+    }
     Ok(())
 }
 
@@ -234,6 +289,66 @@ mod tests {
             &dir.path().join("nope"),
             &dir.path().join("nope")
         ));
+    }
+
+    /// `config check` on distillation's teachers, from local files only: a teacher whose
+    /// tokenizer differs from the student's, one of an architecture not implemented and one
+    /// too short for prompt + response + 1 are refused naming the teacher's key; the student's
+    /// twin passes.
+    #[test]
+    fn config_check_reads_the_teachers_config_and_tokenizer() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = |name: &str, max_pos: usize| {
+            let d = dir.path().join(name);
+            crate::testing::write_tokenizer_dir(&d).unwrap();
+            let mut args = crate::model::ModelArgs::tiny(crate::model::Arch::Llama, 259);
+            args.max_position_embeddings = max_pos;
+            std::fs::write(d.join("config.json"), args.to_hf().to_string()).unwrap();
+            d
+        };
+        let student = model("student", 4096);
+        let check = |teacher: &Path| {
+            let o = vec![
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4".to_string(),
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8".into(),
+                "algorithm.adv_estimator=grpo".into(),
+                "data.max_prompt_length=128".into(),
+                "data.max_response_length=6".into(),
+                format!("actor_rollout_ref.model.path={}", student.display()),
+                "distillation.enabled=True".into(),
+                format!(
+                    "distillation.teacher_models.teacher_model.model_path={}",
+                    teacher.display()
+                ),
+            ];
+            let cfg = crate::config::load(&ConfigSource::Builtin, &o)
+                .unwrap()
+                .config;
+            let plan = crate::config::resolve(&cfg).unwrap();
+            model_context(&cfg, &plan).map_err(|e| e.to_string())
+        };
+        let key = "distillation.teacher_models.teacher_model.model_path";
+        check(&model("twin", 4096)).unwrap();
+        let short = model("short", 134);
+        let e = check(&short).unwrap_err();
+        assert!(e.contains(key) && e.contains("134"), "{e}");
+        let swapped = model("swapped", 4096);
+        let path = swapped.join("tokenizer.json");
+        let mut tok: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let vocab = tok["model"]["vocab"].as_object_mut().unwrap();
+        let (a, b) = (vocab["x"].clone(), vocab["y"].clone());
+        vocab.insert("x".into(), b);
+        vocab.insert("y".into(), a);
+        std::fs::write(&path, tok.to_string()).unwrap();
+        let e = check(&swapped).unwrap_err();
+        assert!(e.contains(key) && e.contains("same tokenizer"), "{e}");
+        let other = model("other", 4096);
+        let config =
+            serde_json::json!({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"});
+        std::fs::write(other.join("config.json"), config.to_string()).unwrap();
+        let e = check(&other).unwrap_err();
+        assert!(e.contains(key) && e.contains("GptOssForCausalLM"), "{e}");
     }
 
     /// `config check` refuses a LoRA rank larger than the projections it adapts from the

@@ -195,6 +195,7 @@ pub struct DistillPlan {
 /// response budget (verl's `required_context_len` less its one generated token).
 pub(super) fn rules(
     errors: &mut Vec<String>,
+    warnings: &mut Vec<String>,
     cfg: &super::Config,
     context: usize,
 ) -> Option<DistillPlan> {
@@ -215,8 +216,8 @@ pub(super) fn rules(
     if k1 && !l.use_policy_gradient {
         errors.push(format!("`{K}.distillation_loss.loss_mode={}` with `use_policy_gradient=false`: backpropagating k1 directly is wrong, as its gradient does not depend on the teacher's log-probs (verl's rule); set use_policy_gradient=true or another loss_mode", l.loss_mode.as_str()));
     }
-    if l.loss_mode.uses_topk() {
-        errors.push(format!("`{K}.distillation_loss.loss_mode=forward_kl_topk` is not implemented here yet: it needs the student's log-probs of the teacher's top-k tokens, with their gradient, in the fused LM head; use one of the single-sample estimators kl, k1, abs, mse, k2, low_var_kl, k3"));
+    if l.loss_mode.uses_topk() && l.use_policy_gradient {
+        warnings.push(format!("`{K}.distillation_loss.loss_mode=forward_kl_topk` with `use_policy_gradient=true`: the update then moves only the sampled token's log-prob, so most of the top-k signal (how the other tokens should move) is unused; forward_kl_topk works best as a supervised loss (verl's warning)"));
     }
     let topk = match (l.loss_mode.uses_topk(), l.topk) {
         (false, _) => None,

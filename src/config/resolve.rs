@@ -349,7 +349,7 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
     let (need_critic, critic, critic_forward_micro) = critic_rules(&mut f.errors, cfg, &l);
     let reward = reward_rules(&mut f.errors, cfg);
     let context = l.prompt_length + l.response_length;
-    let distillation = super::distillation::rules(&mut f.errors, cfg, context);
+    let distillation = super::distillation::rules(&mut f.errors, &mut f.warnings, cfg, context);
     let default_local_dir = trainer_rules(&mut f, cfg);
     let (seeds, temperatures) = seeds_and_temperatures(cfg);
     let (true, Some(reward)) = (f.errors.is_empty(), reward) else {

@@ -1292,15 +1292,20 @@ fn distillation_rules() {
         "distillation.distillation_loss.use_policy_gradient=True",
     ])
     .is_ok());
+    let p = resolved(&[
+        on,
+        path,
+        "distillation.distillation_loss.loss_mode=forward_kl_topk",
+    ])
+    .unwrap();
+    assert_eq!(p.distillation.unwrap().topk, Some(32));
     let e = rule_error(&[
         on,
         path,
         "distillation.distillation_loss.loss_mode=forward_kl_topk",
+        "distillation.distillation_loss.topk=0",
     ]);
-    assert!(
-        e.contains("forward_kl_topk") && e.contains("not implemented"),
-        "{e}"
-    );
+    assert!(e.contains("distillation.distillation_loss.topk"), "{e}");
     let e = rule_error(&[
         on,
         path,

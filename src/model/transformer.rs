@@ -729,6 +729,69 @@ impl CausalLm {
         })
     }
 
+    /// The `k` largest log-probs of each position's distribution (log-softmax of the logits at
+    /// `hidden` `[b, t, h]`), largest first, and their token ids: `([b·t, k]` f32, `[b·t, k]`
+    /// u32`)`, detached, `chunk` positions at a time (the teacher's side of top-k distillation).
+    pub fn topk_logprobs(
+        &self,
+        hidden: &Tensor,
+        k: usize,
+        chunk: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let (b, t, h) = hidden.dims3()?;
+        let rows = hidden.reshape((b * t, h))?.detach();
+        let w = self.output_weight()?;
+        let (mut vals, mut ids) = (Vec::new(), Vec::new());
+        let mut start = 0;
+        while start < b * t {
+            let n = chunk.max(1).min(b * t - start);
+            let logits = upcast(&self.head_matmul(&rows.narrow(0, start, n)?, w)?)?; // [n, vocab]
+            let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+            let (v, i) = host_topk(&lsm, k)?;
+            vals.extend(v);
+            ids.extend(i);
+            start += n;
+        }
+        let dev = hidden.device();
+        Ok((
+            Tensor::from_vec(vals, (b * t, k), dev)?,
+            Tensor::from_vec(ids, (b * t, k), dev)?,
+        ))
+    }
+
+    /// Log-probs of the tokens `ids` (`[b·t, k]` u32) at each position of `hidden` (`[b, t, h]`),
+    /// with gradient through `hidden` and the output weight (a composition of candle ops,
+    /// `chunk` positions at a time), and the ids of each position's own `k` most likely tokens
+    /// (detached): `([b·t, k], [b·t, k]` u32`)` (the student's side of top-k distillation).
+    pub fn gather_logprobs(
+        &self,
+        hidden: &Tensor,
+        ids: &Tensor,
+        chunk: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let (b, t, h) = hidden.dims3()?;
+        let k = ids.dim(1)?;
+        let rows = hidden.reshape((b * t, h))?;
+        let w = self.output_weight()?;
+        let (mut out, mut own) = (Vec::new(), Vec::new());
+        let mut start = 0;
+        while start < b * t {
+            let n = chunk.max(1).min(b * t - start);
+            let logits = upcast(&self.head_matmul(&rows.narrow(0, start, n)?, w)?)?; // [n, vocab]
+            let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+            out.push(
+                lsm.contiguous()?
+                    .gather(&ids.narrow(0, start, n)?.contiguous()?, 1)?,
+            );
+            own.extend(host_topk(&lsm.detach(), k)?.1);
+            start += n;
+        }
+        Ok((
+            Tensor::cat(&out, 0)?,
+            Tensor::from_vec(own, (b * t, k), hidden.device())?,
+        ))
+    }
+
     /// [`CausalLm::token_logprobs`] as a composition of candle ops (the reference the fused op
     /// is tested against; the path on CUDA and for half precision).
     pub fn token_logprobs_composed(
@@ -922,4 +985,29 @@ fn gated(vb: &VarBuilder, h: usize, inter: usize) -> Result<Gated> {
         up: linear(vb, h, inter, false, "up_proj")?,
         down: linear(vb, inter, h, false, "down_proj")?,
     })
+}
+
+/// The `k` largest values of each row of `x` (`[n, v]`), largest first (ties: the lower index),
+/// with their column indices: `n·k` of each, row by row.
+pub fn host_topk(x: &Tensor, k: usize) -> Result<(Vec<f32>, Vec<u32>)> {
+    let (n, v) = x.dims2()?;
+    if k > v {
+        candle_core::bail!("top-{k} of a distribution over {v} tokens");
+    }
+    let data = x.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let (mut vals, mut ids) = (Vec::with_capacity(n * k), Vec::with_capacity(n * k));
+    let mut idx: Vec<u32> = Vec::with_capacity(v);
+    for row in &data {
+        idx.clear();
+        idx.extend(0..v as u32);
+        let order = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
+        if k < v {
+            idx.select_nth_unstable_by(k, order);
+        }
+        idx.truncate(k);
+        idx.sort_unstable_by(order);
+        vals.extend(idx.iter().map(|&i| row[i as usize]));
+        ids.extend_from_slice(&idx);
+    }
+    Ok((vals, ids))
 }

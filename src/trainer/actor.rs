@@ -4,7 +4,7 @@
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 
-use super::batch::{pad_rows, scatter_rows, Column, Ragged, StepBatch};
+use super::batch::{pad_rows, scatter_rows, Column, Ragged, StepBatch, TopkRows};
 use super::micro::{Layout, MicroInputs};
 use super::rollout_corr::bypass_loss;
 use super::trainable::{forward_rows, LoraState, Trainable, UpdateSettings};
@@ -13,8 +13,8 @@ use crate::algo::agg::scalar;
 use crate::algo::distill::{self, DistillParams};
 use crate::algo::rollout_corr::Correction;
 use crate::algo::{agg_loss, kl_loss, policy_loss_weighted, PolicyLossParams};
-use crate::config::BypassLoss;
 use crate::config::{ActorConfig, MicroBatching, Plan};
+use crate::config::{BypassLoss, KlKind};
 use crate::metrics::Metrics;
 use crate::model::{CausalLm, Exec, HeadOut, HeadStats};
 use crate::weights::hf::Loaded;
@@ -38,6 +38,38 @@ pub fn response_logprobs(
     };
     let out = response_stats(model, mi, temperature, stats)?;
     Ok((out.log_probs, out.entropy))
+}
+
+/// [`response_logprobs`] plus top-k distillation's student side from the same forward: the
+/// log-probs of the teacher's tokens `teacher_ids` (`[m, r, k]` u32; with gradient) and the
+/// ids of the student's own top-k, `[m, r, k]` each.
+pub fn response_logprobs_topk(
+    model: &CausalLm,
+    mi: &MicroInputs,
+    temperature: f64,
+    with_entropy: bool,
+    teacher_ids: &Tensor,
+) -> candle_core::Result<(Tensor, Option<Tensor>, Tensor, Tensor)> {
+    let h = mi.response_hidden(model)?; // [m, r, h] or [1, k, h]
+    let h = if temperature > 0.0 && temperature != 1.0 {
+        (h / temperature)?
+    } else {
+        h
+    };
+    let chunk = logit_chunk(model.args.vocab_size);
+    let stats = HeadStats {
+        entropy: with_entropy,
+        sum_pi_squared: false,
+    };
+    let out = model.token_stats(&h, mi.response_targets(), chunk, stats)?;
+    let ids = mi.from_rows_k(teacher_ids)?; // [positions, k]
+    let (gathered, own) = model.gather_logprobs(&h, &ids, chunk)?;
+    Ok((
+        mi.to_rows(&out.log_probs)?,
+        out.entropy.map(|e| mi.to_rows(&e)).transpose()?,
+        mi.to_rows_k(&gathered)?,
+        mi.to_rows_k(&own)?,
+    ))
 }
 
 /// [`response_logprobs`] with the head statistics `stats` asks for (Σπ² among them, of the
@@ -90,6 +122,8 @@ pub struct Actor {
 #[derive(Debug, Clone)]
 pub struct Distill {
     pub params: DistillParams,
+    /// `forward_kl_topk`: k and `log_prob_min_clamp` (None: a single-sample estimator).
+    pub topk: Option<(usize, Option<f64>)>,
     /// Keep the task's policy loss (else the distillation loss alone).
     pub use_task_rewards: bool,
     /// `distillation_loss_coef` (with task rewards).
@@ -97,13 +131,16 @@ pub struct Distill {
 }
 
 impl Distill {
-    /// The term `plan` asks for (None with distillation off, or with the top-k loss, which
-    /// reads no `teacher_logprobs` and is refused by the configuration rules).
+    /// The term `plan` asks for (None with distillation off).
     pub fn of(plan: &Plan, actor: &ActorConfig) -> Option<Self> {
         let d = plan.distillation.as_ref()?;
-        let kind = distill::estimator(d.loss.loss_mode)?;
+        let (kind, topk) = match distill::estimator(d.loss.loss_mode) {
+            Some(kind) => (kind, None),
+            None => (KlKind::K3, Some((d.topk?, d.loss.log_prob_min_clamp))),
+        };
         let base = PolicyLossParams::from_actor(actor);
         Some(Distill {
+            topk,
             params: DistillParams {
                 kind,
                 loss_max_clamp: d.loss.loss_max_clamp,
@@ -293,7 +330,16 @@ impl Actor {
             None
         };
         let distill = match &self.distill {
-            Some(d) => Some((d, batch.column(Column::TeacherLogProbs)?)),
+            Some(d) if d.topk.is_some() => Some((d, None)),
+            Some(d) => Some((d, Some(batch.column(Column::TeacherLogProbs)?))),
+            None => None,
+        };
+        let teacher_topk = match self.distill.as_ref().and_then(|d| d.topk) {
+            Some(_) => Some(batch.teacher_topk.as_ref().ok_or_else(|| {
+                candle_core::Error::Msg(
+                    "no teacher top-k tokens: the teacher phase did not run".into(),
+                )
+            })?),
             None => None,
         };
         let mut micro_index = 0u64;
@@ -301,8 +347,21 @@ impl Actor {
             let norm = ctx.norm;
             let device = model.device();
             let with_entropy = need_entropy || capture.is_some();
-            let (lp, ent) = response_logprobs(model, mi, temperature, with_entropy)?;
             let r = mi.response_width;
+            // Top-k distillation: the student's log-probs of the teacher's tokens come from
+            // the same forward.
+            let (lp, ent, student_topk) = match teacher_topk {
+                Some(tk) => {
+                    let (ids, tlp) = tk.padded(rows, r, device)?; // [m, r, k]
+                    let (lp, ent, gathered, own) =
+                        response_logprobs_topk(model, mi, temperature, with_entropy, &ids)?;
+                    (lp, ent, Some((gathered, own, ids, tlp)))
+                }
+                None => {
+                    let (lp, ent) = response_logprobs(model, mi, temperature, with_entropy)?;
+                    (lp, ent, None)
+                }
+            };
             let mask = &mi.response_mask;
             if let Some(cols) = capture.as_deref_mut() {
                 if !ctx.on_policy {
@@ -372,9 +431,38 @@ impl Actor {
                 loss = (loss + (kl * cfg.kl_loss_coef)?)?;
             }
             if let Some((d, teacher)) = distill {
-                let tl = pad_rows(teacher, rows, r, device)?;
-                let out =
-                    distill::distillation_loss(&lp, &tl, &old, mask, &d.params, norm, w.as_ref())?;
+                let out = match (teacher, &student_topk, d.topk) {
+                    (Some(teacher), _, _) => {
+                        let tl = pad_rows(teacher, rows, r, device)?;
+                        distill::distillation_loss(
+                            &lp,
+                            &tl,
+                            &old,
+                            mask,
+                            &d.params,
+                            norm,
+                            w.as_ref(),
+                        )?
+                    }
+                    (None, Some((gathered, own, ids, tlp)), Some((k, floor))) => {
+                        let terms = distill::topk_terms(gathered, tlp, ids, own, floor)?;
+                        distill::distillation_loss_topk(
+                            &terms,
+                            &lp,
+                            &old,
+                            mask,
+                            k,
+                            &d.params,
+                            norm,
+                            w.as_ref(),
+                        )?
+                    }
+                    _ => {
+                        return Err(candle_core::Error::Msg(
+                            "distillation: neither teacher log-probs nor top-k tokens".into(),
+                        ))
+                    }
+                };
                 if !d.use_task_rewards && d.params.policy_gradient.is_none() {
                     // verl computes no policy loss then, and reports none.
                     scalars.retain(|(k, _)| !k.starts_with("actor/"));
@@ -432,6 +520,45 @@ impl Reference {
             temperature: actor.temperature,
             inputs,
         }
+    }
+
+    /// The `k` most likely tokens at every response position of `batch` and their log-probs
+    /// (top-k distillation's teacher side), at this model's temperature.
+    pub fn compute_topk(&self, batch: &StepBatch, k: usize) -> candle_core::Result<TopkRows> {
+        let t = self.temperature;
+        let layout = self.inputs.given(self.model.packs_without_padding());
+        let chunk = logit_chunk(self.model.args.vocab_size);
+        // 2k outputs of [m, r]: the k log-probs, then the k ids (as f32: exact below 2^24).
+        let out = forward_rows(&self.model, batch, self.micro, layout, 2 * k, |m, mi| {
+            let h = mi.response_hidden(m)?;
+            let h = if t > 0.0 && t != 1.0 { (h / t)? } else { h };
+            let (lp, ids) = m.topk_logprobs(&h, k, chunk)?; // [positions, k]
+            let lp = mi.to_rows_k(&lp)?; // [m, r, k]
+            let ids = mi.to_rows_k(&ids.to_dtype(candle_core::DType::F32)?)?;
+            let mut cols = Vec::with_capacity(2 * k);
+            for x in [&lp, &ids] {
+                for j in 0..k {
+                    cols.push(x.narrow(2, j, 1)?.squeeze(2)?);
+                }
+            }
+            Ok(cols)
+        })?;
+        let rows = batch.len();
+        let mut topk = TopkRows {
+            k,
+            ids: vec![Vec::new(); rows],
+            log_probs: vec![Vec::new(); rows],
+        };
+        for (r, (ids, lps)) in topk.ids.iter_mut().zip(&mut topk.log_probs).enumerate() {
+            for pos in 0..out[0][r].len() {
+                let (lp_cols, id_cols) = out.split_at(k);
+                for (lp, id) in lp_cols.iter().zip(id_cols) {
+                    lps.push(lp[r][pos]);
+                    ids.push(id[r][pos] as u32);
+                }
+            }
+        }
+        Ok(topk)
     }
 
     /// The `ref` phase: fills `ref_log_prob` (verl's `compute_ref_log_prob`).

@@ -125,9 +125,48 @@ pub struct StepBatch {
     /// The order the updates split rows into mini- and micro-batches in (`trainer.balance_batch`);
     /// `None` = row order. The rows themselves stay grouped by prompt.
     pub update_order: Option<Vec<usize>>,
+    /// Top-k distillation: the teacher's `k` most likely tokens at each response position
+    /// (`distillation.distillation_loss.loss_mode=forward_kl_topk`); travels with the rows.
+    #[serde(default)]
+    pub teacher_topk: Option<TopkRows>,
     /// The per-token columns filled so far.
     #[serde(skip)]
     columns: BTreeMap<Column, Ragged>,
+}
+
+/// `k` (token id, log-prob) pairs per response position of every row, largest first: row `i`
+/// holds `response_len(i) · k` of each, position by position.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TopkRows {
+    pub k: usize,
+    pub ids: Vec<Vec<u32>>,
+    pub log_probs: Vec<Vec<f32>>,
+}
+
+impl TopkRows {
+    /// Rows `rows` padded to `width` positions: `([m, width, k]` u32 ids (0 past a row's end),
+    /// `[m, width, k]` f32 log-probs (0 there)`)`.
+    pub fn padded(
+        &self,
+        rows: &[usize],
+        width: usize,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let k = self.k;
+        let (mut ids, mut lps) = (
+            vec![0u32; rows.len() * width * k],
+            vec![0f32; rows.len() * width * k],
+        );
+        for (i, &r) in rows.iter().enumerate() {
+            let n = self.ids[r].len().min(width * k);
+            ids[i * width * k..i * width * k + n].copy_from_slice(&self.ids[r][..n]);
+            lps[i * width * k..i * width * k + n].copy_from_slice(&self.log_probs[r][..n]);
+        }
+        Ok((
+            Tensor::from_vec(ids, (rows.len(), width, k), device)?,
+            Tensor::from_vec(lps, (rows.len(), width, k), device)?,
+        ))
+    }
 }
 
 /// Per-token values of every row, `[rows][response_len]`.
@@ -239,6 +278,14 @@ impl StepBatch {
             out.excluded.extend(p.excluded);
             out.texts.extend(p.texts);
             out.rewards.extend(p.rewards);
+            match (&mut out.teacher_topk, p.teacher_topk) {
+                (Some(a), Some(b)) if a.k == b.k => {
+                    a.ids.extend(b.ids);
+                    a.log_probs.extend(b.log_probs);
+                }
+                (None, None) => {}
+                _ => return Err(wire_error("teacher top-k tokens on some ranks only")),
+            }
             for (c, v) in p.columns {
                 if let Some(col) = out.columns.get_mut(&c) {
                     col.extend(v);
@@ -268,6 +315,11 @@ impl StepBatch {
             rewards: pick(&self.rewards, rows),
             reward_baselines: self.reward_baselines.as_deref().map(|b| pick(b, rows)),
             update_order: None,
+            teacher_topk: self.teacher_topk.as_ref().map(|t| TopkRows {
+                k: t.k,
+                ids: pick(&t.ids, rows),
+                log_probs: pick(&t.log_probs, rows),
+            }),
             columns: self
                 .columns
                 .iter()

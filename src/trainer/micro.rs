@@ -272,6 +272,44 @@ impl MicroInputs {
         }
     }
 
+    /// `k` values per position in [`MicroInputs::response_hidden`]'s layout (`[positions, k]`)
+    /// as `[m, r, k]` (packed: zeros at padding positions).
+    pub fn to_rows_k(&self, values: &Tensor) -> Result<Tensor> {
+        let (m, r) = self.targets.dims2()?;
+        let k = values.dim(1)?;
+        match &self.tokens {
+            Tokens::Padded { .. } => values.reshape((m, r, k)),
+            Tokens::Packed { spread, .. } => {
+                let zero = Tensor::zeros((1, k), values.dtype(), values.device())?;
+                Tensor::cat(&[values, &zero], 0)? // [positions + 1, k]
+                    .index_select(spread, 0)?
+                    .reshape((m, r, k))
+            }
+        }
+    }
+
+    /// `[m, r, k]` values as `[positions, k]` in [`MicroInputs::response_hidden`]'s layout (the
+    /// inverse of [`MicroInputs::to_rows_k`] on real positions).
+    pub fn from_rows_k(&self, values: &Tensor) -> Result<Tensor> {
+        let (m, r, k) = values.dims3()?;
+        let flat = values.reshape((m * r, k))?;
+        match &self.tokens {
+            Tokens::Padded { .. } => Ok(flat),
+            Tokens::Packed { spread, at, .. } => {
+                let positions = at.dim(0)?;
+                let spread = spread.to_vec1::<u32>()?;
+                let mut from = vec![0u32; positions];
+                for (row_pos, &p) in spread.iter().enumerate() {
+                    if (p as usize) < positions {
+                        from[p as usize] = row_pos as u32;
+                    }
+                }
+                let from = Tensor::from_vec(from, positions, values.device())?;
+                flat.index_select(&from, 0)
+            }
+        }
+    }
+
     /// Per-position values in [`MicroInputs::response_hidden`]'s layout as `[m, r]` (packed:
     /// zero at padding positions; padded: as computed there; the response mask hides both).
     pub fn to_rows(&self, values: &Tensor) -> Result<Tensor> {

@@ -10,7 +10,7 @@
 use candle_core::Device;
 
 use super::actor::Reference;
-use super::batch::{Column, Ragged, StepBatch};
+use super::batch::{Column, Ragged, StepBatch, TopkRows};
 use super::micro::Layout;
 use super::{Result, TrainerError};
 use crate::config::{DistillPlan, MicroBatching, TeacherPlan};
@@ -29,6 +29,8 @@ pub struct Teachers {
     teachers: Vec<Teacher>,
     /// The dataset column routing rows (read with several teachers).
     key: String,
+    /// Top-k distillation: how many of each teacher's most likely tokens to keep.
+    topk: Option<usize>,
 }
 
 /// Why `theirs` (a teacher's tokenizer) cannot read `ours`' token ids, if it cannot: the
@@ -121,6 +123,7 @@ impl Teachers {
         Ok(Self {
             teachers,
             key: plan.teacher_key.clone(),
+            topk: plan.topk,
         })
     }
 
@@ -171,9 +174,29 @@ impl Teachers {
     }
 
     /// The `teacher` phase: fills `teacher_logprobs` for every row of `batch` (whose prompts
-    /// index `data`).
+    /// index `data`), or with top-k distillation the teacher's `topk` most likely tokens.
     pub fn compute(&self, batch: &mut StepBatch, data: &PromptDataset) -> Result<()> {
         let route = self.route(batch, data)?;
+        if let Some(k) = self.topk {
+            let mut all = TopkRows {
+                k,
+                ids: vec![Vec::new(); batch.len()],
+                log_probs: vec![Vec::new(); batch.len()],
+            };
+            for (i, t) in self.teachers.iter().enumerate() {
+                let rows: Vec<usize> = (0..batch.len()).filter(|&r| route[r] == i).collect();
+                if rows.is_empty() {
+                    continue;
+                }
+                let part = t.model.compute_topk(&batch.select(&rows), k)?;
+                for (j, &r) in rows.iter().enumerate() {
+                    all.ids[r] = part.ids[j].clone();
+                    all.log_probs[r] = part.log_probs[j].clone();
+                }
+            }
+            batch.teacher_topk = Some(all);
+            return Ok(());
+        }
         let mut out: Ragged = vec![Vec::new(); batch.len()];
         for (i, t) in self.teachers.iter().enumerate() {
             let rows: Vec<usize> = (0..batch.len()).filter(|&r| route[r] == i).collect();

@@ -265,3 +265,65 @@ fn rows_reach_the_teacher_of_their_key() {
         "{e}"
     );
 }
+
+/// `forward_kl_topk` end to end: the student as its own teacher gives 0 (the top-k masses are
+/// equal), packed and padded micro-batches give the same loss and metrics, and from a trained
+/// teacher the loss falls over 5 steps.
+#[test]
+fn the_top_k_loss_is_zero_for_the_student_and_falls_for_a_teacher() {
+    let fx = fixture();
+    let topk = [
+        "distillation.distillation_loss.loss_mode=forward_kl_topk",
+        "distillation.distillation_loss.topk=8",
+    ];
+    let mut by_layout = Vec::new();
+    for packed in ["True", "False"] {
+        let key = format!("actor_rollout_ref.model.use_remove_padding={packed}");
+        let o: Vec<&str> = topk
+            .iter()
+            .copied()
+            .chain([key.as_str(), "trainer.total_training_steps=1"])
+            .collect();
+        let mut t = with_teacher(&fx, &fx.model, &o);
+        let m = t.step().unwrap();
+        assert!(
+            m["distillation/loss"].abs() < 1e-6,
+            "{}",
+            m["distillation/loss"]
+        );
+        assert!((m["distillation/overlap_ratio"] - 1.0).abs() < 1e-6);
+        assert!((m["distillation/student_mass"] - m["distillation/teacher_mass"]).abs() < 1e-5);
+        by_layout.push(m);
+    }
+    for k in [
+        "distillation/student_mass",
+        "distillation/teacher_mass_min",
+        "actor/pg_loss",
+    ] {
+        let (a, b) = (by_layout[0][k], by_layout[1][k]);
+        assert!(
+            (a - b).abs() < 1e-5 * (1.0 + a.abs()),
+            "{k}: packed {a}, padded {b}"
+        );
+    }
+
+    let teacher = trained_teacher(&fx, &fx.dir.path().join("teacher"), 4);
+    let o: Vec<&str> = topk
+        .iter()
+        .copied()
+        .chain([
+            "distillation.distillation_loss.use_task_rewards=False",
+            "actor_rollout_ref.actor.optim.lr=1e-2",
+            "trainer.total_training_steps=5",
+        ])
+        .collect();
+    let mut t = with_teacher(&fx, &teacher, &o);
+    t.fit().unwrap();
+    let losses: Vec<f64> = t
+        .history
+        .iter()
+        .map(|(_, m)| m["distillation/loss"])
+        .collect();
+    println!("forward_kl_topk loss over 5 steps: {losses:?}");
+    assert!(losses[4] < 0.5 * losses[0], "the loss falls: {losses:?}");
+}
