@@ -388,11 +388,13 @@ fn two_ranks_and_one_log_the_same_metrics_for_gae_and_grpo() {
     if mpirun(1).is_none() {
         return;
     }
-    for (est, mini, dapo) in [
-        ("gae", 2, false),
-        ("grpo", 2, false),
-        ("grpo", 4, false),
-        ("grpo", 2, true),
+    for (est, mini, dapo, distill) in [
+        ("gae", 2, false, None),
+        ("grpo", 2, false, None),
+        ("grpo", 4, false, None),
+        ("grpo", 2, true, None),
+        ("grpo", 2, false, Some("k3")),
+        ("grpo", 2, false, Some("forward_kl_topk")),
     ] {
         let mut extra = vec![
             format!("algorithm.adv_estimator={est}"),
@@ -408,13 +410,36 @@ fn two_ranks_and_one_log_the_same_metrics_for_gae_and_grpo() {
                 "data.gen_batch_size=2".into(),
             ]);
         }
-        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-        let est = format!("{est} mini-batch {mini}{}", if dapo { " dapo" } else { "" });
+        if let Some(mode) = distill {
+            // Distillation from the model itself (set per run below: its folder), the
+            // teacher's log-probs or top-k tokens computed on each rank and gathered.
+            extra.extend([
+                "distillation.enabled=True".to_string(),
+                format!("distillation.distillation_loss.loss_mode={mode}"),
+                "distillation.distillation_loss.topk=4".into(),
+                "distillation.distillation_loss.distillation_loss_coef=0.5".into(),
+            ]);
+        }
+        let est = format!(
+            "{est} mini-batch {mini}{}{}",
+            if dapo { " dapo" } else { "" },
+            distill
+                .map(|d| format!(" distillation {d}"))
+                .unwrap_or_default()
+        );
         // One mini-batch of the step's 8 rows: the on-policy update.
         let on_policy = mini == 4;
         let mut runs = Vec::new();
         for np in [0, 1, 2] {
             let dir = tempfile::tempdir().unwrap();
+            let mut extra = extra.clone();
+            if distill.is_some() {
+                extra.push(format!(
+                    "distillation.teacher_models.teacher_model.model_path={}",
+                    dir.path().join("model").display()
+                ));
+            }
+            let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
             let out = train(dir.path(), np, &run_args(dir.path(), 3, &extra));
             assert!(out.status.success(), "{est} np={np}: {}", text(&out));
             runs.push((
@@ -441,6 +466,12 @@ fn two_ranks_and_one_log_the_same_metrics_for_gae_and_grpo() {
             "{:?}",
             base[2].keys()
         );
+        if distill.is_some() {
+            assert!(
+                base[2]["distillation/loss"].as_f64().unwrap() > 0.0,
+                "{est}"
+            );
+        }
         for (np, m, a, _) in &runs[1..] {
             for (i, step) in m.iter().enumerate() {
                 assert_eq!(
