@@ -48,6 +48,16 @@ pub struct CriticConfig {
     pub checkpoint: CheckpointContents,
     /// Gradient-norm clip (reported as critic/grad_norm).
     pub grad_clip: f64,
+    /// A new value head's weights (main_ppo's key; a head saved with the critic is read as it is): normal = N(0, 0.02²) as transformers initialises `score` (verl's critic); zero = every value starts at 0, so the first advantages are the whitened returns.
+    pub value_head_init: ValueHeadInit,
+}
+
+/// `critic.value_head_init`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ValueHeadInit {
+    Normal,
+    Zero,
 }
 
 defaults!(CriticConfig {
@@ -69,4 +79,5 @@ defaults!(CriticConfig {
     loss_scale_factor: None,
     checkpoint: CheckpointContents::default(),
     grad_clip: 1.0,
+    value_head_init: ValueHeadInit::Normal,
 });

@@ -12,6 +12,7 @@ use super::trainable::{assign_heads, LoraState, Network, Trainable, UpdateSettin
 use super::update::MicroLoss;
 use crate::algo::agg::scalar;
 use crate::algo::{masked_mean, value_loss};
+use crate::config::critic::ValueHeadInit;
 use crate::config::{CriticConfig, MicroBatching, Plan};
 use crate::metrics::Metrics;
 use crate::model::ValueHead;
@@ -66,7 +67,11 @@ impl Critic {
         let head = ValueHead::new(hidden, VarBuilder::from_varmap(&varmap, dtype, &device))?;
         if fresh {
             let vars = varmap.data().lock().expect("varmap lock").clone();
-            let w = Tensor::from_vec(seeded_normal(hidden, 0.02, seed), (1, hidden), &Device::Cpu)?;
+            let w = match cfg.value_head_init {
+                ValueHeadInit::Normal => seeded_normal(hidden, 0.02, seed),
+                ValueHeadInit::Zero => vec![0.0; hidden],
+            };
+            let w = Tensor::from_vec(w, (1, hidden), &Device::Cpu)?;
             vars["score.weight"].set(&w.to_dtype(dtype)?.to_device(&device)?)?;
         }
         // A critic adapter saved with its value head (PEFT's modules_to_save) restores it too

@@ -1483,3 +1483,34 @@ fn three_step_runs_on_cuda_equal_the_cpu() {
         }
     }
 }
+
+/// `critic.value_head_init=zero`: a new value head predicts 0 everywhere, so the first step's
+/// values are all 0 and GAE's advantages are the whitened returns; the default (normal) head
+/// does not (transformers' N(0, 0.02²) init of `score`).
+#[test]
+fn a_zero_value_head_starts_every_value_at_zero() {
+    let fx = fixture();
+    let run = |init: &str| {
+        let key = format!("critic.value_head_init={init}");
+        let mut t = trainer(
+            &fx,
+            &[
+                "algorithm.adv_estimator=gae",
+                &key,
+                "trainer.total_training_steps=1",
+            ],
+            None,
+        );
+        t.step().unwrap()
+    };
+    let m = run("zero");
+    for k in [
+        "critic/values/mean",
+        "critic/values/max",
+        "critic/values/min",
+    ] {
+        assert_eq!(m[k], 0.0, "{k}");
+    }
+    let m = run("normal");
+    assert!(m["critic/values/max"] > m["critic/values/min"]);
+}
