@@ -327,3 +327,76 @@ fn the_top_k_loss_is_zero_for_the_student_and_falls_for_a_teacher() {
     println!("forward_kl_topk loss over 5 steps: {losses:?}");
     assert!(losses[4] < 0.5 * losses[0], "the loss falls: {losses:?}");
 }
+
+/// Distillation with DAPO's dynamic sampling (teachers score the kept groups only) and top-k
+/// tokens, stopped after step 2 and resumed (the frozen teacher is loaded again; nothing of it is
+/// saved): the resumed run's metrics and actor equal an uninterrupted run's.
+#[test]
+fn a_distillation_run_with_dynamic_sampling_resumes_bit_exact() {
+    let fx = fixture();
+    let teacher = trained_teacher(&fx, &fx.dir.path().join("teacher"), 2);
+    let t = format!(
+        "distillation.teacher_models.teacher_model.model_path={}",
+        teacher.display()
+    );
+    let o: Vec<&str> = DISTILL
+        .iter()
+        .copied()
+        .chain([
+            t.as_str(),
+            "distillation.distillation_loss.loss_mode=forward_kl_topk",
+            "distillation.distillation_loss.topk=4",
+            "distillation.distillation_loss.distillation_loss_coef=0.5",
+            "algorithm.filter_groups.enable=True",
+            "algorithm.filter_groups.metric=score",
+            "trainer.total_training_steps=4",
+            "trainer.save_freq=2",
+        ])
+        .collect();
+    let make = |fx: &Fixture, stop: Arc<AtomicBool>, tracker: Tracker| {
+        Trainer::new(
+            config(fx, &o),
+            TrainerOptions {
+                natives: natives(),
+                stop,
+                tracker: Some(tracker),
+                ..TrainerOptions::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let quiet = || Tracker::with_sinks(Vec::new());
+    let fx2 = fixture_like(&fx);
+    let mut a = make(&fx, Default::default(), quiet());
+    a.fit().unwrap();
+    let straight: Vec<_> = a
+        .history
+        .iter()
+        .map(|(s, m)| (*s, deterministic(m)))
+        .collect();
+    assert!(straight
+        .iter()
+        .all(|(_, m)| m.contains_key("distillation/overlap_ratio")));
+    let straight_weights = weights(&a.actor.trainable.varmap);
+    drop(a);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let sink: Box<dyn MetricSink + Send> = Box::new(StopAt(2, stop.clone()));
+    let mut b = make(&fx2, stop, Tracker::with_sinks(vec![("stop".into(), sink)]));
+    assert!(matches!(
+        b.fit().unwrap(),
+        FitOutcome::Interrupted { step: 2, .. }
+    ));
+    let mut history = b.history.clone();
+    drop(b);
+    let mut c = make(&fx2, Default::default(), quiet());
+    assert_eq!(c.global_step, 2);
+    assert_eq!(c.fit().unwrap(), FitOutcome::Finished { steps: 4 });
+    history.extend(c.history.iter().cloned());
+    let resumed: Vec<_> = history
+        .iter()
+        .map(|(s, m)| (*s, deterministic(m)))
+        .collect();
+    assert_eq!(straight, resumed);
+    assert!(straight_weights == weights(&c.actor.trainable.varmap));
+}
