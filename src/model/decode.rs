@@ -17,6 +17,7 @@
 use candle_core::{DType, Result, Tensor, WithDType};
 use rayon::prelude::*;
 
+use super::block::Mlp;
 use super::config::ModelArgs;
 use super::transformer::CausalLm;
 use crate::kernels::bf16::{self, PackedB};
@@ -33,12 +34,11 @@ pub trait Decoder {
 }
 
 /// Runs `d` on `model` packed for decoding, `None` when this path does not serve the model
-/// (not the CPU, not f32/f64, or a model with layers of experts: the caller uses the tensor
-/// composition). The types: f64
+/// (not the CPU, or not f32/f64: the caller uses the tensor composition). The types: f64
 /// models decode in f64; f32 models in f32, with bf16 products ([`CausalLm::bf16_matmuls`])
 /// keeping keys and values in bf16 too (half the bytes read per step, as vLLM's bf16 cache).
 pub fn with_packed<D: Decoder>(model: &CausalLm, d: D) -> Option<Result<D::Out>> {
-    if !crate::kernels::supported(model.device(), model.dtype()) || model.has_experts() {
+    if !crate::kernels::supported(model.device(), model.dtype()) {
         return None;
     }
     Some(match model.dtype() {
@@ -67,10 +67,24 @@ struct Layer<T> {
     local_rope: bool,
     /// `[heads·head_dim, hidden]`.
     o: Mat<T>,
-    /// `[hidden, 2·intermediate]`: gate columns, then up columns.
+    /// `[hidden, 2·intermediate]`: gate columns, then up columns (dense layers).
     gate_up: Mat<T>,
     /// `[intermediate, hidden]`.
     down: Mat<T>,
+    /// A layer of experts (Qwen3-MoE) instead of `gate_up` / `down`.
+    experts: Option<ExpertMats<T>>,
+}
+
+/// A layer of experts packed for decoding: the router and each expert's gated MLP.
+struct ExpertMats<T> {
+    /// `[hidden, experts]`, in the model's dtype (never bf16: the routing is that of the full
+    /// forward, whose router product is not mixed).
+    router: Mat<T>,
+    /// Per expert: `[hidden, 2·moe_intermediate]` (gate, up) and `[moe_intermediate, hidden]`.
+    experts: Vec<(Mat<T>, Mat<T>)>,
+    top_k: usize,
+    norm_topk_prob: bool,
+    inter: usize,
 }
 
 /// A right-hand matrix `[k, n]` of the decode products: row-major in the model's dtype, or
@@ -294,6 +308,76 @@ fn add_normed<T: Elem>(x: &mut [T], out: &[T], w: &[T], tmp: &mut [T], eps: f64)
 
 /// GELU with the tanh approximation: `½z(1 + tanh(√(2/π)(z + 0.044715 z³)))`.
 #[inline(always)]
+/// A layer of experts on the normed rows `hn` (`[m, hidden]`), added into `x`: each row's
+/// router softmax (in f64), its `top_k` experts (most probable first, ties by index, as the full
+/// forward's `block::route`), their weights (renormalised over the chosen with
+/// `norm_topk_prob`), and each expert's gated MLP on the rows routed to it only.
+fn experts_step<T: Elem>(e: &ExpertMats<T>, x: &mut [T], hn: &[T], m: usize, h: usize) {
+    let n = e.experts.len();
+    let mut logits = vec![T::zero(); m * n];
+    e.router.apply(&mut logits, hn, m, h, n, false);
+    let mut rows_of: Vec<Vec<(usize, T)>> = vec![Vec::new(); n];
+    let mut order: Vec<usize> = Vec::with_capacity(n);
+    for (r, row) in logits.chunks(n).enumerate() {
+        let max = row
+            .iter()
+            .fold(f64::NEG_INFINITY, |a, v| a.max(v.to_f64().unwrap_or(0.0)));
+        let ex: Vec<f64> = row
+            .iter()
+            .map(|v| (v.to_f64().unwrap_or(0.0) - max).exp())
+            .collect();
+        let total: f64 = ex.iter().sum();
+        // The full forward's probabilities are in the model's dtype: round to it before
+        // ordering so that the same experts are chosen.
+        let p: Vec<T> = ex.iter().map(|v| T::from_f64(v / total)).collect();
+        order.clear();
+        order.extend(0..n);
+        order.sort_by(|&a, &b| {
+            p[b].partial_cmp(&p[a])
+                .unwrap_or(std::cmp::Ordering::Equal)
+                .then(a.cmp(&b))
+        });
+        let chosen = &order[..e.top_k];
+        let norm = match e.norm_topk_prob {
+            true => chosen.iter().fold(T::zero(), |s, &i| s + p[i]),
+            false => T::one(),
+        };
+        for &i in chosen {
+            rows_of[i].push((r, p[i] / norm));
+        }
+    }
+    let inter = e.inter;
+    for ((gate_up, down), rows) in e.experts.iter().zip(&rows_of) {
+        if rows.is_empty() {
+            continue;
+        }
+        let k = rows.len();
+        let mut xin = vec![T::zero(); k * h];
+        for (j, &(r, _)) in rows.iter().enumerate() {
+            xin[j * h..(j + 1) * h].copy_from_slice(&hn[r * h..(r + 1) * h]);
+        }
+        let mut gu = vec![T::zero(); k * 2 * inter];
+        gate_up.apply(&mut gu, &xin, k, h, 2 * inter, false);
+        let mut act = vec![T::zero(); k * inter];
+        for (o, row) in act.chunks_mut(inter).zip(gu.chunks(2 * inter)) {
+            let (g, u) = row.split_at(inter);
+            for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
+                *oi = gi / (T::one() + (-gi).exp()) * ui;
+            }
+        }
+        let mut out = vec![T::zero(); k * h];
+        down.apply(&mut out, &act, k, inter, h, false);
+        for (j, &(r, w)) in rows.iter().enumerate() {
+            for (xv, &ov) in x[r * h..(r + 1) * h]
+                .iter_mut()
+                .zip(&out[j * h..(j + 1) * h])
+            {
+                *xv += w * ov;
+            }
+        }
+    }
+}
+
 fn gelu_tanh<T: Elem>(z: T) -> T {
     let k0 = T::from_f64(0.797_884_560_802_865_4);
     let k1 = T::from_f64(0.044_715);
@@ -337,11 +421,44 @@ impl<T: Elem> Packed<T> {
         };
         for b in model.blocks() {
             // Adapters are folded in here, once per packing: W + s·B·A (`[out, in]` each).
-            let Some(projs) = b.dense_projs() else {
-                candle_core::bail!("the decode engine serves dense layers only");
+            let [q, k, v, o] = [&b.q, &b.k, &b.v, &b.o].map(|p| p.merged_weight());
+            let (q, k, v, o) = (q?, k?, v?, o?);
+            let (gate_up, down, experts) = match &b.mlp {
+                Mlp::Dense(g) => {
+                    let [gate, up, down] = [&g.gate, &g.up, &g.down].map(|p| p.merged_weight());
+                    (
+                        Mat::from_weights(&[&gate?, &up?], bf16)?,
+                        Mat::from_weights(&[&down?], bf16)?,
+                        None,
+                    )
+                }
+                Mlp::Experts(e) => {
+                    let mut mats = Vec::with_capacity(e.experts.len());
+                    for g in &e.experts {
+                        let [gate, up, down] = [&g.gate, &g.up, &g.down].map(|p| p.merged_weight());
+                        mats.push((
+                            Mat::from_weights(&[&gate?, &up?], bf16)?,
+                            Mat::from_weights(&[&down?], bf16)?,
+                        ));
+                    }
+                    let inter = e
+                        .experts
+                        .first()
+                        .map_or(Ok(0), |g| g.down.weight().dim(1))?;
+                    let experts = ExpertMats {
+                        router: Mat::from_weights(&[&e.router], false)?,
+                        experts: mats,
+                        top_k: e.top_k,
+                        norm_topk_prob: e.norm_topk_prob,
+                        inter,
+                    };
+                    (
+                        Mat::Plain(Vec::new()),
+                        Mat::Plain(Vec::new()),
+                        Some(experts),
+                    )
+                }
             };
-            let [q, k, v, o, gate, up, down] = projs.map(|p| p.merged_weight());
-            let (q, k, v, o, gate, up, down) = (q?, k?, v?, o?, gate?, up?, down?);
             let qkv_bias = match (b.q.bias(), b.k.bias(), b.v.bias()) {
                 (Some(q), Some(k), Some(v)) => Some(flat(&Tensor::cat(&[q, k, v], 0)?)?),
                 _ => None,
@@ -363,8 +480,9 @@ impl<T: Elem> Packed<T> {
                 local_rope: b.local_rope,
                 o_bias: b.o.bias().map(flat).transpose()?,
                 o: Mat::from_weights(&[&o], bf16)?,
-                gate_up: Mat::from_weights(&[&gate, &up], bf16)?,
-                down: Mat::from_weights(&[&down], bf16)?,
+                gate_up,
+                down,
+                experts,
             });
         }
         Ok(Self {
@@ -552,6 +670,10 @@ impl<T: Elem> Packed<T> {
                 }
             }
             rms_norm(&mut hn, &x, &l.ln2, a.rms_norm_eps);
+            if let Some(e) = &l.experts {
+                experts_step(e, &mut x, &hn, m, h);
+                continue;
+            }
             l.gate_up.apply(&mut gu, &hn, m, h, 2 * inter, false);
             act.par_chunks_mut(inter)
                 .zip(gu.par_chunks(2 * inter))

@@ -430,10 +430,17 @@ mod tests {
     }
 
     /// The packed path against the tensor composition (`generate`, one padded batch), f32:
-    /// same tokens, log-probs within f32 noise; also for Qwen2 (q/k/v biases, untied head).
+    /// same tokens, log-probs within f32 noise; also for Qwen2 (q/k/v biases, untied head) and
+    /// Qwen3-MoE (routed experts, one dense layer).
     #[test]
     fn packed_path_equals_the_composition() {
-        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3] {
+        for arch in [
+            Arch::Llama,
+            Arch::Qwen2,
+            Arch::Qwen3,
+            Arch::Gemma3,
+            Arch::Qwen3Moe,
+        ] {
             let args = ModelArgs::tiny(arch, 50);
             let (_vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.5);
             let ps = prompts(6, 50, 2);
@@ -467,7 +474,7 @@ mod tests {
     fn merged_adapters_give_the_unmerged_tokens() {
         use crate::config::fields::OneOrMany;
         use crate::weights::peft;
-        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe] {
             let args = ModelArgs::tiny(arch, 50);
             let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.5);
             let ad = candle_nn::VarMap::new();
