@@ -10,21 +10,10 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use main_ppo::model::{Arch, CausalLm, Exec, ModelArgs};
+use main_ppo::model::{CausalLm, Exec};
 
 fn main() {
-    let mut args = ModelArgs::tiny(Arch::Qwen3Moe, 512);
-    args.hidden_size = 256;
-    args.num_attention_heads = 4;
-    args.num_key_value_heads = 2;
-    args.head_dim = 64;
-    args.intermediate_size = 512;
-    args.num_hidden_layers = 2;
-    let moe = args.moe.as_mut().expect("a MoE config");
-    moe.num_experts = 8;
-    moe.num_experts_per_tok = 2;
-    moe.moe_intermediate_size = 512;
-    moe.mlp_only_layers.clear();
+    let args = main_ppo::testing::moe_bench_args();
     let (vm, mut m) = main_ppo::testing::tiny_model(&args, DType::F32, 0.05);
     let (b, t) = (8usize, 256usize);
     let dev = Device::Cpu;

@@ -9,22 +9,10 @@
 use std::time::Instant;
 
 use candle_core::DType;
-use main_ppo::model::{Arch, ModelArgs};
 use main_ppo::rollout::{generate, generate_all, Limits, Sampler, SamplingParams};
 
 fn main() {
-    let mut args = ModelArgs::tiny(Arch::Qwen3Moe, 512);
-    args.hidden_size = 256;
-    args.num_attention_heads = 4;
-    args.num_key_value_heads = 2;
-    args.head_dim = 64;
-    args.intermediate_size = 512;
-    args.num_hidden_layers = 2;
-    let moe = args.moe.as_mut().expect("a MoE config");
-    moe.num_experts = 8;
-    moe.num_experts_per_tok = 2;
-    moe.moe_intermediate_size = 512;
-    moe.mlp_only_layers.clear();
+    let args = main_ppo::testing::moe_bench_args();
     let (_vm, m) = main_ppo::testing::tiny_model(&args, DType::F32, 0.05);
     let prompts: Vec<Vec<u32>> = (0..32)
         .map(|r| {

@@ -161,6 +161,25 @@ pub fn tiny_reward_model_dir(dir: &Path, seed_stdev: f32) {
     crate::weights::hf::save_dir(&varmap, &args, dir, &[258], Some(dir), None).expect("save");
 }
 
+/// The Qwen3-MoE shape of the MoE benchmarks (`benches/moe.rs`, `benches/moe_decode.rs`): 8
+/// experts top-2, hidden 256, 4 heads of 64 (2 key/value heads), expert and dense width 512,
+/// 2 layers of experts, vocabulary 512.
+pub fn moe_bench_args() -> crate::model::ModelArgs {
+    let mut args = crate::model::ModelArgs::tiny(crate::model::Arch::Qwen3Moe, 512);
+    args.hidden_size = 256;
+    args.num_attention_heads = 4;
+    args.num_key_value_heads = 2;
+    args.head_dim = 64;
+    args.intermediate_size = 512;
+    args.num_hidden_layers = 2;
+    let moe = args.moe.as_mut().expect("a MoE config");
+    moe.num_experts = 8;
+    moe.num_experts_per_tok = 2;
+    moe.moe_intermediate_size = 512;
+    moe.mlp_only_layers.clear();
+    args
+}
+
 #[cfg(test)]
 mod tests {
     /// tests/fixtures/byte_tokenizer is what [`super::write_tokenizer_dir`] writes (the GPU

@@ -105,10 +105,7 @@ fn finish(
     is_weights: Option<&Tensor>,
     with_abs: bool,
 ) -> Result<DistillOutput> {
-    let mut metrics = range_metrics(&d, mask)?;
-    if !with_abs {
-        metrics.retain(|(k, _)| *k != "distillation/abs_loss");
-    }
+    let mut metrics = range_metrics(&d, mask, with_abs)?;
     let d = match p.loss_max_clamp {
         Some(c) => d.clamp(-c, c)?,
         None => d,
@@ -125,15 +122,11 @@ fn finish(
                 &pg,
                 is_weights,
             )?;
-            for (k, v) in [
-                ("distillation/pg_clipfrac", out.pg_clipfrac),
-                ("distillation/ppo_kl", out.ppo_kl),
-                ("distillation/pg_clipfrac_lower", out.pg_clipfrac_lower),
-            ] {
-                if let Some(v) = v {
-                    metrics.push((k, v));
-                }
-            }
+            metrics.extend(out.metrics([
+                "distillation/pg_clipfrac",
+                "distillation/ppo_kl",
+                "distillation/pg_clipfrac_lower",
+            ]));
             out.loss
         }
         None => agg_loss(&d, mask, p.loss_agg_mode, norm)?,
@@ -214,63 +207,46 @@ pub fn distillation_loss_topk(
     norm: AggNorm,
     is_weights: Option<&Tensor>,
 ) -> Result<DistillOutput> {
-    let host = |t: &Tensor| -> Result<Vec<f64>> {
-        t.detach()
-            .to_dtype(DType::F64)?
-            .flatten_all()?
-            .to_vec1::<f64>()
-    };
-    let m = host(mask)?;
-    let kept = |v: Vec<f64>| -> Vec<f64> {
-        v.into_iter()
-            .zip(&m)
-            .filter(|(_, &m)| m > 0.0)
-            .map(|(v, _)| v)
-            .collect()
-    };
     let mut metrics = Vec::new();
-    let (count, adv) = (
-        host(&terms.overlap_count)?,
-        host(&terms.overlap_token_advantage)?,
-    );
-    let valid: Vec<usize> = (0..m.len()).filter(|&i| m[i] > 0.0).collect();
-    if !valid.is_empty() {
-        let ratio = valid.iter().map(|&i| count[i]).sum::<f64>() / valid.len() as f64;
-        metrics.push(("distillation/overlap_ratio", ratio / topk as f64));
-        let over: Vec<f64> = valid
+    let count = masked_values(&terms.overlap_count, mask)?;
+    if !count.is_empty() {
+        let adv = masked_values(&terms.overlap_token_advantage, mask)?;
+        metrics.push((
+            "distillation/overlap_ratio",
+            mean_min_max(&count).0 / topk as f64,
+        ));
+        let over: Vec<f64> = adv
             .iter()
-            .filter(|&&i| count[i] > 0.0)
-            .map(|&i| adv[i])
+            .zip(&count)
+            .filter(|(_, &c)| c > 0.0)
+            .map(|(&a, _)| a)
             .collect();
-        let mean_adv = match over.is_empty() {
-            true => 0.0,
-            false => over.iter().sum::<f64>() / over.len() as f64,
+        let mean_adv = if over.is_empty() {
+            0.0
+        } else {
+            mean_min_max(&over).0
         };
         metrics.push(("distillation/overlap_token_advantage", mean_adv));
-        for (name, t) in [
-            ("student_mass", &terms.student_mass),
-            ("teacher_mass", &terms.teacher_mass),
-        ] {
-            let v = kept(host(t)?);
-            let (min, max) = v
-                .iter()
-                .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
-                    (a.min(x), b.max(x))
-                });
-            let mean = v.iter().sum::<f64>() / v.len() as f64;
-            let (k_mean, k_min, k_max) = match name {
-                "student_mass" => (
+        for (t, names) in [
+            (
+                &terms.student_mass,
+                [
                     "distillation/student_mass",
                     "distillation/student_mass_min",
                     "distillation/student_mass_max",
-                ),
-                _ => (
+                ],
+            ),
+            (
+                &terms.teacher_mass,
+                [
                     "distillation/teacher_mass",
                     "distillation/teacher_mass_min",
                     "distillation/teacher_mass_max",
-                ),
-            };
-            metrics.extend([(k_mean, mean), (k_min, min), (k_max, max)]);
+                ],
+            ),
+        ] {
+            let (mean, min, max) = mean_min_max(&masked_values(t, mask)?);
+            metrics.extend(names.into_iter().zip([mean, min, max]));
         }
     }
     let d = terms.losses.maximum(0.0)?;
@@ -282,28 +258,51 @@ pub fn distillation_loss_topk(
     })
 }
 
-/// `distillation/abs_loss`, `loss_min` and `loss_max` over the masked tokens (none when the
-/// micro-batch has no response token: verl's min of an empty selection would raise).
-fn range_metrics(d: &Tensor, mask: &Tensor) -> Result<Vec<(&'static str, f64)>> {
-    let d = d.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-    let m = mask.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-    let kept: Vec<f64> = d
+/// The values of `t` at `mask`'s tokens, row by row (host f64).
+fn masked_values(t: &Tensor, mask: &Tensor) -> Result<Vec<f64>> {
+    let host = |t: &Tensor| {
+        t.detach()
+            .to_dtype(DType::F64)?
+            .flatten_all()?
+            .to_vec1::<f64>()
+    };
+    let m = host(mask)?;
+    Ok(host(t)?
+        .into_iter()
+        .zip(m)
+        .filter(|&(_, m)| m > 0.0)
+        .map(|(v, _)| v)
+        .collect())
+}
+
+/// Mean, minimum and maximum of `v` (not empty).
+fn mean_min_max(v: &[f64]) -> (f64, f64, f64) {
+    let (min, max) = v
         .iter()
-        .zip(&m)
-        .filter(|(_, &m)| m > 0.0)
-        .map(|(&d, _)| d)
-        .collect();
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
+            (a.min(x), b.max(x))
+        });
+    (v.iter().sum::<f64>() / v.len() as f64, min, max)
+}
+
+/// `distillation/loss_min` and `loss_max` over the masked tokens, and with `with_abs` (the
+/// estimators) `abs_loss`, the mean |d|; none when the micro-batch has no response token
+/// (verl's min of an empty selection would raise).
+fn range_metrics(d: &Tensor, mask: &Tensor, with_abs: bool) -> Result<Vec<(&'static str, f64)>> {
+    let kept = masked_values(d, mask)?;
     if kept.is_empty() {
         return Ok(Vec::new());
     }
-    let abs = kept.iter().map(|x| x.abs()).sum::<f64>() / kept.len() as f64;
-    let min = kept.iter().copied().fold(f64::INFINITY, f64::min);
-    let max = kept.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    Ok(vec![
-        ("distillation/abs_loss", abs),
+    let (_, min, max) = mean_min_max(&kept);
+    let mut out = vec![
         ("distillation/loss_min", min),
         ("distillation/loss_max", max),
-    ])
+    ];
+    if with_abs {
+        let abs: Vec<f64> = kept.iter().map(|x| x.abs()).collect();
+        out.insert(0, ("distillation/abs_loss", mean_min_max(&abs).0));
+    }
+    Ok(out)
 }
 
 /// The actor's loss with distillation (verl's `distillation_ppo_loss`): the task's loss
@@ -334,6 +333,28 @@ mod tests {
 
     fn t(v: &[f64], shape: (usize, usize)) -> Tensor {
         Tensor::from_slice(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// The actor-side settings the policy-gradient form starts from (its clip range and dual
+    /// clip are then the distillation's: [`DistillParams::policy_gradient_params`]).
+    fn base_params(loss_agg_mode: LossAggMode, norm: AggNorm) -> PolicyLossParams {
+        PolicyLossParams {
+            mode: PolicyLossMode::Vanilla,
+            clip_low: 0.0,
+            clip_high: 0.0,
+            clip_ratio_c: 0.0,
+            tau_pos: 1.0,
+            tau_neg: 1.0,
+            clip_cov_ratio: 0.0,
+            clip_cov_lb: 0.0,
+            clip_cov_ub: 0.0,
+            kl_cov_ratio: 0.0,
+            ppo_kl_coef: 0.0,
+            dro_beta: None,
+            loss_agg_mode,
+            norm,
+            seed: 0,
+        }
     }
 
     fn params(kind: KlKind) -> DistillParams {
@@ -416,23 +437,7 @@ mod tests {
         let clamped = d[..3].iter().map(|x| x.clamp(-0.5, 0.5)).sum::<f64>() / 3.0;
         assert!((scalar(&out.loss).unwrap() - clamped).abs() < 1e-12);
 
-        let base = PolicyLossParams {
-            mode: PolicyLossMode::Vanilla,
-            clip_low: 0.2,
-            clip_high: 0.2,
-            clip_ratio_c: 3.0,
-            tau_pos: 1.0,
-            tau_neg: 1.0,
-            clip_cov_ratio: 0.0,
-            clip_cov_lb: 0.0,
-            clip_cov_ub: 0.0,
-            kl_cov_ratio: 0.0,
-            ppo_kl_coef: 0.0,
-            dro_beta: None,
-            loss_agg_mode: LossAggMode::TokenMean,
-            norm: AggNorm::default(),
-            seed: 0,
-        };
+        let base = base_params(LossAggMode::TokenMean, AggNorm::default());
         let mut p = params(KlKind::K3);
         p.policy_gradient = Some(DistillParams::policy_gradient_params(&base, 0.2, 0.2));
         let out = distillation_loss(&lpt, &tlt, &lpt, &mt, &p, AggNorm::default(), None).unwrap();
@@ -487,23 +492,7 @@ mod tests {
             p.loss_agg_mode = agg;
             p.loss_max_clamp = c["clamp"].as_f64();
             if c["policy_gradient"].as_bool().unwrap() {
-                let base = PolicyLossParams {
-                    mode: PolicyLossMode::Vanilla,
-                    clip_low: 0.0,
-                    clip_high: 0.0,
-                    clip_ratio_c: 0.0,
-                    tau_pos: 1.0,
-                    tau_neg: 1.0,
-                    clip_cov_ratio: 0.0,
-                    clip_cov_lb: 0.0,
-                    clip_cov_ub: 0.0,
-                    kl_cov_ratio: 0.0,
-                    ppo_kl_coef: 0.0,
-                    dro_beta: None,
-                    loss_agg_mode: agg,
-                    norm,
-                    seed: 0,
-                };
+                let base = base_params(agg, norm);
                 p.policy_gradient = Some(DistillParams::policy_gradient_params(&base, 0.15, 0.25));
             }
             let weights = c["weighted"].as_bool().unwrap().then_some(&w);
@@ -589,23 +578,7 @@ mod tests {
             p.loss_agg_mode = agg;
             p.loss_max_clamp = c["clamp"].as_f64();
             if c["policy_gradient"].as_bool().unwrap() {
-                let base = PolicyLossParams {
-                    mode: PolicyLossMode::Vanilla,
-                    clip_low: 0.0,
-                    clip_high: 0.0,
-                    clip_ratio_c: 0.0,
-                    tau_pos: 1.0,
-                    tau_neg: 1.0,
-                    clip_cov_ratio: 0.0,
-                    clip_cov_lb: 0.0,
-                    clip_cov_ub: 0.0,
-                    kl_cov_ratio: 0.0,
-                    ppo_kl_coef: 0.0,
-                    dro_beta: None,
-                    loss_agg_mode: agg,
-                    norm,
-                    seed: 0,
-                };
+                let base = base_params(agg, norm);
                 p.policy_gradient = Some(DistillParams::policy_gradient_params(&base, 0.15, 0.25));
             }
             let out = distillation_loss_topk(&terms, &lp, &old, &mask, k, &p, norm, None).unwrap();

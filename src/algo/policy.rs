@@ -67,6 +67,22 @@ pub struct PolicyLossOutput {
     pub pg_clipfrac_lower: Option<f64>,
 }
 
+impl PolicyLossOutput {
+    /// The clip and KL metrics the mode reports, named `names` (pg_clipfrac, ppo_kl,
+    /// pg_clipfrac_lower under the caller's prefix).
+    pub fn metrics(&self, names: [&'static str; 3]) -> Vec<(&'static str, f64)> {
+        let [c, k, l] = names;
+        [
+            (c, self.pg_clipfrac),
+            (k, self.ppo_kl),
+            (l, self.pg_clipfrac_lower),
+        ]
+        .into_iter()
+        .filter_map(|(n, v)| v.map(|v| (n, v)))
+        .collect()
+    }
+}
+
 /// 0/1 tensor in `like`'s dtype from a comparison result.
 fn float(cond: &Tensor, like: &Tensor) -> Result<Tensor> {
     cond.to_dtype(like.dtype())

@@ -359,12 +359,7 @@ fn experts_step<T: Elem>(e: &ExpertMats<T>, x: &mut [T], hn: &[T], m: usize, h: 
         let mut gu = vec![T::zero(); k * 2 * inter];
         gate_up.apply(&mut gu, &xin, k, h, 2 * inter, false);
         let mut act = vec![T::zero(); k * inter];
-        for (o, row) in act.chunks_mut(inter).zip(gu.chunks(2 * inter)) {
-            let (g, u) = row.split_at(inter);
-            for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
-                *oi = gi / (T::one() + (-gi).exp()) * ui;
-            }
-        }
+        gated_act(&mut act, &gu, inter, false);
         let mut out = vec![T::zero(); k * h];
         down.apply(&mut out, &act, k, inter, h, false);
         for (j, &(r, w)) in rows.iter().enumerate() {
@@ -376,6 +371,30 @@ fn experts_step<T: Elem>(e: &ExpertMats<T>, x: &mut [T], hn: &[T], m: usize, h: 
             }
         }
     }
+}
+
+/// The gated MLP's activation: `act[m, inter] = f(gate) ⊙ up` from `gu` `[m, 2·inter]` (gate
+/// columns, then up columns), `f` GELU (tanh) for Gemma, else SiLU; rows in parallel.
+fn gated_act<T: Elem>(act: &mut [T], gu: &[T], inter: usize, gelu: bool) {
+    act.par_chunks_mut(inter)
+        .zip(gu.par_chunks(2 * inter))
+        .for_each(|(o, row)| {
+            let (g, u) = row.split_at(inter);
+            vectorized(
+                #[inline(always)]
+                || {
+                    if gelu {
+                        for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
+                            *oi = gelu_tanh(gi) * ui;
+                        }
+                    } else {
+                        for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
+                            *oi = gi / (T::one() + (-gi).exp_fast()) * ui;
+                        }
+                    }
+                },
+            )
+        });
 }
 
 fn gelu_tanh<T: Elem>(z: T) -> T {
@@ -675,25 +694,7 @@ impl<T: Elem> Packed<T> {
                 continue;
             }
             l.gate_up.apply(&mut gu, &hn, m, h, 2 * inter, false);
-            act.par_chunks_mut(inter)
-                .zip(gu.par_chunks(2 * inter))
-                .for_each(|(o, row)| {
-                    let (g, u) = row.split_at(inter);
-                    vectorized(
-                        #[inline(always)]
-                        || {
-                            if gelu {
-                                for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
-                                    *oi = gelu_tanh(gi) * ui;
-                                }
-                            } else {
-                                for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
-                                    *oi = gi / (T::one() + (-gi).exp_fast()) * ui;
-                                }
-                            }
-                        },
-                    )
-                });
+            gated_act(&mut act, &gu, inter, gelu);
             match &l.sandwich {
                 Some((_, pf)) => {
                     l.down.apply(&mut out_pre, &act, m, inter, h, false);

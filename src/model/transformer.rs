@@ -729,6 +729,27 @@ impl CausalLm {
         })
     }
 
+    /// The log-softmax of the logits at `hidden` (`[b, t, h]`), `chunk` positions at a time:
+    /// `f(first position, [n, vocab] log-probs)` for each chunk (f32 for half precision).
+    fn log_softmax_chunks(
+        &self,
+        hidden: &Tensor,
+        chunk: usize,
+        mut f: impl FnMut(usize, Tensor) -> Result<()>,
+    ) -> Result<()> {
+        let (b, t, h) = hidden.dims3()?;
+        let rows = hidden.reshape((b * t, h))?;
+        let w = self.output_weight()?;
+        let mut start = 0;
+        while start < b * t {
+            let n = chunk.max(1).min(b * t - start);
+            let logits = upcast(&self.head_matmul(&rows.narrow(0, start, n)?, w)?)?; // [n, vocab]
+            f(start, candle_nn::ops::log_softmax(&logits, D::Minus1)?)?;
+            start += n;
+        }
+        Ok(())
+    }
+
     /// The `k` largest log-probs of each position's distribution (log-softmax of the logits at
     /// `hidden` `[b, t, h]`), largest first, and their token ids: `([b·t, k]` f32, `[b·t, k]`
     /// u32`)`, detached, `chunk` positions at a time (the teacher's side of top-k distillation).
@@ -738,20 +759,14 @@ impl CausalLm {
         k: usize,
         chunk: usize,
     ) -> Result<(Tensor, Tensor)> {
-        let (b, t, h) = hidden.dims3()?;
-        let rows = hidden.reshape((b * t, h))?.detach();
-        let w = self.output_weight()?;
+        let (b, t, _) = hidden.dims3()?;
         let (mut vals, mut ids) = (Vec::new(), Vec::new());
-        let mut start = 0;
-        while start < b * t {
-            let n = chunk.max(1).min(b * t - start);
-            let logits = upcast(&self.head_matmul(&rows.narrow(0, start, n)?, w)?)?; // [n, vocab]
-            let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        self.log_softmax_chunks(&hidden.detach(), chunk, |_, lsm| {
             let (v, i) = host_topk(&lsm, k)?;
             vals.extend(v);
             ids.extend(i);
-            start += n;
-        }
+            Ok(())
+        })?;
         let dev = hidden.device();
         Ok((
             Tensor::from_vec(vals, (b * t, k), dev)?,
@@ -769,23 +784,18 @@ impl CausalLm {
         ids: &Tensor,
         chunk: usize,
     ) -> Result<(Tensor, Tensor)> {
-        let (b, t, h) = hidden.dims3()?;
+        let (b, t, _) = hidden.dims3()?;
         let k = ids.dim(1)?;
-        let rows = hidden.reshape((b * t, h))?;
-        let w = self.output_weight()?;
         let (mut out, mut own) = (Vec::new(), Vec::new());
-        let mut start = 0;
-        while start < b * t {
-            let n = chunk.max(1).min(b * t - start);
-            let logits = upcast(&self.head_matmul(&rows.narrow(0, start, n)?, w)?)?; // [n, vocab]
-            let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        self.log_softmax_chunks(hidden, chunk, |start, lsm| {
+            let n = lsm.dim(0)?;
             out.push(
                 lsm.contiguous()?
                     .gather(&ids.narrow(0, start, n)?.contiguous()?, 1)?,
             );
             own.extend(host_topk(&lsm.detach(), k)?.1);
-            start += n;
-        }
+            Ok(())
+        })?;
         Ok((
             Tensor::cat(&out, 0)?,
             Tensor::from_vec(own, (b * t, k), hidden.device())?,

@@ -12,7 +12,7 @@ use super::update::MicroLoss;
 use crate::algo::agg::scalar;
 use crate::algo::distill::{self, DistillParams};
 use crate::algo::rollout_corr::Correction;
-use crate::algo::{agg_loss, kl_loss, policy_loss_weighted, PolicyLossParams};
+use crate::algo::{agg_loss, kl_loss, policy_loss_weighted, AggNorm, PolicyLossParams};
 use crate::config::{ActorConfig, MicroBatching, Plan};
 use crate::config::{BypassLoss, KlKind};
 use crate::metrics::Metrics;
@@ -312,56 +312,28 @@ impl Actor {
         let global = self.trainable.settings.plan.global_norm;
         let bypass = &self.bypass;
         let need_entropy = cfg.entropy_coeff != 0.0 || (cfg.calculate_entropy && !global);
-        let old_log_prob = if capture.is_some() {
-            None
-        } else {
-            Some(batch.column(Column::OldLogProbs)?)
-        };
+        let column = |on: bool, c: Column| on.then(|| batch.column(c)).transpose();
+        let old_log_prob = column(capture.is_none(), Column::OldLogProbs)?;
         let advantages = batch.column(Column::Advantages)?;
         // Rollout correction's IS weights multiply each token's policy loss.
-        let is_weights = if batch.has(Column::RolloutIsWeights) {
-            Some(batch.column(Column::RolloutIsWeights)?)
-        } else {
-            None
-        };
-        let reference = if cfg.use_kl_loss {
-            Some(batch.column(Column::RefLogProb)?)
-        } else {
-            None
-        };
-        let distill = match &self.distill {
-            Some(d) if d.topk.is_some() => Some((d, None)),
-            Some(d) => Some((d, Some(batch.column(Column::TeacherLogProbs)?))),
-            None => None,
-        };
-        let teacher_topk = match self.distill.as_ref().and_then(|d| d.topk) {
-            Some(_) => Some(batch.teacher_topk.as_ref().ok_or_else(|| {
-                candle_core::Error::Msg(
-                    "no teacher top-k tokens: the teacher phase did not run".into(),
-                )
-            })?),
-            None => None,
-        };
+        let is_weights = column(
+            batch.has(Column::RolloutIsWeights),
+            Column::RolloutIsWeights,
+        )?;
+        let reference = column(cfg.use_kl_loss, Column::RefLogProb)?;
+        let distill = self.distill.as_ref();
+        let distill = distill
+            .map(|d| d.teacher_data(batch).map(|t| (d, t)))
+            .transpose()?;
         let mut micro_index = 0u64;
         let mut m = self.trainable.update(batch, step, |model, mi, rows, ctx| {
             let norm = ctx.norm;
             let device = model.device();
             let with_entropy = need_entropy || capture.is_some();
             let r = mi.response_width;
-            // Top-k distillation: the student's log-probs of the teacher's tokens come from
-            // the same forward.
-            let (lp, ent, student_topk) = match teacher_topk {
-                Some(tk) => {
-                    let (ids, tlp) = tk.padded(rows, r, device)?; // [m, r, k]
-                    let (lp, ent, gathered, own) =
-                        response_logprobs_topk(model, mi, temperature, with_entropy, &ids)?;
-                    (lp, ent, Some((gathered, own, ids, tlp)))
-                }
-                None => {
-                    let (lp, ent) = response_logprobs(model, mi, temperature, with_entropy)?;
-                    (lp, ent, None)
-                }
-            };
+            let teacher = distill.map(|(_, t)| t);
+            let (lp, ent, topk) =
+                student_forward(model, mi, rows, temperature, with_entropy, teacher)?;
             let mask = &mi.response_mask;
             if let Some(cols) = capture.as_deref_mut() {
                 if !ctx.on_policy {
@@ -401,15 +373,11 @@ impl Actor {
                 ),
             };
             let mut scalars = vec![("actor/pg_loss", scalar(&out.loss)?)];
-            for (k, v) in [
-                ("actor/pg_clipfrac", out.pg_clipfrac),
-                ("actor/ppo_kl", out.ppo_kl),
-                ("actor/pg_clipfrac_lower", out.pg_clipfrac_lower),
-            ] {
-                if let Some(v) = v {
-                    scalars.push((k, v));
-                }
-            }
+            scalars.extend(out.metrics([
+                "actor/pg_clipfrac",
+                "actor/ppo_kl",
+                "actor/pg_clipfrac_lower",
+            ]));
             let mut loss = out.loss;
             if let Some(ent) = ent {
                 let e = agg_loss(&ent, mask, mode, norm)?;
@@ -431,45 +399,10 @@ impl Actor {
                 loss = (loss + (kl * cfg.kl_loss_coef)?)?;
             }
             if let Some((d, teacher)) = distill {
-                let out = match (teacher, &student_topk, d.topk) {
-                    (Some(teacher), _, _) => {
-                        let tl = pad_rows(teacher, rows, r, device)?;
-                        distill::distillation_loss(
-                            &lp,
-                            &tl,
-                            &old,
-                            mask,
-                            &d.params,
-                            norm,
-                            w.as_ref(),
-                        )?
-                    }
-                    (None, Some((gathered, own, ids, tlp)), Some((k, floor))) => {
-                        let terms = distill::topk_terms(gathered, tlp, ids, own, floor)?;
-                        distill::distillation_loss_topk(
-                            &terms,
-                            &lp,
-                            &old,
-                            mask,
-                            k,
-                            &d.params,
-                            norm,
-                            w.as_ref(),
-                        )?
-                    }
-                    _ => {
-                        return Err(candle_core::Error::Msg(
-                            "distillation: neither teacher log-probs nor top-k tokens".into(),
-                        ))
-                    }
-                };
-                if !d.use_task_rewards && d.params.policy_gradient.is_none() {
-                    // verl computes no policy loss then, and reports none.
-                    scalars.retain(|(k, _)| !k.starts_with("actor/"));
-                }
-                scalars.extend(out.metrics);
-                scalars.push(("distillation/loss", scalar(&out.loss)?));
-                loss = distill::combine(&loss, &out.loss, d.use_task_rewards, d.coef)?;
+                let w = w.as_ref();
+                let inputs = (&lp, &old, mask);
+                let out = d.micro_loss(teacher, topk.as_ref(), inputs, rows, norm, w)?;
+                loss = d.add_to(loss, &mut scalars, out)?;
             }
             scalars.push(("actor/loss", scalar(&loss)?));
             Ok(MicroLoss {
@@ -483,6 +416,115 @@ impl Actor {
         }
         Ok(m)
     }
+}
+
+/// What a micro-batch's distillation term reads from the step's batch.
+#[derive(Clone, Copy)]
+enum TeacherData<'a> {
+    /// The teacher's log-prob of each sampled token (the single-sample estimators).
+    LogProbs(&'a Ragged),
+    /// The teacher's top-k tokens per position (`forward_kl_topk`).
+    Topk(&'a TopkRows),
+}
+
+/// The student's side of top-k distillation on one micro-batch, `[m, r, k]` each: its
+/// log-probs of the teacher's tokens (with gradient), its own top-k ids, and the teacher's ids
+/// and log-probs.
+struct TopkSide {
+    gathered: Tensor,
+    own: Tensor,
+    ids: Tensor,
+    teacher_lp: Tensor,
+}
+
+impl Distill {
+    /// The data of `batch` this term reads; an error names the phase that should have
+    /// filled it.
+    fn teacher_data<'a>(&self, batch: &'a StepBatch) -> candle_core::Result<TeacherData<'a>> {
+        match self.topk {
+            None => Ok(TeacherData::LogProbs(
+                batch.column(Column::TeacherLogProbs)?,
+            )),
+            Some(_) => batch
+                .teacher_topk
+                .as_ref()
+                .map(TeacherData::Topk)
+                .ok_or_else(|| {
+                    candle_core::Error::Msg(
+                        "no teacher top-k tokens: the teacher phase did not run".into(),
+                    )
+                }),
+        }
+    }
+
+    /// The term on one micro-batch (`rows`): `(log_prob, old_log_prob, mask)` `[m, r]` each,
+    /// `topk` the student's side from [`student_forward`] with top-k teacher tokens.
+    fn micro_loss(
+        &self,
+        teacher: TeacherData,
+        topk: Option<&TopkSide>,
+        (lp, old, mask): (&Tensor, &Tensor, &Tensor),
+        rows: &[usize],
+        norm: AggNorm,
+        w: Option<&Tensor>,
+    ) -> candle_core::Result<distill::DistillOutput> {
+        match (teacher, topk, self.topk) {
+            (TeacherData::LogProbs(t), _, _) => {
+                let tl = pad_rows(t, rows, lp.dim(1)?, lp.device())?;
+                distill::distillation_loss(lp, &tl, old, mask, &self.params, norm, w)
+            }
+            (TeacherData::Topk(_), Some(s), Some((k, floor))) => {
+                let terms = distill::topk_terms(&s.gathered, &s.teacher_lp, &s.ids, &s.own, floor)?;
+                distill::distillation_loss_topk(&terms, lp, old, mask, k, &self.params, norm, w)
+            }
+            _ => Err(candle_core::Error::Msg(
+                "top-k distillation without the student's top-k forward".into(),
+            )),
+        }
+    }
+
+    /// `task` (the policy loss with its entropy and KL terms; its metrics in `scalars`) with the
+    /// term `out` added as verl's `distillation_ppo_loss` adds it.
+    fn add_to(
+        &self,
+        task: Tensor,
+        scalars: &mut Vec<(&'static str, f64)>,
+        out: distill::DistillOutput,
+    ) -> candle_core::Result<Tensor> {
+        if !self.use_task_rewards && self.params.policy_gradient.is_none() {
+            // verl computes no policy loss then, and reports none.
+            scalars.retain(|(k, _)| !k.starts_with("actor/"));
+        }
+        scalars.extend(out.metrics);
+        scalars.push(("distillation/loss", scalar(&out.loss)?));
+        distill::combine(&task, &out.loss, self.use_task_rewards, self.coef)
+    }
+}
+
+/// A micro-batch's log-probs and entropies (`[m, r]`), and with top-k teacher tokens the
+/// student's side of that loss from the same forward.
+fn student_forward(
+    model: &CausalLm,
+    mi: &MicroInputs,
+    rows: &[usize],
+    temperature: f64,
+    with_entropy: bool,
+    teacher: Option<TeacherData>,
+) -> candle_core::Result<(Tensor, Option<Tensor>, Option<TopkSide>)> {
+    let Some(TeacherData::Topk(tk)) = teacher else {
+        let (lp, ent) = response_logprobs(model, mi, temperature, with_entropy)?;
+        return Ok((lp, ent, None));
+    };
+    let (ids, teacher_lp) = tk.padded(rows, mi.response_width, model.device())?; // [m, r, k]
+    let (lp, ent, gathered, own) =
+        response_logprobs_topk(model, mi, temperature, with_entropy, &ids)?;
+    let side = TopkSide {
+        gathered,
+        own,
+        ids,
+        teacher_lp,
+    };
+    Ok((lp, ent, Some(side)))
 }
 
 /// The frozen reference policy: the initial actor weights, never updated, holding no gradient

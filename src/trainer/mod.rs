@@ -229,16 +229,7 @@ impl Trainer {
         }
         let pad = tokenizer.pad_token_id;
         let reference = setup::reference(&cfg, &plan, &actor, &device, pad)?;
-        let teachers = match &plan.distillation {
-            Some(d) => Some(teacher::Teachers::load(
-                d,
-                &tokenizer,
-                &device,
-                plan.log_prob_micro,
-                micro::Layout::of(pad, &cfg.actor_rollout_ref.model),
-            )?),
-            None => None,
-        };
+        let teachers = setup::teachers(&cfg, &plan, &tokenizer, &device)?;
         let mut critic = match plan.need_critic {
             true => Some(setup::critic(
                 &cfg,

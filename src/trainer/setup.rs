@@ -600,6 +600,21 @@ pub fn reference(
     Ok(r)
 }
 
+/// On-policy distillation's teachers (`distillation.enabled`), each checked against the
+/// student's tokenizer `tok` before its weights are read; `None` without distillation.
+pub fn teachers(
+    cfg: &Config,
+    plan: &Plan,
+    tok: &TokenizerBundle,
+    device: &Device,
+) -> Result<Option<super::teacher::Teachers>> {
+    let Some(d) = &plan.distillation else {
+        return Ok(None);
+    };
+    let inputs = Layout::of(tok.pad_token_id, &cfg.actor_rollout_ref.model);
+    super::teacher::Teachers::load(d, tok, device, plan.log_prob_micro, inputs).map(Some)
+}
+
 /// The tokenizer prompts are read with when it is not the policy model's own:
 /// `data.tokenizer`, else `actor_rollout_ref.model.tokenizer_path`.
 pub fn tokenizer_override(cfg: &Config) -> Option<&str> {

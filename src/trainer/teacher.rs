@@ -177,44 +177,38 @@ impl Teachers {
     /// index `data`), or with top-k distillation the teacher's `topk` most likely tokens.
     pub fn compute(&self, batch: &mut StepBatch, data: &PromptDataset) -> Result<()> {
         let route = self.route(batch, data)?;
-        if let Some(k) = self.topk {
-            let mut all = TopkRows {
-                k,
-                ids: vec![Vec::new(); batch.len()],
-                log_probs: vec![Vec::new(); batch.len()],
-            };
-            for (i, t) in self.teachers.iter().enumerate() {
-                let rows: Vec<usize> = (0..batch.len()).filter(|&r| route[r] == i).collect();
-                if rows.is_empty() {
-                    continue;
-                }
-                let part = t.model.compute_topk(&batch.select(&rows), k)?;
-                for (j, &r) in rows.iter().enumerate() {
-                    all.ids[r] = part.ids[j].clone();
-                    all.log_probs[r] = part.log_probs[j].clone();
-                }
-            }
-            batch.teacher_topk = Some(all);
-            return Ok(());
-        }
-        let mut out: Ragged = vec![Vec::new(); batch.len()];
+        let n = batch.len();
+        let mut lps: Ragged = vec![Vec::new(); n];
+        let mut topk = self.topk.map(|k| TopkRows {
+            k,
+            ids: vec![Vec::new(); n],
+            log_probs: vec![Vec::new(); n],
+        });
         for (i, t) in self.teachers.iter().enumerate() {
-            let rows: Vec<usize> = (0..batch.len()).filter(|&r| route[r] == i).collect();
+            let rows: Vec<usize> = (0..n).filter(|&r| route[r] == i).collect();
             if rows.is_empty() {
                 continue;
             }
-            let mut part = if rows.len() == batch.len() {
-                batch.clone()
-            } else {
-                batch.select(&rows)
-            };
-            t.model.compute_ref_log_prob(&mut part)?;
-            let lp = part.column(Column::RefLogProb)?;
-            for (k, &r) in rows.iter().enumerate() {
-                out[r] = lp[k].clone();
+            let mut part = batch.select(&rows);
+            match topk.as_mut() {
+                Some(all) => {
+                    let got = t.model.compute_topk(&part, all.k)?;
+                    for ((&r, ids), lp) in rows.iter().zip(got.ids).zip(got.log_probs) {
+                        (all.ids[r], all.log_probs[r]) = (ids, lp);
+                    }
+                }
+                None => {
+                    t.model.compute_ref_log_prob(&mut part)?;
+                    for (&r, lp) in rows.iter().zip(part.column(Column::RefLogProb)?) {
+                        lps[r] = lp.clone();
+                    }
+                }
             }
         }
-        batch.set(Column::TeacherLogProbs, out)?;
+        match topk {
+            Some(all) => batch.teacher_topk = Some(all),
+            None => batch.set(Column::TeacherLogProbs, lps)?,
+        }
         Ok(())
     }
 }

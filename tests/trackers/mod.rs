@@ -82,6 +82,33 @@ fn timeless(rows: &BTreeMap<u64, BTreeMap<String, f64>>) -> BTreeMap<u64, BTreeM
         .collect()
 }
 
+/// Every metric of the file sink (`want`) at every step equals the tracker's read-back
+/// (`got["metrics"][step][key]`), the key as the tracker names it (`rename`: MLflow writes `@`
+/// as `_at_`).
+fn assert_same_metrics(
+    name: &str,
+    got: &Value,
+    want: &BTreeMap<u64, BTreeMap<String, f64>>,
+    rename: impl Fn(&str) -> String,
+) {
+    for (step, m) in want {
+        for (k, v) in m {
+            let key = rename(k);
+            assert_eq!(
+                got["metrics"][step.to_string()][&key].as_f64(),
+                Some(*v),
+                "{name} {key} at {step}: {}",
+                got["metrics"][step.to_string()]
+            );
+        }
+    }
+}
+
+/// MLflow's name of a metric.
+fn mlflow_key(k: &str) -> String {
+    k.replace('@', "_at_")
+}
+
 fn mean_step_time(rows: &BTreeMap<u64, BTreeMap<String, f64>>) -> f64 {
     let t: Vec<f64> = rows.values().map(|m| m["timing_s/step"]).collect();
     t.iter().sum::<f64>() / t.len() as f64
@@ -273,16 +300,7 @@ fn wandb_and_mlflow_read_back_equal_the_file_sink_and_resume_the_same_run() {
     assert_eq!(ml["runs"][0], state["tracker_runs"]["mlflow"]);
     assert_eq!(ml["run_name"], "gsm8k");
     assert_eq!(ml["config"]["trainer/project_name"], "verl_examples");
-    for (step, m) in &want {
-        for (k, v) in m {
-            let key = k.replace('@', "_at_");
-            assert_eq!(
-                ml["metrics"][step.to_string()][&key].as_f64(),
-                Some(*v),
-                "mlflow {key} at {step}"
-            );
-        }
-    }
+    assert_same_metrics("mlflow", &ml, &want, mlflow_key);
     for step in 1..=3 {
         let g = &ml["generations"][format!("val_step{step}.json")];
         assert_eq!(g.as_array().map(Vec::len), Some(2), "{}", ml["generations"]);
@@ -297,15 +315,7 @@ fn wandb_and_mlflow_read_back_equal_the_file_sink_and_resume_the_same_run() {
     assert_eq!(wb["project"], "verl_examples");
     assert_eq!(wb["run_name"], "gsm8k");
     assert_eq!(wb["config"]["trainer"]["project_name"], "verl_examples");
-    for (step, m) in &want {
-        for (k, v) in m {
-            assert_eq!(
-                wb["metrics"][step.to_string()][k].as_f64(),
-                Some(*v),
-                "wandb {k} at {step}"
-            );
-        }
-    }
+    assert_same_metrics("wandb", &wb, &want, str::to_string);
     let tables = wb["generations"].as_array().unwrap();
     let last = tables.last().expect("a generations table");
     assert_eq!(last["columns"][0], "step");
@@ -361,19 +371,6 @@ fn swanlab_trackio_and_clearml_read_back_equal_the_file_sink() {
         .unwrap(),
     )
     .unwrap();
-    let same_metrics = |name: &str, got: &Value, steps: &[u64]| {
-        for step in steps {
-            for (k, v) in &want[step] {
-                assert_eq!(
-                    got["metrics"][step.to_string()][k].as_f64(),
-                    Some(*v),
-                    "{name} {k} at {step}: {}",
-                    got["metrics"][step.to_string()]
-                );
-            }
-        }
-    };
-
     let sw = readback(
         &python,
         &["swanlab".into(), d.join("swanlog").display().to_string()],
@@ -389,7 +386,7 @@ fn swanlab_trackio_and_clearml_read_back_equal_the_file_sink() {
     assert_eq!(sw["run_name"], "gsm8k");
     assert_eq!(sw["config"]["trainer"]["project_name"], "verl_examples");
     assert_eq!(sw["config"]["FRAMEWORK"], "main_ppo");
-    same_metrics("swanlab", &sw, &[1, 2, 3]);
+    assert_same_metrics("swanlab", &sw, &want, str::to_string);
     let tables = sw["generations"].as_array().unwrap();
     assert_eq!(tables.len(), 3, "one table per validation: {tables:?}");
     let last = tables.last().unwrap();
@@ -407,7 +404,7 @@ fn swanlab_trackio_and_clearml_read_back_equal_the_file_sink() {
     );
     assert_eq!(tr["runs"], serde_json::json!(["gsm8k"]), "one Trackio run");
     assert_eq!(tr["config"]["trainer"]["project_name"], "verl_examples");
-    same_metrics("trackio", &tr, &[1, 2, 3]);
+    assert_same_metrics("trackio", &tr, &want, str::to_string);
     let traces = tr["generations"].as_array().unwrap();
     assert_eq!(traces.len(), 6, "2 traces per validation: {traces:?}");
     assert!(traces
@@ -428,7 +425,7 @@ fn swanlab_trackio_and_clearml_read_back_equal_the_file_sink() {
     assert_eq!(cl["project"], "verl_examples");
     assert_eq!(cl["run_name"], "gsm8k");
     assert_eq!(cl["config"]["trainer"]["project_name"], "verl_examples");
-    same_metrics("clearml", &cl, &[1, 2, 3]);
+    assert_same_metrics("clearml", &cl, &want, str::to_string);
     let plots = cl["generations"].as_array().unwrap();
     assert!(
         plots.iter().any(|p| p["step"] == 3),
@@ -461,16 +458,7 @@ fn mlflow_file_store_reads_back_equal_the_file_sink() {
     let ml = readback(&python, &["mlflow".into(), uri, "verl_examples".into()]);
     assert_eq!(ml["runs"].as_array().unwrap().len(), 1);
     assert_eq!(ml["config"]["trainer/experiment_name"], "gsm8k");
-    for (step, m) in &want {
-        for (k, v) in m {
-            let key = k.replace('@', "_at_");
-            assert_eq!(
-                ml["metrics"][step.to_string()][&key].as_f64(),
-                Some(*v),
-                "{key} at {step}"
-            );
-        }
-    }
+    assert_same_metrics("mlflow", &ml, &want, mlflow_key);
 }
 
 /// A free TCP port on 127.0.0.1.
@@ -547,16 +535,7 @@ fn mlflow_server_run_reads_back_and_a_server_that_stops_answering_does_not_stop_
         &["mlflow".into(), uri.clone(), "verl_examples".into()],
     );
     assert_eq!(ml["runs"].as_array().unwrap().len(), 1);
-    for (step, m) in &want {
-        for (k, v) in m {
-            let key = k.replace('@', "_at_");
-            assert_eq!(
-                ml["metrics"][step.to_string()][&key].as_f64(),
-                Some(*v),
-                "{key} at {step}"
-            );
-        }
-    }
+    assert_same_metrics("mlflow", &ml, &want, mlflow_key);
 
     // The same run again, the server stopped by the reward function at step 2.
     let _ = std::fs::remove_dir_all(d.join("verl_examples"));
