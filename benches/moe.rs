@@ -1,10 +1,11 @@
 //! Qwen3-MoE layers of experts, forward + backward, each expert computed on the tokens routed to
 //! it (the default) against every expert computed on every token (`Exec::dense_experts`, the
 //! reference with zero weights where a token was not routed), f32 on the CPU, 8 experts top-2,
-//! hidden 256, expert width 512, 8 × 256 tokens: (1) one layer of experts alone (router and
-//! experts, input and weight gradients), (2) a whole 2-layer model of such layers (attention,
-//! LM head and log-probs included). Prints the median of 5 timed runs of each (after one
-//! warm-up, the two alternating), their ratio, and that both give the same results.
+//! hidden 256, expert width 512, 8 × 256 tokens: (1) one layer of experts alone as candle ops
+//! (router and experts, input and weight gradients), (2) a whole 2-layer model of such layers
+//! (attention, LM head and log-probs included): the hand-written layer (the default), the
+//! grouped composition (`Exec::composed`) and the dense reference. Prints the median of 5
+//! timed runs of each (after one warm-up), their ratios, and that all give the same results.
 //! Run: `cargo bench --bench moe`.
 
 use std::time::Instant;
@@ -121,38 +122,54 @@ fn main() {
     m.set_exec(Exec::default());
     let (grouped, lg, gg) = time(&m);
     m.set_exec(Exec {
+        composed: true,
+        ..Exec::default()
+    });
+    let (composed, lc, gc) = time(&m);
+    m.set_exec(Exec {
         dense_experts: true,
         ..Exec::default()
     });
     let (dense, ld, gd) = time(&m);
-    let worst = gg
-        .iter()
-        .zip(&gd)
-        .map(|(a, b)| {
-            let scale = a
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-            d.to_scalar::<f32>().unwrap() / scale.max(1e-30)
-        })
-        .fold(0f32, f32::max);
+    let worst = |gd: &[Tensor]| {
+        gg.iter()
+            .zip(gd)
+            .map(|(a, b)| {
+                let scale = a
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+                d.to_scalar::<f32>().unwrap() / scale.max(1e-30)
+            })
+            .fold(0f32, f32::max)
+    };
     let tokens = (b * t) as f64;
     println!("MoE fwd+bwd, {b}x{t} tokens, 8 experts top-2, hidden 256, expert width 512, 2 layers, f32, {} threads", rayon_threads());
     println!(
-        "  grouped (each expert on its tokens): {grouped:.3} s ({:.0} tokens/s)",
+        "  grouped, hand-written layer (each expert on its tokens): {grouped:.3} s ({:.0} tokens/s)",
         tokens / grouped
     );
     println!(
-        "  dense (every expert on every token): {dense:.3} s ({:.0} tokens/s)",
+        "  grouped, candle ops: {composed:.3} s ({:.0} tokens/s)",
+        tokens / composed
+    );
+    println!(
+        "  dense (every expert on every token, candle ops): {dense:.3} s ({:.0} tokens/s)",
         tokens / dense
     );
-    println!("  speed-up grouped vs dense: {:.2}x", dense / grouped);
     println!(
-        "  loss {lg:.7} vs {ld:.7}; largest gradient difference {worst:.2e} of its tensor's scale"
+        "  speed-up hand-written grouped vs dense: {:.2}x; vs grouped candle ops: {:.2}x",
+        dense / grouped,
+        composed / grouped
+    );
+    println!(
+        "  loss {lg:.7} (candle ops {lc:.7}, dense {ld:.7}); largest gradient difference {:.2e} (candle ops), {:.2e} (dense) of its tensor's scale",
+        worst(&gc),
+        worst(&gd)
     );
 }
 

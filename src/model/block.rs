@@ -338,14 +338,6 @@ impl Block {
         self.map_proj(Proj::detached)
     }
 
-    /// The dense MLP, `None` for a layer of experts.
-    pub(crate) fn dense(&self) -> Option<&Gated> {
-        match &self.mlp {
-            Mlp::Dense(g) => Some(g),
-            Mlp::Experts(_) => None,
-        }
-    }
-
     /// The layer's experts, `None` for a dense layer.
     pub(crate) fn experts(&self) -> Option<&Experts> {
         match &self.mlp {
@@ -394,13 +386,6 @@ impl Block {
             }
         }
         all
-    }
-
-    /// The seven projections of a dense layer, q, k, v, o, gate, up, down (the hand-written
-    /// layer and the decode engine serve dense layers only).
-    pub(crate) fn dense_projs(&self) -> Option<[&Proj; 7]> {
-        let g = self.dense()?;
-        Some([&self.q, &self.k, &self.v, &self.o, &g.gate, &g.up, &g.down])
     }
 
     /// Whether any projection carries an adapter.

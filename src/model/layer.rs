@@ -18,6 +18,9 @@
 //! y = x2 + (silu(h2·Wgᵀ) ⊙ h2·Wuᵀ)·Wdᵀ
 //! Gemma: every norm scales by 1 + w; x2 = x + rms(a·Woᵀ)·pa, y = x2 + rms(mlp)·pf; GELU (tanh)
 //! for silu; scores scaled by query_pre_attn_scalar^-½; sliding layers see `window` keys.
+//! Qwen3-MoE: the MLP is a layer of experts, y = x2 + Σ_j w_j·mlp_{e_j}(h2) over each token's
+//! top-k experts e_j of p = softmax(h2·Rᵀ), each expert run on the rows routed to it only
+//! ([`moe_fwd`], [`moe_bwd`]).
 //!
 //! rms backward, with x̂ = x·r, r = (mean x² + ε)^−½, gh the gradient of h = x̂⊙w:
 //!   ∂w = Σ_rows gh⊙x̂,   ∂x = r·(gh⊙w − x̂·mean(gh⊙w⊙x̂))
@@ -26,7 +29,7 @@
 //! silu′(z) = σ(z)·(1 + z·(1 − σ(z)))
 //! ```
 
-use candle_core::Result;
+use candle_core::{Result, WithDType};
 use rayon::prelude::*;
 
 use crate::kernels::elem::{dot, max, sum, Elem};
@@ -93,7 +96,8 @@ pub(super) struct Adapter<'a, T> {
     pub dropout: Option<super::proj::Dropout>,
 }
 
-/// One linear layer's gradients; `None` where the tensor does not train or does not exist.
+/// One linear layer's gradients; `None` where the tensor does not train or does not exist, or
+/// the layer took no part.
 pub(super) struct LinGrad<T> {
     pub w: Option<Vec<T>>,
     pub b: Option<Vec<T>>,
@@ -101,8 +105,21 @@ pub(super) struct LinGrad<T> {
     pub bb: Option<Vec<T>>,
 }
 
+impl<T> LinGrad<T> {
+    /// No gradient: a linear layer that took no part in the forward (an expert no token was
+    /// routed to), as PyTorch leaves such a module's `.grad` unset.
+    fn none() -> Self {
+        LinGrad {
+            w: None,
+            b: None,
+            a: None,
+            bb: None,
+        }
+    }
+}
+
 /// A layer's weights, borrowed from their storage.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(super) struct Weights<'a, T> {
     pub ln1: &'a [T],
     pub ln2: &'a [T],
@@ -110,16 +127,58 @@ pub(super) struct Weights<'a, T> {
     pub qk_norm: Option<(&'a [T], &'a [T])>,
     /// Gemma's norms of the attention and MLP outputs (`[hidden]` each).
     pub sandwich: Option<(&'a [T], &'a [T])>,
-    /// q, k, v, o, gate, up, down.
-    pub lin: [Lin<'a, T>; 7],
+    /// q, k, v, o.
+    pub attn: [Lin<'a, T>; 4],
+    pub mlp: Ffn<'a, T>,
 }
 
-/// Gradients in [`Weights`]' order: `ln1`, `ln2`, then each linear's weight and bias.
+/// What follows the attention: one gated MLP, or a mixture of experts.
+// A view built once per layer call: the dense variant's size costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone)]
+pub(super) enum Ffn<'a, T> {
+    /// gate, up, down (`Dims::inter` wide).
+    Dense([Lin<'a, T>; 3]),
+    Experts(Moe<'a, T>),
+}
+
+/// A layer of experts (Qwen3-MoE): a router and `experts` gated MLPs (SiLU, `Dims::inter`
+/// wide), each token sent to its `top_k` most probable experts.
+#[derive(Clone)]
+pub(super) struct Moe<'a, T> {
+    /// `[experts, hidden]`; its product stays in the layer's precision (no bf16 operands), as
+    /// the composition's and the decode engine's router.
+    pub router: &'a [T],
+    pub train_router: bool,
+    /// Per expert: gate, up, down.
+    pub experts: Vec<[Lin<'a, T>; 3]>,
+    pub top_k: usize,
+    /// Routing weights renormalised to sum to 1 over a token's chosen experts.
+    pub norm_topk_prob: bool,
+}
+
+impl<T> Ffn<'_, T> {
+    /// The MLP's projections in the order of [`Grads::lin`] after the attention's.
+    fn lins(&self) -> Vec<Lin<'_, T>>
+    where
+        T: Copy,
+    {
+        match self {
+            Ffn::Dense(l) => l.to_vec(),
+            Ffn::Experts(m) => m.experts.iter().flatten().copied().collect(),
+        }
+    }
+}
+
+/// Gradients in [`Weights`]' order: `ln1`, `ln2`, the q/k and sandwich norms, the router,
+/// then each linear's (q, k, v, o, then the MLP's gate, up, down, expert by expert).
 pub(super) struct Grads<T> {
     pub ln1: Vec<T>,
     pub ln2: Vec<T>,
     pub qk_norm: Option<(Vec<T>, Vec<T>)>,
     pub sandwich: Option<(Vec<T>, Vec<T>)>,
+    /// A layer of experts' router, where it trains.
+    pub router: Option<Vec<T>>,
     pub lin: Vec<LinGrad<T>>,
 }
 
@@ -187,13 +246,40 @@ pub(super) struct Acts<T> {
     qk_pre: Option<QkPre<T>>,
     /// With sandwich norms: the attention and MLP outputs before them, and their `r`.
     sandwich: Option<SandwichPre<T>>,
-    v: Vec<T>,    // [rows, kv·hd]
-    a: Vec<T>,    // [rows, heads·hd]
-    x2: Vec<T>,   // [rows, hidden]
-    r2: Vec<T>,   // [rows]
-    h2: Vec<T>,   // [rows, hidden]
-    gate: Vec<T>, // [rows, inter]
-    up: Vec<T>,   // [rows, inter]
+    v: Vec<T>,  // [rows, kv·hd]
+    a: Vec<T>,  // [rows, heads·hd]
+    x2: Vec<T>, // [rows, hidden]
+    r2: Vec<T>, // [rows]
+    h2: Vec<T>, // [rows, hidden]
+    mlp: MlpActs<T>,
+}
+
+/// The MLP's activations: the gate and up products `[rows, inter]` of the dense MLP, or the
+/// routing and each expert's products over its tokens.
+enum MlpActs<T> {
+    Dense { gate: Vec<T>, up: Vec<T> },
+    Experts(MoeActs<T>),
+}
+
+struct MoeActs<T> {
+    /// The router's probabilities `[rows, experts]`.
+    probs: Vec<T>,
+    /// Each token's experts, most probable first, `[rows, top_k]`.
+    chosen: Vec<usize>,
+    /// Their routing weights `[rows, top_k]` (renormalised with `norm_topk_prob`).
+    weights: Vec<T>,
+    per: Vec<ExpertActs<T>>,
+}
+
+/// One expert's tokens in routing order, the slot of each in `chosen` (`token·top_k + j`),
+/// and its products over them: gate and up `[m, inter]`, output `[m, hidden]` before the
+/// routing weight.
+struct ExpertActs<T> {
+    tokens: Vec<usize>,
+    slots: Vec<usize>,
+    gate: Vec<T>,
+    up: Vec<T>,
+    y: Vec<T>,
 }
 
 /// q and k before their per-head norms (`[rows, heads·hd]`, `[rows, kv·hd]`) and each head's
@@ -728,7 +814,7 @@ fn softmax_bwd_rows_body<T: Elem>(ds: &mut [T], p: &[T], t: usize, scale: T) {
 fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, Acts<T>) {
     let (n, hid, hd) = (d.rows(), d.hidden, d.head_dim);
     let (rep, qw) = (d.heads / d.kv_heads, d.q_width());
-    let [lq, lk, lv, lo, lg, lu, ld] = w.lin;
+    let [lq, lk, lv, lo] = w.attn;
     let off = d.norm_offset;
     let (h1, r1) = rms_fwd(x, w.ln1, d.eps, off);
     let mut q = linear_fwd(lq, &h1, n, hid);
@@ -759,8 +845,10 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
         x2: Vec::new(),
         r2: Vec::new(),
         h2: Vec::new(),
-        gate: Vec::new(),
-        up: Vec::new(),
+        mlp: MlpActs::Dense {
+            gate: Vec::new(),
+            up: Vec::new(),
+        },
     };
     // a = P·v per (row, KV head): each task writes its own heads' columns of its own rows.
     let mut a = vec![T::zero(); n * qw];
@@ -815,10 +903,21 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
     };
     par_zip(&mut x2, x, |o, xv| o + xv);
     let (h2, r2) = rms_fwd(&x2, w.ln2, d.eps, off);
-    let gate = linear_fwd(lg, &h2, n, hid);
-    let up = linear_fwd(lu, &h2, n, hid);
-    let act = gated(&gate, &up, d.gelu);
-    let mut y = linear_fwd(ld, &act, n, d.inter);
+    let (mut y, mlp) = match &w.mlp {
+        Ffn::Dense([lg, lu, ld]) => {
+            let gate = linear_fwd(*lg, &h2, n, hid);
+            let up = linear_fwd(*lu, &h2, n, hid);
+            let act = gated(&gate, &up, d.gelu);
+            (
+                linear_fwd(*ld, &act, n, d.inter),
+                MlpActs::Dense { gate, up },
+            )
+        }
+        Ffn::Experts(m) => {
+            let (y, acts) = moe_fwd(m, d, &h2);
+            (y, MlpActs::Experts(acts))
+        }
+    };
     if let (Some((_, pf)), Some((attn, ra))) = (w.sandwich, ao_ra) {
         let (yn, rm) = rms_fwd(&y, pf, d.eps, off);
         let mlp = std::mem::replace(&mut y, yn);
@@ -829,24 +928,23 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
     acts.x2 = x2;
     acts.r2 = r2;
     acts.h2 = h2;
-    acts.gate = gate;
-    acts.up = up;
+    acts.mlp = mlp;
     (y, acts)
 }
 
 /// Checks the slices against the sizes, so that a mismatch is an error, not an out-of-bounds.
-fn check<T>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> Result<()> {
+fn check<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> Result<()> {
     let (n, hid) = (d.rows(), d.hidden);
     let (qw, kw, it) = (d.q_width(), d.kv_width(), d.inter);
-    let shapes = [
-        (qw, hid),
-        (kw, hid),
-        (kw, hid),
-        (hid, qw),
-        (it, hid),
-        (it, hid),
-        (hid, it),
-    ];
+    let mut shapes = vec![(qw, hid), (kw, hid), (kw, hid), (hid, qw)];
+    let mlps = match &w.mlp {
+        Ffn::Dense(_) => 1,
+        Ffn::Experts(m) => m.experts.len(),
+    };
+    for _ in 0..mlps {
+        shapes.extend([(it, hid), (it, hid), (hid, it)]);
+    }
+    let lins: Vec<Lin<T>> = w.attn.iter().copied().chain(w.mlp.lins()).collect();
     let mut ok = d.head_dim.is_multiple_of(2)
         && w.qk_norm
             .is_none_or(|(q, k)| q.len() == d.head_dim && k.len() == d.head_dim)
@@ -862,8 +960,16 @@ fn check<T>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> Result<()> {
         && match cx.attn {
             Attn::Bias(b) => b.len() == d.batch * d.seq * d.seq,
             Attn::Packed(segs) => d.batch == 1 && check_segments(segs, n).is_ok(),
+        }
+        && match &w.mlp {
+            Ffn::Dense(_) => true,
+            Ffn::Experts(m) => {
+                m.router.len() == m.experts.len() * hid
+                    && m.top_k >= 1
+                    && m.top_k <= m.experts.len()
+            }
         };
-    for (l, (o, i)) in w.lin.iter().zip(shapes) {
+    for (l, (o, i)) in lins.iter().zip(shapes) {
         ok &= l.w.len() == o * i && l.b.is_none_or(|b| b.len() == o);
         if let Some(ad) = &l.ad {
             let r = ad.a.len() / i.max(1);
@@ -924,11 +1030,11 @@ pub(super) fn backward<T: Elem>(
         }
         None => run(w, d, x, cx).1,
     };
-    let (n, hid, hd, it) = (d.rows(), d.hidden, d.head_dim, d.inter);
+    let (n, hid, hd) = (d.rows(), d.hidden, d.head_dim);
     let (qw, kw) = (d.q_width(), d.kv_width());
-    let [lq, lk, lv, lo, lg, lu, ld] = w.lin;
+    let [lq, lk, lv, lo] = w.attn;
     let off = d.norm_offset;
-    // MLP: y = x2 + act·Wdᵀ (Gemma: x2 + rms(act·Wdᵀ)·pf).
+    // MLP: y = x2 + mlp(h2) (Gemma: x2 + rms(mlp(h2))·pf).
     let (dmlp, dpf) = match (w.sandwich, &acts.sandwich) {
         (Some((_, pf)), Some(sw)) => {
             let mut dm = vec![T::zero(); n * hid];
@@ -937,36 +1043,17 @@ pub(super) fn backward<T: Elem>(
         }
         _ => (None, None),
     };
-    let act = gated(&acts.gate, &acts.up, d.gelu);
-    let mut dact = vec![T::zero(); n * it];
-    let gd = linear_bwd(
-        ld,
-        &act,
-        dmlp.as_deref().unwrap_or(gy),
-        n,
-        it,
-        &mut dact,
-        false,
-    );
-    drop((act, dmlp));
-    // dact → (dgate, dup): dup = dact·f(z), then dact becomes dgate in place.
-    let mut dup = vec![T::zero(); n * it];
-    if d.gelu {
-        par_zip2(&mut dup, &dact, &acts.gate, |_, dg, z| dg * gelu_tanh(z).0);
-        par_zip2(&mut dact, &acts.gate, &acts.up, |dg, z, u| {
-            dg * u * gelu_tanh(z).1
-        });
-    } else {
-        par_zip2(&mut dup, &dact, &acts.gate, |_, dg, z| dg * z * sigmoid(z));
-        par_zip2(&mut dact, &acts.gate, &acts.up, |dg, z, u| {
-            let s = sigmoid(z);
-            dg * u * s * (T::one() + z * (T::one() - s))
-        });
-    }
     let mut dh2 = vec![T::zero(); n * hid];
-    let gg = linear_bwd(lg, &acts.h2, &dact, n, hid, &mut dh2, false);
-    let gu = linear_bwd(lu, &acts.h2, &dup, n, hid, &mut dh2, true);
-    drop((dact, dup));
+    let dy = dmlp.as_deref().unwrap_or(gy);
+    let (glin_mlp, grouter) = match (&w.mlp, &acts.mlp) {
+        (Ffn::Dense(l), MlpActs::Dense { gate, up }) => {
+            let g = gated_mlp_bwd(*l, d.inter, &acts.h2, gate, up, d.gelu, dy, &mut dh2);
+            (Vec::from(g), None)
+        }
+        (Ffn::Experts(m), MlpActs::Experts(a)) => moe_bwd(m, d, &acts.h2, a, dy, &mut dh2),
+        _ => candle_core::bail!("fused decoder layer: kept activations are for another MLP"),
+    };
+    drop(dmlp);
     let mut dx2 = gy.to_vec();
     let dln2 = rms_bwd(&acts.x2, &acts.r2, w.ln2, &dh2, &mut dx2, off);
     drop(dh2);
@@ -1018,9 +1105,270 @@ pub(super) fn backward<T: Elem>(
             ln2: dln2,
             qk_norm: dqk_norm,
             sandwich: dpa.zip(dpf),
-            lin: vec![gq, gk, gv, go, gg, gu, gd],
+            router: grouter,
+            lin: [gq, gk, gv, go].into_iter().chain(glin_mlp).collect(),
         },
     ))
+}
+
+/// A gated MLP's backward on its input `x` `[m, hidden]` with the forward's gate and up
+/// products `[m, inter]`, from the output's gradient `dy` `[m, hidden]`: adds `∂x` into `dx`
+/// and returns the gradients of gate, up and down.
+#[allow(clippy::too_many_arguments)]
+fn gated_mlp_bwd<T: Elem>(
+    [lg, lu, ld]: [Lin<T>; 3],
+    inter: usize,
+    x: &[T],
+    gate: &[T],
+    up: &[T],
+    gelu: bool,
+    dy: &[T],
+    dx: &mut [T],
+) -> [LinGrad<T>; 3] {
+    let hid = lg.w.len() / inter;
+    let m = gate.len() / inter;
+    let act = gated(gate, up, gelu);
+    let mut dact = vec![T::zero(); m * inter];
+    let gd = linear_bwd(ld, &act, dy, m, inter, &mut dact, false);
+    drop(act);
+    // dact → (dgate, dup): dup = dact·f(z), then dact becomes dgate in place.
+    let mut dup = vec![T::zero(); m * inter];
+    if gelu {
+        par_zip2(&mut dup, &dact, gate, |_, dg, z| dg * gelu_tanh(z).0);
+        par_zip2(&mut dact, gate, up, |dg, z, u| dg * u * gelu_tanh(z).1);
+    } else {
+        par_zip2(&mut dup, &dact, gate, |_, dg, z| dg * z * sigmoid(z));
+        par_zip2(&mut dact, gate, up, |dg, z, u| {
+            let s = sigmoid(z);
+            dg * u * s * (T::one() + z * (T::one() - s))
+        });
+    }
+    let gg = linear_bwd(lg, x, &dact, m, hid, dx, true);
+    let gu = linear_bwd(lu, x, &dup, m, hid, dx, true);
+    [gg, gu, gd]
+}
+
+/// Rows `rows` of `m` (`width` values each), in that order.
+fn gather_rows<T: Copy>(m: &[T], rows: &[usize], width: usize) -> Vec<T> {
+    let mut out = Vec::with_capacity(rows.len() * width);
+    for &r in rows {
+        out.extend_from_slice(&m[r * width..][..width]);
+    }
+    out
+}
+
+/// A layer of experts on `h` `[rows, hidden]`:
+///
+/// ```text
+/// p = softmax(h·Rᵀ)                      [rows, experts]
+/// top-k experts per row, most probable first (equal probabilities: lower index first)
+/// w_j = p_j (norm_topk_prob: p_j / Σ_chosen p)
+/// y = Σ_j w_j · down(silu(gate(h)) ⊙ up(h))_{expert j}
+/// ```
+///
+/// each expert computed on the rows routed to it only; returns `y` and what the backward needs.
+fn moe_fwd<T: Elem>(m: &Moe<T>, d: &Dims, h: &[T]) -> (Vec<T>, MoeActs<T>) {
+    let (n, hid, k) = (d.rows(), d.hidden, m.top_k);
+    let e = m.experts.len();
+    let mut probs = vec![T::zero(); n * e];
+    gemm_mixed(
+        false,
+        &mut probs,
+        n,
+        e,
+        hid,
+        h,
+        hid,
+        1,
+        m.router,
+        1,
+        hid,
+        false,
+        Par::Rayon,
+    );
+    let mut chosen = vec![0usize; n * k];
+    let mut weights = vec![T::zero(); n * k];
+    probs
+        .par_chunks_mut(e)
+        .zip(chosen.par_chunks_mut(k))
+        .zip(weights.par_chunks_mut(k))
+        .for_each(|((p, ch), wt)| {
+            let mx = max(p);
+            for v in p.iter_mut() {
+                *v = (*v - mx).exp();
+            }
+            let inv = sum(p).recip();
+            for v in p.iter_mut() {
+                *v *= inv;
+            }
+            let mut order: Vec<usize> = (0..e).collect();
+            order.sort_by(|&a, &b| {
+                let (pa, pb) = (WithDType::to_f64(p[a]), WithDType::to_f64(p[b]));
+                pb.total_cmp(&pa).then(a.cmp(&b))
+            });
+            ch.copy_from_slice(&order[..k]);
+            for (w, &c) in wt.iter_mut().zip(ch.iter()) {
+                *w = p[c];
+            }
+            if m.norm_topk_prob {
+                let s = wt.iter().fold(T::zero(), |s, &v| s + v);
+                for w in wt.iter_mut() {
+                    *w /= s;
+                }
+            }
+        });
+    let mut groups: Vec<(Vec<usize>, Vec<usize>)> = vec![(Vec::new(), Vec::new()); e];
+    for (s, &c) in chosen.iter().enumerate() {
+        groups[c].0.push(s / k);
+        groups[c].1.push(s);
+    }
+    let mut y = vec![T::zero(); n * hid];
+    let mut per = Vec::with_capacity(e);
+    for (&[lg, lu, ld], (tokens, slots)) in m.experts.iter().zip(groups) {
+        let rows = tokens.len();
+        if rows == 0 {
+            per.push(ExpertActs {
+                tokens,
+                slots,
+                gate: Vec::new(),
+                up: Vec::new(),
+                y: Vec::new(),
+            });
+            continue;
+        }
+        let xe = gather_rows(h, &tokens, hid); // [m, hidden]
+        let gate = linear_fwd(lg, &xe, rows, hid);
+        let up = linear_fwd(lu, &xe, rows, hid);
+        let act = gated(&gate, &up, false);
+        let ye = linear_fwd(ld, &act, rows, d.inter); // [m, hidden]
+        for (i, (&t, &s)) in tokens.iter().zip(&slots).enumerate() {
+            let wv = weights[s];
+            let (out, src) = (&mut y[t * hid..][..hid], &ye[i * hid..][..hid]);
+            for (o, &v) in out.iter_mut().zip(src) {
+                *o += wv * v;
+            }
+        }
+        per.push(ExpertActs {
+            tokens,
+            slots,
+            gate,
+            up,
+            y: ye,
+        });
+    }
+    let acts = MoeActs {
+        probs,
+        chosen,
+        weights,
+        per,
+    };
+    (y, acts)
+}
+
+/// [`moe_fwd`]'s backward from `dy` `[rows, hidden]`: adds `∂h` into `dh`; returns each
+/// expert's (gate, up, down) gradients and the router's (where it trains).
+///
+/// ```text
+/// ∂w_j = dy·y_j        (y_j: expert j's output before its weight)
+/// norm_topk_prob: ∂p_j = (∂w_j − Σ_i ∂w_i·w_i) / Σ_chosen p, else ∂p_j = ∂w_j (0 off the chosen)
+/// ∂logits = p ⊙ (∂p − Σ p⊙∂p),   ∂R = ∂logitsᵀ·h,   ∂h += ∂logits·R
+/// ```
+fn moe_bwd<T: Elem>(
+    m: &Moe<T>,
+    d: &Dims,
+    h: &[T],
+    a: &MoeActs<T>,
+    dy: &[T],
+    dh: &mut [T],
+) -> (Vec<LinGrad<T>>, Option<Vec<T>>) {
+    let (n, hid, k) = (d.rows(), d.hidden, m.top_k);
+    let e = m.experts.len();
+    let mut dw = vec![T::zero(); n * k];
+    let mut grads = Vec::with_capacity(3 * e);
+    for (&lins, ea) in m.experts.iter().zip(&a.per) {
+        let rows = ea.tokens.len();
+        if rows == 0 {
+            // No token chose the expert: it gets no gradient.
+            grads.extend([LinGrad::none(), LinGrad::none(), LinGrad::none()]);
+            continue;
+        }
+        // The output's gradient at the expert's rows, times their routing weights.
+        let mut dye = gather_rows(dy, &ea.tokens, hid); // [m, hidden]
+        for (i, &s) in ea.slots.iter().enumerate() {
+            let row = &mut dye[i * hid..][..hid];
+            dw[s] = dot(row, &ea.y[i * hid..][..hid]);
+            let wv = a.weights[s];
+            row.iter_mut().for_each(|v| *v *= wv);
+        }
+        let xe = gather_rows(h, &ea.tokens, hid);
+        let mut dxe = vec![T::zero(); rows * hid];
+        let g = gated_mlp_bwd(lins, d.inter, &xe, &ea.gate, &ea.up, false, &dye, &mut dxe);
+        for (i, &t) in ea.tokens.iter().enumerate() {
+            let (out, src) = (&mut dh[t * hid..][..hid], &dxe[i * hid..][..hid]);
+            for (o, &v) in out.iter_mut().zip(src) {
+                *o += v;
+            }
+        }
+        grads.extend(g);
+    }
+    let mut dl = vec![T::zero(); n * e]; // ∂logits [rows, experts]
+    dl.par_chunks_mut(e).enumerate().for_each(|(r, dlr)| {
+        let p = &a.probs[r * e..][..e];
+        let (ch, dwr, wr) = (
+            &a.chosen[r * k..][..k],
+            &dw[r * k..][..k],
+            &a.weights[r * k..][..k],
+        );
+        let (shift, inv) = if m.norm_topk_prob {
+            let s = ch.iter().fold(T::zero(), |s, &c| s + p[c]);
+            let c = dwr.iter().zip(wr).fold(T::zero(), |s, (&g, &w)| s + g * w);
+            (c, s.recip())
+        } else {
+            (T::zero(), T::one())
+        };
+        for (&c, &g) in ch.iter().zip(dwr) {
+            dlr[c] = (g - shift) * inv;
+        }
+        let pd = dot(p, dlr);
+        for (v, &pv) in dlr.iter_mut().zip(p) {
+            *v = pv * (*v - pd);
+        }
+    });
+    let gr = m.train_router.then(|| {
+        let mut g = vec![T::zero(); e * hid];
+        gemm_mixed(
+            false,
+            &mut g,
+            e,
+            hid,
+            n,
+            &dl,
+            1,
+            e,
+            h,
+            hid,
+            1,
+            false,
+            Par::Rayon,
+        );
+        g
+    });
+    gemm_mixed(
+        false,
+        dh,
+        n,
+        hid,
+        e,
+        &dl,
+        e,
+        1,
+        m.router,
+        hid,
+        1,
+        true,
+        Par::Rayon,
+    );
+    (grads, gr)
 }
 
 /// Gradients of the rotated queries and keys and of the values from `da [rows, heads·hd]`.

@@ -90,17 +90,16 @@ fn with_layer<T: Elem, R>(
             );
         }
     }
-    let Some(lins) = l.dense_projs() else {
-        candle_core::bail!("fused decoder layer: a layer of experts runs as the composition");
-    };
-    // Host views: ln1, ln2, cos, sin, the 7 weights, per projection its bias and adapter
-    // (A, B) where present, the q/k norms where present, then the attention bias when there
-    // is one.
+    // q, k, v, o, then the MLP's gate, up, down (expert by expert in a layer of experts).
+    let lins = l.projs();
+    // Host views: ln1, ln2, cos, sin, the projections' weights, per projection its bias and
+    // adapter (A, B) where present, the q/k norms and the sandwich norms where present, the
+    // router of a layer of experts, then the attention bias when there is one.
     let mut ts: Vec<&Tensor> = vec![&l.ln1, &l.ln2, cos, sin];
-    for p in lins {
+    for p in &lins {
         ts.push(p.weight());
     }
-    for p in lins {
+    for p in &lins {
         ts.extend(p.bias());
         if let Some(ad) = &p.lora {
             ts.extend([&ad.a, &ad.b]);
@@ -112,13 +111,17 @@ fn with_layer<T: Elem, R>(
     if let Some((pa, pf)) = &l.sandwich {
         ts.extend([pa, pf]);
     }
+    let experts = l.experts();
+    if let Some(x) = experts {
+        ts.push(&x.router);
+    }
     if let Mask::Bias(m) = mask {
         ts.push(m);
     }
     let host = Host::new(&ts)?;
-    // Biases and adapters follow ln1, ln2, cos, sin and the seven weights.
+    // Biases and adapters follow ln1, ln2, cos, sin and the projections' weights.
     let mut next = 4 + lins.len();
-    let mut lin = Vec::with_capacity(7);
+    let mut lin = Vec::with_capacity(lins.len());
     for (i, p) in lins.iter().enumerate() {
         let mut take = || {
             next += 1;
@@ -159,12 +162,26 @@ fn with_layer<T: Elem, R>(
         }
         None => None,
     };
+    let mlp = match experts {
+        None => layer::Ffn::Dense([lin[4], lin[5], lin[6]]),
+        Some(x) => {
+            next += 1;
+            layer::Ffn::Experts(layer::Moe {
+                router: host.slice::<T>(next - 1)?,
+                train_router: x.router.track_op(),
+                experts: lin[4..].chunks(3).map(|g| [g[0], g[1], g[2]]).collect(),
+                top_k: x.top_k,
+                norm_topk_prob: x.norm_topk_prob,
+            })
+        }
+    };
     let w = layer::Weights {
         ln1: host.slice::<T>(0)?,
         ln2: host.slice::<T>(1)?,
         qk_norm,
         sandwich,
-        lin: [lin[0], lin[1], lin[2], lin[3], lin[4], lin[5], lin[6]],
+        attn: [lin[0], lin[1], lin[2], lin[3]],
+        mlp,
     };
     let d = layer::Dims {
         batch,
@@ -173,7 +190,10 @@ fn with_layer<T: Elem, R>(
         heads: args.num_attention_heads,
         kv_heads: args.num_key_value_heads,
         head_dim: args.head_dim,
-        inter: args.intermediate_size,
+        inter: match (&args.moe, experts) {
+            (Some(m), Some(_)) => m.moe_intermediate_size,
+            _ => args.intermediate_size,
+        },
         eps: args.rms_norm_eps,
         norm_offset: args.arch.norm_offset(),
         gelu: args.arch.gemma(),
@@ -316,6 +336,9 @@ impl Layer {
             let (ga, gf) = g.sandwich.map_or((None, None), |(a, f)| (Some(a), Some(f)));
             all.extend([(pa.clone(), ga), (pf.clone(), gf)]);
         }
+        if let Some(x) = self.block.experts() {
+            all.push((x.router.clone(), g.router));
+        }
         for (p, lg) in self.block.projs().into_iter().zip(g.lin) {
             all.push((p.weight().clone(), lg.w));
             if let Some(t) = p.bias() {
@@ -338,11 +361,11 @@ impl Layer {
                 stash.len()
             );
         }
+        // `None`: the weight took no part (an expert no token was routed to).
         for (slot, (w, gv)) in stash.iter_mut().zip(all) {
-            let Some(gv) = gv else {
-                candle_core::bail!("fused decoder layer: no gradient for a weight that trains");
-            };
-            *slot = Some(Tensor::from_vec(gv, w.shape(), w.device())?);
+            *slot = gv
+                .map(|gv| Tensor::from_vec(gv, w.shape(), w.device()))
+                .transpose()?;
         }
         Tensor::from_vec(gx, (b, t, h), x.device())
     }
@@ -475,17 +498,16 @@ impl CustomOp1 for Carrier {
         Ok((zero, Shape::from(())))
     }
 
-    fn bwd(&self, w: &Tensor, _res: &Tensor, _grad: &Tensor) -> Result<Option<Tensor>> {
-        let taken = self
+    /// The weight's gradient, or none where the layer's backward left none (a weight that took
+    /// no part, such as an expert no token was routed to: as with plain autograd, the
+    /// optimizer then skips it).
+    fn bwd(&self, _w: &Tensor, _res: &Tensor, _grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(self
             .stash
             .lock()
             .map_err(|_| candle_core::Error::Msg("recompute stash poisoned".into()))?
             .get_mut(self.index)
-            .and_then(Option::take);
-        Ok(Some(match taken {
-            Some(g) => g,
-            None => w.zeros_like()?,
-        }))
+            .and_then(Option::take))
     }
 }
 
@@ -555,7 +577,9 @@ mod tests {
             (Arch::Qwen2, DType::F64),
             (Arch::Qwen3, DType::F64),
             (Arch::Gemma3, DType::F64),
+            (Arch::Qwen3Moe, DType::F64),
             (Arch::Llama, DType::F32),
+            (Arch::Qwen3Moe, DType::F32),
         ] {
             let args = ModelArgs::tiny(arch, 30);
             let (vm, mut m) = crate::testing::tiny_model(&args, dtype, 0.3);
@@ -571,16 +595,7 @@ mod tests {
                 let g = loss.backward().unwrap();
                 let mut out = Vec::new();
                 for (name, var) in vm.data().lock().unwrap().iter() {
-                    let v: Vec<f64> = g
-                        .get(var.as_tensor())
-                        .unwrap_or_else(|| panic!("{name} got no gradient"))
-                        .to_dtype(DType::F64)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1()
-                        .unwrap();
-                    out.push((name.clone(), v));
+                    out.push((name.clone(), grad_or_zero(&g, name, var)));
                 }
                 out.sort_by(|a, b| a.0.cmp(&b.0));
                 out
@@ -599,7 +614,7 @@ mod tests {
                 let again = grads(&m);
                 for ((name, a), (_, b)) in plain.iter().zip(&again) {
                     let scale = a.iter().fold(0f64, |s, x| s.max(x.abs()));
-                    assert!(scale > 0.0, "{name}: zero gradient");
+                    assert!(scale > 0.0 || unrouted(name), "{name}: zero gradient");
                     for (x, y) in a.iter().zip(b) {
                         assert!(
                             (x - y).abs() <= 1e-6 * scale,
@@ -661,6 +676,22 @@ mod tests {
         )
     }
 
+    /// Whether a weight may get a zero gradient from a handful of tokens: an expert's
+    /// projection (no token may have been routed to it).
+    fn unrouted(name: &str) -> bool {
+        name.contains(".experts.")
+    }
+
+    /// Weight `name`'s gradient; an expert no token was routed to has none (zeros here), any
+    /// other weight without one fails the test.
+    fn grad_or_zero(g: &candle_core::backprop::GradStore, name: &str, var: &Var) -> Vec<f64> {
+        match g.get(var.as_tensor()) {
+            Some(t) => to_f64(t),
+            None if unrouted(name) => vec![0.0; var.elem_count()],
+            None => panic!("{name}: no gradient"),
+        }
+    }
+
     fn to_f64(t: &Tensor) -> Vec<f64> {
         t.to_dtype(DType::F64)
             .unwrap()
@@ -671,11 +702,19 @@ mod tests {
     }
 
     /// The hand-written layer against candle's autograd through `block_forward` (the op
-    /// composition it replaces), f32, Llama and Qwen2 (q/k/v bias), GQA, a left-padded row:
-    /// outputs within 1e-5 and every gradient within 1e-4 of the tensor's largest value.
+    /// composition it replaces), f32, every family (Qwen2's q/k/v bias, Qwen3's q/k norms,
+    /// Gemma's sandwich norms, Qwen3-MoE's layer of experts: 8 experts, top 2, renormalised),
+    /// GQA, a left-padded row: outputs within 1e-5 and every gradient within 1e-4 of the
+    /// tensor's largest value.
     #[test]
     fn the_hand_written_layer_equals_the_composition() {
-        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3] {
+        for arch in [
+            Arch::Llama,
+            Arch::Qwen2,
+            Arch::Qwen3,
+            Arch::Gemma3,
+            Arch::Qwen3Moe,
+        ] {
             let args = ModelArgs::tiny(arch, 30);
             let (_vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
             let l = &m.blocks()[0];
@@ -689,10 +728,17 @@ mod tests {
                 .unwrap()
                 .backward()
                 .unwrap();
+            // An expert no token was routed to gets no gradient from the composition.
             let mut want = vec![("x".to_string(), to_f64(grads.get(xv.as_tensor()).unwrap()))];
             for (k, w) in weights(l).iter().enumerate() {
-                want.push((format!("weight {k}"), to_f64(grads.get(w).unwrap())));
+                let g = grads
+                    .get(w)
+                    .map_or_else(|| vec![0.0; w.elem_count()], to_f64);
+                want.push((format!("weight {k}"), g));
             }
+            // The experts' projections are the last weights.
+            let ws = weights(l).len();
+            let experts_from = ws - l.experts().map_or(0, |x| 3 * x.experts.len());
             // Ours: the recomputing op through candle's backward (carriers included).
             let xv2 = Var::from_tensor(&x).unwrap();
             let y = block(
@@ -708,20 +754,37 @@ mod tests {
             let g2 = (&y * &g).unwrap().sum_all().unwrap().backward().unwrap();
             let mut got = vec![("x".to_string(), to_f64(g2.get(xv2.as_tensor()).unwrap()))];
             for (k, w) in weights(l).iter().enumerate() {
-                got.push((format!("weight {k}"), to_f64(g2.get(w).unwrap())));
+                // Both paths leave a weight that took no part without a gradient.
+                let (r, o) = (grads.get(w), g2.get(w));
+                assert_eq!(
+                    r.is_some(),
+                    o.is_some(),
+                    "{arch:?} weight {k}: gradient presence"
+                );
+                let g = o.map_or_else(|| vec![0.0; w.elem_count()], to_f64);
+                got.push((format!("weight {k}"), g));
             }
             let (a, b) = (to_f64(&y_ref), to_f64(&y));
             let scale = a.iter().fold(0f64, |s, v| s.max(v.abs()));
             for (u, v) in a.iter().zip(&b) {
                 assert!((u - v).abs() <= 1e-5 * scale, "{arch:?} output: {u} vs {v}");
             }
-            for ((name, a), (_, b)) in want.iter().zip(&got) {
+            let mut routed = 0;
+            for (i, ((name, a), (_, b))) in want.iter().zip(&got).enumerate() {
                 let scale = a.iter().fold(0f64, |s, v| s.max(v.abs()));
-                assert!(scale > 0.0, "{arch:?} {name}: zero gradient");
+                // `want` starts with x: weight k is entry k + 1.
+                let expert = i > experts_from;
+                assert!(scale > 0.0 || expert, "{arch:?} {name}: zero gradient");
+                routed += usize::from(expert && scale > 0.0);
                 for (u, v) in a.iter().zip(b) {
                     assert!((u - v).abs() <= 1e-4 * scale, "{arch:?} {name}: {u} vs {v}");
                 }
             }
+            // 12 tokens, 2 experts each: most of the 8 experts see some.
+            assert!(
+                ws - experts_from == 0 || routed >= 12,
+                "{arch:?}: {routed} expert weights"
+            );
         }
     }
 
@@ -772,10 +835,20 @@ mod tests {
     }
 
     /// The hand-written backward against central finite differences of `Σ y·g` in f64, for
-    /// every input value and a spread of entries of every weight (Qwen2: biases included).
+    /// every input value and a spread of entries of every weight: Qwen2 (biases included) and
+    /// Qwen3-MoE (q/k norms, the router and every expert; the routing stays put under the
+    /// small steps, so the loss is smooth there).
     #[test]
     fn the_hand_written_backward_matches_finite_differences() {
-        let args = ModelArgs::tiny(Arch::Qwen2, 30);
+        for (arch, tensors) in [(Arch::Qwen2, 12), (Arch::Qwen3Moe, 33)] {
+            finite_differences(arch, tensors);
+        }
+    }
+
+    /// [`the_hand_written_backward_matches_finite_differences`] for one family whose layer 0
+    /// has `tensors` weights.
+    fn finite_differences(arch: Arch, tensors: usize) {
+        let args = ModelArgs::tiny(arch, 30);
         let (vm, m) = crate::testing::tiny_model(&args, DType::F64, 0.3);
         let l = m.blocks()[0].clone();
         // A mask value of −30 (the bias is an ordinary additive input to the layer, so the check
@@ -820,7 +893,7 @@ mod tests {
         let vars = vm.data().lock().unwrap().clone();
         let mut checked = 0;
         for (name, var) in vars.iter().filter(|(n, _)| n.contains("layers.0.")) {
-            let ga = to_f64(grads.get(var.as_tensor()).unwrap());
+            let ga = grad_or_zero(&grads, name, var);
             let w0 = to_f64(var.as_tensor());
             for k in (0..w0.len()).step_by(w0.len().div_ceil(7)) {
                 let bump = |d: f64| {
@@ -837,7 +910,7 @@ mod tests {
             }
             checked += 1;
         }
-        assert_eq!(checked, 12, "ln1, ln2, 7 weights and 3 biases of layer 0");
+        assert_eq!(checked, tensors, "{arch:?}: the weights of layer 0");
     }
 
     /// Sequences packed end to end (`forward_hidden_packed`) against the same sequences in a
@@ -888,6 +961,8 @@ mod tests {
             (Arch::Qwen3, DType::F32, true),
             (Arch::Gemma3, DType::F64, false),
             (Arch::Gemma3, DType::F32, true),
+            (Arch::Qwen3Moe, DType::F64, false),
+            (Arch::Qwen3Moe, DType::F32, true),
             (Arch::Llama, DType::F32, false),
             (Arch::Llama, DType::F32, true),
         ] {
@@ -918,10 +993,7 @@ mod tests {
                 let g = loss.backward().unwrap();
                 let mut grads = Vec::new();
                 for (name, var) in vm.data().lock().unwrap().iter() {
-                    let v = g
-                        .get(var.as_tensor())
-                        .unwrap_or_else(|| panic!("{name}: no gradient"));
-                    grads.push((name.clone(), to_f64(v)));
+                    grads.push((name.clone(), grad_or_zero(&g, name, var)));
                 }
                 grads.sort_by(|a, b| a.0.cmp(&b.0));
                 (to_f64(&h), grads)
@@ -943,7 +1015,10 @@ mod tests {
                 }
                 for ((name, a), (_, b)) in gp.iter().zip(&gr) {
                     let scale = b.iter().fold(0f64, |s, x| s.max(x.abs()));
-                    assert!(scale > 0.0, "{what} {name}: zero gradient");
+                    assert!(
+                        scale > 0.0 || unrouted(name),
+                        "{what} {name}: zero gradient"
+                    );
                     for (x, y) in a.iter().zip(b) {
                         assert!((x - y).abs() <= gtol * scale, "{what} {name}: {x} vs {y}");
                     }

@@ -88,10 +88,12 @@ impl LayerPath {
         training: bool,
         cached: bool,
     ) -> Self {
-        // The hand-written layer is that of a dense MLP; a layer of experts runs as the
-        // composition (recomputed inside one op when asked).
-        let fused =
-            !exec.composed && layer.dense().is_some() && crate::kernels::supported(device, dtype);
+        // The hand-written layer serves dense layers and layers of experts computed per
+        // expert; experts computed densely (the reference, `Exec::dense_experts`) run as the
+        // composition.
+        let fused = !exec.composed
+            && layer.experts().is_none_or(|x| !x.dense)
+            && crate::kernels::supported(device, dtype);
         // The layer as one op (hand-written, or recomputed in backward) where custom ops run:
         // the CPU, and CUDA builds on a GPU (recomputation of the composition only).
         let op_device = device.is_cpu() || (cfg!(feature = "cuda") && device.is_cuda());
@@ -482,10 +484,11 @@ impl CausalLm {
 
     /// Whether [`CausalLm::forward_hidden_packed`] runs without padding work here: the
     /// hand-written layer serves this model (CPU, f32/f64, not forced to the composition, no
-    /// layer of experts), or its attention is the blocked op (CUDA, not forced to the
-    /// composition).
+    /// layer of experts computed densely), or its attention is the blocked op (CUDA, not forced
+    /// to the composition).
     pub fn packs_without_padding(&self) -> bool {
-        let cpu = !self.has_experts() && crate::kernels::supported(&self.device, self.dtype);
+        let dense_experts = self.exec.dense_experts && self.has_experts();
+        let cpu = !dense_experts && crate::kernels::supported(&self.device, self.dtype);
         !self.exec.composed && (cpu || self.blocked_attention())
     }
 

@@ -1109,9 +1109,13 @@ pub(crate) mod tests {
             .unwrap()
             .iter()
             .map(|(n, v)| {
-                let t = g
-                    .get(v.as_tensor())
-                    .unwrap_or_else(|| panic!("{n}: no gradient"));
+                // The composition gives no gradient to an expert no token was routed to.
+                let zero = || v.as_tensor().zeros_like().unwrap();
+                let t = match g.get(v.as_tensor()) {
+                    Some(t) => t.clone(),
+                    None if n.contains(".experts.") => zero(),
+                    None => panic!("{n}: no gradient"),
+                };
                 (
                     n.clone(),
                     t.to_dtype(DType::F64)
@@ -1129,7 +1133,11 @@ pub(crate) mod tests {
 
     /// A tiny model with trained-looking adapters on every projection (dtype `dtype`).
     fn adapted(dtype: DType) -> (VarMap, CausalLm, VarMap) {
-        let args = ModelArgs::tiny(Arch::Llama, 30);
+        adapted_arch(Arch::Llama, dtype)
+    }
+
+    fn adapted_arch(arch: Arch, dtype: DType) -> (VarMap, CausalLm, VarMap) {
+        let args = ModelArgs::tiny(arch, 30);
         let (vm, mut m) = crate::testing::tiny_model(&args, dtype, 0.3);
         let ad = VarMap::new();
         attach(&mut m, &spec(3, all(), None), &ad, 2, "k").unwrap();
@@ -1253,31 +1261,38 @@ pub(crate) mod tests {
 
     /// With dropout on, recomputation on and off give the same adapter gradients (the mask is
     /// drawn again from its seed, not stored), and the composition draws the same mask as the
-    /// hand-written layer (same gradients to rounding, f64).
+    /// hand-written layer (same gradients to rounding, f64); for a dense model and for
+    /// Qwen3-MoE, whose experts' adapters see only their tokens' rows.
     #[test]
     fn dropout_masks_agree_across_recomputation_and_the_composition() {
-        let run = |recompute: bool, composed: bool| {
-            let (_vm, mut m, ad) = adapted(DType::F64);
-            m.set_adapter_dropout(0.25, 3).unwrap();
-            m.set_exec(crate::model::Exec {
-                recompute,
-                composed,
-                ..m.exec()
-            });
-            m.set_dropout_position(42);
-            adapter_grads(&m, &ad)
-        };
-        let kept = run(false, false);
-        assert_eq!(
-            run(true, false),
-            kept,
-            "recomputation changed the gradients"
-        );
-        let d = max_abs_diff(&run(false, true), &kept);
-        assert!(d <= 1e-10, "composition vs hand-written: {d}");
-        // And the mask matters: without dropout the gradients differ.
-        let (_vm, m, ad) = adapted(DType::F64);
-        assert!(max_abs_diff(&adapter_grads(&m, &ad), &kept) > 1e-4);
+        for arch in [Arch::Llama, Arch::Qwen3Moe] {
+            let run = |recompute: bool, composed: bool| {
+                let (_vm, mut m, ad) = adapted_arch(arch, DType::F64);
+                m.set_adapter_dropout(0.25, 3).unwrap();
+                m.set_exec(crate::model::Exec {
+                    recompute,
+                    composed,
+                    ..m.exec()
+                });
+                m.set_dropout_position(42);
+                adapter_grads(&m, &ad)
+            };
+            let kept = run(false, false);
+            if arch == Arch::Qwen3Moe {
+                let experts = kept.iter().filter(|(n, _)| n.contains(".experts.")).count();
+                assert_eq!(experts, 8 * 3 * 2, "adapters on every expert's projections");
+            }
+            assert_eq!(
+                run(true, false),
+                kept,
+                "{arch:?}: recomputation changed the gradients"
+            );
+            let d = max_abs_diff(&run(false, true), &kept);
+            assert!(d <= 1e-10, "{arch:?}: composition vs hand-written: {d}");
+            // And the mask matters: without dropout the gradients differ.
+            let (_vm, m, ad) = adapted_arch(arch, DType::F64);
+            assert!(max_abs_diff(&adapter_grads(&m, &ad), &kept) > 1e-4);
+        }
     }
 
     /// Evaluation passes never drop: the no-grad view (rollout, log-prob recomputation), the
