@@ -493,7 +493,7 @@ impl Block {
 /// One decoder layer on `x` `[batch, seq, hidden]` with rotary tables `cos`/`sin`
 /// `[batch, 1, seq, head_dim]` and attention bias `mask` `[batch, 1, seq, past + seq]`; with a
 /// cache, its past keys and values are read and the new ones appended. (The tests' form of
-/// [`block_forward_keys`].)
+/// [`block_forward_routed`].)
 #[cfg(test)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn block_forward(
@@ -505,13 +505,14 @@ pub(crate) fn block_forward(
     mask: &Tensor,
     cache: Option<(&mut KvCache, usize)>,
 ) -> Result<Tensor> {
-    block_forward_keys(a, l, x, cos, sin, &Keys::Bias(mask.clone()), cache)
+    block_forward_routed(a, l, x, cos, sin, &Keys::Bias(mask.clone()), cache, None)
 }
 
 /// [`block_forward`] with the keys each query sees as [`Keys`] (a bias, or packed sequences
-/// where the layer's attention is the blocked op).
+/// where the layer's attention is the blocked op); with `router`, a layer of experts appends its
+/// router logits `[batch·seq, experts]` (with their graph) to it (a dense layer nothing).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn block_forward_keys(
+pub(crate) fn block_forward_routed(
     a: &ModelArgs,
     l: &Block,
     x: &Tensor,
@@ -519,6 +520,7 @@ pub(crate) fn block_forward_keys(
     sin: &Tensor,
     keys: &Keys,
     cache: Option<(&mut KvCache, usize)>,
+    router: Option<&mut Vec<Tensor>>,
 ) -> Result<Tensor> {
     let (b, t, _) = x.dims3()?;
     let (nh, nkv, hd) = (a.num_attention_heads, a.num_key_value_heads, a.head_dim);
@@ -560,7 +562,7 @@ pub(crate) fn block_forward_keys(
     };
     let x = (x + attn)?;
     let h = norm(&x, &l.ln2, a)?;
-    let mlp = mlp(l, &h, a.arch.gemma())?;
+    let mlp = mlp_routed(l, &h, a.arch.gemma(), router)?;
     let mlp = match &l.sandwich {
         Some((_, post)) => norm(&mlp, post, a)?,
         None => mlp,
@@ -570,10 +572,20 @@ pub(crate) fn block_forward_keys(
 
 /// Layer `l`'s MLP on its normed input `h` `[batch, seq, hidden]`.
 pub(crate) fn mlp(l: &Block, h: &Tensor, gelu: bool) -> Result<Tensor> {
+    mlp_routed(l, h, gelu, None)
+}
+
+/// [`mlp`], appending a layer of experts' router logits `[batch·seq, experts]` to `router`.
+fn mlp_routed(
+    l: &Block,
+    h: &Tensor,
+    gelu: bool,
+    router: Option<&mut Vec<Tensor>>,
+) -> Result<Tensor> {
     match &l.mlp {
         Mlp::Dense(g) => gated(g, h, gelu, l.mixed),
-        Mlp::Experts(e) if e.dense => experts_dense(e, h, l.mixed),
-        Mlp::Experts(e) => experts_grouped(e, h, l.mixed),
+        Mlp::Experts(e) if e.dense => experts_dense(e, h, l.mixed, router),
+        Mlp::Experts(e) => experts_grouped(e, h, l.mixed, router),
     }
 }
 
@@ -592,8 +604,8 @@ fn gated(g: &Gated, h: &Tensor, gelu: bool, mixed: bool) -> Result<Tensor> {
 /// The router of a layer of experts on `x` `[n, hidden]`: each token's `top_k` experts
 /// (`[n, top_k]`, most probable first) and their weights `[n, top_k]` in `x`'s dtype
 /// (softmax in f32 or f64, renormalised over the chosen when `norm_topk_prob`), the weights
-/// with their gradient to the router and to `x`.
-pub(crate) fn route(e: &Experts, x: &Tensor) -> Result<(Vec<u32>, Tensor)> {
+/// with their gradient to the router and to `x`; and the router's logits `[n, experts]`.
+pub(crate) fn route(e: &Experts, x: &Tensor) -> Result<(Vec<u32>, Tensor, Tensor)> {
     let (n, _) = x.dims2()?;
     let k = e.top_k;
     let logits = base_matmul(x, &e.router)?; // [n, experts]
@@ -617,16 +629,24 @@ pub(crate) fn route(e: &Experts, x: &Tensor) -> Result<(Vec<u32>, Tensor)> {
     } else {
         top
     };
-    Ok((chosen, top.to_dtype(x.dtype())?))
+    Ok((chosen, top.to_dtype(x.dtype())?, logits))
 }
 
 /// The layer of experts on `h` `[batch, seq, hidden]`, each expert computed for the tokens
 /// routed to it only: per expert, its tokens gathered `[m, hidden]`, its gated MLP, the rows
 /// scaled by their routing weights and added back at their tokens.
-pub(crate) fn experts_grouped(e: &Experts, h: &Tensor, mixed: bool) -> Result<Tensor> {
+pub(crate) fn experts_grouped(
+    e: &Experts,
+    h: &Tensor,
+    mixed: bool,
+    router: Option<&mut Vec<Tensor>>,
+) -> Result<Tensor> {
     let (b, t, hs) = h.dims3()?;
     let x = h.reshape((b * t, hs))?; // [n, hidden]
-    let (chosen, weights) = route(e, &x)?;
+    let (chosen, weights, logits) = route(e, &x)?;
+    if let Some(r) = router {
+        r.push(logits);
+    }
     let weights = weights.flatten_all()?; // [n·k], token-major
     let k = e.top_k;
     // Per expert: its tokens, and where each token's weight for it sits in `weights`.
@@ -656,11 +676,19 @@ pub(crate) fn experts_grouped(e: &Experts, h: &Tensor, mixed: bool) -> Result<Te
 /// weight it has there (zero for the experts a token was not routed to). The same function
 /// with `experts / top_k` times the products: the reference the grouped path is tested and
 /// measured against.
-pub(crate) fn experts_dense(e: &Experts, h: &Tensor, mixed: bool) -> Result<Tensor> {
+pub(crate) fn experts_dense(
+    e: &Experts,
+    h: &Tensor,
+    mixed: bool,
+    router: Option<&mut Vec<Tensor>>,
+) -> Result<Tensor> {
     let (b, t, hs) = h.dims3()?;
     let n = b * t;
     let x = h.reshape((n, hs))?;
-    let (chosen, weights) = route(e, &x)?;
+    let (chosen, weights, logits) = route(e, &x)?;
+    if let Some(r) = router {
+        r.push(logits);
+    }
     let k = e.top_k;
     let experts = e.experts.len();
     // [n·experts]: routing weights scattered to their experts, zero elsewhere.

@@ -270,7 +270,7 @@ pub struct ModelArgs {
 /// SiLU-gated MLPs (width `moe_intermediate_size`) weighted by them. Layer `i` is sparse unless
 /// it is in `mlp_only_layers` or `(i + 1) % decoder_sparse_step != 0`; the others keep the
 /// dense MLP of width `intermediate_size`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MoeArgs {
     pub num_experts: usize,
     pub num_experts_per_tok: usize,
@@ -278,6 +278,35 @@ pub struct MoeArgs {
     pub moe_intermediate_size: usize,
     pub decoder_sparse_step: usize,
     pub mlp_only_layers: Vec<usize>,
+    /// `router_aux_loss_coef` where `output_router_logits` is true: training adds this times
+    /// the router's load-balancing loss to the actor's loss (as transformers adds it to a loss
+    /// from labels); `None`: no such term.
+    #[serde(default)]
+    pub router_aux_loss_coef: Option<f64>,
+}
+
+/// `router_aux_loss_coef` where a Qwen3-MoE config's `output_router_logits` is true
+/// (transformers' default coefficient 0.001 where the key is absent); `None` where it is false
+/// or absent.
+fn router_aux_loss_coef(v: &Value) -> Result<Option<f64>, String> {
+    match v.get("output_router_logits") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(None),
+        Some(Value::Bool(true)) => match v.get("router_aux_loss_coef") {
+            None | Some(Value::Null) => Ok(Some(0.001)),
+            Some(c) => c
+                .as_f64()
+                .filter(|c| c.is_finite() && *c >= 0.0)
+                .map(Some)
+                .ok_or_else(|| {
+                    format!(
+                        "config.json: router_aux_loss_coef must be a non-negative number, found {c}"
+                    )
+                }),
+        },
+        Some(x) => Err(format!(
+            "config.json: output_router_logits must be true or false, found {x}"
+        )),
+    }
 }
 
 impl MoeArgs {
@@ -335,7 +364,13 @@ impl MoeArgs {
             moe_intermediate_size: get_usize(v, "moe_intermediate_size")?,
             decoder_sparse_step: step,
             mlp_only_layers: only,
+            router_aux_loss_coef: router_aux_loss_coef(v)?,
         })
+    }
+
+    /// The number of layers with experts among `layers`.
+    pub fn sparse_layers(&self, layers: usize) -> usize {
+        (0..layers).filter(|&i| self.sparse(i)).count()
     }
 
     /// Whether layer `i` has experts (else the dense MLP).
@@ -696,17 +731,6 @@ fn refuse_unsupported(v: &Value, arch: Arch) -> Result<(), String> {
                 .into(),
         );
     }
-    // transformers adds the router's load-balancing loss to the loss only when labels are
-    // given, which verl's actor never passes: its training mathematics has no such term. The
-    // trainer here has none either, so asking for it is refused rather than ignored.
-    if arch == Arch::Qwen3Moe
-        && v.get("output_router_logits").and_then(Value::as_bool) == Some(true)
-    {
-        return Err(format!(
-            "config.json: output_router_logits true (router load-balancing loss, router_aux_loss_coef {}) is not supported: the policy loss here, as verl's FSDP actor's (no labels passed to the model), has no auxiliary router term; set it to false",
-            v.get("router_aux_loss_coef").unwrap_or(&Value::Null)
-        ));
-    }
     if v.get("mlp_bias").and_then(Value::as_bool) == Some(true) {
         return Err(
             "config.json: mlp_bias true is not supported (MLP projections without bias only)"
@@ -955,7 +979,13 @@ impl ModelArgs {
                 "mlp_only_layers".into(),
                 serde_json::json!(m.mlp_only_layers),
             );
-            o.insert("output_router_logits".into(), serde_json::json!(false));
+            o.insert(
+                "output_router_logits".into(),
+                serde_json::json!(m.router_aux_loss_coef.is_some()),
+            );
+            if let Some(c) = m.router_aux_loss_coef {
+                o.insert("router_aux_loss_coef".into(), serde_json::json!(c));
+            }
         }
         if self.arch.gemma() {
             let o = out.as_object_mut().expect("an object");
@@ -1014,6 +1044,7 @@ impl ModelArgs {
                 moe_intermediate_size: 16,
                 decoder_sparse_step: 1,
                 mlp_only_layers: vec![1],
+                router_aux_loss_coef: None,
             }),
         }
     }

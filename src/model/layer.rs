@@ -262,6 +262,9 @@ enum MlpActs<T> {
 }
 
 struct MoeActs<T> {
+    /// The router's logits `[rows, experts]` (an output of the layer for the load-balancing
+    /// loss).
+    logits: Vec<T>,
     /// The router's probabilities `[rows, experts]`.
     probs: Vec<T>,
     /// Each token's experts, most probable first, `[rows, top_k]`.
@@ -982,6 +985,14 @@ fn check<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> Result<
     Ok(())
 }
 
+/// A layer of experts' router logits `[rows, experts]` from the forward's activations.
+pub(super) fn router_logits<T>(acts: &Acts<T>) -> Option<&[T]> {
+    match &acts.mlp {
+        MlpActs::Experts(a) => Some(&a.logits),
+        MlpActs::Dense { .. } => None,
+    }
+}
+
 /// The layer's output `y [rows, hidden]`.
 pub(super) fn forward<T: Elem>(
     w: &Weights<T>,
@@ -1007,6 +1018,10 @@ pub(super) fn forward_keep<T: Elem>(
 /// The gradient of the input and of every weight from the output's gradient `gy [rows, hidden]`,
 /// with the activations kept by [`forward_keep`] or, without them, recomputed first (the same
 /// arithmetic either way, so both give the same bits).
+///
+/// `glogits` `[rows, experts]`: the gradient of a layer of experts' router logits where the
+/// loss reads them (the router's load-balancing loss).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn backward<T: Elem>(
     w: &Weights<T>,
     d: &Dims,
@@ -1014,6 +1029,7 @@ pub(super) fn backward<T: Elem>(
     cx: &Context<T>,
     gy: &[T],
     kept: Option<Acts<T>>,
+    glogits: Option<&[T]>,
 ) -> Result<(Vec<T>, Grads<T>)> {
     check(w, d, x, cx)?;
     if gy.len() != x.len() {
@@ -1050,7 +1066,12 @@ pub(super) fn backward<T: Elem>(
             let g = gated_mlp_bwd(*l, d.inter, &acts.h2, gate, up, d.gelu, dy, &mut dh2);
             (Vec::from(g), None)
         }
-        (Ffn::Experts(m), MlpActs::Experts(a)) => moe_bwd(m, d, &acts.h2, a, dy, &mut dh2),
+        (Ffn::Experts(m), MlpActs::Experts(a)) => {
+            if glogits.is_some_and(|g| g.len() != a.logits.len()) {
+                candle_core::bail!("fused decoder layer: router logits' gradient of another shape");
+            }
+            moe_bwd(m, d, &acts.h2, a, dy, glogits, &mut dh2)
+        }
         _ => candle_core::bail!("fused decoder layer: kept activations are for another MLP"),
     };
     drop(dmlp);
@@ -1170,10 +1191,10 @@ fn gather_rows<T: Copy>(m: &[T], rows: &[usize], width: usize) -> Vec<T> {
 fn moe_fwd<T: Elem>(m: &Moe<T>, d: &Dims, h: &[T]) -> (Vec<T>, MoeActs<T>) {
     let (n, hid, k) = (d.rows(), d.hidden, m.top_k);
     let e = m.experts.len();
-    let mut probs = vec![T::zero(); n * e];
+    let mut logits = vec![T::zero(); n * e];
     gemm_mixed(
         false,
-        &mut probs,
+        &mut logits,
         n,
         e,
         hid,
@@ -1186,6 +1207,7 @@ fn moe_fwd<T: Elem>(m: &Moe<T>, d: &Dims, h: &[T]) -> (Vec<T>, MoeActs<T>) {
         false,
         Par::Rayon,
     );
+    let mut probs = logits.clone();
     let mut chosen = vec![0usize; n * k];
     let mut weights = vec![T::zero(); n * k];
     probs
@@ -1257,6 +1279,7 @@ fn moe_fwd<T: Elem>(m: &Moe<T>, d: &Dims, h: &[T]) -> (Vec<T>, MoeActs<T>) {
         });
     }
     let acts = MoeActs {
+        logits,
         probs,
         chosen,
         weights,
@@ -1271,7 +1294,7 @@ fn moe_fwd<T: Elem>(m: &Moe<T>, d: &Dims, h: &[T]) -> (Vec<T>, MoeActs<T>) {
 /// ```text
 /// ∂w_j = dy·y_j        (y_j: expert j's output before its weight)
 /// norm_topk_prob: ∂p_j = (∂w_j − Σ_i ∂w_i·w_i) / Σ_chosen p, else ∂p_j = ∂w_j (0 off the chosen)
-/// ∂logits = p ⊙ (∂p − Σ p⊙∂p),   ∂R = ∂logitsᵀ·h,   ∂h += ∂logits·R
+/// ∂logits = p ⊙ (∂p − Σ p⊙∂p) (+ `glogits`),   ∂R = ∂logitsᵀ·h,   ∂h += ∂logits·R
 /// ```
 fn moe_bwd<T: Elem>(
     m: &Moe<T>,
@@ -1279,6 +1302,7 @@ fn moe_bwd<T: Elem>(
     h: &[T],
     a: &MoeActs<T>,
     dy: &[T],
+    glogits: Option<&[T]>,
     dh: &mut [T],
 ) -> (Vec<LinGrad<T>>, Option<Vec<T>>) {
     let (n, hid, k) = (d.rows(), d.hidden, m.top_k);
@@ -1332,6 +1356,12 @@ fn moe_bwd<T: Elem>(
         let pd = dot(p, dlr);
         for (v, &pv) in dlr.iter_mut().zip(p) {
             *v = pv * (*v - pd);
+        }
+        // The logits' own gradient (the load-balancing loss reads them).
+        if let Some(g) = glogits {
+            for (v, &gv) in dlr.iter_mut().zip(&g[r * e..][..e]) {
+                *v += gv;
+            }
         }
     });
     let gr = m.train_router.then(|| {

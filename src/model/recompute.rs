@@ -21,7 +21,7 @@ use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor, Var,
 };
 
-use super::block::{block_forward_keys, Block, Mask};
+use super::block::{block_forward_routed, Block, Mask};
 use super::config::ModelArgs;
 use super::layer;
 use crate::kernels::elem::Elem;
@@ -269,10 +269,25 @@ struct Layer {
     fused: bool,
     /// Its matrix products with bf16 operands (f32 layers on CPUs with a bf16 kernel).
     bf16: bool,
+    /// The number of router logits each token's output row carries after its hidden state (a
+    /// layer of experts whose logits the loss reads: `[batch, seq, hidden + experts]`); 0: none.
+    router: usize,
+}
+
+/// Rows of `hidden` values and rows of `extra` values laid side by side, `[rows, hidden +
+/// extra]`.
+fn side_by_side<T: Copy>(y: &[T], hidden: usize, z: &[T], extra: usize) -> Vec<T> {
+    let mut out = Vec::with_capacity(y.len() + z.len());
+    for (a, b) in y.chunks(hidden).zip(z.chunks(extra)) {
+        out.extend_from_slice(a);
+        out.extend_from_slice(b);
+    }
+    out
 }
 
 impl Layer {
-    /// The hand-written forward; keeps the activations when recomputation is off.
+    /// The hand-written forward; keeps the activations when recomputation is off; with
+    /// `router`, each output row carries the token's router logits after its hidden state.
     fn fused_fwd<T: Elem>(&self, xs: &[T], (b, t): (usize, usize)) -> Result<Vec<T>> {
         with_layer(
             &self.args,
@@ -283,18 +298,47 @@ impl Layer {
             &self.mask,
             self.bf16,
             |w, d, cx| {
-                if !self.keep {
+                if !self.keep && self.router == 0 {
                     return layer::forward(w, d, xs, cx);
                 }
-                let (y, acts) = layer::forward_keep(w, d, xs, cx)?;
-                *self
-                    .kept
-                    .lock()
-                    .map_err(|_| candle_core::Error::Msg("kept activations poisoned".into()))? =
-                    Some(Box::new(acts));
+                let (mut y, acts) = layer::forward_keep(w, d, xs, cx)?;
+                if self.router > 0 {
+                    let Some(logits) = layer::router_logits(&acts) else {
+                        candle_core::bail!("fused decoder layer: router logits of a dense layer");
+                    };
+                    y = side_by_side(&y, d.hidden, logits, self.router);
+                }
+                if self.keep {
+                    *self.kept.lock().map_err(|_| {
+                        candle_core::Error::Msg("kept activations poisoned".into())
+                    })? = Some(Box::new(acts));
+                }
                 Ok(y)
             },
         )
+    }
+
+    /// The composition without a graph (or with one from `x` when it is a variable), with the
+    /// router logits side by side when the op hands them out: `[b, t, hidden (+ experts)]`.
+    fn composed(&self, block: &Block, x: &Tensor) -> Result<Tensor> {
+        let mut router = Vec::new();
+        let y = block_forward_routed(
+            &self.args,
+            block,
+            x,
+            &self.cos,
+            &self.sin,
+            &self.mask.layer_keys(&self.block, x.dtype(), x.device())?,
+            None,
+            (self.router > 0).then_some(&mut router),
+        )?;
+        match router.pop() {
+            Some(logits) if self.router > 0 => {
+                let (b, t, _) = y.dims3()?;
+                Tensor::cat(&[&y, &logits.reshape((b, t, self.router))?], 2)
+            }
+            _ => Ok(y),
+        }
     }
 
     /// The hand-written backward: the input's gradient is returned, the weights' go to the stash
@@ -302,9 +346,22 @@ impl Layer {
     fn fused_bwd<T: Elem>(&self, x: &Tensor, grad: &Tensor) -> Result<Tensor> {
         let (b, t, h) = x.dims3()?;
         let x = x.contiguous()?;
-        let grad = grad.contiguous()?;
-        let host = Host::new(&[&x, &grad])?;
+        // The hidden states' gradient, and the router logits' where the op hands them out.
+        let (grad, glogits) = match self.router {
+            0 => (grad.contiguous()?, None),
+            e => (
+                grad.narrow(2, 0, h)?.contiguous()?,
+                Some(grad.narrow(2, h, e)?.contiguous()?),
+            ),
+        };
+        let mut ts = vec![&x, &grad];
+        ts.extend(glogits.as_ref());
+        let host = Host::new(&ts)?;
         let (xs, gs) = (host.slice::<T>(0)?, host.slice::<T>(1)?);
+        let gl = match glogits {
+            Some(_) => Some(host.slice::<T>(2)?),
+            None => None,
+        };
         let kept = self
             .kept
             .lock()
@@ -320,7 +377,7 @@ impl Layer {
             &self.sin,
             &self.mask,
             self.bf16,
-            |w, d, cx| layer::backward(w, d, xs, cx, gs, kept),
+            |w, d, cx| layer::backward(w, d, xs, cx, gs, kept, gl),
         )?;
         // Every weight of the layer (adapters included) with its gradient, in `weights`' order;
         // `weights` lists only those that train, and so does the stash.
@@ -394,18 +451,11 @@ impl CustomOp2 for Layer {
                 CpuStorage::F64(v) => CpuStorage::F64(self.fused_fwd(&v[lo..hi], (b, t))?),
                 _ => candle_core::bail!("fused decoder layer: unsupported dtype {:?}", s1.dtype()),
             };
-            return Ok((y, l1.shape().clone()));
+            let (_, _, h) = l1.shape().dims3()?;
+            return Ok((y, (b, t, h + self.router).into()));
         }
         let x = tensor_of(s1, l1)?;
-        let y = block_forward_keys(
-            &self.args,
-            &self.block.detached(),
-            &x,
-            &self.cos,
-            &self.sin,
-            &self.mask.layer_keys(&self.block, x.dtype(), x.device())?,
-            None,
-        )?;
+        let y = self.composed(&self.block.detached(), &x)?;
         Ok((storage_of(&y)?, y.shape().clone()))
     }
 
@@ -421,15 +471,7 @@ impl CustomOp2 for Layer {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use crate::kernels::cuda::{storage_of, tensor_of};
         let x = tensor_of(s1, l1)?;
-        let y = block_forward_keys(
-            &self.args,
-            &self.block.detached(),
-            &x,
-            &self.cos,
-            &self.sin,
-            &self.mask.layer_keys(&self.block, x.dtype(), x.device())?,
-            None,
-        )?;
+        let y = self.composed(&self.block.detached(), &x)?;
         Ok((storage_of(&y)?, y.shape().clone()))
     }
 
@@ -449,15 +491,7 @@ impl CustomOp2 for Layer {
         }
         // The layer again, this time with a graph from a fresh leaf input to the weights.
         let input = Var::from_tensor(&x.detach())?;
-        let y = block_forward_keys(
-            &self.args,
-            &self.block,
-            input.as_tensor(),
-            &self.cos,
-            &self.sin,
-            &self.mask.layer_keys(&self.block, x.dtype(), x.device())?,
-            None,
-        )?;
+        let y = self.composed(&self.block, input.as_tensor())?;
         // d(Σ y·g)/dθ = gᵀ ∂y/∂θ: the incoming gradient pushed through the layer.
         let mut g = (y * grad.detach())?.sum_all()?.backward()?;
         let mut stash = self
@@ -513,7 +547,8 @@ impl CustomOp1 for Carrier {
 
 /// Layer `l` on `x` `[batch, seq, hidden]` as one op (CPU or CUDA tensors): with `recompute` its
 /// backward runs the layer again; without, the hand-written layer (f32/f64) keeps its
-/// activations from the forward.
+/// activations from the forward. (The tests' form of [`block_routed`].)
+#[cfg(test)]
 pub(super) fn block(
     args: &ModelArgs,
     l: &Block,
@@ -523,6 +558,26 @@ pub(super) fn block(
     fused: bool,
     bf16: bool,
 ) -> Result<Tensor> {
+    let flags = (recompute, fused, bf16);
+    Ok(block_routed(args, l, x, rope_mask, flags, false)?.0)
+}
+
+/// Layer `l` on `x` `[batch, seq, hidden]` as one op (CPU or CUDA tensors): with `recompute` its
+/// backward runs the layer again; without, the hand-written layer (f32/f64) keeps its
+/// activations from the forward. With `router`, a layer of experts' router logits `[batch·seq,
+/// experts]` (with their gradient path) come beside the output.
+pub(super) fn block_routed(
+    args: &ModelArgs,
+    l: &Block,
+    x: &Tensor,
+    rope_mask: (&Tensor, &Tensor, &Mask),
+    (recompute, fused, bf16): (bool, bool, bool),
+    router: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let router = match l.experts() {
+        Some(e) if router => e.experts.len(),
+        _ => 0,
+    };
     let (cos, sin, mask) = rope_mask;
     let ws = weights(l);
     let stash: Stash = Arc::new(Mutex::new(vec![None; ws.len()]));
@@ -541,7 +596,7 @@ pub(super) fn block(
         Some(t) => t,
         None => Tensor::zeros((), x.dtype(), x.device())?,
     };
-    x.contiguous()?.apply_op2(
+    let out = x.contiguous()?.apply_op2(
         &tie,
         Layer {
             args: args.clone(),
@@ -554,8 +609,16 @@ pub(super) fn block(
             kept: Mutex::new(None),
             fused: fused && crate::kernels::supported(x.device(), x.dtype()),
             bf16,
+            router,
         },
-    )
+    )?;
+    if router == 0 {
+        return Ok((out, None));
+    }
+    let (b, t, h) = x.dims3()?;
+    let y = out.narrow(2, 0, h)?.contiguous()?;
+    let logits = out.narrow(2, h, router)?.reshape((b * t, router))?;
+    Ok((y, Some(logits)))
 }
 
 #[cfg(test)]

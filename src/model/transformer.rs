@@ -13,7 +13,7 @@ use candle_nn::{Init, Linear, VarBuilder};
 
 use super::attention::Keys as AttnKeys;
 use super::block::{
-    block_forward_keys, linear, norm, upcast, Block, Experts, Gated, KvCache, Mask, Mlp,
+    block_forward_routed, linear, norm, upcast, Block, Experts, Gated, KvCache, Mask, Mlp,
 };
 use super::config::{LayerKind, ModelArgs};
 use super::lm_head::{HeadOut, HeadStats};
@@ -34,6 +34,9 @@ pub struct CausalLm {
     exec: Exec,
     /// Adapter dropout of training forwards (`None`: off, and always in views).
     dropout: Option<Arc<DropoutStream>>,
+    /// The router's load-balancing loss of the latest forward that built a graph, for a
+    /// Qwen3-MoE model whose config asks for it ([`CausalLm::take_router_aux_loss`]).
+    router_aux: std::sync::Mutex<Option<Tensor>>,
 }
 
 /// How a model's forwards run, as opposed to what the model computes: every setting gives the
@@ -242,6 +245,7 @@ impl CausalLm {
             dtype: vb.dtype(),
             exec: Exec::default(),
             dropout: None,
+            router_aux: Default::default(),
         };
         // The layers' per-device settings (blocked attention off the CPU) for the defaults.
         m.set_exec(Exec::default());
@@ -266,6 +270,7 @@ impl CausalLm {
                 ..self.exec
             },
             dropout: None,
+            router_aux: Default::default(),
         }
     }
 
@@ -556,6 +561,11 @@ impl CausalLm {
             Some(i) => Some(self.rotary(position_ids, &a.inv_freq_of(i))?),
             None => None,
         };
+        // The real tokens of a padded forward (for the router's load-balancing loss).
+        let keys_mask = match &keys {
+            Keys::Mask(m) => Some((*m).clone()),
+            Keys::Packed(_) => None,
+        };
         let masks: [Mask; 2] = match keys {
             Keys::Mask(key_mask) => {
                 if key_mask.dims2()? != (b, s) {
@@ -598,6 +608,11 @@ impl CausalLm {
             (d.p, mix64(d.seed ^ mix64(n)))
         });
         let mut composed_bias: [Option<AttnKeys>; 2] = [None, None];
+        // A training forward of a model whose loss reads the router: each layer of experts'
+        // logits `[b·t, experts]`, with their graph.
+        // (The LM: a critic's or reward model's backbone has no such term.)
+        let aux = self.has_lm_head && self.router_aux_coef().is_some() && cache.is_none();
+        let mut router: Vec<Tensor> = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             if let Some(st) = stages.as_deref_mut() {
                 st.push(x.clone());
@@ -636,6 +651,7 @@ impl CausalLm {
                 Ok(composed_bias[kind].clone().expect("just set"))
             };
             let bf = self.exec.bf16;
+            let routed = aux && training;
             x = match path {
                 LayerPath::Op { fused, recompute } => {
                     let m = match (fused, keys()?) {
@@ -644,21 +660,114 @@ impl CausalLm {
                         (false, AttnKeys::Packed { .. }) => mask.clone(),
                     };
                     let rope_mask = (cos, sin, &m);
-                    super::recompute::block(&self.args, layer, &x, rope_mask, recompute, fused, bf)?
+                    let flags = (recompute, fused, bf);
+                    let (y, logits) = super::recompute::block_routed(
+                        &self.args, layer, &x, rope_mask, flags, routed,
+                    )?;
+                    router.extend(logits);
+                    y
                 }
                 LayerPath::Fused => {
                     let rope_mask = (cos, sin, mask);
                     super::recompute::fused_forward(&self.args, layer, &x, rope_mask, bf)?
                 }
                 LayerPath::Composed => {
-                    block_forward_keys(&self.args, layer, &x, cos, sin, &keys()?, slot)?
+                    let r = routed.then_some(&mut router);
+                    block_forward_routed(&self.args, layer, &x, cos, sin, &keys()?, slot, r)?
                 }
             };
         }
         if let Some(st) = stages {
             st.push(x.clone());
         }
+        if !router.is_empty() {
+            // Which tokens count: the real ones (packed sequences have no padding).
+            let real = keys_mask.map(|m| m.flatten_all()).transpose()?;
+            let loss = self.router_aux_loss(&router, real.as_ref())?;
+            *self
+                .router_aux
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("router loss slot poisoned".into()))? =
+                Some(loss);
+        }
         norm(&x, &self.norm, a)
+    }
+
+    /// `router_aux_loss_coef` where a Qwen3-MoE model's config asks for the router's
+    /// load-balancing loss (`output_router_logits: true`); `None` otherwise.
+    pub fn router_aux_coef(&self) -> Option<f64> {
+        self.args.moe.as_ref().and_then(|m| m.router_aux_loss_coef)
+    }
+
+    /// The router's load-balancing loss of the latest training forward (a scalar with its
+    /// gradient to the routers and everything below them), taken out: `None` where the model's
+    /// config does not ask for it or no training forward ran since the last take.
+    pub fn take_router_aux_loss(&self) -> Result<Option<Tensor>> {
+        Ok(self
+            .router_aux
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("router loss slot poisoned".into()))?
+            .take())
+    }
+
+    /// The router's load-balancing loss as transformers' `load_balancing_loss_func` computes it
+    /// from the layers of experts' logits `logits` (`[n, experts]` each, the same `n` tokens),
+    /// over the tokens marked 1 in `real` `[n]` (all without it):
+    ///
+    /// ```text
+    /// p = softmax(logits) per token and layer; top-k experts chosen as the router chooses them
+    /// N = real tokens × layers of experts,  f_e = (chosen e over tokens and layers) / N
+    /// P_e = (Σ p_e over tokens and layers) / N,  loss = experts · Σ_e f_e · P_e
+    /// ```
+    ///
+    /// with its gradient through `p` (the choice counts are constants). 0 without real tokens.
+    pub fn router_aux_loss(&self, logits: &[Tensor], real: Option<&Tensor>) -> Result<Tensor> {
+        let Some(moe) = &self.args.moe else {
+            candle_core::bail!("router loss: the model has no experts");
+        };
+        let (e, k) = (moe.num_experts, moe.num_experts_per_tok);
+        let n = match logits.first() {
+            Some(l) => l.dim(0)?,
+            None => candle_core::bail!("router loss: no router logits"),
+        };
+        let all = upcast(&Tensor::cat(logits, 0)?)?; // [layers·n, experts]
+        let probs = candle_nn::ops::softmax(&all, D::Minus1)?;
+        let real: Vec<f64> = match real {
+            Some(m) => m.to_dtype(DType::F64)?.to_vec1()?,
+            None => vec![1.0; n],
+        };
+        if real.len() != n {
+            candle_core::bail!("router loss: {} token marks for {n} tokens", real.len());
+        }
+        // How often each expert was chosen, over real tokens and layers.
+        let p: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+        let mut count = vec![0f64; e];
+        let mut order: Vec<usize> = Vec::with_capacity(e);
+        for (row, pr) in p.chunks(e).enumerate() {
+            if real[row % n] == 0.0 {
+                continue;
+            }
+            order.clear();
+            order.extend(0..e);
+            order.sort_by(|&a, &b| pr[b].total_cmp(&pr[a]).then(a.cmp(&b)));
+            for &c in &order[..k] {
+                count[c] += 1.0;
+            }
+        }
+        let total = real.iter().filter(|&&r| r != 0.0).count() * logits.len();
+        let dtype = probs.dtype();
+        if total == 0 {
+            return Tensor::zeros((), dtype, probs.device());
+        }
+        let nn = total as f64;
+        let coef: Vec<f64> = count.iter().map(|c| e as f64 * c / (nn * nn)).collect();
+        let coef = Tensor::from_vec(coef, (1, e), probs.device())?.to_dtype(dtype)?;
+        let marks: Vec<f64> = (0..logits.len())
+            .flat_map(|_| real.iter().copied())
+            .collect();
+        let marks =
+            Tensor::from_vec(marks, (logits.len() * n, 1), probs.device())?.to_dtype(dtype)?;
+        probs.broadcast_mul(&marks)?.broadcast_mul(&coef)?.sum_all()
     }
 
     /// Logits `[batch, seq, vocab]` (f32 for half-precision models) from hidden states. Prefer

@@ -404,6 +404,9 @@ impl Actor {
                 let out = d.micro_loss(teacher, topk.as_ref(), inputs, rows, norm, w)?;
                 loss = d.add_to(loss, &mut scalars, out)?;
             }
+            if let Some(coef) = model.router_aux_coef() {
+                loss = add_router_aux_loss(model, loss, coef, rows.len(), norm, &mut scalars)?;
+            }
             scalars.push(("actor/loss", scalar(&loss)?));
             Ok(MicroLoss {
                 loss,
@@ -416,6 +419,34 @@ impl Actor {
         }
         Ok(m)
     }
+}
+
+/// `loss` plus `coef` times the router's load-balancing loss of the micro-batch's forward (a
+/// Qwen3-MoE actor whose config sets `output_router_logits`), as transformers adds it to a loss
+/// from labels; reported as `actor/router_aux_loss`. On the global-normalisation path, where
+/// micro-batch losses are summed unscaled, each micro-batch's term is weighted by its share of
+/// the mini-batch's sequences, so that the mini-batch carries the mean of its micro-batches'.
+fn add_router_aux_loss(
+    model: &CausalLm,
+    loss: Tensor,
+    coef: f64,
+    rows: usize,
+    norm: AggNorm,
+    scalars: &mut Vec<(&'static str, f64)>,
+) -> candle_core::Result<Tensor> {
+    let Some(aux) = model.take_router_aux_loss()? else {
+        return Err(candle_core::Error::Msg(
+            "the model's config asks for the router's load-balancing loss (output_router_logits), \
+             but the training forward computed none"
+                .into(),
+        ));
+    };
+    let share = norm
+        .global_batch_size
+        .map_or(1.0, |g| rows as f64 / g.max(1.0));
+    let aux = (aux.to_dtype(loss.dtype())? * share)?;
+    scalars.push(("actor/router_aux_loss", scalar(&aux)?));
+    loss + (aux * coef)?
 }
 
 /// What a micro-batch's distillation term reads from the step's batch.

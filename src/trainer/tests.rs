@@ -1514,3 +1514,77 @@ fn a_zero_value_head_starts_every_value_at_zero() {
     let m = run("normal");
     assert!(m["critic/values/max"] > m["critic/values/min"]);
 }
+
+/// A Qwen3-MoE actor whose config sets `output_router_logits` adds `router_aux_loss_coef` times
+/// the router's load-balancing loss to its loss: `actor/router_aux_loss` is the mean over the
+/// update's micro-batches of the model's loss on each (computed here from the same micro-batches
+/// before the update), `actor/loss` is `actor/pg_loss` plus the coefficient times it, and the
+/// term reaches the gradients (the weights after the update differ from those of the same run
+/// without it, whose policy loss is the same).
+#[test]
+fn a_moe_actor_adds_the_router_loss_its_config_asks_for() {
+    let coef = 0.5;
+    let mut args = ModelArgs::tiny(Arch::Qwen3Moe, 259);
+    args.moe.as_mut().unwrap().router_aux_loss_coef = Some(coef);
+    let with = fixture_of(&args);
+    args.moe.as_mut().unwrap().router_aux_loss_coef = None;
+    let without = fixture_of(&args);
+    let extra = [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    ];
+    let mut a = trainer(&with, &extra, None);
+    let mut b = trainer(&without, &extra, None);
+    assert_eq!(a.actor.trainable.model.router_aux_coef(), Some(coef));
+    assert_eq!(b.actor.trainable.model.router_aux_coef(), None);
+    assert_eq!(
+        weights(&a.actor.trainable.varmap),
+        weights(&b.actor.trainable.varmap)
+    );
+    let (prompts, _) = a.next_prompts().unwrap();
+    let mut batch = a.generate(&prompts).unwrap();
+    a.compute_rewards(&mut batch).unwrap();
+    a.actor.compute_log_prob(&mut batch).unwrap();
+    a.compute_advantages(&mut batch).unwrap();
+    // The model's router loss on each micro-batch the update will form (one mini-batch, in
+    // order), from the same forward the update runs.
+    let tr = &a.actor.trainable;
+    let s = &tr.settings;
+    assert!(!s.plan.shuffle);
+    let order: Vec<usize> = (0..batch.len()).collect();
+    let micros = batch.micro_batches(&order, s.plan.micro);
+    assert!(micros.len() > 1, "{micros:?}");
+    let mut auxes = Vec::new();
+    for micro in &micros {
+        let mi = batch
+            .inputs(micro, s.layout(&tr.model), &Device::Cpu)
+            .unwrap();
+        mi.response_hidden(&tr.model).unwrap();
+        let aux = tr
+            .model
+            .take_router_aux_loss()
+            .unwrap()
+            .expect("a router loss");
+        auxes.push(f64::from(aux.to_scalar::<f32>().unwrap()));
+    }
+    let want = auxes.iter().sum::<f64>() / auxes.len() as f64;
+    let ma = a.actor.update(&batch, 1).unwrap();
+    let mb = b.actor.update(&batch, 1).unwrap();
+    let got = ma["actor/router_aux_loss"];
+    assert!(
+        want > 0.0 && (got - want).abs() <= 1e-5 * want,
+        "{got} vs {want}"
+    );
+    let term = ma["actor/loss"] - ma["actor/pg_loss"];
+    assert!(
+        (term - coef * got).abs() <= 1e-5,
+        "{term} vs {coef} × {got}"
+    );
+    assert!(!mb.contains_key("actor/router_aux_loss"));
+    assert!((ma["actor/pg_loss"] - mb["actor/pg_loss"]).abs() <= 1e-6);
+    assert_ne!(
+        weights(&a.actor.trainable.varmap),
+        weights(&b.actor.trainable.varmap),
+        "the router loss did not reach the gradients"
+    );
+}

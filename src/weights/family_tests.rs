@@ -400,10 +400,11 @@ fn assert_same_variables(a: &candle_nn::VarMap, b: &candle_nn::VarMap, what: &st
     }
 }
 
-/// `output_router_logits: true` asks for a load-balancing loss term the policy loss does not
-/// have (nor does verl's actor): refused naming the key.
+/// `output_router_logits: true` asks for the router's load-balancing loss: read with its
+/// coefficient (transformers' 0.001 where `router_aux_loss_coef` is absent), written back, and
+/// a value that is not a flag or a non-negative number refused naming the key.
 #[test]
-fn a_router_loss_request_is_refused() {
+fn a_router_loss_request_is_read_and_checked() {
     let mut cfg: Value = serde_json::from_str(
         &std::fs::read_to_string(dir("qwen3_moe").join("config.json")).unwrap(),
     )
@@ -413,12 +414,177 @@ fn a_router_loss_request_is_refused() {
     assert_eq!((moe.num_experts, moe.num_experts_per_tok), (8, 2));
     assert_eq!(moe.mlp_only_layers, vec![1]);
     assert_eq!(
+        moe.router_aux_loss_coef, None,
+        "output_router_logits is false"
+    );
+    assert_eq!(
         crate::model::ModelArgs::from_hf(&args.to_hf()).unwrap(),
         args
     );
     cfg["output_router_logits"] = serde_json::json!(true);
-    let e = crate::model::ModelArgs::from_hf(&cfg).unwrap_err();
-    assert!(e.contains("output_router_logits"), "{e}");
+    cfg["router_aux_loss_coef"] = serde_json::json!(0.02);
+    let on = crate::model::ModelArgs::from_hf(&cfg).unwrap();
+    assert_eq!(on.moe.as_ref().unwrap().router_aux_loss_coef, Some(0.02));
+    let back = on.to_hf();
+    assert_eq!(back["output_router_logits"], serde_json::json!(true));
+    assert_eq!(crate::model::ModelArgs::from_hf(&back).unwrap(), on);
+    cfg.as_object_mut().unwrap().remove("router_aux_loss_coef");
+    let default = crate::model::ModelArgs::from_hf(&cfg).unwrap();
+    assert_eq!(default.moe.unwrap().router_aux_loss_coef, Some(0.001));
+    for (key, bad) in [
+        ("router_aux_loss_coef", serde_json::json!(-0.5)),
+        ("router_aux_loss_coef", serde_json::json!("0.1")),
+        ("output_router_logits", serde_json::json!("yes")),
+    ] {
+        let mut c = cfg.clone();
+        c[key] = bad.clone();
+        let e = crate::model::ModelArgs::from_hf(&c).unwrap_err();
+        assert!(e.contains(key), "{key} = {bad}: {e}");
+    }
+}
+
+/// The router's load-balancing loss of the training sequences (each a whole sequence; padded
+/// left in one batch, or packed end to end) and its gradient, with the model asking for it.
+fn router_aux(m: &CausalLm, seqs: &[Vec<u32>], packed: bool) -> Tensor {
+    let dev = &Device::Cpu;
+    if packed {
+        let (mut toks, mut pos, mut segs) = (vec![], vec![], vec![]);
+        for s in seqs {
+            segs.push((toks.len(), s.len()));
+            toks.extend_from_slice(s);
+            pos.extend(0..s.len() as u32);
+        }
+        let n = toks.len();
+        let t = |v: Vec<u32>| Tensor::from_vec(v, n, dev).unwrap();
+        m.forward_hidden_packed(&t(toks), &t(pos), &segs).unwrap();
+    } else {
+        let w = seqs.iter().map(Vec::len).max().unwrap();
+        let (mut toks, mut mask, mut pos) = (vec![], vec![], vec![]);
+        for s in seqs {
+            let lead = w - s.len();
+            for k in 0..w {
+                toks.push(if k >= lead { s[k - lead] } else { 0 });
+                mask.push(u32::from(k >= lead));
+                pos.push(k.saturating_sub(lead) as u32);
+            }
+        }
+        let t = |v: Vec<u32>| Tensor::from_vec(v, (seqs.len(), w), dev).unwrap();
+        m.forward_hidden(&t(toks), &t(pos), &t(mask), None).unwrap();
+    }
+    m.take_router_aux_loss()
+        .unwrap()
+        .expect("a training forward of a model asking for the router loss")
+}
+
+/// The router's load-balancing loss and every parameter's gradient of it equal transformers'
+/// `load_balancing_loss_func` over the same tokens with PyTorch autograd
+/// (`scripts/router_aux_reference.py`): the value within `tol` relative, each gradient within
+/// `rel` of its tensor's largest entry, parameters it does not reach without a gradient (or a
+/// zero one), on every execution path, padded (padding left out) and packed.
+fn router_aux_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
+    let r = reference(name);
+    let aux: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir(name).join("router_aux.json")).unwrap())
+            .unwrap();
+    let want_loss = aux["aux_loss"].as_f64().unwrap();
+    let grads = candle_core::safetensors::load(
+        dir(name).join("router_aux_grads.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let mut loaded = load(name, dtype);
+    loaded.model.args.moe.as_mut().unwrap().router_aux_loss_coef = Some(0.001);
+    let seqs = ids(&r["sequences"]);
+    let exec = [
+        Exec::default(),
+        Exec {
+            recompute: true,
+            ..Exec::default()
+        },
+        Exec {
+            composed: true,
+            ..Exec::default()
+        },
+        Exec {
+            dense_experts: true,
+            ..Exec::default()
+        },
+    ];
+    for e in exec {
+        for packed in [false, true] {
+            loaded.model.set_exec(e);
+            let case = format!("{name} {dtype:?} {e:?} packed {packed}");
+            let loss = router_aux(&loaded.model, &seqs, packed);
+            let l: f64 = loss.to_dtype(DType::F64).unwrap().to_scalar().unwrap();
+            assert!(
+                (l - want_loss).abs() <= tol * want_loss.abs(),
+                "{case}: loss {l} vs {want_loss}"
+            );
+            let g = loss.backward().unwrap();
+            let vars = loaded.varmap.data().lock().unwrap();
+            for (pname, var) in vars.iter() {
+                let got: Vec<f64> = match g.get(var.as_tensor()) {
+                    Some(t) => t
+                        .to_dtype(DType::F64)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap(),
+                    None => vec![0.0; var.elem_count()],
+                };
+                let Some(want) = grads.get(pname.as_str()) else {
+                    assert!(
+                        got.iter().all(|&x| x == 0.0),
+                        "{case}: ∂aux/∂{pname} should be none"
+                    );
+                    continue;
+                };
+                let want: Vec<f64> = want.flatten_all().unwrap().to_vec1().unwrap();
+                let scale = want.iter().fold(0f64, |s, x| s.max(x.abs())).max(1e-12);
+                let worst = got
+                    .iter()
+                    .zip(&want)
+                    .fold(0f64, |s, (a, b)| s.max((a - b).abs()));
+                assert!(
+                    worst <= rel * scale,
+                    "{case}: ∂aux/∂{pname} off by {worst:.3e} (largest entry {scale:.3e})"
+                );
+            }
+        }
+    }
+    // A model whose config does not ask for it computes none.
+    loaded.model.args.moe.as_mut().unwrap().router_aux_loss_coef = None;
+    loaded.model.set_exec(Exec::default());
+    let ids0 = Tensor::new(&[[1u32, 2, 3]], &Device::Cpu).unwrap();
+    let pos0 = Tensor::new(&[[0u32, 1, 2]], &Device::Cpu).unwrap();
+    let mask0 = Tensor::new(&[[1u32, 1, 1]], &Device::Cpu).unwrap();
+    loaded
+        .model
+        .forward_hidden(&ids0, &pos0, &mask0, None)
+        .unwrap();
+    assert!(
+        loaded.model.take_router_aux_loss().unwrap().is_none(),
+        "{name}"
+    );
+}
+
+const MOE_FAMILIES: [&str; 2] = ["qwen3_moe", "qwen3_moe_step2"];
+
+/// f64: the router loss within 1e-10 and its gradients within 1e-8 of scale.
+#[test]
+fn router_loss_and_gradients_equal_transformers_in_f64() {
+    for name in MOE_FAMILIES {
+        router_aux_matches(name, DType::F64, 1e-10, 1e-8);
+    }
+}
+
+/// f32: the router loss within 1e-5 and its gradients within 1e-4 of scale.
+#[test]
+fn router_loss_and_gradients_equal_transformers_in_f32() {
+    for name in MOE_FAMILIES {
+        router_aux_matches(name, DType::F32, 1e-5, 1e-4);
+    }
 }
 
 /// A Qwen3-MoE model saved back as an HF directory has the hub's per-expert tensors and a
