@@ -174,6 +174,40 @@ fn loss_and_logprobs(m: &CausalLm, r: &Value, packed: bool) -> (Tensor, Vec<Vec<
     (loss, rows)
 }
 
+/// The execution paths every family's training is checked on: the hand-written layer keeping
+/// its activations, the same recomputed in backward, and the op composition.
+const EXEC_PATHS: [Exec; 3] = [
+    Exec {
+        recompute: false,
+        composed: false,
+        bf16: false,
+        dense_experts: false,
+    },
+    Exec {
+        recompute: true,
+        composed: false,
+        bf16: false,
+        dense_experts: false,
+    },
+    Exec {
+        recompute: false,
+        composed: true,
+        bf16: false,
+        dense_experts: false,
+    },
+];
+
+/// The largest absolute difference of `got` from `want`, and `want`'s largest entry (at least
+/// 1e-12): a gradient's error and the scale it is judged against.
+fn worst_of(got: &[f64], want: &[f64]) -> (f64, f64) {
+    let scale = want.iter().fold(0f64, |s, x| s.max(x.abs())).max(1e-12);
+    let worst = got
+        .iter()
+        .zip(want)
+        .fold(0f64, |s, (a, b)| s.max((a - b).abs()));
+    (worst, scale)
+}
+
 /// Log-probs, loss and every parameter's gradient equal PyTorch's: values within `tol`
 /// relative (absolute below 1), each gradient within `rel` of its tensor's largest entry, for every execution
 /// path and layout.
@@ -183,18 +217,7 @@ fn training_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
     let grads =
         candle_core::safetensors::load(dir(name).join("grads.safetensors"), &Device::Cpu).unwrap();
     let mut loaded = load(name, dtype);
-    let exec = [
-        Exec::default(),
-        Exec {
-            recompute: true,
-            ..Exec::default()
-        },
-        Exec {
-            composed: true,
-            ..Exec::default()
-        },
-    ];
-    for e in exec {
+    for e in EXEC_PATHS {
         for packed in [false, true] {
             loaded.model.set_exec(e);
             let case = format!("{name} {dtype:?} {e:?} packed {packed}");
@@ -227,11 +250,7 @@ fn training_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
                     .to_vec1()
                     .unwrap();
                 let want: Vec<f64> = grads[pname].flatten_all().unwrap().to_vec1().unwrap();
-                let scale = want.iter().fold(0f64, |s, x| s.max(x.abs())).max(1e-12);
-                let worst = got
-                    .iter()
-                    .zip(&want)
-                    .fold(0f64, |s, (a, b)| s.max((a - b).abs()));
+                let (worst, scale) = worst_of(&got, &want);
                 assert!(
                     worst <= rel * scale,
                     "{case}: ∂L/∂{pname} off by {worst:.3e} (largest entry {scale:.3e})"
@@ -495,22 +514,11 @@ fn router_aux_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
     let mut loaded = load(name, dtype);
     loaded.model.args.moe.as_mut().unwrap().router_aux_loss_coef = Some(0.001);
     let seqs = ids(&r["sequences"]);
-    let exec = [
-        Exec::default(),
-        Exec {
-            recompute: true,
-            ..Exec::default()
-        },
-        Exec {
-            composed: true,
-            ..Exec::default()
-        },
-        Exec {
-            dense_experts: true,
-            ..Exec::default()
-        },
-    ];
-    for e in exec {
+    let dense = Exec {
+        dense_experts: true,
+        ..Exec::default()
+    };
+    for e in EXEC_PATHS.into_iter().chain([dense]) {
         for packed in [false, true] {
             loaded.model.set_exec(e);
             let case = format!("{name} {dtype:?} {e:?} packed {packed}");
@@ -541,11 +549,7 @@ fn router_aux_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
                     continue;
                 };
                 let want: Vec<f64> = want.flatten_all().unwrap().to_vec1().unwrap();
-                let scale = want.iter().fold(0f64, |s, x| s.max(x.abs())).max(1e-12);
-                let worst = got
-                    .iter()
-                    .zip(&want)
-                    .fold(0f64, |s, (a, b)| s.max((a - b).abs()));
+                let (worst, scale) = worst_of(&got, &want);
                 assert!(
                     worst <= rel * scale,
                     "{case}: ∂aux/∂{pname} off by {worst:.3e} (largest entry {scale:.3e})"

@@ -1,7 +1,8 @@
 //! `.gguf` files (llama.cpp): hyper-parameters from the metadata, tensors dequantised to the
 //! working dtype (any type candle reads: F32, F16, BF16, Q4_0, Q4_1, Q5_*, Q8_0, K-quants), Q/K
-//! rows un-permuted for the Llama layout, and the tokenizer and chat template rebuilt from the
-//! `tokenizer.ggml.*` metadata.
+//! rows un-permuted for the Llama layout, a Qwen3-MoE layer's stacked experts
+//! (`ffn_{gate,up,down}_exps`, `[experts, out, in]`) split into the hub's per-expert tensors, and
+//! the tokenizer and chat template rebuilt from the `tokenizer.ggml.*` metadata.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -17,7 +18,7 @@ use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
 
 use super::hf::{build, Loaded};
 use crate::data::{SpecialTokens, TokenizerBundle};
-use crate::model::config::{LayerKind, RopeScaling};
+use crate::model::config::{LayerKind, MoeArgs, RopeScaling};
 use crate::model::{Arch, ModelArgs, ModelError};
 
 fn meta<'a>(c: &'a Content, key: &str, path: &Path) -> Result<&'a Value, ModelError> {
@@ -221,25 +222,37 @@ fn scan_header(r: &mut impl std::io::Read, file_len: u64) -> Result<Option<u64>,
     Ok(alignment)
 }
 
-/// Hyper-parameters from the metadata (`general.architecture` = llama, qwen2 or qwen3).
+/// llama.cpp's `general.architecture` for each family it writes (Mistral is written as
+/// `llama`).
+const GGUF_ARCHS: [(&str, Arch); 5] = [
+    ("llama", Arch::Llama),
+    ("qwen2", Arch::Qwen2),
+    ("qwen3", Arch::Qwen3),
+    ("qwen3moe", Arch::Qwen3Moe),
+    ("gemma3", Arch::Gemma3),
+];
+
+/// The `general.architecture` llama.cpp writes for `arch`.
+pub fn gguf_arch_name(arch: Arch) -> Option<&'static str> {
+    GGUF_ARCHS.iter().find(|(_, a)| *a == arch).map(|(n, _)| *n)
+}
+
+/// Hyper-parameters from the metadata (`general.architecture` = llama, qwen2, qwen3, qwen3moe
+/// or gemma3).
 pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
     let arch_name = meta(c, "general.architecture", path)?
         .to_string()
         .map_err(|e| ModelError::file(path, e.to_string()))?
         .clone();
-    let arch = match arch_name.as_str() {
-        "llama" => Arch::Llama,
-        "qwen2" => Arch::Qwen2,
-        "qwen3" => Arch::Qwen3,
-        "gemma3" => Arch::Gemma3,
-        other => {
-            return Err(ModelError::file(
-                path,
-                format!(
-                "unsupported GGUF architecture `{other}`; supported: llama, qwen2, qwen3, gemma3"
+    let Some(&(_, arch)) = GGUF_ARCHS.iter().find(|(n, _)| *n == arch_name) else {
+        let names: Vec<&str> = GGUF_ARCHS.iter().map(|(n, _)| *n).collect();
+        return Err(ModelError::file(
+            path,
+            format!(
+                "unsupported GGUF architecture `{arch_name}`; supported: {}",
+                names.join(", ")
             ),
-            ))
-        }
+        ));
     };
     let k = |s: &str| format!("{arch_name}.{s}");
     let hidden = meta_u(c, &k("embedding_length"), path)?;
@@ -340,7 +353,54 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         sliding_window,
         layer_types,
         rope_local_theta,
-        moe: None,
+        moe: match arch {
+            Arch::Qwen3Moe => Some(read_moe(c, path, &arch_name, layers)?),
+            _ => None,
+        },
+    })
+}
+
+/// A Qwen3-MoE GGUF's experts: `{arch}.expert_count`, `expert_used_count`,
+/// `expert_feed_forward_length`; renormalised top-k weights unless `expert_weights_norm` says
+/// false (llama.cpp runs qwen3moe renormalised); a layer has experts where its router
+/// `blk.N.ffn_gate_inp.weight` is stored (the others keep the dense MLP).
+fn read_moe(c: &Content, path: &Path, arch: &str, layers: usize) -> Result<MoeArgs, ModelError> {
+    let k = |s: &str| format!("{arch}.{s}");
+    let experts = meta_u(c, &k("expert_count"), path)?;
+    let used = meta_u(c, &k("expert_used_count"), path)?;
+    if experts == 0 || used == 0 || used > experts {
+        return Err(ModelError::file(
+            path,
+            format!(
+                "GGUF metadata: `{}` ({used}) must be between 1 and `{}` ({experts})",
+                k("expert_used_count"),
+                k("expert_count")
+            ),
+        ));
+    }
+    let norm = match c.metadata.get(&k("expert_weights_norm")) {
+        None => true,
+        Some(v) => v.to_bool().map_err(|e| {
+            ModelError::file(
+                path,
+                format!("GGUF metadata `{}`: {e}", k("expert_weights_norm")),
+            )
+        })?,
+    };
+    let dense: Vec<usize> = (0..layers)
+        .filter(|i| {
+            !c.tensor_infos
+                .contains_key(&format!("blk.{i}.ffn_gate_inp.weight"))
+        })
+        .collect();
+    Ok(MoeArgs {
+        num_experts: experts,
+        num_experts_per_tok: used,
+        norm_topk_prob: norm,
+        moe_intermediate_size: meta_u(c, &k("expert_feed_forward_length"), path)?,
+        decoder_sparse_step: 1,
+        mlp_only_layers: dense,
+        router_aux_loss_coef: None,
     })
 }
 
@@ -379,6 +439,12 @@ fn hf_name(gguf: &str, arch: Arch) -> Option<String> {
         "ffn_gate.weight" => "mlp.gate_proj.weight",
         "ffn_up.weight" => "mlp.up_proj.weight",
         "ffn_down.weight" => "mlp.down_proj.weight",
+        // A layer of experts: the router, and each projection of every expert stacked
+        // (`{}` stands for the expert's index, see `load`).
+        "ffn_gate_inp.weight" if arch == Arch::Qwen3Moe => "mlp.gate.weight",
+        "ffn_gate_exps.weight" if arch == Arch::Qwen3Moe => "mlp.experts.{}.gate_proj.weight",
+        "ffn_up_exps.weight" if arch == Arch::Qwen3Moe => "mlp.experts.{}.up_proj.weight",
+        "ffn_down_exps.weight" if arch == Arch::Qwen3Moe => "mlp.experts.{}.down_proj.weight",
         _ => return None,
     };
     Some(format!("model.layers.{n}.{hf}"))
@@ -444,6 +510,23 @@ pub fn load(
             } else if name.contains("attn_k.") {
                 t = unpermute(&t, args.num_key_value_heads)?;
             }
+        }
+        if hf.contains("{}") {
+            // Stacked experts `[experts, out, in]`: one `[out, in]` tensor per expert.
+            let experts = args.moe.as_ref().map_or(0, |m| m.num_experts);
+            if t.rank() != 3 || t.dim(0)? != experts {
+                return Err(ModelError::file(
+                    path,
+                    format!(
+                        "tensor `{name}` has shape {:?}, expected [{experts}, out, in] (one matrix per expert)",
+                        t.dims()
+                    ),
+                ));
+            }
+            for e in 0..experts {
+                tensors.insert(hf.replace("{}", &e.to_string()), t.get(e)?);
+            }
+            continue;
         }
         tensors.insert(hf, t);
     }

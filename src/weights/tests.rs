@@ -186,8 +186,9 @@ fn load_errors_name_the_file_and_tensor() {
     );
 }
 
-/// Writes a model as llama.cpp would: GGUF names, permuted Llama Q/K rows, `dtype` storage,
-/// and a byte-level tokenizer in the metadata.
+/// Writes a model as llama.cpp would: GGUF names, permuted Llama Q/K rows, a layer's experts
+/// stacked per projection (`ffn_gate_exps` `[experts, out, in]`, ...), `dtype` storage, and a
+/// byte-level tokenizer in the metadata.
 pub(super) fn write_gguf(
     vm: &VarMap,
     args: &ModelArgs,
@@ -198,8 +199,20 @@ pub(super) fn write_gguf(
     use candle_core::quantized::QTensor;
     let data = vm.data().lock().unwrap();
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    // Experts' projections by (GGUF name, expert), stacked after the loop.
+    let mut stacks: std::collections::BTreeMap<String, Vec<(usize, Tensor)>> = Default::default();
     for (name, var) in data.iter() {
         let t = var.as_tensor().clone();
+        if let Some((layer, rest)) = name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split_once(".mlp.experts."))
+        {
+            let (e, proj) = rest.split_once('.').unwrap();
+            let kind = proj.strip_suffix("_proj.weight").unwrap();
+            let gg = format!("blk.{layer}.ffn_{kind}_exps.weight");
+            stacks.entry(gg).or_default().push((e.parse().unwrap(), t));
+            continue;
+        }
         let gg = if name == "model.embed_tokens.weight" {
             "token_embd.weight".to_string()
         } else if name == "model.norm.weight" {
@@ -221,6 +234,7 @@ pub(super) fn write_gguf(
                 "mlp.gate_proj.weight" => "ffn_gate.weight",
                 "mlp.up_proj.weight" => "ffn_up.weight",
                 "mlp.down_proj.weight" => "ffn_down.weight",
+                "mlp.gate.weight" => "ffn_gate_inp.weight",
                 other => panic!("unexpected {other}"),
             };
             format!("blk.{n}.{p}")
@@ -246,6 +260,12 @@ pub(super) fn write_gguf(
         .unwrap();
         tensors.push((gg, q));
     }
+    for (gg, mut experts) in stacks {
+        experts.sort_by_key(|(e, _)| *e);
+        let ts: Vec<Tensor> = experts.into_iter().map(|(_, t)| t).collect();
+        let t = Tensor::stack(&ts, 0).unwrap();
+        tensors.push((gg, QTensor::quantize(&t, dtype).unwrap()));
+    }
     let tok = crate::testing::byte_tokenizer();
     let vocab = tok.get_vocab(true);
     let mut tokens = vec![String::new(); vocab.len()];
@@ -256,9 +276,9 @@ pub(super) fn write_gguf(
         .map(|i| G::I32(if i >= 256 { 3 } else { 1 }))
         .collect();
     let u = |x: usize| G::U32(x as u32);
-    let a = args.arch.hf_names().1;
+    let a = gguf::gguf_arch_name(args.arch).unwrap();
     let k = |s: &str| format!("{a}.{s}");
-    let meta: Vec<(String, G)> = vec![
+    let mut meta: Vec<(String, G)> = vec![
         ("general.architecture".into(), G::String(a.into())),
         (k("block_count"), u(args.num_hidden_layers)),
         (k("embedding_length"), u(args.hidden_size)),
@@ -287,15 +307,26 @@ pub(super) fn write_gguf(
             G::String(crate::testing::CHATML.into()),
         ),
     ];
+    if let Some(m) = &args.moe {
+        meta.extend([
+            (k("expert_count"), u(m.num_experts)),
+            (k("expert_used_count"), u(m.num_experts_per_tok)),
+            (k("expert_feed_forward_length"), u(m.moe_intermediate_size)),
+        ]);
+    }
     let meta_refs: Vec<(&str, &G)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut f = std::fs::File::create(path).unwrap();
     candle_core::quantized::gguf_file::write(&mut f, &meta_refs, &tensor_refs).unwrap();
 }
 
+/// A GGUF written as llama.cpp writes each family (Llama's permuted q/k rows, Qwen3's q/k
+/// norms, Qwen3-MoE's routers and stacked experts with a dense layer between) loads as the same
+/// model: F32 logits equal those of the safetensors weights, Q8_0 those of the same weights
+/// after the same quantisation round trip.
 #[test]
 fn a_gguf_loads_and_matches_the_same_weights_from_safetensors() {
-    for arch in [Arch::Llama, Arch::Qwen3] {
+    for arch in [Arch::Llama, Arch::Qwen3, Arch::Qwen3Moe] {
         gguf_matches_safetensors(arch);
     }
 }
@@ -307,6 +338,9 @@ fn gguf_matches_safetensors(arch: Arch) {
     args.head_dim = 16; // d/2 = 8: the permutation is not its own inverse at this size
     args.hidden_size = 64;
     args.intermediate_size = 64; // row length a multiple of 32 for Q8_0 blocks
+    if let Some(m) = args.moe.as_mut() {
+        m.moe_intermediate_size = 64;
+    }
     let (vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
     let dir = tempfile::tempdir().unwrap();
     let (pi, pm, pp) = left_pad(&[vec![3, 1, 4, 1, 5, 9, 2], vec![6, 5]], 0);
@@ -331,6 +365,8 @@ fn gguf_matches_safetensors(arch: Arch) {
         .unwrap();
         for (name, var) in qvm.data().lock().unwrap().iter() {
             let src = vm.data().lock().unwrap()[name].as_tensor().clone();
+            // (An expert's matrix is quantised as a slice of its stack: Q8_0's blocks run along
+            // rows, so the round trip is the same.)
             let t = if src.rank() == 2 {
                 candle_core::quantized::QTensor::quantize(&src, dtype)
                     .unwrap()
@@ -536,4 +572,37 @@ fn a_non_finite_weight_is_refused_naming_the_file_and_tensor() {
         e.contains("m.gguf") && e.contains("blk.0.ffn_down.weight") && e.contains("index 2"),
         "{e}"
     );
+}
+
+/// A Qwen3-MoE GGUF whose stacked experts disagree with its `expert_count` is refused naming
+/// the tensor and the shape it should have; one without the expert keys names the key.
+#[test]
+fn a_qwen3moe_gguf_with_inconsistent_experts_is_refused_by_name() {
+    use candle_core::quantized::GgmlDType;
+    let args = ModelArgs::tiny(Arch::Qwen3Moe, 259);
+    let (vm, _m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+    let dir = tempfile::tempdir().unwrap();
+    let mut fewer = args.clone();
+    fewer.moe.as_mut().unwrap().num_experts = 4;
+    let path = dir.path().join("fewer.gguf");
+    write_gguf(&vm, &fewer, &path, GgmlDType::F32);
+    let e = gguf::load(&path, DType::F32, &Device::Cpu, true)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("fewer.gguf") && e.contains("ffn_") && e.contains("_exps.weight"),
+        "{e}"
+    );
+    assert!(e.contains("[4, out, in]"), "{e}");
+    let mut none = args.clone();
+    none.moe = None;
+    none.arch = Arch::Qwen3Moe;
+    let path = dir.path().join("no_keys.gguf");
+    write_gguf(&vm, &none, &path, GgmlDType::F32);
+    let e = gguf::load(&path, DType::F32, &Device::Cpu, true)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("qwen3moe.expert_count"), "{e}");
 }
