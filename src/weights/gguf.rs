@@ -1,7 +1,8 @@
 //! `.gguf` files (llama.cpp): hyper-parameters from the metadata, tensors dequantised to the
 //! working dtype (any type candle reads: F32, F16, BF16, Q4_0, Q4_1, Q5_*, Q8_0, K-quants), Q/K
 //! rows un-permuted for the Llama layout, a Qwen3-MoE layer's stacked experts
-//! (`ffn_{gate,up,down}_exps`, `[experts, out, in]`) split into the hub's per-expert tensors, and
+//! (`ffn_{gate,up,down}_exps`, `[experts, out, in]`, or gate and up in one `ffn_gate_up_exps`)
+//! split into the hub's per-expert tensors, and
 //! the tokenizer and chat template rebuilt from the `tokenizer.ggml.*` metadata.
 
 use std::collections::HashMap;
@@ -443,6 +444,8 @@ fn hf_name(gguf: &str, arch: Arch) -> Option<String> {
         // (`{}` stands for the expert's index, see `load`).
         "ffn_gate_inp.weight" if arch == Arch::Qwen3Moe => "mlp.gate.weight",
         "ffn_gate_exps.weight" if arch == Arch::Qwen3Moe => "mlp.experts.{}.gate_proj.weight",
+        // Gate and up of every expert in one stack `[experts, 2·inter, in]`, gate rows first.
+        "ffn_gate_up_exps.weight" if arch == Arch::Qwen3Moe => "mlp.experts.{}.gate_up",
         "ffn_up_exps.weight" if arch == Arch::Qwen3Moe => "mlp.experts.{}.up_proj.weight",
         "ffn_down_exps.weight" if arch == Arch::Qwen3Moe => "mlp.experts.{}.down_proj.weight",
         _ => return None,
@@ -524,7 +527,28 @@ pub fn load(
                 ));
             }
             for e in 0..experts {
-                tensors.insert(hf.replace("{}", &e.to_string()), t.get(e)?);
+                let at = hf.replace("{}", &e.to_string());
+                let m = t.get(e)?; // [out, in]
+                match at.strip_suffix("gate_up") {
+                    Some(stem) => {
+                        let rows = m.dim(0)?;
+                        if rows % 2 != 0 {
+                            return Err(ModelError::file(
+                                path,
+                                format!("tensor `{name}`: {rows} rows do not split into gate and up halves"),
+                            ));
+                        }
+                        tensors
+                            .insert(format!("{stem}gate_proj.weight"), m.narrow(0, 0, rows / 2)?);
+                        tensors.insert(
+                            format!("{stem}up_proj.weight"),
+                            m.narrow(0, rows / 2, rows / 2)?,
+                        );
+                    }
+                    None => {
+                        tensors.insert(at, m);
+                    }
+                }
             }
             continue;
         }

@@ -195,6 +195,19 @@ pub(super) fn write_gguf(
     path: &std::path::Path,
     dtype: candle_core::quantized::GgmlDType,
 ) {
+    write_gguf_with(vm, args, path, dtype, false)
+}
+
+/// [`write_gguf`]; with `fused_experts`, each layer's experts' gate and up projections as one
+/// `ffn_gate_up_exps` stack `[experts, 2·inter, hidden]` (gate rows first), as newer llama.cpp
+/// converters may write them.
+pub(super) fn write_gguf_with(
+    vm: &VarMap,
+    args: &ModelArgs,
+    path: &std::path::Path,
+    dtype: candle_core::quantized::GgmlDType,
+    fused_experts: bool,
+) {
     use candle_core::quantized::gguf_file::Value as G;
     use candle_core::quantized::QTensor;
     let data = vm.data().lock().unwrap();
@@ -260,10 +273,26 @@ pub(super) fn write_gguf(
         .unwrap();
         tensors.push((gg, q));
     }
+    let mut stacked: std::collections::BTreeMap<String, Tensor> = Default::default();
     for (gg, mut experts) in stacks {
         experts.sort_by_key(|(e, _)| *e);
         let ts: Vec<Tensor> = experts.into_iter().map(|(_, t)| t).collect();
-        let t = Tensor::stack(&ts, 0).unwrap();
+        stacked.insert(gg, Tensor::stack(&ts, 0).unwrap());
+    }
+    if fused_experts {
+        let gates: Vec<String> = stacked
+            .keys()
+            .filter(|k| k.ends_with("ffn_gate_exps.weight"))
+            .cloned()
+            .collect();
+        for g in gates {
+            let u = g.replace("ffn_gate_exps", "ffn_up_exps");
+            let (gt, ut) = (stacked.remove(&g).unwrap(), stacked.remove(&u).unwrap());
+            let fused = Tensor::cat(&[gt, ut], 1).unwrap();
+            stacked.insert(g.replace("ffn_gate_exps", "ffn_gate_up_exps"), fused);
+        }
+    }
+    for (gg, t) in stacked {
         tensors.push((gg, QTensor::quantize(&t, dtype).unwrap()));
     }
     let tok = crate::testing::byte_tokenizer();
@@ -572,6 +601,34 @@ fn a_non_finite_weight_is_refused_naming_the_file_and_tensor() {
         e.contains("m.gguf") && e.contains("blk.0.ffn_down.weight") && e.contains("index 2"),
         "{e}"
     );
+}
+
+/// A Qwen3-MoE GGUF with each layer's experts' gate and up stacked together
+/// (`ffn_gate_up_exps`) loads as the same model as one with them apart.
+#[test]
+fn a_qwen3moe_gguf_with_fused_gate_up_experts_loads_alike() {
+    use candle_core::quantized::GgmlDType;
+    let args = ModelArgs::tiny(Arch::Qwen3Moe, 259);
+    let (vm, _m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+    let dir = tempfile::tempdir().unwrap();
+    let (apart, fused) = (dir.path().join("apart.gguf"), dir.path().join("fused.gguf"));
+    write_gguf_with(&vm, &args, &apart, GgmlDType::F32, false);
+    write_gguf_with(&vm, &args, &fused, GgmlDType::F32, true);
+    let load = |p: &std::path::Path| gguf::load(p, DType::F32, &Device::Cpu, true).unwrap().0;
+    let (a, b) = (load(&apart), load(&fused));
+    let content = gguf::open(&fused).unwrap().1;
+    assert!(content
+        .tensor_infos
+        .contains_key("blk.0.ffn_gate_up_exps.weight"));
+    let (wa, wb) = (
+        a.varmap.data().lock().unwrap(),
+        b.varmap.data().lock().unwrap(),
+    );
+    assert_eq!(wa.len(), wb.len());
+    for (name, va) in wa.iter() {
+        let d = max_diff(va.as_tensor(), wb[name].as_tensor());
+        assert_eq!(d, 0.0, "{name}");
+    }
 }
 
 /// A Qwen3-MoE GGUF whose stacked experts disagree with its `expert_count` is refused naming
