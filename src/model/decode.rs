@@ -147,24 +147,39 @@ pub struct Packed<T> {
 /// Keys and values of one sequence, per layer `[positions, kv_heads, head_dim]` row-major, so a
 /// new position is one contiguous append. Capacity is reserved up front by the scheduler.
 /// Elements are `C`: the model's type, or [`Bf16`].
+///
+/// A sliding-window layer keeps only the positions its future queries can see: once it holds
+/// twice its window, the older half is dropped (one copy per `window` steps), so its memory is
+/// bounded by the window (or by a longer prompt's prefill) rather than by the sequence.
 pub struct SeqCache<C> {
     k: Vec<Vec<C>>,
     v: Vec<Vec<C>>,
+    /// Per layer: the position of its first kept row (0 unless a window dropped some).
+    first: Vec<usize>,
+    /// Per layer: its sliding window, `None` for full attention.
+    window: Vec<Option<usize>>,
     len: usize,
 }
 
 impl<C: Copy> SeqCache<C> {
-    /// An empty cache with room for `positions` (no reallocation up to there).
+    /// An empty cache with room for `positions` (no reallocation up to there; a sliding layer
+    /// reserves what it keeps at most, twice its window).
     pub fn with_capacity(args: &ModelArgs, positions: usize) -> Self {
-        let per = positions * args.num_key_value_heads * args.head_dim;
+        let row = args.num_key_value_heads * args.head_dim;
+        let window: Vec<Option<usize>> = (0..args.num_hidden_layers)
+            .map(|i| args.window(i))
+            .collect();
         let mk = || {
-            (0..args.num_hidden_layers)
-                .map(|_| Vec::with_capacity(per))
+            window
+                .iter()
+                .map(|w| Vec::with_capacity(row * w.map_or(positions, |w| positions.min(2 * w))))
                 .collect()
         };
         Self {
             k: mk(),
             v: mk(),
+            first: vec![0; args.num_hidden_layers],
+            window,
             len: 0,
         }
     }
@@ -181,6 +196,40 @@ impl<C: Copy> SeqCache<C> {
     /// Bytes one position takes over all layers (keys and values).
     pub fn bytes_per_position(args: &ModelArgs) -> usize {
         kv_bytes_per_position(args, std::mem::size_of::<C>())
+    }
+
+    /// The most bytes a sequence's cache holds over its life: `prompt` positions prefilled at
+    /// once, `total` in the end. Full layers hold `total`; a sliding layer at most twice its
+    /// window (or the prompt, when longer).
+    pub fn bytes_needed(args: &ModelArgs, prompt: usize, total: usize) -> usize {
+        let row = 2 * args.num_key_value_heads * args.head_dim * std::mem::size_of::<C>();
+        (0..args.num_hidden_layers)
+            .map(|i| match args.window(i) {
+                Some(w) => total.min(prompt.max(2 * w)),
+                None => total,
+            })
+            .sum::<usize>()
+            * row
+    }
+
+    /// Rows layer `layer` keeps (its memory, in positions).
+    pub fn kept(&self, layer: usize) -> usize {
+        self.len - self.first[layer]
+    }
+
+    /// Drops the rows of sliding layer `layer` that no later query can see, once it holds
+    /// twice its window (keeping the last `window`).
+    fn trim(&mut self, layer: usize, width: usize) {
+        let Some(w) = self.window[layer] else {
+            return;
+        };
+        let kept = self.len - self.first[layer];
+        if kept >= 2 * w {
+            let drop = kept - w;
+            self.k[layer].drain(..drop * width);
+            self.v[layer].drain(..drop * width);
+            self.first[layer] += drop;
+        }
     }
 }
 
@@ -651,19 +700,22 @@ impl<T: Elem> Packed<T> {
                 c.v[li].extend(row[dq + dkv..].iter().map(|&x| C::store(x)));
             }
             // Attention: token i, head hh reads its sequence's keys 0..=pos[i] (causal, no pad).
-            let views: Vec<(&[C], &[C])> = caches
+            // Row r of a layer's cache holds position `kept_from + r` (a sliding layer's cache
+            // starts at the oldest position a query can still see).
+            let views: Vec<(&[C], &[C], usize)> = caches
                 .iter()
-                .map(|c| (c.k[li].as_slice(), c.v[li].as_slice()))
+                .map(|c| (c.k[li].as_slice(), c.v[li].as_slice(), c.first[li]))
                 .collect();
             // One job per token: all its query heads read each cached row once, in order.
             att.par_chunks_mut(dq).enumerate().for_each(|(i, out)| {
                 let q = &qkv[i * dqkv..][..dq];
-                let (ks, vs) = views[seq[i]];
+                let (ks, vs, kept_from) = views[seq[i]];
                 // A sliding-window layer reads the last `window` positions only.
                 let first = l.window.map_or(0, |w| (pos[i] + 1).saturating_sub(w));
+                let at = first - kept_from;
                 let kv = Kv {
-                    ks: &ks[first * dkv..],
-                    vs: &vs[first * dkv..],
+                    ks: &ks[at * dkv..],
+                    vs: &vs[at * dkv..],
                     n: pos[i] + 1 - first,
                     width: dkv,
                 };
@@ -705,6 +757,9 @@ impl<T: Elem> Packed<T> {
         }
         for (c, t) in caches.iter_mut().zip(tokens) {
             c.len += t.len();
+            for li in 0..self.layers.len() {
+                c.trim(li, dkv);
+            }
         }
         // The last new token of each sequence: final norm, LM head.
         let mut last = Vec::with_capacity(tokens.len() * h); // [S, hidden]
@@ -865,5 +920,76 @@ mod tests {
             rel > 0.0 && rel <= 2e-2,
             "bf16 logits {rel:.3e} away from f32"
         );
+    }
+
+    /// A sliding-window layer's cache keeps at most twice its window (or a longer prompt's
+    /// prefill) while full layers keep every position, and decoding with the dropped rows gone
+    /// still gives the full forward's logits at every position (f64 weights; the step hands out
+    /// f32 logits, so within 1e-6): Gemma 3 (window 4, a sliding and a full layer) and Mistral
+    /// (window 3 on every layer), a prompt longer than twice the window, then one token a step
+    /// up to 7 windows. `bytes_needed` covers what the cache held at its largest.
+    #[test]
+    fn sliding_layers_keep_only_their_window() {
+        use crate::model::{Arch, ModelArgs};
+        let mut mistral = ModelArgs::tiny(Arch::Llama, 40);
+        mistral.sliding_window = Some(3);
+        mistral.layer_types = vec![crate::model::config::LayerKind::Sliding; 2];
+        for args in [ModelArgs::tiny(Arch::Gemma3, 40), mistral] {
+            let (_vm, m) = crate::testing::tiny_model(&args, candle_core::DType::F64, 0.3);
+            let w = args.sliding_window.unwrap();
+            let seq: Vec<u32> = (0..7 * w as u32).map(|i| (i * 7 + 3) % 39 + 1).collect();
+            let prompt = 2 * w + 3;
+            // The reference: one full forward over the whole sequence.
+            let n = seq.len();
+            let ids = Tensor::from_vec(seq.clone(), (1, n), &candle_core::Device::Cpu).unwrap();
+            let pos =
+                Tensor::from_vec((0..n as u32).collect::<Vec<_>>(), (1, n), ids.device()).unwrap();
+            let mask = Tensor::ones((1, n), candle_core::DType::U32, ids.device()).unwrap();
+            let h = m.forward_hidden(&ids, &pos, &mask, None).unwrap();
+            let full: Vec<Vec<f64>> = m.logits(&h).unwrap().squeeze(0).unwrap().to_vec2().unwrap();
+            let p = super::Packed::<f64>::new(&m).unwrap();
+            let mut cache = super::SeqCache::<f64>::with_capacity(&args, n);
+            let mut most = 0usize;
+            let mut at = 0;
+            while at < n {
+                let take = if at == 0 { prompt } else { 1 };
+                let logits = p.step(&[&seq[at..at + take]], &mut [&mut cache]).unwrap();
+                at += take;
+                for (li, kind) in (0..args.num_hidden_layers).map(|i| (i, args.window(i))) {
+                    let kept = cache.kept(li);
+                    match kind {
+                        Some(w) => assert!(
+                            kept <= prompt.max(2 * w - 1),
+                            "layer {li} keeps {kept} at {at}"
+                        ),
+                        None => assert_eq!(kept, at, "full layer {li}"),
+                    }
+                }
+                let bytes: usize = (0..args.num_hidden_layers)
+                    .map(|li| cache.kept(li))
+                    .sum::<usize>()
+                    * 2
+                    * args.num_key_value_heads
+                    * args.head_dim
+                    * 8;
+                most = most.max(bytes);
+                for (g, want) in logits[0].iter().zip(&full[at - 1]) {
+                    assert!(
+                        (f64::from(*g) - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                        "{:?} position {}: {g} vs {want}",
+                        args.arch,
+                        at - 1
+                    );
+                }
+            }
+            assert!(
+                cache.kept(0) < n,
+                "{:?}: the sliding layer dropped nothing",
+                args.arch
+            );
+            let need = super::SeqCache::<f64>::bytes_needed(&args, prompt, n);
+            assert!(most <= need, "{most} > {need}");
+            assert!(need < super::SeqCache::<f64>::bytes_per_position(&args) * n);
+        }
     }
 }

@@ -181,7 +181,6 @@ fn continuous<T: Elem, C: KvElem<T>>(
     out: &mut Rollout,
 ) -> Result<Stats> {
     let args = packed.args();
-    let per_pos = SeqCache::<C>::bytes_per_position(args);
     let lim = p.limits;
     let mut waiting: VecDeque<usize> = (0..prompts.len()).collect();
     let mut active: Vec<Live<C>> = Vec::new();
@@ -193,7 +192,7 @@ fn continuous<T: Elem, C: KvElem<T>>(
         let mut prefill = 0usize;
         while let Some(&row) = waiting.front() {
             let len = prompts[row].len();
-            let need = (len + p.max_new_tokens) * per_pos;
+            let need = SeqCache::<C>::bytes_needed(args, len, len + p.max_new_tokens);
             let in_flight = active.len() + entering.len();
             if in_flight >= lim.max_num_seqs.max(1)
                 || (in_flight > 0 && reserved + need > lim.kv_cache_bytes)
