@@ -24,6 +24,7 @@ use candle_core::{
 use super::block::{block_forward_routed, Block, Mask};
 use super::config::ModelArgs;
 use super::layer;
+use super::proj::Proj;
 use crate::kernels::elem::Elem;
 use crate::kernels::storage::{storage_of, tensor_of};
 
@@ -121,33 +122,7 @@ fn with_layer<T: Elem, R>(
     let host = Host::new(&ts)?;
     // Biases and adapters follow ln1, ln2, cos, sin and the projections' weights.
     let mut next = 4 + lins.len();
-    let mut lin = Vec::with_capacity(lins.len());
-    for (i, p) in lins.iter().enumerate() {
-        let mut take = || {
-            next += 1;
-            host.slice::<T>(next - 1)
-        };
-        let b = match p.bias() {
-            Some(_) => Some(take()?),
-            None => None,
-        };
-        let ad = match &p.lora {
-            Some(ad) => Some(layer::Adapter {
-                a: take()?,
-                b: take()?,
-                scale: T::from_f64(ad.scale),
-                dropout: ad.dropout,
-            }),
-            None => None,
-        };
-        lin.push(layer::Lin {
-            w: host.slice::<T>(4 + i)?,
-            b,
-            ad,
-            train_base: p.weight().track_op(),
-            bf16,
-        });
-    }
+    let lin = host_lins::<T>(&host, &lins, &mut next, bf16)?;
     let qk_norm = match l.qk_norm {
         Some(_) => {
             next += 2;
@@ -183,24 +158,7 @@ fn with_layer<T: Elem, R>(
         attn: [lin[0], lin[1], lin[2], lin[3]],
         mlp,
     };
-    let d = layer::Dims {
-        batch,
-        seq,
-        hidden: args.hidden_size,
-        heads: args.num_attention_heads,
-        kv_heads: args.num_key_value_heads,
-        head_dim: args.head_dim,
-        inter: match (&args.moe, experts) {
-            (Some(m), Some(_)) => m.moe_intermediate_size,
-            _ => args.intermediate_size,
-        },
-        eps: args.rms_norm_eps,
-        norm_offset: args.arch.norm_offset(),
-        gelu: args.arch.gemma(),
-        attn_scale: args.attn_scale(),
-        window: l.window,
-        bf16,
-    };
+    let d = layer_dims(args, l, dims, bf16);
     let cx = layer::Context {
         cos: host.slice::<T>(2)?,
         sin: host.slice::<T>(3)?,
@@ -210,6 +168,72 @@ fn with_layer<T: Elem, R>(
         },
     };
     f(&w, &d, &cx)
+}
+
+/// The hand-written layer's view of projections `lins`: each one's weight (host slice `4 + i`)
+/// and, from slice `next` on, its bias and adapter (A, B) where present; `next` moves past them.
+fn host_lins<'a, T: Elem>(
+    host: &'a Host,
+    lins: &[&Proj],
+    next: &mut usize,
+    bf16: bool,
+) -> Result<Vec<layer::Lin<'a, T>>> {
+    let mut out = Vec::with_capacity(lins.len());
+    for (i, p) in lins.iter().enumerate() {
+        let mut take = || {
+            *next += 1;
+            host.slice::<T>(*next - 1)
+        };
+        let b = match p.bias() {
+            Some(_) => Some(take()?),
+            None => None,
+        };
+        let ad = match &p.lora {
+            Some(ad) => Some(layer::Adapter {
+                a: take()?,
+                b: take()?,
+                scale: T::from_f64(ad.scale),
+                dropout: ad.dropout,
+            }),
+            None => None,
+        };
+        out.push(layer::Lin {
+            w: host.slice::<T>(4 + i)?,
+            b,
+            ad,
+            train_base: p.weight().track_op(),
+            bf16,
+        });
+    }
+    Ok(out)
+}
+
+/// The sizes of a call of layer `l` on `(batch, seq)` tokens (a layer of experts' MLP width is
+/// `moe_intermediate_size`).
+fn layer_dims(
+    args: &ModelArgs,
+    l: &Block,
+    (batch, seq): (usize, usize),
+    bf16: bool,
+) -> layer::Dims {
+    layer::Dims {
+        batch,
+        seq,
+        hidden: args.hidden_size,
+        heads: args.num_attention_heads,
+        kv_heads: args.num_key_value_heads,
+        head_dim: args.head_dim,
+        inter: match (&args.moe, l.experts()) {
+            (Some(m), Some(_)) => m.moe_intermediate_size,
+            _ => args.intermediate_size,
+        },
+        eps: args.rms_norm_eps,
+        norm_offset: args.arch.norm_offset(),
+        gelu: args.arch.gemma(),
+        attn_scale: args.attn_scale(),
+        window: l.window,
+        bf16,
+    }
 }
 
 /// Layer `l` on `x` without a graph through the hand-written layer (CPU f32/f64; the caller

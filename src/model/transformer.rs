@@ -552,7 +552,6 @@ impl CausalLm {
     ) -> Result<Tensor> {
         let (b, t) = input_ids.dims2()?;
         let past = cache.as_ref().map(|c| c.len()).unwrap_or(0);
-        let s = past + t;
         let a = &self.args;
         // Per layer kind (0: full, 1: sliding window): rotary tables [b, 1, t, head_dim] and
         // which keys each query sees.
@@ -566,31 +565,7 @@ impl CausalLm {
             Keys::Mask(m) => Some((*m).clone()),
             Keys::Packed(_) => None,
         };
-        let masks: [Mask; 2] = match keys {
-            Keys::Mask(key_mask) => {
-                if key_mask.dims2()? != (b, s) {
-                    return Err(candle_core::Error::Msg(format!(
-                        "key_mask must be [{b}, {s}] (batch, past + new), got {:?}",
-                        key_mask.dims()
-                    )));
-                }
-                // [b, 1, t, s] each: built where the model is (no host loop, no copy up on a GPU)
-                let bias = |w: Option<usize>| -> Result<Tensor> {
-                    if !self.device.is_cpu() {
-                        return self.attention_bias_on_device(key_mask, t, past, w);
-                    }
-                    let km: Vec<f32> = key_mask.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-                    self.attention_bias(&km, b, t, past, w)
-                };
-                let full = Mask::Bias(bias(None)?);
-                let sliding = match a.sliding_window {
-                    Some(w) => Mask::Bias(bias(Some(w))?),
-                    None => full.clone(),
-                };
-                [full, sliding]
-            }
-            Keys::Packed(segs) => [Mask::Packed(segs.clone()), Mask::Packed(segs)],
-        };
+        let masks = self.masks(keys, (b, t), past)?;
         let mut x = self.embed.embedding(&input_ids.flatten_all()?)?.reshape((
             b,
             t,
@@ -684,13 +659,47 @@ impl CausalLm {
             // Which tokens count: the real ones (packed sequences have no padding).
             let real = keys_mask.map(|m| m.flatten_all()).transpose()?;
             let loss = self.router_aux_loss(&router, real.as_ref())?;
-            *self
-                .router_aux
-                .lock()
-                .map_err(|_| candle_core::Error::Msg("router loss slot poisoned".into()))? =
-                Some(loss);
+            *self.router_aux_slot()? = Some(loss);
         }
         norm(&x, &self.norm, a)
+    }
+
+    /// Which keys each query of a forward sees, per layer kind (0: full, 1: sliding window):
+    /// for a key mask `[b, past + t]`, attention biases `[b, 1, t, past + t]` built where the
+    /// model is (no host loop, no copy up on a GPU); packed sequences as they are.
+    fn masks(&self, keys: Keys, (b, t): (usize, usize), past: usize) -> Result<[Mask; 2]> {
+        let s = past + t;
+        Ok(match keys {
+            Keys::Mask(key_mask) => {
+                if key_mask.dims2()? != (b, s) {
+                    return Err(candle_core::Error::Msg(format!(
+                        "key_mask must be [{b}, {s}] (batch, past + new), got {:?}",
+                        key_mask.dims()
+                    )));
+                }
+                let bias = |w: Option<usize>| -> Result<Tensor> {
+                    if !self.device.is_cpu() {
+                        return self.attention_bias_on_device(key_mask, t, past, w);
+                    }
+                    let km: Vec<f32> = key_mask.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+                    self.attention_bias(&km, b, t, past, w)
+                };
+                let full = Mask::Bias(bias(None)?);
+                let sliding = match self.args.sliding_window {
+                    Some(w) => Mask::Bias(bias(Some(w))?),
+                    None => full.clone(),
+                };
+                [full, sliding]
+            }
+            Keys::Packed(segs) => [Mask::Packed(segs.clone()), Mask::Packed(segs)],
+        })
+    }
+
+    /// The slot of the latest training forward's router loss, locked.
+    fn router_aux_slot(&self) -> Result<std::sync::MutexGuard<'_, Option<Tensor>>> {
+        self.router_aux
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("router loss slot poisoned".into()))
     }
 
     /// `router_aux_loss_coef` where a Qwen3-MoE model's config asks for the router's
@@ -703,11 +712,7 @@ impl CausalLm {
     /// gradient to the routers and everything below them), taken out: `None` where the model's
     /// config does not ask for it or no training forward ran since the last take.
     pub fn take_router_aux_loss(&self) -> Result<Option<Tensor>> {
-        Ok(self
-            .router_aux
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("router loss slot poisoned".into()))?
-            .take())
+        Ok(self.router_aux_slot()?.take())
     }
 
     /// The router's load-balancing loss as transformers' `load_balancing_loss_func` computes it

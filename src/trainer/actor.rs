@@ -404,9 +404,7 @@ impl Actor {
                 let out = d.micro_loss(teacher, topk.as_ref(), inputs, rows, norm, w)?;
                 loss = d.add_to(loss, &mut scalars, out)?;
             }
-            if let Some(coef) = model.router_aux_coef() {
-                loss = add_router_aux_loss(model, loss, coef, rows.len(), norm, &mut scalars)?;
-            }
+            loss = add_router_aux_loss(model, loss, rows.len(), norm, &mut scalars)?;
             scalars.push(("actor/loss", scalar(&loss)?));
             Ok(MicroLoss {
                 loss,
@@ -421,19 +419,22 @@ impl Actor {
     }
 }
 
-/// `loss` plus `coef` times the router's load-balancing loss of the micro-batch's forward (a
-/// Qwen3-MoE actor whose config sets `output_router_logits`), as transformers adds it to a loss
-/// from labels; reported as `actor/router_aux_loss`. On the global-normalisation path, where
+/// `loss` plus `router_aux_loss_coef` times the router's load-balancing loss of the
+/// micro-batch's forward where the model's config asks for it (a Qwen3-MoE actor with
+/// `output_router_logits`), as transformers adds it to a loss from labels; reported as
+/// `actor/router_aux_loss`; `loss` as it is otherwise. On the global-normalisation path, where
 /// micro-batch losses are summed unscaled, each micro-batch's term is weighted by its share of
 /// the mini-batch's sequences, so that the mini-batch carries the mean of its micro-batches'.
 fn add_router_aux_loss(
     model: &CausalLm,
     loss: Tensor,
-    coef: f64,
     rows: usize,
     norm: AggNorm,
     scalars: &mut Vec<(&'static str, f64)>,
 ) -> candle_core::Result<Tensor> {
+    let Some(coef) = model.router_aux_coef() else {
+        return Ok(loss);
+    };
     let Some(aux) = model.take_router_aux_loss()? else {
         return Err(candle_core::Error::Msg(
             "the model's config asks for the router's load-balancing loss (output_router_logits), \

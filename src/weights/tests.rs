@@ -198,6 +198,63 @@ pub(super) fn write_gguf(
     write_gguf_with(vm, args, path, dtype, false)
 }
 
+/// llama.cpp's name of a (non-expert) tensor of an HF checkpoint.
+fn gguf_name(name: &str) -> String {
+    match name {
+        "model.embed_tokens.weight" => return "token_embd.weight".into(),
+        "model.norm.weight" => return "output_norm.weight".into(),
+        "lm_head.weight" => return "output.weight".into(),
+        _ => {}
+    }
+    let rest = name.strip_prefix("model.layers.").unwrap();
+    let (n, part) = rest.split_once('.').unwrap();
+    let p = match part {
+        "input_layernorm.weight" => "attn_norm.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "self_attn.q_norm.weight" => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" => "attn_k_norm.weight",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        "mlp.gate.weight" => "ffn_gate_inp.weight",
+        other => panic!("unexpected {other}"),
+    };
+    format!("blk.{n}.{p}")
+}
+
+/// Each stack of experts' matrices (`(expert, [out, in])` under its GGUF name) as one
+/// `[experts, out, in]` tensor; with `fused`, a layer's gate and up stacks as one
+/// `ffn_gate_up_exps` `[experts, 2·out, in]`, gate rows first.
+fn stacked_experts(
+    stacks: std::collections::BTreeMap<String, Vec<(usize, Tensor)>>,
+    fused: bool,
+) -> std::collections::BTreeMap<String, Tensor> {
+    let mut stacked: std::collections::BTreeMap<String, Tensor> = Default::default();
+    for (gg, mut experts) in stacks {
+        experts.sort_by_key(|(e, _)| *e);
+        let ts: Vec<Tensor> = experts.into_iter().map(|(_, t)| t).collect();
+        stacked.insert(gg, Tensor::stack(&ts, 0).unwrap());
+    }
+    if fused {
+        let gates: Vec<String> = stacked
+            .keys()
+            .filter(|k| k.ends_with("ffn_gate_exps.weight"))
+            .cloned()
+            .collect();
+        for g in gates {
+            let u = g.replace("ffn_gate_exps", "ffn_up_exps");
+            let (gt, ut) = (stacked.remove(&g).unwrap(), stacked.remove(&u).unwrap());
+            let both = Tensor::cat(&[gt, ut], 1).unwrap();
+            stacked.insert(g.replace("ffn_gate_exps", "ffn_gate_up_exps"), both);
+        }
+    }
+    stacked
+}
+
 /// [`write_gguf`]; with `fused_experts`, each layer's experts' gate and up projections as one
 /// `ffn_gate_up_exps` stack `[experts, 2·inter, hidden]` (gate rows first), as newer llama.cpp
 /// converters may write them.
@@ -226,32 +283,7 @@ pub(super) fn write_gguf_with(
             stacks.entry(gg).or_default().push((e.parse().unwrap(), t));
             continue;
         }
-        let gg = if name == "model.embed_tokens.weight" {
-            "token_embd.weight".to_string()
-        } else if name == "model.norm.weight" {
-            "output_norm.weight".to_string()
-        } else if name == "lm_head.weight" {
-            "output.weight".to_string()
-        } else {
-            let rest = name.strip_prefix("model.layers.").unwrap();
-            let (n, part) = rest.split_once('.').unwrap();
-            let p = match part {
-                "input_layernorm.weight" => "attn_norm.weight",
-                "post_attention_layernorm.weight" => "ffn_norm.weight",
-                "self_attn.q_proj.weight" => "attn_q.weight",
-                "self_attn.k_proj.weight" => "attn_k.weight",
-                "self_attn.v_proj.weight" => "attn_v.weight",
-                "self_attn.o_proj.weight" => "attn_output.weight",
-                "self_attn.q_norm.weight" => "attn_q_norm.weight",
-                "self_attn.k_norm.weight" => "attn_k_norm.weight",
-                "mlp.gate_proj.weight" => "ffn_gate.weight",
-                "mlp.up_proj.weight" => "ffn_up.weight",
-                "mlp.down_proj.weight" => "ffn_down.weight",
-                "mlp.gate.weight" => "ffn_gate_inp.weight",
-                other => panic!("unexpected {other}"),
-            };
-            format!("blk.{n}.{p}")
-        };
+        let gg = gguf_name(name);
         // llama.cpp permutes q/k rows for Llama only (Qwen rotates as HF does).
         let llama = args.arch == Arch::Llama;
         let t = if llama && gg.ends_with("attn_q.weight") {
@@ -273,26 +305,7 @@ pub(super) fn write_gguf_with(
         .unwrap();
         tensors.push((gg, q));
     }
-    let mut stacked: std::collections::BTreeMap<String, Tensor> = Default::default();
-    for (gg, mut experts) in stacks {
-        experts.sort_by_key(|(e, _)| *e);
-        let ts: Vec<Tensor> = experts.into_iter().map(|(_, t)| t).collect();
-        stacked.insert(gg, Tensor::stack(&ts, 0).unwrap());
-    }
-    if fused_experts {
-        let gates: Vec<String> = stacked
-            .keys()
-            .filter(|k| k.ends_with("ffn_gate_exps.weight"))
-            .cloned()
-            .collect();
-        for g in gates {
-            let u = g.replace("ffn_gate_exps", "ffn_up_exps");
-            let (gt, ut) = (stacked.remove(&g).unwrap(), stacked.remove(&u).unwrap());
-            let fused = Tensor::cat(&[gt, ut], 1).unwrap();
-            stacked.insert(g.replace("ffn_gate_exps", "ffn_gate_up_exps"), fused);
-        }
-    }
-    for (gg, t) in stacked {
+    for (gg, t) in stacked_experts(stacks, fused_experts) {
         tensors.push((gg, QTensor::quantize(&t, dtype).unwrap()));
     }
     let tok = crate::testing::byte_tokenizer();
