@@ -422,6 +422,120 @@ fn experts_step<T: Elem>(e: &ExpertMats<T>, x: &mut [T], hn: &[T], m: usize, h: 
     }
 }
 
+/// Each token of a ragged step as (sequence, position, id), `[M]` each; an empty sequence or an
+/// id outside the vocabulary is an error.
+type Layout = (Vec<usize>, Vec<usize>, Vec<u32>);
+fn token_layout<C>(tokens: &[&[u32]], caches: &[&mut SeqCache<C>], vocab: usize) -> Result<Layout> {
+    let (mut seq, mut pos, mut ids) = (Vec::new(), Vec::new(), Vec::new());
+    for (s, (t, c)) in tokens.iter().zip(caches.iter()).enumerate() {
+        if t.is_empty() {
+            candle_core::bail!("sequence {s} brings no token");
+        }
+        for (j, &id) in t.iter().enumerate() {
+            if id as usize >= vocab {
+                candle_core::bail!("token id {id} outside the vocabulary ({vocab})");
+            }
+            seq.push(s);
+            pos.push(c.len + j);
+            ids.push(id);
+        }
+    }
+    Ok((seq, pos, ids))
+}
+
+/// Rotary tables for tokens at positions `pos`: `(cos, sin)` `[M, head_dim / 2]` each, computed
+/// in f64 and rounded once to T (the transformer's values).
+fn rotary_tables<T: Elem>(pos: &[usize], freqs: &[f64]) -> (Vec<T>, Vec<T>) {
+    let half = freqs.len();
+    let mut cos = vec![T::zero(); pos.len() * half];
+    let mut sin = vec![T::zero(); pos.len() * half];
+    for (i, &p) in pos.iter().enumerate() {
+        for (f, &inv) in freqs.iter().enumerate() {
+            let ang = p as f64 * inv;
+            cos[i * half + f] = T::from_f64(ang.cos());
+            sin[i * half + f] = T::from_f64(ang.sin());
+        }
+    }
+    (cos, sin)
+}
+
+/// `m[r] += b` for every row `r` of `m` (rows of `b.len()`).
+fn add_to_rows<T: Elem>(m: &mut [T], b: &[T]) {
+    m.par_chunks_mut(b.len()).for_each(|row| {
+        row.iter_mut().zip(b).for_each(|(v, &bb)| *v += bb);
+    });
+}
+
+/// RoPE on the q and k heads of every token's `q|k|v` row (`(dq, dkv, hd)` widths; half-split
+/// layout, as HF), after each head's RMSNorm where the model has q/k norms.
+fn norm_and_rotate<T: Elem>(
+    qkv: &mut [T],
+    (dq, dkv, hd): (usize, usize, usize),
+    qk_norm: Option<&(Vec<T>, Vec<T>)>,
+    (cos, sin): &(Vec<T>, Vec<T>),
+    eps: f64,
+) {
+    let half = hd / 2;
+    let (eps, hd_t) = (T::from_f64(eps), T::from_f64(hd as f64));
+    qkv.par_chunks_mut(dq + 2 * dkv)
+        .enumerate()
+        .for_each(|(i, row)| {
+            let (c, s) = (&cos[i * half..][..half], &sin[i * half..][..half]);
+            vectorized(
+                #[inline(always)]
+                || {
+                    for (j, head) in row[..dq + dkv].chunks_mut(hd).enumerate() {
+                        if let Some((qn, kn)) = qk_norm {
+                            let w = if j * hd < dq { qn } else { kn };
+                            let ss = head.iter().fold(T::zero(), |s, &v| s + v * v);
+                            let inv = (ss / hd_t + eps).sqrt().recip();
+                            for (v, &wv) in head.iter_mut().zip(w) {
+                                *v = *v * inv * wv;
+                            }
+                        }
+                        let (x1, x2) = head.split_at_mut(half);
+                        for f in 0..half {
+                            let (u, w) = (x1[f], x2[f]);
+                            x1[f] = u * c[f] - w * s[f];
+                            x2[f] = w * c[f] + u * s[f];
+                        }
+                    }
+                },
+            )
+        });
+}
+
+/// Attention of layer `li` for every token `i` (of sequence `seq[i]` at position `pos[i]`) into
+/// `att` `[M, dq]`: its query heads over its sequence's keys 0..=pos[i] (causal, no padding;
+/// a sliding-window layer the last `window` of them), one job per token, each cached row read
+/// once, in order. Row r of a layer's cache holds position `first[li] + r` (a sliding layer's
+/// cache starts at the oldest position a query can still see).
+#[allow(clippy::too_many_arguments)]
+fn attend_tokens<T: Elem, C: KvElem<T>>(
+    att: &mut [T],
+    qkv: &[T],
+    caches: &[&mut SeqCache<C>],
+    li: usize,
+    (seq, pos): (&[usize], &[usize]),
+    (dq, dkv, hd): (usize, usize, usize),
+    window: Option<usize>,
+    scale: T,
+) {
+    let dqkv = dq + 2 * dkv;
+    att.par_chunks_mut(dq).enumerate().for_each(|(i, out)| {
+        let c = &caches[seq[i]];
+        let first = window.map_or(0, |w| (pos[i] + 1).saturating_sub(w));
+        let at = first - c.first[li];
+        let kv = Kv {
+            ks: &c.k[li][at * dkv..],
+            vs: &c.v[li][at * dkv..],
+            n: pos[i] + 1 - first,
+            width: dkv,
+        };
+        attend(&qkv[i * dqkv..][..dq], &kv, hd, scale, out);
+    });
+}
+
 /// The gated MLP's activation: `act[m, inter] = f(gate) ⊙ up` from `gu` `[m, 2·inter]` (gate
 /// columns, then up columns), `f` GELU (tanh) for Gemma, else SiLU; rows in parallel.
 fn gated_act<T: Elem>(act: &mut [T], gu: &[T], inter: usize, gelu: bool) {
@@ -594,41 +708,13 @@ impl<T: Elem> Packed<T> {
         if tokens.len() != caches.len() {
             candle_core::bail!("{} token lists for {} caches", tokens.len(), caches.len());
         }
-        // Token m belongs to sequence seq[m] at position pos[m]: [M].
-        let mut seq = Vec::new();
-        let mut pos = Vec::new();
-        let mut ids = Vec::new();
-        for (s, (t, c)) in tokens.iter().zip(caches.iter()).enumerate() {
-            if t.is_empty() {
-                candle_core::bail!("sequence {s} brings no token");
-            }
-            for (j, &id) in t.iter().enumerate() {
-                if id as usize >= a.vocab_size {
-                    candle_core::bail!("token id {id} outside the vocabulary ({})", a.vocab_size);
-                }
-                seq.push(s);
-                pos.push(c.len + j);
-                ids.push(id);
-            }
-        }
+        let (seq, pos, ids) = token_layout(tokens, caches, a.vocab_size)?;
         let m = ids.len();
-        // Rotary tables for each token: [M, head_dim / 2], computed in f64 and rounded once to T
-        // (the transformer's values).
-        let half = hd / 2;
-        let tables = |freqs: &[f64]| {
-            let mut cos = vec![T::zero(); m * half];
-            let mut sin = vec![T::zero(); m * half];
-            for (i, &p) in pos.iter().enumerate() {
-                for (f, &inv) in freqs.iter().enumerate() {
-                    let ang = p as f64 * inv;
-                    cos[i * half + f] = T::from_f64(ang.cos());
-                    sin[i * half + f] = T::from_f64(ang.sin());
-                }
-            }
-            (cos, sin)
-        };
-        let global = tables(&self.inv_freq);
-        let local = self.inv_freq_local.as_deref().map(tables);
+        let global = rotary_tables::<T>(&pos, &self.inv_freq);
+        let local = self
+            .inv_freq_local
+            .as_deref()
+            .map(|f| rotary_tables::<T>(&pos, f));
         let mut x = vec![T::zero(); m * h]; // [M, hidden]
         for (i, &id) in ids.iter().enumerate() {
             let r = id as usize * h;
@@ -655,88 +741,48 @@ impl<T: Elem> Packed<T> {
             rms_norm(&mut hn, &x, &l.ln1, a.rms_norm_eps);
             l.qkv.apply(&mut qkv, &hn, m, h, dqkv, false);
             if let Some(b) = &l.qkv_bias {
-                qkv.par_chunks_mut(dqkv).for_each(|row| {
-                    row.iter_mut().zip(b).for_each(|(v, &bb)| *v += bb);
-                });
+                add_to_rows(&mut qkv, b);
             }
-            // RoPE on the q and k heads of every token (half-split layout, as HF), after each
-            // head's RMSNorm where the model has q/k norms.
-            let (eps, hd_t) = (T::from_f64(a.rms_norm_eps), T::from_f64(hd as f64));
-            let (cos, sin) = match (&local, l.local_rope) {
+            let tables = match (&local, l.local_rope) {
                 (Some(t), true) => t,
                 _ => &global,
             };
-            qkv.par_chunks_mut(dqkv).enumerate().for_each(|(i, row)| {
-                let (c, s) = (
-                    &cos[i * half..(i + 1) * half],
-                    &sin[i * half..(i + 1) * half],
-                );
-                vectorized(
-                    #[inline(always)]
-                    || {
-                        for (j, head) in row[..dq + dkv].chunks_mut(hd).enumerate() {
-                            if let Some((qn, kn)) = &l.qk_norm {
-                                let w = if j * hd < dq { qn } else { kn };
-                                let ss = head.iter().fold(T::zero(), |s, &v| s + v * v);
-                                let inv = (ss / hd_t + eps).sqrt().recip();
-                                for (v, &wv) in head.iter_mut().zip(w) {
-                                    *v = *v * inv * wv;
-                                }
-                            }
-                            let (x1, x2) = head.split_at_mut(half);
-                            for f in 0..half {
-                                let (u, w) = (x1[f], x2[f]);
-                                x1[f] = u * c[f] - w * s[f];
-                                x2[f] = w * c[f] + u * s[f];
-                            }
-                        }
-                    },
-                )
-            });
+            norm_and_rotate(
+                &mut qkv,
+                (dq, dkv, hd),
+                l.qk_norm.as_ref(),
+                tables,
+                a.rms_norm_eps,
+            );
             // New keys and values join their sequence's cache, in token order.
             for (i, row) in qkv.chunks(dqkv).enumerate() {
                 let c = &mut caches[seq[i]];
                 c.k[li].extend(row[dq..dq + dkv].iter().map(|&x| C::store(x)));
                 c.v[li].extend(row[dq + dkv..].iter().map(|&x| C::store(x)));
             }
-            // Attention: token i, head hh reads its sequence's keys 0..=pos[i] (causal, no pad).
-            // Row r of a layer's cache holds position `kept_from + r` (a sliding layer's cache
-            // starts at the oldest position a query can still see).
-            let views: Vec<(&[C], &[C], usize)> = caches
-                .iter()
-                .map(|c| (c.k[li].as_slice(), c.v[li].as_slice(), c.first[li]))
-                .collect();
-            // One job per token: all its query heads read each cached row once, in order.
-            att.par_chunks_mut(dq).enumerate().for_each(|(i, out)| {
-                let q = &qkv[i * dqkv..][..dq];
-                let (ks, vs, kept_from) = views[seq[i]];
-                // A sliding-window layer reads the last `window` positions only.
-                let first = l.window.map_or(0, |w| (pos[i] + 1).saturating_sub(w));
-                let at = first - kept_from;
-                let kv = Kv {
-                    ks: &ks[at * dkv..],
-                    vs: &vs[at * dkv..],
-                    n: pos[i] + 1 - first,
-                    width: dkv,
-                };
-                attend(q, &kv, hd, scale, out);
-            });
+            let tokens_at = (seq.as_slice(), pos.as_slice());
+            attend_tokens(
+                &mut att,
+                &qkv,
+                caches,
+                li,
+                tokens_at,
+                (dq, dkv, hd),
+                l.window,
+                scale,
+            );
             match &l.sandwich {
                 Some((pa, _)) => {
                     l.o.apply(&mut out_pre, &att, m, dq, h, false);
                     if let Some(b) = &l.o_bias {
-                        out_pre.par_chunks_mut(h).for_each(|row| {
-                            row.iter_mut().zip(b).for_each(|(v, &bb)| *v += bb);
-                        });
+                        add_to_rows(&mut out_pre, b);
                     }
                     add_normed(&mut x, &out_pre, pa, &mut hn, a.rms_norm_eps);
                 }
                 None => {
                     l.o.apply(&mut x, &att, m, dq, h, true);
                     if let Some(b) = &l.o_bias {
-                        x.par_chunks_mut(h).for_each(|row| {
-                            row.iter_mut().zip(b).for_each(|(v, &bb)| *v += bb);
-                        });
+                        add_to_rows(&mut x, b);
                     }
                 }
             }
@@ -761,7 +807,13 @@ impl<T: Elem> Packed<T> {
                 c.trim(li, dkv);
             }
         }
-        // The last new token of each sequence: final norm, LM head.
+        Ok(self.last_logits(&x, tokens))
+    }
+
+    /// The logits of the last new token of each sequence (final norm, LM head) from the
+    /// step's hidden states `x` `[M, hidden]`: `[S][vocab]`.
+    fn last_logits(&self, x: &[T], tokens: &[&[u32]]) -> Vec<Vec<f32>> {
+        let (h, vocab) = (self.args.hidden_size, self.args.vocab_size);
         let mut last = Vec::with_capacity(tokens.len() * h); // [S, hidden]
         let mut end = 0;
         for t in tokens {
@@ -770,18 +822,17 @@ impl<T: Elem> Packed<T> {
         }
         let s = tokens.len();
         let mut ln = vec![T::zero(); s * h];
-        rms_norm(&mut ln, &last, &self.norm, a.rms_norm_eps);
-        let vocab = a.vocab_size;
+        rms_norm(&mut ln, &last, &self.norm, self.args.rms_norm_eps);
         let mut logits = vec![T::zero(); s * vocab]; // [S, vocab]
         self.out.apply(&mut logits, &ln, s, h, vocab, false);
-        Ok(logits
+        logits
             .chunks(vocab)
             .map(|r| {
                 r.iter()
                     .map(|&v| <T as WithDType>::to_f64(v) as f32)
                     .collect()
             })
-            .collect())
+            .collect()
     }
 }
 

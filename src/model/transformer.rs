@@ -629,10 +629,13 @@ impl CausalLm {
             let routed = aux && training;
             x = match path {
                 LayerPath::Op { fused, recompute } => {
-                    let m = match (fused, keys()?) {
-                        (true, _) => mask.clone(),
-                        (false, AttnKeys::Bias(b)) => Mask::Bias(b),
-                        (false, AttnKeys::Packed { .. }) => mask.clone(),
+                    // The hand-written layer reads the mask as it is: no bias is built for it.
+                    let m = match fused {
+                        true => mask.clone(),
+                        false => match keys()? {
+                            AttnKeys::Bias(b) => Mask::Bias(b),
+                            AttnKeys::Packed { .. } => mask.clone(),
+                        },
                     };
                     let rope_mask = (cos, sin, &m);
                     let flags = (recompute, fused, bf);
@@ -655,13 +658,21 @@ impl CausalLm {
         if let Some(st) = stages {
             st.push(x.clone());
         }
-        if !router.is_empty() {
-            // Which tokens count: the real ones (packed sequences have no padding).
-            let real = keys_mask.map(|m| m.flatten_all()).transpose()?;
-            let loss = self.router_aux_loss(&router, real.as_ref())?;
-            *self.router_aux_slot()? = Some(loss);
-        }
+        self.keep_router_aux(&router, keys_mask)?;
         norm(&x, &self.norm, a)
+    }
+
+    /// Keeps the router's load-balancing loss of a training forward from its layers of
+    /// experts' logits `router` (none: nothing to keep), over the real tokens of `key_mask`
+    /// (packed sequences have no padding) for [`CausalLm::take_router_aux_loss`].
+    fn keep_router_aux(&self, router: &[Tensor], key_mask: Option<Tensor>) -> Result<()> {
+        if router.is_empty() {
+            return Ok(());
+        }
+        let real = key_mask.map(|m| m.flatten_all()).transpose()?;
+        let loss = self.router_aux_loss(router, real.as_ref())?;
+        *self.router_aux_slot()? = Some(loss);
+        Ok(())
     }
 
     /// Which keys each query of a forward sees, per layer kind (0: full, 1: sliding window):
