@@ -8,6 +8,16 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer};
 
 /// Qwen2-style ChatML template (system turn defaulted, generation prompt on request).
+/// Every decoder family, for tests that check a property of each (tiny models from
+/// `ModelArgs::tiny`).
+pub const DECODER_ARCHS: [crate::model::Arch; 5] = [
+    crate::model::Arch::Llama,
+    crate::model::Arch::Qwen2,
+    crate::model::Arch::Qwen3,
+    crate::model::Arch::Gemma3,
+    crate::model::Arch::Qwen3Moe,
+];
+
 pub const CHATML: &str = "{%- if messages[0]['role'] == 'system' %}\n    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n{%- else %}\n    {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}\n{%- endif %}\n{%- for message in messages %}\n    {%- if not (message.role == 'system' and loop.first) %}\n        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n";
 
 /// GPT-2's byte → printable-character table.

@@ -795,13 +795,7 @@ mod tests {
     /// tensor's largest value.
     #[test]
     fn the_hand_written_layer_equals_the_composition() {
-        for arch in [
-            Arch::Llama,
-            Arch::Qwen2,
-            Arch::Qwen3,
-            Arch::Gemma3,
-            Arch::Qwen3Moe,
-        ] {
+        for arch in crate::testing::DECODER_ARCHS {
             let args = ModelArgs::tiny(arch, 30);
             let (_vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
             let l = &m.blocks()[0];

@@ -433,13 +433,7 @@ mod tests {
     /// Qwen3-MoE (routed experts, one dense layer).
     #[test]
     fn packed_path_equals_the_composition() {
-        for arch in [
-            Arch::Llama,
-            Arch::Qwen2,
-            Arch::Qwen3,
-            Arch::Gemma3,
-            Arch::Qwen3Moe,
-        ] {
+        for arch in crate::testing::DECODER_ARCHS {
             let args = ModelArgs::tiny(arch, 50);
             let (_vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.5);
             let ps = prompts(6, 50, 2);

@@ -1071,13 +1071,7 @@ pub(crate) mod tests {
     /// dense layer among its expert layers included).
     #[test]
     fn projections_from_the_config_are_the_models() {
-        for arch in [
-            Arch::Llama,
-            Arch::Qwen2,
-            Arch::Qwen3,
-            Arch::Gemma3,
-            Arch::Qwen3Moe,
-        ] {
+        for arch in crate::testing::DECODER_ARCHS {
             let mut args = ModelArgs::tiny(arch, 30);
             args.head_dim = 4; // q_proj [16, 32]: not square
             let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
