@@ -477,29 +477,18 @@ fn assert_resume_bit_exact(fx: &Fixture, extra: &[&str]) -> (Vec<(u64, Metrics)>
 
     // Interrupted after step 2 (a fresh checkpoint folder), then resumed for steps 3 and 4.
     let fx2 = fixture_like(fx);
-    let stop = Arc::new(AtomicBool::new(false));
-    let sink: Box<dyn MetricSink + Send> = Box::new(StopAt(2, stop.clone()));
-    let mut b = Trainer::new(
-        config(&fx2, extra),
-        TrainerOptions {
-            natives: natives(),
-            stop: stop.clone(),
-            tracker: Some(Tracker::with_sinks(vec![("stop".into(), sink)])),
-            ..TrainerOptions::default()
-        },
-    )
-    .unwrap();
-    let out = b.fit().unwrap();
-    assert!(
-        matches!(out, FitOutcome::Interrupted { step: 2, .. }),
-        "{out:?}"
-    );
-    let mut history = b.history.clone();
-    drop(b);
-    let mut c = trainer(&fx2, extra, None);
-    assert_eq!(c.global_step, 2, "resumed from step 2");
-    assert_eq!(c.fit().unwrap(), FitOutcome::Finished { steps: 4 });
-    history.extend(c.history.iter().cloned());
+    let (history, c) = stopped_at_2_then_resumed(&fx2, |fx, stop, tracker| {
+        Trainer::new(
+            config(fx, extra),
+            TrainerOptions {
+                natives: natives(),
+                stop,
+                tracker: Some(tracker),
+                ..TrainerOptions::default()
+            },
+        )
+        .unwrap()
+    });
     let resumed_dir = crate::checkpoint::step_dir(&c.plan.default_local_dir, 4);
     let resumed = (
         weights(&c.actor.trainable.varmap),
@@ -526,6 +515,30 @@ fn assert_resume_bit_exact(fx: &Fixture, extra: &[&str]) -> (Vec<(u64, Metrics)>
     }
     assert_eq!(straight.4, resumed.4, "KL controller");
     (full_history, root)
+}
+
+/// A 4-step run on `fx` stopped after step 2 (a metric sink raises the stop flag), then resumed
+/// from its checkpoint in a new trainer; both made by `make(fixture, stop flag, tracker)`.
+/// Returns the two parts' metrics in order and the resumed trainer, finished.
+fn stopped_at_2_then_resumed(
+    fx: &Fixture,
+    make: impl Fn(&Fixture, Arc<AtomicBool>, Tracker) -> Trainer,
+) -> (VecDeque<(u64, Metrics)>, Trainer) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let sink: Box<dyn MetricSink + Send> = Box::new(StopAt(2, stop.clone()));
+    let mut b = make(fx, stop, Tracker::with_sinks(vec![("stop".into(), sink)]));
+    let out = b.fit().unwrap();
+    assert!(
+        matches!(out, FitOutcome::Interrupted { step: 2, .. }),
+        "{out:?}"
+    );
+    let mut history = b.history.clone();
+    drop(b);
+    let mut c = make(fx, Default::default(), Tracker::with_sinks(Vec::new()));
+    assert_eq!(c.global_step, 2, "resumed from step 2");
+    assert_eq!(c.fit().unwrap(), FitOutcome::Finished { steps: 4 });
+    history.extend(c.history.iter().cloned());
+    (history, c)
 }
 
 /// The same model and data as `fx` in a new folder (its own checkpoints).

@@ -142,20 +142,9 @@ fn a_dynamic_sampling_run_resumes_bit_exact() {
     drop(a);
 
     let fx2 = fixture_like(&fx);
-    let stop = Arc::new(AtomicBool::new(false));
-    let sink: Box<dyn MetricSink + Send> = Box::new(StopAt(2, stop.clone()));
-    let tracker = Tracker::with_sinks(vec![("stop".into(), sink)]);
-    let mut b = dapo_trainer(&fx2, extra, stop, tracker).unwrap();
-    assert!(matches!(
-        b.fit().unwrap(),
-        FitOutcome::Interrupted { step: 2, .. }
-    ));
-    let mut history = b.history.clone();
-    drop(b);
-    let mut c = dapo_trainer(&fx2, extra, Default::default(), quiet()).unwrap();
-    assert_eq!(c.global_step, 2);
-    assert_eq!(c.fit().unwrap(), FitOutcome::Finished { steps: 4 });
-    history.extend(c.history.iter().cloned());
+    let (history, c) = stopped_at_2_then_resumed(&fx2, |fx, stop, tracker| {
+        dapo_trainer(fx, extra, stop, tracker).unwrap()
+    });
     let resumed: Vec<_> = history
         .iter()
         .map(|(s, m)| (*s, deterministic(m)))

@@ -380,19 +380,7 @@ fn a_distillation_run_with_dynamic_sampling_resumes_bit_exact() {
     let straight_weights = weights(&a.actor.trainable.varmap);
     drop(a);
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let sink: Box<dyn MetricSink + Send> = Box::new(StopAt(2, stop.clone()));
-    let mut b = make(&fx2, stop, Tracker::with_sinks(vec![("stop".into(), sink)]));
-    assert!(matches!(
-        b.fit().unwrap(),
-        FitOutcome::Interrupted { step: 2, .. }
-    ));
-    let mut history = b.history.clone();
-    drop(b);
-    let mut c = make(&fx2, Default::default(), quiet());
-    assert_eq!(c.global_step, 2);
-    assert_eq!(c.fit().unwrap(), FitOutcome::Finished { steps: 4 });
-    history.extend(c.history.iter().cloned());
+    let (history, c) = stopped_at_2_then_resumed(&fx2, make);
     let resumed: Vec<_> = history
         .iter()
         .map(|(s, m)| (*s, deterministic(m)))
