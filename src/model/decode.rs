@@ -357,42 +357,20 @@ fn add_normed<T: Elem>(x: &mut [T], out: &[T], w: &[T], tmp: &mut [T], eps: f64)
 
 /// GELU with the tanh approximation: `½z(1 + tanh(√(2/π)(z + 0.044715 z³)))`.
 #[inline(always)]
-/// A layer of experts on the normed rows `hn` (`[m, hidden]`), added into `x`: each row's
-/// router softmax (in f64), its `top_k` experts (most probable first, ties by index, as the full
-/// forward's `block::route`), their weights (renormalised over the chosen with
-/// `norm_topk_prob`), and each expert's gated MLP on the rows routed to it only.
+/// A layer of experts on the normed rows `hn` (`[m, hidden]`), added into `x`: each row routed
+/// as the training layer routes it (`layer::route_row`: softmax, top-k most probable first,
+/// ties by index, weights renormalised with `norm_topk_prob`), and each expert's gated MLP on
+/// the rows routed to it only.
 fn experts_step<T: Elem>(e: &ExpertMats<T>, x: &mut [T], hn: &[T], m: usize, h: usize) {
     let n = e.experts.len();
     let mut logits = vec![T::zero(); m * n];
     e.router.apply(&mut logits, hn, m, h, n, false);
     let mut rows_of: Vec<Vec<(usize, T)>> = vec![Vec::new(); n];
-    let mut order: Vec<usize> = Vec::with_capacity(n);
-    for (r, row) in logits.chunks(n).enumerate() {
-        let max = row
-            .iter()
-            .fold(f64::NEG_INFINITY, |a, v| a.max(v.to_f64().unwrap_or(0.0)));
-        let ex: Vec<f64> = row
-            .iter()
-            .map(|v| (v.to_f64().unwrap_or(0.0) - max).exp())
-            .collect();
-        let total: f64 = ex.iter().sum();
-        // The full forward's probabilities are in the model's dtype: round to it before
-        // ordering so that the same experts are chosen.
-        let p: Vec<T> = ex.iter().map(|v| T::from_f64(v / total)).collect();
-        order.clear();
-        order.extend(0..n);
-        order.sort_by(|&a, &b| {
-            p[b].partial_cmp(&p[a])
-                .unwrap_or(std::cmp::Ordering::Equal)
-                .then(a.cmp(&b))
-        });
-        let chosen = &order[..e.top_k];
-        let norm = match e.norm_topk_prob {
-            true => chosen.iter().fold(T::zero(), |s, &i| s + p[i]),
-            false => T::one(),
-        };
-        for &i in chosen {
-            rows_of[i].push((r, p[i] / norm));
+    let (mut chosen, mut weights) = (vec![0usize; e.top_k], vec![T::zero(); e.top_k]);
+    for (r, row) in logits.chunks_mut(n).enumerate() {
+        super::layer::route_row(row, &mut chosen, &mut weights, e.norm_topk_prob);
+        for (&i, &w) in chosen.iter().zip(&weights) {
+            rows_of[i].push((r, w));
         }
     }
     let inter = e.inter;

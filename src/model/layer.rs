@@ -1214,31 +1214,7 @@ fn moe_fwd<T: Elem>(m: &Moe<T>, d: &Dims, h: &[T]) -> (Vec<T>, MoeActs<T>) {
         .par_chunks_mut(e)
         .zip(chosen.par_chunks_mut(k))
         .zip(weights.par_chunks_mut(k))
-        .for_each(|((p, ch), wt)| {
-            let mx = max(p);
-            for v in p.iter_mut() {
-                *v = (*v - mx).exp();
-            }
-            let inv = sum(p).recip();
-            for v in p.iter_mut() {
-                *v *= inv;
-            }
-            let mut order: Vec<usize> = (0..e).collect();
-            order.sort_by(|&a, &b| {
-                let (pa, pb) = (WithDType::to_f64(p[a]), WithDType::to_f64(p[b]));
-                pb.total_cmp(&pa).then(a.cmp(&b))
-            });
-            ch.copy_from_slice(&order[..k]);
-            for (w, &c) in wt.iter_mut().zip(ch.iter()) {
-                *w = p[c];
-            }
-            if m.norm_topk_prob {
-                let s = wt.iter().fold(T::zero(), |s, &v| s + v);
-                for w in wt.iter_mut() {
-                    *w /= s;
-                }
-            }
-        });
+        .for_each(|((p, ch), wt)| route_row(p, ch, wt, m.norm_topk_prob));
     let mut groups: Vec<(Vec<usize>, Vec<usize>)> = vec![(Vec::new(), Vec::new()); e];
     for (s, &c) in chosen.iter().enumerate() {
         groups[c].0.push(s / k);
@@ -1286,6 +1262,42 @@ fn moe_fwd<T: Elem>(m: &Moe<T>, d: &Dims, h: &[T]) -> (Vec<T>, MoeActs<T>) {
         per,
     };
     (y, acts)
+}
+
+/// One token's routing from its router logits `p` (`[experts]`, overwritten with their softmax):
+/// its `chosen.len()` most probable experts, most probable first (equal probabilities: lower
+/// index first, as the composition's `block::route`), into `chosen`, and their probabilities
+/// (renormalised to sum 1 with `norm_topk_prob`) into `weights`. Shared by the training layer and
+/// the decode engine, so both route alike.
+pub(super) fn route_row<T: Elem>(
+    p: &mut [T],
+    chosen: &mut [usize],
+    weights: &mut [T],
+    norm_topk_prob: bool,
+) {
+    let mx = max(p);
+    for v in p.iter_mut() {
+        *v = (*v - mx).exp();
+    }
+    let inv = sum(p).recip();
+    for v in p.iter_mut() {
+        *v *= inv;
+    }
+    let mut order: Vec<usize> = (0..p.len()).collect();
+    order.sort_by(|&a, &b| {
+        let (pa, pb) = (WithDType::to_f64(p[a]), WithDType::to_f64(p[b]));
+        pb.total_cmp(&pa).then(a.cmp(&b))
+    });
+    chosen.copy_from_slice(&order[..chosen.len()]);
+    for (w, &c) in weights.iter_mut().zip(chosen.iter()) {
+        *w = p[c];
+    }
+    if norm_topk_prob {
+        let s = weights.iter().fold(T::zero(), |s, &v| s + v);
+        for w in weights.iter_mut() {
+            *w /= s;
+        }
+    }
 }
 
 /// [`moe_fwd`]'s backward from `dy` `[rows, hidden]`: adds `∂h` into `dh`; returns each
