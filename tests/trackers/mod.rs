@@ -342,6 +342,10 @@ fn swanlab_trackio_and_clearml_read_back_equal_the_file_sink() {
         ("TRACKIO_DIR", d.join("trackio").display().to_string()),
         ("CLEARML_OFFLINE_MODE", "1".to_string()),
         ("CLEARML_CACHE_DIR", d.join("clearml").display().to_string()),
+        // ClearML's offline close packs its session; on a 2-core machine busy with the rest of
+        // the suite it once took over the default 120 s (the run then reports a failed close).
+        ("MAIN_PPO_TRACKER_TIMEOUT_S", "600".to_string()),
+        ("MAIN_PPO_TRACKER_FLUSH_S", "600".to_string()),
     ];
     let py = format!("reward.python={python}");
     for steps in [2, 3] {
