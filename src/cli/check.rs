@@ -67,7 +67,15 @@ impl DataSummary {
         let template =
             bundle.template(cfg.actor_rollout_ref.model.custom_chat_template.as_deref())?;
         // As training reads them (the raw rows above are only counted).
-        let (train, val) = setup::datasets(cfg, plan, &bundle, &template, with_val)?;
+        // The tools are started (and stopped) too: a tool config that does not load fails here.
+        let runner = setup::tool_runner(cfg)?;
+        let rendering = crate::data::AgentRendering {
+            multi_turn: cfg.actor_rollout_ref.rollout.multi_turn.enable,
+            default: cfg.actor_rollout_ref.rollout.agent.default_agent_loop,
+            tools: runner.schemas(),
+        };
+        drop(runner);
+        let (train, val) = setup::datasets(cfg, plan, &bundle, &template, with_val, &rendering)?;
         let val_rows = val.map(|v| v.len());
         setup::total_steps(cfg, plan, train.len())?;
         Ok(Self {

@@ -107,8 +107,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("actor_rollout_ref.ref.pad_to_length", DIST),
     ("actor_rollout_ref.ref.optim", DIST),
     // inference server (vLLM/SGLang) settings
-    ("actor_rollout_ref.rollout.multi_turn.enable", Unsupported { default: "false", why: "multi-turn / tool-calling rollouts are not implemented" }),
-    ("actor_rollout_ref.rollout.multi_turn", DIST),
     ("actor_rollout_ref.rollout.over_sample_rate", Unsupported { default: "0", why: "over-sampling is not implemented" }),
     ("actor_rollout_ref.rollout.name", DIST),
     ("actor_rollout_ref.rollout.mode", DIST),
@@ -132,7 +130,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("actor_rollout_ref.rollout.disable_log_stats", DIST),
     ("actor_rollout_ref.rollout.multi_stage_wake_up", DIST),
     ("actor_rollout_ref.rollout.engine_kwargs", DIST),
-    ("actor_rollout_ref.rollout.agent", DIST),
     ("actor_rollout_ref.rollout.checkpoint_engine", DIST),
     ("actor_rollout_ref.rollout.trace", DIST),
     ("actor_rollout_ref.rollout.skip_tokenizer_init", DIST),

@@ -51,7 +51,10 @@ pub use resolve::{
     Temperatures, UpdatePlan,
 };
 pub use reward::{OnError, RewardConfig, RewardManagerName, RewardSource, RewardSourceType};
-pub use rollout::{RolloutConfig, SamplingConfig};
+pub use rollout::{
+    AgentConfig, AgentLoopName, MultiTurnConfig, RolloutConfig, SamplingConfig, SanityCheckMode,
+    ToolFormat, TruncateSide,
+};
 pub use trainer::{LegacyWorkerImpl, ResumeMode, TrainerConfig};
 
 use crate::defaults;

@@ -441,6 +441,7 @@ fn lengths(errors: &mut Vec<String>, cfg: &Config) -> Lengths {
     if rollout.n == 0 {
         errors.push("`actor_rollout_ref.rollout.n` must be at least 1".into());
     }
+    errors.extend(rollout.multi_turn.check(&rollout.agent));
     if data.train_batch_size == 0 {
         errors.push("`data.train_batch_size` must be at least 1".into());
     }

@@ -81,6 +81,10 @@ pub struct RolloutConfig {
     /// needs them, and with them every step logs how far the rollout's numbers are from the
     /// trainer's (`training/rollout_probs_diff_*`, `rollout_corr/*` diagnostics).
     pub calculate_log_probs: bool,
+    /// The tool agent loop.
+    pub multi_turn: MultiTurnConfig,
+    /// Which agent loop rows run, and the tool workers.
+    pub agent: AgentConfig,
 }
 
 defaults!(RolloutConfig {
@@ -104,4 +108,185 @@ defaults!(RolloutConfig {
     val_kwargs: SamplingConfig::default(),
     dtype: Precision::Fp32,
     calculate_log_probs: true,
+    multi_turn: MultiTurnConfig::default(),
+    agent: AgentConfig::default(),
 });
+
+/// Which side of an overlong tool response `multi_turn.tool_response_truncate_side` keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TruncateSide {
+    /// Keep the end: `(truncated)...` + the last `max_tool_response_length` characters.
+    Left,
+    /// Keep both ends: the first and last `max_tool_response_length / 2` characters around
+    /// `...(truncated)...`.
+    Middle,
+    /// Keep the start: the first `max_tool_response_length` characters + `...(truncated)`.
+    Right,
+}
+
+/// How tool calls are written in the model's text (`multi_turn.format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolFormat {
+    /// `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen, Hermes, SmolLM2).
+    Hermes,
+    /// Llama 3.x JSON calls: `{"name": ..., "parameters": {...}}`, optionally after
+    /// `<|python_tag|>`, several separated by `;`.
+    Llama3Json,
+}
+
+/// What `multi_turn.tokenization_sanity_check_mode` does at the end of a conversation: the
+/// ids built turn by turn are compared with the whole conversation rendered and tokenised at
+/// once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SanityCheckMode {
+    /// Every difference is reported.
+    Strict,
+    /// Differences in whitespace only are not reported.
+    IgnoreStrippable,
+    /// No comparison.
+    Disable,
+}
+
+/// `rollout.multi_turn.*`: the tool agent loop (verl: `MultiTurnConfig`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MultiTurnConfig {
+    /// Rows without an `agent_name` run the tool agent loop (as verl's SGLang multi-turn
+    /// rollout ran every row); otherwise `agent.default_agent_loop` decides.
+    pub enable: bool,
+    /// Model turns per conversation at most; null = no limit.
+    #[serde(with = "negative_none")]
+    pub max_assistant_turns: Option<u64>,
+    /// YAML of `BaseTool`-style tool classes (verl's `tools:` list).
+    pub tool_config_path: Option<String>,
+    /// A Python file of `@function_tool` functions.
+    pub function_tool_path: Option<String>,
+    /// Tool (user-side) turns per conversation at most; null = no limit.
+    #[serde(with = "negative_none")]
+    pub max_user_turns: Option<u64>,
+    /// Tool calls of one model turn that run (the rest are dropped, as verl).
+    pub max_parallel_calls: usize,
+    /// Characters of a tool's text kept (longer ones are cut as `tool_response_truncate_side` says).
+    pub max_tool_response_length: usize,
+    /// Which part of an overlong tool text is kept: left (its end), middle (both ends) or right (its start).
+    pub tool_response_truncate_side: TruncateSide,
+    /// verl's interaction agents (a simulated user); must stay null here.
+    pub interaction_config_path: Option<String>,
+    /// Accepted for verl's configs; verl's agent loop does not read it either: the training ids
+    /// are always the ones generated.
+    pub use_inference_chat_template: bool,
+    /// Compare the ids built turn by turn with the whole conversation tokenised at once: strict, ignore_strippable (whitespace-only differences pass) or disable.
+    pub tokenization_sanity_check_mode: SanityCheckMode,
+    /// How the model writes tool calls: hermes (`<tool_call>` JSON) or llama3_json.
+    pub format: ToolFormat,
+    /// Must stay null (repeating a conversation's rollouts is not implemented).
+    #[serde(with = "negative_none")]
+    pub num_repeat_rollouts: Option<u64>,
+    /// Ours: the longest one tool call may run, in seconds; the worker running a longer one is
+    /// killed and replaced and the call's text says it timed out.
+    pub tool_timeout_s: f64,
+    /// Ours: the most bytes of text one tool call may return before truncation (a larger
+    /// result is an error for that call, never read into the trainer).
+    pub max_tool_output_bytes: usize,
+}
+
+defaults!(MultiTurnConfig {
+    enable: false,
+    max_assistant_turns: None,
+    tool_config_path: None,
+    function_tool_path: None,
+    max_user_turns: None,
+    max_parallel_calls: 1,
+    max_tool_response_length: 256,
+    tool_response_truncate_side: TruncateSide::Middle,
+    interaction_config_path: None,
+    use_inference_chat_template: false,
+    tokenization_sanity_check_mode: SanityCheckMode::Strict,
+    format: ToolFormat::Hermes,
+    num_repeat_rollouts: None,
+    tool_timeout_s: 60.0,
+    max_tool_output_bytes: 1 << 20,
+});
+
+/// The agent loops a row can name in its `agent_name` column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AgentLoopName {
+    /// One generation per prompt (the default).
+    SingleTurnAgent,
+    /// Generation, tool calls and tool results until no call or a limit.
+    ToolAgent,
+}
+
+impl AgentLoopName {
+    pub const ALL: [AgentLoopName; 2] = [AgentLoopName::SingleTurnAgent, AgentLoopName::ToolAgent];
+
+    /// verl's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            AgentLoopName::SingleTurnAgent => "single_turn_agent",
+            AgentLoopName::ToolAgent => "tool_agent",
+        }
+    }
+
+    /// The loop named `s`, if it is one of ours.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.name() == s)
+    }
+}
+
+/// `rollout.agent.*` (verl: `AgentLoopConfig`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AgentConfig {
+    /// Python worker processes running tool calls (verl: agent loop workers).
+    pub num_workers: usize,
+    /// The loop of rows without `agent_name` (when `multi_turn.enable` is off).
+    pub default_agent_loop: AgentLoopName,
+    /// Custom agent loop classes; must stay null (only verl's two loops are built in).
+    pub agent_loop_config_path: Option<String>,
+    /// A custom inference server; not read (generation is in this process).
+    pub custom_async_server: serde_yaml_ng::Value,
+}
+
+defaults!(AgentConfig {
+    num_workers: 8,
+    default_agent_loop: AgentLoopName::SingleTurnAgent,
+    agent_loop_config_path: None,
+    custom_async_server: serde_yaml_ng::Value::Null,
+});
+
+impl MultiTurnConfig {
+    /// Every rule `multi_turn.*` and `agent.*` break, each naming its key.
+    pub fn check(&self, agent: &AgentConfig) -> Vec<String> {
+        let key = "actor_rollout_ref.rollout";
+        let mut errors = Vec::new();
+        if let Some(p) = &self.interaction_config_path {
+            errors.push(format!("`{key}.multi_turn.interaction_config_path` ({p}): interaction agents (a simulated user answering the model) are not implemented; leave it null"));
+        }
+        if let Some(n) = self.num_repeat_rollouts {
+            errors.push(format!("`{key}.multi_turn.num_repeat_rollouts` ({n}): repeated conversation rollouts are not implemented; leave it null"));
+        }
+        if let Some(p) = &agent.agent_loop_config_path {
+            errors.push(format!("`{key}.agent.agent_loop_config_path` ({p}): custom agent loop classes are not supported; rows choose between single_turn_agent and tool_agent with `agent_name`"));
+        }
+        if self.max_parallel_calls == 0 {
+            errors.push(format!(
+                "`{key}.multi_turn.max_parallel_calls` must be at least 1"
+            ));
+        }
+        if !(self.tool_timeout_s > 0.0 && self.tool_timeout_s.is_finite()) {
+            errors.push(format!(
+                "`{key}.multi_turn.tool_timeout_s` ({}) must be a positive number of seconds",
+                self.tool_timeout_s
+            ));
+        }
+        if agent.num_workers == 0 {
+            errors.push(format!("`{key}.agent.num_workers` must be at least 1"));
+        }
+        errors
+    }
+}

@@ -3,8 +3,10 @@
 
 use std::path::Path;
 
+use serde_json::Value;
+
 use crate::config::fields::FreeMap;
-use crate::config::{DataConfig, Truncation};
+use crate::config::{AgentLoopName, DataConfig, Truncation};
 
 use super::numpy_rng::Pcg64;
 use super::read::read_rows;
@@ -31,6 +33,45 @@ pub struct DatasetOptions {
     /// Check only the prompt column (`main_ppo generate`); training and validation need the
     /// reward columns too.
     pub prompts_only: bool,
+    /// Which agent loop each row runs, and the tools its template renders (`None`: every
+    /// row single-turn, as before agent loops).
+    pub agents: Option<AgentRendering>,
+}
+
+/// How rows choose their agent loop and what the tool agent's prompts show.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentRendering {
+    /// `rollout.multi_turn.enable`: rows without `agent_name` run the tool agent.
+    pub multi_turn: bool,
+    /// `rollout.agent.default_agent_loop` (rows without `agent_name`, multi-turn off).
+    pub default: AgentLoopName,
+    /// The tools' OpenAI schemas, the template's `tools` for tool-agent rows.
+    pub tools: Vec<Value>,
+}
+
+impl AgentRendering {
+    /// The loop `s` runs: its `agent_name` column, else the default; an `agent_name` that is
+    /// not a string or names no loop of ours is an error naming the row.
+    pub fn agent_of(&self, s: &Sample) -> Result<AgentLoopName, DataError> {
+        let err = |message: String| DataError::Row {
+            file: s.file.clone(),
+            row: s.row,
+            column: "agent_name".into(),
+            message,
+        };
+        match s.raw.get("agent_name") {
+            None | Some(Value::Null) if self.multi_turn => Ok(AgentLoopName::ToolAgent),
+            None | Some(Value::Null) => Ok(self.default),
+            Some(Value::String(n)) => AgentLoopName::parse(n).ok_or_else(|| {
+                let known: Vec<&str> = AgentLoopName::ALL.iter().map(|a| a.name()).collect();
+                err(format!(
+                    "`{n}` is not an agent loop here (known: {})",
+                    known.join(", ")
+                ))
+            }),
+            Some(other) => Err(err(format!("expected a string, found {other}"))),
+        }
+    }
 }
 
 impl DatasetOptions {
@@ -63,6 +104,7 @@ impl DatasetOptions {
             truncation: cfg.truncation,
             template_kwargs: cfg.apply_chat_template_kwargs.clone(),
             prompts_only: false,
+            agents: None,
         }
     }
 }
@@ -117,6 +159,8 @@ pub struct PromptDataset {
     pub filtered_overlong: usize,
     /// Rows shortened by the truncation rule.
     pub truncated: usize,
+    /// The agent loop of each sample.
+    pub agents: Vec<AgentLoopName>,
 }
 
 impl PromptDataset {
@@ -129,8 +173,22 @@ impl PromptDataset {
     ) -> Result<Self, DataError> {
         let mut texts = Vec::with_capacity(samples.len());
         let mut render_failed = vec![false; samples.len()];
+        let mut agents = Vec::with_capacity(samples.len());
+        let mut with_tools = opts.template_kwargs.clone();
+        if let Some(a) = opts.agents.as_ref().filter(|a| !a.tools.is_empty()) {
+            with_tools.insert("tools".into(), Value::Array(a.tools.clone()));
+        }
         for (i, s) in samples.iter().enumerate() {
-            match template.render(&s.prompt, true, &opts.template_kwargs) {
+            let agent = match &opts.agents {
+                Some(a) => a.agent_of(s)?,
+                None => AgentLoopName::SingleTurnAgent,
+            };
+            agents.push(agent);
+            let kwargs = match agent {
+                AgentLoopName::ToolAgent => &with_tools,
+                AgentLoopName::SingleTurnAgent => &opts.template_kwargs,
+            };
+            match template.render(&s.prompt, true, kwargs) {
                 Ok(t) => texts.push(t),
                 // verl's filter counts a prompt the template rejects as too long.
                 Err(_) if opts.filter_overlong => {
@@ -155,9 +213,12 @@ impl PromptDataset {
             prompt_ids: Vec::new(),
             filtered_overlong: 0,
             truncated: 0,
+            agents: Vec::new(),
         };
         let max = opts.max_prompt_length;
-        for ((s, ids), failed) in samples.into_iter().zip(ids).zip(render_failed) {
+        for (((s, ids), failed), agent) in
+            samples.into_iter().zip(ids).zip(render_failed).zip(agents)
+        {
             if opts.filter_overlong && (failed || ids.len() > max) {
                 out.filtered_overlong += 1;
                 continue;
@@ -179,6 +240,7 @@ impl PromptDataset {
             };
             out.samples.push(s);
             out.prompt_ids.push(ids);
+            out.agents.push(agent);
         }
         if out.samples.is_empty() {
             return Err(DataError::Other(format!(

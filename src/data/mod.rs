@@ -18,7 +18,7 @@ pub mod sample;
 pub mod template;
 pub mod tokenizer;
 
-pub use dataset::{DatasetOptions, PromptDataset};
+pub use dataset::{AgentRendering, DatasetOptions, PromptDataset};
 pub use loader::{collate, BatchLoader, LoaderCursor, PromptBatch};
 pub use read::read_rows;
 pub use sample::Sample;

@@ -2,7 +2,8 @@
 //!
 //! - `pystr`: the Python string semantics the scorers need,
 //! - `scorers`: verl's built-in rule scorers and the `default` data_source dispatch,
-//! - `native`: Rust reward functions registered by name.
+//! - `native`: Rust reward functions registered by name,
+//! - `tools`: the multi-turn agent loop's tools, run in sandboxed Python workers.
 
 pub mod manager;
 pub mod model_source;
@@ -12,6 +13,7 @@ pub mod placement;
 pub mod pystr;
 pub mod python;
 pub mod scorers;
+pub mod tools;
 
 use serde_json::{Map, Value};
 

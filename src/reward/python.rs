@@ -28,8 +28,8 @@ use super::{RewardError, ScoreResult};
 
 const BRIDGE: &str = include_str!("bridge.py");
 
-/// The worker's descriptors for requests (it reads) and replies (it writes); `bridge.py` opens
-/// the same numbers.
+/// A bridge's descriptors for requests (it reads) and replies (it writes); `bridge.py` and
+/// `tool_bridge.py` open the same numbers.
 const REQUEST_FD: RawFd = 3;
 const REPLY_FD: RawFd = 4;
 
@@ -98,22 +98,33 @@ impl std::fmt::Display for CallError {
     }
 }
 
-enum Line {
+/// One event from a bridge process's reply descriptor.
+pub(crate) enum Line {
+    /// A reply line (a line that is not JSON arrives as `{"protocol_error": ...}`).
     Msg(Value),
+    /// The replies ended: the process exited or closed its descriptor.
     Eof,
 }
 
-struct Worker {
+/// A running bridge script (`python3 -u -c <script>`) speaking the JSON-lines protocol: the
+/// reward bridge here, the tool bridge in `tools.rs`. It leads a process group of its own;
+/// dropping it asks it to quit, then kills the group.
+pub(crate) struct BridgeProcess {
     child: Child,
-    /// The write end of the worker's request pipe.
+    /// The write end of the process's request pipe.
     requests: PipeWriter,
-    rx: Receiver<Line>,
+    /// The replies as they arrive.
+    pub(crate) rx: Receiver<Line>,
+    /// The process has been waited for (after its group was killed), so its pid no longer
+    /// names its group.
+    reaped: bool,
+}
+
+struct Worker {
+    proc: BridgeProcess,
     next_id: u64,
     /// The function is `async def` (its items run concurrently).
     is_async: bool,
-    /// The worker has been waited for (after its group was killed), so its pid no longer
-    /// names its group.
-    reaped: bool,
 }
 
 /// `fd` duplicated to a number above the worker's protocol descriptors (close-on-exec, like
@@ -129,11 +140,14 @@ fn above_protocol_fds(fd: OwnedFd) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(raised) })
 }
 
-/// Starts `python3 -c bridge.py` in a process group of its own, with stdin /dev/null, stdout
-/// and stderr into the log, requests on descriptor 3 and replies on descriptor 4. Returns the
-/// child, the request pipe and the replies as they arrive.
+/// Starts `<python> -u -c <script>` in a process group of its own, with stdin /dev/null,
+/// stdout and stderr into the log (each line tagged `[<label> <id>]`), requests on descriptor 3
+/// and replies on descriptor 4. Returns the child, the request pipe and the replies as they
+/// arrive.
 fn launch(
-    settings: &PoolSettings,
+    python: &str,
+    script: &str,
+    label: &'static str,
     id: usize,
 ) -> std::io::Result<(Child, PipeWriter, Receiver<Line>)> {
     let (req_read, requests) = std::io::pipe()?;
@@ -142,10 +156,10 @@ fn launch(
     let req_read = above_protocol_fds(req_read.into())?;
     let reply_write = above_protocol_fds(reply_write.into())?;
     let (r, w) = (req_read.as_raw_fd(), reply_write.as_raw_fd());
-    let mut cmd = Command::new(&settings.python);
+    let mut cmd = Command::new(python);
     cmd.arg("-u")
         .arg("-c")
-        .arg(BRIDGE)
+        .arg(script)
         .stdin(Stdio::null())
         .stdout(log_write.try_clone()?)
         .stderr(log_write)
@@ -179,10 +193,96 @@ fn launch(
     });
     std::thread::spawn(move || {
         for line in BufReader::new(log).lines().map_while(Result::ok) {
-            tracing::debug!(target: "main_ppo::reward", "[python worker {id}] {line}");
+            tracing::debug!(target: "main_ppo::reward", "[{label} {id}] {line}");
         }
     });
     Ok((child, requests, rx))
+}
+
+impl BridgeProcess {
+    /// Starts `script` (see [`launch`]).
+    pub(crate) fn start(
+        python: &str,
+        script: &str,
+        label: &'static str,
+        id: usize,
+    ) -> std::io::Result<Self> {
+        let (child, requests, rx) = launch(python, script, label, id)?;
+        Ok(Self {
+            child,
+            requests,
+            rx,
+            reaped: false,
+        })
+    }
+
+    /// The process id (which is also its process group's id).
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Writes `msg` as one request line.
+    pub(crate) fn send(&mut self, msg: &Value) -> std::io::Result<()> {
+        let mut line = serde_json::to_string(msg).map_err(std::io::Error::other)?;
+        line.push('\n');
+        self.requests.write_all(line.as_bytes())?;
+        self.requests.flush()
+    }
+
+    /// The process has exited (looked at without reaping it, so that its pid keeps naming its
+    /// process group until [`BridgeProcess::kill`]).
+    pub(crate) fn exited(&self) -> bool {
+        if self.reaped {
+            return true;
+        }
+        // SAFETY: waitid fills `info`, a plain C struct that all-zero bytes make valid.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let r = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                self.child.id() as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+            )
+        };
+        // An error means there is no such child left to wait for; no state change leaves
+        // `info` zero.
+        r != 0 || info.si_signo != 0
+    }
+
+    /// Kills the process group (the bridge and whatever the user's code started) and reaps the
+    /// bridge; returns how it ended.
+    pub(crate) fn kill(&mut self) -> String {
+        if !self.reaped {
+            // The bridge leads its group, and its pid is not reused before it is reaped below,
+            // so the group is still the bridge's.
+            // SAFETY: a plain system call.
+            if unsafe { libc::killpg(self.child.id() as libc::pid_t, libc::SIGKILL) } != 0 {
+                let _ = self.child.kill();
+            }
+            self.reaped = true;
+        }
+        self.child
+            .wait()
+            .map(|s| s.to_string())
+            .unwrap_or_else(|e| e.to_string())
+    }
+}
+
+impl Drop for BridgeProcess {
+    fn drop(&mut self) {
+        if self.reaped {
+            return;
+        }
+        // Asked to quit first, so that the user code's exit handlers run; then its group goes,
+        // with anything the user's code left running.
+        let _ = self.send(&json!({"op": "quit"}));
+        let deadline = Instant::now() + Duration::from_millis(200);
+        while Instant::now() < deadline && !self.exited() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.kill();
+    }
 }
 
 impl Worker {
@@ -191,25 +291,23 @@ impl Worker {
         func: &PythonFunction,
         id: usize,
     ) -> Result<Self, RewardError> {
-        let (child, requests, rx) = launch(settings, id).map_err(|e| {
-            RewardError::Config(format!(
-                "cannot start the Python interpreter `{}` (reward.python): {e}",
-                settings.python
-            ))
-        })?;
+        let proc =
+            BridgeProcess::start(&settings.python, BRIDGE, "python worker", id).map_err(|e| {
+                RewardError::Config(format!(
+                    "cannot start the Python interpreter `{}` (reward.python): {e}",
+                    settings.python
+                ))
+            })?;
         let mut w = Worker {
-            child,
-            requests,
-            rx,
+            proc,
             next_id: 0,
             is_async: false,
-            reaped: false,
         };
         let load = json!({"op": "load", "path": func.path, "name": func.name, "kwargs": func.kwargs, "batch": func.batch});
         w.send(&load).map_err(|e| {
             RewardError::Config(format!("the Python worker exited at start-up: {e}"))
         })?;
-        match w.rx.recv_timeout(Duration::from_secs(120)) {
+        match w.proc.rx.recv_timeout(Duration::from_secs(120)) {
             Ok(Line::Msg(m)) if m["ok"] == json!(true) => {
                 w.is_async = m["async"] == json!(true);
                 Ok(w)
@@ -236,65 +334,15 @@ impl Worker {
     }
 
     fn send(&mut self, msg: &Value) -> std::io::Result<()> {
-        let mut line = serde_json::to_string(msg).map_err(std::io::Error::other)?;
-        line.push('\n');
-        self.requests.write_all(line.as_bytes())?;
-        self.requests.flush()
+        self.proc.send(msg)
     }
 
-    /// The worker process has exited (looked at without reaping it, so that its pid keeps
-    /// naming its process group until [`Worker::kill`]).
     fn exited(&self) -> bool {
-        if self.reaped {
-            return true;
-        }
-        // SAFETY: waitid fills `info`, a plain C struct that all-zero bytes make valid.
-        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-        let r = unsafe {
-            libc::waitid(
-                libc::P_PID,
-                self.child.id() as libc::id_t,
-                &mut info,
-                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
-            )
-        };
-        // An error means there is no such child left to wait for; no state change leaves
-        // `info` zero.
-        r != 0 || info.si_signo != 0
+        self.proc.exited()
     }
 
-    /// Kills the worker's process group (the worker and whatever its function started) and
-    /// reaps the worker; returns how it ended.
     fn kill(&mut self) -> String {
-        if !self.reaped {
-            // The worker leads its group, and its pid is not reused before it is reaped below,
-            // so the group is still the worker's.
-            // SAFETY: a plain system call.
-            if unsafe { libc::killpg(self.child.id() as libc::pid_t, libc::SIGKILL) } != 0 {
-                let _ = self.child.kill();
-            }
-            self.reaped = true;
-        }
-        self.child
-            .wait()
-            .map(|s| s.to_string())
-            .unwrap_or_else(|e| e.to_string())
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        if self.reaped {
-            return;
-        }
-        // Asked to quit first, so that the function's exit handlers run; then its group goes,
-        // with anything the function left running.
-        let _ = self.send(&json!({"op": "quit"}));
-        let deadline = Instant::now() + Duration::from_millis(200);
-        while Instant::now() < deadline && !self.exited() {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        self.kill();
+        self.proc.kill()
     }
 }
 
@@ -353,7 +401,7 @@ impl PythonPool {
 
     /// Process ids of the workers (for tests that check nothing is left behind).
     pub fn pids(&self) -> Vec<u32> {
-        self.workers.iter().map(|w| w.child.id()).collect()
+        self.workers.iter().map(|w| w.proc.pid()).collect()
     }
 
     /// Scores `items` on all workers at once; one result per item, in order.
@@ -518,6 +566,7 @@ fn offer(
     let deadline = Instant::now() + settings.timeout;
     loop {
         match w
+            .proc
             .rx
             .recv_timeout(deadline.saturating_duration_since(Instant::now()))
         {
@@ -612,6 +661,7 @@ fn run_share(
         let mut deadline = Instant::now() + settings.timeout;
         while failure.is_none() && done < pending.len() {
             match w
+                .proc
                 .rx
                 .recv_timeout(deadline.saturating_duration_since(Instant::now()))
             {

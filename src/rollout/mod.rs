@@ -7,7 +7,9 @@
 //! temperature alone decides: `do_sample` is accepted in the config but never read here (verl
 //! passes only temperature, top-k and top-p to its rollout engine).
 
+pub mod agent;
 pub mod scheduler;
+pub mod tool_parser;
 
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, RngCore, SeedableRng};
@@ -348,6 +350,29 @@ pub fn generate_rows_from(
     let prompts: Vec<&[u32]> = rows.iter().map(|&i| ds.prompt_ids[i].as_slice()).collect();
     let streams = sampler.rows().starting_at(first_row);
     Ok(scheduler::generate_with_streams(model, &prompts, p, streams, None)?.0)
+}
+
+/// Generates for dataset rows `rows` of `ds` (global rows from `first_row`), running each
+/// row's conversation through the agent loop (`convs`: one per row); returns the rollout and
+/// each row's episode (its response mask, turns and tool calls).
+#[allow(clippy::too_many_arguments)]
+pub fn generate_agent_rows(
+    model: &CausalLm,
+    ds: &crate::data::PromptDataset,
+    rows: &[usize],
+    p: &SamplingParams,
+    sampler: &mut Sampler,
+    first_row: usize,
+    ctx: &agent::AgentContext,
+    convs: Vec<agent::Conversation>,
+) -> candle_core::Result<(Rollout, Vec<agent::Episode>)> {
+    let prompts: Vec<&[u32]> = rows.iter().map(|&i| ds.prompt_ids[i].as_slice()).collect();
+    let owned: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
+    let mut agent = agent::ToolAgent::new(ctx, convs, owned, p.max_new_tokens, p.eos_ids.clone());
+    let streams = sampler.rows().starting_at(first_row);
+    let (out, _) = scheduler::generate_turns(model, &prompts, p, streams, None, Some(&mut agent))?;
+    let episodes = agent.finish(&out);
+    Ok((out, episodes))
 }
 
 /// Generates for a left-padded batch: `input_ids`, `attention_mask` (1 real / 0 pad), both

@@ -98,6 +98,32 @@ pub fn generate_with_streams(
     streams: RowStreams,
     progress: Option<&ProgressBar>,
 ) -> Result<(Rollout, Stats)> {
+    generate_turns(model, prompts, p, streams, progress, None)
+}
+
+/// Multi-turn generation: what happens between a row's turns (the agent loop implements it).
+/// A row's response is every turn's tokens with what [`Turns::ready`] appended between them;
+/// the whole response stays within `max_new_tokens`.
+pub trait Turns {
+    /// Row `row` stopped (EOS, or its response reached `max_new_tokens`); `out` holds its
+    /// response so far. `true`: the row waits for a continuation from [`Turns::ready`]
+    /// (keeping its cache); `false`: it is finished.
+    fn turn_ended(&mut self, row: usize, out: &Rollout) -> bool;
+    /// Continuations of waiting rows: `(row, Some(tokens))` appends `tokens` to the row's
+    /// response (log-prob 0) and generation continues after them; `(row, None)` finishes the
+    /// row. With `wait`, blocks until at least one is ready (nothing else can run).
+    fn ready(&mut self, wait: bool) -> Vec<(usize, Option<Vec<u32>>)>;
+}
+
+/// [`generate_with_streams`], with the turns of a multi-turn rollout when `turns` is given.
+pub fn generate_turns(
+    model: &CausalLm,
+    prompts: &[&[u32]],
+    p: &SamplingParams,
+    streams: RowStreams,
+    progress: Option<&ProgressBar>,
+    turns: Option<&mut dyn Turns>,
+) -> Result<(Rollout, Stats)> {
     if let Some(i) = prompts.iter().position(|t| t.is_empty()) {
         candle_core::bail!("prompt {i} has no tokens: nothing to continue from");
     }
@@ -105,16 +131,26 @@ pub fn generate_with_streams(
     if prompts.is_empty() || p.max_new_tokens == 0 {
         return Ok((out, Stats::default()));
     }
-    let continuous = Continuous {
-        prompts,
-        p,
-        streams: &streams,
-        progress,
-        out: &mut out,
-    };
-    let stats = match decode::with_packed(model, continuous) {
-        Some(stats) => stats?,
-        None => waves(model, prompts, p, &streams, progress, &mut out)?,
+    let stats = if crate::kernels::supported(model.device(), model.dtype()) {
+        let continuous = Continuous {
+            prompts,
+            p,
+            streams: &streams,
+            progress,
+            out: &mut out,
+            turns,
+        };
+        match decode::with_packed(model, continuous) {
+            Some(stats) => stats?,
+            None => {
+                candle_core::bail!("internal: the packed decode path refused a model it serves")
+            }
+        }
+    } else {
+        match turns {
+            None => waves(model, prompts, p, &streams, progress, &mut out)?,
+            Some(t) => wave_turns(model, prompts, p, &streams, progress, &mut out, t)?,
+        }
     };
     tracing::debug!(
         "generation: {} rows, {} steps, at most {} sequences and {:.1} MB of keys/values in flight",
@@ -133,6 +169,8 @@ struct Live<C> {
     rng: ChaCha8Rng,
     /// The token to feed next (the last one sampled).
     next: u32,
+    /// Tokens to feed when entering: the prompt, or what the agent loop appended after a turn.
+    feed: Vec<u32>,
     reserved: usize,
 }
 
@@ -150,15 +188,16 @@ fn record(out: &mut Rollout, row: usize, tok: u32, lp: f32, p: &SamplingParams) 
 }
 
 /// The continuous-batching loop on the packed decode engine, for [`decode::with_packed`].
-struct Continuous<'a> {
+struct Continuous<'a, 't> {
     prompts: &'a [&'a [u32]],
     p: &'a SamplingParams,
     streams: &'a RowStreams,
     progress: Option<&'a ProgressBar>,
     out: &'a mut Rollout,
+    turns: Option<&'t mut dyn Turns>,
 }
 
-impl Decoder for Continuous<'_> {
+impl Decoder for Continuous<'_, '_> {
     type Out = Stats;
     fn run<T: Elem, C: KvElem<T>>(self, packed: Packed<T>) -> Result<Stats> {
         let Continuous {
@@ -167,8 +206,47 @@ impl Decoder for Continuous<'_> {
             streams,
             progress,
             out,
+            turns,
         } = self;
-        continuous::<T, C>(&packed, prompts, p, streams, progress, out)
+        continuous::<T, C>(&packed, prompts, p, streams, progress, out, turns)
+    }
+}
+
+/// Rows waiting between turns, with their caches.
+struct Parked<C>(Vec<Live<C>>);
+
+impl<C> Parked<C> {
+    /// The continuations `turns` has ready: rows to resume (their appended tokens recorded in
+    /// `out`, to be fed next) and the key/value bytes of rows it finished.
+    fn resume(
+        &mut self,
+        turns: &mut dyn Turns,
+        wait: bool,
+        out: &mut Rollout,
+        progress: Option<&ProgressBar>,
+    ) -> (Vec<Live<C>>, usize) {
+        let (mut back, mut freed) = (Vec::new(), 0);
+        for (row, next) in turns.ready(wait) {
+            let Some(at) = self.0.iter().position(|l| l.row == row) else {
+                continue;
+            };
+            let mut l = self.0.swap_remove(at);
+            match next {
+                Some(toks) if !toks.is_empty() => {
+                    out.responses[row].extend_from_slice(&toks);
+                    out.log_probs[row].extend(std::iter::repeat_n(0.0, toks.len()));
+                    l.feed = std::iter::once(l.next).chain(toks).collect();
+                    back.push(l);
+                }
+                _ => {
+                    freed += l.reserved;
+                    if let Some(b) = progress {
+                        b.inc(1);
+                    }
+                }
+            }
+        }
+        (back, freed)
     }
 }
 
@@ -179,21 +257,32 @@ fn continuous<T: Elem, C: KvElem<T>>(
     streams: &RowStreams,
     progress: Option<&ProgressBar>,
     out: &mut Rollout,
+    mut turns: Option<&mut dyn Turns>,
 ) -> Result<Stats> {
     let args = packed.args();
     let lim = p.limits;
     let mut waiting: VecDeque<usize> = (0..prompts.len()).collect();
     let mut active: Vec<Live<C>> = Vec::new();
+    let mut parked = Parked::<C>(Vec::new());
     let mut reserved = 0usize;
     let mut stats = Stats::default();
+    let mut returned: Vec<Live<C>> = Vec::new();
     loop {
+        // Rows whose tools have answered come back first (their memory is already reserved).
+        let mut entering: Vec<Live<C>> = std::mem::take(&mut returned);
+        if let Some(t) = turns.as_deref_mut() {
+            if !parked.0.is_empty() {
+                let (back, freed) = parked.resume(t, false, out, progress);
+                reserved -= freed;
+                entering.extend(back);
+            }
+        }
         // Admission: fill the free sequence slots within the memory and prefill budgets.
-        let mut entering: Vec<Live<C>> = Vec::new();
-        let mut prefill = 0usize;
+        let mut prefill: usize = entering.iter().map(|l| l.feed.len()).sum();
         while let Some(&row) = waiting.front() {
             let len = prompts[row].len();
             let need = SeqCache::<C>::bytes_needed(args, len, len + p.max_new_tokens);
-            let in_flight = active.len() + entering.len();
+            let in_flight = active.len() + entering.len() + parked.0.len();
             if in_flight >= lim.max_num_seqs.max(1)
                 || (in_flight > 0 && reserved + need > lim.kv_cache_bytes)
                 || (!entering.is_empty() && prefill + len > lim.max_num_batched_tokens)
@@ -208,22 +297,36 @@ fn continuous<T: Elem, C: KvElem<T>>(
                 cache: SeqCache::with_capacity(args, len + p.max_new_tokens),
                 rng: streams.rng(row),
                 next: 0,
+                feed: prompts[row].to_vec(),
                 reserved: need,
             });
         }
         if active.is_empty() && entering.is_empty() {
-            break;
+            // Nothing can run: wait for a tool, or stop when no row is waiting for one.
+            match turns.as_deref_mut() {
+                Some(t) if !parked.0.is_empty() => {
+                    let (back, freed) = parked.resume(t, true, out, progress);
+                    reserved -= freed;
+                    returned = back;
+                    continue;
+                }
+                _ => break,
+            }
         }
         stats.peak_seqs = stats.peak_seqs.max(active.len() + entering.len());
         stats.peak_kv_bytes = stats.peak_kv_bytes.max(reserved);
         stats.steps += 1;
-        // One step: running rows feed their last token, entering rows their whole prompt.
+        // One step: running rows feed their last token, entering rows their prompt (or, back
+        // from a tool, what the agent loop appended).
         let nexts: Vec<u32> = active.iter().map(|l| l.next).collect();
-        let enter_rows: Vec<usize> = entering.iter().map(|l| l.row).collect();
+        let enter_feeds: Vec<Vec<u32>> = entering
+            .iter_mut()
+            .map(|l| std::mem::take(&mut l.feed))
+            .collect();
         let feeds: Vec<&[u32]> = nexts
             .iter()
             .map(std::slice::from_ref)
-            .chain(enter_rows.iter().map(|&r| prompts[r]))
+            .chain(enter_feeds.iter().map(Vec::as_slice))
             .collect();
         let mut caches: Vec<&mut SeqCache<C>> = active
             .iter_mut()
@@ -243,6 +346,13 @@ fn continuous<T: Elem, C: KvElem<T>>(
             if record(out, l.row, tok, lp, p) {
                 l.next = tok;
                 still.push(l);
+            } else if turns
+                .as_deref_mut()
+                .is_some_and(|t| t.turn_ended(l.row, out))
+            {
+                // The turn's last token is not in the cache yet: it is fed on return.
+                l.next = tok;
+                parked.0.push(l);
             } else {
                 reserved -= l.reserved;
                 if let Some(b) = progress {
@@ -262,6 +372,95 @@ fn waves(
     prompts: &[&[u32]],
     p: &SamplingParams,
     streams: &RowStreams,
+    progress: Option<&ProgressBar>,
+    out: &mut Rollout,
+) -> Result<Stats> {
+    let mut rngs: Vec<ChaCha8Rng> = (0..prompts.len()).map(|r| streams.rng(r)).collect();
+    waves_with(model, prompts, p, &mut rngs, progress, out)
+}
+
+/// Multi-turn generation through the tensor composition: round after round, every row still
+/// in its conversation generates its next turn from its whole context (prompt and response so
+/// far: no cache survives a round on this path), in waves; each row keeps drawing from its
+/// own random stream across rounds. Between rounds the rows wait for their tools.
+fn wave_turns(
+    model: &CausalLm,
+    prompts: &[&[u32]],
+    p: &SamplingParams,
+    streams: &RowStreams,
+    progress: Option<&ProgressBar>,
+    out: &mut Rollout,
+    turns: &mut dyn Turns,
+) -> Result<Stats> {
+    let mut rngs: Vec<ChaCha8Rng> = (0..prompts.len()).map(|r| streams.rng(r)).collect();
+    let mut stats = Stats::default();
+    let mut live: Vec<usize> = (0..prompts.len()).collect();
+    while !live.is_empty() {
+        let ctx: Vec<Vec<u32>> = live
+            .iter()
+            .map(|&r| [prompts[r], out.responses[r].as_slice()].concat())
+            .collect();
+        let room = |r: usize, out: &Rollout| p.max_new_tokens - out.responses[r].len();
+        let mut q = p.clone();
+        q.max_new_tokens = live.iter().map(|&r| room(r, out)).max().unwrap_or(0);
+        let refs: Vec<&[u32]> = ctx.iter().map(Vec::as_slice).collect();
+        let mut sub: Vec<ChaCha8Rng> = live.iter().map(|&r| rngs[r].clone()).collect();
+        let mut part = Rollout::empty(live.len());
+        let st = waves_with(model, &refs, &q, &mut sub, None, &mut part)?;
+        stats.steps += st.steps;
+        stats.peak_seqs = stats.peak_seqs.max(st.peak_seqs);
+        stats.peak_kv_bytes = stats.peak_kv_bytes.max(st.peak_kv_bytes);
+        let mut asked = Vec::new();
+        for (k, &r) in live.iter().enumerate() {
+            // A row with less room than the round's longest stops at its own budget.
+            let n = part.responses[k].len().min(room(r, out));
+            out.responses[r].extend_from_slice(&part.responses[k][..n]);
+            out.log_probs[r].extend_from_slice(&part.log_probs[k][..n]);
+            out.stop[r] = if n < part.responses[k].len() {
+                StopReason::Length
+            } else {
+                part.stop[k]
+            };
+            rngs[r] = sub[k].clone();
+            if turns.turn_ended(r, out) {
+                asked.push(r);
+            } else if let Some(b) = progress {
+                b.inc(1);
+            }
+        }
+        let mut next = Vec::new();
+        while !asked.is_empty() {
+            for (r, cont) in turns.ready(true) {
+                let Some(at) = asked.iter().position(|&a| a == r) else {
+                    continue;
+                };
+                asked.swap_remove(at);
+                match cont {
+                    Some(toks) if !toks.is_empty() => {
+                        out.responses[r].extend_from_slice(&toks);
+                        out.log_probs[r].extend(std::iter::repeat_n(0.0, toks.len()));
+                        next.push(r);
+                    }
+                    _ => {
+                        if let Some(b) = progress {
+                            b.inc(1);
+                        }
+                    }
+                }
+            }
+        }
+        next.sort_unstable();
+        live = next;
+    }
+    Ok(stats)
+}
+
+/// [`waves`] with one random stream per prompt (`rngs[i]` draws for `prompts[i]`).
+fn waves_with(
+    model: &CausalLm,
+    prompts: &[&[u32]],
+    p: &SamplingParams,
+    rngs: &mut [ChaCha8Rng],
     progress: Option<&ProgressBar>,
     out: &mut Rollout,
 ) -> Result<Stats> {
@@ -293,8 +492,7 @@ fn waves(
             mask.extend(std::iter::repeat_n(0u8, width - t.len()));
             mask.extend(std::iter::repeat_n(1u8, t.len()));
         }
-        let mut rngs: Vec<ChaCha8Rng> = (start..end).map(|r| streams.rng(r)).collect();
-        let wave = generate_with(model, &ids, &mask, rows, width, p, &mut rngs)?;
+        let wave = generate_with(model, &ids, &mask, rows, width, p, &mut rngs[start..end])?;
         for (k, row) in (start..end).enumerate() {
             out.responses[row] = wave.responses[k].clone();
             out.log_probs[row] = wave.log_probs[k].clone();
@@ -531,5 +729,147 @@ mod tests {
         let none = params(true, 0, vec![], Limits::default());
         let out = generate_all(&m, &[&[1, 2]], &none, &mut Sampler::new(0), None).unwrap();
         assert_eq!(out.responses, vec![Vec::<u32>::new()]);
+    }
+
+    /// A scripted between-turns stage: every row gets `rounds` continuations of `appended`
+    /// tokens, each `delay` after its turn ended (answered from the clock, as tools answer
+    /// from other threads).
+    struct Scripted {
+        appended: Vec<u32>,
+        delay: std::time::Duration,
+        left: Vec<usize>,
+        due: Vec<(usize, std::time::Instant)>,
+        max: usize,
+    }
+
+    impl Turns for Scripted {
+        fn turn_ended(&mut self, row: usize, out: &Rollout) -> bool {
+            let room = out.responses[row].len() + self.appended.len() < self.max;
+            if self.left[row] == 0 || !room || out.stop[row] != StopReason::Eos {
+                return false;
+            }
+            self.left[row] -= 1;
+            self.due.push((row, std::time::Instant::now() + self.delay));
+            true
+        }
+        fn ready(&mut self, wait: bool) -> Vec<(usize, Option<Vec<u32>>)> {
+            loop {
+                let now = std::time::Instant::now();
+                let (done, rest): (Vec<_>, Vec<_>) = self.due.iter().partition(|d| d.1 <= now);
+                self.due = rest;
+                if !done.is_empty() || !wait {
+                    return done
+                        .into_iter()
+                        .map(|(r, _)| (r, Some(self.appended.clone())))
+                        .collect();
+                }
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+        }
+    }
+
+    /// A row that waits between turns keeps its cache: what it generates after the appended
+    /// tokens equals a fresh greedy generation from prompt + first turn + appended tokens (f64
+    /// weights), the appended tokens sit between the turns with log-prob 0, and the packed path
+    /// (kept caches) and the composition path (re-prefilled each round) agree.
+    #[test]
+    fn rows_continue_after_appended_tokens_as_if_prompted_with_them() {
+        let args = ModelArgs::tiny(Arch::Llama, 40);
+        let (_vm, m) = crate::testing::tiny_model(&args, DType::F64, 0.5);
+        let ps = prompts(6, 40, 5);
+        let free = run(&m, &ps, &params(true, 20, vec![], Limits::default()), 3).0;
+        // End-of-turn ids that the rows emit early.
+        let eos: Vec<u32> = vec![free.responses[0][1], free.responses[1][2]];
+        let p = params(true, 20, eos.clone(), Limits::default());
+        let refs: Vec<&[u32]> = ps.iter().map(Vec::as_slice).collect();
+        let appended = vec![7, 8, 9];
+        let mut turns = Scripted {
+            appended: appended.clone(),
+            delay: std::time::Duration::from_millis(5),
+            left: vec![1; ps.len()],
+            due: Vec::new(),
+            max: 20,
+        };
+        let streams = Sampler::new(3).rows();
+        let (out, _) = generate_turns(&m, &refs, &p, streams, None, Some(&mut turns)).unwrap();
+        let mut continued = 0;
+        for (r, resp) in out.responses.iter().enumerate() {
+            let Some(cut) = resp.windows(3).position(|w| w == appended.as_slice()) else {
+                continue;
+            };
+            continued += 1;
+            let first = &resp[..cut];
+            assert!(
+                eos.contains(first.last().unwrap()),
+                "row {r}: turn 1 ends on EOS"
+            );
+            assert_eq!(&out.log_probs[r][cut..cut + 3], &[0.0, 0.0, 0.0]);
+            let ctx: Vec<u32> = [ps[r].as_slice(), &resp[..cut + 3]].concat();
+            let mut q = p.clone();
+            q.max_new_tokens = 20 - (cut + 3);
+            let fresh = generate_all(&m, &[&ctx], &q, &mut Sampler::new(0), None).unwrap();
+            assert_eq!(
+                &resp[cut + 3..],
+                fresh.responses[0].as_slice(),
+                "row {r}: turn 2"
+            );
+            for (a, b) in out.log_probs[r][cut + 3..].iter().zip(&fresh.log_probs[0]) {
+                assert!((a - b).abs() < 1e-9, "row {r}: {a} vs {b}");
+            }
+        }
+        assert!(continued >= 2, "rows that took a second turn: {continued}");
+        // The composition path (no kept cache) gives the same conversation.
+        let mut turns2 = Scripted {
+            appended,
+            delay: std::time::Duration::from_millis(5),
+            left: vec![1; ps.len()],
+            due: Vec::new(),
+            max: 20,
+        };
+        let mut out2 = Rollout::empty(ps.len());
+        wave_turns(
+            &m,
+            &refs,
+            &p,
+            &Sampler::new(3).rows(),
+            None,
+            &mut out2,
+            &mut turns2,
+        )
+        .unwrap();
+        assert_same(&out, &out2, 1e-9, "kept caches vs re-prefilled rounds");
+    }
+
+    /// Rows waiting for slow continuations wait together: 8 rows that each wait 400 ms once
+    /// finish in about one wait, not eight (a concurrency check with a wide margin, not a
+    /// benchmark).
+    #[test]
+    fn waiting_rows_do_not_wait_in_turn() {
+        let args = ModelArgs::tiny(Arch::Llama, 40);
+        let (_vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.5);
+        let ps = prompts(8, 40, 9);
+        let free = run(&m, &ps, &params(true, 12, vec![], Limits::default()), 3).0;
+        let eos: Vec<u32> = free.responses.iter().map(|r| r[0]).collect();
+        let p = params(true, 12, eos, Limits::default());
+        let refs: Vec<&[u32]> = ps.iter().map(Vec::as_slice).collect();
+        let mut turns = Scripted {
+            appended: vec![3],
+            delay: std::time::Duration::from_millis(400),
+            left: vec![1; ps.len()],
+            due: Vec::new(),
+            max: 12,
+        };
+        let t0 = std::time::Instant::now();
+        let streams = Sampler::new(3).rows();
+        let (out, _) = generate_turns(&m, &refs, &p, streams, None, Some(&mut turns)).unwrap();
+        let took = t0.elapsed().as_secs_f64();
+        assert!(
+            out.responses.iter().all(|r| r.contains(&3)),
+            "every row waited once"
+        );
+        assert!(
+            took < 1.6,
+            "8 waits of 0.4 s took {took:.2} s: rows waited in turn"
+        );
     }
 }

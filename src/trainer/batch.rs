@@ -129,9 +129,28 @@ pub struct StepBatch {
     /// (`distillation.distillation_loss.loss_mode=forward_kl_topk`); travels with the rows.
     #[serde(default)]
     pub teacher_topk: Option<TopkRows>,
+    /// How each row's conversation went, when the step ran the tool agent loop.
+    #[serde(default)]
+    pub turns: Option<Vec<TurnStats>>,
     /// The per-token columns filled so far.
     #[serde(skip)]
     columns: BTreeMap<Column, Ragged>,
+}
+
+/// One row's conversation in the tool agent loop (metrics and the reward's `extra_info`).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TurnStats {
+    /// verl's `num_turns` (model turns + tool turns + 1; 2 for a single-turn row).
+    pub num_turns: usize,
+    pub tool_agent: bool,
+    pub tool_calls: usize,
+    pub tool_errors: usize,
+    pub malformed_calls: usize,
+    pub tool_rewards: Vec<f64>,
+    /// Response tokens the model generated (mask 1).
+    pub model_tokens: usize,
+    /// The turn-by-turn ids differ from the conversation tokenised at once.
+    pub sanity_mismatch: bool,
 }
 
 /// `k` (token id, log-prob) pairs per response position of every row, largest first: row `i`
@@ -278,6 +297,11 @@ impl StepBatch {
             out.excluded.extend(p.excluded);
             out.texts.extend(p.texts);
             out.rewards.extend(p.rewards);
+            match (&mut out.turns, p.turns) {
+                (Some(a), Some(b)) => a.extend(b),
+                (None, None) => {}
+                _ => return Err(wire_error("agent loop turns on some ranks only")),
+            }
             match (&mut out.teacher_topk, p.teacher_topk) {
                 (Some(a), Some(b)) if a.k == b.k => {
                     a.ids.extend(b.ids);
@@ -315,6 +339,7 @@ impl StepBatch {
             rewards: pick(&self.rewards, rows),
             reward_baselines: self.reward_baselines.as_deref().map(|b| pick(b, rows)),
             update_order: None,
+            turns: self.turns.as_deref().map(|t| pick(t, rows)),
             teacher_topk: self.teacher_topk.as_ref().map(|t| TopkRows {
                 k: t.k,
                 ids: pick(&t.ids, rows),

@@ -217,6 +217,7 @@ impl Trainer {
             train,
             val,
             total_steps,
+            agent,
         } = setup::policy(&cfg, &plan, &device)?;
         for ds in std::iter::once(&train).chain(val.as_ref()) {
             let rows = ds.samples.iter().map(|s| {
@@ -258,7 +259,8 @@ impl Trainer {
                 plan.n,
                 plan.seeds.rollout,
                 plan.rollout_correction.is_some(),
-            ),
+            )
+            .with_agent(agent),
             kl_ctrl: KlController::new(&cfg.algorithm.kl_ctrl),
             cfg,
             plan,

@@ -2,13 +2,18 @@
 //! rollout, reward, ReMax's baseline, advantages, the after-update work (checkpoint,
 //! validation) and the step's metrics. Each fills the step's [`StepBatch`].
 
-use super::batch::{Column, StepBatch};
+use std::sync::Arc;
+
+use super::batch::{Column, StepBatch, TurnStats};
 use super::{advantage, step_metrics, Result, Trainer, TrainerError};
+use crate::config::AgentLoopName;
 use crate::control::ControlServer;
 use crate::data::{PromptDataset, TokenizerBundle};
 use crate::metrics::{Metrics, Timings};
 use crate::model::CausalLm;
 use crate::reward::ScoreRequest;
+use crate::rollout::agent::{AgentContext, Conversation, Episode};
+use crate::rollout::{generate_agent_rows, Rollout};
 use crate::rollout::{
     generate_rows, generate_rows_from, repeat_rows, Sampler, SamplingParams, StopReason,
 };
@@ -21,6 +26,8 @@ pub struct RolloutWorker {
     n: usize,
     /// Keep the sampled tokens' log-probs (`rollout.calculate_log_probs`).
     log_probs: bool,
+    /// The tool agent loop, when some row of the data runs it.
+    pub agent: Option<Arc<AgentContext>>,
 }
 
 impl RolloutWorker {
@@ -30,7 +37,14 @@ impl RolloutWorker {
             params,
             n: n.max(1),
             log_probs,
+            agent: None,
         }
+    }
+
+    /// The worker with the tool agent loop for the rows that run it.
+    pub fn with_agent(mut self, agent: Option<Arc<AgentContext>>) -> Self {
+        self.agent = agent;
+        self
     }
 
     /// The rows of a step: each prompt `n` times, consecutively, sampled from `model`.
@@ -45,7 +59,16 @@ impl RolloutWorker {
     ) -> Result<StepBatch> {
         let rows = repeat_rows(prompts, self.n);
         let first_row = first_prompt * self.n;
-        let out = generate_rows_from(model, ds, &rows, &self.params, &mut self.sampler, first_row)?;
+        let agent = self.agent.as_deref();
+        let (out, episodes) = rollout_rows(
+            model,
+            ds,
+            &rows,
+            &self.params,
+            &mut self.sampler,
+            first_row,
+            agent,
+        )?;
         let mut batch = StepBatch::new(
             rows.iter().map(|&i| ds.prompt_ids[i].clone()).collect(),
             out.responses,
@@ -57,6 +80,32 @@ impl RolloutWorker {
         );
         if self.log_probs {
             batch.set(Column::RolloutLogProbs, out.log_probs)?;
+        }
+        if let Some(eps) = episodes {
+            let mask = eps
+                .iter()
+                .map(|e| e.mask.iter().map(|&m| f32::from(m)).collect())
+                .collect();
+            batch.set(Column::ResponseMask, mask)?;
+            batch.turns = Some(
+                eps.iter()
+                    .zip(&rows)
+                    .map(|(e, &i)| turn_stats(e, ds.agents[i]))
+                    .collect(),
+            );
+            for (e, &i) in eps.iter().zip(&rows) {
+                let s = &ds.samples[i];
+                if let Some(m) = &e.sanity_mismatch {
+                    tracing::warn!("{}, row {}: the multi-turn token ids differ from the conversation tokenised at once ({m}); check the chat template (actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode)", s.file, s.row);
+                }
+                if let Some(err) = &e.error {
+                    tracing::warn!(
+                        "{}, row {}: the conversation ended early: {err}",
+                        s.file,
+                        s.row
+                    );
+                }
+            }
         }
         Ok(batch)
     }
@@ -72,6 +121,75 @@ impl RolloutWorker {
         greedy.greedy = true;
         let out = generate_rows(model, ds, prompts, &greedy, &mut Sampler::new(0))?;
         Ok(out.responses)
+    }
+}
+
+/// Rows `rows` of `ds` generated (the first being global row `first_row`), through the tool
+/// agent loop when `agent` is given and some row of `ds` runs it (then with each row's
+/// episode).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn rollout_rows(
+    model: &CausalLm,
+    ds: &PromptDataset,
+    rows: &[usize],
+    params: &SamplingParams,
+    sampler: &mut Sampler,
+    first_row: usize,
+    agent: Option<&AgentContext>,
+) -> Result<(Rollout, Option<Vec<Episode>>)> {
+    match agent.filter(|_| ds.agents.contains(&AgentLoopName::ToolAgent)) {
+        None => Ok((
+            generate_rows_from(model, ds, rows, params, sampler, first_row)?,
+            None,
+        )),
+        Some(ctx) => {
+            let convs = rows.iter().map(|&i| conversation(ds, i)).collect();
+            let (out, eps) =
+                generate_agent_rows(model, ds, rows, params, sampler, first_row, ctx, convs)?;
+            Ok((out, Some(eps)))
+        }
+    }
+}
+
+/// verl's additions to a multi-turn row's `extra_info` (from the agent loop's
+/// `tool_extra_fields` and `__num_turns__`): `turn_scores` (empty: no interaction agents
+/// here), `tool_rewards` and `num_turns`. An `extra_info` that is not a mapping becomes one.
+pub(super) fn add_turns_to_requests(reqs: &mut [ScoreRequest], turns: &[TurnStats]) {
+    for (r, t) in reqs.iter_mut().zip(turns) {
+        if !r.extra_info.is_object() {
+            r.extra_info = serde_json::Value::Object(Default::default());
+        }
+        r.extra_info["turn_scores"] = serde_json::json!([]);
+        r.extra_info["tool_rewards"] = serde_json::json!(t.tool_rewards);
+        r.extra_info["num_turns"] = serde_json::json!(t.num_turns);
+    }
+}
+
+/// Row `i`'s conversation as the agent loop starts it.
+fn conversation(ds: &PromptDataset, i: usize) -> Conversation {
+    let s = &ds.samples[i];
+    Conversation {
+        messages: s.prompt.clone(),
+        tools_kwargs: s
+            .extra_info
+            .get("tools_kwargs")
+            .cloned()
+            .unwrap_or_else(|| serde_json::json!({})),
+        tool_agent: ds.agents[i] == AgentLoopName::ToolAgent,
+    }
+}
+
+/// What the step keeps of an episode.
+pub(super) fn turn_stats(e: &Episode, agent: AgentLoopName) -> TurnStats {
+    TurnStats {
+        num_turns: e.num_turns(),
+        tool_agent: agent == AgentLoopName::ToolAgent,
+        tool_calls: e.tool_calls,
+        tool_errors: e.tool_errors,
+        malformed_calls: e.malformed_calls,
+        tool_rewards: e.tool_rewards.clone(),
+        model_tokens: e.mask.iter().filter(|&&m| m == 1).count(),
+        sanity_mismatch: e.sanity_mismatch.is_some(),
     }
 }
 
@@ -202,12 +320,15 @@ impl Trainer {
     /// rows the reward stage excluded.
     pub(super) fn compute_rewards(&mut self, batch: &mut StepBatch) -> Result<()> {
         batch.texts = decode(&self.tokenizer, &batch.responses)?;
-        let reqs = requests(
+        let mut reqs = requests(
             &self.train,
             &batch.sample,
             &batch.texts,
             self.reward_experiment(),
         );
+        if let Some(turns) = &batch.turns {
+            add_turns_to_requests(&mut reqs, turns);
+        }
         let scored = self.reward.score_batch(&reqs, &batch.response_lens())?;
         Ok(batch.add_rewards(scored)?)
     }
@@ -373,6 +494,9 @@ impl Trainer {
         )?;
         step_metrics::reward_metrics(m, &self.reward, &batch.rewards);
         step_metrics::variance_proxy_metrics(m, batch)?;
+        if let Some(turns) = &batch.turns {
+            step_metrics::agent_metrics(m, turns);
+        }
         m.insert("training/global_step".into(), self.global_step as f64);
         m.insert("training/epoch".into(), epoch as f64);
         timing.seconds.insert("step", elapsed);

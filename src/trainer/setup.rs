@@ -13,15 +13,20 @@ use super::micro::Layout;
 use super::trainable::LoraState;
 use super::{Result, TrainerError};
 use crate::config::reward::SourceKind;
+use crate::config::AgentLoopName;
 use crate::config::{Config, ConfigError, ModelConfig, Plan};
 use crate::data::dataset::{load_samples, DatasetOptions};
+use crate::data::AgentRendering;
 use crate::data::{ChatTemplate, PromptDataset, TokenizerBundle};
 use crate::metrics::Tracker;
 use crate::model::Exec;
+use crate::reward::tools::{ToolPool, ToolPoolSettings, ToolSource};
 use crate::reward::{ModelContext, NativeRegistry, RewardManager};
+use crate::rollout::agent::{AgentContext, AgentSettings, NoTools, ToolRunner};
 use crate::util::expand_home;
 use crate::weights::hf::Loaded;
 use crate::weights::peft::{self, LoraSpec};
+use std::sync::Arc;
 
 /// The data-parallel rules of a run on `comm`'s ranks: `trainer.nnodes ×
 /// trainer.n_gpus_per_node` (when set) must be the number of processes the launcher started,
@@ -241,17 +246,24 @@ pub fn datasets(
     tok: &TokenizerBundle,
     template: &ChatTemplate,
     with_val: bool,
+    agents: &AgentRendering,
 ) -> Result<(PromptDataset, Option<PromptDataset>)> {
-    let build = |files: &[String], opts: &DatasetOptions| read_prompts(files, opts, tok, template);
+    let build = |files: &[String], opts: DatasetOptions| {
+        let opts = DatasetOptions {
+            agents: Some(agents.clone()),
+            ..opts
+        };
+        read_prompts(files, &opts, tok, template)
+    };
     let train = build(
         &cfg.data.train_files.to_vec(),
-        &DatasetOptions::train(&cfg.data, plan.prompt_length),
+        DatasetOptions::train(&cfg.data, plan.prompt_length),
     )?;
     let val_files = cfg.data.val_files.to_vec();
     let val = if with_val && !val_files.is_empty() {
         Some(build(
             &val_files,
-            &DatasetOptions::val(&cfg.data, plan.prompt_length),
+            DatasetOptions::val(&cfg.data, plan.prompt_length),
         )?)
     } else {
         None
@@ -512,6 +524,41 @@ pub struct Policy {
     pub train: PromptDataset,
     pub val: Option<PromptDataset>,
     pub total_steps: u64,
+    /// The tool agent loop, when some row runs it.
+    pub agent: Option<Arc<AgentContext>>,
+}
+
+/// The tools `rollout.multi_turn.tool_config_path` / `function_tool_path` name, started in
+/// their Python workers (`rollout.agent.num_workers` of them, `reward.python`'s interpreter);
+/// none named: a runner that answers every call as a call to an unknown tool.
+pub fn tool_runner(cfg: &Config) -> Result<Arc<dyn ToolRunner>> {
+    let r = &cfg.actor_rollout_ref.rollout;
+    let mt = &r.multi_turn;
+    if mt.tool_config_path.is_none() && mt.function_tool_path.is_none() {
+        return Ok(Arc::new(NoTools));
+    }
+    let src = ToolSource {
+        tool_config_path: mt
+            .tool_config_path
+            .as_deref()
+            .map(|p| crate::util::expand_home(p).into()),
+        function_tool_path: mt
+            .function_tool_path
+            .as_deref()
+            .map(|p| crate::util::expand_home(p).into()),
+    };
+    let settings = ToolPoolSettings {
+        python: cfg.reward.python.clone(),
+        num_workers: r.agent.num_workers.max(1),
+        timeout: std::time::Duration::from_secs_f64(mt.tool_timeout_s),
+        max_output_bytes: mt.max_tool_output_bytes,
+    };
+    let pool = ToolPool::start(&src, settings).map_err(|e| {
+        TrainerError::Other(format!(
+            "starting the tools of actor_rollout_ref.rollout.multi_turn: {e}"
+        ))
+    })?;
+    Ok(Arc::new(pool))
 }
 
 /// Loads the policy (`actor_rollout_ref.model`), attaches its LoRA adapters, checks that
@@ -524,7 +571,35 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
     let context = loaded.model.args.max_position_embeddings;
     fits_context(plan, "actor_rollout_ref.model.path", &m.path, context)?;
     let template = tok.template(m.custom_chat_template.as_deref())?;
-    let (train, val) = datasets(cfg, plan, &tok, &template, wants_validation(cfg))?;
+    let runner = tool_runner(cfg)?;
+    let rendering = AgentRendering {
+        multi_turn: cfg.actor_rollout_ref.rollout.multi_turn.enable,
+        default: cfg.actor_rollout_ref.rollout.agent.default_agent_loop,
+        tools: runner.schemas(),
+    };
+    let (train, val) = datasets(
+        cfg,
+        plan,
+        &tok,
+        &template,
+        wants_validation(cfg),
+        &rendering,
+    )?;
+    let tool_rows = |d: &PromptDataset| d.agents.contains(&AgentLoopName::ToolAgent);
+    let agent = if tool_rows(&train) || val.as_ref().is_some_and(tool_rows) {
+        let mt = &cfg.actor_rollout_ref.rollout.multi_turn;
+        let ctx = AgentContext::new(
+            Arc::new(tok.clone()),
+            Arc::new(tok.template(m.custom_chat_template.as_deref())?),
+            cfg.data.apply_chat_template_kwargs.clone(),
+            runner,
+            AgentSettings::new(mt),
+        )
+        .map_err(|e| TrainerError::Other(format!("the tool agent loop (rows with agent_name tool_agent, or actor_rollout_ref.rollout.multi_turn.enable): {e}")))?;
+        Some(Arc::new(ctx))
+    } else {
+        None
+    };
     let total_steps = total_steps(cfg, plan, train.len())?;
     let inputs = Layout::of(tok.pad_token_id, m);
     let a = &cfg.actor_rollout_ref.actor;
@@ -536,6 +611,7 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
         train,
         val,
         total_steps,
+        agent,
     })
 }
 

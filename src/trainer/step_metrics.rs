@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use candle_core::Device;
 
-use super::batch::{dense, Column, Ragged, StepBatch};
+use super::batch::{dense, Column, Ragged, StepBatch, TurnStats};
 use crate::algo::{agg_loss, AggNorm};
 use crate::config::{LossAggMode, Plan};
 use crate::metrics::{add_stats, Metrics};
@@ -248,6 +248,60 @@ pub fn variance_proxy_metrics(m: &mut Metrics, b: &StepBatch) -> candle_core::Re
         m.insert(format!("variance_proxy/{k}"), v);
     }
     Ok(())
+}
+
+/// The tool agent loop's metrics of a step that ran it: verl's `num_turns/{mean,max,min}`, and
+/// ours under `agent/`: calls per tool-agent response, the share of those responses that
+/// called a tool (parsed or not), the share of call blocks that parsed, the share of run calls
+/// that failed, the tools' mean reward, the model's own tokens per response (verl's
+/// `response_length` counts tool and template tokens too) and the share of conversations whose
+/// turn-by-turn ids differ from tokenising them at once.
+pub fn agent_metrics(m: &mut Metrics, turns: &[TurnStats]) {
+    let num: Vec<f64> = turns.iter().map(|t| t.num_turns as f64).collect();
+    add_stats(m, "num_turns", &num);
+    let tool: Vec<&TurnStats> = turns.iter().filter(|t| t.tool_agent).collect();
+    if tool.is_empty() {
+        return;
+    }
+    let n = tool.len() as f64;
+    let calls: usize = tool.iter().map(|t| t.tool_calls).sum();
+    let bad: usize = tool.iter().map(|t| t.malformed_calls).sum();
+    let errors: usize = tool.iter().map(|t| t.tool_errors).sum();
+    m.insert("agent/tool_calls/mean".into(), calls as f64 / n);
+    let calling = tool
+        .iter()
+        .filter(|t| t.tool_calls + t.malformed_calls > 0)
+        .count();
+    m.insert("agent/tool_call_ratio".into(), calling as f64 / n);
+    if calls + bad > 0 {
+        m.insert(
+            "agent/tool_call_parse_ratio".into(),
+            calls as f64 / (calls + bad) as f64,
+        );
+    }
+    if calls > 0 {
+        m.insert(
+            "agent/tool_error_ratio".into(),
+            errors as f64 / calls as f64,
+        );
+    }
+    let rewards: Vec<f64> = tool
+        .iter()
+        .flat_map(|t| t.tool_rewards.iter().copied())
+        .collect();
+    if !rewards.is_empty() {
+        m.insert(
+            "agent/tool_reward/mean".into(),
+            rewards.iter().sum::<f64>() / rewards.len() as f64,
+        );
+    }
+    let model: Vec<f64> = tool.iter().map(|t| t.model_tokens as f64).collect();
+    add_stats(m, "agent/model_response_length", &model);
+    let mismatched = tool.iter().filter(|t| t.sanity_mismatch).count();
+    m.insert(
+        "agent/tokenization_mismatch_ratio".into(),
+        mismatched as f64 / n,
+    );
 }
 
 #[cfg(test)]

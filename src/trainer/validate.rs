@@ -21,11 +21,12 @@ use std::collections::BTreeMap;
 use serde_json::{json, Value};
 
 use super::dumps::write_jsonl;
+use super::phases::{add_turns_to_requests, rollout_rows, turn_stats};
 use super::phases::{decode, requests};
 use super::{Result, Trainer};
 use crate::data::numpy_rng::RandomState;
 use crate::metrics::Metrics;
-use crate::rollout::{generate_rows, repeat_rows, Sampler, SamplingParams};
+use crate::rollout::{repeat_rows, Sampler, SamplingParams};
 
 /// verl's bootstrap draws per sample size.
 const N_BOOTSTRAP: usize = 1000;
@@ -301,13 +302,20 @@ impl Trainer {
         for chunk in indices.chunks(per_batch) {
             let rows = repeat_rows(chunk, n);
             let view = self.actor.rollout_view();
-            let out = generate_rows(&view, ds, &rows, &params, &mut sampler)?;
+            let agent = self.rollout.agent.as_deref();
+            let (out, eps) = rollout_rows(&view, ds, &rows, &params, &mut sampler, 0, agent)?;
             let texts = decode(&self.tokenizer, &out.responses)?;
             let lens: Vec<usize> = out.responses.iter().map(Vec::len).collect();
-            let rewards = self.reward.score(
-                &requests(ds, &rows, &texts, self.reward_experiment()),
-                &lens,
-            )?;
+            let mut reqs = requests(ds, &rows, &texts, self.reward_experiment());
+            if let Some(eps) = &eps {
+                let turns: Vec<_> = eps
+                    .iter()
+                    .zip(&rows)
+                    .map(|(e, &i)| turn_stats(e, ds.agents[i]))
+                    .collect();
+                add_turns_to_requests(&mut reqs, &turns);
+            }
+            let rewards = self.reward.score(&reqs, &lens)?;
             for (k, r) in rewards.iter().enumerate() {
                 let sample = &ds.samples[rows[k]];
                 if let Some(score) = r.score {

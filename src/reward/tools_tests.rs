@@ -1,0 +1,624 @@
+//! The tool pool with a real `python3` (verl is not installed here, so the bridge's stand-ins
+//! for verl's modules are what the tool files import).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use super::*;
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn settings(workers: usize, timeout_s: f64) -> ToolPoolSettings {
+    ToolPoolSettings {
+        python: "python3".into(),
+        num_workers: workers,
+        timeout: Duration::from_secs_f64(timeout_s),
+        max_output_bytes: DEFAULT_MAX_OUTPUT_BYTES,
+    }
+}
+
+fn source(config: Option<&Path>, functions: Option<&Path>) -> ToolSource {
+    ToolSource {
+        tool_config_path: config.map(Path::to_path_buf),
+        function_tool_path: functions.map(Path::to_path_buf),
+    }
+}
+
+fn call(key: u64, name: &str, arguments: &str, create_kwargs: Value) -> ToolCall {
+    ToolCall {
+        key,
+        name: name.into(),
+        arguments: arguments.into(),
+        create_kwargs,
+    }
+}
+
+/// Submits all calls at once and returns their outcomes by key.
+fn run_all(pool: &ToolPool, calls: Vec<ToolCall>) -> Vec<ToolOutcome> {
+    let (tx, rx) = mpsc::channel();
+    let n = calls.len();
+    for c in calls {
+        pool.submit(c, tx.clone());
+    }
+    let mut out: Vec<ToolOutcome> = (0..n)
+        .map(|_| {
+            rx.recv_timeout(Duration::from_secs(60))
+                .expect("an outcome")
+        })
+        .collect();
+    out.sort_by_key(|o| o.key);
+    out
+}
+
+fn run_one(pool: &ToolPool, c: ToolCall) -> ToolOutcome {
+    run_all(pool, vec![c]).remove(0)
+}
+
+const GSM8K_YAML: &str = r#"
+tools:
+  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
+    config:
+      type: native
+    tool_schema:
+      type: "function"
+      function:
+        name: "calc_gsm8k_reward"
+        description: "A tool for calculating the reward of gsm8k."
+        parameters:
+          type: "object"
+          properties:
+            answer:
+              type: "string"
+              description: "The model's answer"
+          required: ["answer"]
+"#;
+
+#[test]
+fn gsm8k_tool_scores_like_verl() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(dir.path(), "gsm8k.yaml", GSM8K_YAML);
+    let pool = ToolPool::start(&source(Some(&cfg), None), settings(1, 30.0)).unwrap();
+    assert_eq!(
+        pool.schemas(),
+        &[
+            json!({"type": "function", "function": {"name": "calc_gsm8k_reward",
+            "description": "A tool for calculating the reward of gsm8k.",
+            "parameters": {"type": "object",
+                "properties": {"answer": {"type": "string", "description": "The model's answer"}},
+                "required": ["answer"]}}})
+        ]
+    );
+    let gt = json!({"ground_truth": "72"});
+    let args = [
+        r#"{"answer": "72"}"#,
+        r#"{"answer": "71"}"#,
+        "{\"answer\": \"#### 72\"}",
+        r#"{"answer": "it is 1,072"}"#,
+        r#"{"answer": "no idea"}"#,
+        r#"{"answer": 72}"#,
+    ];
+    let calls = args
+        .iter()
+        .enumerate()
+        .map(|(i, a)| call(i as u64, "calc_gsm8k_reward", a, gt.clone()))
+        .collect();
+    let out = run_all(&pool, calls);
+    // Each call creates a fresh instance whose stored reward is 0.0: a correct answer
+    // improves on it (step reward 0.0), anything else does not (-0.05). Flexible extraction
+    // keeps commas; no number at all scores the integer 0.
+    let expected = [
+        ("Current parsed answer='72' reward=1.0", 0.0),
+        ("Current parsed answer='71' reward=0.0", -0.05),
+        ("Current parsed answer='#### 72' reward=1.0", 0.0),
+        ("Current parsed answer='it is 1,072' reward=0.0", -0.05),
+        ("Current parsed answer='no idea' reward=0", -0.05),
+        ("Current parsed answer='72' reward=1.0", 0.0),
+    ];
+    for (o, (text, reward)) in out.iter().zip(expected) {
+        assert_eq!(o.text, text);
+        assert_eq!(o.reward, Some(reward), "{text}");
+        assert_eq!(o.error, None);
+    }
+}
+
+const FUNCTIONS: &str = r#"
+import os, time
+from typing import Optional
+from verl.tools.function_tool import function_tool
+
+
+@function_tool
+def add(a: int, b: float = 1.0) -> float:
+    """Adds two numbers.
+
+    Args:
+        a: The first
+            number.
+        b: The second number.
+
+    Returns:
+        The sum.
+    """
+    return a + b
+
+
+@function_tool("lookup")
+async def find(key: str, tags: list[str], mode: Optional[str] = None, opts: dict = None, n: int | float = 2) -> str:
+    """Looks a key up
+    in the table.
+
+    Args:
+        key: The key.
+        tags: Tags to match.
+        mode: How to match (choices: ["exact", "prefix"])
+        opts: Options.
+        n: A count.
+    """
+    return {"key": key, "tags": tags}, 0.5, {"hits": 1}
+
+
+@function_tool
+def nap(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return f"slept {seconds}"
+
+
+@function_tool
+def die(code: int) -> str:
+    """Ends the process at once.
+
+    Args:
+        code: Exit status.
+    """
+    os._exit(code)
+
+
+@function_tool
+def big(n: int) -> str:
+    """Returns n bytes.
+
+    Args:
+        n: How many.
+    """
+    return "x" * n
+
+
+@function_tool
+def boom(message: str) -> str:
+    """Raises.
+
+    Args:
+        message: The error message.
+    """
+    raise ValueError(message)
+
+
+@function_tool
+def pid() -> str:
+    """The worker's process id."""
+    return str(os.getpid())
+"#;
+
+fn function_pool(dir: &Path, workers: usize, timeout_s: f64) -> ToolPool {
+    let f = write(dir, "functions.py", FUNCTIONS);
+    ToolPool::start(&source(None, Some(&f)), settings(workers, timeout_s)).unwrap()
+}
+
+#[test]
+fn function_tool_schemas_come_from_signature_and_docstring() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = function_pool(dir.path(), 1, 30.0);
+    let by_name = |n: &str| {
+        pool.schemas()
+            .iter()
+            .find(|s| s["function"]["name"] == n)
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(
+        by_name("add"),
+        json!({"type": "function", "function": {"name": "add", "description": "Adds two numbers.",
+            "parameters": {"type": "object", "properties": {
+                "a": {"type": "integer", "description": "The first number."},
+                "b": {"type": "number", "description": "The second number."}},
+            "required": ["a"]}}})
+    );
+    // verl's schema model keeps only type, description and enum of a property (a list's
+    // `items` goes); `int | float` is a list of types.
+    assert_eq!(
+        by_name("lookup"),
+        json!({"type": "function", "function": {"name": "lookup",
+            "description": "Looks a key up\nin the table.",
+            "parameters": {"type": "object", "properties": {
+                "key": {"type": "string", "description": "The key."},
+                "tags": {"type": "array", "description": "Tags to match."},
+                "mode": {"type": "string", "description": "How to match", "enum": ["exact", "prefix"]},
+                "opts": {"type": "object", "description": "Options."},
+                "n": {"type": ["integer", "number"], "description": "A count."}},
+            "required": ["key", "tags"]}}})
+    );
+    assert_eq!(
+        by_name("pid"),
+        json!({"type": "function", "function": {"name": "pid", "description": "The worker's process id.",
+            "parameters": {"type": "object", "properties": {}}}})
+    );
+    let out = run_all(
+        &pool,
+        vec![
+            call(0, "add", r#"{"a": 2}"#, json!({})),
+            call(1, "lookup", r#"{"key": "k", "tags": ["é"]}"#, Value::Null),
+        ],
+    );
+    assert_eq!(out[0].text, "3.0");
+    assert_eq!(out[0].reward, Some(0.0));
+    assert_eq!(out[1].text, r#"{"key": "k", "tags": ["é"]}"#);
+    assert_eq!(out[1].reward, Some(0.5));
+}
+
+#[test]
+fn unknown_tools_bad_json_and_exceptions_read_as_in_verl() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = function_pool(dir.path(), 1, 30.0);
+    let out = run_all(
+        &pool,
+        vec![
+            call(0, "nope", "{}", json!({})),
+            call(1, "add", "{bad", json!({})),
+            call(2, "boom", r#"{"message": "no luck"}"#, json!({})),
+            call(3, "add", r#"{"c": 1}"#, json!({})),
+        ],
+    );
+    assert_eq!(
+        out[0].text,
+        "Unknown function 'nope'. Available tools: ['add', 'big', 'boom', 'die', 'lookup', 'nap', 'pid']"
+    );
+    assert_eq!((out[0].reward, &out[0].error), (Some(0.0), &None));
+    assert_eq!(
+        out[1].text,
+        "Invalid JSON in arguments for 'add': Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+    );
+    assert_eq!((out[1].reward, &out[1].error), (Some(0.0), &None));
+    assert_eq!(out[2].text, "Error executing tool 'boom': no luck");
+    assert_eq!(out[2].reward, Some(0.0));
+    assert_eq!(
+        out[2].error.as_deref(),
+        Some("tool 'boom' raised ValueError: no luck")
+    );
+    assert_eq!(
+        out[3].text,
+        "Error executing tool 'add': add() got an unexpected keyword argument 'c'"
+    );
+}
+
+/// Runs `bad` and a fast call together on two workers; the fast one must succeed, and the
+/// pool must still work afterwards (the bad call's worker replaced).
+fn failing_next_to_a_fast_call(bad: ToolCall) -> ToolOutcome {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = function_pool(dir.path(), 2, 2.0);
+    let fast = call(1, "nap", r#"{"seconds": 0.2}"#, json!({}));
+    let out = run_all(&pool, vec![bad, fast]);
+    assert_eq!(out[1].text, "slept 0.2");
+    assert_eq!(out[1].error, None);
+    let again = run_all(
+        &pool,
+        vec![
+            call(2, "nap", r#"{"seconds": 0}"#, json!({})),
+            call(3, "nap", r#"{"seconds": 0}"#, json!({})),
+        ],
+    );
+    assert!(again.iter().all(|o| o.text == "slept 0"), "{again:?}");
+    out[0].clone()
+}
+
+#[test]
+fn a_call_past_the_timeout_is_a_named_error() {
+    let started = Instant::now();
+    let o = failing_next_to_a_fast_call(call(0, "nap", r#"{"seconds": 30}"#, json!({})));
+    assert_eq!(
+        o.error.as_deref(),
+        Some("tool 'nap' timed out after 2 s (its worker was killed and replaced)")
+    );
+    assert_eq!(o.text, "Error executing tool 'nap': timed out after 2 s");
+    assert_eq!(o.reward, None);
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+fn a_dying_worker_is_a_named_error() {
+    let o = failing_next_to_a_fast_call(call(0, "die", r#"{"code": 3}"#, json!({})));
+    let err = o.error.unwrap();
+    assert!(
+        err.starts_with("tool 'die': its worker process died (exit status: 3)"),
+        "{err}"
+    );
+    assert_eq!(
+        o.text,
+        "Error executing tool 'die': the tool's process died"
+    );
+}
+
+#[test]
+fn an_oversized_output_is_a_named_error() {
+    let o = failing_next_to_a_fast_call(call(0, "big", r#"{"n": 10485760}"#, json!({})));
+    assert_eq!(
+        o.error.as_deref(),
+        Some("tool 'big' returned 10485760 bytes, over the 1048576-byte limit")
+    );
+    assert_eq!(o.text, "Error executing tool 'big': output too large");
+}
+
+#[test]
+fn calls_run_concurrently_on_the_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = function_pool(dir.path(), 4, 30.0);
+    let started = Instant::now();
+    let calls = (0..4)
+        .map(|k| call(k, "nap", r#"{"seconds": 1}"#, json!({})))
+        .collect();
+    let out = run_all(&pool, calls);
+    let took = started.elapsed();
+    assert!(out.iter().all(|o| o.text == "slept 1"), "{out:?}");
+    assert!(
+        took < Duration::from_secs(3),
+        "4 one-second calls took {took:?}"
+    );
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.contains(") Z "))
+        .unwrap_or(false)
+}
+
+#[test]
+fn dropping_the_pool_ends_calls_in_flight_and_the_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = function_pool(dir.path(), 2, 60.0);
+    let pids: Vec<u32> = run_all(
+        &pool,
+        vec![
+            call(0, "pid", "{}", json!({})),
+            call(1, "pid", "{}", json!({})),
+        ],
+    )
+    .iter()
+    .map(|o| o.text.parse().unwrap())
+    .collect();
+    let (tx, rx) = mpsc::channel();
+    pool.submit(call(9, "nap", r#"{"seconds": 60}"#, json!({})), tx);
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    drop(pool);
+    assert!(started.elapsed() < Duration::from_secs(3));
+    let o = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+    assert_eq!(
+        o.error.as_deref(),
+        Some("tool 'nap': the tool pool was shut down")
+    );
+    for pid in pids {
+        assert!(!alive(pid), "tool worker {pid} is still running");
+    }
+}
+
+fn code_pool(dir: &Path, extra: &str) -> ToolPool {
+    let yaml = format!(
+        "tools:\n  - class_name: main_ppo.tools.CodeInterpreterTool\n    config:\n      type: native\n      timeout_s: 1\n{extra}    tool_schema: null\n"
+    );
+    let cfg = write(dir, "code.yaml", &yaml);
+    ToolPool::start(&source(Some(&cfg), None), settings(2, 30.0)).unwrap()
+}
+
+fn code(key: u64, src: &str) -> ToolCall {
+    call(
+        key,
+        "code_interpreter",
+        &json!({ "code": src }).to_string(),
+        json!({}),
+    )
+}
+
+#[test]
+fn the_code_interpreter_runs_code_within_its_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = code_pool(dir.path(), "");
+    assert_eq!(pool.schemas()[0]["function"]["name"], "code_interpreter");
+    let out = run_all(
+        &pool,
+        vec![
+            code(0, "print(1+1)"),
+            code(1, "while True:\n    pass"),
+            code(
+                2,
+                "import socket; socket.create_connection((\"1.1.1.1\", 80), timeout=5)",
+            ),
+            code(
+                3,
+                "import os; print(os.getcwd() != '/')\nraise SystemExit(4)",
+            ),
+        ],
+    );
+    assert_eq!(out[0].text, "2\n");
+    assert_eq!(out[0].reward, Some(0.0));
+    assert_eq!(out[1].text, "[killed: CPU time limit of 1 s exceeded]");
+    assert!(out[2].text.ends_with("[exit status 1]"), "{}", out[2].text);
+    assert!(out[2].text.contains("Error"), "{}", out[2].text);
+    assert_eq!(out[3].text, "True\n[exit status 4]");
+}
+
+#[test]
+fn the_code_interpreter_socket_shim_blocks_the_network() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = code_pool(dir.path(), "      network_isolation: socket_shim\n");
+    let o = run_one(
+        &pool,
+        code(
+            0,
+            "import socket; socket.create_connection((\"1.1.1.1\", 80), timeout=5)",
+        ),
+    );
+    assert!(
+        o.text
+            .contains("PermissionError: network access is disabled in this sandbox"),
+        "{}",
+        o.text
+    );
+    assert!(o.text.ends_with("[exit status 1]"), "{}", o.text);
+}
+
+/// A one-request HTTP server answering `body` with status 200; returns its URL and the
+/// request body it received.
+fn retrieval_server(body: Value) -> (String, mpsc::Receiver<Value>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/retrieve", listener.local_addr().unwrap());
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let (stream, _) = listener.accept().unwrap();
+        let mut reader = BufReader::new(stream.try_clone().unwrap());
+        let mut length = 0;
+        loop {
+            let mut line = String::new();
+            reader.read_line(&mut line).unwrap();
+            if line.trim().is_empty() {
+                break;
+            }
+            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                length = v.trim().parse().unwrap();
+            }
+        }
+        let mut request = vec![0; length];
+        reader.read_exact(&mut request).unwrap();
+        tx.send(serde_json::from_slice(&request).unwrap()).unwrap();
+        let text = body.to_string();
+        let mut stream = stream;
+        write!(
+            stream,
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+            text.len()
+        )
+        .unwrap();
+    });
+    (url, rx)
+}
+
+#[test]
+fn the_search_tool_formats_retrieved_passages() {
+    let passages = json!({"result": [
+        [
+            {"document": {"id": "1", "contents": "Paris\nParis is the capital of France.\nIt is big."}, "score": 0.9},
+            {"document": {"id": "2", "contents": "Lyon\nLyon is a city."}, "score": 0.5}
+        ],
+        [
+            {"document": {"id": "3", "contents": "Rhine\nA river."}, "score": 0.7}
+        ]
+    ]});
+    let (url, request) = retrieval_server(passages);
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "tools:\n  - class_name: verl.tools.search_tool.SearchTool\n    config:\n      type: native\n      retrieval_service_url: {url}\n      topk: 2\n      timeout: 10\n    tool_schema: null\n"
+    );
+    let cfg = write(dir.path(), "search.yaml", &yaml);
+    let pool = ToolPool::start(&source(Some(&cfg), None), settings(1, 30.0)).unwrap();
+    let o = run_one(
+        &pool,
+        call(
+            0,
+            "search",
+            r#"{"query_list": ["capital of France", "rivers"]}"#,
+            json!({}),
+        ),
+    );
+    assert_eq!(
+        request.recv_timeout(Duration::from_secs(5)).unwrap(),
+        json!({"queries": ["capital of France", "rivers"], "topk": 2, "return_scores": true})
+    );
+    // verl's search tool: passages per query joined by blank lines, queries by `---`, all
+    // wrapped as the JSON `{"result": ...}` (json.dumps' spacing).
+    let result = "Doc 1 (Title: Paris)\nParis is the capital of France.\nIt is big.\n\nDoc 2 (Title: Lyon)\nLyon is a city.\n---\nDoc 1 (Title: Rhine)\nA river.";
+    assert_eq!(
+        o.text,
+        format!("{{\"result\": {}}}", serde_json::to_string(result).unwrap())
+    );
+    assert_eq!((o.reward, o.error), (Some(0.0), None));
+}
+
+fn start_error(dir: &Path, yaml: &str, functions: Option<&str>) -> String {
+    let cfg = write(dir, "tools.yaml", yaml);
+    let f = functions.map(|code| write(dir, "fns.py", code));
+    ToolPool::start(&source(Some(&cfg), f.as_deref()), settings(1, 30.0))
+        .unwrap_err()
+        .to_string()
+}
+
+#[test]
+fn bad_tool_configs_name_the_file_and_the_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("tools.yaml").display().to_string();
+    let gsm8k = "  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    config: {type: native}\n";
+    let e = start_error(
+        dir.path(),
+        &format!("tools:\n{gsm8k}  - config: {{type: native}}\n"),
+        None,
+    );
+    assert!(
+        e.contains(&format!("{cfg}: tools[1] has no `class_name`")),
+        "{e}"
+    );
+    let e = start_error(
+        dir.path(),
+        "tools:\n  - class_name: a.B\n    config: {type: mcp}\n",
+        None,
+    );
+    assert!(
+        e.contains(&format!("{cfg}: tools[0] (a.B): config.type is `mcp`; only native tools are supported (MCP tools are not)")),
+        "{e}"
+    );
+    let e = start_error(dir.path(), "tools: [\n", None);
+    assert!(
+        e.contains(&format!("the tool config {cfg} is not valid YAML")),
+        "{e}"
+    );
+    let e = start_error(dir.path(), "other: 1\n", None);
+    assert!(
+        e.contains(&format!("{cfg}: no top-level `tools:` list")),
+        "{e}"
+    );
+    let e = start_error(
+        dir.path(),
+        "tools:\n  - class_name: no_such_module.Tool\n    config: {type: native}\n",
+        None,
+    );
+    assert!(
+        e.contains(&format!(
+            "({cfg}: tools[0] (no_such_module.Tool)): ModuleNotFoundError"
+        )),
+        "{e}"
+    );
+    let clash = "from verl.tools.function_tool import function_tool\n\n@function_tool(\"calc_gsm8k_reward\")\ndef f(x: str) -> str:\n    \"\"\"F.\n\n    Args:\n        x: X.\n    \"\"\"\n    return x\n";
+    let e = start_error(dir.path(), &format!("tools:\n{gsm8k}"), Some(clash));
+    assert!(
+        e.contains(
+            "Function tool name(s) ['calc_gsm8k_reward'] collide with tools already declared in"
+        ),
+        "{e}"
+    );
+    let undocumented = "from verl.tools.function_tool import function_tool\n\n@function_tool\ndef g(x: str, y: int) -> str:\n    \"\"\"G.\n\n    Args:\n        x: X.\n    \"\"\"\n    return x\n";
+    let e = start_error(dir.path(), "tools: []\n", Some(undocumented));
+    assert!(
+        e.contains("does not describe parameter `y`") && e.contains("fns.py"),
+        "{e}"
+    );
+}

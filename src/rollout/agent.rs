@@ -1,0 +1,604 @@
+//! verl's tool agent loop (`rollout.multi_turn.*`, `agent_name: tool_agent`): the model writes a
+//! turn, the tool calls in it are parsed, the tools run, and their results come back as
+//! tool-role turns rendered by the chat template, until a turn calls no tool or a limit ends
+//! the conversation. Every token stays an id from generation to the loss: generated tokens are
+//! kept exactly and carry mask 1, the template and tool tokens appended between turns carry 0.
+
+use std::sync::mpsc::Sender;
+
+use serde_json::Value;
+
+/// One tool call to run (what the agent loop hands to a [`ToolRunner`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    /// The caller's tag, returned with the outcome.
+    pub key: u64,
+    pub name: String,
+    /// The arguments as the model wrote them (JSON text, not yet checked).
+    pub arguments: String,
+    /// The row's `tools_kwargs[name].create_kwargs` (`{}` when absent).
+    pub create_kwargs: Value,
+}
+
+/// What a tool call gave back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolOutcome {
+    pub key: u64,
+    /// The tool-role message's content (an error's text when the call failed, as verl shows
+    /// the model).
+    pub text: String,
+    /// The tool's reward, when it gave one.
+    pub reward: Option<f64>,
+    /// Why the call failed (timeout, crash, exception, output too large), for metrics and logs.
+    pub error: Option<String>,
+}
+
+/// Runs tool calls out of the trainer's process.
+pub trait ToolRunner: Send + Sync {
+    /// The tools' OpenAI function schemas (the chat template's `tools`).
+    fn schemas(&self) -> Vec<Value>;
+    /// Starts `call`; its outcome arrives on `done` (from another thread).
+    fn submit(&self, call: ToolCall, done: Sender<ToolOutcome>);
+}
+
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Map};
+
+use super::scheduler::Turns;
+use super::tool_parser::{self, ParsedCall};
+use super::Rollout;
+use crate::config::{MultiTurnConfig, SanityCheckMode, ToolFormat, TruncateSide};
+use crate::data::{ChatTemplate, TokenizerBundle};
+
+/// The loop's limits and formats (`rollout.multi_turn.*`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentSettings {
+    pub format: ToolFormat,
+    pub max_assistant_turns: Option<usize>,
+    pub max_user_turns: Option<usize>,
+    pub max_parallel_calls: usize,
+    pub max_tool_response_length: usize,
+    pub truncate_side: TruncateSide,
+    pub sanity: SanityCheckMode,
+    /// How long the loop waits for a call's outcome before giving up on it (the runner's own
+    /// timeout plus a margin: a runner always answers, this only guards against one that
+    /// loses a call).
+    pub answer_wait: Duration,
+}
+
+impl AgentSettings {
+    pub fn new(m: &MultiTurnConfig) -> Self {
+        Self {
+            format: m.format,
+            max_assistant_turns: m.max_assistant_turns.map(|v| v as usize),
+            max_user_turns: m.max_user_turns.map(|v| v as usize),
+            max_parallel_calls: m.max_parallel_calls.max(1),
+            max_tool_response_length: m.max_tool_response_length,
+            truncate_side: m.tool_response_truncate_side,
+            sanity: m.tokenization_sanity_check_mode,
+            answer_wait: Duration::from_secs_f64(m.tool_timeout_s * 2.0 + 30.0),
+        }
+    }
+}
+
+/// What the loop needs for every conversation of a run: the tokenizer and chat template the
+/// prompts were rendered with, the tools, and the limits.
+pub struct AgentContext {
+    pub tokenizer: Arc<TokenizerBundle>,
+    pub template: Arc<ChatTemplate>,
+    /// `data.apply_chat_template_kwargs` with the tools' schemas as `tools`.
+    pub template_kwargs: Map<String, Value>,
+    pub runner: Arc<dyn ToolRunner>,
+    pub settings: AgentSettings,
+    /// Tokens the template writes after a model turn's end-of-turn token (ChatML's newline
+    /// after `<|im_end|>`): generation stops at the end-of-turn token, so they are inserted,
+    /// with mask 0, before a tool turn (verl's Continuous Token boundary rule).
+    turn_tail: Vec<u32>,
+}
+
+/// A synthetic conversation opening, for rendering tool turns on their own (verl's Continuous
+/// Token builder renders deltas against the same kind of stand-in).
+fn synthetic_opening() -> Vec<Value> {
+    vec![
+        json!({"role": "system", "content": "continuous token synthetic system"}),
+        json!({"role": "user", "content": "continuous token synthetic user"}),
+    ]
+}
+
+impl AgentContext {
+    pub fn new(
+        tokenizer: Arc<TokenizerBundle>,
+        template: Arc<ChatTemplate>,
+        mut template_kwargs: Map<String, Value>,
+        runner: Arc<dyn ToolRunner>,
+        settings: AgentSettings,
+    ) -> Result<Self, String> {
+        let schemas = runner.schemas();
+        if !schemas.is_empty() {
+            template_kwargs.insert("tools".into(), Value::Array(schemas));
+        }
+        let mut ctx = Self {
+            tokenizer,
+            template,
+            template_kwargs,
+            runner,
+            settings,
+            turn_tail: Vec::new(),
+        };
+        ctx.turn_tail = ctx.find_turn_tail()?;
+        Ok(ctx)
+    }
+
+    /// The tokens after an assistant message's content in the template's rendering (e.g.
+    /// `<|im_end|>`, `\n`).
+    fn find_turn_tail(&self) -> Result<Vec<u32>, String> {
+        const MARK: &str = "main_ppo_turn_content";
+        let mut msgs = synthetic_opening();
+        msgs.push(json!({"role": "assistant", "content": MARK}));
+        let text = self.render(&msgs, false)?;
+        let Some(at) = text.rfind(MARK) else {
+            return Ok(Vec::new());
+        };
+        self.encode(&text[at + MARK.len()..])
+    }
+
+    fn render(&self, messages: &[Value], generation_prompt: bool) -> Result<String, String> {
+        self.template
+            .render(messages, generation_prompt, &self.template_kwargs)
+            .map_err(|e| format!("the chat template fails on the conversation: {e}"))
+    }
+
+    fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.tokenizer.encode(text)
+    }
+
+    fn render_ids(&self, messages: &[Value], generation_prompt: bool) -> Result<Vec<u32>, String> {
+        self.encode(&self.render(messages, generation_prompt)?)
+    }
+
+    /// The tokens `appended` adds after `prefix` in the template's rendering (`generation_prompt`
+    /// on the longer one only); an error when the rendering of the prefix is not a prefix.
+    fn delta(
+        &self,
+        prefix: &[Value],
+        appended: &[Value],
+        generation_prompt: bool,
+    ) -> Result<Vec<u32>, String> {
+        let a = self.render_ids(prefix, false)?;
+        let full: Vec<Value> = prefix.iter().chain(appended).cloned().collect();
+        let b = self.render_ids(&full, generation_prompt)?;
+        if !b.starts_with(&a) {
+            return Err("the chat template renders a conversation's start differently once more turns follow; its tool turns cannot be appended as tokens".into());
+        }
+        Ok(b[a.len()..].to_vec())
+    }
+
+    /// The tokens between a model turn that called tools and the next model turn: the
+    /// template's end-of-turn tail when generation stopped before it, the tool messages, and
+    /// the generation prompt.
+    fn tool_turn_ids(
+        &self,
+        last_token: Option<u32>,
+        conversation: &[Value],
+        tool_msgs: &[Value],
+    ) -> Result<Vec<u32>, String> {
+        let mut ids = Vec::new();
+        if let (Some(t), Some((&first, rest))) = (last_token, self.turn_tail.split_first()) {
+            if t == first {
+                ids.extend_from_slice(rest);
+            }
+        }
+        let mut opening = synthetic_opening();
+        let calls: Vec<Value> = tool_msgs
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                json!({"id": m.get("tool_call_id").cloned().unwrap_or(json!(format!("call_{i}"))),
+                       "type": "function",
+                       "function": {"name": m.get("name").cloned().unwrap_or(json!("continuous_token_tool")), "arguments": {}}})
+            })
+            .collect();
+        opening.push(json!({"role": "assistant", "content": "", "reasoning_content": "reasoning", "tool_calls": calls}));
+        ids.extend(self.delta(&opening, tool_msgs, false)?);
+        ids.extend(self.delta(conversation, &[], true)?);
+        Ok(ids)
+    }
+}
+
+/// `text` cut to `max` characters as verl cuts tool responses.
+pub fn truncate_tool_text(text: &str, max: usize, side: TruncateSide) -> String {
+    let n = text.chars().count();
+    if n <= max {
+        return text.to_string();
+    }
+    let head = |k: usize| text.chars().take(k).collect::<String>();
+    let tail = |k: usize| text.chars().skip(n - k).collect::<String>();
+    match side {
+        TruncateSide::Left => format!("(truncated)...{}", tail(max)),
+        TruncateSide::Right => format!("{}...(truncated)", head(max)),
+        TruncateSide::Middle => format!("{}...(truncated)...{}", head(max / 2), tail(max / 2)),
+    }
+}
+
+/// One row's conversation as the loop starts it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Conversation {
+    /// The prompt's messages.
+    pub messages: Vec<Value>,
+    /// `extra_info.tools_kwargs`: per tool name, `create_kwargs` for its instances.
+    pub tools_kwargs: Value,
+    /// `false`: a single-turn row (one generation, no tools).
+    pub tool_agent: bool,
+}
+
+/// How one row's conversation went.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Episode {
+    /// 1 on every generated token, 0 on template and tool tokens; one per response token.
+    pub mask: Vec<u8>,
+    pub assistant_turns: usize,
+    pub user_turns: usize,
+    /// Tool calls run, and those that failed (unknown tool, bad arguments, exception, timeout,
+    /// crash, output too large).
+    pub tool_calls: usize,
+    pub tool_errors: usize,
+    /// Tool-call blocks the parser could not read.
+    pub malformed_calls: usize,
+    /// Each tool call's reward.
+    pub tool_rewards: Vec<f64>,
+    /// The conversation as messages (prompt, assistant turns with their calls, tool turns).
+    pub messages: Vec<Value>,
+    /// Where the ids built turn by turn differ from the whole conversation tokenised at once
+    /// (`tokenization_sanity_check_mode`).
+    pub sanity_mismatch: Option<String>,
+    /// Why the conversation ended early (a template that cannot render a tool turn).
+    pub error: Option<String>,
+}
+
+impl Episode {
+    /// verl's `num_turns`: tool turns + model turns + 1.
+    pub fn num_turns(&self) -> usize {
+        self.user_turns + self.assistant_turns + 1
+    }
+}
+
+/// A row's state between turns.
+struct RowState {
+    conv: Conversation,
+    ep: Episode,
+    /// Where the current model turn starts in the response.
+    turn_start: usize,
+    /// Response length and last token when the row stopped for its tools.
+    resp_len: usize,
+    last_token: Option<u32>,
+    /// The outcomes of the calls in flight (None until each arrives).
+    pending: Vec<Option<ToolOutcome>>,
+    asked_at: Option<Instant>,
+}
+
+/// The tool agent loop over one generation call's rows, driven by the scheduler
+/// ([`Turns`]).
+pub struct ToolAgent<'a> {
+    ctx: &'a AgentContext,
+    budget: usize,
+    eos_ids: Vec<u32>,
+    prompts: Vec<Vec<u32>>,
+    rows: Vec<RowState>,
+    tx: std::sync::mpsc::Sender<ToolOutcome>,
+    rx: Receiver<ToolOutcome>,
+}
+
+/// A call's tag: the row and the call's index in its turn.
+fn key(row: usize, idx: usize) -> u64 {
+    ((row as u64) << 16) | idx as u64
+}
+
+impl<'a> ToolAgent<'a> {
+    /// `budget`: the response length (all turns and tool tokens together).
+    pub fn new(
+        ctx: &'a AgentContext,
+        convs: Vec<Conversation>,
+        prompts: Vec<Vec<u32>>,
+        budget: usize,
+        eos_ids: Vec<u32>,
+    ) -> Self {
+        let (tx, rx) = channel();
+        let rows = convs
+            .into_iter()
+            .map(|conv| RowState {
+                ep: Episode {
+                    messages: conv.messages.clone(),
+                    ..Default::default()
+                },
+                conv,
+                turn_start: 0,
+                resp_len: 0,
+                last_token: None,
+                pending: Vec::new(),
+                asked_at: None,
+            })
+            .collect();
+        Self {
+            ctx,
+            budget,
+            eos_ids,
+            prompts,
+            rows,
+            tx,
+            rx,
+        }
+    }
+
+    /// Every row's episode, its mask the length of `out`'s response.
+    pub fn finish(mut self, out: &Rollout) -> Vec<Episode> {
+        for (r, st) in self.rows.iter_mut().enumerate() {
+            st.ep.mask.resize(out.responses[r].len(), 1);
+            if !st.conv.tool_agent {
+                st.ep.assistant_turns = 1;
+            }
+        }
+        let ctx = self.ctx;
+        let prompts = std::mem::take(&mut self.prompts);
+        self.rows
+            .into_iter()
+            .enumerate()
+            .map(|(r, mut st)| {
+                if st.conv.tool_agent && ctx.settings.sanity != SanityCheckMode::Disable {
+                    st.ep.sanity_mismatch =
+                        sanity(ctx, &st.ep.messages, &prompts[r], &out.responses[r]);
+                }
+                st.ep
+            })
+            .collect()
+    }
+
+    fn content_text(&self, turn: &[u32]) -> String {
+        let body = match turn.split_last() {
+            Some((last, rest)) if self.eos_ids.contains(last) => rest,
+            _ => turn,
+        };
+        self.ctx
+            .tokenizer
+            .tokenizer
+            .decode(body, false)
+            .unwrap_or_default()
+    }
+
+    /// The assistant message of a turn (verl's `_build_assistant_message`).
+    fn assistant_message(content: &str, calls: &[ParsedCall]) -> Value {
+        let mut m = json!({"role": "assistant", "content": content});
+        if !calls.is_empty() {
+            let tc: Vec<Value> = calls
+                .iter()
+                .map(|c| {
+                    let args = serde_json::from_str::<Value>(&c.arguments)
+                        .ok()
+                        .filter(Value::is_object)
+                        .unwrap_or_else(|| Value::String(c.arguments.clone()));
+                    json!({"type": "function", "function": {"name": c.name, "arguments": args}})
+                })
+                .collect();
+            m["tool_calls"] = Value::Array(tc);
+        }
+        m
+    }
+
+    /// All outcomes of row `r` are in: its tool turn's tokens, or `None` when the
+    /// conversation ends (the budget, or a template failure).
+    fn continuation(&mut self, r: usize) -> Option<Vec<u32>> {
+        let s = &self.ctx.settings;
+        let st = &mut self.rows[r];
+        let outcomes: Vec<ToolOutcome> = st.pending.drain(..).flatten().collect();
+        st.asked_at = None;
+        let mut tool_msgs = Vec::new();
+        for o in &outcomes {
+            st.ep.tool_calls += 1;
+            if o.error.is_some() {
+                st.ep.tool_errors += 1;
+            }
+            if let Some(rw) = o.reward {
+                st.ep.tool_rewards.push(rw);
+            }
+            let text = truncate_tool_text(&o.text, s.max_tool_response_length, s.truncate_side);
+            tool_msgs.push(json!({"role": "tool", "content": text}));
+        }
+        st.ep.messages.extend(tool_msgs.iter().cloned());
+        let ids = match self
+            .ctx
+            .tool_turn_ids(st.last_token, &st.ep.messages, &tool_msgs)
+        {
+            Ok(ids) => ids,
+            Err(e) => {
+                st.ep.error = Some(e);
+                return None;
+            }
+        };
+        if st.resp_len + ids.len() >= self.budget {
+            return None;
+        }
+        st.ep.user_turns += 1;
+        st.ep.mask.extend(std::iter::repeat_n(0, ids.len()));
+        st.turn_start = st.resp_len + ids.len();
+        Some(ids)
+    }
+
+    /// Rows whose every call has answered, after taking in `o`.
+    fn take(&mut self, o: ToolOutcome, done: &mut Vec<usize>) {
+        let (r, i) = ((o.key >> 16) as usize, (o.key & 0xffff) as usize);
+        let Some(st) = self.rows.get_mut(r) else {
+            return;
+        };
+        if let Some(slot) = st.pending.get_mut(i) {
+            *slot = Some(o);
+            if st.pending.iter().all(Option::is_some) && !done.contains(&r) {
+                done.push(r);
+            }
+        }
+    }
+
+    /// Calls that have waited past `answer_wait` get an error outcome (a runner that lost
+    /// them must not hang the rollout).
+    fn expire(&mut self, done: &mut Vec<usize>) {
+        let wait = self.ctx.settings.answer_wait;
+        let mut late = Vec::new();
+        for (r, st) in self.rows.iter().enumerate() {
+            if st.asked_at.is_some_and(|t| t.elapsed() > wait) {
+                for (i, p) in st.pending.iter().enumerate() {
+                    if p.is_none() {
+                        late.push(key(r, i));
+                    }
+                }
+            }
+        }
+        for k in late {
+            let text = format!(
+                "Error executing tool: no answer within {} s",
+                wait.as_secs()
+            );
+            self.take(
+                ToolOutcome {
+                    key: k,
+                    error: Some(text.clone()),
+                    text,
+                    reward: None,
+                },
+                done,
+            );
+        }
+    }
+}
+
+impl Turns for ToolAgent<'_> {
+    fn turn_ended(&mut self, row: usize, out: &Rollout) -> bool {
+        let resp = &out.responses[row];
+        let s = &self.ctx.settings;
+        let st = &mut self.rows[row];
+        if !st.conv.tool_agent {
+            return false;
+        }
+        let turn = resp[st.turn_start..].to_vec();
+        st.ep.mask.extend(std::iter::repeat_n(1, turn.len()));
+        st.ep.assistant_turns += 1;
+        let text = self.content_text(&turn);
+        let parsed = tool_parser::parse(s.format, &text);
+        let st = &mut self.rows[row];
+        let calls: Vec<ParsedCall> = parsed
+            .calls
+            .into_iter()
+            .take(s.max_parallel_calls)
+            .collect();
+        st.ep.malformed_calls += parsed.malformed;
+        st.ep
+            .messages
+            .push(Self::assistant_message(&parsed.content, &calls));
+        let over = resp.len() >= self.budget
+            || s.max_assistant_turns
+                .is_some_and(|m| st.ep.assistant_turns >= m)
+            || s.max_user_turns.is_some_and(|m| st.ep.user_turns >= m);
+        if over || calls.is_empty() {
+            return false;
+        }
+        st.resp_len = resp.len();
+        st.last_token = resp.last().copied();
+        st.pending = vec![None; calls.len()];
+        st.asked_at = Some(Instant::now());
+        for (i, c) in calls.into_iter().enumerate() {
+            let create_kwargs = st
+                .conv
+                .tools_kwargs
+                .get(&c.name)
+                .and_then(|k| k.get("create_kwargs"))
+                .cloned()
+                .unwrap_or_else(|| json!({}));
+            self.ctx.runner.submit(
+                ToolCall {
+                    key: key(row, i),
+                    name: c.name,
+                    arguments: c.arguments,
+                    create_kwargs,
+                },
+                self.tx.clone(),
+            );
+        }
+        true
+    }
+
+    fn ready(&mut self, wait: bool) -> Vec<(usize, Option<Vec<u32>>)> {
+        let mut done = Vec::new();
+        while let Ok(o) = self.rx.try_recv() {
+            self.take(o, &mut done);
+        }
+        while wait && done.is_empty() {
+            match self.rx.recv_timeout(Duration::from_millis(200)) {
+                Ok(o) => self.take(o, &mut done),
+                Err(RecvTimeoutError::Timeout) => self.expire(&mut done),
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        done.into_iter()
+            .map(|r| (r, self.continuation(r)))
+            .collect()
+    }
+}
+
+/// `tokenization_sanity_check_mode`: where prompt + response differ from the conversation
+/// rendered and tokenised at once (`None` when they agree; trailing template tokens the
+/// rendering adds after the last turn are not a difference).
+fn sanity(
+    ctx: &AgentContext,
+    messages: &[Value],
+    prompt: &[u32],
+    response: &[u32],
+) -> Option<String> {
+    let full = match ctx.render_ids(messages, false) {
+        Ok(ids) => ids,
+        Err(e) => return Some(e),
+    };
+    let ours: Vec<u32> = prompt.iter().chain(response).copied().collect();
+    let at = ours
+        .iter()
+        .zip(&full)
+        .position(|(a, b)| a != b)
+        .or_else(|| (full.len() < ours.len()).then_some(full.len()))?;
+    let show = |ids: &[u32]| {
+        let lo = at.saturating_sub(3);
+        let hi = (at + 4).min(ids.len());
+        ctx.tokenizer
+            .tokenizer
+            .decode(&ids[lo.min(hi)..hi], false)
+            .unwrap_or_default()
+    };
+    let (a, b) = (show(&ours), show(&full));
+    if ctx.settings.sanity == SanityCheckMode::IgnoreStrippable && a.trim() == b.trim() {
+        return None;
+    }
+    Some(format!(
+        "token {at}: generated {a:?}, the whole conversation tokenised {b:?}"
+    ))
+}
+
+/// The runner of a run that names no tools: every call is answered as verl answers a call to
+/// a tool it does not have.
+pub struct NoTools;
+
+impl ToolRunner for NoTools {
+    fn schemas(&self) -> Vec<Value> {
+        Vec::new()
+    }
+    fn submit(&self, call: ToolCall, done: std::sync::mpsc::Sender<ToolOutcome>) {
+        let text = format!("Unknown function '{}'. Available tools: []", call.name);
+        let _ = done.send(ToolOutcome {
+            key: call.key,
+            error: Some(text.clone()),
+            text,
+            reward: Some(0.0),
+        });
+    }
+}
+
+#[cfg(test)]
+#[path = "agent_tests.rs"]
+mod tests;

@@ -1,0 +1,227 @@
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+
+use serde_json::{json, Map, Value};
+
+use super::*;
+use crate::config::{MultiTurnConfig, ToolFormat, TruncateSide};
+use crate::data::TokenizerBundle;
+use crate::rollout::StopReason;
+
+/// A tool runner scripted in Rust: `echo` answers `echo:<arguments>` with reward 0.5 after
+/// `delay`; `boom` fails; it records every call.
+struct Script {
+    calls: Mutex<Vec<ToolCall>>,
+}
+
+impl ToolRunner for Script {
+    fn schemas(&self) -> Vec<Value> {
+        vec![
+            json!({"type": "function", "function": {"name": "echo", "parameters": {"type": "object", "properties": {}}}}),
+        ]
+    }
+    fn submit(&self, call: ToolCall, done: Sender<ToolOutcome>) {
+        self.calls.lock().unwrap().push(call.clone());
+        std::thread::spawn(move || {
+            let o = match call.name.as_str() {
+                "echo" => ToolOutcome {
+                    key: call.key,
+                    text: format!("echo:{}", call.arguments),
+                    reward: Some(0.5),
+                    error: None,
+                },
+                _ => ToolOutcome {
+                    key: call.key,
+                    text: "Error executing tool 'boom': it broke".into(),
+                    reward: None,
+                    error: Some("it broke".into()),
+                },
+            };
+            let _ = done.send(o);
+        });
+    }
+}
+
+fn bundle() -> (tempfile::TempDir, TokenizerBundle) {
+    let dir = tempfile::tempdir().unwrap();
+    crate::testing::write_tokenizer_dir(dir.path()).unwrap();
+    let tok = TokenizerBundle::from_dir(dir.path()).unwrap();
+    (dir, tok)
+}
+
+fn context(tok: &TokenizerBundle, runner: Arc<Script>, mt: &MultiTurnConfig) -> AgentContext {
+    AgentContext::new(
+        Arc::new(tok.clone()),
+        Arc::new(tok.template(None).unwrap()),
+        Map::new(),
+        runner,
+        AgentSettings::new(mt),
+    )
+    .unwrap()
+}
+
+fn ids(tok: &TokenizerBundle, text: &str) -> Vec<u32> {
+    tok.encode(text).unwrap()
+}
+
+/// One conversation through the loop with hand-made model turns: the tool turn's ids are the
+/// ChatML rendering written out by hand (the newline the template puts after `<|im_end|>`, the
+/// tool message, the generation prompt), their mask is 0 and the model's tokens' 1; the tool
+/// saw the row's create_kwargs and the parsed arguments; at most `max_parallel_calls` run; an
+/// overlong text is cut as `tool_response_truncate_side` says; the tools' rewards and errors
+/// are counted; a turn without calls ends the conversation.
+#[test]
+fn a_tool_turn_appends_the_templates_ids_with_mask_zero() {
+    let (_d, tok) = bundle();
+    let runner = Arc::new(Script {
+        calls: Mutex::new(Vec::new()),
+    });
+    let mt = MultiTurnConfig {
+        max_parallel_calls: 2,
+        max_tool_response_length: 12,
+        tool_response_truncate_side: TruncateSide::Right,
+        format: ToolFormat::Hermes,
+        ..MultiTurnConfig::default()
+    };
+    let ctx = context(&tok, runner.clone(), &mt);
+    let im_end = 258;
+    let turn1_text = "ok<tool_call>{\"name\": \"echo\", \"arguments\": {\"x\": 1}}</tool_call><tool_call>{\"name\": \"boom\", \"arguments\": {}}</tool_call><tool_call>{\"name\": \"echo\", \"arguments\": {\"x\": 3}}</tool_call>";
+    let mut turn1 = ids(&tok, turn1_text);
+    turn1.push(im_end);
+    let conv = Conversation {
+        messages: vec![json!({"role": "user", "content": "hi"})],
+        tools_kwargs: json!({"echo": {"create_kwargs": {"ground_truth": "7"}}}),
+        tool_agent: true,
+    };
+    let prompt = vec![1, 2, 3];
+    let mut agent = ToolAgent::new(&ctx, vec![conv], vec![prompt], 400, vec![im_end, 256]);
+    let mut out = Rollout {
+        responses: vec![turn1.clone()],
+        log_probs: vec![vec![-1.0; turn1.len()]],
+        stop: vec![StopReason::Eos],
+    };
+    assert!(
+        agent.turn_ended(0, &out),
+        "a turn with calls waits for them"
+    );
+    let ready = agent.ready(true);
+    let (row, appended) = (ready[0].0, ready[0].1.clone().expect("continues"));
+    assert_eq!(row, 0);
+    // Two calls ran (max_parallel_calls), in order; the third was dropped.
+    let calls = runner.calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 2);
+    assert_eq!(
+        (calls[0].name.as_str(), calls[0].arguments.as_str()),
+        ("echo", "{\"x\":1}")
+    );
+    assert_eq!(calls[0].create_kwargs, json!({"ground_truth": "7"}));
+    assert_eq!(calls[1].create_kwargs, json!({}));
+    // "echo:{"x":1}" is 12 characters: kept whole; the error text is cut to 12 + marker.
+    let expected = [
+        "\n".to_string(),
+        "<|im_start|>tool\necho:{\"x\":1}<|im_end|>\n".into(),
+        "<|im_start|>tool\nError execut...(truncated)<|im_end|>\n".into(),
+        "<|im_start|>assistant\n".into(),
+    ]
+    .concat();
+    assert_eq!(appended, ids(&tok, &expected));
+    // The scheduler appends them; the model's second turn calls nothing.
+    out.responses[0].extend(&appended);
+    let turn2 = [ids(&tok, "72"), vec![im_end]].concat();
+    out.responses[0].extend(&turn2);
+    assert!(!agent.turn_ended(0, &out), "no call: the conversation ends");
+    let ep = agent.finish(&out).remove(0);
+    let want_mask: Vec<u8> = [
+        vec![1; turn1.len()],
+        vec![0; appended.len()],
+        vec![1; turn2.len()],
+    ]
+    .concat();
+    assert_eq!(ep.mask, want_mask);
+    assert_eq!(
+        (ep.assistant_turns, ep.user_turns, ep.num_turns()),
+        (2, 1, 4)
+    );
+    assert_eq!((ep.tool_calls, ep.tool_errors), (2, 1));
+    assert_eq!(ep.tool_rewards, vec![0.5]);
+    assert_eq!(ep.messages.len(), 5, "{:?}", ep.messages);
+    assert_eq!(
+        ep.messages[1]["tool_calls"][0]["function"]["arguments"],
+        json!({"x": 1})
+    );
+}
+
+/// Limits end a conversation: a tool turn that would reach the response budget is not
+/// appended, and `max_assistant_turns` stops before calling.
+#[test]
+fn budgets_and_turn_limits_end_the_conversation() {
+    let (_d, tok) = bundle();
+    let runner = Arc::new(Script {
+        calls: Mutex::new(Vec::new()),
+    });
+    let call = [
+        ids(
+            &tok,
+            "<tool_call>{\"name\": \"echo\", \"arguments\": {}}</tool_call>",
+        ),
+        vec![258],
+    ]
+    .concat();
+    let conv = || Conversation {
+        messages: vec![json!({"role": "user", "content": "hi"})],
+        tools_kwargs: json!({}),
+        tool_agent: true,
+    };
+    let out = Rollout {
+        responses: vec![call.clone()],
+        log_probs: vec![vec![0.0; call.len()]],
+        stop: vec![StopReason::Eos],
+    };
+    // Room for the call but not for the tool turn after it.
+    let ctx = context(&tok, runner.clone(), &MultiTurnConfig::default());
+    let mut a = ToolAgent::new(&ctx, vec![conv()], vec![vec![1]], call.len() + 5, vec![258]);
+    assert!(a.turn_ended(0, &out));
+    assert_eq!(a.ready(true), vec![(0, None)]);
+    // max_assistant_turns = 1: the first turn is the last; its call never runs.
+    let mt = MultiTurnConfig {
+        max_assistant_turns: Some(1),
+        ..MultiTurnConfig::default()
+    };
+    let before = runner.calls.lock().unwrap().len();
+    let ctx = context(&tok, runner.clone(), &mt);
+    let mut a = ToolAgent::new(&ctx, vec![conv()], vec![vec![1]], 500, vec![258]);
+    assert!(!a.turn_ended(0, &out));
+    assert_eq!(runner.calls.lock().unwrap().len(), before);
+    // A single-turn row never waits.
+    let mut a = ToolAgent::new(
+        &ctx,
+        vec![Conversation {
+            tool_agent: false,
+            ..conv()
+        }],
+        vec![vec![1]],
+        500,
+        vec![258],
+    );
+    assert!(!a.turn_ended(0, &out));
+    assert_eq!(a.finish(&out)[0].mask, vec![1; call.len()]);
+}
+
+/// verl's truncation of tool texts, written out by hand.
+#[test]
+fn tool_texts_are_cut_as_verl_cuts_them() {
+    let t = "abcdefghij";
+    assert_eq!(truncate_tool_text(t, 10, TruncateSide::Left), t);
+    assert_eq!(
+        truncate_tool_text(t, 4, TruncateSide::Left),
+        "(truncated)...ghij"
+    );
+    assert_eq!(
+        truncate_tool_text(t, 4, TruncateSide::Right),
+        "abcd...(truncated)"
+    );
+    assert_eq!(
+        truncate_tool_text(t, 4, TruncateSide::Middle),
+        "ab...(truncated)...ij"
+    );
+}
