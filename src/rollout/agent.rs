@@ -346,7 +346,11 @@ impl<'a> ToolAgent<'a> {
             .into_iter()
             .enumerate()
             .map(|(r, mut st)| {
-                if st.conv.tool_agent && ctx.settings.sanity != SanityCheckMode::Disable {
+                // A conversation cut by the length budget ends mid-text, where tokenising the
+                // rendered text at once may split differently: only finished ones are compared.
+                let finished = out.stop[r] == super::StopReason::Eos;
+                if st.conv.tool_agent && finished && ctx.settings.sanity != SanityCheckMode::Disable
+                {
                     st.ep.sanity_mismatch =
                         sanity(ctx, &st.ep.messages, &prompts[r], &out.responses[r]);
                 }
