@@ -69,11 +69,7 @@ impl DataSummary {
         // As training reads them (the raw rows above are only counted).
         // The tools are started (and stopped) too: a tool config that does not load fails here.
         let runner = setup::tool_runner(cfg)?;
-        let rendering = crate::data::AgentRendering {
-            multi_turn: cfg.actor_rollout_ref.rollout.multi_turn.enable,
-            default: cfg.actor_rollout_ref.rollout.agent.default_agent_loop,
-            tools: runner.schemas(),
-        };
+        let rendering = setup::agent_rendering(cfg, runner.as_ref());
         drop(runner);
         let (train, val) = setup::datasets(cfg, plan, &bundle, &template, with_val, &rendering)?;
         let val_rows = val.map(|v| v.len());

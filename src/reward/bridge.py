@@ -15,31 +15,7 @@ import threading
 import time
 import traceback
 
-# The protocol's descriptors stay out of processes the function starts.
-os.set_inheritable(3, False)
-os.set_inheritable(4, False)
-_requests = os.fdopen(3, "r", encoding="utf-8")
-_proto = os.fdopen(4, "w", buffering=1, encoding="utf-8")
-
-
-def _orphaned():
-    # main_ppo went away without stopping this worker (killed, or exited at once on a second
-    # Ctrl-C): end the processes the function started, and this one. main_ppo makes each worker
-    # the leader of a process group of its own.
-    if os.getpgrp() == os.getpid():
-        os.killpg(0, signal.SIGKILL)
-    os._exit(1)
-
-
-def _watch_parent(ppid):
-    # Notices main_ppo's end even while user code is stuck.
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != ppid:
-            _orphaned()
-
-
-threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+# Descriptors, _requests, _proto and the parent watch: bridge_base.py, run before this.
 
 VERL = ("data_source", "solution_str", "ground_truth", "extra_info")
 ROW_NAMES = ("data", "row", "item")

@@ -26,7 +26,8 @@ use serde_json::{json, Map, Value};
 
 use super::{RewardError, ScoreResult};
 
-const BRIDGE: &str = include_str!("bridge.py");
+/// The reward worker: the shared start (`bridge_base.py`) then `bridge.py`.
+const BRIDGE: &str = concat!(include_str!("bridge_base.py"), include_str!("bridge.py"));
 
 /// A bridge's descriptors for requests (it reads) and replies (it writes); `bridge.py` and
 /// `tool_bridge.py` open the same numbers.

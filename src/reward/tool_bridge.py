@@ -29,30 +29,7 @@ import urllib.error
 import urllib.request
 from uuid import uuid4
 
-# The protocol's descriptors stay out of processes the tools start.
-os.set_inheritable(3, False)
-os.set_inheritable(4, False)
-_requests = os.fdopen(3, "r", encoding="utf-8")
-# A lone surrogate in a tool's text becomes "?" rather than breaking the reply line.
-_proto = os.fdopen(4, "w", buffering=1, encoding="utf-8", errors="replace")
-
-
-def _orphaned():
-    # main_ppo went away without stopping this worker: end what the tools started, and this.
-    if os.getpgrp() == os.getpid():
-        os.killpg(0, signal.SIGKILL)
-    os._exit(1)
-
-
-def _watch_parent(ppid):
-    # Notices main_ppo's end even while a tool is stuck.
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != ppid:
-            _orphaned()
-
-
-threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+# Descriptors, _requests, _proto and the parent watch: bridge_base.py, run before this.
 
 
 def finite(value):

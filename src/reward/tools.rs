@@ -26,7 +26,10 @@ use super::python::{BridgeProcess, Line};
 use super::RewardError;
 use crate::rollout::agent::{ToolCall, ToolOutcome, ToolRunner};
 
-const TOOL_BRIDGE: &str = include_str!("tool_bridge.py");
+const TOOL_BRIDGE: &str = concat!(
+    include_str!("bridge_base.py"),
+    include_str!("tool_bridge.py")
+);
 
 /// The largest tool text a worker sends back unless configured otherwise (1 MiB).
 pub const DEFAULT_MAX_OUTPUT_BYTES: usize = 1 << 20;
@@ -470,13 +473,24 @@ impl Slot {
         }
     }
 
+    /// The worker is killed: the call ran past its time (`Event::Timeout`) or the pool is
+    /// stopping (`Event::Stopped`).
+    fn abandon(&mut self, shared: &Shared, ev: &Event) -> Failure {
+        self.kill();
+        match ev {
+            Event::Stopped => Failure::Shutdown,
+            _ => Failure::Timeout(shared.settings.timeout.as_secs_f64()),
+        }
+    }
+
     /// Sends request `id` and returns the worker's reply to it.
     fn exchange(&mut self, request: &Value, id: u64, shared: &Shared) -> Result<Value, Failure> {
         self.live(shared)?;
         let deadline = Instant::now() + shared.settings.timeout;
         self.deliver(request, id, shared, deadline)?;
         loop {
-            match self.next_event(deadline, shared) {
+            let ev = self.next_event(deadline, shared);
+            match ev {
                 Event::Msg(m) => match reply_id(&m) {
                     Ok(Some(rid)) if rid == id && m.get("accepted").is_none() => return Ok(m),
                     Ok(Some(rid)) if rid < id => continue,
@@ -486,14 +500,7 @@ impl Slot {
                     Err(detail) => return Err(self.broken(detail)),
                 },
                 Event::Eof => return Err(Failure::Died(self.kill())),
-                Event::Timeout => {
-                    self.kill();
-                    return Err(Failure::Timeout(shared.settings.timeout.as_secs_f64()));
-                }
-                Event::Stopped => {
-                    self.kill();
-                    return Err(Failure::Shutdown);
-                }
+                Event::Timeout | Event::Stopped => return Err(self.abandon(shared, &ev)),
             }
         }
     }
@@ -523,7 +530,8 @@ impl Slot {
                 continue;
             }
             loop {
-                match self.next_event(deadline, shared) {
+                let ev = self.next_event(deadline, shared);
+                match ev {
                     Event::Msg(m) => match reply_id(&m) {
                         Ok(Some(rid)) if rid == id && m["accepted"] == json!(true) => return Ok(()),
                         Ok(Some(rid)) if rid < id => continue,
@@ -538,14 +546,7 @@ impl Slot {
                         gone = self.kill();
                         break;
                     }
-                    Event::Timeout => {
-                        self.kill();
-                        return Err(Failure::Timeout(shared.settings.timeout.as_secs_f64()));
-                    }
-                    Event::Stopped => {
-                        self.kill();
-                        return Err(Failure::Shutdown);
-                    }
+                    Event::Timeout | Event::Stopped => return Err(self.abandon(shared, &ev)),
                 }
             }
         }

@@ -308,9 +308,10 @@ impl<'a> ToolAgent<'a> {
         let (tx, rx) = channel();
         let rows = convs
             .into_iter()
-            .map(|conv| RowState {
+            .map(|mut conv| RowState {
+                // The conversation grows in the episode; `conv` keeps the row's other inputs.
                 ep: Episode {
-                    messages: conv.messages.clone(),
+                    messages: std::mem::take(&mut conv.messages),
                     ..Default::default()
                 },
                 conv,

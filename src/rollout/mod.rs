@@ -347,9 +347,14 @@ pub fn generate_rows_from(
     sampler: &mut Sampler,
     first_row: usize,
 ) -> candle_core::Result<Rollout> {
-    let prompts: Vec<&[u32]> = rows.iter().map(|&i| ds.prompt_ids[i].as_slice()).collect();
+    let prompts = prompt_slices(ds, rows);
     let streams = sampler.rows().starting_at(first_row);
     Ok(scheduler::generate_with_streams(model, &prompts, p, streams, None)?.0)
+}
+
+/// The prompt ids of dataset rows `rows`.
+fn prompt_slices<'a>(ds: &'a crate::data::PromptDataset, rows: &[usize]) -> Vec<&'a [u32]> {
+    rows.iter().map(|&i| ds.prompt_ids[i].as_slice()).collect()
 }
 
 /// Generates for dataset rows `rows` of `ds` (global rows from `first_row`), running each
@@ -366,7 +371,7 @@ pub fn generate_agent_rows(
     ctx: &agent::AgentContext,
     convs: Vec<agent::Conversation>,
 ) -> candle_core::Result<(Rollout, Vec<agent::Episode>)> {
-    let prompts: Vec<&[u32]> = rows.iter().map(|&i| ds.prompt_ids[i].as_slice()).collect();
+    let prompts = prompt_slices(ds, rows);
     let owned: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
     let mut agent = agent::ToolAgent::new(ctx, convs, owned, p.max_new_tokens, p.eos_ids.clone());
     let streams = sampler.rows().starting_at(first_row);

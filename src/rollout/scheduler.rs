@@ -169,7 +169,8 @@ struct Live<C> {
     rng: ChaCha8Rng,
     /// The token to feed next (the last one sampled).
     next: u32,
-    /// Tokens to feed when entering: the prompt, or what the agent loop appended after a turn.
+    /// Tokens to feed when coming back from between turns (the turn's last token and what the
+    /// agent loop appended); empty when entering for the first time (the prompt is fed).
     feed: Vec<u32>,
     reserved: usize,
 }
@@ -279,6 +280,7 @@ fn continuous<T: Elem, C: KvElem<T>>(
         }
         // Admission: fill the free sequence slots within the memory and prefill budgets.
         let mut prefill: usize = entering.iter().map(|l| l.feed.len()).sum();
+        // (Rows entering for the first time add their prompt's length below.)
         while let Some(&row) = waiting.front() {
             let len = prompts[row].len();
             let need = SeqCache::<C>::bytes_needed(args, len, len + p.max_new_tokens);
@@ -297,7 +299,7 @@ fn continuous<T: Elem, C: KvElem<T>>(
                 cache: SeqCache::with_capacity(args, len + p.max_new_tokens),
                 rng: streams.rng(row),
                 next: 0,
-                feed: prompts[row].to_vec(),
+                feed: Vec::new(),
                 reserved: need,
             });
         }
@@ -326,7 +328,15 @@ fn continuous<T: Elem, C: KvElem<T>>(
         let feeds: Vec<&[u32]> = nexts
             .iter()
             .map(std::slice::from_ref)
-            .chain(enter_feeds.iter().map(Vec::as_slice))
+            .chain(
+                entering
+                    .iter()
+                    .zip(&enter_feeds)
+                    .map(|(l, f)| match f.is_empty() {
+                        true => prompts[l.row],
+                        false => f.as_slice(),
+                    }),
+            )
             .collect();
         let mut caches: Vec<&mut SeqCache<C>> = active
             .iter_mut()

@@ -528,6 +528,16 @@ pub struct Policy {
     pub agent: Option<Arc<AgentContext>>,
 }
 
+/// How rows choose their agent loop (`multi_turn.enable`, `agent.default_agent_loop`) and the
+/// tools tool-agent prompts show.
+pub fn agent_rendering(cfg: &Config, runner: &dyn ToolRunner) -> AgentRendering {
+    AgentRendering {
+        multi_turn: cfg.actor_rollout_ref.rollout.multi_turn.enable,
+        default: cfg.actor_rollout_ref.rollout.agent.default_agent_loop,
+        tools: runner.schemas(),
+    }
+}
+
 /// The tools `rollout.multi_turn.tool_config_path` / `function_tool_path` name, started in
 /// their Python workers (`rollout.agent.num_workers` of them, `reward.python`'s interpreter);
 /// none named: a runner that answers every call as a call to an unknown tool.
@@ -570,13 +580,9 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
     let lora = attach_lora(&mut loaded, m, key, cfg.trainer.seed, "CAUSAL_LM")?;
     let context = loaded.model.args.max_position_embeddings;
     fits_context(plan, "actor_rollout_ref.model.path", &m.path, context)?;
-    let template = tok.template(m.custom_chat_template.as_deref())?;
+    let template = Arc::new(tok.template(m.custom_chat_template.as_deref())?);
     let runner = tool_runner(cfg)?;
-    let rendering = AgentRendering {
-        multi_turn: cfg.actor_rollout_ref.rollout.multi_turn.enable,
-        default: cfg.actor_rollout_ref.rollout.agent.default_agent_loop,
-        tools: runner.schemas(),
-    };
+    let rendering = agent_rendering(cfg, runner.as_ref());
     let (train, val) = datasets(
         cfg,
         plan,
@@ -590,7 +596,7 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
         let mt = &cfg.actor_rollout_ref.rollout.multi_turn;
         let ctx = AgentContext::new(
             Arc::new(tok.clone()),
-            Arc::new(tok.template(m.custom_chat_template.as_deref())?),
+            template,
             cfg.data.apply_chat_template_kwargs.clone(),
             runner,
             AgentSettings::new(mt),
