@@ -28,6 +28,7 @@ STRUCTS = {
     "actor_rollout_ref.rollout.val_kwargs": "SamplingConfig",
     "actor_rollout_ref.rollout.multi_turn": "MultiTurnConfig",
     "actor_rollout_ref.rollout.agent": "AgentConfig",
+    "actor_rollout_ref.rollout.agent.custom_async_server": "CustomAsyncServerConfig",
     "actor_rollout_ref.ref": "RefConfig",
     "actor_rollout_ref.ref.fsdp_config": "FsdpConfig",
     "actor_rollout_ref.ref.fsdp_config.mixed_precision": "MixedPrecision",

@@ -52,8 +52,8 @@ pub use resolve::{
 };
 pub use reward::{OnError, RewardConfig, RewardManagerName, RewardSource, RewardSourceType};
 pub use rollout::{
-    AgentConfig, AgentLoopName, MultiTurnConfig, RolloutConfig, SamplingConfig, SanityCheckMode,
-    ToolFormat, TruncateSide,
+    AgentConfig, AgentLoopName, CustomAsyncServerConfig, MultiTurnConfig, RolloutConfig,
+    SamplingConfig, SanityCheckMode, ToolFormat, TruncateSide,
 };
 pub use trainer::{LegacyWorkerImpl, ResumeMode, TrainerConfig};
 

@@ -248,15 +248,25 @@ pub struct AgentConfig {
     pub default_agent_loop: AgentLoopName,
     /// Custom agent loop classes; must stay null (only verl's two loops are built in).
     pub agent_loop_config_path: Option<String>,
-    /// A custom inference server; not read (generation is in this process).
-    pub custom_async_server: serde_yaml_ng::Value,
+    /// A custom inference server class; must stay unset (generation runs in this process).
+    pub custom_async_server: CustomAsyncServerConfig,
+}
+
+/// `rollout.agent.custom_async_server.*` (verl: `CustomAsyncServerConfig`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CustomAsyncServerConfig {
+    /// File holding the server class.
+    pub path: Option<String>,
+    /// The server class's name.
+    pub name: Option<String>,
 }
 
 defaults!(AgentConfig {
     num_workers: 8,
     default_agent_loop: AgentLoopName::SingleTurnAgent,
     agent_loop_config_path: None,
-    custom_async_server: serde_yaml_ng::Value::Null,
+    custom_async_server: CustomAsyncServerConfig::default(),
 });
 
 impl MultiTurnConfig {
@@ -272,6 +282,10 @@ impl MultiTurnConfig {
         }
         if let Some(p) = &agent.agent_loop_config_path {
             errors.push(format!("`{key}.agent.agent_loop_config_path` ({p}): custom agent loop classes are not supported; rows choose between single_turn_agent and tool_agent with `agent_name`"));
+        }
+        let server = &agent.custom_async_server;
+        if let Some(v) = server.path.as_ref().or(server.name.as_ref()) {
+            errors.push(format!("`{key}.agent.custom_async_server` ({v}): custom inference servers are not supported; generation runs in this process"));
         }
         if self.max_parallel_calls == 0 {
             errors.push(format!(
