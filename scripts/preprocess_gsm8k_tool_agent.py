@@ -10,10 +10,16 @@ create_kwargs.ground_truth` (what the tool's instances are created with). `--age
 `agent_name: tool_agent` as the 1dda039 script does; without it rows carry no agent_name (the
 b178a3c script), and `rollout.multi_turn.enable=True` sends them through the tool loop.
 
-    python3 scripts/preprocess_gsm8k_tool_agent.py --src ../shared/data/gsm8k --out ~/data/gsm8k_tool [--agent-loop]
+`--tools-in-system` is for models whose chat template does not render `tools` (SmolLM2,
+Gemma 3; main_ppo warns about them at start): the system message then also lists the tools'
+schemas (from `--tool-config`) and shows the hermes call format, which Qwen's template would
+otherwise have added. verl's scripts do not do this; it changes only the prompt text.
+
+    python3 scripts/preprocess_gsm8k_tool_agent.py --src ../shared/data/gsm8k --out ~/data/gsm8k_tool [--agent-loop] [--tools-in-system]
 """
 import argparse
 import os
+import json
 import re
 
 import pyarrow as pa
@@ -29,6 +35,26 @@ SYSTEM = (
 )
 
 
+def tools_block(tool_config):
+    """The tools of a verl tool config as a system-message section: their schemas, one JSON
+    object per line, and how to write a hermes call."""
+    import yaml  # only this option reads the tool config
+
+    with open(tool_config) as f:
+        cfg = yaml.safe_load(f)
+    schemas = [t["tool_schema"] for t in cfg.get("tools") or []]
+    if not schemas:
+        raise ValueError(f"{tool_config}: no tools[].tool_schema")
+    lines = "\n".join(json.dumps(s, ensure_ascii=False) for s in schemas)
+    return (
+        "\n\n# Tools\n\nThese functions are available (JSON schemas):\n<tools>\n"
+        + lines
+        + "\n</tools>\n\nTo call one, write its name and arguments as a JSON object between "
+        + "<tool_call> and </tool_call>:\n<tool_call>\n"
+        + '{"name": "<function name>", "arguments": {<arguments as JSON>}}\n</tool_call>'
+    )
+
+
 def solution_of(answer):
     m = re.search("#### (\\-?[0-9\\.\\,]+)", answer)
     if m is None:
@@ -36,7 +62,7 @@ def solution_of(answer):
     return m.group(0).split("#### ")[1].replace(",", "")
 
 
-def convert(row, split, idx, agent_loop):
+def convert(row, split, idx, agent_loop, system):
     info = row.get("extra_info") or {}
     question_raw = info.get("question")
     answer_raw = info.get("answer")
@@ -46,7 +72,7 @@ def convert(row, split, idx, agent_loop):
     out = {
         "data_source": "openai/gsm8k",
         "prompt": [
-            {"role": "system", "content": SYSTEM},
+            {"role": "system", "content": system},
             {"role": "user", "content": question_raw + " " + INSTRUCTION},
         ],
         "ability": "math",
@@ -71,11 +97,18 @@ def main():
     ap.add_argument("--src", default="../shared/data/gsm8k")
     ap.add_argument("--out", default=os.path.expanduser("~/data/gsm8k_tool"))
     ap.add_argument("--agent-loop", action="store_true", help="add agent_name: tool_agent (verl 1dda039's script)")
+    ap.add_argument(
+        "--tools-in-system",
+        action="store_true",
+        help="list the tools and the call format in the system message (templates without tools)",
+    )
+    ap.add_argument("--tool-config", default="configs/tool_config/gsm8k_tool_config.yaml")
     args = ap.parse_args()
+    system = SYSTEM + (tools_block(args.tool_config) if args.tools_in_system else "")
     os.makedirs(os.path.expanduser(args.out), exist_ok=True)
     for split in ("train", "test"):
         rows = pq.read_table(os.path.join(args.src, f"{split}.parquet")).to_pylist()
-        out = [convert(r, split, i, args.agent_loop) for i, r in enumerate(rows)]
+        out = [convert(r, split, i, args.agent_loop, system) for i, r in enumerate(rows)]
         path = os.path.join(os.path.expanduser(args.out), f"{split}.parquet")
         pq.write_table(pa.Table.from_pylist(out), path)
         print(f"{path}: {len(out)} rows")

@@ -23,6 +23,10 @@ pub struct DataSummary {
     pub filtered: Option<usize>,
     /// Why the overlong filter / truncation check could not run, if it could not.
     pub tokenizer_note: Option<String>,
+    /// Prompts that run the tool agent loop (training, validation), when the data was
+    /// tokenised; and the names of the tools they may call.
+    pub tool_rows: Option<(usize, Option<usize>)>,
+    pub tools: Vec<String>,
 }
 
 impl DataSummary {
@@ -54,6 +58,8 @@ impl DataSummary {
                     "no tokenizer.json in {}: prompt lengths were not checked, counts are before overlong filtering",
                     tok_dir.display()
                 )),
+                tool_rows: None,
+                tools: Vec::new(),
             });
         }
         let bundle = if is_gguf {
@@ -71,14 +77,39 @@ impl DataSummary {
         let runner = setup::tool_runner(cfg)?;
         let rendering = setup::agent_rendering(cfg, runner.as_ref());
         drop(runner);
+        setup::warn_if_tools_unseen(
+            &template,
+            &rendering.tools,
+            &bundle.chat_template_origin,
+            cfg.actor_rollout_ref.rollout.multi_turn.format,
+        );
         let (train, val) = setup::datasets(cfg, plan, &bundle, &template, with_val, &rendering)?;
+        let tool_rows = |d: &crate::data::PromptDataset| {
+            d.agents
+                .iter()
+                .filter(|&&a| a == crate::config::AgentLoopName::ToolAgent)
+                .count()
+        };
+        let val_tool_rows = val.as_ref().map(tool_rows);
         let val_rows = val.map(|v| v.len());
         setup::total_steps(cfg, plan, train.len())?;
+        let tools = rendering
+            .tools
+            .iter()
+            .map(|t| {
+                t.pointer("/function/name")
+                    .and_then(serde_json::Value::as_str)
+                    .unwrap_or("?")
+                    .to_string()
+            })
+            .collect();
         Ok(Self {
             train_rows: train.len(),
             val_rows,
             filtered: Some(train.filtered_overlong),
             tokenizer_note: None,
+            tool_rows: Some((tool_rows(&train), val_tool_rows)),
+            tools,
         })
     }
 }
@@ -148,8 +179,50 @@ pub fn explain(cfg: &Config, plan: &Plan, data: &DataSummary) -> String {
     step_section(&mut o, cfg, plan);
     schedule_section(&mut o, cfg, plan, data);
     models_section(&mut o, cfg, plan);
+    agent_section(&mut o, cfg, plan, data);
     reward_section(&mut o, cfg);
     o
+}
+
+/// The tool agent loop, when prompts run it: how many, the tools, the limits.
+fn agent_section(o: &mut String, cfg: &Config, plan: &Plan, data: &DataSummary) {
+    let Some((train, val)) = data.tool_rows else {
+        return;
+    };
+    if train == 0 && val.unwrap_or(0) == 0 {
+        return;
+    }
+    let mt = &cfg.actor_rollout_ref.rollout.multi_turn;
+    let _ = writeln!(o, "\nTool agent loop");
+    let val = val.map(|v| format!(", {v} of {} validation", data.val_rows.unwrap_or(0)));
+    let _ = writeln!(
+        o,
+        "  prompts: {train} of {} training{} (a row's agent_name, else tool_agent for all when actor_rollout_ref.rollout.multi_turn.enable, else rollout.agent.default_agent_loop)",
+        data.train_rows,
+        val.unwrap_or_default()
+    );
+    let tools = if data.tools.is_empty() {
+        "none (every call is answered as a call to an unknown tool)".to_string()
+    } else {
+        data.tools.join(", ")
+    };
+    let _ = writeln!(
+        o,
+        "  tools: {tools}, in {} worker process(es), {} s per call",
+        cfg.actor_rollout_ref.rollout.agent.num_workers, mt.tool_timeout_s
+    );
+    let turns = |n: Option<u64>| n.map_or("unlimited".to_string(), |n| n.to_string());
+    let fmt = serde_json::to_value(mt.format).unwrap_or_default();
+    let _ = writeln!(
+        o,
+        "  calls written as {}; up to {} per turn; assistant turns {}, tool turns {}; all turns within the {}-token response budget, tool texts cut to {} characters",
+        fmt.as_str().unwrap_or("?"),
+        mt.max_parallel_calls,
+        turns(mt.max_assistant_turns),
+        turns(mt.max_user_turns),
+        plan.response_length,
+        mt.max_tool_response_length
+    );
 }
 
 /// The data: prompts kept, where from, the budgets.

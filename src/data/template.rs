@@ -103,6 +103,25 @@ impl ChatTemplate {
     }
 }
 
+impl ChatTemplate {
+    /// Whether the template shows `tools` to the model: a one-message conversation renders
+    /// differently with them than without (a template that never reads `tools` does not tell
+    /// the model the tools exist or how to call them). A rendering error counts as showing
+    /// them (the error surfaces where the rows are rendered).
+    pub fn renders_tools(&self, tools: &[Value]) -> bool {
+        let messages = [serde_json::json!({"role": "user", "content": "?"})];
+        let mut with = serde_json::Map::new();
+        with.insert("tools".into(), Value::Array(tools.to_vec()));
+        match (
+            self.render(&messages, true, &serde_json::Map::new()),
+            self.render(&messages, true, &with),
+        ) {
+            (Ok(a), Ok(b)) => a != b,
+            _ => true,
+        }
+    }
+}
+
 /// Python's `json.dumps(x, ensure_ascii=False, indent=indent, sort_keys=sort_keys)`, which is
 /// what transformers registers as `tojson` (separators `, ` and `: `, no HTML escaping).
 fn tojson(value: JValue, kwargs: Kwargs) -> Result<JValue, Error> {
@@ -265,6 +284,21 @@ mod tests {
             pad: None,
             unk: None,
         }
+    }
+
+    /// A template without a tools branch does not render them; one that lists them after the
+    /// system turn does (a template that fails counts as rendering them: the rows' own
+    /// rendering reports the error).
+    #[test]
+    fn templates_that_render_tools_are_told_apart() {
+        let tools = [json!({"type": "function", "function": {"name": "calc", "parameters": {}}})];
+        let plain = ChatTemplate::new(CHATML, special(), "test").unwrap();
+        assert!(!plain.renders_tools(&tools));
+        let listed = format!("{{%- if tools %}}{{{{ tools | tojson }}}}{{%- endif %}}{CHATML}");
+        let listed = ChatTemplate::new(&listed, special(), "test").unwrap();
+        assert!(listed.renders_tools(&tools));
+        let broken = ChatTemplate::new("{{ raise_exception('no') }}", special(), "test").unwrap();
+        assert!(broken.renders_tools(&tools));
     }
 
     #[test]

@@ -249,6 +249,9 @@ pub struct Episode {
     pub malformed_calls: usize,
     /// Each tool call's reward.
     pub tool_rewards: Vec<f64>,
+    /// Seconds the row waited on its tools (from a turn's calls to their last answer, summed
+    /// over turns; verl's `tool_calls` timing).
+    pub tool_seconds: f64,
     /// The conversation as messages (prompt, assistant turns with their calls, tool turns).
     pub messages: Vec<Value>,
     /// Where the ids built turn by turn differ from the whole conversation tokenised at once
@@ -397,7 +400,9 @@ impl<'a> ToolAgent<'a> {
         let s = &self.ctx.settings;
         let st = &mut self.rows[r];
         let outcomes: Vec<ToolOutcome> = st.pending.drain(..).flatten().collect();
-        st.asked_at = None;
+        if let Some(t) = st.asked_at.take() {
+            st.ep.tool_seconds += t.elapsed().as_secs_f64();
+        }
         let mut tool_msgs = Vec::new();
         for o in &outcomes {
             st.ep.tool_calls += 1;

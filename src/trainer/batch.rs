@@ -151,6 +151,9 @@ pub struct TurnStats {
     pub model_tokens: usize,
     /// The turn-by-turn ids differ from the conversation tokenised at once.
     pub sanity_mismatch: bool,
+    /// Seconds the row waited on its tools.
+    #[serde(default)]
+    pub tool_seconds: f64,
 }
 
 /// `k` (token id, log-prob) pairs per response position of every row, largest first: row `i`

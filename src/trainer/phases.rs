@@ -190,6 +190,7 @@ pub(super) fn turn_stats(e: &Episode, agent: AgentLoopName) -> TurnStats {
         tool_rewards: e.tool_rewards.clone(),
         model_tokens: e.mask.iter().filter(|&&m| m == 1).count(),
         sanity_mismatch: e.sanity_mismatch.is_some(),
+        tool_seconds: e.tool_seconds,
     }
 }
 

@@ -538,6 +538,25 @@ pub fn agent_rendering(cfg: &Config, runner: &dyn ToolRunner) -> AgentRendering 
     }
 }
 
+/// A warning when the chat template does not show the tools to the model: it is then told
+/// neither that they exist nor the call format, and tool calls come only from what the data's
+/// prompts say.
+pub fn warn_if_tools_unseen(
+    template: &ChatTemplate,
+    tools: &[serde_json::Value],
+    origin: &str,
+    format: crate::config::rollout::ToolFormat,
+) {
+    if !tools.is_empty() && !template.renders_tools(tools) {
+        let f = serde_json::to_value(format).unwrap_or_default();
+        tracing::warn!(
+            "the chat template of {origin} does not render `tools`: the model is shown neither the {} tool schema(s) nor how to write a call (multi_turn.format={}); describe both in the prompts' system message (scripts/preprocess_gsm8k_tool_agent.py --tools-in-system does for GSM8K) or set actor_rollout_ref.model.custom_chat_template to a template that renders tools",
+            tools.len(),
+            f.as_str().unwrap_or("?"),
+        );
+    }
+}
+
 /// The tools `rollout.multi_turn.tool_config_path` / `function_tool_path` name, started in
 /// their Python workers (`rollout.agent.num_workers` of them, `reward.python`'s interpreter);
 /// none named: a runner that answers every call as a call to an unknown tool.
@@ -594,6 +613,12 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
     let tool_rows = |d: &PromptDataset| d.agents.contains(&AgentLoopName::ToolAgent);
     let agent = if tool_rows(&train) || val.as_ref().is_some_and(tool_rows) {
         let mt = &cfg.actor_rollout_ref.rollout.multi_turn;
+        warn_if_tools_unseen(
+            &template,
+            &rendering.tools,
+            &tok.chat_template_origin,
+            mt.format,
+        );
         let ctx = AgentContext::new(
             Arc::new(tok.clone()),
             template,

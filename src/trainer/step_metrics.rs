@@ -263,6 +263,9 @@ pub fn agent_metrics(m: &mut Metrics, turns: &[TurnStats]) {
     if tool.is_empty() {
         return;
     }
+    // verl's per-sample tool time over the whole batch (single-turn rows wait 0 s).
+    let waits: Vec<f64> = turns.iter().map(|t| t.tool_seconds).collect();
+    add_stats(m, "timing_s/agent_loop/tool_calls", &waits);
     let n = tool.len() as f64;
     let calls: usize = tool.iter().map(|t| t.tool_calls).sum();
     let bad: usize = tool.iter().map(|t| t.malformed_calls).sum();
@@ -375,5 +378,69 @@ mod tests {
         let mut m = Metrics::new();
         variance_proxy_metrics(&mut m, &StepBatch::default()).unwrap();
         assert!(m.is_empty());
+    }
+
+    /// The agent metrics by hand: two tool-agent rows (one calling twice with one error, one
+    /// unparsable block and rewards 1 and 0, waiting 0.5 s; one not calling) and a single-turn
+    /// row. Ratios count tool-agent rows only; turns and tool time count every row (verl's
+    /// per-sample timing).
+    #[test]
+    fn agent_metrics_by_hand() {
+        let turns = [
+            TurnStats {
+                num_turns: 4,
+                tool_agent: true,
+                tool_calls: 2,
+                tool_errors: 1,
+                malformed_calls: 1,
+                tool_rewards: vec![1.0, 0.0],
+                model_tokens: 10,
+                sanity_mismatch: true,
+                tool_seconds: 0.5,
+            },
+            TurnStats {
+                num_turns: 2,
+                tool_agent: true,
+                model_tokens: 4,
+                ..Default::default()
+            },
+            TurnStats {
+                num_turns: 2,
+                model_tokens: 6,
+                ..Default::default()
+            },
+        ];
+        let mut m = Metrics::new();
+        agent_metrics(&mut m, &turns);
+        let want = [
+            ("num_turns/mean", 8.0 / 3.0),
+            ("num_turns/max", 4.0),
+            ("num_turns/min", 2.0),
+            ("timing_s/agent_loop/tool_calls/mean", 0.5 / 3.0),
+            ("timing_s/agent_loop/tool_calls/max", 0.5),
+            ("timing_s/agent_loop/tool_calls/min", 0.0),
+            ("agent/tool_calls/mean", 1.0),
+            ("agent/tool_call_ratio", 0.5),
+            ("agent/tool_call_parse_ratio", 2.0 / 3.0),
+            ("agent/tool_error_ratio", 0.5),
+            ("agent/tool_reward/mean", 0.5),
+            ("agent/model_response_length/mean", 7.0),
+            ("agent/model_response_length/max", 10.0),
+            ("agent/model_response_length/min", 4.0),
+            ("agent/tokenization_mismatch_ratio", 0.5),
+        ];
+        for (k, v) in want {
+            let got = m.get(k).unwrap_or_else(|| panic!("no {k}"));
+            assert!((got - v).abs() < 1e-12, "{k}: {got} vs {v}");
+        }
+        assert_eq!(m.len(), want.len(), "{:?}", m.keys().collect::<Vec<_>>());
+
+        // Single-turn rows only: turn counts, no agent/* and no tool time.
+        let mut m = Metrics::new();
+        agent_metrics(&mut m, &turns[2..]);
+        assert_eq!(
+            m.keys().collect::<Vec<_>>(),
+            ["num_turns/max", "num_turns/mean", "num_turns/min"]
+        );
     }
 }

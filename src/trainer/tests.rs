@@ -1642,3 +1642,6 @@ fn a_moe_actor_adds_the_router_loss_its_config_asks_for() {
         "the router loss did not reach the gradients"
     );
 }
+
+#[path = "tests_masks.rs"]
+mod masks;
