@@ -84,6 +84,13 @@ impl DataSummary {
             cfg.actor_rollout_ref.rollout.multi_turn.format,
         );
         let (train, val) = setup::datasets(cfg, plan, &bundle, &template, with_val, &rendering)?;
+        setup::check_data_sources(
+            plan,
+            &[Some(&train), val.as_ref()]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>(),
+        )?;
         let tool_rows = |d: &crate::data::PromptDataset| {
             d.agents
                 .iter()

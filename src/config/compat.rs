@@ -107,7 +107,9 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("actor_rollout_ref.ref.pad_to_length", DIST),
     ("actor_rollout_ref.ref.optim", DIST),
     // inference server (vLLM/SGLang) settings
-    ("actor_rollout_ref.rollout.over_sample_rate", Unsupported { default: "0", why: "over-sampling is not implemented" }),
+    // declared by verl's RolloutConfig but read by nothing since its SGLang multi-turn rollout
+    // was removed (b178a3c and 1dda039 alike): a value has no effect there either
+    ("actor_rollout_ref.rollout.over_sample_rate", NoEffect),
     ("actor_rollout_ref.rollout.name", DIST),
     ("actor_rollout_ref.rollout.mode", DIST),
     ("actor_rollout_ref.rollout.nnodes", DIST),

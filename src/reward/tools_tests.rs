@@ -555,6 +555,62 @@ fn the_search_tool_formats_retrieved_passages() {
     assert_eq!((o.reward, o.error), (Some(0.0), None));
 }
 
+/// The shipped BM25 service (`scripts/retrieval_server.py`) answers the search tool: a query
+/// naming a term found in one passage only gets that passage first (BM25 scores a passage
+/// without the query's terms 0, so it never outranks one that has them), `topk` bounds the
+/// list, and the tool's text is built from what the service returned.
+#[test]
+fn the_search_tool_reads_the_shipped_retrieval_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = write(
+        dir.path(),
+        "corpus.jsonl",
+        concat!(
+            "{\"id\": \"a\", \"contents\": \"\\\"Varnholt\\\"\\nVarnholt was founded in 1742.\"}\n",
+            "{\"id\": \"b\", \"contents\": \"\\\"Quellby\\\"\\nQuellby stands on the river Tave.\"}\n",
+            "{\"id\": \"c\", \"contents\": \"\\\"Ostrel\\\"\\nOstrel is a region.\"}\n",
+        ),
+    );
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/retrieval_server.py");
+    let mut server = std::process::Command::new("python3")
+        .arg(&script)
+        .arg("--corpus")
+        .arg(&corpus)
+        .args(["--port", "0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut url = String::new();
+    BufReader::new(server.stdout.take().unwrap())
+        .read_line(&mut url)
+        .unwrap();
+    let url = url.trim().to_string();
+    assert!(url.ends_with("/retrieve"), "{url}");
+    let yaml = format!(
+        "tools:\n  - class_name: verl.tools.search_tool.SearchTool\n    config:\n      type: native\n      retrieval_service_url: {url}\n      topk: 1\n      timeout: 10\n    tool_schema: null\n"
+    );
+    let cfg = write(dir.path(), "search.yaml", &yaml);
+    let pool = ToolPool::start(&source(Some(&cfg), None), settings(1, 30.0)).unwrap();
+    let o = run_one(
+        &pool,
+        call(
+            0,
+            "search",
+            r#"{"query_list": ["when was Varnholt founded", "which river: Tave"]}"#,
+            json!({}),
+        ),
+    );
+    let _ = server.kill();
+    let _ = server.wait();
+    let result = "Doc 1 (Title: \"Varnholt\")\nVarnholt was founded in 1742.\n---\nDoc 1 (Title: \"Quellby\")\nQuellby stands on the river Tave.";
+    assert_eq!(
+        o.text,
+        format!("{{\"result\": {}}}", serde_json::to_string(result).unwrap())
+    );
+    assert_eq!(o.error, None);
+}
+
 fn start_error(dir: &Path, yaml: &str, functions: Option<&str>) -> String {
     let cfg = write(dir, "tools.yaml", yaml);
     let f = functions.map(|code| write(dir, "fns.py", code));

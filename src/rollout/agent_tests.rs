@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex};
 use serde_json::{json, Map, Value};
 
 use super::*;
-use crate::config::{MultiTurnConfig, ToolFormat, TruncateSide};
+use crate::config::{MultiTurnConfig, SanityCheckMode, ToolFormat, TruncateSide};
 use crate::data::TokenizerBundle;
 use crate::rollout::StopReason;
 
@@ -223,5 +223,63 @@ fn tool_texts_are_cut_as_verl_cuts_them() {
     assert_eq!(
         truncate_tool_text(t, 4, TruncateSide::Middle),
         "ab...(truncated)...ij"
+    );
+}
+
+/// `tokenization_sanity_check_mode` on hand-made conversations: ids that are the conversation
+/// tokenised at once pass; a response whose text is not the conversation's is reported with
+/// the token index and both texts; a difference only in surrounding whitespace passes under
+/// `ignore_strippable` and not under `strict`; the same text in other tokens (a tokenizer with
+/// the merge `o k` tokenises "ok" as one id, the model wrote two) is reported with both id
+/// runs.
+#[test]
+fn the_sanity_check_reports_where_turn_by_turn_ids_differ() {
+    let (dir, tok) = bundle();
+    let runner = Arc::new(Script {
+        calls: Mutex::new(Vec::new()),
+    });
+    let strict = MultiTurnConfig::default();
+    let ctx = context(&tok, runner.clone(), &strict);
+    let user = json!({"role": "user", "content": "hi"});
+    let said = |text: &str| vec![user.clone(), json!({"role": "assistant", "content": text})];
+    let prompt = ctx.render_ids(std::slice::from_ref(&user), true).unwrap();
+    let answer = |t: &TokenizerBundle, text: &str| [t.encode(text).unwrap(), vec![258]].concat();
+    assert_eq!(
+        sanity(&ctx, &said("ok"), &prompt, &answer(&tok, "ok")),
+        None
+    );
+    let m = sanity(&ctx, &said("ok"), &prompt, &answer(&tok, "no")).unwrap();
+    assert!(m.starts_with(&format!("token {}:", prompt.len())), "{m}");
+    assert!(m.contains("no") && m.contains("ok"), "{m}");
+    // Whitespace around the content: strict reports it, ignore_strippable does not.
+    assert!(sanity(&ctx, &said("ok"), &prompt, &answer(&tok, "ok ")).is_some());
+    let loose = MultiTurnConfig {
+        tokenization_sanity_check_mode: SanityCheckMode::IgnoreStrippable,
+        ..Default::default()
+    };
+    let lctx = context(&tok, runner.clone(), &loose);
+    assert_eq!(
+        sanity(&lctx, &said("ok"), &prompt, &answer(&tok, "ok ")),
+        None
+    );
+    // A tokenizer that merges "o" "k": the text is the same, the ids are not.
+    let path = dir.path().join("tokenizer.json");
+    let mut j: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    j["model"]["vocab"]["ok"] = json!(256);
+    j["model"]["merges"] = json!(["o k"]);
+    std::fs::write(&path, j.to_string()).unwrap();
+    let merged = TokenizerBundle::from_dir(dir.path()).unwrap();
+    let ok = merged.encode("ok").unwrap();
+    assert_eq!(ok.len(), 1);
+    let mctx = context(&merged, runner, &strict);
+    let mprompt = mctx.render_ids(std::slice::from_ref(&user), true).unwrap();
+    let end = merged.encode("<|im_end|>").unwrap();
+    let split = [vec![u32::from(b'o'), u32::from(b'k')], end].concat();
+    let m = sanity(&mctx, &said("ok"), &mprompt, &split).unwrap();
+    assert!(
+        m.contains("the same text was generated as ids")
+            && m.contains(&format!("{}, {}", b'o', b'k'))
+            && m.contains(&ok[0].to_string()),
+        "{m}"
     );
 }

@@ -154,6 +154,10 @@ pub struct TurnStats {
     /// Seconds the row waited on its tools.
     #[serde(default)]
     pub tool_seconds: f64,
+    /// The response as alternating runs of model tokens and appended (template and tool)
+    /// tokens, their lengths starting with a model run (for dumps that show each turn).
+    #[serde(default)]
+    pub spans: Vec<u32>,
 }
 
 /// `k` (token id, log-prob) pairs per response position of every row, largest first: row `i`

@@ -191,7 +191,22 @@ pub(super) fn turn_stats(e: &Episode, agent: AgentLoopName) -> TurnStats {
         model_tokens: e.mask.iter().filter(|&&m| m == 1).count(),
         sanity_mismatch: e.sanity_mismatch.is_some(),
         tool_seconds: e.tool_seconds,
+        spans: spans(&e.mask),
     }
+}
+
+/// Run lengths of `mask`, alternating, starting with a run of 1s (0 long when it starts with 0).
+pub(super) fn spans(mask: &[u8]) -> Vec<u32> {
+    let mut out = vec![0u32];
+    let mut current = 1u8;
+    for &m in mask {
+        if m != current {
+            out.push(0);
+            current = m;
+        }
+        *out.last_mut().unwrap() += 1;
+    }
+    out
 }
 
 /// Responses as text, special tokens removed (what reward functions see).

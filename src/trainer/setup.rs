@@ -326,6 +326,35 @@ pub fn wants_validation(cfg: &Config) -> bool {
     t.val_before_train || t.val_only || t.test_freq.is_some()
 }
 
+/// With verl's default dispatch (a built-in scorer chosen by each row's `data_source`), every
+/// data source of the data must have one: an error naming the first row of a source without
+/// one, before anything is generated (otherwise the first step's rollout would be lost to it).
+pub fn check_data_sources(plan: &Plan, sets: &[&PromptDataset]) -> Result<()> {
+    let dispatches = plan
+        .reward
+        .sources
+        .iter()
+        .any(|s| matches!(&s.kind, SourceKind::Builtin { scorer, .. } if scorer == "default"));
+    if !dispatches {
+        return Ok(());
+    }
+    let mut seen = std::collections::HashSet::new();
+    for d in sets {
+        for sample in &d.samples {
+            if !seen.insert(sample.data_source.as_str()) {
+                continue;
+            }
+            if let Err(e) = crate::reward::scorers::Builtin::for_source(&sample.data_source) {
+                return Err(TrainerError::Other(format!(
+                    "{}, row {}: {e}",
+                    sample.file, sample.row
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The reward stage, built first: a broken reward file fails before any model is read.
 pub fn reward_manager(
     cfg: &Config,
@@ -550,7 +579,7 @@ pub fn warn_if_tools_unseen(
     if !tools.is_empty() && !template.renders_tools(tools) {
         let f = serde_json::to_value(format).unwrap_or_default();
         tracing::warn!(
-            "the chat template of {origin} does not render `tools`: the model is shown neither the {} tool schema(s) nor how to write a call (multi_turn.format={}); describe both in the prompts' system message (scripts/preprocess_gsm8k_tool_agent.py --tools-in-system does for GSM8K) or set actor_rollout_ref.model.custom_chat_template to a template that renders tools",
+            "the chat template of {origin} does not render `tools`: the {} tool schema(s) and how to write a call (multi_turn.format={}) reach the model only if the prompts describe them (the --tools-in-system option of scripts/preprocess_gsm8k_tool_agent.py and scripts/make_search_toy_data.py writes them into the system message), or set actor_rollout_ref.model.custom_chat_template to a template that renders tools",
             tools.len(),
             f.as_str().unwrap_or("?"),
         );
@@ -609,6 +638,13 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
         &template,
         wants_validation(cfg),
         &rendering,
+    )?;
+    check_data_sources(
+        plan,
+        &[Some(&train), val.as_ref()]
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>(),
     )?;
     let tool_rows = |d: &PromptDataset| d.agents.contains(&AgentLoopName::ToolAgent);
     let agent = if tool_rows(&train) || val.as_ref().is_some_and(tool_rows) {

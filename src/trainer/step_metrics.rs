@@ -397,6 +397,7 @@ mod tests {
                 model_tokens: 10,
                 sanity_mismatch: true,
                 tool_seconds: 0.5,
+                spans: vec![10],
             },
             TurnStats {
                 num_turns: 2,

@@ -1212,6 +1212,34 @@ fn a_broken_setup_is_reported_before_training() {
     .err()
     .unwrap();
     assert!(err.to_string().contains("resume_mode=disable"), "{err}");
+    // verl's default dispatch with a data source it has no scorer for: the file and row are
+    // named before any rollout.
+    let bad = fx.dir.path().join("unknown_source.jsonl");
+    let mut rows: Vec<_> = (0..8).map(|i| verl_row(&format!("q{i}"), "1")).collect();
+    rows[5]["data_source"] = "my_dataset".into();
+    write_jsonl(&bad, &rows).unwrap();
+    let file = format!("data.train_files={}", bad.display());
+    let err = Trainer::new(
+        config(
+            &fx,
+            &[
+                &file,
+                "reward.sources=null",
+                "trainer.total_training_steps=1",
+            ],
+        ),
+        TrainerOptions {
+            natives: natives(),
+            ..Default::default()
+        },
+    )
+    .err()
+    .unwrap();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("unknown_source.jsonl, row 5") && msg.contains("`my_dataset`"),
+        "{msg}"
+    );
 }
 
 #[test]

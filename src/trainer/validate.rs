@@ -307,13 +307,14 @@ impl Trainer {
             let texts = decode(&self.tokenizer, &out.responses)?;
             let lens: Vec<usize> = out.responses.iter().map(Vec::len).collect();
             let mut reqs = requests(ds, &rows, &texts, self.reward_experiment());
-            if let Some(eps) = &eps {
-                let turns: Vec<_> = eps
-                    .iter()
+            let turns: Option<Vec<_>> = eps.as_ref().map(|eps| {
+                eps.iter()
                     .zip(&rows)
                     .map(|(e, &i)| turn_stats(e, ds.agents[i]))
-                    .collect();
-                add_turns_to_requests(&mut reqs, &turns);
+                    .collect()
+            });
+            if let Some(turns) = &turns {
+                add_turns_to_requests(&mut reqs, turns);
             }
             let rewards = self.reward.score(&reqs, &lens)?;
             for (k, r) in rewards.iter().enumerate() {
@@ -335,14 +336,18 @@ impl Trainer {
                 if !wanted {
                     continue;
                 }
-                dumps.push(json!({
+                let mut d = json!({
                     "input": self.tokenizer.tokenizer.decode(&ds.prompt_ids[rows[k]], true).unwrap_or_default(),
                     "output": texts[k],
                     "gts": sample.ground_truth,
                     "score": r.score,
                     "step": self.global_step,
                     "data_source": sample.data_source,
-                }));
+                });
+                if let (Some(t), Some(o)) = (turns.as_ref().map(|t| &t[k]), d.as_object_mut()) {
+                    super::dumps::add_turns(o, &self.tokenizer, &out.responses[k], t);
+                }
+                dumps.push(d);
             }
         }
         let m = validation_metrics(&scored, BOOTSTRAP_SEED);
