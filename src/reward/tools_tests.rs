@@ -611,6 +611,93 @@ fn the_search_tool_reads_the_shipped_retrieval_server() {
     assert_eq!(o.error, None);
 }
 
+/// A tool in the form of verl 1dda039's agent-loop tutorial (`sandbox.SandboxTool`: a JSON tool
+/// config naming a class from a module next to it, no `tool_schema` — the class builds it with
+/// `OpenAIFunctionToolSchema(**...)` — and `execute` POSTing the code to `sandbox_fusion_url`)
+/// against the shipped `scripts/code_sandbox_server.py`: the schema comes from the class, the
+/// code runs in the service and its stdout and stderr come back as the tool's text.
+#[test]
+fn a_tutorial_style_sandbox_tool_runs_code_on_the_shipped_service() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/code_sandbox_server.py");
+    let mut server = std::process::Command::new("python3")
+        .arg(&script)
+        .args(["--port", "0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut url = String::new();
+    BufReader::new(server.stdout.take().unwrap())
+        .read_line(&mut url)
+        .unwrap();
+    let url = url.trim().to_string();
+    write(
+        dir.path(),
+        "sandbox_tool.py",
+        r#"
+import json
+import urllib.request
+
+from verl.tools.base_tool import BaseTool, OpenAIFunctionToolSchema, ToolResponse
+
+
+class SandboxTool(BaseTool):
+    def get_openai_tool_schema(self):
+        return OpenAIFunctionToolSchema(**{
+            "type": "function",
+            "function": {
+                "name": "code_interpreter",
+                "description": "Runs Python code.",
+                "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "The code."}}, "required": ["code"]},
+            },
+        })
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        body = json.dumps({"code": parameters["code"]}).encode()
+        req = urllib.request.Request(self.config["sandbox_fusion_url"], data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            run = json.loads(resp.read())["run_result"]
+        return ToolResponse(text=run["stdout"] + run["stderr"]), 0.0, {}
+"#,
+    );
+    let cfg = write(
+        dir.path(),
+        "tool_config.json",
+        &json!({"tools": [{"class_name": "sandbox_tool.SandboxTool", "config": {"type": "native", "sandbox_fusion_url": url}}]}).to_string(),
+    );
+    let pool = ToolPool::start(&source(Some(&cfg), None), settings(1, 60.0)).unwrap();
+    let schemas = pool.schemas();
+    let ok = run_one(
+        &pool,
+        call(
+            0,
+            "code_interpreter",
+            r#"{"code": "print(6 * 7)"}"#,
+            json!({}),
+        ),
+    );
+    let failed = run_one(
+        &pool,
+        call(
+            1,
+            "code_interpreter",
+            r#"{"code": "import sys; sys.exit('no')"}"#,
+            json!({}),
+        ),
+    );
+    let _ = server.kill();
+    let _ = server.wait();
+    assert_eq!(schemas.len(), 1);
+    assert_eq!(schemas[0]["function"]["name"], "code_interpreter");
+    assert_eq!(
+        schemas[0]["function"]["parameters"]["required"],
+        json!(["code"])
+    );
+    assert_eq!((ok.text.as_str(), ok.error), ("42\n", None));
+    assert_eq!(failed.text, "no\n");
+}
+
 fn start_error(dir: &Path, yaml: &str, functions: Option<&str>) -> String {
     let cfg = write(dir, "tools.yaml", yaml);
     let f = functions.map(|code| write(dir, "fns.py", code));
