@@ -77,20 +77,7 @@ impl DataSummary {
         let runner = setup::tool_runner(cfg)?;
         let rendering = setup::agent_rendering(cfg, runner.as_ref());
         drop(runner);
-        setup::warn_if_tools_unseen(
-            &template,
-            &rendering.tools,
-            &bundle.chat_template_origin,
-            cfg.actor_rollout_ref.rollout.multi_turn.format,
-        );
         let (train, val) = setup::datasets(cfg, plan, &bundle, &template, with_val, &rendering)?;
-        setup::check_data_sources(
-            plan,
-            &[Some(&train), val.as_ref()]
-                .into_iter()
-                .flatten()
-                .collect::<Vec<_>>(),
-        )?;
         let tool_rows = |d: &crate::data::PromptDataset| {
             d.agents
                 .iter()

@@ -555,6 +555,36 @@ fn the_search_tool_formats_retrieved_passages() {
     assert_eq!((o.reward, o.error), (Some(0.0), None));
 }
 
+/// A service script of `scripts/` started on a free port (killed when the guard drops, also
+/// when an assertion fails), and the URL it prints first.
+struct Service(std::process::Child);
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn serve(script: &str, args: &[&str]) -> (Service, String) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("scripts")
+        .join(script);
+    let mut child = std::process::Command::new("python3")
+        .arg(&path)
+        .args(args)
+        .args(["--port", "0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let service = Service(child);
+    let mut url = String::new();
+    BufReader::new(stdout).read_line(&mut url).unwrap();
+    (service, url.trim().to_string())
+}
+
 /// The shipped BM25 service (`scripts/retrieval_server.py`) answers the search tool: a query
 /// naming a term found in one passage only gets that passage first (BM25 scores a passage
 /// without the query's terms 0, so it never outranks one that has them), `topk` bounds the
@@ -571,21 +601,10 @@ fn the_search_tool_reads_the_shipped_retrieval_server() {
             "{\"id\": \"c\", \"contents\": \"\\\"Ostrel\\\"\\nOstrel is a region.\"}\n",
         ),
     );
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/retrieval_server.py");
-    let mut server = std::process::Command::new("python3")
-        .arg(&script)
-        .arg("--corpus")
-        .arg(&corpus)
-        .args(["--port", "0"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut url = String::new();
-    BufReader::new(server.stdout.take().unwrap())
-        .read_line(&mut url)
-        .unwrap();
-    let url = url.trim().to_string();
+    let (_server, url) = serve(
+        "retrieval_server.py",
+        &["--corpus", corpus.to_str().unwrap()],
+    );
     assert!(url.ends_with("/retrieve"), "{url}");
     let yaml = format!(
         "tools:\n  - class_name: verl.tools.search_tool.SearchTool\n    config:\n      type: native\n      retrieval_service_url: {url}\n      topk: 1\n      timeout: 10\n    tool_schema: null\n"
@@ -601,8 +620,6 @@ fn the_search_tool_reads_the_shipped_retrieval_server() {
             json!({}),
         ),
     );
-    let _ = server.kill();
-    let _ = server.wait();
     let result = "Doc 1 (Title: \"Varnholt\")\nVarnholt was founded in 1742.\n---\nDoc 1 (Title: \"Quellby\")\nQuellby stands on the river Tave.";
     assert_eq!(
         o.text,
@@ -619,19 +636,7 @@ fn the_search_tool_reads_the_shipped_retrieval_server() {
 #[test]
 fn a_tutorial_style_sandbox_tool_runs_code_on_the_shipped_service() {
     let dir = tempfile::tempdir().unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/code_sandbox_server.py");
-    let mut server = std::process::Command::new("python3")
-        .arg(&script)
-        .args(["--port", "0"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut url = String::new();
-    BufReader::new(server.stdout.take().unwrap())
-        .read_line(&mut url)
-        .unwrap();
-    let url = url.trim().to_string();
+    let (_server, url) = serve("code_sandbox_server.py", &[]);
     write(
         dir.path(),
         "sandbox_tool.py",
@@ -686,8 +691,6 @@ class SandboxTool(BaseTool):
             json!({}),
         ),
     );
-    let _ = server.kill();
-    let _ = server.wait();
     assert_eq!(schemas.len(), 1);
     assert_eq!(schemas[0]["function"]["name"], "code_interpreter");
     assert_eq!(

@@ -239,7 +239,8 @@ fn writable(dir: &Path) -> std::result::Result<(), String> {
 }
 
 /// The training and (when `with_val` and files are named) validation prompts, read and
-/// tokenised as the run will read them.
+/// tokenised as the run will read them; their data sources checked against the reward's
+/// default dispatch, and a warning when tool-agent rows meet a template that hides the tools.
 pub fn datasets(
     cfg: &Config,
     plan: &Plan,
@@ -268,6 +269,16 @@ pub fn datasets(
     } else {
         None
     };
+    check_data_sources(plan, &train, val.as_ref())?;
+    let tool_rows = |d: &PromptDataset| d.agents.contains(&AgentLoopName::ToolAgent);
+    if tool_rows(&train) || val.as_ref().is_some_and(tool_rows) {
+        warn_if_tools_unseen(
+            template,
+            &agents.tools,
+            &tok.chat_template_origin,
+            cfg.actor_rollout_ref.rollout.multi_turn.format,
+        );
+    }
     Ok((train, val))
 }
 
@@ -329,7 +340,11 @@ pub fn wants_validation(cfg: &Config) -> bool {
 /// With verl's default dispatch (a built-in scorer chosen by each row's `data_source`), every
 /// data source of the data must have one: an error naming the first row of a source without
 /// one, before anything is generated (otherwise the first step's rollout would be lost to it).
-pub fn check_data_sources(plan: &Plan, sets: &[&PromptDataset]) -> Result<()> {
+pub fn check_data_sources(
+    plan: &Plan,
+    train: &PromptDataset,
+    val: Option<&PromptDataset>,
+) -> Result<()> {
     let dispatches = plan
         .reward
         .sources
@@ -339,7 +354,7 @@ pub fn check_data_sources(plan: &Plan, sets: &[&PromptDataset]) -> Result<()> {
         return Ok(());
     }
     let mut seen = std::collections::HashSet::new();
-    for d in sets {
+    for d in std::iter::once(train).chain(val) {
         for sample in &d.samples {
             if !seen.insert(sample.data_source.as_str()) {
                 continue;
@@ -570,7 +585,7 @@ pub fn agent_rendering(cfg: &Config, runner: &dyn ToolRunner) -> AgentRendering 
 /// A warning when the chat template does not show the tools to the model: it is then told
 /// neither that they exist nor the call format, and tool calls come only from what the data's
 /// prompts say.
-pub fn warn_if_tools_unseen(
+fn warn_if_tools_unseen(
     template: &ChatTemplate,
     tools: &[serde_json::Value],
     origin: &str,
@@ -639,22 +654,9 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
         wants_validation(cfg),
         &rendering,
     )?;
-    check_data_sources(
-        plan,
-        &[Some(&train), val.as_ref()]
-            .into_iter()
-            .flatten()
-            .collect::<Vec<_>>(),
-    )?;
     let tool_rows = |d: &PromptDataset| d.agents.contains(&AgentLoopName::ToolAgent);
     let agent = if tool_rows(&train) || val.as_ref().is_some_and(tool_rows) {
         let mt = &cfg.actor_rollout_ref.rollout.multi_turn;
-        warn_if_tools_unseen(
-            &template,
-            &rendering.tools,
-            &tok.chat_template_origin,
-            mt.format,
-        );
         let ctx = AgentContext::new(
             Arc::new(tok.clone()),
             template,
