@@ -9,7 +9,7 @@
 //! cargo bench --bench vs_torch -- gen    [--batch 32] [--new 128] [--warmup-new 4] [--bf16 0]
 //! cargo bench --bench vs_torch -- adamw  [--warmup 1] [--reps 3]
 //! ```
-//! Common options: `--model FILE.gguf` (default MAIN_PPO_SMOLLM2, else the cache of
+//! Common options: `--model FILE.gguf` or an HF folder (default MAIN_PPO_SMOLLM2, else the cache of
 //! `scripts/fetch_smollm2.sh`), `--prompt FILE` (the text to tokenise; default: a GSM8K question
 //! in SmolLM2's chat format). Threads: candle's CPU kernels follow `RAYON_NUM_THREADS`.
 
@@ -119,18 +119,34 @@ fn run() -> Result<(), BoxError> {
         return Ok(());
     }
     let path = model_path(&a);
-    if !path.is_file() {
+    if !path.is_file() && !path.is_dir() {
         return Err(format!(
-            "no model at {} (run scripts/fetch_smollm2.sh or pass --model)",
+            "no model at {} (run scripts/fetch_smollm2.sh or pass --model FILE.gguf or an HF folder)",
             path.display()
         )
         .into());
     }
     let threads = candle_core::utils::get_num_threads();
     let t_load = Instant::now();
-    let (loaded, content) = main_ppo::weights::gguf::load(&path, DType::F32, &Device::Cpu, true)?;
-    let tok = main_ppo::weights::gguf::tokenizer(&content, &path)?;
-    drop(content);
+    // A GGUF file, or an HF folder (random-weight checkpoints of other shapes:
+    // scripts/bench_qwen3_5.py).
+    let (loaded, tok) = if path.is_dir() {
+        let l = main_ppo::weights::hf::load_dir(
+            &path,
+            &Default::default(),
+            DType::F32,
+            &Device::Cpu,
+            true,
+        )?;
+        (
+            l,
+            main_ppo::weights::load_tokenizer(&path.display().to_string())?,
+        )
+    } else {
+        let (l, content) = main_ppo::weights::gguf::load(&path, DType::F32, &Device::Cpu, true)?;
+        let tok = main_ppo::weights::gguf::tokenizer(&content, &path)?;
+        (l, tok)
+    };
     let load_s = t_load.elapsed().as_secs_f64();
     let prompt = tok.encode(&prompt_text(&a)?)?;
     let base = json!({

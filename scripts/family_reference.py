@@ -146,10 +146,78 @@ def families():
             },
             tie_word_embeddings=True,
         ),
+        # Qwen3.5 (text): three Gated DeltaNet layers then a gated full-attention layer
+        # (transformers' default layer_types), partial rotary 0.25, two value heads per key
+        # head, untied.
+        "qwen3_5": transformers.Qwen3_5TextConfig(
+            **{**common, "num_hidden_layers": 4},
+            head_dim=16,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=12,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            tie_word_embeddings=False,
+        ),
+        # Qwen3.5 with an attention layer first, one value head per key head, a width-3
+        # convolution, rotary over half of each head, tied embeddings.
+        "qwen3_5_tied": transformers.Qwen3_5TextConfig(
+            **{**common, "num_hidden_layers": 3},
+            head_dim=8,
+            layer_types=["full_attention", "linear_attention", "linear_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 100000.0, "partial_rotary_factor": 0.5},
+            linear_conv_kernel_dim=3,
+            linear_key_head_dim=6,
+            linear_value_head_dim=6,
+            linear_num_key_heads=3,
+            linear_num_value_heads=3,
+            tie_word_embeddings=True,
+        ),
+        # Qwen3.5-MoE (text): experts on every layer (8, top-2, always renormalised) and a
+        # shared expert behind its sigmoid gate; DeltaNet, then gated attention, twice.
+        "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig(
+            **{**common, "num_hidden_layers": 4},
+            head_dim=8,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            tie_word_embeddings=False,
+        ),
+        # Qwen3-Next: the DeltaNet's fused, per-key-head grouped projections (in_proj_qkvz,
+        # in_proj_ba), experts with a shared expert on layers 0 and 2 (mlp_only_layers [1]),
+        # top-3 of 4 unnormalised, tied embeddings.
+        "qwen3_next": transformers.Qwen3NextConfig(
+            **{**common, "num_hidden_layers": 3},
+            head_dim=16,
+            layer_types=["linear_attention", "linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=6,
+            linear_num_key_heads=2,
+            linear_num_value_heads=6,
+            num_experts=4,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+            moe_intermediate_size=12,
+            shared_expert_intermediate_size=20,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            tie_word_embeddings=True,
+        ),
     }
 
 
 MODEL_CLASS = {
+    "Qwen3_5TextConfig": transformers.Qwen3_5ForCausalLM,
+    "Qwen3_5MoeTextConfig": transformers.Qwen3_5MoeForCausalLM,
+    "Qwen3NextConfig": transformers.Qwen3NextForCausalLM,
     "LlamaConfig": transformers.LlamaForCausalLM,
     "Qwen2Config": transformers.Qwen2ForCausalLM,
     "Qwen3Config": transformers.Qwen3ForCausalLM,
@@ -250,6 +318,25 @@ def make(name, cfg):
     }
     (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
     print(f"{name}: {len(grads)} parameters, loss {float(loss.detach()):.6f} -> {out}")
+    if type(cfg).__name__ == "Qwen3_5TextConfig" and name == "qwen3_5":
+        multimodal(model, cfg, out)
+
+
+def multimodal(model, text_cfg, out):
+    """The same language model inside a Qwen3_5ForConditionalGeneration checkpoint (as the
+    hub's Qwen3.5 models are published: `model.language_model.*`, a vision tower
+    `model.visual.*`), written by transformers to `<out>/multimodal/`."""
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text_cfg.hidden_size,
+                  patch_size=4, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+    cfg = transformers.Qwen3_5Config(text_config=text_cfg.to_dict(), vision_config=vision)
+    mm = transformers.Qwen3_5ForConditionalGeneration(cfg).to(torch.float64)
+    missing, unexpected = mm.model.language_model.load_state_dict(model.model.state_dict(), strict=True), None
+    mm.lm_head.load_state_dict(model.lm_head.state_dict())
+    mm.save_pretrained(out / "multimodal", safe_serialization=True)
+    with torch.no_grad():
+        ids = torch.tensor([[3, 17, 42, 8, 91, 5]])
+        diff = (mm(input_ids=ids).logits - model(ids).logits).abs().max()
+    assert float(diff) == 0.0, diff
 
 
 def main():

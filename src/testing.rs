@@ -18,6 +18,13 @@ pub const DECODER_ARCHS: [crate::model::Arch; 5] = [
     crate::model::Arch::Qwen3Moe,
 ];
 
+/// The Gated DeltaNet hybrids (their own paths: the op composition, the composition's cache).
+pub const HYBRID_ARCHS: [crate::model::Arch; 3] = [
+    crate::model::Arch::Qwen3_5,
+    crate::model::Arch::Qwen3_5Moe,
+    crate::model::Arch::Qwen3Next,
+];
+
 pub const CHATML: &str = "{%- if messages[0]['role'] == 'system' %}\n    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n{%- else %}\n    {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}\n{%- endif %}\n{%- for message in messages %}\n    {%- if not (message.role == 'system' and loop.first) %}\n        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n";
 
 /// GPT-2's byte → printable-character table.

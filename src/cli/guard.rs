@@ -378,8 +378,10 @@ mod tests {
             model_context(&cfg, &plan).map_err(|e| e.to_string())
         };
         let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        // k_proj and v_proj are [16, 32], the experts' up/gate [16, 32]: 16 fits, 17 does not.
-        check(&s(&["actor_rollout_ref.model.lora_rank=16"])).unwrap();
+        // The widest adapted projections (q_proj, o_proj, the dense layer's MLP) have a smaller
+        // side of 32: 32 fits all-linear (above k_proj's and the experts' 16, with a warning),
+        // 33 does not; up_proj alone: the dense layer's [48, 32] allows 32 as well.
+        check(&s(&["actor_rollout_ref.model.lora_rank=32"])).unwrap();
         for (extra, key) in [
             (
                 s(&["actor_rollout_ref.model.lora_rank=10000000"]),
@@ -388,14 +390,14 @@ mod tests {
             (
                 s(&[
                     "algorithm.adv_estimator=gae",
-                    "critic.model.lora_rank=17",
+                    "critic.model.lora_rank=33",
                     "critic.model.target_modules=[up_proj]",
                 ]),
                 "critic.model.lora_rank",
             ),
         ] {
             let e = check(&extra).unwrap_err();
-            assert!(e.contains(key) && e.contains("16"), "{e}");
+            assert!(e.contains(key) && e.contains("32"), "{e}");
         }
         // The dense layer 1 (mlp_only_layers) has up_proj [48, 32]: 17 fits there alone, 33
         // does not.

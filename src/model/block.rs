@@ -10,11 +10,34 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor, D};
-use candle_nn::{Init, Linear, VarBuilder};
+use candle_nn::Linear;
 
 use super::attention::{attention, attention_composed, Keys};
 use super::config::ModelArgs;
+use super::delta::{DeltaNet, DeltaState};
+use super::ops::sigmoid;
+pub(crate) use super::ops::{rms_norm, upcast};
+pub(crate) use super::proj::{apply, linear, mixed_matmul};
 use super::proj::{base_matmul, mix64, Dropout, Proj};
+
+/// Where a forward's sequences lie, for token mixers that run along each sequence (Gated
+/// DeltaNet): a padded batch with its real tokens `[batch, seq]` (1 real, 0 padding, in the
+/// hidden states' dtype; `None`: no padding), or sequences packed end to end,
+/// `(first token, length)` each.
+#[derive(Debug, Clone)]
+pub(crate) enum Rows {
+    Padded(Option<Tensor>),
+    Packed(Arc<[(usize, usize)]>),
+}
+
+impl Rows {
+    pub(crate) fn detach(&self) -> Rows {
+        match self {
+            Rows::Padded(r) => Rows::Padded(r.as_ref().map(Tensor::detach)),
+            Rows::Packed(s) => Rows::Packed(s.clone()),
+        }
+    }
+}
 
 /// Which keys each query of a forward attends to.
 #[derive(Debug, Clone)]
@@ -82,6 +105,8 @@ pub struct KvCache {
     /// Per layer: key and value buffers `[batch, kv_heads, capacity, head_dim]`, of which the
     /// first `len` positions are filled. New positions are written in place (no copy of the past).
     layers: Vec<Option<(Tensor, Tensor)>>,
+    /// Per Gated DeltaNet layer (Qwen3.5): its convolution inputs and recurrent state.
+    states: Vec<Option<DeltaState>>,
     len: usize,
     /// Positions the first allocation makes room for (0: as needed, doubling).
     reserve: usize,
@@ -97,6 +122,7 @@ impl KvCache {
     pub fn with_capacity(num_layers: usize, positions: usize) -> Self {
         Self {
             layers: vec![None; num_layers],
+            states: vec![None; num_layers],
             len: 0,
             reserve: positions,
         }
@@ -117,7 +143,27 @@ impl KvCache {
             *k = k.index_select(keep, 0)?;
             *v = v.index_select(keep, 0)?;
         }
+        for s in self.states.iter_mut().flatten() {
+            s.select_rows(keep)?;
+        }
         Ok(())
+    }
+
+    /// Layer `i`'s DeltaNet state (none before its first call), to be read and replaced by a
+    /// call over `t` new positions, after which [`KvCache::advance`] counts them.
+    pub(crate) fn state(&mut self, i: usize) -> Result<&mut Option<DeltaState>> {
+        let n = self.layers.len();
+        self.states
+            .get_mut(i)
+            .ok_or_else(|| candle_core::Error::Msg(format!("cache of {n} layers has no layer {i}")))
+    }
+
+    /// Counts `t` new positions after a DeltaNet layer `i` took them (the last layer's call
+    /// moves the length, as [`KvCache::append`] does for attention layers).
+    pub(crate) fn advance(&mut self, i: usize, t: usize) {
+        if i + 1 == self.layers.len() {
+            self.len += t;
+        }
     }
 
     /// Appends `k`, `v` `[batch, kv_heads, t, head_dim]` to layer `i` (growing the buffers by
@@ -158,79 +204,6 @@ impl KvCache {
     }
 }
 
-pub(crate) fn linear(
-    vb: &VarBuilder,
-    inp: usize,
-    out: usize,
-    bias: bool,
-    name: &str,
-) -> Result<Proj> {
-    let w = vb.get_with_hints(
-        (out, inp),
-        &format!("{name}.weight"),
-        Init::Randn {
-            mean: 0.0,
-            stdev: 0.02,
-        },
-    )?;
-    let b = if bias {
-        Some(vb.get_with_hints(out, &format!("{name}.bias"), Init::Const(0.0))?)
-    } else {
-        None
-    };
-    Ok(Proj::new(Linear::new(w, b)))
-}
-
-/// A linear layer on `[batch, seq, in]` as one `[batch·seq, in] × [in, out]` product (candle's
-/// `Linear` on 3-D input runs one small product per batch row, which is several times slower).
-/// With an adapter, `s·(dropout(x)·Aᵀ)·Bᵀ` is added (PEFT's `lora.Linear`; dropout only
-/// where this forward's copy of the layer carries a mask).
-fn apply(l: &Proj, x: &Tensor, mixed: bool) -> Result<Tensor> {
-    let (b, t, i) = x.dims3()?;
-    let x2 = x.reshape((b * t, i))?; // [b·t, in]
-    let y = match mixed {
-        true => mixed_matmul(&x2, l.weight())?,
-        false => base_matmul(&x2, l.weight())?,
-    }; // [b·t, out]
-    let y = match l.bias() {
-        Some(bias) => y.broadcast_add(bias)?,
-        None => y,
-    };
-    let y = match &l.lora {
-        // [b·t, in]·[in, r]·[r, out], scaled: with B = 0 this adds exact zeros.
-        Some(a) => {
-            let xa = match &a.dropout {
-                Some(d) => (&x2 * d.mask(x2.dims(), x2.dtype(), x2.device())?)?,
-                None => x2.clone(),
-            };
-            (y + (xa.matmul(&a.a.t()?)?.matmul(&a.b.t()?)? * a.scale)?)?
-        }
-        None => y,
-    };
-    y.reshape((b, t, ()))
-}
-
-/// `x·Wᵀ` `[n, in] → [n, out]` with both operands rounded to bf16 and the product returned in
-/// `x`'s dtype (verl's mixed precision on a GPU: f32 master weights, bf16 products on cuBLAS
-/// with f32 accumulation). The casts are differentiable, so the f32 weight receives the
-/// gradient of the bf16 product in f32.
-pub(crate) fn mixed_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let dtype = x.dtype();
-    x.to_dtype(DType::BF16)?
-        .matmul(&w.to_dtype(DType::BF16)?.t()?)?
-        .to_dtype(dtype)
-}
-
-/// `x · rsqrt(mean(x²) + eps) · w`, computed in f32.
-pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let x32 = upcast(x)?;
-    let inv = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?
-        .sqrt()?
-        .recip()?;
-    x32.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(w)
-}
-
 /// The model's RMSNorm: [`rms_norm`] with weight `w`, or `1 + w` for Gemma.
 pub(crate) fn norm(x: &Tensor, w: &Tensor, a: &ModelArgs) -> Result<Tensor> {
     match a.arch.norm_offset() {
@@ -245,14 +218,6 @@ pub(crate) fn norm(x: &Tensor, w: &Tensor, a: &ModelArgs) -> Result<Tensor> {
 fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
     let inner = ((x + ((x.sqr()? * x)? * 0.044_715)?)? * 0.797_884_560_802_865_4)?;
     (x * 0.5)? * (inner.tanh()? + 1.0)?
-}
-
-/// Half-precision values in f32 for softmax-type reductions; f32 and f64 stay as they are.
-pub(crate) fn upcast(x: &Tensor) -> Result<Tensor> {
-    match x.dtype() {
-        DType::BF16 | DType::F16 => x.to_dtype(DType::F32),
-        _ => Ok(x.clone()),
-    }
 }
 
 /// `[-x2, x1]` for `x = [x1, x2]` split in half on the last axis.
@@ -293,6 +258,24 @@ pub(crate) struct Experts {
     /// Every expert on every token ([`experts_dense`], the reference) instead of each on its
     /// tokens ([`experts_grouped`]); set from [`super::Exec::dense_experts`].
     pub(crate) dense: bool,
+    /// The shared expert of Qwen3-Next / Qwen3.5-MoE.
+    pub(crate) shared: Option<Shared>,
+}
+
+/// A shared expert: `mlp.shared_expert` (a gated MLP on every token) scaled by
+/// `sigmoid(x·wᵀ)` of `mlp.shared_expert_gate` `[1, hidden]`.
+#[derive(Clone)]
+pub(crate) struct Shared {
+    pub(crate) mlp: Gated,
+    pub(crate) gate: Proj,
+}
+
+impl Shared {
+    /// Its output on `x` `[b, t, hidden]`.
+    fn forward(&self, x: &Tensor, mixed: bool) -> Result<Tensor> {
+        let g = sigmoid(&apply(&self.gate, x, mixed)?)?; // [b, t, 1]
+        gated(&self.mlp, x, false, mixed)?.broadcast_mul(&g)
+    }
 }
 
 /// What follows a layer's attention.
@@ -302,13 +285,32 @@ pub(crate) enum Mlp {
     Experts(Experts),
 }
 
+/// A layer's self-attention (`self_attn.*`).
+#[derive(Clone)]
+pub(crate) struct Attention {
+    /// `[heads·head_dim, hidden]`, or `[heads·2·head_dim, hidden]` with an output gate (each
+    /// head's queries, then its gate values: Qwen3.5).
+    pub(crate) q: Proj,
+    pub(crate) k: Proj,
+    pub(crate) v: Proj,
+    pub(crate) o: Proj,
+    /// Qwen3's RMSNorm over each head of q and of k before RoPE (`self_attn.q_norm`,
+    /// `self_attn.k_norm`, `[head_dim]` each).
+    pub(crate) qk_norm: Option<(Tensor, Tensor)>,
+}
+
+/// What mixes a layer's tokens.
+#[derive(Clone)]
+pub(crate) enum Mixer {
+    Attention(Attention),
+    /// Qwen3.5's Gated DeltaNet (`linear_attn.*`).
+    Delta(DeltaNet),
+}
+
 #[derive(Clone)]
 pub(crate) struct Block {
     pub(crate) ln1: Tensor,
     pub(crate) ln2: Tensor,
-    /// Qwen3's RMSNorm over each head of q and of k before RoPE (`self_attn.q_norm`,
-    /// `self_attn.k_norm`, `[head_dim]` each).
-    pub(crate) qk_norm: Option<(Tensor, Tensor)>,
     /// Gemma's norms of the attention's and the MLP's outputs before their residual adds
     /// (`post_attention_layernorm`, `post_feedforward_layernorm`); `ln2` is then its
     /// `pre_feedforward_layernorm`.
@@ -325,10 +327,7 @@ pub(crate) struct Block {
     /// seq]` tensor kept for backward, packed sequences without a mask) rather than the plain
     /// composition: off the CPU unless [`super::Exec::composed`]; set by `CausalLm::set_exec`.
     pub(crate) blocked: bool,
-    pub(crate) q: Proj,
-    pub(crate) k: Proj,
-    pub(crate) v: Proj,
-    pub(crate) o: Proj,
+    pub(crate) mixer: Mixer,
     pub(crate) mlp: Mlp,
 }
 
@@ -336,6 +335,25 @@ impl Block {
     /// The layer with its weights cut from the autograd graph (same storage).
     pub(crate) fn detached(&self) -> Block {
         self.map_proj(Proj::detached)
+    }
+
+    /// The layer's attention; an error for a Gated DeltaNet layer (for paths that serve
+    /// attention layers only).
+    pub(crate) fn attention(&self) -> Result<&Attention> {
+        match &self.mixer {
+            Mixer::Attention(a) => Ok(a),
+            Mixer::Delta(_) => candle_core::bail!(
+                "a Gated DeltaNet layer reached a path that serves attention layers only"
+            ),
+        }
+    }
+
+    /// The layer's Gated DeltaNet, `None` for an attention layer.
+    pub(crate) fn delta(&self) -> Option<&DeltaNet> {
+        match &self.mixer {
+            Mixer::Delta(d) => Some(d),
+            Mixer::Attention(_) => None,
+        }
     }
 
     /// The layer's experts, `None` for a dense layer.
@@ -349,12 +367,19 @@ impl Block {
     /// The projections with their HF module names (`self_attn.q_proj`, `mlp.down_proj`,
     /// `mlp.experts.3.up_proj`): attention first, then the MLP's, each gate, up, down.
     pub(crate) fn projs_mut(&mut self) -> Vec<(String, &mut Proj)> {
-        let mut all: Vec<(String, &mut Proj)> = vec![
-            ("self_attn.q_proj".into(), &mut self.q),
-            ("self_attn.k_proj".into(), &mut self.k),
-            ("self_attn.v_proj".into(), &mut self.v),
-            ("self_attn.o_proj".into(), &mut self.o),
-        ];
+        let mut all: Vec<(String, &mut Proj)> = match &mut self.mixer {
+            Mixer::Attention(a) => vec![
+                ("self_attn.q_proj".into(), &mut a.q),
+                ("self_attn.k_proj".into(), &mut a.k),
+                ("self_attn.v_proj".into(), &mut a.v),
+                ("self_attn.o_proj".into(), &mut a.o),
+            ],
+            Mixer::Delta(d) => d
+                .projs_mut()
+                .into_iter()
+                .map(|(n, p)| (n.to_string(), p))
+                .collect(),
+        };
         match &mut self.mlp {
             Mlp::Dense(g) => all.extend([
                 ("mlp.gate_proj".into(), &mut g.gate),
@@ -369,6 +394,14 @@ impl Block {
                         (format!("mlp.experts.{e}.down_proj"), &mut g.down),
                     ]);
                 }
+                if let Some(s) = &mut x.shared {
+                    all.extend([
+                        ("mlp.shared_expert.gate_proj".into(), &mut s.mlp.gate),
+                        ("mlp.shared_expert.up_proj".into(), &mut s.mlp.up),
+                        ("mlp.shared_expert.down_proj".into(), &mut s.mlp.down),
+                        ("mlp.shared_expert_gate".into(), &mut s.gate),
+                    ]);
+                }
             }
         }
         all
@@ -376,12 +409,18 @@ impl Block {
 
     /// The projections in [`Block::projs_mut`]'s order.
     pub(crate) fn projs(&self) -> Vec<&Proj> {
-        let mut all = vec![&self.q, &self.k, &self.v, &self.o];
+        let mut all = match &self.mixer {
+            Mixer::Attention(a) => vec![&a.q, &a.k, &a.v, &a.o],
+            Mixer::Delta(d) => d.projs().to_vec(),
+        };
         match &self.mlp {
             Mlp::Dense(g) => all.extend([&g.gate, &g.up, &g.down]),
             Mlp::Experts(x) => {
                 for g in &x.experts {
                     all.extend([&g.gate, &g.up, &g.down]);
+                }
+                if let Some(s) = &x.shared {
+                    all.extend([&s.mlp.gate, &s.mlp.up, &s.mlp.down, &s.gate]);
                 }
             }
         }
@@ -413,7 +452,11 @@ impl Block {
     /// The layer's norm weights: `ln1`, `ln2`, then q/k norms where the layer has them.
     pub(crate) fn norms(&self) -> Vec<&Tensor> {
         let mut n = vec![&self.ln1, &self.ln2];
-        if let Some((q, k)) = &self.qk_norm {
+        if let Mixer::Attention(Attention {
+            qk_norm: Some((q, k)),
+            ..
+        }) = &self.mixer
+        {
             n.extend([q, k]);
         }
         if let Some((a, m)) = &self.sandwich {
@@ -422,9 +465,13 @@ impl Block {
         n
     }
 
-    /// The weights that are not projections: the norms, then the router of a layer of experts.
+    /// The weights that are not projections: the norms, a DeltaNet's norm, convolution,
+    /// `dt_bias` and `A_log`, then the router of a layer of experts.
     pub(crate) fn plain_weights(&self) -> Vec<&Tensor> {
         let mut w = self.norms();
+        if let Some(d) = self.delta() {
+            w.extend(d.plain());
+        }
         if let Some(x) = self.experts() {
             w.push(&x.router);
         }
@@ -444,7 +491,12 @@ impl Block {
     pub(crate) fn freeze_base(&mut self) {
         self.ln1 = self.ln1.detach();
         self.ln2 = self.ln2.detach();
-        self.qk_norm = self.qk_norm.as_ref().map(|(q, k)| (q.detach(), k.detach()));
+        match &mut self.mixer {
+            Mixer::Attention(a) => {
+                a.qk_norm = a.qk_norm.as_ref().map(|(q, k)| (q.detach(), k.detach()));
+            }
+            Mixer::Delta(d) => d.freeze_plain(),
+        }
         self.sandwich = self
             .sandwich
             .as_ref()
@@ -463,7 +515,6 @@ impl Block {
         Block {
             ln1: self.ln1.detach(),
             ln2: self.ln2.detach(),
-            qk_norm: self.qk_norm.as_ref().map(|(q, k)| (q.detach(), k.detach())),
             sandwich: self
                 .sandwich
                 .as_ref()
@@ -472,10 +523,16 @@ impl Block {
             local_rope: self.local_rope,
             mixed: self.mixed,
             blocked: self.blocked,
-            q: lin(&self.q),
-            k: lin(&self.k),
-            v: lin(&self.v),
-            o: lin(&self.o),
+            mixer: match &self.mixer {
+                Mixer::Attention(a) => Mixer::Attention(Attention {
+                    q: lin(&a.q),
+                    k: lin(&a.k),
+                    v: lin(&a.v),
+                    o: lin(&a.o),
+                    qk_norm: a.qk_norm.as_ref().map(|(q, k)| (q.detach(), k.detach())),
+                }),
+                Mixer::Delta(d) => Mixer::Delta(d.map(&lin)),
+            },
             mlp: match &self.mlp {
                 Mlp::Dense(g) => Mlp::Dense(g.map(&lin)),
                 Mlp::Experts(x) => Mlp::Experts(Experts {
@@ -484,6 +541,10 @@ impl Block {
                     top_k: x.top_k,
                     norm_topk_prob: x.norm_topk_prob,
                     dense: x.dense,
+                    shared: x.shared.as_ref().map(|s| Shared {
+                        mlp: s.mlp.map(&lin),
+                        gate: lin(&s.gate),
+                    }),
                 }),
             },
         }
@@ -505,12 +566,14 @@ pub(crate) fn block_forward(
     mask: &Tensor,
     cache: Option<(&mut KvCache, usize)>,
 ) -> Result<Tensor> {
-    block_forward_routed(a, l, x, cos, sin, &Keys::Bias(mask.clone()), cache, None)
+    let keys = Keys::Bias(mask.clone());
+    block_forward_routed(a, l, x, cos, sin, &keys, &Rows::Padded(None), cache, None)
 }
 
 /// [`block_forward`] with the keys each query sees as [`Keys`] (a bias, or packed sequences
-/// where the layer's attention is the blocked op); with `router`, a layer of experts appends its
-/// router logits `[batch·seq, experts]` (with their graph) to it (a dense layer nothing).
+/// where the layer's attention is the blocked op) and where the sequences lie ([`Rows`], which a
+/// Gated DeltaNet layer reads); with `router`, a layer of experts appends its router logits
+/// `[batch·seq, experts]` (with their graph) to it (a dense layer nothing).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn block_forward_routed(
     a: &ModelArgs,
@@ -519,26 +582,79 @@ pub(crate) fn block_forward_routed(
     cos: &Tensor,
     sin: &Tensor,
     keys: &Keys,
+    rows: &Rows,
     cache: Option<(&mut KvCache, usize)>,
     router: Option<&mut Vec<Tensor>>,
 ) -> Result<Tensor> {
-    let (b, t, _) = x.dims3()?;
-    let (nh, nkv, hd) = (a.num_attention_heads, a.num_key_value_heads, a.head_dim);
     let h = norm(x, &l.ln1, a)?;
-    let q = apply(&l.q, &h, l.mixed)?.reshape((b, t, nh, hd))?; // [b, t, nh, hd]
-    let k = apply(&l.k, &h, l.mixed)?.reshape((b, t, nkv, hd))?; // [b, t, nkv, hd]
-    let (q, k) = match &l.qk_norm {
+    let mixed = match &l.mixer {
+        Mixer::Attention(at) => self_attention(a, l, at, &h, (cos, sin), keys, cache)?,
+        Mixer::Delta(d) => delta_mix(a, d, &h, rows, cache, l.mixed)?,
+    };
+    let mixed = match &l.sandwich {
+        Some((post, _)) => norm(&mixed, post, a)?,
+        None => mixed,
+    };
+    let x = (x + mixed)?;
+    let h = norm(&x, &l.ln2, a)?;
+    let mlp = mlp_routed(l, &h, a.arch.gemma(), router)?;
+    let mlp = match &l.sandwich {
+        Some((_, post)) => norm(&mlp, post, a)?,
+        None => mlp,
+    };
+    x + mlp
+}
+
+/// Rotary embedding of `x` `[b, heads, t, head_dim]` with tables `[b, 1, t, rd]`: the first
+/// `rd` values of each head turned, the rest passed through (partial rotary, Qwen3.5).
+fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (hd, rd) = (x.dim(3)?, cos.dim(3)?);
+    let turn = |r: &Tensor| r.broadcast_mul(cos)? + rotate_half(r)?.broadcast_mul(sin)?;
+    match rd == hd {
+        true => turn(x),
+        // (candle's cat along an inner axis of strided inputs returns a strided result.)
+        false => Tensor::cat(
+            &[&turn(&x.narrow(3, 0, rd)?)?, &x.narrow(3, rd, hd - rd)?],
+            3,
+        )?
+        .contiguous(),
+    }
+}
+
+/// The attention of layer `l` on its normed input `h` `[b, t, hidden]`, through `o_proj`.
+fn self_attention(
+    a: &ModelArgs,
+    l: &Block,
+    at: &Attention,
+    h: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
+    keys: &Keys,
+    cache: Option<(&mut KvCache, usize)>,
+) -> Result<Tensor> {
+    let (b, t, _) = h.dims3()?;
+    let (nh, nkv, hd) = (a.num_attention_heads, a.num_key_value_heads, a.head_dim);
+    let (q, gate) = match a.attn_output_gate {
+        false => (apply(&at.q, h, l.mixed)?.reshape((b, t, nh, hd))?, None),
+        true => {
+            // Per head: hd queries, then hd gate values.
+            let qg = apply(&at.q, h, l.mixed)?.reshape((b, t, nh, 2 * hd))?;
+            let gate = qg.narrow(3, hd, hd)?.reshape((b, t, nh * hd))?;
+            (qg.narrow(3, 0, hd)?, Some(gate))
+        }
+    }; // q: [b, t, nh, hd]
+    let k = apply(&at.k, h, l.mixed)?.reshape((b, t, nkv, hd))?; // [b, t, nkv, hd]
+    let (q, k) = match &at.qk_norm {
         // Each head normed over its hd values.
         Some((qn, kn)) => (norm(&q, qn, a)?, norm(&k, kn, a)?),
         None => (q, k),
     };
     let q = q.transpose(1, 2)?; // [b, nh, t, hd]
     let k = k.transpose(1, 2)?; // [b, nkv, t, hd]
-    let v = apply(&l.v, &h, l.mixed)?
+    let v = apply(&at.v, h, l.mixed)?
         .reshape((b, t, nkv, hd))?
         .transpose(1, 2)?;
-    let q = (q.broadcast_mul(cos)? + rotate_half(&q)?.broadcast_mul(sin)?)?;
-    let k = (k.broadcast_mul(cos)? + rotate_half(&k)?.broadcast_mul(sin)?)?;
+    let q = rope(&q, cos, sin)?;
+    let k = rope(&k, cos, sin)?;
     let cached = cache.is_some();
     let (k, v) = match cache {
         Some((c, i)) => c.append(i, &k, &v)?,
@@ -555,19 +671,46 @@ pub(crate) fn block_forward_routed(
         ),
     };
     let attn = attn.transpose(1, 2)?.reshape((b, t, nh * hd))?; // [b, t, nh·hd]
-    let attn = apply(&l.o, &attn, l.mixed)?;
-    let attn = match &l.sandwich {
-        Some((post, _)) => norm(&attn, post, a)?,
+    let attn = match gate {
+        Some(g) => (attn * sigmoid(&g)?)?,
         None => attn,
     };
-    let x = (x + attn)?;
-    let h = norm(&x, &l.ln2, a)?;
-    let mlp = mlp_routed(l, &h, a.arch.gemma(), router)?;
-    let mlp = match &l.sandwich {
-        Some((_, post)) => norm(&mlp, post, a)?,
-        None => mlp,
+    apply(&at.o, &attn, l.mixed)
+}
+
+/// A Gated DeltaNet layer's mixer on its normed input `h` `[b, t, hidden]`: packed sequences
+/// one by one (each from a zero state), a padded batch at once with padding zeroed; with a
+/// cache, its state continues and is replaced.
+fn delta_mix(
+    a: &ModelArgs,
+    d: &DeltaNet,
+    h: &Tensor,
+    rows: &Rows,
+    cache: Option<(&mut KvCache, usize)>,
+    mixed: bool,
+) -> Result<Tensor> {
+    let Some(la) = a.linear_attn.as_ref() else {
+        candle_core::bail!("a Gated DeltaNet layer in a model without linear_attn settings")
     };
-    x + mlp
+    let eps = a.rms_norm_eps;
+    match (rows, cache) {
+        (Rows::Packed(_), Some(_)) => {
+            candle_core::bail!("packed sequences do not decode with a cache")
+        }
+        (Rows::Packed(segs), None) => {
+            let parts = segs
+                .iter()
+                .map(|&(s, n)| d.forward(la, eps, &h.narrow(1, s, n)?, None, None, mixed))
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::cat(&parts, 1)
+        }
+        (Rows::Padded(real), Some((c, i))) => {
+            let y = d.forward(la, eps, h, real.as_ref(), Some(c.state(i)?), mixed)?;
+            c.advance(i, h.dim(1)?);
+            Ok(y)
+        }
+        (Rows::Padded(real), None) => d.forward(la, eps, h, real.as_ref(), None, mixed),
+    }
 }
 
 /// Layer `l`'s MLP on its normed input `h` `[batch, seq, hidden]`.
@@ -669,7 +812,11 @@ pub(crate) fn experts_grouped(
         let we = weights.index_select(&slot, 0)?.unsqueeze(1)?; // [m, 1]
         out = out.index_add(&tok, &ye.broadcast_mul(&we)?, 0)?;
     }
-    out.reshape((b, t, hs))
+    let out = out.reshape((b, t, hs))?;
+    match &e.shared {
+        Some(s) => out + s.forward(h, mixed)?,
+        None => Ok(out),
+    }
 }
 
 /// [`experts_grouped`] computed densely: every expert on every token, weighted by the routing
@@ -705,5 +852,9 @@ pub(crate) fn experts_dense(
         let ye = gated(g, &x.unsqueeze(0)?, false, mixed)?.squeeze(0)?; // [n, hidden]
         out = (out + ye.broadcast_mul(&dense.narrow(1, i, 1)?)?)?;
     }
-    out.reshape((b, t, hs))
+    let out = out.reshape((b, t, hs))?;
+    match &e.shared {
+        Some(s) => out + s.forward(h, mixed)?,
+        None => Ok(out),
+    }
 }

@@ -27,6 +27,20 @@ pub enum Arch {
     /// embeddings times √hidden; scores scaled by `query_pre_attn_scalar^-½`; sliding-window
     /// layers with their own RoPE base between global ones (`layer_types`).
     Gemma3,
+    /// `Qwen3_5ForCausalLM` (and the text part of `Qwen3_5ForConditionalGeneration`): three of
+    /// every four layers Gated DeltaNet (`linear_attn`, [`LinearAttnArgs`]), the others full
+    /// attention with a sigmoid output gate read from a doubled `q_proj`, q/k norms and rotary
+    /// embeddings over the first `partial_rotary_factor` of each head; every RMSNorm but the
+    /// DeltaNet's gated one scales by `1 + w`.
+    Qwen3_5,
+    /// `Qwen3_5MoeForCausalLM` (and the text part of `Qwen3_5MoeForConditionalGeneration`):
+    /// Qwen3.5's layers with a mixture of experts on every layer (softmax router, top-k
+    /// renormalised) plus a shared expert scaled by `sigmoid(x·w_gate)` ([`MoeArgs`]).
+    Qwen3_5Moe,
+    /// `Qwen3NextForCausalLM`: Qwen3.5's layers with the DeltaNet's inputs from two fused
+    /// projections grouped per key head (`in_proj_qkvz`, `in_proj_ba`), and Qwen3-MoE's
+    /// experts (`decoder_sparse_step`, `mlp_only_layers`, `norm_topk_prob`) with a shared expert.
+    Qwen3Next,
 }
 
 /// Which keys a layer's queries attend to.
@@ -36,12 +50,28 @@ pub enum LayerKind {
     Full,
     /// The last `sliding_window` positions, its own included.
     Sliding,
+    /// No attention: a Gated DeltaNet layer (Qwen3.5's `linear_attention`), whose token mixer
+    /// is a recurrence over the sequence.
+    Linear,
 }
 
 impl Arch {
     /// Whether each head of q and k goes through an RMSNorm before RoPE.
     pub fn qk_norm(self) -> bool {
-        matches!(self, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3)
+        matches!(
+            self,
+            Arch::Qwen3
+                | Arch::Qwen3Moe
+                | Arch::Gemma3
+                | Arch::Qwen3_5
+                | Arch::Qwen3_5Moe
+                | Arch::Qwen3Next
+        )
+    }
+
+    /// The Gated DeltaNet / gated-attention hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next).
+    pub fn hybrid(self) -> bool {
+        matches!(self, Arch::Qwen3_5 | Arch::Qwen3_5Moe | Arch::Qwen3Next)
     }
 
     /// Gemma's layer: `(1 + w)` norms, sandwich norms, GELU (tanh) MLP, scaled embeddings.
@@ -51,7 +81,7 @@ impl Arch {
 
     /// What RMSNorm weights add to their scale: 1 for Gemma (`x̂·(1 + w)`), else 0.
     pub fn norm_offset(self) -> f64 {
-        if self.gemma() {
+        if self.gemma() || self.hybrid() {
             1.0
         } else {
             0.0
@@ -66,6 +96,9 @@ impl Arch {
             Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
             Arch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
             Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
+            Arch::Qwen3_5 => ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+            Arch::Qwen3_5Moe => ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+            Arch::Qwen3Next => ("Qwen3NextForCausalLM", "qwen3_next"),
         }
     }
 }
@@ -73,7 +106,7 @@ impl Arch {
 /// The `architectures` (`config.json`) this implementation loads, and the block layout each
 /// follows: causal LMs, and the token- and sequence-classification models critics and reward
 /// models are (their backbone plus a `score` head).
-pub const ARCHITECTURES: [(&str, Arch); 18] = [
+pub const ARCHITECTURES: [(&str, Arch); 26] = [
     ("LlamaForCausalLM", Arch::Llama),
     ("LlamaForTokenClassification", Arch::Llama),
     ("LlamaForSequenceClassification", Arch::Llama),
@@ -92,16 +125,29 @@ pub const ARCHITECTURES: [(&str, Arch); 18] = [
     ("Gemma3ForCausalLM", Arch::Gemma3),
     ("Gemma3TextForTokenClassification", Arch::Gemma3),
     ("Gemma3TextForSequenceClassification", Arch::Gemma3),
+    ("Qwen3_5ForCausalLM", Arch::Qwen3_5),
+    ("Qwen3_5ForConditionalGeneration", Arch::Qwen3_5),
+    ("Qwen3_5TextForSequenceClassification", Arch::Qwen3_5),
+    ("Qwen3_5MoeForCausalLM", Arch::Qwen3_5Moe),
+    ("Qwen3_5MoeForConditionalGeneration", Arch::Qwen3_5Moe),
+    ("Qwen3NextForCausalLM", Arch::Qwen3Next),
+    ("Qwen3NextForTokenClassification", Arch::Qwen3Next),
+    ("Qwen3NextForSequenceClassification", Arch::Qwen3Next),
 ];
 
 /// `model_type`s read when a config has no `architectures`.
-const MODEL_TYPES: [(&str, Arch); 6] = [
+const MODEL_TYPES: [(&str, Arch); 11] = [
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Qwen2),
     ("qwen3", Arch::Qwen3),
     ("qwen3_moe", Arch::Qwen3Moe),
     ("gemma3_text", Arch::Gemma3),
+    ("qwen3_5_text", Arch::Qwen3_5),
+    ("qwen3_5", Arch::Qwen3_5),
+    ("qwen3_5_moe_text", Arch::Qwen3_5Moe),
+    ("qwen3_5_moe", Arch::Qwen3_5Moe),
+    ("qwen3_next", Arch::Qwen3Next),
 ];
 
 /// The block layout of a config: from `architectures` (every entry must be one this
@@ -262,6 +308,136 @@ pub struct ModelArgs {
     /// The mixture of experts of a Qwen3-MoE model; `None`: every layer has the dense MLP.
     #[serde(default)]
     pub moe: Option<MoeArgs>,
+    /// Rotary embeddings turn the first `rotary_dim` values of each head (Qwen3.5's
+    /// `partial_rotary_factor`); `None`: the whole head.
+    #[serde(default)]
+    pub rotary_dim: Option<usize>,
+    /// Qwen3.5's attention output gate: `q_proj` gives each head its queries and as many gate
+    /// values, and the attention's output is multiplied by `sigmoid(gate)` before `o_proj`.
+    #[serde(default)]
+    pub attn_output_gate: bool,
+    /// The Gated DeltaNet layers' sizes (Qwen3.5), `None` for models without such layers.
+    #[serde(default)]
+    pub linear_attn: Option<LinearAttnArgs>,
+}
+
+/// Qwen3.5's Gated DeltaNet (transformers' `Qwen3_5GatedDeltaNet`): `in_proj_qkv` gives q, k
+/// (`num_key_heads × key_head_dim` each) and v (`num_value_heads × value_head_dim`), which go
+/// through a causal depthwise convolution of width `conv_kernel` and SiLU; q and k are
+/// L2-normalised, each value head reads key head `j / (value heads / key heads)`; per value
+/// head a decay `g = −exp(A_log)·softplus(a + dt_bias)` and a write strength `β = σ(b)` drive
+/// the delta rule `S ← exp(g)·S + k ⊗ β(v − Sᵀk)`, output `Sᵀq/√d_k`, then an RMSNorm gated by
+/// `silu(z)` and `out_proj`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LinearAttnArgs {
+    pub num_key_heads: usize,
+    pub num_value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    pub conv_kernel: usize,
+    /// Qwen3-Next's inputs: `in_proj_qkvz` and `in_proj_ba`, their rows grouped per key head
+    /// (`[q, k, v…, z…]` and `[b…, a…]` for each key head's value heads), instead of Qwen3.5's
+    /// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
+    #[serde(default)]
+    pub grouped: bool,
+}
+
+impl LinearAttnArgs {
+    /// The width of `in_proj_qkv`'s output and of the convolution: `2·keys + values`.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    pub fn key_dim(&self) -> usize {
+        self.num_key_heads * self.key_head_dim
+    }
+    pub fn value_dim(&self) -> usize {
+        self.num_value_heads * self.value_head_dim
+    }
+
+    fn from_hf(v: &Value, grouped: bool) -> Result<Self, String> {
+        let a = Self {
+            grouped,
+            num_key_heads: get_usize(v, "linear_num_key_heads")?,
+            num_value_heads: get_usize(v, "linear_num_value_heads")?,
+            key_head_dim: get_usize(v, "linear_key_head_dim")?,
+            value_head_dim: get_usize(v, "linear_value_head_dim")?,
+            conv_kernel: get_usize(v, "linear_conv_kernel_dim")?,
+        };
+        if a.num_key_heads == 0
+            || a.num_value_heads == 0
+            || !a.num_value_heads.is_multiple_of(a.num_key_heads)
+        {
+            return Err(format!("config.json: linear_num_value_heads ({}) must be a positive multiple of linear_num_key_heads ({})", a.num_value_heads, a.num_key_heads));
+        }
+        if a.key_head_dim == 0 || a.value_head_dim == 0 || a.conv_kernel == 0 {
+            return Err("config.json: linear_key_head_dim, linear_value_head_dim and linear_conv_kernel_dim must be positive".into());
+        }
+        Ok(a)
+    }
+}
+
+/// Qwen3.5's `layer_types` (`linear_attention`, `full_attention`), or transformers' default:
+/// every `full_attention_interval`-th layer (default 4) full, the others linear.
+fn read_hybrid_layers(v: &Value, layers: usize) -> Result<Vec<LayerKind>, String> {
+    let kinds: Vec<LayerKind> = match v.get("layer_types") {
+        None | Some(Value::Null) => {
+            let every = v
+                .get("full_attention_interval")
+                .map(|x| {
+                    x.as_u64().filter(|&i| i > 0).ok_or_else(|| {
+                        format!("config.json: full_attention_interval must be a positive integer, found {x}")
+                    })
+                })
+                .transpose()?
+                .unwrap_or(4) as usize;
+            (0..layers)
+                .map(|i| match (i + 1) % every {
+                    0 => LayerKind::Full,
+                    _ => LayerKind::Linear,
+                })
+                .collect()
+        }
+        Some(Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, t)| match t.as_str() {
+                Some("full_attention") => Ok(LayerKind::Full),
+                Some("linear_attention") => Ok(LayerKind::Linear),
+                _ => Err(format!("config.json: layer_types[{i}] {t} is not supported (linear_attention, full_attention)")),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(x) => return Err(format!("config.json: layer_types must be a list, found {x}")),
+    };
+    if kinds.len() != layers {
+        return Err(format!(
+            "config.json: layer_types lists {} layers for num_hidden_layers {layers}",
+            kinds.len()
+        ));
+    }
+    Ok(kinds)
+}
+
+/// The rotary width of a Qwen3.5 head: `head_dim · partial_rotary_factor` (transformers'
+/// default 0.25), from `rope_parameters` or the top level; an even number of values up to the
+/// head's.
+fn read_rotary_dim(v: &Value, head_dim: usize) -> Result<usize, String> {
+    let nested = v.pointer("/rope_parameters/partial_rotary_factor");
+    let top = v.get("partial_rotary_factor");
+    let pick = |x: Option<&Value>| x.filter(|x| !x.is_null()).cloned();
+    let factor = match (pick(nested), pick(top)) {
+        (Some(a), Some(b)) if a.as_f64() != b.as_f64() => {
+            return Err(format!("config.json: partial_rotary_factor ({b}) and rope_parameters.partial_rotary_factor ({a}) disagree"))
+        }
+        (Some(a), _) | (None, Some(a)) => a
+            .as_f64()
+            .ok_or_else(|| format!("config.json: partial_rotary_factor must be a number, found {a}"))?,
+        (None, None) => 0.25,
+    };
+    let dim = (head_dim as f64 * factor) as usize;
+    if !(factor > 0.0 && factor <= 1.0) || dim == 0 || !dim.is_multiple_of(2) {
+        return Err(format!("config.json: partial_rotary_factor {factor} gives {dim} rotary values of a {head_dim}-value head; it must give an even number between 2 and head_dim"));
+    }
+    Ok(dim)
 }
 
 /// Qwen3-MoE's experts (transformers' `Qwen3MoeSparseMoeBlock`): each token's router
@@ -283,6 +459,11 @@ pub struct MoeArgs {
     /// from labels); `None`: no such term.
     #[serde(default)]
     pub router_aux_loss_coef: Option<f64>,
+    /// A shared expert beside the routed ones (Qwen3-Next, Qwen3.5-MoE): a gated MLP of this
+    /// width on every token, scaled by `sigmoid(x·w)` of its gate `mlp.shared_expert_gate`
+    /// `[1, hidden]`, added to the experts' sum.
+    #[serde(default)]
+    pub shared_expert_intermediate_size: Option<usize>,
 }
 
 /// `router_aux_loss_coef` where a Qwen3-MoE config's `output_router_logits` is true
@@ -312,7 +493,7 @@ fn router_aux_loss_coef(v: &Value) -> Result<Option<f64>, String> {
 impl MoeArgs {
     /// Reads the experts' keys of a Qwen3-MoE config (`num_experts`, or transformers 5's
     /// `num_local_experts`).
-    fn from_hf(v: &Value, layers: usize) -> Result<Self, String> {
+    fn from_hf(v: &Value, layers: usize, arch: Arch) -> Result<Self, String> {
         let experts = match (v.get("num_experts"), v.get("num_local_experts")) {
             (Some(a), Some(b)) if !a.is_null() && !b.is_null() && a != b => {
                 return Err(format!(
@@ -331,6 +512,23 @@ impl MoeArgs {
             return Err(format!(
                 "config.json: num_experts_per_tok ({k}) must be between 1 and num_experts ({num_experts})"
             ));
+        }
+        let shared = match arch {
+            Arch::Qwen3Moe => None,
+            _ => Some(get_usize(v, "shared_expert_intermediate_size")?),
+        };
+        if arch == Arch::Qwen3_5Moe {
+            // Every layer has experts and the router always renormalises its top k.
+            return Ok(Self {
+                num_experts,
+                num_experts_per_tok: k,
+                norm_topk_prob: true,
+                moe_intermediate_size: get_usize(v, "moe_intermediate_size")?,
+                decoder_sparse_step: 1,
+                mlp_only_layers: Vec::new(),
+                router_aux_loss_coef: router_aux_loss_coef(v)?,
+                shared_expert_intermediate_size: shared,
+            });
         }
         let step = v
             .get("decoder_sparse_step")
@@ -357,14 +555,16 @@ impl MoeArgs {
         Ok(Self {
             num_experts,
             num_experts_per_tok: k,
+            // transformers' default: false for Qwen3-MoE, true for Qwen3-Next.
             norm_topk_prob: v
                 .get("norm_topk_prob")
                 .and_then(Value::as_bool)
-                .unwrap_or(false),
+                .unwrap_or(arch == Arch::Qwen3Next),
             moe_intermediate_size: get_usize(v, "moe_intermediate_size")?,
             decoder_sparse_step: step,
             mlp_only_layers: only,
             router_aux_loss_coef: router_aux_loss_coef(v)?,
+            shared_expert_intermediate_size: shared,
         })
     }
 
@@ -605,6 +805,9 @@ fn read_windows(
     arch: Arch,
     layers: usize,
 ) -> Result<(Option<usize>, Vec<LayerKind>), String> {
+    if arch.hybrid() {
+        return Ok((None, read_hybrid_layers(v, layers)?));
+    }
     let window = match v.get("sliding_window") {
         None | Some(Value::Null) => None,
         Some(x) => match x.as_u64() {
@@ -686,10 +889,15 @@ fn read_windows(
 /// Keys that would change the computation in ways this implementation does not follow: refused
 /// by name instead of silently ignored.
 fn refuse_unsupported(v: &Value, arch: Arch) -> Result<(), String> {
-    for key in [
-        "partial_rotary_factor",
-        "rope_parameters.partial_rotary_factor",
-    ] {
+    // Qwen3.5 reads its partial rotary factor ([`read_rotary_dim`]).
+    let partial_rotary_keys = match arch {
+        _ if arch.hybrid() => &[][..],
+        _ => &[
+            "partial_rotary_factor",
+            "rope_parameters.partial_rotary_factor",
+        ][..],
+    };
+    for key in partial_rotary_keys {
         let x = match key.split_once('.') {
             Some((a, b)) => v.get(a).and_then(|o| o.get(b)),
             None => v.get(key),
@@ -744,6 +952,24 @@ impl ModelArgs {
     /// Reads an HF `config.json` value (after `override_config` entries were applied).
     pub fn from_hf(v: &Value) -> Result<Self, String> {
         let arch = arch_of(v)?;
+        // A multimodal Qwen3.5 checkpoint: its language model's settings are `text_config`.
+        let text;
+        let v = match v.get("text_config").filter(|t| t.is_object()) {
+            Some(t) if arch.hybrid() => {
+                text = {
+                    let mut t = t.clone();
+                    // Tied embeddings may be said only at the top level.
+                    if t.get("tie_word_embeddings").is_none() {
+                        if let Some(tie) = v.get("tie_word_embeddings") {
+                            t["tie_word_embeddings"] = tie.clone();
+                        }
+                    }
+                    t
+                };
+                &text
+            }
+            _ => v,
+        };
         let attention_bias = v
             .get("attention_bias")
             .and_then(Value::as_bool)
@@ -814,16 +1040,44 @@ impl ModelArgs {
             layer_types: windows.1,
             rope_local_theta,
             moe: match arch {
-                Arch::Qwen3Moe => Some(MoeArgs::from_hf(v, layers)?),
+                Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen3_5Moe => {
+                    Some(MoeArgs::from_hf(v, layers, arch)?)
+                }
                 _ => None,
+            },
+            rotary_dim: match arch.hybrid() {
+                true => Some(read_rotary_dim(v, head_dim)?),
+                false => None,
+            },
+            attn_output_gate: arch.hybrid(),
+            linear_attn: match arch.hybrid() {
+                true => Some(LinearAttnArgs::from_hf(v, arch == Arch::Qwen3Next)?),
+                false => None,
             },
         })
     }
 
+    /// The values of each head that rotary embeddings turn (`head_dim` unless partial).
+    pub fn rotary_dim(&self) -> usize {
+        self.rotary_dim.unwrap_or(self.head_dim)
+    }
+
+    /// Whether layer `layer` is a Gated DeltaNet (no attention).
+    pub fn is_linear(&self, layer: usize) -> bool {
+        self.layer_kind(layer) == LayerKind::Linear
+    }
+
+    /// Whether the hand-written layer and the packed decode engine serve this model (every
+    /// layer attention over whole-head rotary embeddings without an output gate).
+    pub fn hand_written(&self) -> bool {
+        self.linear_attn.is_none() && !self.attn_output_gate && self.rotary_dim() == self.head_dim
+    }
+
     /// RoPE inverse frequencies `[head_dim / 2]`: `θ^(−2i/d)`, then the scaling's adjustment.
     pub fn inv_freq(&self) -> Vec<f64> {
-        let d = self.head_dim as f64;
-        let plain = (0..self.head_dim / 2).map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f64 / d));
+        let rd = self.rotary_dim();
+        let d = rd as f64;
+        let plain = (0..rd / 2).map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f64 / d));
         match self.rope_scaling {
             None => plain.collect(),
             Some(RopeScaling::Llama3 {
@@ -880,7 +1134,7 @@ impl ModelArgs {
     pub fn window(&self, layer: usize) -> Option<usize> {
         match self.layer_kind(layer) {
             LayerKind::Sliding => self.sliding_window,
-            LayerKind::Full => None,
+            LayerKind::Full | LayerKind::Linear => None,
         }
     }
 
@@ -948,6 +1202,7 @@ impl ModelArgs {
             .map(|i| match self.layer_kind(i) {
                 LayerKind::Full => "full_attention",
                 LayerKind::Sliding => "sliding_attention",
+                LayerKind::Linear => "linear_attention",
             })
             .collect();
         if let Some(w) = self.sliding_window {
@@ -986,6 +1241,21 @@ impl ModelArgs {
             if let Some(c) = m.router_aux_loss_coef {
                 o.insert("router_aux_loss_coef".into(), serde_json::json!(c));
             }
+            if let Some(w) = m.shared_expert_intermediate_size {
+                o.insert("shared_expert_intermediate_size".into(), w.into());
+            }
+        }
+        if let Some(l) = &self.linear_attn {
+            let o = out.as_object_mut().expect("an object");
+            o.insert("layer_types".into(), serde_json::json!(kinds));
+            o.insert("linear_num_key_heads".into(), l.num_key_heads.into());
+            o.insert("linear_num_value_heads".into(), l.num_value_heads.into());
+            o.insert("linear_key_head_dim".into(), l.key_head_dim.into());
+            o.insert("linear_value_head_dim".into(), l.value_head_dim.into());
+            o.insert("linear_conv_kernel_dim".into(), l.conv_kernel.into());
+            let factor = self.rotary_dim() as f64 / self.head_dim as f64;
+            o.insert("partial_rotary_factor".into(), factor.into());
+            out["rope_parameters"]["partial_rotary_factor"] = factor.into();
         }
         if self.arch.gemma() {
             let o = out.as_object_mut().expect("an object");
@@ -1034,17 +1304,34 @@ impl ModelArgs {
             sliding_window: (arch == Arch::Gemma3).then_some(4),
             layer_types: match arch {
                 Arch::Gemma3 => vec![LayerKind::Sliding, LayerKind::Full],
+                _ if arch.hybrid() => vec![LayerKind::Linear, LayerKind::Full],
                 _ => Vec::new(),
             },
             rope_local_theta: (arch == Arch::Gemma3).then_some(1000.0),
-            moe: (arch == Arch::Qwen3Moe).then(|| MoeArgs {
-                num_experts: 8,
-                num_experts_per_tok: 2,
-                norm_topk_prob: true,
-                moe_intermediate_size: 16,
-                decoder_sparse_step: 1,
-                mlp_only_layers: vec![1],
-                router_aux_loss_coef: None,
+            moe: matches!(arch, Arch::Qwen3Moe | Arch::Qwen3_5Moe | Arch::Qwen3Next).then(|| {
+                MoeArgs {
+                    num_experts: 8,
+                    num_experts_per_tok: 2,
+                    norm_topk_prob: true,
+                    moe_intermediate_size: 16,
+                    decoder_sparse_step: 1,
+                    mlp_only_layers: match arch {
+                        Arch::Qwen3_5Moe => Vec::new(),
+                        _ => vec![1],
+                    },
+                    router_aux_loss_coef: None,
+                    shared_expert_intermediate_size: (arch != Arch::Qwen3Moe).then_some(12),
+                }
+            }),
+            rotary_dim: arch.hybrid().then_some(4),
+            attn_output_gate: arch.hybrid(),
+            linear_attn: arch.hybrid().then_some(LinearAttnArgs {
+                grouped: arch == Arch::Qwen3Next,
+                num_key_heads: 2,
+                num_value_heads: 4,
+                key_head_dim: 8,
+                value_head_dim: 6,
+                conv_kernel: 4,
             }),
         }
     }

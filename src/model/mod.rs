@@ -2,6 +2,7 @@
 //! files on disk are `weights`.
 //!
 //! - `config`: architecture hyper-parameters (`ModelArgs`) from an HF `config.json` value,
+//! - `ops`: element-wise compositions with backward passes (RMSNorm, sigmoid, upcasts),
 //! - `proj`: one projection with its LoRA adapter and adapter dropout,
 //! - `attention`: attention as one op that keeps no scores (blocked over queries, recomputed
 //!   in backward; packed sequences without a mask), beside the plain composition,
@@ -9,6 +10,7 @@
 //!   mask and the composition's KV cache,
 //! - `layer` + `recompute`: the hand-written layer (forward and backward) and per-layer
 //!   recomputation on candle's autograd,
+//! - `delta`: Qwen3.5's Gated DeltaNet token mixer (chunk-wise delta rule, its decode state),
 //! - `lm_head`: the fused LM head + log-softmax + gather + entropy, beside its composition,
 //! - `transformer`: `CausalLm` (embedding → layers → norm → head) and its execution settings,
 //! - `heads`: the critic's value head and a reward model's score head,
@@ -20,9 +22,11 @@ pub mod block;
 pub mod config;
 pub mod deberta;
 pub mod decode;
+mod delta;
 pub mod heads;
 mod layer;
 pub mod lm_head;
+mod ops;
 pub mod proj;
 mod recompute;
 pub mod transformer;

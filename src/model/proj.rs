@@ -5,8 +5,8 @@
 //! `use_rslora`). PEFT's `lora_dropout` masks the adapter's input in training forwards
 //! ([`Dropout`]). Which projections get adapters, and the adapter files, are `weights::peft`.
 
-use candle_core::{Device, Result, Tensor};
-use candle_nn::Linear;
+use candle_core::{DType, Device, Result, Tensor};
+use candle_nn::{Init, Linear, VarBuilder};
 
 use crate::kernels::elem::Elem;
 use crate::kernels::storage::{storage_of, tensor_of};
@@ -163,4 +163,67 @@ pub fn base_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     } else {
         x.matmul(&w.t()?)
     }
+}
+
+pub(crate) fn linear(
+    vb: &VarBuilder,
+    inp: usize,
+    out: usize,
+    bias: bool,
+    name: &str,
+) -> Result<Proj> {
+    let w = vb.get_with_hints(
+        (out, inp),
+        &format!("{name}.weight"),
+        Init::Randn {
+            mean: 0.0,
+            stdev: 0.02,
+        },
+    )?;
+    let b = if bias {
+        Some(vb.get_with_hints(out, &format!("{name}.bias"), Init::Const(0.0))?)
+    } else {
+        None
+    };
+    Ok(Proj::new(Linear::new(w, b)))
+}
+
+/// A linear layer on `[batch, seq, in]` as one `[batch·seq, in] × [in, out]` product (candle's
+/// `Linear` on 3-D input runs one small product per batch row, which is several times slower).
+/// With an adapter, `s·(dropout(x)·Aᵀ)·Bᵀ` is added (PEFT's `lora.Linear`; dropout only
+/// where this forward's copy of the layer carries a mask).
+pub(crate) fn apply(l: &Proj, x: &Tensor, mixed: bool) -> Result<Tensor> {
+    let (b, t, i) = x.dims3()?;
+    let x2 = x.reshape((b * t, i))?; // [b·t, in]
+    let y = match mixed {
+        true => mixed_matmul(&x2, l.weight())?,
+        false => base_matmul(&x2, l.weight())?,
+    }; // [b·t, out]
+    let y = match l.bias() {
+        Some(bias) => y.broadcast_add(bias)?,
+        None => y,
+    };
+    let y = match &l.lora {
+        // [b·t, in]·[in, r]·[r, out], scaled: with B = 0 this adds exact zeros.
+        Some(a) => {
+            let xa = match &a.dropout {
+                Some(d) => (&x2 * d.mask(x2.dims(), x2.dtype(), x2.device())?)?,
+                None => x2.clone(),
+            };
+            (y + (xa.matmul(&a.a.t()?)?.matmul(&a.b.t()?)? * a.scale)?)?
+        }
+        None => y,
+    };
+    y.reshape((b, t, ()))
+}
+
+/// `x·Wᵀ` `[n, in] → [n, out]` with both operands rounded to bf16 and the product returned in
+/// `x`'s dtype (verl's mixed precision on a GPU: f32 master weights, bf16 products on cuBLAS
+/// with f32 accumulation). The casts are differentiable, so the f32 weight receives the
+/// gradient of the bf16 product in f32.
+pub(crate) fn mixed_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let dtype = x.dtype();
+    x.to_dtype(DType::BF16)?
+        .matmul(&w.to_dtype(DType::BF16)?.t()?)?
+        .to_dtype(dtype)
 }

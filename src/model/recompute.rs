@@ -21,7 +21,7 @@ use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor, Var,
 };
 
-use super::block::{block_forward_routed, Block, Mask};
+use super::block::{block_forward_routed, Block, Mask, Rows};
 use super::config::ModelArgs;
 use super::layer;
 use super::proj::Proj;
@@ -106,7 +106,8 @@ fn with_layer<T: Elem, R>(
             ts.extend([&ad.a, &ad.b]);
         }
     }
-    if let Some((qn, kn)) = &l.qk_norm {
+    let qk = &l.attention()?.qk_norm;
+    if let Some((qn, kn)) = qk {
         ts.extend([qn, kn]);
     }
     if let Some((pa, pf)) = &l.sandwich {
@@ -123,7 +124,7 @@ fn with_layer<T: Elem, R>(
     // Biases and adapters follow ln1, ln2, cos, sin and the projections' weights.
     let mut next = 4 + lins.len();
     let lin = host_lins::<T>(&host, &lins, &mut next, bf16)?;
-    let qk_norm = match l.qk_norm {
+    let qk_norm = match qk {
         Some(_) => {
             next += 2;
             Some((host.slice::<T>(next - 2)?, host.slice::<T>(next - 1)?))
@@ -285,6 +286,8 @@ struct Layer {
     cos: Tensor,
     sin: Tensor,
     mask: Mask,
+    /// Where the sequences lie (read by a Gated DeltaNet layer).
+    rows: Rows,
     stash: Stash,
     /// Without recomputation: the forward's activations (`layer::Acts<T>`), kept for backward.
     keep: bool,
@@ -353,6 +356,7 @@ impl Layer {
             &self.cos,
             &self.sin,
             &self.mask.layer_keys(&self.block, x.dtype(), x.device())?,
+            &self.rows,
             None,
             (self.router > 0).then_some(&mut router),
         )?;
@@ -409,7 +413,7 @@ impl Layer {
             (self.block.ln1.clone(), Some(g.ln1)),
             (self.block.ln2.clone(), Some(g.ln2)),
         ];
-        if let Some((qn, kn)) = &self.block.qk_norm {
+        if let Some((qn, kn)) = &self.block.attention()?.qk_norm {
             let (gq, gk) = g.qk_norm.map_or((None, None), |(q, k)| (Some(q), Some(k)));
             all.extend([(qn.clone(), gq), (kn.clone(), gk)]);
         }
@@ -583,7 +587,8 @@ pub(super) fn block(
     bf16: bool,
 ) -> Result<Tensor> {
     let flags = (recompute, fused, bf16);
-    Ok(block_routed(args, l, x, rope_mask, flags, false)?.0)
+    let rows = Rows::Padded(None);
+    Ok(block_routed(args, l, x, rope_mask, &rows, flags, false)?.0)
 }
 
 /// Layer `l` on `x` `[batch, seq, hidden]` as one op (CPU or CUDA tensors): with `recompute` its
@@ -595,6 +600,7 @@ pub(super) fn block_routed(
     l: &Block,
     x: &Tensor,
     rope_mask: (&Tensor, &Tensor, &Mask),
+    rows: &Rows,
     (recompute, fused, bf16): (bool, bool, bool),
     router: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
@@ -628,6 +634,7 @@ pub(super) fn block_routed(
             cos: cos.detach(),
             sin: sin.detach(),
             mask: mask.detach(),
+            rows: rows.detach(),
             stash,
             keep: !recompute,
             kept: Mutex::new(None),

@@ -13,7 +13,8 @@ use candle_nn::{Init, Linear, VarBuilder};
 
 use super::attention::Keys as AttnKeys;
 use super::block::{
-    block_forward_routed, linear, norm, upcast, Block, Experts, Gated, KvCache, Mask, Mlp,
+    block_forward_routed, linear, norm, upcast, Attention, Block, Experts, Gated, KvCache, Mask,
+    Mixer, Mlp, Rows, Shared,
 };
 use super::config::{LayerKind, ModelArgs};
 use super::lm_head::{HeadOut, HeadStats};
@@ -85,6 +86,7 @@ impl LayerPath {
     /// builds a graph, `cached` when it reads and extends a KV cache.
     fn choose(
         exec: Exec,
+        hand_written: bool,
         layer: &Block,
         device: &Device,
         dtype: DType,
@@ -95,6 +97,7 @@ impl LayerPath {
         // expert; experts computed densely (the reference, `Exec::dense_experts`) run as the
         // composition.
         let fused = !exec.composed
+            && hand_written
             && layer.experts().is_none_or(|x| !x.dense)
             && crate::kernels::supported(device, dtype);
         // The layer as one op (hand-written, or recomputed in backward) where custom ops run:
@@ -127,7 +130,7 @@ impl CausalLm {
     /// Builds the model from `vb` (weights named as HF checkpoints: `model.layers.N...`,
     /// `lm_head.weight`). From a `VarMap` the weights are trainable `Var`s.
     pub fn new(args: &ModelArgs, vb: VarBuilder, with_lm_head: bool) -> Result<Self> {
-        let (h, hd) = (args.hidden_size, args.head_dim);
+        let h = args.hidden_size;
         let m = vb.pp("model");
         let embed = m.get_with_hints(
             (args.vocab_size, h),
@@ -151,8 +154,8 @@ impl CausalLm {
                 true => "pre_feedforward_layernorm.weight",
                 false => "post_attention_layernorm.weight",
             };
-            // Gemma norms scale by 1 + w: a fresh one starts at w = 0.
-            let one = Init::Const(if gemma { 0.0 } else { 1.0 });
+            // Gemma's and Qwen3.5's norms scale by 1 + w: a fresh one starts at w = 0.
+            let one = Init::Const(1.0 - args.arch.norm_offset());
             layers.push(Block {
                 ln1: l.get_with_hints(h, "input_layernorm.weight", one)?,
                 ln2: l.get_with_hints(h, pre_mlp, one)?,
@@ -167,36 +170,12 @@ impl CausalLm {
                 local_rope: args.local_rope() && args.layer_kind(i) == LayerKind::Sliding,
                 mixed: false,
                 blocked: false,
-                qk_norm: if args.arch.qk_norm() {
-                    Some((
-                        a.get_with_hints(hd, "q_norm.weight", one)?,
-                        a.get_with_hints(hd, "k_norm.weight", one)?,
-                    ))
-                } else {
-                    None
+                mixer: match (&args.linear_attn, args.is_linear(i)) {
+                    (Some(la), true) => {
+                        Mixer::Delta(super::delta::DeltaNet::new(&l.pp("linear_attn"), args, la)?)
+                    }
+                    _ => Mixer::Attention(attention_weights(&a, args, one)?),
                 },
-                q: linear(
-                    &a,
-                    h,
-                    args.num_attention_heads * hd,
-                    args.qkv_bias,
-                    "q_proj",
-                )?,
-                k: linear(
-                    &a,
-                    h,
-                    args.num_key_value_heads * hd,
-                    args.qkv_bias,
-                    "k_proj",
-                )?,
-                v: linear(
-                    &a,
-                    h,
-                    args.num_key_value_heads * hd,
-                    args.qkv_bias,
-                    "v_proj",
-                )?,
-                o: linear(&a, args.num_attention_heads * hd, h, args.o_bias, "o_proj")?,
                 mlp: match args.moe.as_ref().filter(|m| m.sparse(i)) {
                     None => Mlp::Dense(gated(&p, h, args.intermediate_size)?),
                     Some(moe) => Mlp::Experts(Experts {
@@ -216,11 +195,18 @@ impl CausalLm {
                         top_k: moe.num_experts_per_tok,
                         norm_topk_prob: moe.norm_topk_prob,
                         dense: false,
+                        shared: match moe.shared_expert_intermediate_size {
+                            Some(w) => Some(Shared {
+                                mlp: gated(&p.pp("shared_expert"), h, w)?,
+                                gate: linear(&p, h, 1, false, "shared_expert_gate")?,
+                            }),
+                            None => None,
+                        },
                     }),
                 },
             });
         }
-        let final_one = Init::Const(if args.arch.gemma() { 0.0 } else { 1.0 });
+        let final_one = Init::Const(1.0 - args.arch.norm_offset());
         let norm = m.get_with_hints(h, "norm.weight", final_one)?;
         let lm_head = if with_lm_head && !args.tie_word_embeddings {
             Some(vb.get_with_hints(
@@ -493,7 +479,9 @@ impl CausalLm {
     /// to the composition).
     pub fn packs_without_padding(&self) -> bool {
         let dense_experts = self.exec.dense_experts && self.has_experts();
-        let cpu = !dense_experts && crate::kernels::supported(&self.device, self.dtype);
+        let cpu = !dense_experts
+            && self.args.hand_written()
+            && crate::kernels::supported(&self.device, self.dtype);
         !self.exec.composed && (cpu || self.blocked_attention())
     }
 
@@ -565,6 +553,17 @@ impl CausalLm {
             Keys::Mask(m) => Some((*m).clone()),
             Keys::Packed(_) => None,
         };
+        // Where the sequences lie, for Gated DeltaNet layers: the new positions' real tokens.
+        let rows = match (&keys, self.args.linear_attn.is_some()) {
+            (_, false) => Rows::Padded(None),
+            (Keys::Mask(m), true) => Rows::Padded(Some(
+                m.narrow(1, past, t)?
+                    .to_dtype(DType::F32)?
+                    .to_dtype(self.dtype)?
+                    .to_device(&self.device)?,
+            )),
+            (Keys::Packed(s), true) => Rows::Packed(s.clone()),
+        };
         let masks = self.masks(keys, (b, t), past)?;
         let mut x = self.embed.embedding(&input_ids.flatten_all()?)?.reshape((
             b,
@@ -604,6 +603,7 @@ impl CausalLm {
             let training = layer.trains() || x.track_op();
             let path = LayerPath::choose(
                 self.exec,
+                self.args.hand_written(),
                 layer,
                 x.device(),
                 x.dtype(),
@@ -640,7 +640,7 @@ impl CausalLm {
                     let rope_mask = (cos, sin, &m);
                     let flags = (recompute, fused, bf);
                     let (y, logits) = super::recompute::block_routed(
-                        &self.args, layer, &x, rope_mask, flags, routed,
+                        &self.args, layer, &x, rope_mask, &rows, flags, routed,
                     )?;
                     router.extend(logits);
                     y
@@ -651,7 +651,8 @@ impl CausalLm {
                 }
                 LayerPath::Composed => {
                     let r = routed.then_some(&mut router);
-                    block_forward_routed(&self.args, layer, &x, cos, sin, &keys()?, slot, r)?
+                    let keys = keys()?;
+                    block_forward_routed(&self.args, layer, &x, cos, sin, &keys, &rows, slot, r)?
                 }
             };
         }
@@ -992,7 +993,7 @@ impl CausalLm {
     /// ~1e-7 relative noise into every layer).
     pub(super) fn rotary(&self, position_ids: &Tensor, inv: &[f64]) -> Result<(Tensor, Tensor)> {
         let (b, t) = position_ids.dims2()?;
-        let hd = self.args.head_dim;
+        let hd = 2 * inv.len(); // the rotary width (head_dim unless partial)
         if !self.device.is_cpu() {
             return self.rotary_on_device(position_ids, inv);
         }
@@ -1000,7 +1001,7 @@ impl CausalLm {
             .to_dtype(DType::U32)?
             .flatten_all()?
             .to_vec1()?;
-        // inv: [head_dim / 2], RoPE scaling applied
+        // inv: [rotary width / 2], RoPE scaling applied
         let mut cos = Vec::with_capacity(b * t * hd);
         let mut sin = Vec::with_capacity(b * t * hd);
         for &p in &pos {
@@ -1114,6 +1115,27 @@ enum Keys<'a> {
     Mask(&'a Tensor),
     /// Packed sequences, `(first token, length)` each.
     Packed(Arc<[(usize, usize)]>),
+}
+
+/// A layer's `self_attn` weights (`q_proj` twice as wide with an output gate).
+fn attention_weights(a: &VarBuilder, args: &ModelArgs, one: Init) -> Result<Attention> {
+    let (h, hd) = (args.hidden_size, args.head_dim);
+    let (nh, nkv) = (args.num_attention_heads, args.num_key_value_heads);
+    let q_width = nh * hd * if args.attn_output_gate { 2 } else { 1 };
+    Ok(Attention {
+        qk_norm: if args.arch.qk_norm() {
+            Some((
+                a.get_with_hints(hd, "q_norm.weight", one)?,
+                a.get_with_hints(hd, "k_norm.weight", one)?,
+            ))
+        } else {
+            None
+        },
+        q: linear(a, h, q_width, args.qkv_bias, "q_proj")?,
+        k: linear(a, h, nkv * hd, args.qkv_bias, "k_proj")?,
+        v: linear(a, h, nkv * hd, args.qkv_bias, "v_proj")?,
+        o: linear(a, nh * hd, h, args.o_bias, "o_proj")?,
+    })
 }
 
 /// A gated MLP of width `inter` under `vb` (`gate_proj`, `up_proj`, `down_proj`).

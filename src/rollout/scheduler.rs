@@ -131,7 +131,7 @@ pub fn generate_turns(
     if prompts.is_empty() || p.max_new_tokens == 0 {
         return Ok((out, Stats::default()));
     }
-    let stats = if crate::kernels::supported(model.device(), model.dtype()) {
+    let stats = if decode::serves(model) {
         let continuous = Continuous {
             prompts,
             p,
@@ -637,11 +637,14 @@ mod tests {
     }
 
     /// The packed path against the tensor composition (`generate`, one padded batch), f32:
-    /// same tokens, log-probs within f32 noise; also for Qwen2 (q/k/v biases, untied head) and
-    /// Qwen3-MoE (routed experts, one dense layer).
+    /// same tokens, log-probs within f32 noise; also for Qwen2 (q/k/v biases, untied head),
+    /// Qwen3-MoE (routed experts, one dense layer) and the Gated DeltaNet hybrids (recurrent
+    /// states per sequence beside keys and values; gated, partially rotary attention; shared
+    /// experts; Qwen3-Next's grouped projections).
     #[test]
     fn packed_path_equals_the_composition() {
-        for arch in crate::testing::DECODER_ARCHS {
+        let all = crate::testing::DECODER_ARCHS.into_iter();
+        for arch in all.chain(crate::testing::HYBRID_ARCHS) {
             let args = ModelArgs::tiny(arch, 50);
             let (_vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.5);
             let ps = prompts(6, 50, 2);

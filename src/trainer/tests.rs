@@ -451,6 +451,36 @@ fn a_moe_actor_with_the_router_loss_resumes_bit_exact() {
     assert_eq!(cfg["router_aux_loss_coef"], serde_json::json!(0.1));
 }
 
+/// A Qwen3.5 actor (Gated DeltaNet and gated-attention layers, a critic of the same family:
+/// GAE, packed sequences, recomputation): stopped after step 2 and resumed, it ends with the
+/// weights, optimizer state and metrics of the uninterrupted run, and its exported config reads
+/// back as the same Qwen3.5 layout.
+#[test]
+fn a_qwen3_5_actor_and_critic_resume_bit_exact() {
+    let args = ModelArgs::tiny(Arch::Qwen3_5, 259);
+    let fx = fixture_of(&args);
+    let extra: &[&str] = &[
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.shuffle=True",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=2",
+    ];
+    let (history, root) = assert_resume_bit_exact(&fx, extra);
+    assert!(history
+        .iter()
+        .all(|(_, m)| m.get("actor/pg_loss").is_some_and(|v| v.is_finite())));
+    let saved = crate::checkpoint::step_dir(&root, 4).join("actor/huggingface/config.json");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(saved).unwrap()).unwrap();
+    assert_eq!(
+        cfg["architectures"],
+        serde_json::json!(["Qwen3_5ForCausalLM"])
+    );
+    assert_eq!(ModelArgs::from_hf(&cfg).unwrap(), args);
+}
+
 /// Runs `extra` on `fx` for 4 steps straight, and again stopped after step 2 then resumed in a
 /// new trainer: the actor's (and critic's) weights, the optimizer files of the step-4
 /// checkpoint, every step's deterministic metrics and the KL controller are the same. Returns

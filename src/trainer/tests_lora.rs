@@ -114,6 +114,41 @@ fn an_update_moves_only_adapters_and_the_reference_is_the_base() {
     );
 }
 
+/// LoRA on a Qwen3.5 actor (a Gated DeltaNet layer, then a gated-attention layer): `all-linear`
+/// adapts the DeltaNet's five projections under PEFT's names (`linear_attn.in_proj_qkv`, ...,
+/// `out_proj`) beside attention and MLP; two steps move every adapter and leave the base
+/// (the DeltaNet's convolution, decay and norm weights included) exactly as loaded.
+#[test]
+fn a_qwen3_5_actor_trains_lora_on_its_deltanet_projections() {
+    let fx = fixture_of(&ModelArgs::tiny(Arch::Qwen3_5, 259));
+    let extra = [LORA, &["trainer.total_training_steps=2"]].concat();
+    let mut t = trainer(&fx, &extra, None);
+    let base = weights(&t.actor.trainable.varmap);
+    let a0 = adapters(&t.actor.trainable);
+    // Layer 0: 5 DeltaNet + 3 MLP projections; layer 1: 4 attention + 3 MLP; A and B each.
+    assert_eq!(
+        a0.len(),
+        2 * (8 + 7),
+        "{:?}",
+        a0.iter().map(|x| &x.0).collect::<Vec<_>>()
+    );
+    for p in [
+        "in_proj_qkv",
+        "in_proj_z",
+        "in_proj_b",
+        "in_proj_a",
+        "out_proj",
+    ] {
+        let name = format!("layers.0.linear_attn.{p}.lora_A");
+        assert!(a0.iter().any(|(n, _)| n.contains(&name)), "no {name}");
+    }
+    assert_eq!(t.fit().unwrap(), FitOutcome::Finished { steps: 2 });
+    assert_eq!(weights(&t.actor.trainable.varmap), base, "base untouched");
+    for ((n, b), (_, a)) in a0.iter().zip(&adapters(&t.actor.trainable)) {
+        assert_ne!(b, a, "{n} did not move");
+    }
+}
+
 /// A LoRA checkpoint is PEFT's adapter folder plus the adapters' optimizer state (no base
 /// weights), and resuming from it continues bit for bit.
 #[test]
@@ -411,7 +446,8 @@ fn a_lora_rank_beyond_the_model_is_refused_naming_the_key() {
         .expect("the rank is refused")
         .to_string()
     };
-    // The tiny model's k_proj and v_proj are [16, 32]: 16 is the largest rank on all-linear.
+    // The tiny model's widest adapted projections (q_proj, o_proj, the MLP's) have a smaller
+    // side of 32: the largest rank all-linear takes.
     for (extra, key) in [
         (
             vec!["actor_rollout_ref.model.lora_rank=10000000"],
@@ -427,7 +463,7 @@ fn a_lora_rank_beyond_the_model_is_refused_naming_the_key() {
     ] {
         let e = new(&extra);
         assert!(
-            e.contains(key) && e.contains("10000000") && e.contains("16"),
+            e.contains(key) && e.contains("10000000") && e.contains("32"),
             "{e}"
         );
     }

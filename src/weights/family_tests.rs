@@ -266,7 +266,7 @@ fn training_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
     }
 }
 
-const FAMILIES: [&str; 9] = [
+const FAMILIES: [&str; 13] = [
     "llama",
     "qwen2",
     "qwen3",
@@ -276,6 +276,10 @@ const FAMILIES: [&str; 9] = [
     "gemma3",
     "qwen3_moe",
     "qwen3_moe_step2",
+    "qwen3_5",
+    "qwen3_5_tied",
+    "qwen3_5_moe",
+    "qwen3_next",
 ];
 
 /// f64: transformers' greedy tokens and log-probs within 1e-6.
@@ -304,11 +308,18 @@ fn training_forward_and_gradients_equal_pytorch_in_f64() {
     }
 }
 
-/// f32: log-probs within 1e-4 and gradients within 1e-4 of scale.
+/// f32: log-probs within 1e-4 and gradients within 1e-4 of scale; the Gated DeltaNet hybrids'
+/// within 1e-3 of scale: their tiny checkpoints are ill-conditioned in f32 (PyTorch's own f32
+/// gradients are 3.0e-4 of scale off its f64 ones on `qwen3_5`, measured with the fixture's
+/// loss; ours 4.3e-4).
 #[test]
 fn training_forward_and_gradients_equal_pytorch_in_f32() {
     for name in FAMILIES {
-        training_matches(name, DType::F32, 1e-4, 1e-4);
+        let rel = match name.starts_with("qwen3_5") || name.starts_with("qwen3_next") {
+            true => 1e-3,
+            false => 1e-4,
+        };
+        training_matches(name, DType::F32, 1e-4, rel);
     }
 }
 
@@ -387,22 +398,26 @@ fn a_saved_gemma3_config_reads_back_and_keeps_integers() {
 /// the hub's per-expert tensors transformers writes by default.
 #[test]
 fn fused_and_per_expert_layouts_load_alike() {
-    let per_expert = load("qwen3_moe", DType::F64);
-    let fused = crate::weights::hf::load_dir(
-        &dir("qwen3_moe").join("fused"),
-        &Default::default(),
-        DType::F64,
-        &Device::Cpu,
-        true,
-    )
-    .unwrap();
-    assert!(per_expert
-        .varmap
-        .data()
-        .lock()
-        .unwrap()
-        .contains_key("model.layers.2.mlp.experts.7.up_proj.weight"));
-    assert_same_variables(&per_expert.varmap, &fused.varmap, "fused layout");
+    for (name, probe) in [
+        ("qwen3_moe", "model.layers.2.mlp.experts.7.up_proj.weight"),
+        ("qwen3_5_moe", "model.layers.3.mlp.experts.7.up_proj.weight"),
+        (
+            "qwen3_next",
+            "model.layers.2.mlp.experts.3.down_proj.weight",
+        ),
+    ] {
+        let per_expert = load(name, DType::F64);
+        let fused = crate::weights::hf::load_dir(
+            &dir(name).join("fused"),
+            &Default::default(),
+            DType::F64,
+            &Device::Cpu,
+            true,
+        )
+        .unwrap();
+        assert!(per_expert.varmap.data().lock().unwrap().contains_key(probe));
+        assert_same_variables(&per_expert.varmap, &fused.varmap, name);
+    }
 }
 
 /// `a` and `b` hold the same variable names with bit-identical f64 values.
@@ -620,4 +635,55 @@ fn a_saved_qwen3_moe_checkpoint_reads_back() {
     )
     .unwrap();
     assert_same_variables(&loaded.varmap, &again.varmap, "saved and read back");
+}
+
+/// A Qwen3.5 checkpoint as the hub publishes it (`Qwen3_5ForConditionalGeneration`: the
+/// language model under `model.language_model.`, a vision tower, the text settings in
+/// `text_config`; written by transformers from the `qwen3_5` fixture's weights) loads as the
+/// same language model: the same variables, bit for bit, as the causal LM checkpoint.
+#[test]
+fn a_multimodal_qwen3_5_checkpoint_loads_its_language_model() {
+    let text = load("qwen3_5", DType::F64);
+    let mm = crate::weights::hf::load_dir(
+        &dir("qwen3_5").join("multimodal"),
+        &Default::default(),
+        DType::F64,
+        &Device::Cpu,
+        true,
+    )
+    .unwrap();
+    assert_eq!(mm.model.args, text.model.args);
+    let a = text.varmap.data().lock().unwrap();
+    let b = mm.varmap.data().lock().unwrap();
+    assert_eq!(a.len(), b.len());
+    for (name, var) in a.iter() {
+        let other = b.get(name).unwrap_or_else(|| panic!("no `{name}`"));
+        let x: Vec<f64> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        let y: Vec<f64> = other.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        assert!(x == y, "`{name}` differs");
+    }
+}
+
+/// A Qwen3.5 config written back (`Qwen3_5ForCausalLM`, layer types, the DeltaNet sizes, the
+/// partial rotary factor) reads back as the same arguments; one with layer types that are
+/// neither linear nor full attention is refused by name.
+#[test]
+fn a_saved_qwen3_5_config_reads_back() {
+    for name in ["qwen3_5", "qwen3_5_tied", "qwen3_5_moe", "qwen3_next"] {
+        let cfg: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir(name).join("config.json")).unwrap())
+                .unwrap();
+        let args = crate::model::ModelArgs::from_hf(&cfg).unwrap();
+        assert_eq!(
+            crate::model::ModelArgs::from_hf(&args.to_hf()).unwrap(),
+            args
+        );
+        let mut bad = cfg.clone();
+        bad["layer_types"][1] = serde_json::json!("sliding_attention");
+        let e = crate::model::ModelArgs::from_hf(&bad).unwrap_err();
+        assert!(
+            e.contains("layer_types[1]") && e.contains("linear_attention"),
+            "{e}"
+        );
+    }
 }

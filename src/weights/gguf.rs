@@ -358,6 +358,9 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
             Arch::Qwen3Moe => Some(read_moe(c, path, &arch_name, layers)?),
             _ => None,
         },
+        rotary_dim: None,
+        attn_output_gate: false,
+        linear_attn: None,
     })
 }
 
@@ -402,6 +405,7 @@ fn read_moe(c: &Content, path: &Path, arch: &str, layers: usize) -> Result<MoeAr
         decoder_sparse_step: 1,
         mlp_only_layers: dense,
         router_aux_loss_coef: None,
+        shared_expert_intermediate_size: None,
     })
 }
 

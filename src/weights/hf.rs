@@ -200,6 +200,8 @@ pub fn build(
     device: &Device,
     with_lm_head: bool,
 ) -> Result<Loaded, ModelError> {
+    let lifted = language_model_of(tensors, source);
+    let tensors = lifted.as_ref().unwrap_or(tensors);
     let split = split_fused_experts(tensors, source)?;
     let tensors = split.as_ref().unwrap_or(tensors);
     let varmap = VarMap::new();
@@ -243,6 +245,38 @@ pub fn build(
             Ok(Loaded { model, varmap })
         }
     }
+}
+
+/// The language model of a multimodal checkpoint (Qwen3.5's `Qwen3_5ForConditionalGeneration`,
+/// as the hub publishes Qwen3.5): `model.language_model.*` under the causal LM's names
+/// `model.*`, `lm_head.*` kept, the vision tower (`model.visual.*`) and multi-token-prediction
+/// head (`mtp.*`) left out with a note. `None` when the checkpoint has no such prefix.
+fn language_model_of(
+    tensors: &HashMap<String, Tensor>,
+    source: &Path,
+) -> Option<HashMap<String, Tensor>> {
+    const PREFIX: &str = "model.language_model.";
+    if !tensors.keys().any(|n| n.starts_with(PREFIX)) {
+        return None;
+    }
+    let mut out = HashMap::with_capacity(tensors.len());
+    let mut left = 0usize;
+    for (n, t) in tensors {
+        if let Some(rest) = n.strip_prefix(PREFIX) {
+            out.insert(format!("model.{rest}"), t.clone());
+        } else if n.starts_with("model.visual.") || n.starts_with("mtp.") {
+            left += 1;
+        } else {
+            out.insert(n.clone(), t.clone());
+        }
+    }
+    if left > 0 {
+        tracing::info!(
+            "{}: a multimodal checkpoint; its language model is loaded, {left} vision / multi-token-prediction tensor(s) are not used (text-only training)",
+            source.display()
+        );
+    }
+    Some(out)
 }
 
 /// Experts stored fused as transformers 5 holds them in memory (and writes them with

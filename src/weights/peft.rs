@@ -111,6 +111,7 @@ pub fn projections(
 /// hyper-parameters alone (`config check` reads no weights).
 pub fn projections_of(args: &ModelArgs) -> impl Iterator<Item = (String, usize, usize)> + '_ {
     let h = args.hidden_size;
+    let gate = if args.attn_output_gate { 2 } else { 1 };
     let q = args.num_attention_heads * args.head_dim;
     let kv = args.num_key_value_heads * args.head_dim;
     (0..args.num_hidden_layers).flat_map(move |i| {
@@ -122,55 +123,95 @@ pub fn projections_of(args: &ModelArgs) -> impl Iterator<Item = (String, usize, 
                 (format!("{prefix}.down_proj"), h, inter),
             ]
         };
-        let attention = [
-            (at("self_attn.q_proj"), q, h),
-            (at("self_attn.k_proj"), kv, h),
-            (at("self_attn.v_proj"), kv, h),
-            (at("self_attn.o_proj"), h, q),
-        ];
+        let mixer: Vec<(String, usize, usize)> = match &args.linear_attn {
+            Some(la) if args.is_linear(i) => {
+                let (cd, vd, nv) = (la.conv_dim(), la.value_dim(), la.num_value_heads);
+                let mut v = match la.grouped {
+                    false => vec![
+                        (at("linear_attn.in_proj_qkv"), cd, h),
+                        (at("linear_attn.in_proj_z"), vd, h),
+                        (at("linear_attn.in_proj_b"), nv, h),
+                        (at("linear_attn.in_proj_a"), nv, h),
+                    ],
+                    true => vec![
+                        (at("linear_attn.in_proj_qkvz"), cd + vd, h),
+                        (at("linear_attn.in_proj_ba"), 2 * nv, h),
+                    ],
+                };
+                v.push((at("linear_attn.out_proj"), h, vd));
+                v
+            }
+            _ => vec![
+                (at("self_attn.q_proj"), gate * q, h),
+                (at("self_attn.k_proj"), kv, h),
+                (at("self_attn.v_proj"), kv, h),
+                (at("self_attn.o_proj"), h, q),
+            ],
+        };
         let mlp: Vec<(String, usize, usize)> = match &args.moe {
-            Some(m) if m.sparse(i) => (0..m.num_experts)
-                .flat_map(|e| gated(at(&format!("mlp.experts.{e}")), m.moe_intermediate_size))
-                .collect(),
+            Some(m) if m.sparse(i) => {
+                let mut v: Vec<_> = (0..m.num_experts)
+                    .flat_map(|e| gated(at(&format!("mlp.experts.{e}")), m.moe_intermediate_size))
+                    .collect();
+                if let Some(w) = m.shared_expert_intermediate_size {
+                    v.extend(gated(at("mlp.shared_expert"), w));
+                    v.push((at("mlp.shared_expert_gate"), 1, h));
+                }
+                v
+            }
             _ => gated(at("mlp"), args.intermediate_size).into(),
         };
-        attention.into_iter().chain(mlp)
+        mixer.into_iter().chain(mlp)
     })
 }
 
 /// Why adapters of rank `spec.rank` cannot go on the projections `spec` targets among
 /// `projections` (HF module name, `out`, `in`); `None` when they can.
 ///
-/// The rule: the rank may not exceed the smaller side of any projection it adapts. `B·A` of
-/// rank `min(in, out)` already reaches every change of an `[out, in]` weight, so a larger rank
-/// adds parameters, memory and optimizer state but no capacity (PEFT accepts it all the same;
-/// verl's LoRA examples use ranks 32 and 64 on models whose smallest adapted side is 128 or
-/// more). A looser bound by bytes (adapters no larger than the model) would still admit such
-/// useless ranks. It is checked before anything is allocated: `lora_rank=10000000` asked for
-/// tens of gigabytes of adapters and aborted the process.
+/// The rule: the rank may not exceed the smaller side of every projection it adapts. `B·A` of
+/// rank `min(in, out)` already reaches every change of an `[out, in]` weight, so a rank above
+/// that of all adapted projections adds parameters, memory and optimizer state but no
+/// capacity anywhere. It is checked before anything is allocated: `lora_rank=10000000` asked
+/// for tens of gigabytes of adapters and aborted the process. A rank above some projections'
+/// smaller side only is accepted with a warning naming them, as PEFT accepts it: Qwen3.5's
+/// `linear_attn.in_proj_b`/`in_proj_a` have one row per value head (16 to 64) and the shared
+/// expert's gate one row, below the ranks 32 and 64 of verl's LoRA examples.
 pub fn rank_problem(
     spec: &LoraSpec,
     projections: impl IntoIterator<Item = (String, usize, usize)>,
 ) -> std::result::Result<Option<String>, String> {
-    let mut smallest: Option<(String, usize, usize)> = None;
+    let mut widest: Option<(String, usize, usize)> = None;
+    let mut narrow: Vec<(String, usize, usize)> = Vec::new();
     for (module, out, inp) in projections {
+        if !spec.targets(&module)? {
+            continue;
+        }
         let side = out.min(inp);
-        let smaller = smallest
-            .as_ref()
-            .is_none_or(|(_, o, i)| side < (*o).min(*i));
-        if smaller && spec.targets(&module)? {
-            smallest = Some((module, out, inp));
+        if spec.rank > side {
+            narrow.push((module.clone(), out, inp));
+        }
+        if widest.as_ref().is_none_or(|(_, o, i)| side > (*o).min(*i)) {
+            widest = Some((module, out, inp));
         }
     }
-    Ok(smallest
-        .filter(|(_, out, inp)| spec.rank > (*out).min(*inp))
-        .map(|(module, out, inp)| {
-            let limit = out.min(inp);
-            format!(
-                "rank {} is larger than {limit}, the smaller side of `{module}` ([{out}, {inp}]), one of the projections it adapts: a rank above min(in, out) adds parameters but no capacity; use at most {limit}",
-                spec.rank
-            )
-        }))
+    let Some((module, out, inp)) = widest else {
+        return Ok(None);
+    };
+    let limit = out.min(inp);
+    if spec.rank > limit {
+        return Ok(Some(format!(
+            "rank {} is larger than {limit}, the smaller side of `{module}` ([{out}, {inp}]), the widest of the projections it adapts: a rank above min(in, out) of every adapted projection adds parameters but no capacity; use at most {limit}",
+            spec.rank
+        )));
+    }
+    if let Some((m, o, i)) = narrow.first() {
+        tracing::warn!(
+            "LoRA rank {} exceeds min(in, out) of {} adapted projection(s), e.g. `{m}` ([{o}, {i}]): adapted as asked (as PEFT does), with more parameters than that projection can use",
+            spec.rank,
+            narrow.len()
+        );
+    }
+    Ok(None)
 }
 
 /// Adds adapters to the projections of `model` that `spec` targets (A seeded Kaiming-uniform
@@ -1027,9 +1068,11 @@ pub(crate) mod tests {
         );
     }
 
-    /// A rank larger than the projections it adapts is refused before anything is allocated
+    /// A rank larger than every projection it adapts is refused before anything is allocated
     /// (`lora_rank=10000000` asked for tens of gigabytes of adapters and aborted the process),
-    /// naming the rank and the limit; a rank of exactly the smallest side is accepted.
+    /// naming the rank and the limit; a rank of exactly the widest projection's smaller side is
+    /// accepted, and so is one above some projections' smaller side only (Qwen3.5's
+    /// `in_proj_b`/`in_proj_a`, one row per value head), as PEFT accepts it.
     #[test]
     fn a_rank_larger_than_the_projections_is_refused_before_allocating() {
         let args = ModelArgs::tiny(Arch::Llama, 30);
@@ -1045,35 +1088,52 @@ pub(crate) mod tests {
         .unwrap_err()
         .to_string();
         assert!(
-            e.contains("actor_rollout_ref.model") && e.contains("10000000") && e.contains("16"),
+            e.contains("actor_rollout_ref.model") && e.contains("10000000") && e.contains("32"),
             "{e}"
         );
         assert!(ad.data().lock().unwrap().is_empty(), "nothing attached");
         assert!(!m.has_adapters());
-        // k_proj and v_proj are [16, 32]: 16 is the largest rank all-linear allows, q_proj's
-        // 32 the largest when only q_proj is adapted.
-        let q = || OneOrMany::Many(vec!["q_proj".into()]);
-        attach(&mut m, &spec(16, all(), None), &VarMap::new(), 0, "k").unwrap();
+        // q_proj, o_proj and the MLP's have a smaller side of 32 (k_proj, v_proj 16): 32 is the
+        // largest rank all-linear allows; k_proj's 16 the largest when only k_proj is adapted.
+        let k = || OneOrMany::Many(vec!["k_proj".into()]);
+        attach(&mut m, &spec(32, all(), None), &VarMap::new(), 0, "k").unwrap();
         let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
-        attach(&mut m, &spec(32, q(), None), &VarMap::new(), 0, "k").unwrap();
+        let e = attach(&mut m, &spec(33, all(), None), &VarMap::new(), 0, "k")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("33") && e.contains("32"), "{e}");
         let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
-        let e = attach(&mut m, &spec(33, q(), None), &VarMap::new(), 0, "k")
+        attach(&mut m, &spec(16, k(), None), &VarMap::new(), 0, "k").unwrap();
+        let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+        let e = attach(&mut m, &spec(17, k(), None), &VarMap::new(), 0, "k")
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("33") && e.contains("32") && e.contains("q_proj"),
+            e.contains("17") && e.contains("16") && e.contains("k_proj"),
             "{e}"
+        );
+        // Qwen3.5: in_proj_b and in_proj_a are [4, 32]; rank 8 adapts them (and the rest).
+        let args = ModelArgs::tiny(Arch::Qwen3_5, 30);
+        let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+        let ad = VarMap::new();
+        let names = attach(&mut m, &spec(8, all(), None), &ad, 0, "k").unwrap();
+        assert!(
+            names.iter().any(|n| n.ends_with("linear_attn.in_proj_b")),
+            "{names:?}"
         );
     }
 
     /// The projections listed from the hyper-parameters (what `config check` checks ranks
     /// against) are the model's own, names and shapes, for every family (Qwen3-MoE with a
-    /// dense layer among its expert layers included).
+    /// dense layer among its expert layers included; the DeltaNet hybrids' split and grouped
+    /// inputs, gated attention and shared experts).
     #[test]
     fn projections_from_the_config_are_the_models() {
-        for arch in crate::testing::DECODER_ARCHS {
+        let all = crate::testing::DECODER_ARCHS.into_iter();
+        for arch in all.chain(crate::testing::HYBRID_ARCHS) {
             let mut args = ModelArgs::tiny(arch, 30);
             args.head_dim = 4; // q_proj [16, 32]: not square
+            args.rotary_dim = args.rotary_dim.map(|_| 2);
             let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
             let want = projections(&mut m).unwrap();
             assert_eq!(projections_of(&args).collect::<Vec<_>>(), want, "{arch:?}");

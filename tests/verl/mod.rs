@@ -27,17 +27,20 @@ fn model_dir(root: &Path, family: &str) -> PathBuf {
     }
     std::fs::create_dir_all(&dir).unwrap();
     let config = match family {
-        "qwen2" | "qwen3" | "qwen3_moe" | "llama" | "mistral" => {
+        "qwen2" | "qwen3" | "qwen3_moe" | "qwen3_5" | "qwen3_next" | "llama" | "mistral" => {
             let arch = match family {
                 "qwen2" => Arch::Qwen2,
                 "qwen3" => Arch::Qwen3,
                 "qwen3_moe" => Arch::Qwen3Moe,
+                "qwen3_5" => Arch::Qwen3_5,
+                "qwen3_next" => Arch::Qwen3Next,
                 _ => Arch::Llama,
             };
             // Tiny, but with every projection at least 128 wide: the lines' LoRA ranks (up to
             // 64) must fit the projections they adapt, which `config check` checks.
             let mut args = ModelArgs::tiny(arch, 256);
             (args.hidden_size, args.head_dim, args.intermediate_size) = (128, 64, 128);
+            args.rotary_dim = args.rotary_dim.map(|_| 16); // Qwen3.5's 0.25 of the head
             if let Some(m) = args.moe.as_mut() {
                 m.moe_intermediate_size = 128;
             }
