@@ -319,9 +319,10 @@ pub(crate) struct Block {
     pub(crate) window: Option<usize>,
     /// Whether the layer's RoPE has frequencies of its own (Gemma 3's local layers).
     pub(crate) local_rope: bool,
-    /// The composition's projections as bf16 products ([`mixed_matmul`]): an f32 model with
-    /// bf16 products asked for on a device whose products the CPU kernels do not serve (CUDA);
-    /// set from [`super::Exec::bf16`] by `CausalLm::set_exec`.
+    /// The composition's projections as bf16 products ([`super::proj::bf16_matmul`]): an f32
+    /// model with bf16 products asked for on a device whose products the hand-written layer
+    /// does not serve (CUDA; on the CPU, the Gated DeltaNet hybrids, through the CPU's bf16
+    /// kernels); set from [`super::Exec::bf16`] by `CausalLm::set_exec`.
     pub(crate) mixed: bool,
     /// Attention without a cache as the blocked op of `attention.rs` (no `[batch, heads, seq,
     /// seq]` tensor kept for backward, packed sequences without a mask) rather than the plain

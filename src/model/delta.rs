@@ -1,7 +1,7 @@
 //! Qwen3.5's Gated DeltaNet layer (transformers' `Qwen3_5GatedDeltaNet`) as a composition of
-//! candle ops with exact backward passes: the reference and, for now, the only path of these
-//! layers (training through candle's autograd, decoding with a (convolution, recurrent) state
-//! per row in [`super::KvCache`]).
+//! candle ops with exact backward passes (training through candle's autograd, decoding with a
+//! (convolution, recurrent) state per row in [`super::KvCache`]); on the CPU in f32/f64 the
+//! recurrence itself is one hand-written op (`delta_op`), this chunk-wise form its reference.
 //!
 //! ```text
 //! x (normed, padding rows zeroed)          [b, t, hidden]
@@ -261,13 +261,24 @@ impl DeltaNet {
             .as_deref()
             .and_then(Option::as_ref)
             .map(|s| s.rec.clone());
-        let (o, s) = chunked(&q, &k, &v, &g, &beta, s0.as_ref(), CHUNK)?; // [b, nv, t, dv]
-        if let Some(slot) = state {
-            *slot = Some(DeltaState {
-                conv: up.narrow(1, t, kw - 1)?.detach().contiguous()?,
-                rec: s.detach(),
-            });
-        }
+        let o = match state {
+            // Training and no-cache forwards on the CPU: the hand-written recurrence
+            // (`delta_op`, its own backward, states kept every 64 tokens).
+            None if crate::kernels::supported(q.device(), q.dtype()) => {
+                let x = Tensor::cat(&[&q, &k, &v, &g.unsqueeze(3)?, &beta.unsqueeze(3)?], 3)?;
+                x.apply_op1(super::delta_op::DeltaRule { dk, dv })? // [b, nv, t, dv]
+            }
+            _ => {
+                let (o, s) = chunked(&q, &k, &v, &g, &beta, s0.as_ref(), CHUNK)?; // [b, nv, t, dv]
+                if let Some(slot) = state {
+                    *slot = Some(DeltaState {
+                        conv: up.narrow(1, t, kw - 1)?.detach().contiguous()?,
+                        rec: s.detach(),
+                    });
+                }
+                o
+            }
+        };
         let o = o.transpose(1, 2)?; // [b, t, nv, dv]
         let z = z.reshape((b, t, nv, dv))?;
         let y = (rms_norm(&o, &self.norm, eps)? * upcast(&z)?.silu()?.to_dtype(o.dtype())?)?;

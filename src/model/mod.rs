@@ -10,7 +10,8 @@
 //!   mask and the composition's KV cache,
 //! - `layer` + `recompute`: the hand-written layer (forward and backward) and per-layer
 //!   recomputation on candle's autograd,
-//! - `delta`: Qwen3.5's Gated DeltaNet token mixer (chunk-wise delta rule, its decode state),
+//! - `delta` + `delta_op`: Qwen3.5's Gated DeltaNet token mixer (chunk-wise delta rule, its
+//!   decode state; the recurrence as one hand-written op with its backward on the CPU),
 //! - `lm_head`: the fused LM head + log-softmax + gather + entropy, beside its composition,
 //! - `transformer`: `CausalLm` (embedding → layers → norm → head) and its execution settings,
 //! - `heads`: the critic's value head and a reward model's score head,
@@ -23,6 +24,7 @@ pub mod config;
 pub mod deberta;
 pub mod decode;
 mod delta;
+mod delta_op;
 pub mod heads;
 mod layer;
 pub mod lm_head;

@@ -154,6 +154,123 @@ impl candle_core::CustomOp1 for FrozenMatmul {
     }
 }
 
+/// `x·Wᵀ` `[n, in] → [n, out]` on the CPU with bf16 operands and f32 sums (the AMX or
+/// AVX512-BF16 kernels of `kernels::bf16`, as the hand-written layer's products under verl's
+/// mixed precision), as one op: backward `∂x = g·W` and, when `W` trains, `∂W = gᵀ·x`, both in
+/// the same precision. The op composition's products on the CPU for models the hand-written
+/// layer does not serve (the Gated DeltaNet hybrids).
+struct Bf16Linear;
+
+/// Contiguous f32 host slices of CPU tensors, borrowed from their storage.
+fn host_f32<'a>(
+    guards: &'a [(candle_core::StorageRef<'a>, &'a candle_core::Layout)],
+    i: usize,
+) -> Result<&'a [f32]> {
+    let (s, l) = &guards[i];
+    let candle_core::Storage::Cpu(cpu) = &**s else {
+        candle_core::bail!("bf16 linear: CPU tensors only");
+    };
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&cpu.as_slice::<f32>()?[a..b]),
+        None => candle_core::bail!("bf16 linear: contiguous tensors only"),
+    }
+}
+
+impl candle_core::CustomOp2 for Bf16Linear {
+    fn name(&self) -> &'static str {
+        "bf16-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &candle_core::CpuStorage,
+        xl: &candle_core::Layout,
+        ws: &candle_core::CpuStorage,
+        wl: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (n, inp) = xl.shape().dims2()?;
+        let (out, win) = wl.shape().dims2()?;
+        let (Some((x0, x1)), Some((w0, w1))) = (xl.contiguous_offsets(), wl.contiguous_offsets())
+        else {
+            candle_core::bail!("bf16 linear: contiguous operands only");
+        };
+        if win != inp {
+            candle_core::bail!("bf16 linear: x [{n}, {inp}] against W [{out}, {win}]");
+        }
+        let (x, w) = (
+            &xs.as_slice::<f32>()?[x0..x1],
+            &ws.as_slice::<f32>()?[w0..w1],
+        );
+        let mut y = vec![0f32; n * out];
+        crate::kernels::gemm::gemm_mixed(
+            true,
+            &mut y,
+            n,
+            out,
+            inp,
+            x,
+            inp,
+            1,
+            w,
+            1,
+            inp,
+            false,
+            crate::kernels::simd::Par::Rayon,
+        );
+        Ok((candle_core::CpuStorage::F32(y), (n, out).into()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (n, inp) = x.dims2()?;
+        let out = w.dim(0)?;
+        let (x, grad) = (x.contiguous()?, grad.contiguous()?);
+        let guards = [
+            x.storage_and_layout(),
+            w.storage_and_layout(),
+            grad.storage_and_layout(),
+        ];
+        let (xs, ws, gs) = (
+            host_f32(&guards, 0)?,
+            host_f32(&guards, 1)?,
+            host_f32(&guards, 2)?,
+        );
+        let par = crate::kernels::simd::Par::Rayon;
+        let mut dx = vec![0f32; n * inp];
+        crate::kernels::gemm::gemm_mixed(
+            true, &mut dx, n, inp, out, gs, out, 1, ws, inp, 1, false, par,
+        );
+        let dw = match w.track_op() {
+            true => {
+                let mut dw = vec![0f32; out * inp];
+                crate::kernels::gemm::gemm_mixed(
+                    true, &mut dw, out, inp, n, gs, 1, out, xs, inp, 1, false, par,
+                );
+                Some(Tensor::from_vec(dw, (out, inp), w.device())?)
+            }
+            false => None,
+        };
+        drop(guards);
+        Ok((Some(Tensor::from_vec(dx, (n, inp), x.device())?), dw))
+    }
+}
+
+/// `x·Wᵀ` `[n, in]` with bf16 operands and f32 sums: the CPU's bf16 kernels as one op
+/// ([`Bf16Linear`]) for f32 CPU tensors where the CPU has them, else ([`mixed_matmul`]) both
+/// operands cast to bf16 (cuBLAS on a GPU).
+pub(crate) fn bf16_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let cpu = x.device().is_cpu() && x.dtype() == candle_core::DType::F32;
+    if cpu && crate::kernels::bf16::available() {
+        return x.contiguous()?.apply_op2(&w.contiguous()?, Bf16Linear);
+    }
+    mixed_matmul(x, w)
+}
+
 /// `x·Wᵀ` for `x` `[n, in]`: through [`FrozenMatmul`] when `W` is frozen, `x` needs a gradient
 /// and everything is on the CPU in f32/f64; a plain product otherwise.
 pub fn base_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -196,7 +313,7 @@ pub(crate) fn apply(l: &Proj, x: &Tensor, mixed: bool) -> Result<Tensor> {
     let (b, t, i) = x.dims3()?;
     let x2 = x.reshape((b * t, i))?; // [b·t, in]
     let y = match mixed {
-        true => mixed_matmul(&x2, l.weight())?,
+        true => bf16_matmul(&x2, l.weight())?,
         false => base_matmul(&x2, l.weight())?,
     }; // [b·t, out]
     let y = match l.bias() {
@@ -226,4 +343,73 @@ pub(crate) fn mixed_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.to_dtype(DType::BF16)?
         .matmul(&w.to_dtype(DType::BF16)?.t()?)?
         .to_dtype(dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor, Var};
+
+    /// The CPU's bf16 linear op against f64 products of the bf16-rounded operands (the
+    /// definition of a bf16 product with wide sums): output and both gradients (∂x = g·W,
+    /// ∂W = gᵀ·x, their operands rounded too) within 1e-5 relative; a frozen W gets none.
+    #[test]
+    fn the_bf16_linear_op_is_the_product_of_rounded_operands() {
+        if !crate::kernels::bf16::available() {
+            eprintln!("skipped: neither AMX nor AVX512-BF16 on this machine");
+            return;
+        }
+        let dev = Device::Cpu;
+        let r = |n: usize, seed: u64| -> Vec<f32> {
+            (0..n)
+                .map(|i| {
+                    let x = super::mix64(seed ^ (i as u64).wrapping_mul(0x9e37));
+                    ((x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+                })
+                .collect()
+        };
+        let (n, inp, out) = (37, 70, 45);
+        let (xv, wv, gv) = (r(n * inp, 1), r(out * inp, 2), r(n * out, 3));
+        let x = Var::from_vec(xv.clone(), (n, inp), &dev).unwrap();
+        let w = Var::from_vec(wv.clone(), (out, inp), &dev).unwrap();
+        let g = Tensor::from_vec(gv.clone(), (n, out), &dev).unwrap();
+        let y = super::bf16_matmul(x.as_tensor(), w.as_tensor()).unwrap();
+        let grads = (&y * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        let rd = |v: &[f32]| -> Vec<f64> {
+            v.iter()
+                .map(|&a| f64::from(crate::kernels::bf16::round_bf16(a)))
+                .collect()
+        };
+        let (xr, wr, gr) = (rd(&xv), rd(&wv), rd(&gv));
+        // y = x·Wᵀ, ∂x = g·W, ∂W = gᵀ·x over rounded operands.
+        let mut want_y = vec![0f64; n * out];
+        let mut want_dx = vec![0f64; n * inp];
+        let mut want_dw = vec![0f64; out * inp];
+        for i in 0..n {
+            for o in 0..out {
+                for k in 0..inp {
+                    want_y[i * out + o] += xr[i * inp + k] * wr[o * inp + k];
+                    want_dx[i * inp + k] += gr[i * out + o] * wr[o * inp + k];
+                    want_dw[o * inp + k] += gr[i * out + o] * xr[i * inp + k];
+                }
+            }
+        }
+        let close = |got: &Tensor, want: &[f64], what: &str| {
+            let got: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
+            let scale = want.iter().fold(0f64, |s, v| s.max(v.abs()));
+            for (a, b) in got.iter().zip(want) {
+                assert!(
+                    (f64::from(*a) - b).abs() <= 1e-5 * scale,
+                    "{what}: {a} vs {b}"
+                );
+            }
+        };
+        close(&y, &want_y, "y");
+        close(grads.get(x.as_tensor()).unwrap(), &want_dx, "dx");
+        close(grads.get(w.as_tensor()).unwrap(), &want_dw, "dW");
+        let frozen = w.as_tensor().detach();
+        let y = super::bf16_matmul(x.as_tensor(), &frozen).unwrap();
+        let grads = y.sum_all().unwrap().backward().unwrap();
+        assert!(grads.get(&frozen).is_none());
+        assert!(grads.get(x.as_tensor()).is_some());
+    }
 }

@@ -380,16 +380,20 @@ impl CausalLm {
             && (self.device.is_cuda() || crate::kernels::bf16::available())
     }
 
-    /// Whether the op composition (the path off the CPU) takes its products in bf16.
+    /// Whether the op composition takes its products in bf16: off the CPU (cuBLAS), and on the
+    /// CPU (its bf16 kernels) for models the hand-written layer does not serve (the Gated
+    /// DeltaNet hybrids), whose layers always run as the composition.
     fn mixed_products(&self) -> bool {
-        self.exec.bf16 && self.dtype == DType::F32 && !self.device.is_cpu()
+        let cpu =
+            self.device.is_cpu() && !self.args.hand_written() && crate::kernels::bf16::available();
+        self.exec.bf16 && self.dtype == DType::F32 && (!self.device.is_cpu() || cpu)
     }
 
     /// `x·Wᵀ` for the LM head's output projection `w` `[vocab, hidden]` on `x` `[n, hidden]`:
     /// bf16 operands when the composition runs mixed precision (see [`Exec::bf16`]).
     fn head_matmul(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         match self.mixed_products() {
-            true => super::block::mixed_matmul(x, w),
+            true => super::proj::bf16_matmul(x, w),
             false => x.matmul(&w.t()?),
         }
     }

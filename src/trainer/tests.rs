@@ -481,6 +481,27 @@ fn a_qwen3_5_actor_and_critic_resume_bit_exact() {
     assert_eq!(ModelArgs::from_hf(&cfg).unwrap(), args);
 }
 
+/// A Qwen3.5-MoE actor (DeltaNet and gated attention, experts with a shared expert on every
+/// layer) with the router's load-balancing loss, GRPO on packed sequences: stopped after step 2
+/// and resumed, it ends as the uninterrupted run, and every step reports the router loss.
+#[test]
+fn a_qwen3_5_moe_grpo_run_resumes_bit_exact() {
+    let mut args = ModelArgs::tiny(Arch::Qwen3_5Moe, 259);
+    args.moe.as_mut().unwrap().router_aux_loss_coef = Some(0.01);
+    let fx = fixture_of(&args);
+    let extra: &[&str] = &[
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.shuffle=True",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=2",
+    ];
+    let (history, _) = assert_resume_bit_exact(&fx, extra);
+    assert!(history
+        .iter()
+        .all(|(_, m)| m.get("actor/router_aux_loss").is_some_and(|v| *v > 0.0)));
+}
+
 /// Runs `extra` on `fx` for 4 steps straight, and again stopped after step 2 then resumed in a
 /// new trainer: the actor's (and critic's) weights, the optimizer files of the step-4
 /// checkpoint, every step's deterministic metrics and the KL controller are the same. Returns

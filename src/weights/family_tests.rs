@@ -637,6 +637,43 @@ fn a_saved_qwen3_moe_checkpoint_reads_back() {
     assert_same_variables(&loaded.varmap, &again.varmap, "saved and read back");
 }
 
+/// Qwen3.5 settings that cannot run are refused naming the key: a missing DeltaNet size, value
+/// heads that are not a multiple of the key heads, a rotary factor that leaves an odd or empty
+/// rotary width, layer types that do not cover the layers.
+#[test]
+fn broken_qwen3_5_settings_are_refused_by_key() {
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir("qwen3_5").join("config.json")).unwrap())
+            .unwrap();
+    let refused = |edit: &dyn Fn(&mut Value)| {
+        let mut c = cfg.clone();
+        edit(&mut c);
+        crate::model::ModelArgs::from_hf(&c).unwrap_err()
+    };
+    let e = refused(&|c| {
+        c.as_object_mut().unwrap().remove("linear_key_head_dim");
+    });
+    assert!(e.contains("linear_key_head_dim"), "{e}");
+    let e = refused(&|c| c["linear_num_value_heads"] = 3.into());
+    assert!(
+        e.contains("linear_num_value_heads") && e.contains("linear_num_key_heads"),
+        "{e}"
+    );
+    let e = refused(&|c| c["rope_parameters"]["partial_rotary_factor"] = 0.1.into());
+    assert!(e.contains("partial_rotary_factor"), "{e}");
+    let e = refused(&|c| c["partial_rotary_factor"] = 0.5.into());
+    assert!(e.contains("disagree"), "{e}");
+    let e = refused(&|c| c["num_hidden_layers"] = 5.into());
+    assert!(e.contains("layer_types") && e.contains('5'), "{e}");
+    // Without layer_types, transformers' default: every full_attention_interval-th layer full.
+    let mut c = cfg.clone();
+    c.as_object_mut().unwrap().remove("layer_types");
+    c["full_attention_interval"] = 2.into();
+    let a = crate::model::ModelArgs::from_hf(&c).unwrap();
+    let linear: Vec<bool> = (0..4).map(|i| a.is_linear(i)).collect();
+    assert_eq!(linear, [true, false, true, false]);
+}
+
 /// A Qwen3.5 checkpoint as the hub publishes it (`Qwen3_5ForConditionalGeneration`: the
 /// language model under `model.language_model.`, a vision tower, the text settings in
 /// `text_config`; written by transformers from the `qwen3_5` fixture's weights) loads as the
@@ -685,5 +722,59 @@ fn a_saved_qwen3_5_config_reads_back() {
             e.contains("layer_types[1]") && e.contains("linear_attention"),
             "{e}"
         );
+    }
+}
+
+/// verl's mixed precision on the CPU for the DeltaNet hybrids (their composition's products on
+/// the CPU's bf16 kernels), on tiny Qwen3.5 and Qwen3-Next models at initialisation-like scale
+/// (weights N(0, 0.1²); the parity fixtures' larger weights are too ill-conditioned for bf16:
+/// PyTorch's own f32 gradients there are 3e-4 of scale off f64, and Qwen3-Next's router picks
+/// other experts): the loss within 1e-2 relative and every gradient within 5e-2 of its tensor's
+/// largest entry of f32's, and not equal to them (the bf16 path ran).
+#[test]
+fn hybrid_training_in_bf16_stays_near_f32() {
+    if !crate::kernels::bf16::available() {
+        eprintln!("skipped: neither AMX nor AVX512-BF16 on this machine");
+        return;
+    }
+    let r = reference("qwen3_5"); // its sequences and loss weights (vocabulary 96)
+    for arch in [crate::model::Arch::Qwen3_5, crate::model::Arch::Qwen3Next] {
+        let args = crate::model::ModelArgs::tiny(arch, 96);
+        let (varmap, mut model) = crate::testing::tiny_model(&args, DType::F32, 0.1);
+        let mut run = |bf16: bool| {
+            model.set_exec(Exec {
+                bf16,
+                ..Exec::default()
+            });
+            let (loss, _) = loss_and_logprobs(&model, &r, false);
+            let g = loss.backward().unwrap();
+            let vars = varmap.data().lock().unwrap();
+            let mut grads: Vec<(String, Vec<f64>)> = vars
+                .iter()
+                .filter_map(|(n, v)| {
+                    let t = g.get(v.as_tensor())?;
+                    let t = t.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+                    Some((n.clone(), t.to_vec1().unwrap()))
+                })
+                .collect();
+            grads.sort_by(|a, b| a.0.cmp(&b.0));
+            let l: f64 = loss.to_dtype(DType::F64).unwrap().to_scalar().unwrap();
+            (l, grads)
+        };
+        let (l32, g32) = run(false);
+        let (l16, g16) = run(true);
+        let rel = (l16 - l32).abs() / l32.abs();
+        assert!(
+            rel > 0.0 && rel <= 1e-2,
+            "{arch:?}: bf16 loss {l16} vs f32 {l32}"
+        );
+        assert_eq!(g16.len(), g32.len());
+        let mut worst = 0f64;
+        for ((n, a), (_, b)) in g16.iter().zip(&g32) {
+            let (w, s) = worst_of(a, b);
+            worst = worst.max(w / s);
+            assert!(w <= 5e-2 * s, "{arch:?}: ∂L/∂{n} off by {w:.3e} of {s:.3e}");
+        }
+        eprintln!("{arch:?}: bf16 loss {rel:.2e} relative, worst gradient {worst:.2e} of scale");
     }
 }

@@ -1,0 +1,378 @@
+//! The gated delta rule as one op over host memory (CPU, f32/f64) with a hand-written
+//! backward, for training: token by token per (row, head), states kept only at every
+//! [`CHECKPOINT`]-th token and recomputed inside a stretch during backward (memory linear in
+//! the sequence, no `[chunk, chunk]` terms). `delta.rs`'s chunk-wise composition is the
+//! reference it is tested against.
+//!
+//! ```text
+//! forward, per token:  a = e^g;  m = (a·S)ᵀk;  δ = β(v − m);  S ← a·S + k δᵀ;  o = Sᵀq
+//! backward, per token (G = ∂L/∂S_t + q ∂oᵀ, P = a·S_{t−1}):
+//!   ∂q = S_t ∂o            ∂k = G δ + P ∂m        ∂δ = Gᵀk
+//!   ∂β = ∂δ·(v − m)        ∂v = β ∂δ              ∂m = −β ∂δ
+//!   ∂P = G + k ∂mᵀ         ∂g = a·⟨∂P, S_{t−1}⟩   ∂S_{t−1} = a·∂P
+//! ```
+//!
+//! Inputs are packed side by side, `[b, h, t, 2·dk + dv + 2]`: q (normalised and scaled), k,
+//! v, g, β; the output is `[b, h, t, dv]`.
+
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
+use rayon::prelude::*;
+
+use crate::kernels::elem::Elem;
+
+/// Tokens between kept states in the backward's recomputation.
+const CHECKPOINT: usize = 64;
+
+/// The op: sizes of q/k heads and v heads.
+pub(crate) struct DeltaRule {
+    pub(crate) dk: usize,
+    pub(crate) dv: usize,
+}
+
+impl DeltaRule {
+    fn width(&self) -> usize {
+        2 * self.dk + self.dv + 2
+    }
+
+    /// `[b, h, t, width]` → (rows·heads, t).
+    fn dims(&self, shape: &Shape) -> Result<(usize, usize)> {
+        let (b, h, t, w) = shape.dims4()?;
+        if w != self.width() {
+            candle_core::bail!(
+                "delta rule: packed inputs of width {w}, expected {}",
+                self.width()
+            );
+        }
+        Ok((b * h, t))
+    }
+
+    /// One sequence's outputs `[t, dv]` from its packed inputs `x` `[t, width]`.
+    fn forward_one<T: Elem>(&self, x: &[T], out: &mut [T]) {
+        let (dk, dv, w) = (self.dk, self.dv, self.width());
+        let mut s = vec![T::zero(); dk * dv];
+        let mut delta = vec![T::zero(); dv];
+        for (row, o) in x.chunks_exact(w).zip(out.chunks_exact_mut(dv)) {
+            step(&mut s, &mut delta, row, (dk, dv), Some(o));
+        }
+    }
+
+    /// One sequence's input gradients `dx` `[t, width]` from `x` and the outputs' gradient
+    /// `go` `[t, dv]`.
+    fn backward_one<T: Elem>(&self, x: &[T], go: &[T], dx: &mut [T]) {
+        let (dk, dv, w) = (self.dk, self.dv, self.width());
+        let t = x.len() / w;
+        let n = dk * dv;
+        // States at the start of every stretch.
+        let starts = t.div_ceil(CHECKPOINT);
+        let mut kept = vec![T::zero(); starts * n];
+        let mut s = vec![T::zero(); n];
+        let mut delta = vec![T::zero(); dv];
+        for (i, row) in x.chunks_exact(w).enumerate() {
+            if i % CHECKPOINT == 0 {
+                kept[i / CHECKPOINT * n..][..n].copy_from_slice(&s);
+            }
+            step(&mut s, &mut delta, row, (dk, dv), None);
+        }
+        // Backward, stretch by stretch from the end: the stretch's states recomputed, then its
+        // tokens in reverse.
+        let mut ds = vec![T::zero(); n]; // ∂L/∂S_t
+        let mut states = vec![T::zero(); (CHECKPOINT + 1) * n];
+        let (mut g, mut dm, mut dd, mut vm) = (
+            vec![T::zero(); n],
+            vec![T::zero(); dv],
+            vec![T::zero(); dv],
+            vec![T::zero(); dv],
+        );
+        for c in (0..starts).rev() {
+            let first = c * CHECKPOINT;
+            let len = CHECKPOINT.min(t - first);
+            states[..n].copy_from_slice(&kept[c * n..][..n]);
+            for j in 0..len {
+                let (done, rest) = states.split_at_mut((j + 1) * n);
+                rest[..n].copy_from_slice(&done[j * n..]);
+                step(
+                    &mut rest[..n],
+                    &mut delta,
+                    &x[(first + j) * w..][..w],
+                    (dk, dv),
+                    None,
+                );
+            }
+            for j in (0..len).rev() {
+                let i = first + j;
+                let row = &x[i * w..][..w];
+                let (q, k) = (&row[..dk], &row[dk..2 * dk]);
+                let v = &row[2 * dk..2 * dk + dv];
+                let (gl, beta) = (row[w - 2], row[w - 1]);
+                let a = gl.exp();
+                let prev = &states[j * n..][..n];
+                let cur = &states[(j + 1) * n..][..n];
+                let d_o = &go[i * dv..][..dv];
+                let out = &mut dx[i * w..][..w];
+                // m = (a·S_{t−1})ᵀk, v − m, δ.
+                vm.copy_from_slice(v);
+                for (&kv, srow) in k.iter().zip(prev.chunks_exact(dv)) {
+                    for (x, &sv) in vm.iter_mut().zip(srow) {
+                        *x -= a * kv * sv;
+                    }
+                }
+                // G = ∂S_t + q ∂oᵀ; ∂q = S_t ∂o.
+                for (((grow, dsrow), &qv), (crow, dq)) in g
+                    .chunks_exact_mut(dv)
+                    .zip(ds.chunks_exact(dv))
+                    .zip(q)
+                    .zip(cur.chunks_exact(dv).zip(out[..dk].iter_mut()))
+                {
+                    let mut acc = T::zero();
+                    for (((gv, &dsv), &dov), &cv) in grow.iter_mut().zip(dsrow).zip(d_o).zip(crow) {
+                        *gv = dsv + qv * dov;
+                        acc += cv * dov;
+                    }
+                    *dq = acc;
+                }
+                // ∂δ = Gᵀk; ∂k = G δ (δ = β(v − m)).
+                dd.fill(T::zero());
+                for ((grow, &kv), dk_out) in
+                    g.chunks_exact(dv).zip(k).zip(out[dk..2 * dk].iter_mut())
+                {
+                    let mut acc = T::zero();
+                    for ((d, &gv), &r) in dd.iter_mut().zip(grow).zip(&vm) {
+                        *d += gv * kv;
+                        acc += gv * beta * r;
+                    }
+                    *dk_out = acc;
+                }
+                // ∂β, ∂v, ∂m.
+                let mut dbeta = T::zero();
+                for (((d, &r), dvo), m) in dd
+                    .iter()
+                    .zip(&vm)
+                    .zip(out[2 * dk..2 * dk + dv].iter_mut())
+                    .zip(dm.iter_mut())
+                {
+                    dbeta += *d * r;
+                    *dvo = beta * *d;
+                    *m = -beta * *d;
+                }
+                // ∂P = G + k ∂mᵀ; ∂k += P ∂m; ∂g = a⟨∂P, S_{t−1}⟩; ∂S_{t−1} = a ∂P.
+                let mut da = T::zero();
+                for (((grow, dsrow), (&kv, dk_out)), prow) in g
+                    .chunks_exact(dv)
+                    .zip(ds.chunks_exact_mut(dv))
+                    .zip(k.iter().zip(out[dk..2 * dk].iter_mut()))
+                    .zip(prev.chunks_exact(dv))
+                {
+                    let mut acc = T::zero();
+                    for (((&gv, dsv), &dmv), &pv) in
+                        grow.iter().zip(dsrow.iter_mut()).zip(&dm).zip(prow)
+                    {
+                        let dp = gv + kv * dmv;
+                        acc += pv * dmv;
+                        da += dp * pv;
+                        *dsv = a * dp;
+                    }
+                    *dk_out += a * acc;
+                }
+                out[w - 2] = a * da;
+                out[w - 1] = dbeta;
+            }
+        }
+    }
+}
+
+/// One token of the recurrence on state `s` `[dk, dv]` with packed inputs `row`; the output
+/// `Sᵀq` goes to `out` when given. `delta` is scratch `[dv]`.
+#[inline]
+fn step<T: Elem>(
+    s: &mut [T],
+    delta: &mut [T],
+    row: &[T],
+    (dk, dv): (usize, usize),
+    out: Option<&mut [T]>,
+) {
+    let w = row.len();
+    let (q, k) = (&row[..dk], &row[dk..2 * dk]);
+    let v = &row[2 * dk..2 * dk + dv];
+    let (a, beta) = (row[w - 2].exp(), row[w - 1]);
+    // S ← a·S; δ = β(v − Sᵀk).
+    delta.copy_from_slice(v);
+    for (&kv, srow) in k.iter().zip(s.chunks_exact_mut(dv)) {
+        for (d, sv) in delta.iter_mut().zip(srow.iter_mut()) {
+            *sv *= a;
+            *d -= kv * *sv;
+        }
+    }
+    delta.iter_mut().for_each(|d| *d *= beta);
+    // S ← S + k δᵀ; o = Sᵀq.
+    match out {
+        Some(o) => {
+            o.fill(T::zero());
+            for ((&kv, &qv), srow) in k.iter().zip(q).zip(s.chunks_exact_mut(dv)) {
+                for ((sv, &d), ov) in srow.iter_mut().zip(delta.iter()).zip(o.iter_mut()) {
+                    *sv += kv * d;
+                    *ov += qv * *sv;
+                }
+            }
+        }
+        None => {
+            for (&kv, srow) in k.iter().zip(s.chunks_exact_mut(dv)) {
+                for (sv, &d) in srow.iter_mut().zip(delta.iter()) {
+                    *sv += kv * d;
+                }
+            }
+        }
+    }
+}
+
+impl DeltaRule {
+    fn fwd<T: Elem>(&self, x: &[T], shape: &Shape) -> Result<Vec<T>> {
+        let (jobs, t) = self.dims(shape)?;
+        let (w, dv) = (self.width(), self.dv);
+        let mut out = vec![T::zero(); jobs * t * dv];
+        if out.is_empty() {
+            return Ok(out);
+        }
+        out.par_chunks_mut(t * dv)
+            .zip(x.par_chunks(t * w))
+            .for_each(|(o, xs)| self.forward_one(xs, o));
+        Ok(out)
+    }
+
+    fn bwd_host<T: Elem>(&self, x: &[T], go: &[T], shape: &Shape) -> Result<Vec<T>> {
+        let (jobs, t) = self.dims(shape)?;
+        let (w, dv) = (self.width(), self.dv);
+        let mut dx = vec![T::zero(); jobs * t * w];
+        if dx.is_empty() {
+            return Ok(dx);
+        }
+        dx.par_chunks_mut(t * w)
+            .zip(x.par_chunks(t * w).zip(go.par_chunks(t * dv)))
+            .for_each(|(d, (xs, gs))| self.backward_one(xs, gs, d));
+        Ok(dx)
+    }
+}
+
+impl CustomOp1 for DeltaRule {
+    fn name(&self) -> &'static str {
+        "gated-delta-rule"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let Some((a, b)) = l.contiguous_offsets() else {
+            candle_core::bail!("delta rule: contiguous inputs only");
+        };
+        let (bs, h, t, _) = l.shape().dims4()?;
+        let shape = Shape::from((bs, h, t, self.dv));
+        let out = match s {
+            CpuStorage::F32(v) => CpuStorage::F32(self.fwd(&v[a..b], l.shape())?),
+            CpuStorage::F64(v) => CpuStorage::F64(self.fwd(&v[a..b], l.shape())?),
+            _ => candle_core::bail!("delta rule: f32 or f64 only"),
+        };
+        Ok((out, shape))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        fn host<T: Elem + WithDType>(t: &Tensor) -> Result<Vec<T>> {
+            t.contiguous()?.flatten_all()?.to_vec1()
+        }
+        let dx = match arg.dtype() {
+            candle_core::DType::F32 => {
+                let d = self.bwd_host(&host::<f32>(arg)?, &host::<f32>(grad)?, arg.shape())?;
+                Tensor::from_vec(d, arg.shape(), arg.device())?
+            }
+            candle_core::DType::F64 => {
+                let d = self.bwd_host(&host::<f64>(arg)?, &host::<f64>(grad)?, arg.shape())?;
+                Tensor::from_vec(d, arg.shape(), arg.device())?
+            }
+            d => candle_core::bail!("delta rule: f32 or f64 only, got {d:?}"),
+        };
+        Ok(Some(dx))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor, Var};
+
+    use super::DeltaRule;
+    use crate::model::delta::chunked;
+
+    /// Random inputs `[b, h, t, ·]` (f64): q, k normalised, g ≤ 0, β in (0, 1).
+    fn inputs(b: usize, h: usize, t: usize, dk: usize, dv: usize) -> Vec<Tensor> {
+        let dev = Device::Cpu;
+        let r = |shape: &[usize], seed: u64| {
+            let n: usize = shape.iter().product();
+            let v: Vec<f64> = (0..n)
+                .map(|i| {
+                    let x = crate::model::proj::mix64(seed ^ (i as u64).wrapping_mul(0x9e37));
+                    (x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+                })
+                .collect();
+            Tensor::from_vec(v, shape, &dev).unwrap()
+        };
+        let unit = |x: Tensor| {
+            let n = x.sqr().unwrap().sum_keepdim(3).unwrap().sqrt().unwrap();
+            x.broadcast_div(&n).unwrap()
+        };
+        vec![
+            unit(r(&[b, h, t, dk], 1)),
+            unit(r(&[b, h, t, dk], 2)),
+            r(&[b, h, t, dv], 3),
+            (r(&[b, h, t], 4).abs().unwrap() * -0.5).unwrap(),
+            ((r(&[b, h, t], 5) + 1.0).unwrap() * 0.5).unwrap(),
+        ]
+    }
+
+    fn packed(x: &[Tensor]) -> Tensor {
+        Tensor::cat(
+            &[
+                x[0].clone(),
+                x[1].clone(),
+                x[2].clone(),
+                x[3].unsqueeze(3).unwrap(),
+                x[4].unsqueeze(3).unwrap(),
+            ],
+            3,
+        )
+        .unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        let d: Vec<f64> = (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        d.into_iter().fold(0.0, f64::max)
+    }
+
+    /// The op's outputs and the gradients of a weighted sum of them with respect to q, k, v, g
+    /// and β equal the chunk-wise composition's under candle's autograd (f64, 1e-10), for
+    /// lengths below, at and across the recomputation stretches (64).
+    #[test]
+    fn the_op_and_its_backward_equal_the_chunked_composition() {
+        for t in [1, 5, 64, 70, 131] {
+            let (dk, dv) = (4, 3);
+            let x = inputs(2, 3, t, dk, dv);
+            let vars: Vec<Var> = x.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+            let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let w = inputs(2, 3, t, dk, dv).remove(2); // weights of the outputs [b, h, t, dv]
+            let (want, _) = chunked(&ts[0], &ts[1], &ts[2], &ts[3], &ts[4], None, 16).unwrap();
+            let gw = (&want * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let got = packed(&ts).apply_op1(DeltaRule { dk, dv }).unwrap();
+            assert!(max_diff(&got, &want) < 1e-10, "t {t}: outputs");
+            let gg = (&got * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            for (i, v) in vars.iter().enumerate() {
+                let (a, b) = (
+                    gg.get(v.as_tensor()).unwrap(),
+                    gw.get(v.as_tensor()).unwrap(),
+                );
+                let d = max_diff(a, b);
+                assert!(d < 1e-10, "t {t}: input {i} gradient off by {d:e}");
+            }
+        }
+    }
+}
