@@ -129,6 +129,18 @@ pub fn model_context(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
                     path,
                 )?;
                 lora_rank(group, m, &args)?;
+                // The actor's tokenizer must not reach past its embedding rows.
+                let tok = crate::trainer::setup::tokenizer_override(cfg).unwrap_or(path);
+                if group == "actor_rollout_ref.model" && has_local_config(path) {
+                    if let Ok(t) = crate::weights::load_tokenizer(tok) {
+                        crate::weights::check_vocab(&args, &t, path).map_err(|e| {
+                            ConfigError::Value {
+                                key: key.clone(),
+                                message: e.to_string(),
+                            }
+                        })?;
+                    }
+                }
             }
             Ok(None) => tracing::info!(
                 "`{key}` = {path}: not readable without a download; its context is checked when training loads it"

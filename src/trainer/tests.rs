@@ -502,6 +502,27 @@ fn a_qwen3_5_moe_grpo_run_resumes_bit_exact() {
         .all(|(_, m)| m.get("actor/router_aux_loss").is_some_and(|v| *v > 0.0)));
 }
 
+/// A model whose `vocab_size` is below its tokenizer's ids (the byte tokenizer's 259 on a
+/// 200-row model) is refused when the trainer loads it, naming the model, the tokenizer and
+/// both sizes, instead of at the first such token of a rollout.
+#[test]
+fn a_tokenizer_past_the_models_vocabulary_is_refused_at_load() {
+    let fx = fixture_of(&ModelArgs::tiny(Arch::Llama, 200));
+    let opts = TrainerOptions {
+        natives: natives(),
+        tracker: Some(Tracker::with_sinks(Vec::new())),
+        ..TrainerOptions::default()
+    };
+    let e = match Trainer::new(config(&fx, &[]), opts) {
+        Ok(_) => panic!("a tokenizer past the vocabulary was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("258") && e.contains("vocab_size is 200") && e.contains("tokenizer"),
+        "{e}"
+    );
+}
+
 /// Runs `extra` on `fx` for 4 steps straight, and again stopped after step 2 then resumed in a
 /// new trainer: the actor's (and critic's) weights, the optimizer files of the step-4
 /// checkpoint, every step's deterministic metrics and the KL controller are the same. Returns

@@ -59,6 +59,44 @@ pub fn load_model_and_tokenizer(
     device: &candle_core::Device,
     with_lm_head: bool,
 ) -> Result<(hf::Loaded, crate::data::TokenizerBundle), ModelError> {
+    let (loaded, tok) = load_both(path, tokenizer_path, overrides, dtype, device, with_lm_head)?;
+    check_vocab(&loaded.model.args, &tok, path)?;
+    Ok((loaded, tok))
+}
+
+/// A tokenizer whose ids reach past the model's embedding rows (another model's tokenizer, or a
+/// config whose `vocab_size` was cut) is refused when both are loaded, naming both, instead of
+/// failing at the first such token in a rollout. (Models often have more rows than the
+/// tokenizer has ids: padding for fast kernels; that is fine.)
+pub(crate) fn check_vocab(
+    args: &ModelArgs,
+    tok: &crate::data::TokenizerBundle,
+    path: &str,
+) -> Result<(), ModelError> {
+    let Some(max) = tok.tokenizer.get_vocab(true).into_values().max() else {
+        return Ok(());
+    };
+    if max as usize >= args.vocab_size {
+        return Err(ModelError::File {
+            file: path.to_string(),
+            message: format!(
+                "the tokenizer ({}) has token ids up to {max}, but the model's vocab_size is {}: they belong to different models (give the model's own tokenizer: actor_rollout_ref.model.tokenizer_path / data.tokenizer)",
+                tok.source.display(),
+                args.vocab_size
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn load_both(
+    path: &str,
+    tokenizer_path: Option<&str>,
+    overrides: &serde_json::Map<String, serde_json::Value>,
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+    with_lm_head: bool,
+) -> Result<(hf::Loaded, crate::data::TokenizerBundle), ModelError> {
     let expanded = crate::util::expand_home(path);
     let p = Path::new(&expanded);
     let tok_from = |fallback: Option<crate::data::TokenizerBundle>| -> Result<crate::data::TokenizerBundle, ModelError> {
