@@ -106,7 +106,7 @@ impl Arch {
 /// The `architectures` (`config.json`) this implementation loads, and the block layout each
 /// follows: causal LMs, and the token- and sequence-classification models critics and reward
 /// models are (their backbone plus a `score` head).
-pub const ARCHITECTURES: [(&str, Arch); 26] = [
+pub const ARCHITECTURES: [(&str, Arch); 28] = [
     ("LlamaForCausalLM", Arch::Llama),
     ("LlamaForTokenClassification", Arch::Llama),
     ("LlamaForSequenceClassification", Arch::Llama),
@@ -127,7 +127,9 @@ pub const ARCHITECTURES: [(&str, Arch); 26] = [
     ("Gemma3TextForSequenceClassification", Arch::Gemma3),
     ("Qwen3_5ForCausalLM", Arch::Qwen3_5),
     ("Qwen3_5ForConditionalGeneration", Arch::Qwen3_5),
+    ("Qwen3_5ForTokenClassification", Arch::Qwen3_5),
     ("Qwen3_5TextForSequenceClassification", Arch::Qwen3_5),
+    ("Qwen3_5ForSequenceClassification", Arch::Qwen3_5),
     ("Qwen3_5MoeForCausalLM", Arch::Qwen3_5Moe),
     ("Qwen3_5MoeForConditionalGeneration", Arch::Qwen3_5Moe),
     ("Qwen3NextForCausalLM", Arch::Qwen3Next),

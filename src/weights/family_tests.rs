@@ -637,6 +637,37 @@ fn a_saved_qwen3_moe_checkpoint_reads_back() {
     assert_same_variables(&loaded.varmap, &again.varmap, "saved and read back");
 }
 
+/// Critics and reward models of these families are read under transformers' class names (a
+/// Qwen3.5 critic verl saves is `Qwen3_5ForTokenClassification`; reward models
+/// `Qwen3_5TextForSequenceClassification`, or `Qwen3_5ForSequenceClassification` around the
+/// multimodal backbone): the same layout as the causal LM.
+#[test]
+fn qwen3_5_critic_and_reward_model_names_are_read() {
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir("qwen3_5").join("config.json")).unwrap())
+            .unwrap();
+    let causal = crate::model::ModelArgs::from_hf(&cfg).unwrap();
+    for name in [
+        "Qwen3_5ForTokenClassification",
+        "Qwen3_5TextForSequenceClassification",
+        "Qwen3_5ForSequenceClassification",
+    ] {
+        let mut c = cfg.clone();
+        c["architectures"] = serde_json::json!([name]);
+        assert_eq!(
+            crate::model::ModelArgs::from_hf(&c).unwrap(),
+            causal,
+            "{name}"
+        );
+        if name.ends_with("ForSequenceClassification") {
+            assert_eq!(
+                crate::model::config::reward_arch_of(&c).unwrap(),
+                crate::model::config::RewardArch::Causal(crate::model::Arch::Qwen3_5)
+            );
+        }
+    }
+}
+
 /// Qwen3.5 settings that cannot run are refused naming the key: a missing DeltaNet size, value
 /// heads that are not a multiple of the key heads, a rotary factor that leaves an odd or empty
 /// rotary width, layer types that do not cover the layers.
