@@ -18,6 +18,27 @@ pub const DECODER_ARCHS: [crate::model::Arch; 5] = [
     crate::model::Arch::Qwen3Moe,
 ];
 
+/// `n` pseudo-random values in [-1, 1) from `seed` (splitmix), for reproducible test inputs.
+pub fn uniform(n: usize, seed: u64) -> Vec<f64> {
+    (0..n)
+        .map(|i| {
+            let x = crate::model::proj::mix64(seed ^ (i as u64).wrapping_mul(0x9e37));
+            (x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// The largest `|a − b|` over two tensors of one shape, in f64.
+pub fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
+    let d: Vec<f64> = (a - b)
+        .and_then(|d| d.abs())
+        .and_then(|d| d.to_dtype(candle_core::DType::F64))
+        .and_then(|d| d.flatten_all())
+        .and_then(|d| d.to_vec1())
+        .expect("tensors of one shape");
+    d.into_iter().fold(0.0, f64::max)
+}
+
 /// The Gated DeltaNet hybrids (their own paths: the op composition, the composition's cache).
 pub const HYBRID_ARCHS: [crate::model::Arch; 3] = [
     crate::model::Arch::Qwen3_5,

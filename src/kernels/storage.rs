@@ -6,6 +6,28 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Layout, Result, Tensor};
 
+/// Read guards on the storage of CPU tensors, viewed as contiguous host slices of `T` (custom
+/// ops' backward passes read their operands in place through it).
+pub struct Host<'a>(Vec<(candle_core::StorageRef<'a>, &'a Layout)>);
+
+impl<'a> Host<'a> {
+    pub fn new(ts: &[&'a Tensor]) -> Result<Self> {
+        Ok(Host(ts.iter().map(|t| t.storage_and_layout()).collect()))
+    }
+
+    /// Tensor `i` as a slice; an error unless it is on the CPU, of `T` and contiguous.
+    pub fn slice<T: candle_core::WithDType>(&self, i: usize) -> Result<&[T]> {
+        let (s, l) = &self.0[i];
+        let candle_core::Storage::Cpu(cpu) = &**s else {
+            candle_core::bail!("host view: tensors must be on the CPU");
+        };
+        match l.contiguous_offsets() {
+            Some((a, b)) => Ok(&cpu.as_slice::<T>()?[a..b]),
+            None => candle_core::bail!("host view: tensors must be contiguous"),
+        }
+    }
+}
+
 /// A tensor holding a copy of CPU storage viewed through `l`.
 pub fn tensor_of(s: &CpuStorage, l: &Layout) -> Result<Tensor> {
     let Some((a, b)) = l.contiguous_offsets() else {

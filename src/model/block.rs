@@ -412,7 +412,7 @@ impl Block {
     pub(crate) fn projs(&self) -> Vec<&Proj> {
         let mut all = match &self.mixer {
             Mixer::Attention(a) => vec![&a.q, &a.k, &a.v, &a.o],
-            Mixer::Delta(d) => d.projs().to_vec(),
+            Mixer::Delta(d) => d.projs(),
         };
         match &self.mlp {
             Mlp::Dense(g) => all.extend([&g.gate, &g.up, &g.down]),

@@ -60,26 +60,14 @@ pub fn with_packed<D: Decoder>(model: &CausalLm, d: D) -> Option<Result<D::Out>>
 struct Layer<T> {
     ln1: Vec<T>,
     ln2: Vec<T>,
-    /// A Gated DeltaNet layer's mixer (Qwen3.5 and kin); the attention fields are then empty.
-    delta: Option<DeltaMats<T>>,
-    /// `[hidden, heads·head_dim]`: the attention's output gate (Qwen3.5's doubled `q_proj`).
-    gate: Option<Mat<T>>,
-    /// `[hidden, (heads + 2·kv_heads)·head_dim]`: q, k, v output columns side by side.
-    qkv: Mat<T>,
-    /// `[(heads + 2·kv_heads)·head_dim]` (Qwen2 and `attention_bias` models).
-    qkv_bias: Option<Vec<T>>,
-    /// Qwen3's per-head RMSNorm weights of q and k (`[head_dim]` each).
-    qk_norm: Option<(Vec<T>, Vec<T>)>,
-    /// `[hidden]`: the output projection's bias (`attention_bias` models but Qwen2).
-    o_bias: Option<Vec<T>>,
+    /// Attention, or a Gated DeltaNet (Qwen3.5 and kin).
+    mixer: Mixed<T>,
     /// Gemma's norms of the attention and MLP outputs (`[hidden]` each).
     sandwich: Option<(Vec<T>, Vec<T>)>,
     /// Positions this layer's queries see (sliding-window layers).
     window: Option<usize>,
     /// Whether the layer uses the local RoPE table.
     local_rope: bool,
-    /// `[heads·head_dim, hidden]`.
-    o: Mat<T>,
     /// `[hidden, 2·intermediate]`: gate columns, then up columns (dense layers).
     gate_up: Mat<T>,
     /// `[intermediate, hidden]`.
@@ -323,6 +311,12 @@ fn packed_columns<T: Elem>(ws: &[&Tensor]) -> Result<Vec<T>> {
             }
         });
     Ok(dst)
+}
+
+/// Rows `idx` of `w` `[out, in]` (a weight's rows regrouped at packing).
+fn rows(w: &Tensor, idx: Vec<u32>) -> Result<Tensor> {
+    let n = idx.len();
+    w.index_select(&Tensor::from_vec(idx, n, w.device())?, 0)
 }
 
 fn flat<T: Elem>(w: &Tensor) -> Result<Vec<T>> {
@@ -638,6 +632,44 @@ fn rms_norm<T: Elem>(out: &mut [T], x: &[T], w: &[T], eps: f64) {
         });
 }
 
+/// What every layer of a step reads: the tokens' sequences and positions, each sequence's
+/// `(first row, tokens)`, the rotary tables (global and, for Gemma 3's sliding layers, local).
+struct StepCx<T> {
+    m: usize,
+    seq: Vec<usize>,
+    pos: Vec<usize>,
+    spans: Vec<(usize, usize)>,
+    global: (Vec<T>, Vec<T>),
+    local: Option<(Vec<T>, Vec<T>)>,
+}
+
+/// A step's buffers, reused by every layer: the normed input `[M, hidden]`, q|k|v rows, the
+/// attention output and its gate `[M, heads·head_dim]`, and a layer output before Gemma's
+/// sandwich norm `[M, hidden]`.
+struct Bufs<T> {
+    hn: Vec<T>,
+    qkv: Vec<T>,
+    att: Vec<T>,
+    gates: Vec<T>,
+    out_pre: Vec<T>,
+}
+
+impl<T: Elem> Bufs<T> {
+    fn new(a: &ModelArgs, m: usize) -> Self {
+        let h = a.hidden_size;
+        let dq = a.num_attention_heads * a.head_dim;
+        let dkv = a.num_key_value_heads * a.head_dim;
+        let zeros = |n: usize| vec![T::zero(); n];
+        Self {
+            hn: zeros(m * h),
+            qkv: zeros(m * (dq + 2 * dkv)),
+            att: zeros(m * dq),
+            gates: zeros(if a.attn_output_gate { m * dq } else { 0 }),
+            out_pre: zeros(if a.arch.gemma() { m * h } else { 0 }),
+        }
+    }
+}
+
 /// A layer's mixer packed: attention or a Gated DeltaNet.
 enum Mixed<T> {
     Attention(AttnMats<T>),
@@ -646,11 +678,17 @@ enum Mixed<T> {
 
 /// An attention layer's matrices packed (adapters folded in).
 struct AttnMats<T> {
+    /// `[hidden, (heads + 2·kv_heads)·head_dim]`: q, k, v output columns side by side.
     qkv: Mat<T>,
+    /// `[(heads + 2·kv_heads)·head_dim]` (Qwen2 and `attention_bias` models).
     qkv_bias: Option<Vec<T>>,
+    /// Qwen3's per-head RMSNorm weights of q and k (`[head_dim]` each).
     qk_norm: Option<(Vec<T>, Vec<T>)>,
+    /// `[hidden, heads·head_dim]`: the output gate (Qwen3.5's doubled `q_proj`).
     gate: Option<Mat<T>>,
+    /// `[heads·head_dim, hidden]`.
     o: Mat<T>,
+    /// `[hidden]`: the output projection's bias (`attention_bias` models but Qwen2).
     o_bias: Option<Vec<T>>,
 }
 
@@ -670,12 +708,9 @@ impl<T: Elem> AttnMats<T> {
             false => (q, None),
             true => {
                 let (nh, hd) = (a.num_attention_heads as u32, a.head_dim as u32);
-                let pick = |at: u32| -> Result<Tensor> {
-                    let idx: Vec<u32> = (0..nh)
-                        .flat_map(|h| (0..hd).map(move |j| h * 2 * hd + at + j))
-                        .collect();
-                    let n = idx.len();
-                    q.index_select(&Tensor::from_vec(idx, n, q.device())?, 0)
+                let pick = |at: u32| {
+                    let idx = (0..nh).flat_map(|h| (0..hd).map(move |j| h * 2 * hd + at + j));
+                    rows(&q, idx.collect())
                 };
                 (pick(0)?, Some(Mat::from_weights(&[&pick(hd)?], bf16)?))
             }
@@ -694,18 +729,6 @@ impl<T: Elem> AttnMats<T> {
             o_bias: at.o.bias().map(flat).transpose()?,
             o: Mat::from_weights(&[&o], bf16)?,
         })
-    }
-
-    /// No attention (a DeltaNet layer's slots).
-    fn empty() -> Self {
-        Self {
-            qkv: Mat::Plain(Vec::new()),
-            qkv_bias: None,
-            qk_norm: None,
-            gate: None,
-            o: Mat::Plain(Vec::new()),
-            o_bias: None,
-        }
     }
 }
 
@@ -785,26 +808,16 @@ impl<T: Elem> Packed<T> {
                     )
                 }
             };
-            let (delta, at) = match mixer {
-                Mixed::Delta(d) => (Some(d), AttnMats::empty()),
-                Mixed::Attention(at) => (None, at),
-            };
             layers.push(Layer {
                 ln1: nw(&b.ln1)?,
                 ln2: nw(&b.ln2)?,
-                delta,
-                gate: at.gate,
-                qkv: at.qkv,
-                qkv_bias: at.qkv_bias,
-                qk_norm: at.qk_norm,
+                mixer,
                 sandwich: match &b.sandwich {
                     Some((pa, pf)) => Some((nw(pa)?, nw(pf)?)),
                     None => None,
                 },
                 window: b.window,
                 local_rope: b.local_rope,
-                o_bias: at.o_bias,
-                o: at.o,
                 gate_up,
                 down,
                 experts,
@@ -838,36 +851,32 @@ impl<T: Elem> Packed<T> {
         caches: &mut [&mut SeqCache<C>],
     ) -> Result<Vec<Vec<f32>>> {
         let a = &self.args;
-        let (h, hd, nh, nkv) = (
-            a.hidden_size,
-            a.head_dim,
-            a.num_attention_heads,
-            a.num_key_value_heads,
-        );
-        let inter = a.intermediate_size;
-        let dq = nh * hd;
-        let dkv = nkv * hd;
-        let dqkv = dq + 2 * dkv;
+        let (h, inter) = (a.hidden_size, a.intermediate_size);
+        let dkv = a.num_key_value_heads * a.head_dim;
         if tokens.len() != caches.len() {
             candle_core::bail!("{} token lists for {} caches", tokens.len(), caches.len());
         }
         let (seq, pos, ids) = token_layout(tokens, caches, a.vocab_size)?;
         let m = ids.len();
-        // Each sequence's (first row, tokens) in the step's rows.
-        let spans: Vec<(usize, usize)> = tokens
-            .iter()
-            .scan(0, |at, t| {
-                let span = (*at, t.len());
-                *at += t.len();
-                Some(span)
-            })
-            .collect();
-        let rd = a.rotary_dim();
-        let global = rotary_tables::<T>(&pos, &self.inv_freq);
-        let local = self
-            .inv_freq_local
-            .as_deref()
-            .map(|f| rotary_tables::<T>(&pos, f));
+        let cx = StepCx {
+            m,
+            // Each sequence's (first row, tokens) in the step's rows.
+            spans: tokens
+                .iter()
+                .scan(0, |at, t| {
+                    let span = (*at, t.len());
+                    *at += t.len();
+                    Some(span)
+                })
+                .collect(),
+            global: rotary_tables::<T>(&pos, &self.inv_freq),
+            local: self
+                .inv_freq_local
+                .as_deref()
+                .map(|f| rotary_tables::<T>(&pos, f)),
+            seq,
+            pos,
+        };
         let mut x = vec![T::zero(); m * h]; // [M, hidden]
         for (i, &id) in ids.iter().enumerate() {
             let r = id as usize * h;
@@ -877,94 +886,38 @@ impl<T: Elem> Packed<T> {
             let scale = T::from_f64(scale);
             x.par_iter_mut().for_each(|v| *v *= scale);
         }
-        // Gemma's sandwich norms: a layer's output before its norm.
-        let mut out_pre = if a.arch.gemma() {
-            vec![T::zero(); m * h]
-        } else {
-            Vec::new()
-        };
-        let mut hn = vec![T::zero(); m * h]; // [M, hidden]
-        let mut qkv = vec![T::zero(); m * dqkv]; // [M, (nh + 2·nkv)·hd]
-        let mut att = vec![T::zero(); m * dq]; // [M, nh·hd]
-        let mut gates = match a.attn_output_gate {
-            true => vec![T::zero(); m * dq], // [M, nh·hd]
-            false => Vec::new(),
-        };
+        let mut bufs = Bufs::new(a, m);
         let mut gu = vec![T::zero(); m * 2 * inter]; // [M, 2·intermediate]
         let mut act = vec![T::zero(); m * inter]; // [M, intermediate]
-        let scale = T::from_f64(a.attn_scale());
         let gelu = a.arch.gemma();
         for (li, l) in self.layers.iter().enumerate() {
-            rms_norm(&mut hn, &x, &l.ln1, a.rms_norm_eps);
-            if let Some(d) = &l.delta {
-                d.step(li, &hn, &mut x, (m, h), &spans, caches, a.rms_norm_eps);
-            } else {
-                l.qkv.apply(&mut qkv, &hn, m, h, dqkv, false);
-                if let Some(b) = &l.qkv_bias {
-                    add_to_rows(&mut qkv, b);
-                }
-                let tables = match (&local, l.local_rope) {
-                    (Some(t), true) => t,
-                    _ => &global,
-                };
-                norm_and_rotate(
-                    &mut qkv,
-                    (dq, dkv, hd, rd),
-                    l.qk_norm.as_ref(),
-                    tables,
-                    a.rms_norm_eps,
-                );
-                // New keys and values join their sequence's cache, in token order.
-                for (i, row) in qkv.chunks(dqkv).enumerate() {
-                    let c = &mut caches[seq[i]];
-                    c.k[li].extend(row[dq..dq + dkv].iter().map(|&x| C::store(x)));
-                    c.v[li].extend(row[dq + dkv..].iter().map(|&x| C::store(x)));
-                }
-                let tokens_at = (seq.as_slice(), pos.as_slice());
-                attend_tokens(
-                    &mut att,
-                    &qkv,
-                    caches,
+            rms_norm(&mut bufs.hn, &x, &l.ln1, a.rms_norm_eps);
+            match &l.mixer {
+                Mixed::Delta(d) => d.step(
                     li,
-                    tokens_at,
-                    (dq, dkv, hd),
-                    l.window,
-                    scale,
-                );
-                if let Some(g) = &l.gate {
-                    // Qwen3.5's output gate: att ⊙ sigmoid(h·W_gate).
-                    g.apply(&mut gates, &hn, m, h, dq, false);
-                    att.par_iter_mut()
-                        .zip(gates.par_iter())
-                        .for_each(|(v, &g)| *v /= T::one() + (-g).exp_fast());
-                }
-                match &l.sandwich {
-                    Some((pa, _)) => {
-                        l.o.apply(&mut out_pre, &att, m, dq, h, false);
-                        if let Some(b) = &l.o_bias {
-                            add_to_rows(&mut out_pre, b);
-                        }
-                        add_normed(&mut x, &out_pre, pa, &mut hn, a.rms_norm_eps);
-                    }
-                    None => {
-                        l.o.apply(&mut x, &att, m, dq, h, true);
-                        if let Some(b) = &l.o_bias {
-                            add_to_rows(&mut x, b);
-                        }
-                    }
+                    &bufs.hn,
+                    &mut x,
+                    (m, h),
+                    &cx.spans,
+                    caches,
+                    a.rms_norm_eps,
+                ),
+                Mixed::Attention(at) => {
+                    self.attention(li, l, at, &cx, &mut bufs, &mut x, caches);
                 }
             }
-            rms_norm(&mut hn, &x, &l.ln2, a.rms_norm_eps);
+            let hn = &mut bufs.hn;
+            rms_norm(hn, &x, &l.ln2, a.rms_norm_eps);
             if let Some(e) = &l.experts {
-                experts_step(e, &mut x, &hn, m, h);
+                experts_step(e, &mut x, hn, m, h);
                 continue;
             }
-            l.gate_up.apply(&mut gu, &hn, m, h, 2 * inter, false);
+            l.gate_up.apply(&mut gu, hn, m, h, 2 * inter, false);
             gated_act(&mut act, &gu, inter, gelu);
             match &l.sandwich {
                 Some((_, pf)) => {
-                    l.down.apply(&mut out_pre, &act, m, inter, h, false);
-                    add_normed(&mut x, &out_pre, pf, &mut hn, a.rms_norm_eps);
+                    l.down.apply(&mut bufs.out_pre, &act, m, inter, h, false);
+                    add_normed(&mut x, &bufs.out_pre, pf, hn, a.rms_norm_eps);
                 }
                 None => l.down.apply(&mut x, &act, m, inter, h, true),
             }
@@ -976,6 +929,84 @@ impl<T: Elem> Packed<T> {
             }
         }
         Ok(self.last_logits(&x, tokens))
+    }
+
+    /// Attention layer `li` (`l`, its matrices `at`) for every token of the step, its output
+    /// added into `x` (through Gemma's post-attention norm where the layer has one); the new
+    /// keys and values join their sequences' caches. `bufs.hn` holds the normed input.
+    #[allow(clippy::too_many_arguments)]
+    fn attention<C: KvElem<T>>(
+        &self,
+        li: usize,
+        l: &Layer<T>,
+        at: &AttnMats<T>,
+        cx: &StepCx<T>,
+        bufs: &mut Bufs<T>,
+        x: &mut [T],
+        caches: &mut [&mut SeqCache<C>],
+    ) {
+        let a = &self.args;
+        let (h, hd, m) = (a.hidden_size, a.head_dim, cx.m);
+        let dq = a.num_attention_heads * hd;
+        let dkv = a.num_key_value_heads * hd;
+        let dqkv = dq + 2 * dkv;
+        let Bufs {
+            hn,
+            qkv,
+            att,
+            gates,
+            out_pre,
+        } = bufs;
+        at.qkv.apply(qkv, hn, m, h, dqkv, false);
+        if let Some(b) = &at.qkv_bias {
+            add_to_rows(qkv, b);
+        }
+        let tables = match (&cx.local, l.local_rope) {
+            (Some(t), true) => t,
+            _ => &cx.global,
+        };
+        let widths = (dq, dkv, hd, a.rotary_dim());
+        norm_and_rotate(qkv, widths, at.qk_norm.as_ref(), tables, a.rms_norm_eps);
+        // New keys and values join their sequence's cache, in token order.
+        for (i, row) in qkv.chunks(dqkv).enumerate() {
+            let c = &mut caches[cx.seq[i]];
+            c.k[li].extend(row[dq..dq + dkv].iter().map(|&x| C::store(x)));
+            c.v[li].extend(row[dq + dkv..].iter().map(|&x| C::store(x)));
+        }
+        let tokens_at = (cx.seq.as_slice(), cx.pos.as_slice());
+        let scale = T::from_f64(a.attn_scale());
+        attend_tokens(
+            att,
+            qkv,
+            caches,
+            li,
+            tokens_at,
+            (dq, dkv, hd),
+            l.window,
+            scale,
+        );
+        if let Some(g) = &at.gate {
+            // Qwen3.5's output gate: att ⊙ sigmoid(h·W_gate).
+            g.apply(gates, hn, m, h, dq, false);
+            att.par_iter_mut()
+                .zip(gates.par_iter())
+                .for_each(|(v, &g)| *v /= T::one() + (-g).exp_fast());
+        }
+        match &l.sandwich {
+            Some((pa, _)) => {
+                at.o.apply(out_pre, att, m, dq, h, false);
+                if let Some(b) = &at.o_bias {
+                    add_to_rows(out_pre, b);
+                }
+                add_normed(x, out_pre, pa, hn, a.rms_norm_eps);
+            }
+            None => {
+                at.o.apply(x, att, m, dq, h, true);
+                if let Some(b) = &at.o_bias {
+                    add_to_rows(x, b);
+                }
+            }
+        }
     }
 
     /// The logits of the last new token of each sequence (final norm, LM head) from the

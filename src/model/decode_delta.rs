@@ -15,13 +15,14 @@
 //! for a bf16 cache, as vLLM keeps a bf16 model's recurrent state). Jobs run in parallel over
 //! (sequence, value head), so a single long prompt is still spread over the heads.
 
-use candle_core::{Result, Tensor, WithDType};
+use candle_core::{Result, WithDType};
 use rayon::prelude::*;
 
-use super::{flat, Mat, SeqCache};
+use super::{flat, rows, Mat, SeqCache};
 use crate::kernels::elem::{Elem, KvElem};
 use crate::model::config::LinearAttnArgs;
 use crate::model::delta::{DeltaNet, Inputs};
+use crate::model::delta_op::token;
 
 /// One DeltaNet layer packed for decoding.
 pub(super) struct DeltaMats<T> {
@@ -37,12 +38,6 @@ pub(super) struct DeltaMats<T> {
     /// The gated RMSNorm's scale `[dv]` (no `1 +`).
     norm: Vec<T>,
     la: LinearAttnArgs,
-}
-
-/// Rows `idx` of `w` `[out, in]`.
-fn rows(w: &Tensor, idx: Vec<u32>) -> Result<Tensor> {
-    let n = idx.len();
-    w.index_select(&Tensor::from_vec(idx, n, w.device())?, 0)
 }
 
 impl<T: Elem> DeltaMats<T> {
@@ -109,19 +104,30 @@ impl<T: Elem> DeltaMats<T> {
         eps: f64,
     ) {
         let la = &self.la;
-        let (nk, nv, dk, dv, kw) = (
-            la.num_key_heads,
-            la.num_value_heads,
-            la.key_head_dim,
-            la.value_head_dim,
-            la.conv_kernel,
-        );
-        let (cd, vd, kd) = (la.conv_dim(), la.value_dim(), la.key_dim());
-        let width = cd + vd + 2 * nv;
+        let (cd, vd) = (la.conv_dim(), la.value_dim());
+        let width = cd + vd + 2 * la.num_value_heads;
         let mut proj = vec![T::zero(); m * width]; // [M, cd | vd | nv | nv]
         self.inp.apply(&mut proj, hn, m, h, width, false);
-        // The convolution, token by token per sequence, from and into its state.
-        let mut c = vec![T::zero(); m * cd]; // [M, cd]
+        let mut c = self.convolve(li, &proj, width, spans, caches); // [M, cd]
+        normalise_qk(&mut c, la);
+        let mut y = self.recur(li, &c, (&proj, width), spans, caches); // [M, nv·dv]
+        self.gated_norm(&mut y, (&proj, width), eps);
+        self.out.apply(x, &y, m, vd, h, true);
+    }
+
+    /// The causal convolution and SiLU of every token's `u` (the first `conv_dim` values of
+    /// its `proj` row of `width`), token by token per sequence from and into its state:
+    /// `[M, conv_dim]`.
+    fn convolve<C: KvElem<T>>(
+        &self,
+        li: usize,
+        proj: &[T],
+        width: usize,
+        spans: &[(usize, usize)],
+        caches: &mut [&mut SeqCache<C>],
+    ) -> Vec<T> {
+        let (cd, kw) = (self.la.conv_dim(), self.la.conv_kernel);
+        let mut c = vec![T::zero(); spans.iter().map(|s| s.1).sum::<usize>() * cd];
         for (&(first, n), cache) in spans.iter().zip(caches.iter_mut()) {
             let state = &mut cache.conv[li];
             if state.is_empty() {
@@ -146,20 +152,24 @@ impl<T: Elem> DeltaMats<T> {
                 }
             }
         }
-        // q and k normalised per key head (q also scaled by dk^-½).
-        let scale = T::from_f64(1.0 / (dk as f64).sqrt());
-        c.par_chunks_mut(cd).for_each(|row| {
-            for (j, head) in row[..2 * kd].chunks_mut(dk).enumerate() {
-                let ss = head.iter().fold(T::zero(), |s, &v| s + v * v);
-                let mut inv = (ss + T::from_f64(1e-6)).sqrt().recip();
-                if j < nk {
-                    inv *= scale;
-                }
-                head.iter_mut().for_each(|v| *v *= inv);
-            }
-        });
-        // Per (sequence, value head): the recurrence over the sequence's tokens.
-        let r = nv / nk;
+        c
+    }
+
+    /// The delta rule per (sequence, value head) over the sequence's tokens, from and into its
+    /// state: the outputs `[M, nv·dv]` in token order. `c` holds each token's normalised q, k
+    /// and v; `proj` (rows of `width`) its β and decay inputs after `conv_dim + nv·dv` values.
+    fn recur<C: KvElem<T>>(
+        &self,
+        li: usize,
+        c: &[T],
+        (proj, width): (&[T], usize),
+        spans: &[(usize, usize)],
+        caches: &mut [&mut SeqCache<C>],
+    ) -> Vec<T> {
+        let la = &self.la;
+        let (nv, dk, dv) = (la.num_value_heads, la.key_head_dim, la.value_head_dim);
+        let (cd, vd, kd) = (la.conv_dim(), la.value_dim(), la.key_dim());
+        let r = nv / la.num_key_heads;
         let mut jobs: Vec<(usize, usize, &mut [C])> = Vec::new();
         for (s, cache) in caches.iter_mut().enumerate() {
             let st = &mut cache.rec[li];
@@ -170,59 +180,56 @@ impl<T: Elem> DeltaMats<T> {
                 jobs.push((s, hh, part));
             }
         }
+        // Each rayon thread keeps one state [dk, dv] and one δ [dv] in T for all its jobs.
+        let scratch = || (vec![T::zero(); dk * dv], vec![T::zero(); dv]);
         let outs: Vec<Vec<T>> = jobs
             .into_par_iter()
-            .map(|(s, hh, part)| {
+            .map_init(scratch, |(st, delta), (s, hh, part)| {
                 let (first, n) = spans[s];
-                let mut st: Vec<T> = part.iter().map(|v| v.load()).collect(); // [dk, dv]
+                st.iter_mut()
+                    .zip(part.iter())
+                    .for_each(|(x, v)| *x = v.load());
                 let mut o = vec![T::zero(); n * dv];
-                let mut delta = vec![T::zero(); dv];
-                for t in 0..n {
-                    let i = first + t;
-                    let row = &c[i * cd..][..cd];
-                    let q = &row[hh / r * dk..][..dk];
-                    let k = &row[kd + hh / r * dk..][..dk];
-                    let v = &row[2 * kd + hh * dv..][..dv];
-                    let p = &proj[i * width + cd + vd..];
+                for (t, oi) in o.chunks_exact_mut(dv).enumerate() {
+                    let row = &c[(first + t) * cd..][..cd];
+                    let qkv = (
+                        &row[hh / r * dk..][..dk],
+                        &row[kd + hh / r * dk..][..dk],
+                        &row[2 * kd + hh * dv..][..dv],
+                    );
+                    let p = &proj[(first + t) * width + cd + vd..];
                     let beta = T::one() / (T::one() + (-p[hh]).exp_fast());
                     let z = p[nv + hh] + self.dt_bias[hh];
                     let sp = num_traits::Float::max(z, T::zero())
                         + (T::one() + (-z.abs()).exp_fast()).ln();
                     let decay = (self.neg_a[hh] * sp).exp_fast();
-                    st.iter_mut().for_each(|x| *x *= decay);
-                    delta.copy_from_slice(v);
-                    for (a, srow) in k.iter().zip(st.chunks_exact(dv)) {
-                        for (d, &sv) in delta.iter_mut().zip(srow) {
-                            *d -= *a * sv;
-                        }
-                    }
-                    delta.iter_mut().for_each(|d| *d *= beta);
-                    let oi = &mut o[t * dv..][..dv];
-                    for ((a, b), srow) in k.iter().zip(q).zip(st.chunks_exact_mut(dv)) {
-                        for ((sv, &d), ov) in srow.iter_mut().zip(&delta).zip(oi.iter_mut()) {
-                            *sv += *a * d;
-                            *ov += *b * *sv;
-                        }
-                    }
+                    token(st, delta, qkv, (decay, beta), Some(oi));
                 }
-                for (x, &v) in part.iter_mut().zip(&st) {
-                    *x = C::store(v);
-                }
+                part.iter_mut()
+                    .zip(st.iter())
+                    .for_each(|(x, &v)| *x = C::store(v));
                 o
             })
             .collect();
-        // Outputs [M, nv·dv] in token order, then the gated norm with silu(z).
+        let m = spans.iter().map(|s| s.1).sum::<usize>();
         let mut y = vec![T::zero(); m * vd];
-        let mut job = 0;
-        for &(first, n) in spans {
-            for hh in 0..nv {
-                for t in 0..n {
-                    y[(first + t) * vd + hh * dv..][..dv]
-                        .copy_from_slice(&outs[job][t * dv..][..dv]);
-                }
-                job += 1;
+        for (job, o) in outs.iter().enumerate() {
+            let ((first, n), hh) = (spans[job / nv], job % nv);
+            for t in 0..n {
+                y[(first + t) * vd + hh * dv..][..dv].copy_from_slice(&o[t * dv..][..dv]);
             }
         }
+        y
+    }
+
+    /// Each value head's output `y` `[M, nv·dv]` through the RMSNorm (scale `norm`) gated by
+    /// `silu(z)`, z from `proj` (rows of `width`) after `conv_dim` values.
+    fn gated_norm(&self, y: &mut [T], (proj, width): (&[T], usize), eps: f64) {
+        let (cd, vd, dv) = (
+            self.la.conv_dim(),
+            self.la.value_dim(),
+            self.la.value_head_dim,
+        );
         let (eps, dv_t) = (T::from_f64(eps), T::from_f64(dv as f64));
         y.par_chunks_mut(vd).enumerate().for_each(|(i, row)| {
             let z = &proj[i * width + cd..][..vd];
@@ -234,7 +241,6 @@ impl<T: Elem> DeltaMats<T> {
                 }
             }
         });
-        self.out.apply(x, &y, m, vd, h, true);
     }
 
     /// Elements of a sequence's state in this layer: `(K − 1)·conv_dim + nv·dk·dv`.
@@ -242,4 +248,21 @@ impl<T: Elem> DeltaMats<T> {
         (la.conv_kernel - 1) * la.conv_dim()
             + la.num_value_heads * la.key_head_dim * la.value_head_dim
     }
+}
+
+/// q and k of every token's convolution output row (`[M, conv_dim]`) L2-normalised per key
+/// head (FLA's 1e-6 under the root), q also scaled by `dk^-½`.
+fn normalise_qk<T: Elem>(c: &mut [T], la: &LinearAttnArgs) {
+    let (nk, dk, kd) = (la.num_key_heads, la.key_head_dim, la.key_dim());
+    let scale = T::from_f64(1.0 / (dk as f64).sqrt());
+    c.par_chunks_mut(la.conv_dim()).for_each(|row| {
+        for (j, head) in row[..2 * kd].chunks_mut(dk).enumerate() {
+            let ss = head.iter().fold(T::zero(), |s, &v| s + v * v);
+            let mut inv = (ss + T::from_f64(1e-6)).sqrt().recip();
+            if j < nk {
+                inv *= scale;
+            }
+            head.iter_mut().for_each(|v| *v *= inv);
+        }
+    });
 }

@@ -257,10 +257,6 @@ impl DeltaNet {
             .neg()?
             .transpose(1, 2)?
             .contiguous()?; // [b, nv, t]
-        let s0 = state
-            .as_deref()
-            .and_then(Option::as_ref)
-            .map(|s| s.rec.clone());
         let o = match state {
             // Training and no-cache forwards on the CPU: the hand-written recurrence
             // (`delta_op`, its own backward, states kept every 64 tokens).
@@ -269,7 +265,8 @@ impl DeltaNet {
                 x.apply_op1(super::delta_op::DeltaRule { dk, dv })? // [b, nv, t, dv]
             }
             _ => {
-                let (o, s) = chunked(&q, &k, &v, &g, &beta, s0.as_ref(), CHUNK)?; // [b, nv, t, dv]
+                let s0 = state.as_deref().and_then(Option::as_ref).map(|s| &s.rec);
+                let (o, s) = chunked(&q, &k, &v, &g, &beta, s0, CHUNK)?; // [b, nv, t, dv]
                 if let Some(slot) = state {
                     *slot = Some(DeltaState {
                         conv: up.narrow(1, t, kw - 1)?.detach().contiguous()?,
@@ -479,21 +476,14 @@ pub(crate) fn recurrent(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn inputs(b: usize, h: usize, t: usize, dk: usize, dv: usize) -> [Tensor; 6] {
-        let dev = Device::Cpu;
+    /// Random q, k (normalised), v, g ≤ 0, β in [0, 1) `[b, h, t, ·]` and a state (f64).
+    pub(crate) fn inputs(b: usize, h: usize, t: usize, dk: usize, dv: usize) -> [Tensor; 6] {
         let r = |shape: &[usize], seed: u64| {
-            // A fixed pseudo-random fill (splitmix) for reproducible inputs.
             let n: usize = shape.iter().product();
-            let v: Vec<f64> = (0..n)
-                .map(|i| {
-                    let x = crate::model::proj::mix64(seed ^ (i as u64).wrapping_mul(0x9e37));
-                    (x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-                })
-                .collect();
-            Tensor::from_vec(v, shape, &dev).unwrap()
+            Tensor::from_vec(crate::testing::uniform(n, seed), shape, &Device::Cpu).unwrap()
         };
         let q = l2norm(&r(&[b, h, t, dk], 1)).unwrap();
         let k = l2norm(&r(&[b, h, t, dk], 2)).unwrap();
@@ -504,18 +494,7 @@ mod tests {
         [q, k, v, g, beta, s0]
     }
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap()
-    }
+    use crate::testing::max_abs_diff as max_diff;
 
     /// The chunk-wise recurrence equals the token-by-token one (f64, 1e-10) for lengths that
     /// are and are not multiples of the chunk, with and without an initial state.

@@ -15,10 +15,11 @@
 //! Inputs are packed side by side, `[b, h, t, 2·dk + dv + 2]`: q (normalised and scaled), k,
 //! v, g, β; the output is `[b, h, t, dv]`.
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::kernels::elem::Elem;
+use crate::kernels::storage::Host;
 
 /// Tokens between kept states in the backward's recomputation.
 const CHECKPOINT: usize = 64;
@@ -191,9 +192,22 @@ fn step<T: Elem>(
     out: Option<&mut [T]>,
 ) {
     let w = row.len();
-    let (q, k) = (&row[..dk], &row[dk..2 * dk]);
-    let v = &row[2 * dk..2 * dk + dv];
-    let (a, beta) = (row[w - 2].exp(), row[w - 1]);
+    let qkv = (&row[..dk], &row[dk..2 * dk], &row[2 * dk..2 * dk + dv]);
+    token(s, delta, qkv, (row[w - 2].exp(), row[w - 1]), out);
+}
+
+/// One token of the recurrence on state `s` `[dk, dv]` from its `q`, `k` `[dk]`, `v` `[dv]`,
+/// decay `a = e^g` and write strength `β`; the output `Sᵀq` goes to `out` when given. `delta`
+/// is scratch `[dv]`. (The decode engine's DeltaNet layers run the same function.)
+#[inline]
+pub(crate) fn token<T: Elem>(
+    s: &mut [T],
+    delta: &mut [T],
+    (q, k, v): (&[T], &[T], &[T]),
+    (a, beta): (T, T),
+    out: Option<&mut [T]>,
+) {
+    let dv = v.len();
     // S ← a·S; δ = β(v − Sᵀk).
     delta.copy_from_slice(v);
     for (&kv, srow) in k.iter().zip(s.chunks_exact_mut(dv)) {
@@ -272,16 +286,15 @@ impl CustomOp1 for DeltaRule {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        fn host<T: Elem + WithDType>(t: &Tensor) -> Result<Vec<T>> {
-            t.contiguous()?.flatten_all()?.to_vec1()
-        }
+        let (arg, grad) = (arg.contiguous()?, grad.contiguous()?);
+        let host = Host::new(&[&arg, &grad])?;
         let dx = match arg.dtype() {
             candle_core::DType::F32 => {
-                let d = self.bwd_host(&host::<f32>(arg)?, &host::<f32>(grad)?, arg.shape())?;
+                let d = self.bwd_host(host.slice::<f32>(0)?, host.slice(1)?, arg.shape())?;
                 Tensor::from_vec(d, arg.shape(), arg.device())?
             }
             candle_core::DType::F64 => {
-                let d = self.bwd_host(&host::<f64>(arg)?, &host::<f64>(grad)?, arg.shape())?;
+                let d = self.bwd_host(host.slice::<f64>(0)?, host.slice(1)?, arg.shape())?;
                 Tensor::from_vec(d, arg.shape(), arg.device())?
             }
             d => candle_core::bail!("delta rule: f32 or f64 only, got {d:?}"),
@@ -297,30 +310,10 @@ mod tests {
     use super::DeltaRule;
     use crate::model::delta::chunked;
 
-    /// Random inputs `[b, h, t, ·]` (f64): q, k normalised, g ≤ 0, β in (0, 1).
+    /// q, k, v, g, β of [`crate::model::delta::tests::inputs`] (f64).
     fn inputs(b: usize, h: usize, t: usize, dk: usize, dv: usize) -> Vec<Tensor> {
-        let dev = Device::Cpu;
-        let r = |shape: &[usize], seed: u64| {
-            let n: usize = shape.iter().product();
-            let v: Vec<f64> = (0..n)
-                .map(|i| {
-                    let x = crate::model::proj::mix64(seed ^ (i as u64).wrapping_mul(0x9e37));
-                    (x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-                })
-                .collect();
-            Tensor::from_vec(v, shape, &dev).unwrap()
-        };
-        let unit = |x: Tensor| {
-            let n = x.sqr().unwrap().sum_keepdim(3).unwrap().sqrt().unwrap();
-            x.broadcast_div(&n).unwrap()
-        };
-        vec![
-            unit(r(&[b, h, t, dk], 1)),
-            unit(r(&[b, h, t, dk], 2)),
-            r(&[b, h, t, dv], 3),
-            (r(&[b, h, t], 4).abs().unwrap() * -0.5).unwrap(),
-            ((r(&[b, h, t], 5) + 1.0).unwrap() * 0.5).unwrap(),
-        ]
+        let [q, k, v, g, beta, _] = crate::model::delta::tests::inputs(b, h, t, dk, dv);
+        vec![q, k, v, g, beta]
     }
 
     fn packed(x: &[Tensor]) -> Tensor {
@@ -337,17 +330,7 @@ mod tests {
         .unwrap()
     }
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        let d: Vec<f64> = (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        d.into_iter().fold(0.0, f64::max)
-    }
+    use crate::testing::max_abs_diff as max_diff;
 
     /// The op's outputs and the gradients of a weighted sum of them with respect to q, k, v, g
     /// and β equal the chunk-wise composition's under candle's autograd (f64, 1e-10), for
@@ -359,7 +342,10 @@ mod tests {
             let x = inputs(2, 3, t, dk, dv);
             let vars: Vec<Var> = x.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
             let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-            let w = inputs(2, 3, t, dk, dv).remove(2); // weights of the outputs [b, h, t, dv]
+            // Weights of the outputs [b, h, t, dv].
+            let n = 2 * 3 * t * dv;
+            let w = Tensor::from_vec(crate::testing::uniform(n, 7), (2, 3, t, dv), &Device::Cpu)
+                .unwrap();
             let (want, _) = chunked(&ts[0], &ts[1], &ts[2], &ts[3], &ts[4], None, 16).unwrap();
             let gw = (&want * &w).unwrap().sum_all().unwrap().backward().unwrap();
             let got = packed(&ts).apply_op1(DeltaRule { dk, dv }).unwrap();

@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::{Init, Linear, VarBuilder};
 
 use crate::kernels::elem::Elem;
-use crate::kernels::storage::{storage_of, tensor_of};
+use crate::kernels::storage::{storage_of, tensor_of, Host};
 
 /// A low-rank update of one projection: `A` `[r, in]`, `B` `[out, r]`, scale `s`.
 #[derive(Clone)]
@@ -161,21 +161,6 @@ impl candle_core::CustomOp1 for FrozenMatmul {
 /// layer does not serve (the Gated DeltaNet hybrids).
 struct Bf16Linear;
 
-/// Contiguous f32 host slices of CPU tensors, borrowed from their storage.
-fn host_f32<'a>(
-    guards: &'a [(candle_core::StorageRef<'a>, &'a candle_core::Layout)],
-    i: usize,
-) -> Result<&'a [f32]> {
-    let (s, l) = &guards[i];
-    let candle_core::Storage::Cpu(cpu) = &**s else {
-        candle_core::bail!("bf16 linear: CPU tensors only");
-    };
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&cpu.as_slice::<f32>()?[a..b]),
-        None => candle_core::bail!("bf16 linear: contiguous tensors only"),
-    }
-}
-
 impl candle_core::CustomOp2 for Bf16Linear {
     fn name(&self) -> &'static str {
         "bf16-linear"
@@ -230,15 +215,11 @@ impl candle_core::CustomOp2 for Bf16Linear {
         let (n, inp) = x.dims2()?;
         let out = w.dim(0)?;
         let (x, grad) = (x.contiguous()?, grad.contiguous()?);
-        let guards = [
-            x.storage_and_layout(),
-            w.storage_and_layout(),
-            grad.storage_and_layout(),
-        ];
+        let host = Host::new(&[&x, w, &grad])?;
         let (xs, ws, gs) = (
-            host_f32(&guards, 0)?,
-            host_f32(&guards, 1)?,
-            host_f32(&guards, 2)?,
+            host.slice::<f32>(0)?,
+            host.slice::<f32>(1)?,
+            host.slice::<f32>(2)?,
         );
         let par = crate::kernels::simd::Par::Rayon;
         let mut dx = vec![0f32; n * inp];
@@ -255,7 +236,7 @@ impl candle_core::CustomOp2 for Bf16Linear {
             }
             false => None,
         };
-        drop(guards);
+        drop(host);
         Ok((Some(Tensor::from_vec(dx, (n, inp), x.device())?), dw))
     }
 }
@@ -360,11 +341,9 @@ mod tests {
         }
         let dev = Device::Cpu;
         let r = |n: usize, seed: u64| -> Vec<f32> {
-            (0..n)
-                .map(|i| {
-                    let x = super::mix64(seed ^ (i as u64).wrapping_mul(0x9e37));
-                    ((x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
-                })
+            crate::testing::uniform(n, seed)
+                .into_iter()
+                .map(|x| x as f32)
                 .collect()
         };
         let (n, inp, out) = (37, 70, 45);

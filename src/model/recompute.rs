@@ -26,7 +26,7 @@ use super::config::ModelArgs;
 use super::layer;
 use super::proj::Proj;
 use crate::kernels::elem::Elem;
-use crate::kernels::storage::{storage_of, tensor_of};
+use crate::kernels::storage::{storage_of, tensor_of, Host};
 
 type Stash = Arc<Mutex<Vec<Option<Tensor>>>>;
 
@@ -46,26 +46,6 @@ fn weights(b: &Block) -> Vec<Tensor> {
     }
     w.retain(Tensor::track_op);
     w
-}
-
-/// Read guards on the storage of CPU tensors, viewed as host slices of `T`.
-struct Host<'a>(Vec<(candle_core::StorageRef<'a>, &'a Layout)>);
-
-impl<'a> Host<'a> {
-    fn new(ts: &[&'a Tensor]) -> Result<Self> {
-        Ok(Host(ts.iter().map(|t| t.storage_and_layout()).collect()))
-    }
-
-    fn slice<T: Elem>(&self, i: usize) -> Result<&[T]> {
-        let (s, l) = &self.0[i];
-        let candle_core::Storage::Cpu(cpu) = &**s else {
-            candle_core::bail!("fused decoder layer: tensors must be on the CPU");
-        };
-        match l.contiguous_offsets() {
-            Some((a, b)) => Ok(&cpu.as_slice::<T>()?[a..b]),
-            None => candle_core::bail!("fused decoder layer: tensors must be contiguous"),
-        }
-    }
 }
 
 /// Runs `f` on [`super::layer`]'s view of layer `l` (weights borrowed from their storage) for

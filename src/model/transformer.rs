@@ -557,27 +557,10 @@ impl CausalLm {
             Keys::Mask(m) => Some((*m).clone()),
             Keys::Packed(_) => None,
         };
-        // Where the sequences lie, for Gated DeltaNet layers: the new positions' real tokens.
-        let rows = match (&keys, self.args.linear_attn.is_some()) {
-            (_, false) => Rows::Padded(None),
-            (Keys::Mask(m), true) => Rows::Padded(Some(
-                m.narrow(1, past, t)?
-                    .to_dtype(DType::F32)?
-                    .to_dtype(self.dtype)?
-                    .to_device(&self.device)?,
-            )),
-            (Keys::Packed(s), true) => Rows::Packed(s.clone()),
-        };
+        let rows = self.rows(&keys, past, t)?;
         let masks = self.masks(keys, (b, t), past)?;
-        let mut x = self.embed.embedding(&input_ids.flatten_all()?)?.reshape((
-            b,
-            t,
-            self.args.hidden_size,
-        ))?;
-        if let Some(scale) = a.embed_scale() {
-            x = (x * scale)?;
-        }
-        // A training forward with adapter dropout: this forward's number in the mask stream.
+        let mut x = self.embed_ids(input_ids)?; // [b, t, hidden]
+                                                // A training forward with adapter dropout: this forward's number in the mask stream.
         let dropout = self.dropout.as_ref().filter(|_| {
             cache.is_none() && self.layers.iter().any(|l| l.trains() && l.has_adapters())
         });
@@ -665,6 +648,35 @@ impl CausalLm {
         }
         self.keep_router_aux(&router, keys_mask)?;
         norm(&x, &self.norm, a)
+    }
+
+    /// Where a forward's sequences lie, for Gated DeltaNet layers: the `t` new positions' real
+    /// tokens after `past` cached ones, or the packed sequences (nothing for other models).
+    fn rows(&self, keys: &Keys, past: usize, t: usize) -> Result<Rows> {
+        Ok(match (keys, self.args.linear_attn.is_some()) {
+            (_, false) => Rows::Padded(None),
+            (Keys::Mask(m), true) => Rows::Padded(Some(
+                m.narrow(1, past, t)?
+                    .to_dtype(DType::F32)?
+                    .to_dtype(self.dtype)?
+                    .to_device(&self.device)?,
+            )),
+            (Keys::Packed(s), true) => Rows::Packed(s.clone()),
+        })
+    }
+
+    /// The embeddings of `input_ids` `[b, t]`: `[b, t, hidden]` (times √hidden for Gemma).
+    fn embed_ids(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = input_ids.dims2()?;
+        let x = self.embed.embedding(&input_ids.flatten_all()?)?.reshape((
+            b,
+            t,
+            self.args.hidden_size,
+        ))?;
+        match self.args.embed_scale() {
+            Some(scale) => x * scale,
+            None => Ok(x),
+        }
     }
 
     /// Keeps the router's load-balancing loss of a training forward from its layers of

@@ -425,30 +425,42 @@ fn resume_is_bit_exact() {
 }
 
 /// A Qwen3-MoE actor whose config asks for the router's load-balancing loss (GRPO, the
-/// hand-written MoE layer, packed sequences): stopped after step 2 and resumed, it ends with the
-/// weights, optimizer state and metrics (`actor/router_aux_loss` among them) of the
-/// uninterrupted run, and its saved config still asks for the loss.
+/// hand-written MoE layer, packed sequences), and a Qwen3.5-MoE one (DeltaNet and gated
+/// attention as the composition, experts with a shared expert on every layer): stopped after
+/// step 2 and resumed, each ends with the weights, optimizer state and metrics
+/// (`actor/router_aux_loss` among them) of the uninterrupted run, and its saved config still
+/// asks for the loss.
 #[test]
 fn a_moe_actor_with_the_router_loss_resumes_bit_exact() {
-    let mut args = ModelArgs::tiny(Arch::Qwen3Moe, 259);
-    args.moe.as_mut().unwrap().router_aux_loss_coef = Some(0.1);
-    let fx = fixture_of(&args);
-    let extra: &[&str] = &[
-        "algorithm.adv_estimator=grpo",
-        "actor_rollout_ref.actor.shuffle=True",
-        "actor_rollout_ref.model.use_remove_padding=True",
-        "trainer.total_training_steps=4",
-        "trainer.save_freq=2",
-    ];
-    let (history, root) = assert_resume_bit_exact(&fx, extra);
-    assert!(history
-        .iter()
-        .all(|(_, m)| m.get("actor/router_aux_loss").is_some_and(|v| *v > 0.0)));
-    let saved = crate::checkpoint::step_dir(&root, 4).join("actor/huggingface/config.json");
-    let cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(saved).unwrap()).unwrap();
-    assert_eq!(cfg["output_router_logits"], serde_json::json!(true));
-    assert_eq!(cfg["router_aux_loss_coef"], serde_json::json!(0.1));
+    for arch in [Arch::Qwen3Moe, Arch::Qwen3_5Moe] {
+        let mut args = ModelArgs::tiny(arch, 259);
+        args.moe.as_mut().unwrap().router_aux_loss_coef = Some(0.1);
+        let fx = fixture_of(&args);
+        let extra: &[&str] = &[
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.actor.shuffle=True",
+            "actor_rollout_ref.model.use_remove_padding=True",
+            "trainer.total_training_steps=4",
+            "trainer.save_freq=2",
+        ];
+        let (history, root) = assert_resume_bit_exact(&fx, extra);
+        assert!(history
+            .iter()
+            .all(|(_, m)| m.get("actor/router_aux_loss").is_some_and(|v| *v > 0.0)));
+        let saved = crate::checkpoint::step_dir(&root, 4).join("actor/huggingface/config.json");
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(saved).unwrap()).unwrap();
+        assert_eq!(
+            cfg["output_router_logits"],
+            serde_json::json!(true),
+            "{arch:?}"
+        );
+        assert_eq!(
+            cfg["router_aux_loss_coef"],
+            serde_json::json!(0.1),
+            "{arch:?}"
+        );
+    }
 }
 
 /// A Qwen3.5 actor (Gated DeltaNet and gated-attention layers, a critic of the same family:
@@ -479,27 +491,6 @@ fn a_qwen3_5_actor_and_critic_resume_bit_exact() {
         serde_json::json!(["Qwen3_5ForCausalLM"])
     );
     assert_eq!(ModelArgs::from_hf(&cfg).unwrap(), args);
-}
-
-/// A Qwen3.5-MoE actor (DeltaNet and gated attention, experts with a shared expert on every
-/// layer) with the router's load-balancing loss, GRPO on packed sequences: stopped after step 2
-/// and resumed, it ends as the uninterrupted run, and every step reports the router loss.
-#[test]
-fn a_qwen3_5_moe_grpo_run_resumes_bit_exact() {
-    let mut args = ModelArgs::tiny(Arch::Qwen3_5Moe, 259);
-    args.moe.as_mut().unwrap().router_aux_loss_coef = Some(0.01);
-    let fx = fixture_of(&args);
-    let extra: &[&str] = &[
-        "algorithm.adv_estimator=grpo",
-        "actor_rollout_ref.actor.shuffle=True",
-        "actor_rollout_ref.model.use_remove_padding=True",
-        "trainer.total_training_steps=4",
-        "trainer.save_freq=2",
-    ];
-    let (history, _) = assert_resume_bit_exact(&fx, extra);
-    assert!(history
-        .iter()
-        .all(|(_, m)| m.get("actor/router_aux_loss").is_some_and(|v| *v > 0.0)));
 }
 
 /// A model whose `vocab_size` is below its tokenizer's ids (the byte tokenizer's 259 on a

@@ -315,24 +315,16 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
     // Gemma 3 as llama.cpp runs it: every sixth layer global, the others a sliding window with
     // plain RoPE at base 10000, scores scaled by head_dim^-½ (hidden/heads for the 62-layer
     // 27B).
-    let gemma = arch == Arch::Gemma3;
-    let (sliding_window, layer_types, rope_local_theta, query_pre_attn_scalar) = if gemma {
-        let window = meta_u(c, &k("attention.sliding_window"), path)?;
-        let kinds = (0..layers)
-            .map(|i| match (i + 1) % 6 {
-                0 => LayerKind::Full,
-                _ => LayerKind::Sliding,
-            })
-            .collect();
-        let scalar = if layers == 62 {
-            hidden / heads
-        } else {
-            head_dim
+    let (sliding_window, layer_types, rope_local_theta, query_pre_attn_scalar) =
+        match arch == Arch::Gemma3 {
+            true => gemma_layers(
+                c,
+                &k("attention.sliding_window"),
+                path,
+                (layers, hidden / heads, head_dim),
+            )?,
+            false => (None, Vec::new(), None, None),
         };
-        (Some(window), kinds, Some(1e4), Some(scalar as f64))
-    } else {
-        (None, Vec::new(), None, None)
-    };
     Ok(ModelArgs {
         arch,
         vocab_size: vocab,
@@ -362,6 +354,29 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         attn_output_gate: false,
         linear_attn: None,
     })
+}
+
+/// Sliding window, layer kinds, local RoPE base, `query_pre_attn_scalar`.
+type GemmaLayers = (Option<usize>, Vec<LayerKind>, Option<f64>, Option<f64>);
+
+/// Gemma 3's layers as llama.cpp runs them (`window_key` names the sliding window): every
+/// sixth layer global, the others a sliding window with plain RoPE at base 10000, scores scaled
+/// by head_dim^-½ (hidden/heads for the 62-layer 27B). `(layers, hidden / heads, head_dim)`.
+fn gemma_layers(
+    c: &Content,
+    window_key: &str,
+    path: &Path,
+    (layers, per_head, head_dim): (usize, usize, usize),
+) -> Result<GemmaLayers, ModelError> {
+    let window = meta_u(c, window_key, path)?;
+    let kinds = (0..layers)
+        .map(|i| match (i + 1) % 6 {
+            0 => LayerKind::Full,
+            _ => LayerKind::Sliding,
+        })
+        .collect();
+    let scalar = if layers == 62 { per_head } else { head_dim };
+    Ok((Some(window), kinds, Some(1e4), Some(scalar as f64)))
 }
 
 /// A Qwen3-MoE GGUF's experts: `{arch}.expert_count`, `expert_used_count`,
