@@ -737,12 +737,12 @@ fn mlp_routed(
 /// for Gemma, else SiLU.
 fn gated(g: &Gated, h: &Tensor, gelu: bool, mixed: bool) -> Result<Tensor> {
     let gate = apply(&g.gate, h, mixed)?;
-    let gate = if gelu {
-        gelu_tanh(&gate)?
-    } else {
-        gate.silu()?
+    let up = apply(&g.up, h, mixed)?;
+    let act = match gelu {
+        true => (gelu_tanh(&gate)? * up)?,
+        false => super::ops::swiglu(&gate, &up)?,
     };
-    apply(&g.down, &(gate * apply(&g.up, h, mixed)?)?, mixed)
+    apply(&g.down, &act, mixed)
 }
 
 /// The router of a layer of experts on `x` `[n, hidden]`: each token's `top_k` experts

@@ -20,6 +20,7 @@ use rayon::prelude::*;
 
 use super::{flat, rows, Mat, SeqCache};
 use crate::kernels::elem::{Elem, KvElem};
+use crate::kernels::simd::vectorized;
 use crate::model::config::LinearAttnArgs;
 use crate::model::delta::{DeltaNet, Inputs};
 use crate::model::delta_op::token;
@@ -190,21 +191,26 @@ impl<T: Elem> DeltaMats<T> {
                     .zip(part.iter())
                     .for_each(|(x, v)| *x = v.load());
                 let mut o = vec![T::zero(); n * dv];
-                for (t, oi) in o.chunks_exact_mut(dv).enumerate() {
-                    let row = &c[(first + t) * cd..][..cd];
-                    let qkv = (
-                        &row[hh / r * dk..][..dk],
-                        &row[kd + hh / r * dk..][..dk],
-                        &row[2 * kd + hh * dv..][..dv],
-                    );
-                    let p = &proj[(first + t) * width + cd + vd..];
-                    let beta = T::one() / (T::one() + (-p[hh]).exp_fast());
-                    let z = p[nv + hh] + self.dt_bias[hh];
-                    let sp = num_traits::Float::max(z, T::zero())
-                        + (T::one() + (-z.abs()).exp_fast()).ln();
-                    let decay = (self.neg_a[hh] * sp).exp_fast();
-                    token(st, delta, qkv, (decay, beta), Some(oi));
-                }
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        for (t, oi) in o.chunks_exact_mut(dv).enumerate() {
+                            let row = &c[(first + t) * cd..][..cd];
+                            let qkv = (
+                                &row[hh / r * dk..][..dk],
+                                &row[kd + hh / r * dk..][..dk],
+                                &row[2 * kd + hh * dv..][..dv],
+                            );
+                            let p = &proj[(first + t) * width + cd + vd..];
+                            let beta = T::one() / (T::one() + (-p[hh]).exp_fast());
+                            let z = p[nv + hh] + self.dt_bias[hh];
+                            let sp = num_traits::Float::max(z, T::zero())
+                                + (T::one() + (-z.abs()).exp_fast()).ln();
+                            let decay = (self.neg_a[hh] * sp).exp_fast();
+                            token(st, delta, qkv, (decay, beta), Some(oi), None);
+                        }
+                    },
+                );
                 part.iter_mut()
                     .zip(st.iter())
                     .for_each(|(x, &v)| *x = C::store(v));

@@ -196,7 +196,31 @@ impl DeltaNet {
         state: Option<&mut Option<DeltaState>>,
         mixed: bool,
     ) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
+        let x = match real {
+            Some(r) => x.broadcast_mul(&r.unsqueeze(2)?)?,
+            None => x.clone(),
+        };
+        // u: the convolution's input [b, t, cd] (q, k, v); z [b, t, nv·dv]; β and the
+        // decay's input [b, t, nv].
+        let ins = self.inputs(la, &x, mixed)?;
+        // Training and no-cache forwards on the CPU: the mixer as one op (`delta_mix`).
+        let fused = state.is_none() && crate::kernels::supported(x.device(), x.dtype());
+        let y = self.mix(la, eps, ins, state, fused)?; // [b, t, nv·dv]
+        apply(&self.out, &y, mixed)
+    }
+
+    /// The mixer between the projections: from the per-token inputs ([`DeltaNet::inputs`]) to
+    /// the gated norm's output `[b, t, nv·dv]`, as one op (`fused`: CPU f32/f64, no state) or
+    /// as the composition of candle ops (its reference).
+    pub(crate) fn mix(
+        &self,
+        la: &LinearAttnArgs,
+        eps: f64,
+        (u, z, b_in, a_in): (Tensor, Tensor, Tensor, Tensor),
+        state: Option<&mut Option<DeltaState>>,
+        fused: bool,
+    ) -> Result<Tensor> {
+        let (b, t, _) = u.dims3()?;
         let (nk, nv, dk, dv, kw) = (
             la.num_key_heads,
             la.num_value_heads,
@@ -205,13 +229,20 @@ impl DeltaNet {
             la.conv_kernel,
         );
         let cd = la.conv_dim();
-        let x = match real {
-            Some(r) => x.broadcast_mul(&r.unsqueeze(2)?)?,
-            None => x.clone(),
-        };
-        // u: the convolution's input [b, t, cd] (q, k, v); z [b, t, nv·dv]; β and the
-        // decay's input [b, t, nv].
-        let (u, z, b_in, a_in) = self.inputs(la, &x, mixed)?;
+        if fused {
+            let zba = Tensor::cat(&[&z, &b_in, &a_in], 2)?;
+            let params = Tensor::cat(
+                &[
+                    &self.conv.flatten_all()?,
+                    &self.dt_bias,
+                    &self.a_log,
+                    &self.norm,
+                ],
+                0,
+            )?;
+            let op = super::delta_mix::Mixer::new(la, eps);
+            return u.contiguous()?.apply_op3(&zba, &params, op);
+        }
         let prev = match state.as_deref().and_then(Option::as_ref) {
             Some(s) => s.conv.clone(),
             None => Tensor::zeros((b, kw - 1, cd), u.dtype(), u.device())?,
@@ -279,7 +310,7 @@ impl DeltaNet {
         let o = o.transpose(1, 2)?; // [b, t, nv, dv]
         let z = z.reshape((b, t, nv, dv))?;
         let y = (rms_norm(&o, &self.norm, eps)? * upcast(&z)?.silu()?.to_dtype(o.dtype())?)?;
-        apply(&self.out, &y.reshape((b, t, nv * dv))?, mixed)
+        y.reshape((b, t, nv * dv))
     }
 }
 

@@ -19,6 +19,7 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::kernels::elem::Elem;
+use crate::kernels::simd::vectorized;
 use crate::kernels::storage::Host;
 
 /// Tokens between kept states in the backward's recomputation.
@@ -48,18 +49,25 @@ impl DeltaRule {
     }
 
     /// One sequence's outputs `[t, dv]` from its packed inputs `x` `[t, width]`.
-    fn forward_one<T: Elem>(&self, x: &[T], out: &mut [T]) {
+    #[inline(always)]
+    pub(super) fn forward_one<T: Elem>(&self, x: &[T], out: &mut [T]) {
         let (dk, dv, w) = (self.dk, self.dv, self.width());
         let mut s = vec![T::zero(); dk * dv];
         let mut delta = vec![T::zero(); dv];
         for (row, o) in x.chunks_exact(w).zip(out.chunks_exact_mut(dv)) {
-            step(&mut s, &mut delta, row, (dk, dv), Some(o));
+            step(&mut s, &mut delta, row, (dk, dv), Some(o), None);
         }
     }
 
     /// One sequence's input gradients `dx` `[t, width]` from `x` and the outputs' gradient
     /// `go` `[t, dv]`.
-    fn backward_one<T: Elem>(&self, x: &[T], go: &[T], dx: &mut [T]) {
+    ///
+    /// Per token two passes over the state's rows `i` (vectors along `dv`, sums in 16 lanes),
+    /// with `v − m` kept from the stretch's recomputation:
+    /// A: `G_i = ∂S_i + q_i ∂o`; `∂q_i = S_i·∂o`; `∂δ += k_i G_i`; `∂k_i = β G_i·(v − m)`;
+    /// B: `∂P_i = G_i + k_i ∂m`; `∂k_i += a P_i·∂m`; `∂a += ∂P_i·P_i`; `∂S_i ← a ∂P_i`.
+    #[inline(always)]
+    pub(super) fn backward_one<T: Elem>(&self, x: &[T], go: &[T], dx: &mut [T]) {
         let (dk, dv, w) = (self.dk, self.dv, self.width());
         let t = x.len() / w;
         let n = dk * dv;
@@ -72,18 +80,14 @@ impl DeltaRule {
             if i % CHECKPOINT == 0 {
                 kept[i / CHECKPOINT * n..][..n].copy_from_slice(&s);
             }
-            step(&mut s, &mut delta, row, (dk, dv), None);
+            step(&mut s, &mut delta, row, (dk, dv), None, None);
         }
-        // Backward, stretch by stretch from the end: the stretch's states recomputed, then its
-        // tokens in reverse.
+        // Backward, stretch by stretch from the end: the stretch's states (and each token's
+        // v − m) recomputed, then its tokens in reverse.
         let mut ds = vec![T::zero(); n]; // ∂L/∂S_t
         let mut states = vec![T::zero(); (CHECKPOINT + 1) * n];
-        let (mut g, mut dm, mut dd, mut vm) = (
-            vec![T::zero(); n],
-            vec![T::zero(); dv],
-            vec![T::zero(); dv],
-            vec![T::zero(); dv],
-        );
+        let mut vms = vec![T::zero(); CHECKPOINT * dv];
+        let (mut dm, mut dd) = (vec![T::zero(); dv], vec![T::zero(); dv]);
         for c in (0..starts).rev() {
             let first = c * CHECKPOINT;
             let len = CHECKPOINT.min(t - first);
@@ -91,88 +95,55 @@ impl DeltaRule {
             for j in 0..len {
                 let (done, rest) = states.split_at_mut((j + 1) * n);
                 rest[..n].copy_from_slice(&done[j * n..]);
-                step(
-                    &mut rest[..n],
-                    &mut delta,
-                    &x[(first + j) * w..][..w],
-                    (dk, dv),
-                    None,
-                );
+                let row = &x[(first + j) * w..][..w];
+                let vm = Some(&mut vms[j * dv..][..dv]);
+                step(&mut rest[..n], &mut delta, row, (dk, dv), None, vm);
             }
             for j in (0..len).rev() {
                 let i = first + j;
                 let row = &x[i * w..][..w];
                 let (q, k) = (&row[..dk], &row[dk..2 * dk]);
-                let v = &row[2 * dk..2 * dk + dv];
                 let (gl, beta) = (row[w - 2], row[w - 1]);
                 let a = gl.exp();
                 let prev = &states[j * n..][..n];
                 let cur = &states[(j + 1) * n..][..n];
+                let vm = &vms[j * dv..][..dv];
                 let d_o = &go[i * dv..][..dv];
                 let out = &mut dx[i * w..][..w];
-                // m = (a·S_{t−1})ᵀk, v − m, δ.
-                vm.copy_from_slice(v);
-                for (&kv, srow) in k.iter().zip(prev.chunks_exact(dv)) {
-                    for (x, &sv) in vm.iter_mut().zip(srow) {
-                        *x -= a * kv * sv;
-                    }
-                }
-                // G = ∂S_t + q ∂oᵀ; ∂q = S_t ∂o.
-                for (((grow, dsrow), &qv), (crow, dq)) in g
-                    .chunks_exact_mut(dv)
-                    .zip(ds.chunks_exact(dv))
-                    .zip(q)
-                    .zip(cur.chunks_exact(dv).zip(out[..dk].iter_mut()))
-                {
-                    let mut acc = T::zero();
-                    for (((gv, &dsv), &dov), &cv) in grow.iter_mut().zip(dsrow).zip(d_o).zip(crow) {
-                        *gv = dsv + qv * dov;
-                        acc += cv * dov;
-                    }
-                    *dq = acc;
-                }
-                // ∂δ = Gᵀk; ∂k = G δ (δ = β(v − m)).
+                let (dq, rest) = out.split_at_mut(dk);
+                let (dkk, rest) = rest.split_at_mut(dk);
+                let dvv = &mut rest[..dv];
+                // Pass A.
                 dd.fill(T::zero());
-                for ((grow, &kv), dk_out) in
-                    g.chunks_exact(dv).zip(k).zip(out[dk..2 * dk].iter_mut())
+                for (((dsr, cr), (&qi, &ki)), (dqi, dki)) in ds
+                    .chunks_exact(dv)
+                    .zip(cur.chunks_exact(dv))
+                    .zip(q.iter().zip(k))
+                    .zip(dq.iter_mut().zip(dkk.iter_mut()))
                 {
-                    let mut acc = T::zero();
-                    for ((d, &gv), &r) in dd.iter_mut().zip(grow).zip(&vm) {
-                        *d += gv * kv;
-                        acc += gv * beta * r;
-                    }
-                    *dk_out = acc;
+                    let (sq, sk) = pass_a((dsr, cr, d_o, vm), &mut dd, qi, ki);
+                    *dqi = sq;
+                    *dki = beta * sk;
                 }
                 // ∂β, ∂v, ∂m.
                 let mut dbeta = T::zero();
-                for (((d, &r), dvo), m) in dd
-                    .iter()
-                    .zip(&vm)
-                    .zip(out[2 * dk..2 * dk + dv].iter_mut())
-                    .zip(dm.iter_mut())
+                for (((&d, &r), dvo), m) in dd.iter().zip(vm).zip(dvv.iter_mut()).zip(dm.iter_mut())
                 {
-                    dbeta += *d * r;
-                    *dvo = beta * *d;
-                    *m = -beta * *d;
+                    dbeta += d * r;
+                    *dvo = beta * d;
+                    *m = -beta * d;
                 }
-                // ∂P = G + k ∂mᵀ; ∂k += P ∂m; ∂g = a⟨∂P, S_{t−1}⟩; ∂S_{t−1} = a ∂P.
+                // Pass B.
                 let mut da = T::zero();
-                for (((grow, dsrow), (&kv, dk_out)), prow) in g
-                    .chunks_exact(dv)
-                    .zip(ds.chunks_exact_mut(dv))
-                    .zip(k.iter().zip(out[dk..2 * dk].iter_mut()))
+                for (((dsr, pr), (&qi, &ki)), dki) in ds
+                    .chunks_exact_mut(dv)
                     .zip(prev.chunks_exact(dv))
+                    .zip(q.iter().zip(k))
+                    .zip(dkk.iter_mut())
                 {
-                    let mut acc = T::zero();
-                    for (((&gv, dsv), &dmv), &pv) in
-                        grow.iter().zip(dsrow.iter_mut()).zip(&dm).zip(prow)
-                    {
-                        let dp = gv + kv * dmv;
-                        acc += pv * dmv;
-                        da += dp * pv;
-                        *dsv = a * dp;
-                    }
-                    *dk_out += a * acc;
+                    let (sp, sa) = pass_b(dsr, (pr, d_o, &dm), (qi, ki, a));
+                    *dki += a * sp;
+                    da += sa;
                 }
                 out[w - 2] = a * da;
                 out[w - 1] = dbeta;
@@ -181,31 +152,120 @@ impl DeltaRule {
     }
 }
 
+/// Lanes of partial sums (16, so that the compiler keeps them in vector registers; a single
+/// running sum is one long dependency chain).
+type Lanes<T> = [T; 16];
+
+/// The lanes' sum combined pairwise (8 + 8, 4 + 4, ...: shuffles and vector adds, where a
+/// sequential fold extracts the lanes one by one), plus the tail's.
+#[inline(always)]
+fn lane_total<T: Elem>(l: &Lanes<T>, tail: T) -> T {
+    let mut l = *l;
+    let mut width = 8;
+    while width > 0 {
+        let (lo, hi) = l.split_at_mut(width);
+        for (x, &y) in lo.iter_mut().zip(hi.iter()) {
+            *x += y;
+        }
+        width /= 2;
+    }
+    l[0] + tail
+}
+
+/// The backward's pass A over one state row `i` (slices along `dv`): with `G = ∂S_i + q_i ∂o`,
+/// adds `k_i G` to `dd` and returns `(S_i·∂o, G·(v − m))`.
+#[inline(always)]
+fn pass_a<T: Elem>(
+    (ds, cur, d_o, vm): (&[T], &[T], &[T], &[T]),
+    dd: &mut [T],
+    qi: T,
+    ki: T,
+) -> (T, T) {
+    let (mut l0, mut l1): (Lanes<T>, Lanes<T>) = ([T::zero(); 16], [T::zero(); 16]);
+    let n = ds.len() / 16 * 16;
+    let blocks = ds[..n]
+        .chunks_exact(16)
+        .zip(cur[..n].chunks_exact(16))
+        .zip(d_o[..n].chunks_exact(16).zip(vm[..n].chunks_exact(16)))
+        .zip(dd[..n].chunks_exact_mut(16));
+    for (((s, c), (o, v)), d) in blocks {
+        for j in 0..16 {
+            let g = s[j] + qi * o[j];
+            d[j] += ki * g;
+            l0[j] += c[j] * o[j];
+            l1[j] += g * v[j];
+        }
+    }
+    let (mut t0, mut t1) = (T::zero(), T::zero());
+    for j in n..ds.len() {
+        let g = ds[j] + qi * d_o[j];
+        dd[j] += ki * g;
+        t0 += cur[j] * d_o[j];
+        t1 += g * vm[j];
+    }
+    (lane_total(&l0, t0), lane_total(&l1, t1))
+}
+
+/// The backward's pass B over one state row `i`: with `∂P = ∂S_i + q_i ∂o + k_i ∂m`, sets
+/// `∂S_i ← a ∂P` and returns `(P_i·∂m, ∂P·P_i)`.
+#[inline(always)]
+fn pass_b<T: Elem>(
+    ds: &mut [T],
+    (prev, d_o, dm): (&[T], &[T], &[T]),
+    (qi, ki, a): (T, T, T),
+) -> (T, T) {
+    let (mut l0, mut l1): (Lanes<T>, Lanes<T>) = ([T::zero(); 16], [T::zero(); 16]);
+    let n = ds.len() / 16 * 16;
+    let blocks = ds[..n]
+        .chunks_exact_mut(16)
+        .zip(prev[..n].chunks_exact(16))
+        .zip(d_o[..n].chunks_exact(16).zip(dm[..n].chunks_exact(16)));
+    for ((s, p), (o, m)) in blocks {
+        for j in 0..16 {
+            let dp = s[j] + qi * o[j] + ki * m[j];
+            l0[j] += p[j] * m[j];
+            l1[j] += dp * p[j];
+            s[j] = a * dp;
+        }
+    }
+    let (mut t0, mut t1) = (T::zero(), T::zero());
+    for j in n..ds.len() {
+        let dp = ds[j] + qi * d_o[j] + ki * dm[j];
+        t0 += prev[j] * dm[j];
+        t1 += dp * prev[j];
+        ds[j] = a * dp;
+    }
+    (lane_total(&l0, t0), lane_total(&l1, t1))
+}
+
 /// One token of the recurrence on state `s` `[dk, dv]` with packed inputs `row`; the output
-/// `Sᵀq` goes to `out` when given. `delta` is scratch `[dv]`.
-#[inline]
+/// `Sᵀq` goes to `out` and `v − (aS)ᵀk` to `vm` when given. `delta` is scratch `[dv]`.
+#[inline(always)]
 fn step<T: Elem>(
     s: &mut [T],
     delta: &mut [T],
     row: &[T],
     (dk, dv): (usize, usize),
     out: Option<&mut [T]>,
+    vm: Option<&mut [T]>,
 ) {
     let w = row.len();
     let qkv = (&row[..dk], &row[dk..2 * dk], &row[2 * dk..2 * dk + dv]);
-    token(s, delta, qkv, (row[w - 2].exp(), row[w - 1]), out);
+    token(s, delta, qkv, (row[w - 2].exp(), row[w - 1]), out, vm);
 }
 
 /// One token of the recurrence on state `s` `[dk, dv]` from its `q`, `k` `[dk]`, `v` `[dv]`,
-/// decay `a = e^g` and write strength `β`; the output `Sᵀq` goes to `out` when given. `delta`
-/// is scratch `[dv]`. (The decode engine's DeltaNet layers run the same function.)
-#[inline]
+/// decay `a = e^g` and write strength `β`; the output `Sᵀq` goes to `out` and `v − (aS)ᵀk` to
+/// `vm` when given. `delta` is scratch `[dv]`. (The decode engine's DeltaNet layers run the
+/// same function.) Every loop runs along `dv`, without sums across it, so that it vectorizes.
+#[inline(always)]
 pub(crate) fn token<T: Elem>(
     s: &mut [T],
     delta: &mut [T],
     (q, k, v): (&[T], &[T], &[T]),
     (a, beta): (T, T),
     out: Option<&mut [T]>,
+    vm: Option<&mut [T]>,
 ) {
     let dv = v.len();
     // S ← a·S; δ = β(v − Sᵀk).
@@ -215,6 +275,9 @@ pub(crate) fn token<T: Elem>(
             *sv *= a;
             *d -= kv * *sv;
         }
+    }
+    if let Some(vm) = vm {
+        vm.copy_from_slice(delta);
     }
     delta.iter_mut().for_each(|d| *d *= beta);
     // S ← S + k δᵀ; o = Sᵀq.
@@ -248,7 +311,12 @@ impl DeltaRule {
         }
         out.par_chunks_mut(t * dv)
             .zip(x.par_chunks(t * w))
-            .for_each(|(o, xs)| self.forward_one(xs, o));
+            .for_each(|(o, xs)| {
+                vectorized(
+                    #[inline(always)]
+                    || self.forward_one(xs, o),
+                )
+            });
         Ok(out)
     }
 
@@ -261,7 +329,12 @@ impl DeltaRule {
         }
         dx.par_chunks_mut(t * w)
             .zip(x.par_chunks(t * w).zip(go.par_chunks(t * dv)))
-            .for_each(|(d, (xs, gs))| self.backward_one(xs, gs, d));
+            .for_each(|(d, (xs, gs))| {
+                vectorized(
+                    #[inline(always)]
+                    || self.backward_one(xs, gs, d),
+                )
+            });
         Ok(dx)
     }
 }
@@ -334,11 +407,19 @@ mod tests {
 
     /// The op's outputs and the gradients of a weighted sum of them with respect to q, k, v, g
     /// and β equal the chunk-wise composition's under candle's autograd (f64, 1e-10), for
-    /// lengths below, at and across the recomputation stretches (64).
+    /// lengths below, at and across the recomputation stretches (64), and value heads
+    /// narrower and wider than the 16 lanes of the backward's sums.
     #[test]
     fn the_op_and_its_backward_equal_the_chunked_composition() {
-        for t in [1, 5, 64, 70, 131] {
-            let (dk, dv) = (4, 3);
+        // dv = 20: one block of 16 lanes and a tail (dv = 3: the tail alone).
+        for (t, dk, dv) in [
+            (1, 4, 3),
+            (5, 4, 3),
+            (64, 4, 3),
+            (70, 5, 20),
+            (131, 4, 3),
+            (131, 6, 20),
+        ] {
             let x = inputs(2, 3, t, dk, dv);
             let vars: Vec<Var> = x.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
             let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();

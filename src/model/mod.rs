@@ -24,6 +24,7 @@ pub mod config;
 pub mod deberta;
 pub mod decode;
 mod delta;
+mod delta_mix;
 mod delta_op;
 pub mod heads;
 mod layer;
