@@ -161,7 +161,7 @@ pub fn bf16_bits(x: f32) -> u16 {
 }
 
 /// `x` rounded to bf16 and back: what the AMX path multiplies.
-#[cfg(test)]
+#[inline]
 pub fn round_bf16(x: f32) -> f32 {
     f32::from_bits((bf16_bits(x) as u32) << 16)
 }

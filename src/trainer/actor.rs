@@ -19,9 +19,13 @@ use crate::metrics::Metrics;
 use crate::model::{CausalLm, Exec, HeadOut, HeadStats};
 use crate::weights::hf::Loaded;
 
-/// Positions per chunk of the vocabulary projection: about 4 M logits alive at a time.
+/// Positions per chunk of the vocabulary projection: about 4 M logits alive at a time, and at
+/// least 128 positions. Each chunk reads the whole (packed) output weight forward and adds its
+/// part of the weight's gradient into all of it backward: with 16 positions per chunk (a
+/// 248k-token vocabulary under the 4 M rule) the head's backward of 512 positions passed 32
+/// times over a 1 GB gradient. 128 positions keep a large vocabulary's chunk at ~127 MB.
 pub fn logit_chunk(vocab: usize) -> usize {
-    ((1usize << 22) / vocab.max(1)).max(16)
+    ((1usize << 22) / vocab.max(1)).max(128)
 }
 
 /// Log-probs (and entropy) of a micro-batch's response tokens under `model`, with logits divided
