@@ -153,7 +153,7 @@ fn main() {
         eprintln!("agent_turns bench skipped: no {path} (run scripts/fetch_smollm2.sh)");
         return;
     }
-    main_ppo::cli::alloc::keep_freed_memory();
+    main_ppo::kernels::alloc::keep_freed_memory();
     let (loaded, content) =
         main_ppo::weights::gguf::load(std::path::Path::new(&path), DType::F32, &Device::Cpu, true)
             .unwrap();

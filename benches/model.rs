@@ -39,7 +39,7 @@ fn main() {
     }
     // As the binary does (MAIN_PPO_GLIBC_MALLOC=1 keeps glibc's defaults, to measure the difference).
     if std::env::var_os("MAIN_PPO_GLIBC_MALLOC").is_none() {
-        main_ppo::cli::alloc::keep_freed_memory();
+        main_ppo::kernels::alloc::keep_freed_memory();
     }
     let only: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let spec = std::env::var("MAIN_PPO_BENCH_DEVICE").unwrap_or_else(|_| "cpu".into());

@@ -102,7 +102,7 @@ fn emit(v: Value) {
 
 fn main() {
     // As the binary does at start-up.
-    main_ppo::cli::alloc::keep_freed_memory();
+    main_ppo::kernels::alloc::keep_freed_memory();
     if let Err(e) = run() {
         eprintln!("vs_torch: {e}");
         std::process::exit(1);
@@ -268,10 +268,12 @@ fn fwdbwd(a: &Args, model: &main_ppo::model::CausalLm) -> Result<Value, BoxError
     for i in 0..warmup + reps {
         let t0 = Instant::now();
         let h = model.forward_hidden(&ids, &pos, &mask, None)?; // [b, t, hidden]
-        let (lp, _) = model.token_logprobs(&h, &ids, 256, false)?; // [b, t]
+        let chunk = main_ppo::trainer::actor::logit_chunk(model.args.vocab_size); // as training
+        let (lp, _) = model.token_logprobs(&h, &ids, chunk, false)?; // [b, t]
         let loss = lp.mean_all()?.neg()?;
         let f = t0.elapsed().as_secs_f64();
-        let grads = loss.backward()?;
+        // As the trainer's update runs it (large gradient blocks on huge pages).
+        let grads = main_ppo::kernels::alloc::huge_pages(|| loss.backward())?;
         let total = t0.elapsed().as_secs_f64();
         loss_v = loss.to_scalar::<f32>()?;
         drop(grads);

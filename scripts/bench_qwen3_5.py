@@ -18,8 +18,13 @@ DeltaNet with 16 key and 16 value heads of 128, convolution width 4, vocabulary 
 embeddings. --layers N keeps the first N layers (the pattern kept: 4 = three DeltaNet layers
 and one attention layer) for a quicker run.
 
+With --precision bf16, our side runs verl's mixed precision (bf16 products on AMX or
+AVX512-BF16, f32 weights and sums) and PyTorch runs twice for fwdbwd: in f32 (the ratio's
+baseline, as scripts/bench_vs_torch.sh) and under torch.autocast(bfloat16) (an extra column).
+
 Usage: scripts/bench_qwen3_5.py [--layers 24] [--batch 1] [--seqs 512,1024,2048]
          [--checkpointing 1] [--gen-batch 8] [--new 64] [--threads N] [--only fwdbwd,gen]
+         [--precision f32|bf16]
 Needs the reference venv of scripts/bench_vs_torch.sh (BENCH_VENV, default
 ~/.cache/main_ppo/bench-venv); the model is written once to ~/.cache/main_ppo/models/ (with the
 byte-level tokenizer of tests/fixtures/byte_tokenizer); builds `cargo bench --bench vs_torch`.
@@ -120,7 +125,9 @@ def main():
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", default="fwdbwd,gen")
+    ap.add_argument("--precision", choices=["f32", "bf16"], default="f32")
     a = ap.parse_args()
+    bf16 = ["--bf16", "1" if a.precision == "bf16" else "0"]
     d = model_dir(a.layers)
     exe = bench_exe()
     env = {**os.environ, "RAYON_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads),
@@ -131,16 +138,22 @@ def main():
         for s in [int(x) for x in a.seqs.split(",")]:
             common = ["--batch", str(a.batch), "--seq", str(s), "--warmup", "0", "--reps", "1"]
             ours = run([exe, "fwdbwd", "--model", str(d), *common,
-                        "--checkpointing", str(a.checkpointing)], env)
+                        "--checkpointing", str(a.checkpointing), *bf16], env)
             theirs = run([*py, "fwdbwd", "--hf", str(d), *common, "--threads", str(a.threads)], env)
+            if a.precision == "bf16":
+                theirs["autocast_bf16"] = run([*py, "fwdbwd", "--hf", str(d), *common, "--threads",
+                                               str(a.threads), "--autocast-bf16"], env)
             rows.append(("fwdbwd", s, ours, theirs))
-            print(f"fwdbwd {a.batch}x{s}: ours {ours['tokens_per_s']:.1f} tok/s "
-                  f"{(ours.get('peak_rss_bytes') or 0) / 2**30:.2f} GiB | torch "
+            auto = theirs.get("autocast_bf16")
+            extra = (f" | torch bf16 autocast {auto['tokens_per_s']:.1f} tok/s, ratio "
+                     f"{ours['tokens_per_s'] / auto['tokens_per_s']:.2f}x" if auto else "")
+            print(f"fwdbwd {a.batch}x{s} ({a.precision}): ours {ours['tokens_per_s']:.1f} tok/s "
+                  f"{(ours.get('peak_rss_bytes') or 0) / 2**30:.2f} GiB | torch f32 "
                   f"{theirs['tokens_per_s']:.1f} tok/s {(theirs.get('peak_rss_bytes') or 0) / 2**30:.2f} GiB "
-                  f"| ratio {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x", flush=True)
+                  f"| ratio {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x{extra}", flush=True)
     if "gen" in a.only:
         common = ["--batch", str(a.gen_batch), "--new", str(a.new)]
-        ours = run([exe, "gen", "--model", str(d), *common], env)
+        ours = run([exe, "gen", "--model", str(d), *common, *bf16], env)
         prompt = ROOT / "results" / "bench_qwen3_5_prompt.txt"
         prompt.parent.mkdir(exist_ok=True)
         prompt.write_text("<|im_start|>user\nNatalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?<|im_end|>\n<|im_start|>assistant\n")
@@ -153,7 +166,7 @@ def main():
     out = ROOT / "results" / "bench_qwen3_5" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(
-        {"model": str(d), "layers": a.layers, "threads": a.threads,
+        {"model": str(d), "layers": a.layers, "threads": a.threads, "precision": a.precision,
          "rows": [{"what": w, "size": s, "ours": o, "theirs": t} for w, s, o, t in rows]}, indent=1))
     print(f"written {out / 'results.json'}")
 

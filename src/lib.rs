@@ -26,3 +26,8 @@ pub mod testing;
 pub mod trainer;
 pub mod util;
 pub mod weights;
+
+/// Every binary and test of the crate allocates through the system allocator with large blocks
+/// on transparent huge pages (`kernels::alloc`).
+#[global_allocator]
+static ALLOCATOR: kernels::alloc::HugePages = kernels::alloc::HugePages;

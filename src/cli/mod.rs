@@ -3,7 +3,6 @@
 //! (`config check`, ...). A first argument without `=` may be a subcommand, so plain overrides
 //! still mean "train".
 
-pub mod alloc;
 mod check;
 mod generate;
 mod guard;
@@ -201,7 +200,7 @@ pub fn main_with<A: Into<OsString>>(
     logging::init();
     // MAIN_PPO_GLIBC_MALLOC=1 keeps glibc's defaults (to measure what the settings save).
     if std::env::var_os("MAIN_PPO_GLIBC_MALLOC").is_none() {
-        crate::cli::alloc::keep_freed_memory();
+        crate::kernels::alloc::keep_freed_memory();
     }
     match run(cli, &natives) {
         Ok(true) => 0,

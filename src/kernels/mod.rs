@@ -10,6 +10,7 @@
 //! - `bf16`: bf16 products with f32 sums on AMX tiles or AVX512-BF16,
 //! - `adamw`: AdamW's element-wise rule, in place on a parameter's storage,
 //! - `storage`: CPU storage as host slices (custom ops, in-place gradient accumulation),
+//! - `alloc`: the process's allocator (the system's, large blocks on transparent huge pages),
 //! - `cuda` (feature `cuda`): the GPU kernels: sampling, AdamW and accumulation in place, the
 //!   memory pool's statistics.
 //!
@@ -18,6 +19,7 @@
 //! everything else (CUDA, half precision) runs candle's op composition.
 
 pub mod adamw;
+pub mod alloc;
 pub mod bf16;
 #[cfg(feature = "cuda")]
 pub mod cuda;

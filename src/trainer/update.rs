@@ -172,7 +172,8 @@ pub fn mini_batch_grads<N: Network>(
         } else {
             (out.loss * scale)?
         };
-        let mut g = loss.backward()?;
+        // Large gradient blocks on huge pages (kernels::alloc: far fewer page faults).
+        let mut g = crate::kernels::alloc::huge_pages(|| loss.backward())?;
         drop(loss);
         for (_, var) in vars {
             if let Some(t) = g.remove(var.as_tensor()) {
