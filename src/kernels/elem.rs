@@ -108,6 +108,13 @@ impl KvElem<f32> for Bf16 {
     }
 }
 
+/// `σ(z) = 1 / (1 + e^{−z})` with [`Elem::exp_fast`] (vectorizes in f32 loops; libm's exp in
+/// f64).
+#[inline(always)]
+pub fn sigmoid<T: Elem>(z: T) -> T {
+    T::one() / (T::one() + (-z).exp_fast())
+}
+
 /// `Σ a_i·b_i` in 16 lane sums combined pairwise (8 + 8, 4 + 4, ...): for the head-sized dot
 /// products of decode attention, where [`dot`]'s sequential combination of the 16 lanes cost
 /// more than the products.

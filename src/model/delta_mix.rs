@@ -26,7 +26,7 @@ use rayon::prelude::*;
 
 use super::config::LinearAttnArgs;
 use super::delta_op::DeltaRule;
-use crate::kernels::elem::Elem;
+use crate::kernels::elem::{sigmoid, Elem};
 use crate::kernels::simd::vectorized;
 use crate::kernels::storage::Host;
 
@@ -149,11 +149,6 @@ fn params<T: Elem>(d: &Dims, p: &[T]) -> Params<T> {
         neg_a: rest[nv..2 * nv].iter().map(|&a| -a.exp()).collect(),
         norm: rest[2 * nv..].to_vec(),
     }
-}
-
-#[inline(always)]
-fn sigmoid<T: Elem>(x: T) -> T {
-    T::one() / (T::one() + (-x).exp())
 }
 
 /// `log(1 + eˣ)` without overflow.

@@ -32,7 +32,7 @@
 use candle_core::{Result, WithDType};
 use rayon::prelude::*;
 
-use crate::kernels::elem::{dot, max, sum, Elem};
+use crate::kernels::elem::{dot, max, sigmoid, sum, Elem};
 use crate::kernels::gemm::gemm_mixed;
 use crate::kernels::simd::{par_zip, par_zip2, vectorized, Par, CHUNK};
 
@@ -713,12 +713,6 @@ fn rope<T: Elem>(m: &mut [T], width: usize, hd: usize, cx: &Context<T>, transpos
             },
         )
     });
-}
-
-/// `σ(z)`.
-#[inline(always)]
-fn sigmoid<T: Elem>(z: T) -> T {
-    T::one() / (T::one() + (-z).exp_fast())
 }
 
 /// The softmax probabilities `P [rep·t, t]` of the `rep` query heads that read KV head `g`

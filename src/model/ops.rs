@@ -39,14 +39,11 @@ pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 
 struct SwiGlu;
 
-#[inline(always)]
-fn sigmoid_of<T: crate::kernels::elem::Elem>(x: T) -> T {
-    T::one() / (T::one() + (-x).exp_fast())
-}
-
 fn swiglu_fwd<T: crate::kernels::elem::Elem>(g: &[T], u: &[T]) -> Vec<T> {
     let mut out = vec![T::zero(); g.len()];
-    crate::kernels::simd::par_zip2(&mut out, g, u, |_, x, y| x * sigmoid_of(x) * y);
+    crate::kernels::simd::par_zip2(&mut out, g, u, |_, x, y| {
+        x * crate::kernels::elem::sigmoid(x) * y
+    });
     out
 }
 
@@ -62,7 +59,7 @@ fn swiglu_bwd<T: crate::kernels::elem::Elem>(g: &[T], u: &[T], d: &[T]) -> (Vec<
                 #[inline(always)]
                 || {
                     for i in 0..g.len() {
-                        let s = sigmoid_of(g[i]);
+                        let s = crate::kernels::elem::sigmoid(g[i]);
                         du[i] = d[i] * g[i] * s;
                         dg[i] = d[i] * u[i] * s * (T::one() + g[i] * (T::one() - s));
                     }
