@@ -27,7 +27,7 @@ pub mod trainer;
 pub mod util;
 pub mod weights;
 
-/// Every binary and test of the crate allocates through the system allocator with large blocks
-/// on transparent huge pages (`kernels::alloc`).
+/// Every binary and test of the crate allocates through the system allocator, with large blocks
+/// advised to use transparent huge pages inside `kernels::alloc::huge_pages` (a backward pass).
 #[global_allocator]
 static ALLOCATOR: kernels::alloc::HugePages = kernels::alloc::HugePages;

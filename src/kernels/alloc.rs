@@ -111,3 +111,47 @@ unsafe impl GlobalAlloc for HugePages {
         p
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// The kernel's flags of the mapping that holds `addr` (`VmFlags` in /proc/self/smaps).
+    #[cfg(target_os = "linux")]
+    fn vm_flags(addr: usize) -> Option<String> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line.split_whitespace().next().unwrap_or("");
+            if let Some((a, b)) = range.split_once('-') {
+                if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+                {
+                    inside = (a..b).contains(&addr);
+                    continue;
+                }
+            }
+            if inside {
+                if let Some(flags) = line.strip_prefix("VmFlags:") {
+                    return Some(flags.to_string());
+                }
+            }
+        }
+        None
+    }
+
+    /// A large block allocated inside `huge_pages` is advised: the kernel marks its mapping
+    /// `hg` (MADV_HUGEPAGE), whether or not huge pages were free.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn large_blocks_inside_the_scope_are_advised() {
+        if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists() {
+            eprintln!("skipped: no transparent huge pages in this kernel");
+            return;
+        }
+        let v: Vec<u8> = super::huge_pages(|| vec![1u8; 2 * super::HUGE]);
+        let mid = v.as_ptr() as usize + v.len() / 2;
+        let flags = vm_flags(mid).expect("the block's mapping in /proc/self/smaps");
+        assert!(
+            flags.split_whitespace().any(|f| f == "hg"),
+            "VmFlags: {flags}"
+        );
+    }
+}

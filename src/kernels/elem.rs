@@ -120,7 +120,14 @@ pub fn sigmoid<T: Elem>(z: T) -> T {
 /// more than the products.
 #[inline(always)]
 pub fn dot_tree<T: Elem>(a: &[T], b: &[T]) -> T {
-    let (mut acc, tail) = lane_sums(a, b);
+    let (acc, tail) = lane_sums(a, b);
+    pairwise(acc) + tail
+}
+
+/// The sum of 16 lanes combined pairwise (8 + 8, 4 + 4, ...): vector adds and shuffles, where
+/// a sequential fold extracts the lanes one by one.
+#[inline(always)]
+pub fn pairwise<T: Elem>(mut acc: [T; 16]) -> T {
     let mut width = 8;
     while width > 0 {
         let (lo, hi) = acc.split_at_mut(width);
@@ -129,7 +136,7 @@ pub fn dot_tree<T: Elem>(a: &[T], b: &[T]) -> T {
         }
         width /= 2;
     }
-    acc[0] + tail
+    acc[0]
 }
 
 /// `Σ a_i·b_i` in 16 interleaved partial sums (so the compiler keeps them in vector lanes;

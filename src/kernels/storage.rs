@@ -28,6 +28,19 @@ impl<'a> Host<'a> {
     }
 }
 
+/// The slice of CPU storage that layout `l` views, when it views it contiguously (a custom op's
+/// `cpu_fwd` operands); an error naming `what` otherwise, or when the storage is not of `T`.
+pub fn contiguous<'a, T: candle_core::WithDType>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
+        None => candle_core::bail!("{what} must be contiguous"),
+    }
+}
+
 /// A tensor holding a copy of CPU storage viewed through `l`.
 pub fn tensor_of(s: &CpuStorage, l: &Layout) -> Result<Tensor> {
     let Some((a, b)) = l.contiguous_offsets() else {

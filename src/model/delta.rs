@@ -1,7 +1,9 @@
 //! Qwen3.5's Gated DeltaNet layer (transformers' `Qwen3_5GatedDeltaNet`) as a composition of
 //! candle ops with exact backward passes (training through candle's autograd, decoding with a
-//! (convolution, recurrent) state per row in [`super::KvCache`]); on the CPU in f32/f64 the
-//! recurrence itself is one hand-written op (`delta_op`), this chunk-wise form its reference.
+//! (convolution, recurrent) state per row in [`super::KvCache`]). On the CPU in f32/f64,
+//! training and no-cache forwards run the mixer between the projections as one hand-written op
+//! (`delta_mix`), whose reference is this composition with the recurrence as `delta_op`; the
+//! chunk-wise form below is in turn `delta_op`'s reference.
 //!
 //! ```text
 //! x (normed, padding rows zeroed)          [b, t, hidden]
@@ -289,8 +291,8 @@ impl DeltaNet {
             .transpose(1, 2)?
             .contiguous()?; // [b, nv, t]
         let o = match state {
-            // Training and no-cache forwards on the CPU: the hand-written recurrence
-            // (`delta_op`, its own backward, states kept every 64 tokens).
+            // No cache on the CPU (the composition as `delta_mix`'s reference): the
+            // hand-written recurrence (`delta_op`, its own backward, states kept every 64 tokens).
             None if crate::kernels::supported(q.device(), q.dtype()) => {
                 let x = Tensor::cat(&[&q, &k, &v, &g.unsqueeze(3)?, &beta.unsqueeze(3)?], 3)?;
                 x.apply_op1(super::delta_op::DeltaRule { dk, dv })? // [b, nv, t, dv]

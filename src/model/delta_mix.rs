@@ -28,7 +28,7 @@ use super::config::LinearAttnArgs;
 use super::delta_op::DeltaRule;
 use crate::kernels::elem::{sigmoid, Elem};
 use crate::kernels::simd::vectorized;
-use crate::kernels::storage::Host;
+use crate::kernels::storage::{contiguous, Host};
 
 /// The op: the layer's sizes and the gated norm's ε.
 pub(crate) struct Mixer {
@@ -169,28 +169,10 @@ struct Prepared<T> {
 }
 
 fn prepare<T: Elem>(d: &Dims, u: &[T], zba: &[T], pr: &Params<T>) -> Prepared<T> {
-    let (t, cd, kw, kd, vd) = (d.t, d.cd(), d.kw, d.kd(), d.vd());
+    let (t, cd, kd, vd) = (d.t, d.cd(), d.kd(), d.vd());
     let (nk, nv, dk, dv) = (d.nk, d.nv, d.dk, d.dv);
     let n = d.b * t;
-    let mut p = vec![T::zero(); n * cd];
-    // p_t = Σ_j w_j ⊙ u_{t−K+1+j}, rows in parallel (each reads its row's K inputs).
-    p.par_chunks_mut(cd).enumerate().for_each(|(r, row)| {
-        vectorized(
-            #[inline(always)]
-            || {
-                let ti = r % t;
-                for j in 0..kw {
-                    let Some(src) = (ti + j + 1).checked_sub(kw) else {
-                        continue;
-                    };
-                    let ur = &u[(r - ti + src) * cd..][..cd];
-                    for ((o, &w), &x) in row.iter_mut().zip(&pr.wt[j * cd..][..cd]).zip(ur) {
-                        *o += w * x;
-                    }
-                }
-            },
-        )
-    });
+    let p = taps(d, u, &pr.wt, Dir::Forward); // p_t = Σ_j w_j ⊙ u_{t−K+1+j}
     let c: Vec<T> = p.par_iter().map(|&x| x * sigmoid(x)).collect();
     let inv = |off: usize| -> Vec<T> {
         c.par_chunks(cd)
@@ -280,6 +262,43 @@ fn forward<T: Elem>(m: &Mixer, d: &Dims, u: &[T], zba: &[T], p: &[T]) -> Vec<T> 
     y
 }
 
+/// Which way [`taps`] runs the causal convolution over a row's tokens.
+#[derive(Clone, Copy)]
+enum Dir {
+    /// `out_t += Σ_j w_j ⊙ src_{t−K+1+j}` (the forward over u).
+    Forward,
+    /// `out_s += Σ_j w_j ⊙ src_{s+K−1−j}` (its transpose: ∂u from ∂p).
+    Back,
+}
+
+/// The depthwise causal convolution's taps over `src` `[b, t, cd]` into a fresh `[b, t, cd]`,
+/// rows in parallel (each reads the K rows of its sequence it needs), tokens outside the
+/// sequence read as zero.
+fn taps<T: Elem>(d: &Dims, src: &[T], wt: &[T], dir: Dir) -> Vec<T> {
+    let (t, cd, kw) = (d.t, d.cd(), d.kw);
+    let mut out = vec![T::zero(); d.b * t * cd];
+    out.par_chunks_mut(cd).enumerate().for_each(|(r, row)| {
+        vectorized(
+            #[inline(always)]
+            || {
+                let ti = r % t;
+                for j in 0..kw {
+                    let at = match dir {
+                        Dir::Forward => (ti + j + 1).checked_sub(kw),
+                        Dir::Back => Some(ti + kw - 1 - j).filter(|&s| s < t),
+                    };
+                    let Some(at) = at else { continue };
+                    let sr = &src[(r - ti + at) * cd..][..cd];
+                    for ((o, &w), &x) in row.iter_mut().zip(&wt[j * cd..][..cd]).zip(sr) {
+                        *o += w * x;
+                    }
+                }
+            },
+        )
+    });
+    out
+}
+
 /// Gradients of u, zba and params from `gy` `[b, t, vd]`.
 fn backward<T: Elem>(
     m: &Mixer,
@@ -290,84 +309,130 @@ fn backward<T: Elem>(
     let pr = params(d, p);
     let prep = prepare(d, u, zba, &pr);
     let o = recur(d, &prep.x);
-    let (t, nk, nv, dk, dv) = (d.t, d.nk, d.nv, d.dk, d.dv);
-    let (kd, vd, cd, zw, w, kw) = (d.kd(), d.vd(), d.cd(), d.zw(), d.width(), d.kw);
-    let n = d.b * t;
+    let (go, gnorm) = norm_bwd(m, d, &pr, (zba, &o), gy);
+    let mut gzba = gate_bwd(m, d, &pr, (zba, &o), gy);
+    let dx = recur_bwd(d, &prep.x, &go);
+    drop(go);
+    let gp = inputs_bwd(d, &prep, &dx, (zba, &pr), &mut gzba);
+    let gu = taps(d, &gp, &pr.wt, Dir::Back);
+    let gparams = params_bwd(d, (u, &gp), (&prep.x, &dx), &gzba, &gnorm);
+    (gu, gzba, gparams)
+}
+
+/// The gated norm's backward to its input: `∂o` `[b, nv, t, dv]` (value heads' jobs in
+/// parallel) and `∂w_n` `[dv]` (summed over the jobs).
+fn norm_bwd<T: Elem>(
+    m: &Mixer,
+    d: &Dims,
+    pr: &Params<T>,
+    (zba, o): (&[T], &[T]),
+    gy: &[T],
+) -> (Vec<T>, Vec<T>) {
+    let (t, nv, dv, vd, zw) = (d.t, d.nv, d.dv, d.vd(), d.zw());
     let eps = T::from_f64(m.eps);
-    // Gated norm: ∂z into gzba, ∂o per (row, value head) [b, nv, t, dv], ∂w_n per token row.
-    let mut gzba = vec![T::zero(); n * zw];
     let mut go = vec![T::zero(); o.len()];
-    let gnorm_rows: Vec<Vec<T>> = gzba
-        .par_chunks_mut(zw)
+    let gnorm = go
+        .par_chunks_mut(t * dv)
         .enumerate()
-        .map(|(ri, gz)| {
-            let (bi, ti) = (ri / t, ri % t);
-            let zr = &zba[ri * zw..][..vd];
-            let gyr = &gy[ri * vd..][..vd];
+        .map(|(job, gos)| {
+            let (bi, hv) = (job / nv, job % nv);
             let mut gn_w = vec![T::zero(); dv];
-            let mut gos = vec![T::zero(); vd];
-            for hv in 0..nv {
-                let oh = &o[((bi * nv + hv) * t + ti) * dv..][..dv];
-                let (zh, gyh) = (&zr[hv * dv..][..dv], &gyr[hv * dv..][..dv]);
+            for (ti, g) in gos.chunks_exact_mut(dv).enumerate() {
+                let ri = bi * t + ti;
+                let oh = &o[(job * t + ti) * dv..][..dv];
+                let zh = &zba[ri * zw + hv * dv..][..dv];
+                let gyh = &gy[ri * vd + hv * dv..][..dv];
                 let rho = inv_rms(oh, eps);
-                // mean(∂n ⊙ w ⊙ ô)
+                // ∂n = ∂y ⊙ silu(z), then mean(∂n ⊙ w ⊙ ô).
                 let mut dot = T::zero();
                 for j in 0..dv {
-                    let s = sigmoid(zh[j]);
-                    let oh_hat = oh[j] * rho;
-                    let gn = gyh[j] * zh[j] * s;
-                    gn_w[j] += gn * oh_hat;
-                    dot += gn * pr.norm[j] * oh_hat;
-                    let dsilu = s * (T::one() + zh[j] * (T::one() - s));
-                    gz[hv * dv + j] = gyh[j] * oh_hat * pr.norm[j] * dsilu;
+                    let gn = gyh[j] * zh[j] * sigmoid(zh[j]);
+                    gn_w[j] += gn * oh[j] * rho;
+                    dot += gn * pr.norm[j] * oh[j] * rho;
+                    g[j] = gn;
                 }
                 let mean = dot / T::from_f64(dv as f64);
                 for j in 0..dv {
-                    let gn = gyh[j] * zh[j] * sigmoid(zh[j]);
-                    gos[hv * dv + j] = rho * (gn * pr.norm[j] - oh[j] * rho * mean);
+                    g[j] = rho * (g[j] * pr.norm[j] - oh[j] * rho * mean);
                 }
             }
-            gn_w.extend(gos);
             gn_w
         })
-        .collect();
-    let mut gnorm = vec![T::zero(); dv];
-    for (ri, g) in gnorm_rows.iter().enumerate() {
+        .reduce(
+            || vec![T::zero(); dv],
+            |mut a, b| {
+                a.iter_mut().zip(&b).for_each(|(x, &y)| *x += y);
+                a
+            },
+        );
+    (go, gnorm)
+}
+
+/// The gate's backward: `∂z = ∂y ⊙ ô ⊙ w_n ⊙ silu′(z)` into a fresh `[b, t, zw]` (its b and a
+/// columns are filled by [`inputs_bwd`]).
+fn gate_bwd<T: Elem>(
+    m: &Mixer,
+    d: &Dims,
+    pr: &Params<T>,
+    (zba, o): (&[T], &[T]),
+    gy: &[T],
+) -> Vec<T> {
+    let (t, nv, dv, vd, zw) = (d.t, d.nv, d.dv, d.vd(), d.zw());
+    let eps = T::from_f64(m.eps);
+    let mut gzba = vec![T::zero(); d.b * t * zw];
+    gzba.par_chunks_mut(zw).enumerate().for_each(|(ri, gz)| {
         let (bi, ti) = (ri / t, ri % t);
-        for (a, &v) in gnorm.iter_mut().zip(&g[..dv]) {
-            *a += v;
-        }
         for hv in 0..nv {
-            go[((bi * nv + hv) * t + ti) * dv..][..dv].copy_from_slice(&g[dv + hv * dv..][..dv]);
+            let oh = &o[((bi * nv + hv) * t + ti) * dv..][..dv];
+            let rho = inv_rms(oh, eps);
+            let at = hv * dv;
+            for j in 0..dv {
+                let z = zba[ri * zw + at + j];
+                let s = sigmoid(z);
+                let dsilu = s * (T::one() + z * (T::one() - s));
+                gz[at + j] = gy[ri * vd + at + j] * oh[j] * rho * pr.norm[j] * dsilu;
+            }
         }
-    }
-    drop(gnorm_rows);
-    // The recurrence's input gradients [b, nv, t, width].
+    });
+    gzba
+}
+
+/// The recurrence's input gradients `[b, nv, t, width]` from its outputs' `go`.
+fn recur_bwd<T: Elem>(d: &Dims, x: &[T], go: &[T]) -> Vec<T> {
+    let (t, w, dv) = (d.t, d.width(), d.dv);
     let rule = d.rule();
-    let mut dx = vec![T::zero(); prep.x.len()];
+    let mut dx = vec![T::zero(); x.len()];
     dx.par_chunks_mut(t * w)
-        .zip(prep.x.par_chunks(t * w).zip(go.par_chunks(t * dv)))
+        .zip(x.par_chunks(t * w).zip(go.par_chunks(t * dv)))
         .for_each(|(dxs, (xs, gs))| {
             vectorized(
                 #[inline(always)]
                 || rule.backward_one(xs, gs, dxs),
             )
         });
-    drop(go);
-    // ∂c (q/k through their norms, summed over value heads), ∂b, ∂a, and the per-row parts of
-    // ∂dt_bias, ∂A_log; then ∂p = ∂c ⊙ silu′(p).
+    dx
+}
+
+/// From the recurrence's input gradients `dx`: `∂b`, `∂a` into `gzba`'s b and a columns, and
+/// `∂p = ∂c ⊙ silu′(p)` `[b, t, cd]` (q and k through their norms and scale, summed over the
+/// value heads that read each key head).
+fn inputs_bwd<T: Elem>(
+    d: &Dims,
+    prep: &Prepared<T>,
+    dx: &[T],
+    (zba, pr): (&[T], &Params<T>),
+    gzba: &mut [T],
+) -> Vec<T> {
+    let (t, nk, nv, dk, dv) = (d.t, d.nk, d.nv, d.dk, d.dv);
+    let (kd, vd, cd, zw, w) = (d.kd(), d.vd(), d.cd(), d.zw(), d.width());
     let r = nv / nk;
     let scale = T::from_f64(1.0 / (dk as f64).sqrt());
-    let mut gp = vec![T::zero(); n * cd];
-    let gates: Vec<(Vec<T>, Vec<T>)> = gp
-        .par_chunks_mut(cd)
+    let mut gp = vec![T::zero(); d.b * t * cd];
+    gp.par_chunks_mut(cd)
         .zip(gzba.par_chunks_mut(zw))
         .enumerate()
-        .map(|(ri, (gc, gz))| {
+        .for_each(|(ri, (gc, gz))| {
             let (bi, ti) = (ri / t, ri % t);
-            let zr = &zba[ri * zw..][..zw];
-            let cr = &prep.c[ri * cd..][..cd];
-            let (mut gdt, mut ga_log) = (vec![T::zero(); nv], vec![T::zero(); nv]);
             for hv in 0..nv {
                 let h = hv / r;
                 let at = ((bi * nv + hv) * t + ti) * w;
@@ -379,15 +444,13 @@ fn backward<T: Elem>(
                     *a += g;
                 }
                 gc[2 * kd + hv * dv..][..dv].copy_from_slice(&dxr[2 * dk..2 * dk + dv]);
-                let (g, beta) = (xr[w - 2], xr[w - 1]);
-                let (dg, dbeta) = (dxr[w - 2], dxr[w - 1]);
-                gz[vd + hv] = dbeta * beta * (T::one() - beta);
-                let ga = dg * pr.neg_a[hv] * sigmoid(zr[vd + nv + hv] + pr.dt[hv]);
-                gz[vd + nv + hv] = ga;
-                gdt[hv] = ga;
-                ga_log[hv] = dg * g;
+                let beta = xr[w - 1];
+                gz[vd + hv] = dxr[w - 1] * beta * (T::one() - beta);
+                let a_in = zba[ri * zw + vd + nv + hv];
+                gz[vd + nv + hv] = dxr[w - 2] * pr.neg_a[hv] * sigmoid(a_in + pr.dt[hv]);
             }
             // L2 norms: ∂c_q = ν(∂q̂ − q̂(q̂·∂q̂)), q̂ = c_q·ν.
+            let cr = &prep.c[ri * cd..][..cd];
             for (part, inv) in [(0, &prep.inv_q), (kd, &prep.inv_k)] {
                 for h in 0..nk {
                     let nu = inv[ri * nk + h];
@@ -401,37 +464,29 @@ fn backward<T: Elem>(
                     }
                 }
             }
-            let pr_row = &prep.p[ri * cd..][..cd];
-            for (gv, &x) in gc.iter_mut().zip(pr_row) {
+            for (gv, &x) in gc.iter_mut().zip(&prep.p[ri * cd..][..cd]) {
                 let s = sigmoid(x);
                 *gv *= s * (T::one() + x * (T::one() - s));
             }
-            (gdt, ga_log)
-        })
-        .collect();
-    // Convolution: ∂u_s = Σ_j w_j ⊙ ∂p_{s+K−1−j}, ∂w_j = Σ_t ∂p_t ⊙ u_{t−K+1+j}.
-    let mut gu = vec![T::zero(); n * cd];
-    gu.par_chunks_mut(cd).enumerate().for_each(|(ri, row)| {
-        vectorized(
-            #[inline(always)]
-            || {
-                let ti = ri % t;
-                for j in 0..kw {
-                    let dst = ti + kw - 1 - j;
-                    if dst >= t {
-                        continue;
-                    }
-                    let g = &gp[(ri - ti + dst) * cd..][..cd];
-                    for ((o, &wv), &gv) in row.iter_mut().zip(&pr.wt[j * cd..][..cd]).zip(g) {
-                        *o += wv * gv;
-                    }
-                }
-            },
-        )
-    });
-    let gwt: Vec<T> = (0..kw)
+        });
+    gp
+}
+
+/// The parameters' gradient in their packed order: the conv weight `∂w_j = Σ_t ∂p_t ⊙
+/// u_{t−K+1+j}`, `∂dt_bias` (the sum of `∂a`, which it enters as `a` does), `∂A_log = Σ ∂g·g`,
+/// and the norm weight's `gnorm`.
+fn params_bwd<T: Elem>(
+    d: &Dims,
+    (u, gp): (&[T], &[T]),
+    (x, dx): (&[T], &[T]),
+    gzba: &[T],
+    gnorm: &[T],
+) -> Vec<T> {
+    let (t, nv, cd, kw, vd, zw, w) = (d.t, d.nv, d.cd(), d.kw, d.vd(), d.zw(), d.width());
+    let n = d.b * t;
+    let gwt: Vec<Vec<T>> = (0..kw)
         .into_par_iter()
-        .flat_map_iter(|j| {
+        .map(|j| {
             let mut acc = vec![T::zero(); cd];
             vectorized(
                 #[inline(always)]
@@ -452,28 +507,30 @@ fn backward<T: Elem>(
             acc
         })
         .collect();
-    let mut gparams = vec![T::zero(); d.params()];
+    let mut out = vec![T::zero(); d.params()];
     for ch in 0..cd {
-        for j in 0..kw {
-            gparams[ch * kw + j] = gwt[j * cd + ch];
+        for (j, g) in gwt.iter().enumerate() {
+            out[ch * kw + j] = g[ch];
         }
     }
-    let rest = &mut gparams[cd * kw..];
-    for (gdt, ga) in &gates {
-        for hv in 0..nv {
-            rest[hv] += gdt[hv];
-            rest[nv + hv] += ga[hv];
+    let rest = &mut out[cd * kw..];
+    for gz in gzba.chunks_exact(zw) {
+        for (a, &g) in rest[..nv].iter_mut().zip(&gz[vd + nv..]) {
+            *a += g;
         }
     }
-    rest[2 * nv..].copy_from_slice(&gnorm);
-    (gu, gzba, gparams)
-}
-
-fn slice<'a, T: candle_core::WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
-    let Some((a, b)) = l.contiguous_offsets() else {
-        candle_core::bail!("DeltaNet mixer: contiguous inputs only");
-    };
-    Ok(&s.as_slice::<T>()?[a..b])
+    for (job, (xs, dxs)) in x
+        .chunks_exact(t * w)
+        .zip(dx.chunks_exact(t * w))
+        .enumerate()
+    {
+        let hv = job % nv;
+        for (xr, dxr) in xs.chunks_exact(w).zip(dxs.chunks_exact(w)) {
+            rest[nv + hv] += dxr[w - 2] * xr[w - 2];
+        }
+    }
+    rest[2 * nv..].copy_from_slice(gnorm);
+    out
 }
 
 impl CustomOp3 for Mixer {
@@ -496,16 +553,16 @@ impl CustomOp3 for Mixer {
             CpuStorage::F32(_) => CpuStorage::F32(forward::<f32>(
                 self,
                 &d,
-                slice(s1, l1)?,
-                slice(s2, l2)?,
-                slice(s3, l3)?,
+                contiguous(s1, l1, "DeltaNet mixer: inputs")?,
+                contiguous(s2, l2, "DeltaNet mixer: inputs")?,
+                contiguous(s3, l3, "DeltaNet mixer: inputs")?,
             )),
             CpuStorage::F64(_) => CpuStorage::F64(forward::<f64>(
                 self,
                 &d,
-                slice(s1, l1)?,
-                slice(s2, l2)?,
-                slice(s3, l3)?,
+                contiguous(s1, l1, "DeltaNet mixer: inputs")?,
+                contiguous(s2, l2, "DeltaNet mixer: inputs")?,
+                contiguous(s3, l3, "DeltaNet mixer: inputs")?,
             )),
             _ => candle_core::bail!("DeltaNet mixer: f32 or f64 only"),
         };

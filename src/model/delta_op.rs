@@ -18,7 +18,7 @@
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::kernels::elem::Elem;
+use crate::kernels::elem::{pairwise, Elem};
 use crate::kernels::simd::vectorized;
 use crate::kernels::storage::Host;
 
@@ -156,22 +156,6 @@ impl DeltaRule {
 /// running sum is one long dependency chain).
 type Lanes<T> = [T; 16];
 
-/// The lanes' sum combined pairwise (8 + 8, 4 + 4, ...: shuffles and vector adds, where a
-/// sequential fold extracts the lanes one by one), plus the tail's.
-#[inline(always)]
-fn lane_total<T: Elem>(l: &Lanes<T>, tail: T) -> T {
-    let mut l = *l;
-    let mut width = 8;
-    while width > 0 {
-        let (lo, hi) = l.split_at_mut(width);
-        for (x, &y) in lo.iter_mut().zip(hi.iter()) {
-            *x += y;
-        }
-        width /= 2;
-    }
-    l[0] + tail
-}
-
 /// The backward's pass A over one state row `i` (slices along `dv`): with `G = ∂S_i + q_i ∂o`,
 /// adds `k_i G` to `dd` and returns `(S_i·∂o, G·(v − m))`.
 #[inline(always)]
@@ -203,7 +187,7 @@ fn pass_a<T: Elem>(
         t0 += cur[j] * d_o[j];
         t1 += g * vm[j];
     }
-    (lane_total(&l0, t0), lane_total(&l1, t1))
+    (pairwise(l0) + t0, pairwise(l1) + t1)
 }
 
 /// The backward's pass B over one state row `i`: with `∂P = ∂S_i + q_i ∂o + k_i ∂m`, sets
@@ -235,7 +219,7 @@ fn pass_b<T: Elem>(
         t1 += dp * prev[j];
         ds[j] = a * dp;
     }
-    (lane_total(&l0, t0), lane_total(&l1, t1))
+    (pairwise(l0) + t0, pairwise(l1) + t1)
 }
 
 /// One token of the recurrence on state `s` `[dk, dv]` with packed inputs `row`; the output

@@ -2,9 +2,10 @@
 //! composition of candle ops it replaces and is tested against.
 //!
 //! [`token_logprobs_fused`]: the LM head, log-softmax, gather of the target token and the
-//! entropy in one pass over row chunks. Forward keeps nothing but its inputs (no `[rows, vocab]`
-//! logits survive a chunk); backward recomputes each chunk's logits and forms the gradient of
-//! the logits in place:
+//! entropy in one pass over row chunks. Forward keeps nothing but its inputs and outputs (no
+//! `[rows, vocab]` logits survive a chunk); backward (on the CPU) recomputes the logits in
+//! blocks of vocabulary columns over all rows, taking each row's lse from its output
+//! (`lse = z_t − log p(t)`), and forms the gradient of the logits in place:
 //!
 //! ```text
 //! z = h · Wᵀ (row chunk),  p = softmax(z),  lse = log Σ exp z
@@ -26,7 +27,7 @@ use crate::kernels::bf16::{self, PackedB};
 use crate::kernels::elem::Elem;
 use crate::kernels::gemm::{gemm_mixed, gemm_strided};
 use crate::kernels::simd::{vectorized, Par};
-use crate::kernels::storage::Host;
+use crate::kernels::storage::{contiguous, Host};
 
 /// Row statistics of logits `z` (one row): (max-shifted log-sum-exp, Σ p z).
 #[inline(always)]
@@ -138,13 +139,6 @@ impl Packs {
         } else {
             gemm_strided(dst, m, vocab, hid, a, hid, 1, w, 1, hid, false, Par::Rayon);
         }
-    }
-}
-
-fn contiguous<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
-        None => candle_core::bail!("fused log-probs: {what} must be contiguous"),
     }
 }
 
@@ -488,13 +482,13 @@ impl CustomOp2 for LogProbs {
         }
         let out = match (s1, s2) {
             (CpuStorage::F32(_), CpuStorage::F32(_)) => CpuStorage::F32(self.forward::<f32>(
-                contiguous(s1, l1, "hidden")?,
-                contiguous(s2, l2, "weight")?,
+                contiguous(s1, l1, "fused log-probs: hidden")?,
+                contiguous(s2, l2, "fused log-probs: weight")?,
                 hid,
             )?),
             (CpuStorage::F64(_), CpuStorage::F64(_)) => CpuStorage::F64(self.forward::<f64>(
-                contiguous(s1, l1, "hidden")?,
-                contiguous(s2, l2, "weight")?,
+                contiguous(s1, l1, "fused log-probs: hidden")?,
+                contiguous(s2, l2, "fused log-probs: weight")?,
                 hid,
             )?),
             _ => candle_core::bail!("fused log-probs: f32 or f64 inputs of one dtype only"),

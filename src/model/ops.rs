@@ -1,4 +1,5 @@
-//! Element-wise compositions shared by the layers, each of candle ops with a backward pass.
+//! Element-wise pieces shared by the layers: compositions of candle ops with a backward pass,
+//! and `swiglu`, one op with its own backward on the CPU beside the composition it replaces.
 
 use candle_core::{DType, Result, Tensor, D};
 
@@ -81,14 +82,18 @@ impl candle_core::CustomOp2 for SwiGlu {
         s2: &candle_core::CpuStorage,
         l2: &candle_core::Layout,
     ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use crate::kernels::storage::contiguous;
         use candle_core::CpuStorage as S;
-        let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
-        else {
-            candle_core::bail!("swiglu: contiguous inputs only");
-        };
+        let what = "swiglu: inputs";
         let out = match (s1, s2) {
-            (S::F32(g), S::F32(u)) => S::F32(swiglu_fwd(&g[a0..a1], &u[b0..b1])),
-            (S::F64(g), S::F64(u)) => S::F64(swiglu_fwd(&g[a0..a1], &u[b0..b1])),
+            (S::F32(_), S::F32(_)) => S::F32(swiglu_fwd::<f32>(
+                contiguous(s1, l1, what)?,
+                contiguous(s2, l2, what)?,
+            )),
+            (S::F64(_), S::F64(_)) => S::F64(swiglu_fwd::<f64>(
+                contiguous(s1, l1, what)?,
+                contiguous(s2, l2, what)?,
+            )),
             _ => candle_core::bail!("swiglu: f32 or f64 inputs of one dtype only"),
         };
         Ok((out, l1.shape().clone()))
