@@ -265,23 +265,27 @@ fn fwdbwd(a: &Args, model: &main_ppo::model::CausalLm) -> Result<Value, BoxError
         .repeat((b, 1))?; // [b, t]
     let mask = Tensor::ones((b, t), DType::U32, &Device::Cpu)?;
     let (mut fwd_s, mut bwd_s, mut loss_v) = (Vec::new(), Vec::new(), 0f32);
-    for i in 0..warmup + reps {
-        let t0 = Instant::now();
-        let h = model.forward_hidden(&ids, &pos, &mask, None)?; // [b, t, hidden]
-        let chunk = main_ppo::trainer::actor::logit_chunk(model.args.vocab_size); // as training
-        let (lp, _) = model.token_logprobs(&h, &ids, chunk, false)?; // [b, t]
-        let loss = lp.mean_all()?.neg()?;
-        let f = t0.elapsed().as_secs_f64();
-        // As the trainer's update runs it (large gradient blocks on huge pages).
-        let grads = main_ppo::kernels::alloc::huge_pages(|| loss.backward())?;
-        let total = t0.elapsed().as_secs_f64();
-        loss_v = loss.to_scalar::<f32>()?;
-        drop(grads);
-        if i >= warmup {
-            fwd_s.push(f);
-            bwd_s.push(total - f);
+    // As the trainer's update runs its micro-batches: large blocks on huge pages and recycled
+    // from one forward+backward to the next (`kernels::alloc::huge_pages`).
+    let chunk = main_ppo::trainer::actor::logit_chunk(model.args.vocab_size); // as training
+    main_ppo::kernels::alloc::huge_pages(|| -> Result<(), BoxError> {
+        for i in 0..warmup + reps {
+            let t0 = Instant::now();
+            let h = model.forward_hidden(&ids, &pos, &mask, None)?; // [b, t, hidden]
+            let (lp, _) = model.token_logprobs(&h, &ids, chunk, false)?; // [b, t]
+            let loss = lp.mean_all()?.neg()?;
+            let f = t0.elapsed().as_secs_f64();
+            let grads = loss.backward()?;
+            let total = t0.elapsed().as_secs_f64();
+            loss_v = loss.to_scalar::<f32>()?;
+            drop(grads);
+            if i >= warmup {
+                fwd_s.push(f);
+                bwd_s.push(total - f);
+            }
         }
-    }
+        Ok(())
+    })?;
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     let secs: Vec<f64> = fwd_s.iter().zip(&bwd_s).map(|(f, b)| f + b).collect();
     Ok(json!({

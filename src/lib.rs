@@ -27,7 +27,8 @@ pub mod trainer;
 pub mod util;
 pub mod weights;
 
-/// Every binary and test of the crate allocates through the system allocator, with large blocks
-/// advised to use transparent huge pages inside `kernels::alloc::huge_pages` (a backward pass).
+/// Every binary and test of the crate allocates through `kernels::alloc::HugePages`: malloc for
+/// small blocks; large ones mapped on huge-page boundaries, advised to use huge pages and kept
+/// for reuse inside `kernels::alloc::huge_pages` (a training update).
 #[global_allocator]
 static ALLOCATOR: kernels::alloc::HugePages = kernels::alloc::HugePages;

@@ -7,20 +7,26 @@
 //! trim threshold far above a step's working set, so freed blocks stay in the process for reuse
 //! (the CLI and the benchmarks call it at start-up).
 //!
-//! Blocks above 32 MiB are still mapped and unmapped on every call (glibc's cap). The
-//! process's allocator ([`HugePages`]) is the system's, with transparent huge pages asked for
-//! on large blocks while a backward pass runs ([`huge_pages`]; Linux, where THP is in `madvise`
-//! mode, the usual default).
-//!
-//! A backward pass writes gigabytes of fresh memory: blocks above glibc's mmap threshold
-//! (32 MiB at most) come straight from the kernel on every call — a vocabulary-sized weight
-//! gradient, its sum with the embedding's, the LM head's packed weight. In 4 KiB pages each
-//! first write is a page fault; on the 2-core VMs this project measures on, faulting in the
-//! 1 GiB gradient of a 248k-token embedding took ~3 s of a 24 s forward+backward.
-//! `MADV_HUGEPAGE` lets the kernel back such blocks with 2 MiB pages: 512 times fewer faults.
-//! Only inside [`huge_pages`]: elsewhere (loading a model while its file fills the page cache)
-//! the kernel's compaction to find huge pages cost more than the faults it saved (loading a
-//! 3 GB model took 7.7-8.7 s instead of 5.2 s).
+//! Blocks of [`LARGE`] (32 MiB, glibc's cap) and more are this module's: the process's allocator
+//! ([`HugePages`]) maps them itself, on 2 MiB boundaries in whole 2 MiB pages, and everything
+//! smaller goes to the system's malloc. Inside [`huge_pages`] — a training update's forwards,
+//! backwards and optimizer steps — two things change for them:
+//! - they are advised to use transparent huge pages (Linux, THP in `madvise` mode, the usual
+//!   default): each first write to a fresh page is a fault and the kernel zeroing the page; on
+//!   the 2-core VMs this project measures on, faulting in the 1 GiB gradient of a 248k-token
+//!   embedding in 4 KiB pages took ~3 s of a 24 s forward+backward, 512 times fewer faults in
+//!   2 MiB pages. Not outside the scope: loading a model while its file fills the page cache,
+//!   the kernel's compaction to find huge pages cost more than it saved (a 3 GB model took
+//!   7.7-8.7 s to load instead of 5.2 s);
+//! - freed blocks are kept (up to [`keep_limit`] bytes, the longest-kept handed back first) and
+//!   handed out again for the next request of the same rounded size, so a second micro-batch
+//!   writes into pages that are already there: even in huge pages the kernel's zeroing of fresh
+//!   memory was ~15 % of a Qwen3.5 fwd+bwd's CPU time. When the last scope ends they go back.
+//!   Kept blocks never lift the large blocks' footprint above the most those in use have needed
+//!   (see [`Kept`]): a request no kept block serves hands back the longest-kept first. (Kept
+//!   without that bound, up to the byte limit alone, they raised the peak RSS of a
+//!   Qwen3.5-0.8B-shaped fwd+bwd with recomputation from 7.4 to 9.3 GB at 512 tokens and from
+//!   13.9 to 16.5 GB at 8 × 1024.)
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -46,69 +52,338 @@ pub fn keep_freed_memory() {
 /// Blocks at least this large are advised (smaller ones come from malloc's arenas, reused).
 pub const HUGE: usize = 64 << 20;
 
+/// Blocks at least this large are mapped by [`HugePages`] itself, in whole 2 MiB pages on 2 MiB
+/// boundaries (malloc's largest mmap threshold: with [`keep_freed_memory`] malloc never sees
+/// them).
+pub const LARGE: usize = 32 << 20;
+
+/// A huge page: the rounding of large blocks' sizes and their alignment.
+const PAGE: usize = 2 << 20;
+
+/// Most bytes of freed large blocks kept for reuse inside [`huge_pages`]: 4 GiB, or a quarter
+/// of the machine's memory where that is less. (A Qwen3.5-0.8B-shaped fwd+bwd of 512 tokens
+/// cycles ~3.7 GB of blocks this large: its 248k-row vocabulary's gradients, their sum, the
+/// head's packed weight and logit chunks; at 2 GiB the oldest were handed back before reuse.)
+fn keep_limit() -> usize {
+    static LIMIT: AtomicUsize = AtomicUsize::new(0);
+    match LIMIT.load(Ordering::Relaxed) {
+        0 => {
+            let limit = (physical_memory() / 4).clamp(LARGE, 4 << 30);
+            LIMIT.store(limit, Ordering::Relaxed);
+            limit
+        }
+        l => l,
+    }
+}
+
+/// The machine's memory in bytes (sysconf; 16 GiB assumed where it does not say).
+fn physical_memory() -> usize {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf reads system constants and allocates nothing.
+        let (pages, size) = unsafe {
+            (
+                libc::sysconf(libc::_SC_PHYS_PAGES),
+                libc::sysconf(libc::_SC_PAGESIZE),
+            )
+        };
+        if pages > 0 && size > 0 {
+            return pages as usize * size as usize;
+        }
+    }
+    16 << 30
+}
+
 /// Open [`huge_pages`] scopes, over all threads (rayon's workers allocate for the caller).
 static SCOPES: AtomicUsize = AtomicUsize::new(0);
 
-/// Runs `f` with large blocks allocated by any thread advised to use huge pages.
+/// Runs `f` with large blocks allocated by any thread advised to use huge pages and freed large
+/// blocks kept for reuse: a backward pass frees and allocates blocks of the same few sizes
+/// (each layer's activations and gradients), and a block from the kernel costs a page fault
+/// and the kernel's zeroing of every page (~15 % of a Qwen3.5 fwd+bwd's CPU time before this
+/// cache). When the last scope closes, the kept blocks go back to the kernel.
 pub fn huge_pages<R>(f: impl FnOnce() -> R) -> R {
     struct Close;
     impl Drop for Close {
         fn drop(&mut self) {
-            SCOPES.fetch_sub(1, Ordering::Relaxed);
+            if SCOPES.fetch_sub(1, Ordering::AcqRel) == 1 {
+                release_kept();
+            }
         }
     }
-    SCOPES.fetch_add(1, Ordering::Relaxed);
+    SCOPES.fetch_add(1, Ordering::AcqRel);
     let _close = Close;
     f()
 }
 
-/// [`System`], advising large blocks to use huge pages.
+/// Freed large blocks kept for reuse: up to [`SLOTS`] blocks and `limit` bytes, each with its
+/// size (a multiple of [`PAGE`]) and when it was freed; and the bytes of large blocks in use
+/// (`live`) with their most since the scope opened (`peak`). Kept blocks never make the large
+/// blocks' footprint (`live + bytes`) exceed `peak`: keeping a freed block leaves the sum as it
+/// was, and a request no kept block serves first hands back the longest-kept until the new
+/// block fits under the (possibly new) peak. So the cache never raises peak memory above what
+/// the same allocations would reach without it. Pure bookkeeping: mapping and unmapping are the
+/// caller's (the allocator's, or a test's).
+struct Kept {
+    /// `(address, size, tick)`; address 0 is a free slot.
+    slots: [(usize, usize, u64); SLOTS],
+    bytes: usize,
+    tick: u64,
+    live: usize,
+    peak: usize,
+}
+
+const SLOTS: usize = 64;
+
+impl Kept {
+    const fn new() -> Self {
+        Kept {
+            slots: [(0, 0, 0); SLOTS],
+            bytes: 0,
+            tick: 0,
+            live: 0,
+            peak: 0,
+        }
+    }
+
+    /// A kept block of exactly `size` bytes (the most recently freed), taken out for use.
+    fn take(&mut self, size: usize) -> Option<usize> {
+        let i = (0..SLOTS)
+            .filter(|&i| self.slots[i].0 != 0 && self.slots[i].1 == size)
+            .max_by_key(|&i| self.slots[i].2)?;
+        let (addr, size, _) = std::mem::take(&mut self.slots[i]);
+        self.bytes -= size;
+        self.live += size;
+        Some(addr)
+    }
+
+    /// A fresh block of `size` bytes is about to be mapped: the longest-kept blocks go to
+    /// `unmap` until it fits under the peak.
+    fn grow(&mut self, size: usize, mut unmap: impl FnMut(usize, usize)) {
+        self.live += size;
+        self.peak = self.peak.max(self.live);
+        while self.bytes + self.live > self.peak {
+            self.hand_back_oldest(&mut unmap);
+        }
+    }
+
+    /// A block of `size` bytes is no longer in use and will be unmapped by the caller.
+    fn release(&mut self, size: usize) {
+        self.live -= size;
+    }
+
+    /// Keeps the freed block at `addr` of `size` bytes, handing the longest-kept blocks to
+    /// `unmap` until it fits in `limit` bytes and a slot; a block larger than `limit` goes to
+    /// `unmap` itself.
+    fn put(&mut self, addr: usize, size: usize, limit: usize, mut unmap: impl FnMut(usize, usize)) {
+        self.live -= size;
+        if size > limit {
+            return unmap(addr, size);
+        }
+        loop {
+            let free = self.slots.iter().position(|s| s.0 == 0);
+            if let (Some(i), true) = (free, self.bytes + size <= limit) {
+                self.tick += 1;
+                self.slots[i] = (addr, size, self.tick);
+                self.bytes += size;
+                return;
+            }
+            self.hand_back_oldest(&mut unmap);
+        }
+    }
+
+    fn hand_back_oldest(&mut self, unmap: &mut impl FnMut(usize, usize)) {
+        let oldest = (0..SLOTS)
+            .filter(|&i| self.slots[i].0 != 0)
+            .min_by_key(|&i| self.slots[i].2)
+            .expect("kept bytes are in some slot");
+        let (a, s, _) = std::mem::take(&mut self.slots[oldest]);
+        self.bytes -= s;
+        unmap(a, s);
+    }
+
+    /// Hands every kept block to `unmap`; the peak starts again from the blocks in use.
+    fn drain(&mut self, mut unmap: impl FnMut(usize, usize)) {
+        for slot in self.slots.iter_mut().filter(|s| s.0 != 0) {
+            let (a, s, _) = std::mem::take(slot);
+            unmap(a, s);
+        }
+        self.bytes = 0;
+        self.peak = self.live;
+    }
+}
+
+static KEPT: std::sync::Mutex<Kept> = std::sync::Mutex::new(Kept::new());
+
+fn lock() -> std::sync::MutexGuard<'static, Kept> {
+    // The bookkeeping is consistent between statements: a panic elsewhere cannot break it.
+    KEPT.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn release_kept() {
+    lock().drain(unmap);
+}
+
+/// Whether [`HugePages`] maps a block of this layout itself.
+fn own(layout: &Layout) -> bool {
+    cfg!(unix) && layout.size() >= LARGE && layout.align() <= PAGE
+}
+
+#[cfg(unix)]
+fn unmap(addr: usize, size: usize) {
+    // SAFETY: [addr, addr + size) is a whole mapping this module made and nothing uses.
+    unsafe {
+        libc::munmap(addr as *mut libc::c_void, size);
+    }
+}
+
+#[cfg(not(unix))]
+fn unmap(_: usize, _: usize) {}
+
+/// A fresh anonymous mapping of `size` bytes (a multiple of [`PAGE`]) starting on a
+/// [`PAGE`] boundary, zero-filled by the kernel; null when the kernel refuses.
+#[cfg(unix)]
+fn map(size: usize) -> *mut u8 {
+    // SAFETY: an anonymous private mapping; the parts outside the aligned range are unmapped
+    // at once and never handed out.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            size + PAGE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        if p == libc::MAP_FAILED {
+            return std::ptr::null_mut();
+        }
+        let base = p as usize;
+        let start = base.next_multiple_of(PAGE);
+        if start > base {
+            libc::munmap(p, start - base);
+        }
+        let tail = base + size + PAGE - (start + size);
+        if tail > 0 {
+            libc::munmap((start + size) as *mut libc::c_void, tail);
+        }
+        start as *mut u8
+    }
+}
+
+#[cfg(not(unix))]
+fn map(_: usize) -> *mut u8 {
+    std::ptr::null_mut()
+}
+
+/// A large block: a kept one of the same rounded size inside [`huge_pages`] (`zeroed`: cleared
+/// first), else a fresh mapping (advised to use huge pages inside the scope).
+fn large(want: usize, zeroed: bool) -> *mut u8 {
+    let size = want.next_multiple_of(PAGE);
+    let scoped = SCOPES.load(Ordering::Acquire) > 0;
+    let kept = {
+        let mut k = lock();
+        let hit = if scoped { k.take(size) } else { None };
+        if hit.is_none() {
+            k.grow(size, unmap);
+        }
+        hit
+    };
+    if let Some(addr) = kept {
+        let p = addr as *mut u8;
+        if zeroed {
+            // SAFETY: the whole block is this allocation's.
+            unsafe { std::ptr::write_bytes(p, 0, want) };
+        }
+        return p;
+    }
+    let p = map(size);
+    if p.is_null() {
+        lock().release(size);
+    } else if scoped {
+        advise(p, size);
+    }
+    p
+}
+
+/// Frees a large block: kept for reuse inside [`huge_pages`], else unmapped.
+fn free_large(p: *mut u8, size: usize) {
+    let size = size.next_multiple_of(PAGE);
+    match SCOPES.load(Ordering::Acquire) > 0 {
+        true => lock().put(p as usize, size, keep_limit(), unmap),
+        false => {
+            lock().release(size);
+            unmap(p as usize, size)
+        }
+    }
+}
+
+/// [`System`] for small blocks; large ones ([`LARGE`] and up) mapped here, advised to use huge
+/// pages and recycled inside [`huge_pages`].
 pub struct HugePages;
 
 #[cfg(target_os = "linux")]
 fn advise(ptr: *mut u8, size: usize) {
-    if ptr.is_null() || size < HUGE || SCOPES.load(Ordering::Relaxed) == 0 {
+    if ptr.is_null() || size < HUGE {
         return;
     }
-    // madvise wants a page-aligned start: the first whole 2 MiB page inside the block on.
-    const PAGE: usize = 2 << 20;
-    let start = (ptr as usize).next_multiple_of(PAGE);
-    let end = (ptr as usize + size) / PAGE * PAGE;
-    if end > start {
-        // SAFETY: [start, end) lies inside the block just allocated; advice changes no data.
-        // A failure (THP off or unsupported) leaves ordinary pages, which is fine.
-        unsafe {
-            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-        }
+    // SAFETY: the block starts on a 2 MiB boundary and is whole 2 MiB pages; advice changes
+    // no data. A failure (THP off or unsupported) leaves ordinary pages, which is fine.
+    unsafe {
+        libc::madvise(ptr as *mut libc::c_void, size, libc::MADV_HUGEPAGE);
     }
 }
 
 #[cfg(not(target_os = "linux"))]
 fn advise(_: *mut u8, _: usize) {}
 
-// SAFETY: every call is forwarded to `System` unchanged; `advise` only adds advice on memory
-// the call returned.
+// SAFETY: small blocks are `System`'s unchanged; large ones are whole private mappings of at
+// least the requested size, aligned to 2 MiB (≥ any alignment they are used for), each handed
+// out once until freed.
 unsafe impl GlobalAlloc for HugePages {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        advise(p, layout.size());
-        p
+        match own(&layout) {
+            true => large(layout.size(), false),
+            false => unsafe { System.alloc(layout) },
+        }
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc_zeroed(layout) };
-        advise(p, layout.size());
-        p
+        match own(&layout) {
+            true => large(layout.size(), true),
+            false => unsafe { System.alloc_zeroed(layout) },
+        }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
+        match own(&layout) {
+            true => free_large(ptr, layout.size()),
+            false => unsafe { System.dealloc(ptr, layout) },
+        }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        advise(p, new_size);
-        p
+        // SAFETY (all below): the caller guarantees `layout` is `ptr`'s and `new_size` valid
+        // for its alignment.
+        let new = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
+        match (own(&layout), own(&new)) {
+            (false, false) => unsafe { System.realloc(ptr, layout, new_size) },
+            (true, true)
+                if layout.size().next_multiple_of(PAGE) == new_size.next_multiple_of(PAGE) =>
+            {
+                ptr
+            }
+            _ => {
+                let p = unsafe { self.alloc(new) };
+                if !p.is_null() {
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(ptr, p, layout.size().min(new_size));
+                        self.dealloc(ptr, layout);
+                    }
+                }
+                p
+            }
+        }
     }
 }
 
@@ -153,5 +428,108 @@ mod tests {
             flags.split_whitespace().any(|f| f == "hg"),
             "VmFlags: {flags}"
         );
+    }
+
+    /// Inside the scope a freed large block is handed out again for the next request of its
+    /// rounded size, cleared when the request wants zeros (the kernel's fresh pages are).
+    #[cfg(unix)]
+    #[test]
+    fn freed_large_blocks_are_reused_and_cleared() {
+        // An odd size (50 MiB + 1, rounded to 52 MiB) that no other test asks for meanwhile.
+        let n = (50 << 20) + 1;
+        super::huge_pages(|| {
+            let v = vec![7u8; n];
+            let p = v.as_ptr();
+            drop(v);
+            let w = vec![0u8; n];
+            assert_eq!(w.as_ptr(), p, "the freed block is reused");
+            assert!(w.iter().all(|&b| b == 0), "a zeroed request gets zeros");
+        });
+    }
+
+    /// Growing a vector across the large-block threshold and shrinking it back keeps its
+    /// contents (realloc between malloc's blocks and this module's mappings).
+    #[test]
+    fn realloc_across_the_threshold_keeps_the_contents() {
+        let mut v: Vec<u32> = (0..1000).collect();
+        v.reserve(super::LARGE); // 4·(1000 + LARGE) bytes: a large block
+        assert!(v.capacity() * 4 >= super::LARGE);
+        v.extend(1000..2000u32);
+        v.shrink_to_fit(); // back to malloc
+        assert!(v.iter().enumerate().all(|(i, &x)| x == i as u32));
+        super::huge_pages(|| {
+            let mut w: Vec<u32> = Vec::with_capacity(super::LARGE / 4 + 1);
+            w.extend(0..5u32);
+            w.reserve(super::LARGE); // large to larger
+            w.extend(5..10u32);
+            assert_eq!(w, (0..10).collect::<Vec<_>>());
+        });
+    }
+
+    /// The bookkeeping of kept blocks: exact sizes only, the most recent first; the oldest go
+    /// back when the byte limit or the slots run out; a block over the limit is never kept;
+    /// draining hands back everything.
+    #[test]
+    fn kept_blocks_stay_within_their_limit() {
+        let mut k = super::Kept::new();
+        let mut unmapped = Vec::new();
+        for _ in 0..3 {
+            k.grow(4, |_, _| unreachable!("nothing kept yet"));
+        }
+        k.grow(11, |_, _| unreachable!());
+        k.put(0x1000, 4, 10, |a, s| unmapped.push((a, s)));
+        k.put(0x2000, 4, 10, |a, s| unmapped.push((a, s)));
+        assert_eq!((k.bytes, unmapped.len()), (8, 0));
+        k.put(0x3000, 4, 10, |a, s| unmapped.push((a, s))); // 12 > 10: the oldest goes
+        assert_eq!(unmapped, vec![(0x1000, 4)]);
+        k.put(0x4000, 11, 10, |a, s| unmapped.push((a, s))); // over the limit alone
+        assert_eq!(unmapped[1], (0x4000, 11));
+        assert_eq!(k.take(6), None);
+        assert_eq!(k.take(4), Some(0x3000), "the most recently freed");
+        assert_eq!((k.bytes, k.live), (4, 4));
+        k.put(0x3000, 4, 10, |a, s| unmapped.push((a, s)));
+        let n = super::SLOTS + 1;
+        for _ in 0..n {
+            k.grow(1, |a, s| unmapped.push((a, s)));
+        }
+        for i in 0..n {
+            k.put(0x10000 * (i + 1), 1, usize::MAX, |a, s| {
+                unmapped.push((a, s))
+            });
+        }
+        // Growing past the peak (23) handed back 0x2000 and 0x3000 (oldest first); then the 65th
+        // freed block found the 64 slots full and the first of them went.
+        assert_eq!(&unmapped[2..], &[(0x2000, 4), (0x3000, 4), (0x10000, 1)]);
+        let mut rest = 0;
+        k.drain(|_, s| rest += s);
+        assert_eq!((rest, k.bytes, k.take(1)), (super::SLOTS, 0, None));
+    }
+
+    /// Kept blocks never lift the large blocks' footprint over the peak of those in use: a
+    /// request no kept block serves first hands back the oldest kept ones.
+    #[test]
+    fn kept_blocks_never_raise_the_peak() {
+        let mut k = super::Kept::new();
+        let mut unmapped = Vec::new();
+        // In use: 8 then 2 more (peak 10); freed: the 8 and the 2 (kept).
+        k.grow(8, |_, _| unreachable!());
+        k.grow(2, |_, _| unreachable!());
+        k.put(0xa000, 8, 100, |a, s| unmapped.push((a, s)));
+        k.put(0xb000, 2, 100, |a, s| unmapped.push((a, s)));
+        assert_eq!((k.live, k.bytes, k.peak), (0, 10, 10));
+        // A request of 6 (no kept block that size): 6 + 10 > 10, so both kept blocks go back,
+        // the oldest first, until 6 + kept fits (the 8 alone leaves 2 + 6 = 8 ≤ 10).
+        k.grow(6, |a, s| unmapped.push((a, s)));
+        assert_eq!(unmapped, vec![(0xa000, 8)]);
+        assert_eq!((k.live, k.bytes), (6, 2));
+        assert!(k.live + k.bytes <= k.peak);
+        // A request that raises the peak: the footprint stays at the new peak (26), so the
+        // kept 2 goes too.
+        k.grow(20, |a, s| unmapped.push((a, s)));
+        assert_eq!((k.live, k.bytes, k.peak), (26, 0, 26));
+        assert_eq!(unmapped[1], (0xb000, 2));
+        k.release(20);
+        k.drain(|a, s| unmapped.push((a, s)));
+        assert_eq!((k.bytes, k.peak), (0, 6));
     }
 }

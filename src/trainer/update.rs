@@ -172,8 +172,8 @@ pub fn mini_batch_grads<N: Network>(
         } else {
             (out.loss * scale)?
         };
-        // Large gradient blocks on huge pages (kernels::alloc: far fewer page faults).
-        let mut g = crate::kernels::alloc::huge_pages(|| loss.backward())?;
+        // Large blocks are recycled by the caller's `huge_pages` scope (`Trainable::update`).
+        let mut g = loss.backward()?;
         drop(loss);
         for (_, var) in vars {
             if let Some(t) = g.remove(var.as_tensor()) {
@@ -236,7 +236,20 @@ impl UpdateScalars {
 impl<N: Network> Trainable<N> {
     /// One PPO update over the step's rows; returns `{prefix}/*` metrics. `micro_loss(model,
     /// inputs, rows, ctx)` builds one micro-batch's loss from the model with gradients.
+    ///
+    /// Its forwards, backwards and optimizer steps allocate and free blocks of the same few
+    /// sizes over and over: large ones are kept for reuse and on huge pages for the whole update
+    /// (`kernels::alloc::huge_pages`), and go back to the system when it ends.
     pub fn update(
+        &mut self,
+        batch: &StepBatch,
+        step: u64,
+        micro_loss: impl FnMut(&N, &MicroInputs, &[usize], MicroCtx) -> candle_core::Result<MicroLoss>,
+    ) -> candle_core::Result<Metrics> {
+        crate::kernels::alloc::huge_pages(|| self.update_in_scope(batch, step, micro_loss))
+    }
+
+    fn update_in_scope(
         &mut self,
         batch: &StepBatch,
         step: u64,
