@@ -4,9 +4,14 @@ random-weight model of Qwen3.5-0.8B's shape written by transformers (f32).
 
 Measures, each in its own process with the same thread count:
   fwdbwd  forward + backward of the mean token log-probability of a [batch, seq] batch, at each
-          --seqs length: seconds, tokens/s and peak RSS of both sides (ours with per-layer
-          recomputation, training's default, unless --checkpointing 0). Peak memory against the
-          sequence length shows whether the Gated DeltaNet layers keep it linear.
+          --seqs length: seconds, tokens/s and peak RSS of both sides, like for like: with
+          --checkpointing 0 (default) both keep every activation for backward; with 1 both
+          recompute each layer in backward (verl's enable_gradient_checkpointing, training's
+          default; transformers' gradient checkpointing on theirs), the mode in which a large
+          batch fits in memory (keeping everything, 2048 tokens take 20 GB or more on each side).
+          Peak memory against the sequence length shows whether the Gated DeltaNet layers keep
+          it linear. Each side runs --warmup untimed passes first (default 1: a training update runs many micro-batches,
+          and a process's first pass pays first-touch page faults for every block it allocates).
   gen     greedy generation of --new tokens for --gen-batch copies of a prompt (ours: the
           packed decode engine with continuous batching; theirs: model.generate).
 Numbers are printed as a table and written to results/bench_qwen3_5/<time>/results.json; they
@@ -22,8 +27,8 @@ With --precision bf16, our side runs verl's mixed precision (bf16 products on AM
 AVX512-BF16, f32 weights and sums) and PyTorch runs twice for fwdbwd: in f32 (the ratio's
 baseline, as scripts/bench_vs_torch.sh) and under torch.autocast(bfloat16) (an extra column).
 
-Usage: scripts/bench_qwen3_5.py [--layers 24] [--batch 1] [--seqs 512,1024,2048]
-         [--checkpointing 1] [--gen-batch 8] [--new 64] [--threads N] [--only fwdbwd,gen]
+Usage: scripts/bench_qwen3_5.py [--layers 24] [--batch 1] [--seqs 512,1024]
+         [--checkpointing 0|1] [--warmup 1] [--gen-batch 8] [--new 64] [--threads N] [--only fwdbwd,gen]
          [--precision f32|bf16]
 Needs the reference venv of scripts/bench_vs_torch.sh (BENCH_VENV, default
 ~/.cache/main_ppo/bench-venv); the model is written once to ~/.cache/main_ppo/models/ (with the
@@ -119,8 +124,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seqs", default="512,1024,2048")
-    ap.add_argument("--checkpointing", type=int, default=1)
+    ap.add_argument("--seqs", default="512,1024")
+    ap.add_argument("--checkpointing", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--gen-batch", type=int, default=8)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -136,18 +142,19 @@ def main():
     rows = []
     if "fwdbwd" in a.only:
         for s in [int(x) for x in a.seqs.split(",")]:
-            common = ["--batch", str(a.batch), "--seq", str(s), "--warmup", "0", "--reps", "1"]
+            common = ["--batch", str(a.batch), "--seq", str(s), "--warmup", str(a.warmup), "--reps", "1"]
             ours = run([exe, "fwdbwd", "--model", str(d), *common,
                         "--checkpointing", str(a.checkpointing), *bf16], env)
-            theirs = run([*py, "fwdbwd", "--hf", str(d), *common, "--threads", str(a.threads)], env)
+            torch_common = [*common, "--threads", str(a.threads), "--checkpointing", str(a.checkpointing)]
+            theirs = run([*py, "fwdbwd", "--hf", str(d), *torch_common], env)
             if a.precision == "bf16":
-                theirs["autocast_bf16"] = run([*py, "fwdbwd", "--hf", str(d), *common, "--threads",
-                                               str(a.threads), "--autocast-bf16"], env)
+                theirs["autocast_bf16"] = run([*py, "fwdbwd", "--hf", str(d), *torch_common,
+                                               "--autocast-bf16"], env)
             rows.append(("fwdbwd", s, ours, theirs))
             auto = theirs.get("autocast_bf16")
             extra = (f" | torch bf16 autocast {auto['tokens_per_s']:.1f} tok/s, ratio "
                      f"{ours['tokens_per_s'] / auto['tokens_per_s']:.2f}x" if auto else "")
-            print(f"fwdbwd {a.batch}x{s} ({a.precision}): ours {ours['tokens_per_s']:.1f} tok/s "
+            print(f"fwdbwd {a.batch}x{s} ({a.precision}, checkpointing {a.checkpointing}): ours {ours['tokens_per_s']:.1f} tok/s "
                   f"{(ours.get('peak_rss_bytes') or 0) / 2**30:.2f} GiB | torch f32 "
                   f"{theirs['tokens_per_s']:.1f} tok/s {(theirs.get('peak_rss_bytes') or 0) / 2**30:.2f} GiB "
                   f"| ratio {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x{extra}", flush=True)
@@ -167,6 +174,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(
         {"model": str(d), "layers": a.layers, "threads": a.threads, "precision": a.precision,
+         "warmup": a.warmup, "checkpointing": a.checkpointing,
          "rows": [{"what": w, "size": s, "ours": o, "theirs": t} for w, s, o, t in rows]}, indent=1))
     print(f"written {out / 'results.json'}")
 

@@ -172,6 +172,9 @@ def cmd_fwdbwd(a) -> None:
     torch = torch_setup(a.threads)
     model, _, load_s = load_model(a.hf)
     model.train()
+    if a.checkpointing:
+        # Per-layer recomputation, as verl's enable_gradient_checkpointing asks of transformers.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     b, t = a.batch, a.seq
     # The same ids as our side: (i * 7919) mod 49000 over the row-major [b, t] grid.
     ids = (torch.arange(b * t, dtype=torch.int64) * 7919 % 49000).view(b, t)
@@ -210,6 +213,7 @@ def cmd_fwdbwd(a) -> None:
             "loss": loss_v,
             "attn_implementation": getattr(model.config, "_attn_implementation", None),
             "autocast_bf16": a.autocast_bf16,
+            "gradient_checkpointing": bool(a.checkpointing),
         }
     )
 
@@ -245,6 +249,7 @@ def cmd_gen(a) -> None:
             "tokens_per_s": tokens / secs,
             "row0_ids": resp[0].tolist(),
             "autocast_bf16": a.autocast_bf16,
+            "gradient_checkpointing": bool(a.checkpointing),
         }
     )
 
@@ -799,6 +804,8 @@ def main() -> None:
     s.add_argument("--warmup", type=int, default=1)
     s.add_argument("--reps", type=int, default=2)
     s.add_argument("--autocast-bf16", action="store_true", help="run under torch.autocast(bfloat16)")
+    s.add_argument("--checkpointing", type=int, default=0,
+                   help="1: recompute each layer in backward (transformers' gradient checkpointing)")
 
     s = worker("gen", cmd_gen)
     s.add_argument("--prompt", required=True)
@@ -806,6 +813,8 @@ def main() -> None:
     s.add_argument("--new", type=int, default=128)
     s.add_argument("--warmup-new", type=int, default=4)
     s.add_argument("--autocast-bf16", action="store_true", help="run under torch.autocast(bfloat16)")
+    s.add_argument("--checkpointing", type=int, default=0,
+                   help="1: recompute each layer in backward (transformers' gradient checkpointing)")
 
     s = worker("adamw", cmd_adamw)
     s.add_argument("--warmup", type=int, default=1)
