@@ -79,10 +79,11 @@ impl Mask {
     }
 
     /// What layer `l`'s composition reads: packed sequences stay sequences where the layer's
-    /// attention is the blocked op ([`Block::blocked`]), anything else becomes the bias.
+    /// attention is the blocked op ([`Block::blocked`]) and for a Gated DeltaNet layer (which
+    /// reads no keys), anything else becomes the bias.
     pub(crate) fn layer_keys(&self, l: &Block, dtype: DType, device: &Device) -> Result<Keys> {
         match self {
-            Mask::Packed(segments) if l.blocked => Ok(Keys::Packed {
+            Mask::Packed(segments) if l.blocked || l.delta().is_some() => Ok(Keys::Packed {
                 segments: segments.clone(),
                 window: l.window,
             }),

@@ -1069,10 +1069,11 @@ impl ModelArgs {
         self.layer_kind(layer) == LayerKind::Linear
     }
 
-    /// Whether the hand-written layer and the packed decode engine serve this model (every
-    /// layer attention over whole-head rotary embeddings without an output gate).
+    /// Whether every layer of this model is an attention layer, which the hand-written layer
+    /// serves (the Gated DeltaNet layers of the hybrids run as the op composition, with their
+    /// own mixer op).
     pub fn hand_written(&self) -> bool {
-        self.linear_attn.is_none() && !self.attn_output_gate && self.rotary_dim() == self.head_dim
+        self.linear_attn.is_none()
     }
 
     /// RoPE inverse frequencies `[head_dim / 2]`: `θ^(−2i/d)`, then the scaling's adjustment.

@@ -18,9 +18,13 @@
 //! y = x2 + (silu(h2·Wgᵀ) ⊙ h2·Wuᵀ)·Wdᵀ
 //! Gemma: every norm scales by 1 + w; x2 = x + rms(a·Woᵀ)·pa, y = x2 + rms(mlp)·pf; GELU (tanh)
 //! for silu; scores scaled by query_pre_attn_scalar^-½; sliding layers see `window` keys.
+//! Qwen3.5's full-attention layers: q_proj gives each head hd queries then hd gate values z,
+//! a ← a ⊙ σ(z) before Wo (∂a = ∂a_g ⊙ σ(z), ∂z = ∂a_g ⊙ a ⊙ σ(z)(1 − σ(z))); RoPE turns the
+//! first `rotary_dim` values of each head and passes the rest; every norm scales by 1 + w.
 //! Qwen3-MoE: the MLP is a layer of experts, y = x2 + Σ_j w_j·mlp_{e_j}(h2) over each token's
 //! top-k experts e_j of p = softmax(h2·Rᵀ), each expert run on the rows routed to it only
-//! ([`moe_fwd`], [`moe_bwd`]).
+//! ([`moe_fwd`], [`moe_bwd`]); Qwen3.5-MoE and Qwen3-Next add a shared expert on every token,
+//! + σ(h2·w_sᵀ)·mlp_s(h2) (∂ of the gate's logit: σ′·Σ(dy ⊙ mlp_s(h2))).
 //!
 //! rms backward, with x̂ = x·r, r = (mean x² + ε)^−½, gh the gradient of h = x̂⊙w:
 //!   ∂w = Σ_rows gh⊙x̂,   ∂x = r·(gh⊙w − x̂·mean(gh⊙w⊙x̂))
@@ -58,6 +62,12 @@ pub(super) struct Dims {
     pub window: Option<usize>,
     /// Matrix products with bf16 operands and f32 sums (f32 layers on CPUs with a bf16 kernel: AMX or AVX512-BF16).
     pub bf16: bool,
+    /// The values of each head that RoPE turns, the first ones (`head_dim` unless partial:
+    /// Qwen3.5's `partial_rotary_factor`); the rotary tables are `[rows, rotary_dim]`.
+    pub rotary_dim: usize,
+    /// A sigmoid output gate (Qwen3.5): `q_proj` is `[heads·2·hd, hidden]`, each head's `hd`
+    /// queries then its `hd` gate values `z`, and `a ← a ⊙ σ(z)` before `o_proj`.
+    pub output_gate: bool,
 }
 
 impl Dims {
@@ -155,6 +165,9 @@ pub(super) struct Moe<'a, T> {
     pub top_k: usize,
     /// Routing weights renormalised to sum to 1 over a token's chosen experts.
     pub norm_topk_prob: bool,
+    /// A shared expert on every token (Qwen3.5-MoE, Qwen3-Next): its gate, up and down (its own
+    /// width, `shared_expert_intermediate_size`) and its gate's projection `[1, hidden]`.
+    pub shared: Option<([Lin<'a, T>; 3], Lin<'a, T>)>,
 }
 
 impl<T> Ffn<'_, T> {
@@ -165,7 +178,13 @@ impl<T> Ffn<'_, T> {
     {
         match self {
             Ffn::Dense(l) => l.to_vec(),
-            Ffn::Experts(m) => m.experts.iter().flatten().copied().collect(),
+            Ffn::Experts(m) => {
+                let mut all: Vec<Lin<T>> = m.experts.iter().flatten().copied().collect();
+                if let Some((mlp, gate)) = &m.shared {
+                    all.extend(mlp.iter().copied().chain([*gate]));
+                }
+                all
+            }
         }
     }
 }
@@ -246,8 +265,12 @@ pub(super) struct Acts<T> {
     qk_pre: Option<QkPre<T>>,
     /// With sandwich norms: the attention and MLP outputs before them, and their `r`.
     sandwich: Option<SandwichPre<T>>,
-    v: Vec<T>,  // [rows, kv·hd]
-    a: Vec<T>,  // [rows, heads·hd]
+    v: Vec<T>, // [rows, kv·hd]
+    /// The input of `o_proj` `[rows, heads·hd]`: the attention's output, gated where the layer
+    /// has an output gate.
+    a: Vec<T>,
+    /// With an output gate: its values and the attention's output before it.
+    gate: Option<GateActs<T>>,
     x2: Vec<T>, // [rows, hidden]
     r2: Vec<T>, // [rows]
     h2: Vec<T>, // [rows, hidden]
@@ -272,6 +295,16 @@ struct MoeActs<T> {
     /// Their routing weights `[rows, top_k]` (renormalised with `norm_topk_prob`).
     weights: Vec<T>,
     per: Vec<ExpertActs<T>>,
+    shared: Option<SharedActs<T>>,
+}
+
+/// The shared expert's products over every token: its gate's logit `[rows]`, its gate and up
+/// `[rows, width]`, its output `[rows, hidden]` before the gate.
+struct SharedActs<T> {
+    logit: Vec<T>,
+    gate: Vec<T>,
+    up: Vec<T>,
+    y: Vec<T>,
 }
 
 /// One expert's tokens in routing order, the slot of each in `chosen` (`token·top_k + j`),
@@ -283,6 +316,13 @@ struct ExpertActs<T> {
     gate: Vec<T>,
     up: Vec<T>,
     y: Vec<T>,
+}
+
+/// The output gate's values `z` and the attention's output before the gate (`[rows, heads·hd]`
+/// each).
+struct GateActs<T> {
+    z: Vec<T>,
+    pre: Vec<T>,
 }
 
 /// q and k before their per-head norms (`[rows, heads·hd]`, `[rows, kv·hd]`) and each head's
@@ -686,17 +726,24 @@ fn rms_bwd<T: Elem>(x: &[T], r: &[T], w: &[T], gh: &[T], dx: &mut [T], off: f64)
         )
 }
 
-/// Rotates each head of `m [rows, heads·hd]` in place: `u⊙cos + R(u)⊙sin`; with `transpose`
-/// applies the adjoint, `u⊙cos + Rᵀ(u⊙sin)` (the backward).
-fn rope<T: Elem>(m: &mut [T], width: usize, hd: usize, cx: &Context<T>, transpose: bool) {
-    let half = hd / 2;
+/// Rotates the first `rd` values `u` of each head (`hd` values) of `m [rows, heads·hd]` in
+/// place, with tables `[rows, rd]`: `u⊙cos + R(u)⊙sin`; with `transpose` applies the adjoint,
+/// `u⊙cos + Rᵀ(u⊙sin)` (the backward). The other `hd − rd` values pass (partial rotary).
+fn rope<T: Elem>(
+    m: &mut [T],
+    width: usize,
+    (hd, rd): (usize, usize),
+    cx: &Context<T>,
+    transpose: bool,
+) {
+    let half = rd / 2;
     m.par_chunks_mut(width).enumerate().for_each(|(row, mr)| {
-        let (cs, sn) = (&cx.cos[row * hd..][..hd], &cx.sin[row * hd..][..hd]);
+        let (cs, sn) = (&cx.cos[row * rd..][..rd], &cx.sin[row * rd..][..rd]);
         vectorized(
             #[inline(always)]
             || {
                 for u in mr.chunks_mut(hd) {
-                    let (u1, u2) = u.split_at_mut(half);
+                    let (u1, u2) = u[..rd].split_at_mut(half);
                     let (c1, c2) = cs.split_at(half);
                     let (s1, s2) = sn.split_at(half);
                     for j in 0..half {
@@ -713,6 +760,56 @@ fn rope<T: Elem>(m: &mut [T], width: usize, hd: usize, cx: &Context<T>, transpos
             },
         )
     });
+}
+
+/// Splits `m [rows, heads·2·hd]`, each head's `hd` queries then its `hd` gate values, into
+/// queries and gate values `[rows, heads·hd]` each.
+fn split_heads<T: Elem>(m: &[T], hd: usize) -> (Vec<T>, Vec<T>) {
+    let half = m.len() / 2;
+    let (mut q, mut z) = (vec![T::zero(); half], vec![T::zero(); half]);
+    q.par_chunks_mut(hd)
+        .zip(z.par_chunks_mut(hd))
+        .zip(m.par_chunks(2 * hd))
+        .for_each(|((q, z), m)| {
+            q.copy_from_slice(&m[..hd]);
+            z.copy_from_slice(&m[hd..]);
+        });
+    (q, z)
+}
+
+/// The inverse of [`split_heads`]: `[rows, heads·2·hd]` from queries and gate values.
+fn join_heads<T: Elem>(q: &[T], z: &[T], hd: usize) -> Vec<T> {
+    let mut m = vec![T::zero(); 2 * q.len()];
+    m.par_chunks_mut(2 * hd)
+        .zip(q.par_chunks(hd))
+        .zip(z.par_chunks(hd))
+        .for_each(|((m, q), z)| {
+            m[..hd].copy_from_slice(q);
+            m[hd..].copy_from_slice(z);
+        });
+    m
+}
+
+/// The output gate's backward: with `da` the gradient of `a ⊙ σ(z)`, returns
+/// `∂z = da ⊙ a ⊙ σ(z)(1 − σ(z))` and leaves `∂a = da ⊙ σ(z)` in `da`.
+fn gate_bwd<T: Elem>(da: &mut [T], z: &[T], pre: &[T]) -> Vec<T> {
+    let mut dz = vec![T::zero(); da.len()];
+    dz.par_chunks_mut(CHUNK)
+        .zip(da.par_chunks_mut(CHUNK))
+        .zip(z.par_chunks(CHUNK).zip(pre.par_chunks(CHUNK)))
+        .for_each(|((dz, da), (z, pre))| {
+            vectorized(
+                #[inline(always)]
+                || {
+                    for (((dz, da), &z), &a) in dz.iter_mut().zip(da.iter_mut()).zip(z).zip(pre) {
+                        let s = sigmoid(z);
+                        *dz = *da * a * s * (T::one() - s);
+                        *da *= s;
+                    }
+                },
+            )
+        });
+    dz
 }
 
 /// The softmax probabilities `P [rep·t, t]` of the `rep` query heads that read KV head `g`
@@ -814,7 +911,13 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
     let [lq, lk, lv, lo] = w.attn;
     let off = d.norm_offset;
     let (h1, r1) = rms_fwd(x, w.ln1, d.eps, off);
-    let mut q = linear_fwd(lq, &h1, n, hid);
+    let (mut q, z) = match d.output_gate {
+        false => (linear_fwd(lq, &h1, n, hid), None),
+        true => {
+            let (q, z) = split_heads(&linear_fwd(lq, &h1, n, hid), hd);
+            (q, Some(z))
+        }
+    };
     let mut k = linear_fwd(lk, &h1, n, hid);
     let v = linear_fwd(lv, &h1, n, hid);
     let qk_pre = w.qk_norm.map(|(qn, kn)| {
@@ -828,8 +931,8 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
             rk,
         }
     });
-    rope(&mut q, qw, hd, cx, false);
-    rope(&mut k, d.kv_width(), hd, cx, false);
+    rope(&mut q, qw, (hd, d.rotary_dim), cx, false);
+    rope(&mut k, d.kv_width(), (hd, d.rotary_dim), cx, false);
     let mut acts = Acts {
         r1,
         h1,
@@ -839,6 +942,7 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
         sandwich: None,
         v,
         a: Vec::new(),
+        gate: None,
         x2: Vec::new(),
         r2: Vec::new(),
         h2: Vec::new(),
@@ -890,6 +994,12 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
             }
         }
     }
+    // The output gate: a ← a ⊙ σ(z), the ungated output kept for backward.
+    acts.gate = z.map(|z| {
+        let pre = a.clone();
+        par_zip(&mut a, &z, |av, zv| av * sigmoid(zv));
+        GateActs { z, pre }
+    });
     let ao = linear_fwd(lo, &a, n, qw);
     let (mut x2, ao_ra) = match w.sandwich {
         Some((pa, _)) => {
@@ -933,7 +1043,8 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
 fn check<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> Result<()> {
     let (n, hid) = (d.rows(), d.hidden);
     let (qw, kw, it) = (d.q_width(), d.kv_width(), d.inter);
-    let mut shapes = vec![(qw, hid), (kw, hid), (kw, hid), (hid, qw)];
+    let qp = if d.output_gate { 2 * qw } else { qw };
+    let mut shapes = vec![(qp, hid), (kw, hid), (kw, hid), (hid, qw)];
     let mlps = match &w.mlp {
         Ffn::Dense(_) => 1,
         Ffn::Experts(m) => m.experts.len(),
@@ -941,8 +1052,19 @@ fn check<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> Result<
     for _ in 0..mlps {
         shapes.extend([(it, hid), (it, hid), (hid, it)]);
     }
+    if let Ffn::Experts(Moe {
+        shared: Some(([lg, ..], _)),
+        ..
+    }) = &w.mlp
+    {
+        let si = lg.w.len() / hid.max(1);
+        shapes.extend([(si, hid), (si, hid), (hid, si), (1, hid)]);
+    }
     let lins: Vec<Lin<T>> = w.attn.iter().copied().chain(w.mlp.lins()).collect();
-    let mut ok = d.head_dim.is_multiple_of(2)
+    let rd = d.rotary_dim;
+    let mut ok = rd.is_multiple_of(2)
+        && rd > 0
+        && rd <= d.head_dim
         && w.qk_norm
             .is_none_or(|(q, k)| q.len() == d.head_dim && k.len() == d.head_dim)
         && d.kv_heads > 0
@@ -952,8 +1074,8 @@ fn check<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> Result<
         && w.sandwich
             .is_none_or(|(a, m)| a.len() == hid && m.len() == hid)
         && x.len() == n * hid
-        && cx.cos.len() == n * d.head_dim
-        && cx.sin.len() == n * d.head_dim
+        && cx.cos.len() == n * rd
+        && cx.sin.len() == n * rd
         && match cx.attn {
             Attn::Bias(b) => b.len() == d.batch * d.seq * d.seq,
             Attn::Packed(segs) => d.batch == 1 && check_segments(segs, n).is_ok(),
@@ -1092,11 +1214,13 @@ pub(super) fn backward<T: Elem>(
         false,
     );
     drop(dao);
+    // Through the output gate: ∂z, and ∂a of the ungated output in place.
+    let dz = acts.gate.as_ref().map(|g| gate_bwd(&mut da, &g.z, &g.pre));
     let (dq, dk, dv) = attention_bwd(d, &acts, cx, &da);
     drop(da);
     let (mut dq, mut dk) = (dq, dk);
-    rope(&mut dq, qw, hd, cx, true);
-    rope(&mut dk, kw, hd, cx, true);
+    rope(&mut dq, qw, (hd, d.rotary_dim), cx, true);
+    rope(&mut dk, kw, (hd, d.rotary_dim), cx, true);
     let dqk_norm = match (w.qk_norm, &acts.qk_pre) {
         (Some((qn, kn)), Some(pre)) => {
             let (mut dqp, mut dkp) = (vec![T::zero(); dq.len()], vec![T::zero(); dk.len()]);
@@ -1106,6 +1230,11 @@ pub(super) fn backward<T: Elem>(
             Some((gqn, gkn))
         }
         _ => None,
+    };
+    // With an output gate, q_proj's output holds each head's queries then its gate values.
+    let dq = match dz {
+        Some(dz) => join_heads(&dq, &dz, hd),
+        None => dq,
     };
     let mut dh1 = vec![T::zero(); n * hid];
     let gq = linear_bwd(lq, &acts.h1, &dq, n, hid, &mut dh1, false);
@@ -1248,12 +1377,35 @@ fn moe_fwd<T: Elem>(m: &Moe<T>, d: &Dims, h: &[T]) -> (Vec<T>, MoeActs<T>) {
             y: ye,
         });
     }
+    // The shared expert on every token, scaled by the sigmoid of its gate's logit.
+    let shared = m.shared.as_ref().map(|([lg, lu, ld], lgate)| {
+        let logit = linear_fwd(*lgate, h, n, hid); // [n, 1]
+        let gate = linear_fwd(*lg, h, n, hid);
+        let up = linear_fwd(*lu, h, n, hid);
+        let ys = linear_fwd(*ld, &gated(&gate, &up, false), n, gate.len() / n.max(1));
+        y.par_chunks_mut(hid)
+            .zip(ys.par_chunks(hid))
+            .zip(logit.par_iter())
+            .for_each(|((o, v), &z)| {
+                let s = sigmoid(z);
+                for (o, &v) in o.iter_mut().zip(v) {
+                    *o += s * v;
+                }
+            });
+        SharedActs {
+            logit,
+            gate,
+            up,
+            y: ys,
+        }
+    });
     let acts = MoeActs {
         logits,
         probs,
         chosen,
         weights,
         per,
+        shared,
     };
     (y, acts)
 }
@@ -1340,6 +1492,23 @@ fn moe_bwd<T: Elem>(
             }
         }
         grads.extend(g);
+    }
+    // The shared expert: ∂ of its output dy·σ(z), of its gate's logit σ′(z)·Σ dy ⊙ y_s.
+    if let (Some(([lg, lu, ld], lgate)), Some(sa)) = (&m.shared, &a.shared) {
+        let mut dys = dy.to_vec();
+        let mut dz = vec![T::zero(); n];
+        dys.par_chunks_mut(hid)
+            .zip(sa.y.par_chunks(hid))
+            .zip(sa.logit.par_iter().zip(dz.par_iter_mut()))
+            .for_each(|((g, v), (&z, dz))| {
+                let s = sigmoid(z);
+                *dz = dot(g, v) * s * (T::one() - s);
+                g.iter_mut().for_each(|x| *x *= s);
+            });
+        let si = sa.gate.len() / n.max(1);
+        let g = gated_mlp_bwd([*lg, *lu, *ld], si, h, &sa.gate, &sa.up, false, &dys, dh);
+        grads.extend(g);
+        grads.push(linear_bwd(*lgate, h, &dz, n, hid, dh, true));
     }
     let mut dl = vec![T::zero(); n * e]; // ∂logits [rows, experts]
     dl.par_chunks_mut(e).enumerate().for_each(|(r, dlr)| {

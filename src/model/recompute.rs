@@ -122,12 +122,23 @@ fn with_layer<T: Elem, R>(
         None => layer::Ffn::Dense([lin[4], lin[5], lin[6]]),
         Some(x) => {
             next += 1;
+            // The experts' gate, up, down each, then the shared expert's and its gate.
+            let routed = &lin[4..4 + 3 * x.experts.len()];
+            let shared = &lin[4 + 3 * x.experts.len()..];
             layer::Ffn::Experts(layer::Moe {
                 router: host.slice::<T>(next - 1)?,
                 train_router: x.router.track_op(),
-                experts: lin[4..].chunks(3).map(|g| [g[0], g[1], g[2]]).collect(),
+                experts: routed.chunks(3).map(|g| [g[0], g[1], g[2]]).collect(),
                 top_k: x.top_k,
                 norm_topk_prob: x.norm_topk_prob,
+                shared: match (&x.shared, shared) {
+                    (None, []) => None,
+                    (Some(_), &[g, u, d, gate]) => Some(([g, u, d], gate)),
+                    _ => candle_core::bail!(
+                        "fused decoder layer: {} projections after the experts",
+                        shared.len()
+                    ),
+                },
             })
         }
     };
@@ -214,6 +225,8 @@ fn layer_dims(
         attn_scale: args.attn_scale(),
         window: l.window,
         bf16,
+        rotary_dim: args.rotary_dim(),
+        output_gate: args.attn_output_gate,
     }
 }
 
@@ -709,11 +722,12 @@ mod tests {
         masked: f64,
     ) -> (Tensor, Tensor, Tensor, Tensor, Tensor) {
         let dev = Device::Cpu;
-        let (b, t, hd) = (2usize, 6usize, args.head_dim);
+        // Tables over the values RoPE turns (a quarter of each head on Qwen3.5).
+        let (b, t, rd) = (2usize, 6usize, args.rotary_dim());
         let pos = [[0u32, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3]];
         let real = [[1u8, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]];
-        let inv: Vec<f64> = (0..hd / 2)
-            .map(|i| 1.0 / args.rope_theta.powf(2.0 * i as f64 / hd as f64))
+        let inv: Vec<f64> = (0..rd / 2)
+            .map(|i| 1.0 / args.rope_theta.powf(2.0 * i as f64 / rd as f64))
             .collect();
         let (mut cos, mut sin, mut bias) = (Vec::new(), Vec::new(), Vec::new());
         for (pr, kr) in pos.iter().zip(&real) {
@@ -743,8 +757,8 @@ mod tests {
         };
         (
             mk(wave(b * t * h, 0.37), &[b, t, h]),
-            mk(cos, &[b, 1, t, hd]),
-            mk(sin, &[b, 1, t, hd]),
+            mk(cos, &[b, 1, t, rd]),
+            mk(sin, &[b, 1, t, rd]),
             mk(bias, &[b, 1, t, t]),
             mk(wave(b * t * h, 1.91), &[b, t, h]),
         )
@@ -775,17 +789,27 @@ mod tests {
             .unwrap()
     }
 
+    /// The first attention layer of `args` (layer 1 of the tiny hybrids, 0 elsewhere).
+    fn first_attention(args: &ModelArgs) -> usize {
+        (0..args.num_hidden_layers)
+            .find(|&i| !args.is_linear(i))
+            .expect("an attention layer")
+    }
+
     /// The hand-written layer against candle's autograd through `block_forward` (the op
     /// composition it replaces), f32, every family (Qwen2's q/k/v bias, Qwen3's q/k norms,
-    /// Gemma's sandwich norms, Qwen3-MoE's layer of experts: 8 experts, top 2, renormalised),
-    /// GQA, a left-padded row: outputs within 1e-5 and every gradient within 1e-4 of the
-    /// tensor's largest value.
+    /// Gemma's sandwich norms, Qwen3-MoE's layer of experts: 8 experts, top 2, renormalised;
+    /// the full-attention layer of Qwen3.5 and Qwen3-Next: output gate, partial rotary
+    /// embeddings, `1 + w` norms), GQA, a left-padded row: outputs within 1e-5 and every
+    /// gradient within 1e-4 of the tensor's largest value.
     #[test]
     fn the_hand_written_layer_equals_the_composition() {
-        for arch in crate::testing::DECODER_ARCHS {
+        let hybrids = [Arch::Qwen3_5, Arch::Qwen3Next, Arch::Qwen3_5Moe];
+        for arch in crate::testing::DECODER_ARCHS.into_iter().chain(hybrids) {
             let args = ModelArgs::tiny(arch, 30);
             let (_vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
-            let l = &m.blocks()[0];
+            let l = &m.blocks()[first_attention(&args)];
+            assert!(super::super::transformer::hand_written(l), "{arch:?}");
             let (x, cos, sin, mask, g) = layer_inputs(&args, DType::F32, -1e9);
             // Reference: the composition with a graph.
             let xv = Var::from_tensor(&x).unwrap();
@@ -804,9 +828,13 @@ mod tests {
                     .map_or_else(|| vec![0.0; w.elem_count()], to_f64);
                 want.push((format!("weight {k}"), g));
             }
-            // The experts' projections are the last weights.
+            // The experts' projections come last, then a shared expert's four.
             let ws = weights(l).len();
-            let experts_from = ws - l.experts().map_or(0, |x| 3 * x.experts.len());
+            let shared = l
+                .experts()
+                .map_or(0, |x| 4 * usize::from(x.shared.is_some()));
+            let experts_to = ws - shared;
+            let experts_from = experts_to - l.experts().map_or(0, |x| 3 * x.experts.len());
             // Ours: the recomputing op through candle's backward (carriers included).
             let xv2 = Var::from_tensor(&x).unwrap();
             let y = block(
@@ -841,7 +869,7 @@ mod tests {
             for (i, ((name, a), (_, b))) in want.iter().zip(&got).enumerate() {
                 let scale = a.iter().fold(0f64, |s, v| s.max(v.abs()));
                 // `want` starts with x: weight k is entry k + 1.
-                let expert = i > experts_from;
+                let expert = i > experts_from && i <= experts_to;
                 assert!(scale > 0.0 || expert, "{arch:?} {name}: zero gradient");
                 routed += usize::from(expert && scale > 0.0);
                 for (u, v) in a.iter().zip(b) {
@@ -850,7 +878,7 @@ mod tests {
             }
             // 12 tokens, 2 experts each: most of the 8 experts see some.
             assert!(
-                ws - experts_from == 0 || routed >= 12,
+                experts_to == experts_from || routed >= 12,
                 "{arch:?}: {routed} expert weights"
             );
         }
@@ -908,17 +936,23 @@ mod tests {
     /// small steps, so the loss is smooth there).
     #[test]
     fn the_hand_written_backward_matches_finite_differences() {
-        for (arch, tensors) in [(Arch::Qwen2, 12), (Arch::Qwen3Moe, 33)] {
+        for (arch, tensors) in [
+            (Arch::Qwen2, 12),
+            (Arch::Qwen3Moe, 33),
+            (Arch::Qwen3_5, 11),
+            (Arch::Qwen3_5Moe, 37),
+        ] {
             finite_differences(arch, tensors);
         }
     }
 
-    /// [`the_hand_written_backward_matches_finite_differences`] for one family whose layer 0
-    /// has `tensors` weights.
+    /// [`the_hand_written_backward_matches_finite_differences`] for one family whose first
+    /// attention layer has `tensors` weights.
     fn finite_differences(arch: Arch, tensors: usize) {
         let args = ModelArgs::tiny(arch, 30);
         let (vm, m) = crate::testing::tiny_model(&args, DType::F64, 0.3);
-        let l = m.blocks()[0].clone();
+        let li = first_attention(&args);
+        let l = m.blocks()[li].clone();
         // A mask value of −30 (the bias is an ordinary additive input to the layer, so the check
         // holds for any value): near −1e9 a score's change would be lost to the spacing of f64
         // numbers there, and a fully masked (padding) query row would blur the differences.
@@ -960,7 +994,8 @@ mod tests {
         }
         let vars = vm.data().lock().unwrap().clone();
         let mut checked = 0;
-        for (name, var) in vars.iter().filter(|(n, _)| n.contains("layers.0.")) {
+        let prefix = format!("layers.{li}.");
+        for (name, var) in vars.iter().filter(|(n, _)| n.contains(&prefix)) {
             let ga = grad_or_zero(&grads, name, var);
             let w0 = to_f64(var.as_tensor());
             for k in (0..w0.len()).step_by(w0.len().div_ceil(7)) {
@@ -1033,6 +1068,11 @@ mod tests {
             (Arch::Qwen3Moe, DType::F32, true),
             (Arch::Llama, DType::F32, false),
             (Arch::Llama, DType::F32, true),
+            // The hybrids: Gated DeltaNet layers read the packed sequences as they are.
+            (Arch::Qwen3_5, DType::F64, false),
+            (Arch::Qwen3_5, DType::F32, true),
+            (Arch::Qwen3Next, DType::F64, false),
+            (Arch::Qwen3_5Moe, DType::F64, false),
         ] {
             let args = ModelArgs::tiny(arch, 30);
             let (vm, mut m) = crate::testing::tiny_model(&args, dtype, 0.3);

@@ -86,20 +86,14 @@ impl LayerPath {
     /// builds a graph, `cached` when it reads and extends a KV cache.
     fn choose(
         exec: Exec,
-        hand_written: bool,
         layer: &Block,
         device: &Device,
         dtype: DType,
         training: bool,
         cached: bool,
     ) -> Self {
-        // The hand-written layer serves dense layers and layers of experts computed per
-        // expert; experts computed densely (the reference, `Exec::dense_experts`) run as the
-        // composition.
-        let fused = !exec.composed
-            && hand_written
-            && layer.experts().is_none_or(|x| !x.dense)
-            && crate::kernels::supported(device, dtype);
+        let fused =
+            !exec.composed && hand_written(layer) && crate::kernels::supported(device, dtype);
         // The layer as one op (hand-written, or recomputed in backward) where custom ops run:
         // the CPU, and CUDA builds on a GPU (recomputation of the composition only).
         let op_device = device.is_cpu() || (cfg!(feature = "cuda") && device.is_cuda());
@@ -115,6 +109,14 @@ impl LayerPath {
             LayerPath::Composed
         }
     }
+}
+
+/// Whether the hand-written layer serves layer `l`: attention layers (every family's, Qwen3.5's
+/// gated ones with partial rotary embeddings included) with a dense MLP or a layer of experts
+/// computed per expert (with or without a shared expert). Gated DeltaNet layers and experts
+/// computed densely (the reference, [`Exec::dense_experts`]) run as the composition.
+pub(super) fn hand_written(l: &Block) -> bool {
+    l.attention().is_ok() && l.experts().is_none_or(|x| !x.dense)
 }
 
 /// PEFT's `lora_dropout` for a model's training forwards: each forward that builds a graph
@@ -478,13 +480,15 @@ impl CausalLm {
     }
 
     /// Whether [`CausalLm::forward_hidden_packed`] runs without padding work here: the
-    /// hand-written layer serves this model (CPU, f32/f64, not forced to the composition, no
-    /// layer of experts computed densely), or its attention is the blocked op (CUDA, not forced
-    /// to the composition).
+    /// hand-written layer serves every attention layer (CPU, f32/f64, not forced to the
+    /// composition, no layer of experts computed densely; Gated DeltaNet layers read the
+    /// packed sequences as they are), or its attention is the blocked
+    /// op (CUDA, not forced to the composition).
     pub fn packs_without_padding(&self) -> bool {
-        let dense_experts = self.exec.dense_experts && self.has_experts();
-        let cpu = !dense_experts
-            && self.args.hand_written()
+        let cpu = self
+            .layers
+            .iter()
+            .all(|l| l.delta().is_some() || hand_written(l))
             && crate::kernels::supported(&self.device, self.dtype);
         !self.exec.composed && (cpu || self.blocked_attention())
     }
@@ -590,7 +594,6 @@ impl CausalLm {
             let training = layer.trains() || x.track_op();
             let path = LayerPath::choose(
                 self.exec,
-                self.args.hand_written(),
                 layer,
                 x.device(),
                 x.dtype(),
@@ -607,6 +610,10 @@ impl CausalLm {
             // forward and layer kind, not per layer), or packed sequences as they are where
             // its attention is the blocked op.
             let mut keys = || -> Result<AttnKeys> {
+                // A Gated DeltaNet layer reads where its sequences lie, never a bias.
+                if layer.delta().is_some() {
+                    return mask.layer_keys(layer, self.dtype, &self.device);
+                }
                 if composed_bias[kind].is_none() {
                     composed_bias[kind] = Some(mask.layer_keys(layer, self.dtype, &self.device)?);
                 }
