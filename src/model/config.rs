@@ -1069,10 +1069,10 @@ impl ModelArgs {
         self.layer_kind(layer) == LayerKind::Linear
     }
 
-    /// Whether every layer of this model is an attention layer, which the hand-written layer
-    /// serves (the Gated DeltaNet layers of the hybrids run as the op composition, with their
-    /// own mixer op).
-    pub fn hand_written(&self) -> bool {
+    /// Whether every layer of this model is an attention layer (no Gated DeltaNet layers: those
+    /// of the hybrids run as the op composition around their mixer op, the attention layers on
+    /// the hand-written layer).
+    pub fn all_attention(&self) -> bool {
         self.linear_attn.is_none()
     }
 

@@ -383,11 +383,11 @@ impl CausalLm {
     }
 
     /// Whether the op composition takes its products in bf16: off the CPU (cuBLAS), and on the
-    /// CPU (its bf16 kernels) for models the hand-written layer does not serve (the Gated
-    /// DeltaNet hybrids), whose layers always run as the composition.
+    /// CPU (its bf16 kernels) for the Gated DeltaNet hybrids, whose DeltaNet layers run as the
+    /// composition (their attention layers take bf16 products on the hand-written layer).
     fn mixed_products(&self) -> bool {
         let cpu =
-            self.device.is_cpu() && !self.args.hand_written() && crate::kernels::bf16::available();
+            self.device.is_cpu() && !self.args.all_attention() && crate::kernels::bf16::available();
         self.exec.bf16 && self.dtype == DType::F32 && (!self.device.is_cpu() || cpu)
     }
 
