@@ -907,7 +907,7 @@ fn softmax_bwd_rows_body<T: Elem>(ds: &mut [T], p: &[T], t: usize, scale: T) {
 /// The forward, keeping what the backward needs; returns `(y, acts)`.
 fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, Acts<T>) {
     let (n, hid, hd) = (d.rows(), d.hidden, d.head_dim);
-    let (rep, qw) = (d.heads / d.kv_heads, d.q_width());
+    let qw = d.q_width();
     let [lq, lk, lv, lo] = w.attn;
     let off = d.norm_offset;
     let (h1, r1) = rms_fwd(x, w.ln1, d.eps, off);
@@ -951,49 +951,7 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
             up: Vec::new(),
         },
     };
-    // a = P·v per (row, KV head): each task writes its own heads' columns of its own rows.
-    let mut a = vec![T::zero(); n * qw];
-    let blks = blocks(d, cx);
-    let parts: Vec<(usize, usize, Vec<T>)> = (0..blks.len() * d.kv_heads)
-        .into_par_iter()
-        .map(|task| {
-            let (bi, g) = (task / d.kv_heads, task % d.kv_heads);
-            let blk = blks[bi];
-            let t = blk.1;
-            let mut p = vec![T::zero(); rep * t * t];
-            probs(d, &acts, blk, g, &mut p);
-            let mut out = vec![T::zero(); rep * t * hd]; // [rep, t, hd]
-            let vv = &acts.v[blk.0 * d.kv_width() + g * hd..];
-            for j in 0..rep {
-                gemm_mixed(
-                    d.bf16,
-                    &mut out[j * t * hd..][..t * hd],
-                    t,
-                    hd,
-                    t,
-                    &p[j * t * t..][..t * t],
-                    t,
-                    1,
-                    vv,
-                    d.kv_width(),
-                    1,
-                    false,
-                    Par::None,
-                );
-            }
-            (bi, g, out)
-        })
-        .collect();
-    for (bi, g, out) in parts {
-        let (start, t, _) = blks[bi];
-        for j in 0..rep {
-            let h = g * rep + j;
-            for i in 0..t {
-                a[(start + i) * qw + h * hd..][..hd]
-                    .copy_from_slice(&out[(j * t + i) * hd..][..hd]);
-            }
-        }
-    }
+    let mut a = attention_fwd(d, &acts, cx);
     // The output gate: a ← a ⊙ σ(z), the ungated output kept for backward.
     acts.gate = z.map(|z| {
         let pre = a.clone();
@@ -1037,6 +995,56 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
     acts.h2 = h2;
     acts.mlp = mlp;
     (y, acts)
+}
+
+/// The attention's output `a = P·v` `[rows, heads·hd]` from the rotated queries and keys and
+/// the values in `acts`, per (attention block, KV head): each task writes its own heads'
+/// columns of its own rows.
+fn attention_fwd<T: Elem>(d: &Dims, acts: &Acts<T>, cx: &Context<T>) -> Vec<T> {
+    let (n, hd, rep, qw) = (d.rows(), d.head_dim, d.heads / d.kv_heads, d.q_width());
+    let mut a = vec![T::zero(); n * qw];
+    let blks = blocks(d, cx);
+    let parts: Vec<(usize, usize, Vec<T>)> = (0..blks.len() * d.kv_heads)
+        .into_par_iter()
+        .map(|task| {
+            let (bi, g) = (task / d.kv_heads, task % d.kv_heads);
+            let blk = blks[bi];
+            let t = blk.1;
+            let mut p = vec![T::zero(); rep * t * t];
+            probs(d, acts, blk, g, &mut p);
+            let mut out = vec![T::zero(); rep * t * hd]; // [rep, t, hd]
+            let vv = &acts.v[blk.0 * d.kv_width() + g * hd..];
+            for j in 0..rep {
+                gemm_mixed(
+                    d.bf16,
+                    &mut out[j * t * hd..][..t * hd],
+                    t,
+                    hd,
+                    t,
+                    &p[j * t * t..][..t * t],
+                    t,
+                    1,
+                    vv,
+                    d.kv_width(),
+                    1,
+                    false,
+                    Par::None,
+                );
+            }
+            (bi, g, out)
+        })
+        .collect();
+    for (bi, g, out) in parts {
+        let (start, t, _) = blks[bi];
+        for j in 0..rep {
+            let h = g * rep + j;
+            for i in 0..t {
+                a[(start + i) * qw + h * hd..][..hd]
+                    .copy_from_slice(&out[(j * t + i) * hd..][..hd]);
+            }
+        }
+    }
+    a
 }
 
 /// Checks the slices against the sizes, so that a mismatch is an error, not an out-of-bounds.
@@ -1493,22 +1501,8 @@ fn moe_bwd<T: Elem>(
         }
         grads.extend(g);
     }
-    // The shared expert: ∂ of its output dy·σ(z), of its gate's logit σ′(z)·Σ dy ⊙ y_s.
-    if let (Some(([lg, lu, ld], lgate)), Some(sa)) = (&m.shared, &a.shared) {
-        let mut dys = dy.to_vec();
-        let mut dz = vec![T::zero(); n];
-        dys.par_chunks_mut(hid)
-            .zip(sa.y.par_chunks(hid))
-            .zip(sa.logit.par_iter().zip(dz.par_iter_mut()))
-            .for_each(|((g, v), (&z, dz))| {
-                let s = sigmoid(z);
-                *dz = dot(g, v) * s * (T::one() - s);
-                g.iter_mut().for_each(|x| *x *= s);
-            });
-        let si = sa.gate.len() / n.max(1);
-        let g = gated_mlp_bwd([*lg, *lu, *ld], si, h, &sa.gate, &sa.up, false, &dys, dh);
-        grads.extend(g);
-        grads.push(linear_bwd(*lgate, h, &dz, n, hid, dh, true));
+    if let (Some(shared), Some(sa)) = (&m.shared, &a.shared) {
+        grads.extend(shared_bwd(*shared, sa, h, dy, dh));
     }
     let mut dl = vec![T::zero(); n * e]; // ∂logits [rows, experts]
     dl.par_chunks_mut(e).enumerate().for_each(|(r, dlr)| {
@@ -1574,6 +1568,33 @@ fn moe_bwd<T: Elem>(
         Par::Rayon,
     );
     (grads, gr)
+}
+
+/// The shared expert's backward on the layer of experts' input `h` `[rows, hidden]` from the
+/// output's gradient `dy`: ∂ of its output `dy·σ(z)`, of its gate's logit `σ′(z)·Σ dy ⊙ y_s`;
+/// adds `∂h` into `dh` and returns the gradients of its gate, up, down and gate projection.
+fn shared_bwd<T: Elem>(
+    ([lg, lu, ld], lgate): ([Lin<T>; 3], Lin<T>),
+    sa: &SharedActs<T>,
+    h: &[T],
+    dy: &[T],
+    dh: &mut [T],
+) -> [LinGrad<T>; 4] {
+    let n = sa.logit.len();
+    let hid = h.len() / n.max(1);
+    let mut dys = dy.to_vec();
+    let mut dz = vec![T::zero(); n];
+    dys.par_chunks_mut(hid)
+        .zip(sa.y.par_chunks(hid))
+        .zip(sa.logit.par_iter().zip(dz.par_iter_mut()))
+        .for_each(|((g, v), (&z, dz))| {
+            let s = sigmoid(z);
+            *dz = dot(g, v) * s * (T::one() - s);
+            g.iter_mut().for_each(|x| *x *= s);
+        });
+    let si = sa.gate.len() / n.max(1);
+    let [gg, gu, gd] = gated_mlp_bwd([lg, lu, ld], si, h, &sa.gate, &sa.up, false, &dys, dh);
+    [gg, gu, gd, linear_bwd(lgate, h, &dz, n, hid, dh, true)]
 }
 
 /// Gradients of the rotated queries and keys and of the values from `da [rows, heads·hd]`.
