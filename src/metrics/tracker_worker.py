@@ -189,6 +189,16 @@ class Mlflow:
 
 class Clearml:
     def __init__(self, sdk, req):
+        # ClearML sends its reports from a forked reporting subprocess by default; this worker is
+        # already a process of its own, so the reports go from threads here instead. The fork
+        # (taken while ClearML's threads run) is what could leave `Task.close` waiting forever
+        # for a child that never reports its queue empty.
+        try:
+            from clearml.backend_interface.task.task import Task as BackendTask
+
+            BackendTask._report_subprocess_enabled = False
+        except ImportError:
+            pass
         self.task = sdk.Task.init(
             task_name=req["experiment"],
             project_name=req["project"],
