@@ -7,6 +7,9 @@ For every family this writes tests/fixtures/families/<name>/:
   reference.json                   prompts, greedy continuations and their log-probs (f64),
                                    the training sequences and loss weights, the loss
   grads.safetensors                d(loss)/d(parameter) for every parameter (f64), by autograd
+  chat/                            (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) the same architecture with
+                                   the byte-level test tokenizer and greedy answers to chat
+                                   prompts, for `main_ppo generate` and the GGUF fixtures
 
 The greedy continuation is computed with a plain loop over full forwards (argmax of the last
 position's logits, no KV cache, no generation config), so nothing but the model's own forward
@@ -339,12 +342,93 @@ def multimodal(model, text_cfg, out):
     assert float(diff) == 0.0, diff
 
 
+# The hybrid families also get `<name>/chat/`: the same configuration over the byte-level test
+# tokenizer's 259 ids (tests/fixtures/byte_tokenizer: one id per byte, then <|endoftext|>,
+# <|im_start|>, <|im_end|>), its tokenizer files and ChatML template, and greedy answers to chat
+# prompts, so that `main_ppo generate` runs end to end on it (template, tokenizer, model, decode)
+# and llama.cpp's converter can write a GGUF of it (scripts/gguf_reference.sh).
+CHAT = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+TOKENIZER = OUT.parent / "byte_tokenizer"
+CHAT_PROMPTS = [
+    [{"role": "user", "content": "What is 2 + 3?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+    [{"role": "user", "content": "Count: 1, 2,"}],
+]
+
+
+def chat(name, cfg):
+    import shutil
+
+    extra = {"vocab_size": 259, "eos_token_id": 258, "pad_token_id": 256}
+    if type(cfg).__name__ == "Qwen3NextConfig":
+        # Experts on every layer and renormalised top-k weights, as in the published
+        # Qwen3-Next (llama.cpp's converter and its qwen3next architecture have no dense layers
+        # and always renormalise).
+        extra["mlp_only_layers"] = []
+        extra["norm_topk_prob"] = True
+    cfg = type(cfg).from_dict({**cfg.to_dict(), **extra})
+    if getattr(cfg, "num_experts", None):
+        cfg._experts_implementation = "eager"
+    torch.manual_seed(4321)
+    model = MODEL_CLASS[type(cfg).__name__](cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(77)
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+    out = OUT / name / "chat"
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(TOKENIZER / f, out / f)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    eos = json.loads((TOKENIZER / "generation_config.json").read_text())["eos_token_id"]
+    new = 12
+    answers = []
+    with torch.no_grad():
+        for messages in CHAT_PROMPTS:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            seq, steps = list(ids), []
+            for _ in range(new):
+                lp = torch.log_softmax(model(torch.tensor([seq])).logits[0, -1], -1)
+                t = int(torch.argmax(lp))
+                top2 = torch.topk(lp, 2).values
+                steps.append({"token": t, "logprob": float(lp[t]), "gap": float(top2[0] - top2[1])})
+                if t in eos:
+                    break
+                seq.append(t)
+            tokens = [s["token"] for s in steps]
+            answers.append({
+                "messages": messages,
+                "prompt_ids": list(ids),
+                "greedy": steps,
+                # What a caller sees: the tokens decoded without special tokens.
+                "text": tok.decode(tokens, skip_special_tokens=True),
+            })
+    ref = {
+        "family": name,
+        "architectures": [MODEL_CLASS[type(cfg).__name__].__name__],
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "max_new_tokens": new,
+        "eos_token_ids": eos,
+        "answers": answers,
+    }
+    (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+    print(f"{name}/chat: {[len(a['greedy']) for a in answers]} tokens -> {out}")
+
+
 def main():
     exact_f64()
     want = sys.argv[1:]
     for name, cfg in families().items():
-        if not want or name in want:
-            make(name, cfg)
+        if not want or name in want or (name in CHAT and f"{name}/chat" in want):
+            if not want or name in want:
+                make(name, cfg)
+            if name in CHAT:
+                chat(name, cfg)
 
 
 if __name__ == "__main__":

@@ -809,3 +809,196 @@ fn hybrid_training_in_bf16_stays_near_f32() {
         eprintln!("{arch:?}: bf16 loss {rel:.2e} relative, worst gradient {worst:.2e} of scale");
     }
 }
+
+/// GGUF files that llama.cpp's own converter wrote of the hybrid chat fixtures
+/// (`scripts/gguf_reference.sh`: float32, llama.cpp's names and layouts) read back into the
+/// same model as the HF directory: the same hyper-parameters, and every variable equal to
+/// transformers' float64 value within float32 rounding (`1 + w` norms and `−exp(A_log)` stored
+/// as float32 are within a few float32 ulps of 1 + w and A; a misplaced value head, channel or
+/// norm is off by the weights' scale, 0.3).
+#[test]
+fn llama_cpp_gguf_files_of_the_hybrids_load_as_the_hf_directory() {
+    for name in ["qwen3_5", "qwen3_5_moe", "qwen3_next"] {
+        let chat = dir(name).join("chat");
+        let hf = crate::weights::hf::load_dir(
+            &chat,
+            &Default::default(),
+            DType::F64,
+            &Device::Cpu,
+            true,
+        )
+        .unwrap();
+        let (gguf, _) = crate::weights::gguf::load(
+            &chat.join("model-f32.gguf"),
+            DType::F64,
+            &Device::Cpu,
+            true,
+        )
+        .unwrap();
+        let (a, b) = (&hf.model.args, &gguf.model.args);
+        assert_eq!(a.arch, b.arch, "{name}");
+        assert_eq!(a.layer_types, b.layer_types, "{name}");
+        assert_eq!(a.linear_attn, b.linear_attn, "{name}");
+        assert_eq!(a.moe, b.moe, "{name}");
+        assert_eq!(
+            (
+                a.rotary_dim,
+                a.head_dim,
+                a.num_attention_heads,
+                a.num_key_value_heads
+            ),
+            (
+                b.rotary_dim,
+                b.head_dim,
+                b.num_attention_heads,
+                b.num_key_value_heads
+            ),
+            "{name}"
+        );
+        assert_eq!(a.tie_word_embeddings, b.tie_word_embeddings, "{name}");
+        assert!((a.rms_norm_eps - b.rms_norm_eps).abs() < 1e-12, "{name}");
+        let (x, y) = (
+            hf.varmap.data().lock().unwrap(),
+            gguf.varmap.data().lock().unwrap(),
+        );
+        let mut names: Vec<&String> = x.keys().collect();
+        names.sort();
+        assert_eq!(
+            names,
+            {
+                let mut n: Vec<&String> = y.keys().collect();
+                n.sort();
+                n
+            },
+            "{name}"
+        );
+        for n in names {
+            let want: Vec<f64> = x[n].as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+            let got: Vec<f64> = y[n].as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(
+                x[n].as_tensor().dims(),
+                y[n].as_tensor().dims(),
+                "{name}: {n}"
+            );
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                // float32 rounding of the stored value (of 1 + w for norms, of e^A_log for A).
+                let stored = if n.ends_with("A_log") {
+                    w.exp()
+                } else {
+                    w.abs() + 1.0
+                };
+                let tol = 4.0 * f32::EPSILON as f64 * stored.max(1.0);
+                assert!(
+                    (g - w).abs() <= tol,
+                    "{name}: {n}[{i}] = {g} from the GGUF, {w} in the HF directory"
+                );
+            }
+        }
+    }
+}
+
+/// A hybrid GGUF that lacks one of a DeltaNet layer's tensors, or whose `ssm.*` metadata
+/// disagrees with its tensors, is refused naming the file, the layer's tensor and the metadata.
+#[test]
+fn a_broken_hybrid_gguf_is_refused_by_name() {
+    use candle_core::quantized::gguf_file;
+    let src = dir("qwen3_5").join("chat/model-f32.gguf");
+    let tmp = tempfile::tempdir().unwrap();
+    // The fixture rewritten: `skip` left out, `meta` set, `copy` = (new name, tensor copied).
+    let rewrite =
+        |out: &Path, skip: &str, meta: &[(&str, gguf_file::Value)], copy: &[(String, String)]| {
+            let mut f = std::fs::File::open(&src).unwrap();
+            let c = gguf_file::Content::read(&mut f).unwrap();
+            let mut names: Vec<(String, String)> = c
+                .tensor_infos
+                .keys()
+                .filter(|n| n.as_str() != skip)
+                .map(|n| (n.clone(), n.clone()))
+                .chain(copy.iter().cloned())
+                .collect();
+            names.sort();
+            let tensors: Vec<(String, candle_core::quantized::QTensor)> = names
+                .iter()
+                .map(|(to, from)| (to.clone(), c.tensor(&mut f, from, &Device::Cpu).unwrap()))
+                .collect();
+            let mut md: Vec<(String, gguf_file::Value)> = c.metadata.clone().into_iter().collect();
+            for (k, v) in meta {
+                md.retain(|(n, _)| n != k);
+                md.push((k.to_string(), v.clone()));
+            }
+            let md_refs: Vec<(&str, &gguf_file::Value)> =
+                md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+            let t_refs: Vec<(&str, &candle_core::quantized::QTensor)> =
+                tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+            gguf_file::write(&mut std::fs::File::create(out).unwrap(), &md_refs, &t_refs).unwrap();
+        };
+    let load = |p: &Path| {
+        crate::weights::gguf::load(p, DType::F32, &Device::Cpu, true)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let missing = tmp.path().join("missing.gguf");
+    rewrite(&missing, "blk.1.ssm_a", &[], &[]);
+    let e = load(&missing);
+    assert!(
+        e.contains("missing.gguf")
+            && e.contains("model.layers.1.linear_attn.")
+            && e.contains("A_log")
+            && e.contains("recurrent_layers"),
+        "{e}"
+    );
+    let rank = |n: u32| [("qwen35.ssm.time_step_rank", gguf_file::Value::U32(n))];
+    let wrong = tmp.path().join("wrong.gguf");
+    rewrite(&wrong, "", &rank(2), &[]);
+    let e = load(&wrong);
+    assert!(
+        e.contains("wrong.gguf") && e.contains("A_log") && e.contains("ssm.*"),
+        "{e}"
+    );
+    let uneven = tmp.path().join("uneven.gguf");
+    rewrite(&uneven, "", &rank(3), &[]);
+    let e = load(&uneven);
+    assert!(
+        e.contains("uneven.gguf")
+            && e.contains("qwen35.ssm.time_step_rank")
+            && e.contains("qwen35.ssm.group_count"),
+        "{e}"
+    );
+    // llama.cpp's default output keeps the multi-token-prediction head as extra layers
+    // (`nextn_predict_layers`): here a copy of the last layer plus a `nextn` tensor, not read.
+    let copies: Vec<(String, String)> = {
+        let c = gguf_file::Content::read(&mut std::fs::File::open(&src).unwrap()).unwrap();
+        let mut v: Vec<(String, String)> = c
+            .tensor_infos
+            .keys()
+            .filter_map(|n| {
+                n.strip_prefix("blk.3.")
+                    .map(|p| (format!("blk.4.{p}"), n.clone()))
+            })
+            .collect();
+        v.push((
+            "blk.4.nextn.eh_proj.weight".into(),
+            "blk.3.attn_k.weight".into(),
+        ));
+        v
+    };
+    let mtp = tmp.path().join("mtp.gguf");
+    let counts = [
+        ("qwen35.block_count", gguf_file::Value::U32(5)),
+        ("qwen35.nextn_predict_layers", gguf_file::Value::U32(1)),
+    ];
+    rewrite(&mtp, "", &counts, &copies);
+    let with = crate::weights::gguf::load(&mtp, DType::F64, &Device::Cpu, true)
+        .unwrap()
+        .0;
+    let without = crate::weights::gguf::load(&src, DType::F64, &Device::Cpu, true)
+        .unwrap()
+        .0;
+    assert_eq!(with.model.args, without.model.args);
+    assert_same_variables(
+        &with.varmap,
+        &without.varmap,
+        "with and without the MTP layer",
+    );
+}

@@ -15,8 +15,10 @@ use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
+use super::gguf_hybrid;
 use super::hf::{build, Loaded};
 use crate::data::{SpecialTokens, TokenizerBundle};
 use crate::model::config::{LayerKind, MoeArgs, RopeScaling};
@@ -225,12 +227,15 @@ fn scan_header(r: &mut impl std::io::Read, file_len: u64) -> Result<Option<u64>,
 
 /// llama.cpp's `general.architecture` for each family it writes (Mistral is written as
 /// `llama`).
-const GGUF_ARCHS: [(&str, Arch); 5] = [
+const GGUF_ARCHS: [(&str, Arch); 8] = [
     ("llama", Arch::Llama),
     ("qwen2", Arch::Qwen2),
     ("qwen3", Arch::Qwen3),
     ("qwen3moe", Arch::Qwen3Moe),
     ("gemma3", Arch::Gemma3),
+    ("qwen35", Arch::Qwen3_5),
+    ("qwen35moe", Arch::Qwen3_5Moe),
+    ("qwen3next", Arch::Qwen3Next),
 ];
 
 /// The `general.architecture` llama.cpp writes for `arch`.
@@ -238,8 +243,8 @@ pub fn gguf_arch_name(arch: Arch) -> Option<&'static str> {
     GGUF_ARCHS.iter().find(|(_, a)| *a == arch).map(|(n, _)| *n)
 }
 
-/// Hyper-parameters from the metadata (`general.architecture` = llama, qwen2, qwen3, qwen3moe
-/// or gemma3).
+/// Hyper-parameters from the metadata (`general.architecture` = llama, qwen2, qwen3, qwen3moe,
+/// gemma3, qwen35, qwen35moe or qwen3next).
 pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
     let arch_name = meta(c, "general.architecture", path)?
         .to_string()
@@ -311,7 +316,7 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         ));
     }
     let head_dim = meta_u(c, &k("attention.key_length"), path).unwrap_or(hidden / heads);
-    let layers = meta_u(c, &k("block_count"), path)?;
+    let layers = model_layers(c, &arch_name, arch, path)?;
     // Gemma 3 as llama.cpp runs it: every sixth layer global, the others a sliding window with
     // plain RoPE at base 10000, scores scaled by head_dim^-½ (hidden/heads for the 62-layer
     // 27B).
@@ -325,6 +330,10 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
             )?,
             false => (None, Vec::new(), None, None),
         };
+    let layer_types = match arch.hybrid() {
+        true => hybrid_layers(c, &arch_name, layers, path)?,
+        false => layer_types,
+    };
     Ok(ModelArgs {
         arch,
         vocab_size: vocab,
@@ -347,13 +356,160 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         layer_types,
         rope_local_theta,
         moe: match arch {
-            Arch::Qwen3Moe => Some(read_moe(c, path, &arch_name, layers)?),
+            Arch::Qwen3Moe | Arch::Qwen3_5Moe | Arch::Qwen3Next => {
+                Some(read_moe(c, path, &arch_name, layers)?)
+            }
             _ => None,
         },
-        rotary_dim: None,
-        attn_output_gate: false,
-        linear_attn: None,
+        rotary_dim: match arch.hybrid() {
+            true => Some(rotary_dim(c, &k("rope.dimension_count"), head_dim, path)?),
+            false => None,
+        },
+        attn_output_gate: arch.hybrid(),
+        linear_attn: match arch.hybrid() {
+            true => Some(linear_attn(c, &arch_name, arch, path)?),
+            false => None,
+        },
     })
+}
+
+/// The model's own layers: `{arch}.block_count` less the multi-token-prediction layers
+/// (`{arch}.nextn_predict_layers`) llama.cpp appends to the hybrids by default.
+fn model_layers(
+    c: &Content,
+    arch_name: &str,
+    arch: Arch,
+    path: &Path,
+) -> Result<usize, ModelError> {
+    let blocks = meta_u(c, &format!("{arch_name}.block_count"), path)?;
+    let key = format!("{arch_name}.nextn_predict_layers");
+    let mtp = match (arch.hybrid(), c.metadata.contains_key(&key)) {
+        (true, true) => meta_u(c, &key, path)?,
+        _ => 0,
+    };
+    match blocks.checked_sub(mtp) {
+        Some(n) if n > 0 => Ok(n),
+        _ => Err(ModelError::file(
+            path,
+            format!("GGUF metadata: `{key}` ({mtp}) leaves no layers of `{arch_name}.block_count` ({blocks})"),
+        )),
+    }
+}
+
+/// A hybrid's layer kinds: `{arch}.attention.recurrent_layers` (true: Gated DeltaNet), or
+/// every `{arch}.full_attention_interval`-th layer (default 4) full attention.
+fn hybrid_layers(
+    c: &Content,
+    arch: &str,
+    layers: usize,
+    path: &Path,
+) -> Result<Vec<LayerKind>, ModelError> {
+    let key = format!("{arch}.attention.recurrent_layers");
+    if let Some(v) = c.metadata.get(&key) {
+        let flags = v
+            .to_vec()
+            .map_err(|e| ModelError::file(path, format!("GGUF metadata `{key}`: {e}")))?;
+        if flags.len() < layers {
+            return Err(ModelError::file(
+                path,
+                format!(
+                    "GGUF metadata `{key}` lists {} layers, the model has {layers}",
+                    flags.len()
+                ),
+            ));
+        }
+        return flags[..layers]
+            .iter()
+            .map(|f| match f.to_bool() {
+                Ok(true) => Ok(LayerKind::Linear),
+                Ok(false) => Ok(LayerKind::Full),
+                Err(e) => Err(ModelError::file(
+                    path,
+                    format!("GGUF metadata `{key}`: {e}"),
+                )),
+            })
+            .collect();
+    }
+    let ikey = format!("{arch}.full_attention_interval");
+    let every = match c.metadata.contains_key(&ikey) {
+        true => meta_u(c, &ikey, path)?,
+        false => 4,
+    };
+    if every == 0 {
+        return Err(ModelError::file(
+            path,
+            format!("GGUF metadata `{ikey}` must be positive"),
+        ));
+    }
+    Ok((0..layers)
+        .map(|i| match (i + 1) % every {
+            0 => LayerKind::Full,
+            _ => LayerKind::Linear,
+        })
+        .collect())
+}
+
+/// The rotary width of a hybrid's attention heads (`{arch}.rope.dimension_count`): even, at
+/// most `head_dim`.
+fn rotary_dim(c: &Content, key: &str, head_dim: usize, path: &Path) -> Result<usize, ModelError> {
+    let d = meta_u(c, key, path)?;
+    if d == 0 || d > head_dim || d % 2 != 0 {
+        return Err(ModelError::file(
+            path,
+            format!("GGUF metadata `{key}` ({d}) must be an even number of values up to the head's {head_dim}"),
+        ));
+    }
+    Ok(d)
+}
+
+/// The Gated DeltaNet's sizes from llama.cpp's `ssm.*` metadata: key heads `group_count`,
+/// value heads `time_step_rank`, key head width `state_size`, all value heads together
+/// `inner_size`, convolution width `conv_kernel`.
+fn linear_attn(
+    c: &Content,
+    arch_name: &str,
+    arch: Arch,
+    path: &Path,
+) -> Result<crate::model::config::LinearAttnArgs, ModelError> {
+    let k = |s: &str| format!("{arch_name}.ssm.{s}");
+    let key_heads = meta_u(c, &k("group_count"), path)?;
+    let value_heads = meta_u(c, &k("time_step_rank"), path)?;
+    let inner = meta_u(c, &k("inner_size"), path)?;
+    let a = crate::model::config::LinearAttnArgs {
+        num_key_heads: key_heads,
+        num_value_heads: value_heads,
+        key_head_dim: meta_u(c, &k("state_size"), path)?,
+        value_head_dim: inner.checked_div(value_heads).unwrap_or(0),
+        conv_kernel: meta_u(c, &k("conv_kernel"), path)?,
+        grouped: arch == Arch::Qwen3Next,
+    };
+    if key_heads == 0
+        || value_heads == 0
+        || value_heads % key_heads != 0
+        || inner % value_heads != 0
+    {
+        return Err(ModelError::file(
+            path,
+            format!(
+                "GGUF metadata: `{}` ({value_heads}) must be a positive multiple of `{}` ({key_heads}) and divide `{}` ({inner})",
+                k("time_step_rank"),
+                k("group_count"),
+                k("inner_size")
+            ),
+        ));
+    }
+    if a.key_head_dim == 0 || a.value_head_dim == 0 || a.conv_kernel == 0 {
+        return Err(ModelError::file(
+            path,
+            format!(
+                "GGUF metadata: `{}`, `{}` and `{}` must be positive",
+                k("state_size"),
+                k("inner_size"),
+                k("conv_kernel")
+            ),
+        ));
+    }
+    Ok(a)
 }
 
 /// Sliding window, layer kinds, local RoPE base, `query_pre_attn_scalar`.
@@ -420,7 +576,14 @@ fn read_moe(c: &Content, path: &Path, arch: &str, layers: usize) -> Result<MoeAr
         decoder_sparse_step: 1,
         mlp_only_layers: dense,
         router_aux_loss_coef: None,
-        shared_expert_intermediate_size: None,
+        // Qwen3.5-MoE's and Qwen3-Next's shared expert.
+        shared_expert_intermediate_size: match c
+            .metadata
+            .contains_key(&k("expert_shared_feed_forward_length"))
+        {
+            true => Some(meta_u(c, &k("expert_shared_feed_forward_length"), path)?),
+            false => None,
+        },
     })
 }
 
@@ -437,6 +600,7 @@ fn hf_name(gguf: &str, arch: Arch) -> Option<String> {
     }
     let rest = gguf.strip_prefix("blk.")?;
     let (n, part) = rest.split_once('.')?;
+    let moe = matches!(arch, Arch::Qwen3Moe | Arch::Qwen3_5Moe | Arch::Qwen3Next);
     let hf = match part {
         "attn_norm.weight" => "input_layernorm.weight",
         // The pre-MLP norm: Gemma's `pre_feedforward_layernorm`, Llama's
@@ -461,12 +625,13 @@ fn hf_name(gguf: &str, arch: Arch) -> Option<String> {
         "ffn_down.weight" => "mlp.down_proj.weight",
         // A layer of experts: the router, and each projection of every expert stacked
         // (`{}` stands for the expert's index, see `load`).
-        "ffn_gate_inp.weight" if arch == Arch::Qwen3Moe => "mlp.gate.weight",
-        "ffn_gate_exps.weight" if arch == Arch::Qwen3Moe => "mlp.experts.{}.gate_proj.weight",
+        "ffn_gate_inp.weight" if moe => "mlp.gate.weight",
+        "ffn_gate_exps.weight" if moe => "mlp.experts.{}.gate_proj.weight",
         // Gate and up of every expert in one stack `[experts, 2·inter, in]`, gate rows first.
-        "ffn_gate_up_exps.weight" if arch == Arch::Qwen3Moe => "mlp.experts.{}.gate_up",
-        "ffn_up_exps.weight" if arch == Arch::Qwen3Moe => "mlp.experts.{}.up_proj.weight",
-        "ffn_down_exps.weight" if arch == Arch::Qwen3Moe => "mlp.experts.{}.down_proj.weight",
+        "ffn_gate_up_exps.weight" if moe => "mlp.experts.{}.gate_up",
+        "ffn_up_exps.weight" if moe => "mlp.experts.{}.up_proj.weight",
+        "ffn_down_exps.weight" if moe => "mlp.experts.{}.down_proj.weight",
+        _ if arch.hybrid() => super::gguf_hybrid::layer_name(part)?,
         _ => return None,
     };
     Some(format!("model.layers.{n}.{hf}"))
@@ -507,7 +672,12 @@ pub fn load(
     let (mut f, c) = open(path)?;
     let args = read_args(&c, path)?;
     let mut tensors = HashMap::new();
+    let mut mtp = 0;
     for name in c.tensor_infos.keys() {
+        if args.arch.hybrid() && gguf_hybrid::is_mtp_layer(name, args.num_hidden_layers) {
+            mtp += 1;
+            continue;
+        }
         let Some(hf) = hf_name(name, args.arch) else {
             return Err(ModelError::file(
                 path,
@@ -523,7 +693,10 @@ pub fn load(
         let mut t = q.dequantize(&Device::Cpu)?;
         super::check_finite(path, name, &t)?;
         // llama.cpp stores Gemma's norms as 1 + w (it multiplies by the weight as it is).
-        if args.arch.gemma() && name.ends_with("norm.weight") {
+        // So does it store the hybrids' norms (but the DeltaNet's gated norm).
+        if (args.arch.gemma() && name.ends_with("norm.weight"))
+            || (args.arch.hybrid() && gguf_hybrid::stored_plus_one(name))
+        {
             t = (t - 1.0)?;
         }
         if args.arch == Arch::Llama {
@@ -573,6 +746,13 @@ pub fn load(
         }
         tensors.insert(hf, t);
     }
+    if mtp > 0 {
+        tracing::info!(
+            "{}: {mtp} tensors of the multi-token-prediction layers not read (training and sampling use the model's own layers)",
+            path.display()
+        );
+    }
+    gguf_hybrid::to_hf(&args, &mut tensors, path)?;
     Ok((
         build(&args, &tensors, path, dtype, device, with_lm_head)?,
         c,
@@ -630,7 +810,23 @@ pub fn tokenizer(c: &Content, path: &Path) -> Result<TokenizerBundle, ModelError
         pad: name(id("tokenizer.ggml.padding_token_id")),
         unk: name(id("tokenizer.ggml.unknown_token_id")),
     };
-    let eos_token_ids: Vec<u32> = eos.into_iter().collect();
+    // Generation ends at any end-of-generation token as llama.cpp counts them: the EOS, the
+    // end-of-turn/-message ids, and the tokens spelled as one of the known end markers
+    // (`<|im_end|>`, `<|endoftext|>`, `<end_of_turn>`, ...), whatever the file's EOS.
+    let mut eos_token_ids: Vec<u32> = eos.into_iter().collect();
+    let marked = ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
+        .into_iter()
+        .filter_map(id);
+    let spelled = tokens
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| END_MARKERS.contains(&t.as_str()))
+        .map(|(i, _)| i as u32);
+    for t in marked.chain(spelled) {
+        if !eos_token_ids.contains(&t) {
+            eos_token_ids.push(t);
+        }
+    }
     let pad_token_id = id("tokenizer.ggml.padding_token_id").or(eos).unwrap_or(0);
     Ok(TokenizerBundle {
         tokenizer: tok,
@@ -640,6 +836,53 @@ pub fn tokenizer(c: &Content, path: &Path) -> Result<TokenizerBundle, ModelError
         eos_token_ids,
         pad_token_id,
         source: path.to_path_buf(),
+    })
+}
+
+/// Tokens that end a generation wherever a vocabulary has them (llama.cpp's end-of-generation
+/// spellings).
+const END_MARKERS: [&str; 10] = [
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>",
+    "<eos>",
+];
+
+/// The pre-tokenizer pattern of Qwen2/2.5/3's tokenizer.json (llama.cpp's `qwen2`).
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen3.5's (llama.cpp's `qwen35`): letters with their combining marks (`\p{M}`) as words.
+const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The pre-tokenizer that `tokenizer.ggml.pre` names: how text is cut into pieces before the
+/// merges, then bytes mapped to characters.
+pub(crate) fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper, ModelError> {
+    let byte_level = ByteLevel::new(false, true, true);
+    Ok(match pre {
+        "smollm" | "smaug-bpe" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
+            PreTokenizerWrapper::Digits(Digits::new(true)),
+            PreTokenizerWrapper::ByteLevel(byte_level),
+        ])),
+        "" | "default" | "gpt2" => PreTokenizerWrapper::ByteLevel(byte_level),
+        "qwen2" | "qwen35" => {
+            // Qwen's split (its tokenizer.json's `Split` pattern, isolated pieces), then bytes
+            // to characters without GPT-2's own split.
+            let re = if pre == "qwen2" { QWEN2_SPLIT } else { QWEN35_SPLIT };
+            let split = Split::new(SplitPattern::Regex(re.into()), SplitDelimiterBehavior::Isolated, false)
+                .map_err(|e| ModelError::file(path, format!("pre-tokenizer `{pre}`: {e}")))?;
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![
+                PreTokenizerWrapper::Split(split),
+                PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, false)),
+            ]))
+        }
+        other => {
+            return Err(ModelError::file(path, format!("GGUF pre-tokenizer `{other}` is not supported (smollm, gpt2, qwen2, qwen35 are); use an HF directory with tokenizer.json")))
+        }
     })
 }
 
@@ -657,7 +900,13 @@ fn byte_level_tokenizer(
             .get(key)
             .and_then(|v| v.to_string().ok().cloned())
     };
-    let merges: Vec<(String, String)> = strings("tokenizer.ggml.merges")?
+    // A vocabulary without `tokenizer.ggml.merges` (llama.cpp's converter leaves the key out
+    // when the tokenizer has none) tokenizes into its single tokens.
+    let merges = match c.metadata.contains_key("tokenizer.ggml.merges") {
+        true => strings("tokenizer.ggml.merges")?,
+        false => Vec::new(),
+    };
+    let merges: Vec<(String, String)> = merges
         .into_iter()
         .filter_map(|m| {
             m.split_once(' ')
@@ -674,20 +923,8 @@ fn byte_level_tokenizer(
         .build()
         .map_err(|e| ModelError::file(path, format!("cannot build the BPE tokenizer: {e}")))?;
     let mut tok = Tokenizer::new(bpe);
-    let byte_level = ByteLevel::new(false, true, true);
     let pre = s("tokenizer.ggml.pre").unwrap_or_default();
-    match pre.as_str() {
-        "smollm" | "smaug-bpe" => {
-            let seq = Sequence::new(vec![PreTokenizerWrapper::Digits(Digits::new(true)), PreTokenizerWrapper::ByteLevel(byte_level)]);
-            tok.with_pre_tokenizer(Some(seq));
-        }
-        "" | "default" | "gpt2" => {
-            tok.with_pre_tokenizer(Some(byte_level));
-        }
-        other => {
-            return Err(ModelError::file(path, format!("GGUF pre-tokenizer `{other}` is not supported (smollm, gpt2 are); use an HF directory with tokenizer.json")))
-        }
-    }
+    tok.with_pre_tokenizer(Some(pre_tokenizer(&pre, path)?));
     tok.with_decoder(Some(ByteLevel::default()));
     let specials: Vec<AddedToken> = types
         .iter()
@@ -712,8 +949,7 @@ fn gemma_tokenizer(tokens: &[String], types: &[i64], path: &Path) -> Result<Toke
     use tokenizers::decoders::fuse::Fuse;
     use tokenizers::decoders::sequence::Sequence as DecoderSequence;
     use tokenizers::normalizers::replace::Replace;
-    use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-    use tokenizers::{DecoderWrapper, SplitDelimiterBehavior};
+    use tokenizers::DecoderWrapper;
     let bad =
         |what: &str, e: String| ModelError::file(path, format!("Gemma tokenizer: {what}: {e}"));
     let spelled: Vec<String> = tokens

@@ -10,6 +10,7 @@
 //! - `merge`: a checkpoint or base + adapters written as one HF model (`main_ppo merge`).
 
 pub mod gguf;
+mod gguf_hybrid;
 pub mod hf;
 pub mod hub;
 pub mod merge;

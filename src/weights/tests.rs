@@ -444,7 +444,9 @@ fn gguf_matches_safetensors(arch: Arch) {
                 assert_eq!(a, b, "{text}");
                 assert_eq!(bundle.tokenizer.decode(&a, false).unwrap(), text);
             }
-            assert_eq!(bundle.eos_token_ids, vec![258]);
+            // The file's EOS (`<|im_end|>`), then `<|endoftext|>`, which llama.cpp also ends
+            // generation at (the HF directory's generation_config lists both too).
+            assert_eq!(bundle.eos_token_ids, vec![258, 256]);
             assert!(bundle.template(None).is_ok());
         }
     }
@@ -675,4 +677,37 @@ fn a_qwen3moe_gguf_with_inconsistent_experts_is_refused_by_name() {
         .unwrap()
         .to_string();
     assert!(e.contains("qwen3moe.expert_count"), "{e}");
+}
+
+/// The pre-tokenizers of Qwen GGUF files (`tokenizer.ggml.pre` = `qwen2`, `qwen35`) cut text
+/// where their tokenizer.json patterns say (pieces derived by hand from the patterns): a
+/// contraction of either case alone, digits one by one, a word with the one non-letter before
+/// it, punctuation with the newlines after it, a run of spaces leaving its last space to the
+/// next word; `qwen35` keeps combining marks inside their word, `qwen2` cuts them off.
+#[test]
+fn qwen_gguf_pre_tokenizers_cut_text_as_their_patterns() {
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+    let pieces = |pre: &str, text: &str| -> Vec<String> {
+        let p = gguf::pre_tokenizer(pre, std::path::Path::new("m.gguf")).unwrap();
+        let mut s = PreTokenizedString::from(text);
+        p.pre_tokenize(&mut s).unwrap();
+        s.get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(_, (a, b), _)| text[a..b].to_string())
+            .collect()
+    };
+    for pre in ["qwen2", "qwen35"] {
+        assert_eq!(
+            pieces(pre, "He's 12 apples,\n\n  ok"),
+            ["He", "'s", " ", "1", "2", " apples", ",\n\n", " ", " ok"],
+            "{pre}"
+        );
+        assert_eq!(pieces(pre, "HE'S"), ["HE", "'S"], "{pre}");
+    }
+    assert_eq!(pieces("qwen2", "Cafe\u{301} x"), ["Cafe", "\u{301}", " x"]);
+    assert_eq!(pieces("qwen35", "Cafe\u{301} x"), ["Cafe\u{301}", " x"]);
+    let e = gguf::pre_tokenizer("llama-bpe", std::path::Path::new("m.gguf"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("llama-bpe") && e.contains("m.gguf"), "{e}");
 }
