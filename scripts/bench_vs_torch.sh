@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # main_ppo next to PyTorch / transformers / TRL on this machine's CPU, back to back, one command:
-#   (a) forward+backward of SmolLM2-135M on 8 x 256 tokens: tokens/s and peak RSS, both sides
+#   (a) forward+backward of the model (SmolLM2-135M by default) on 8 x 256 tokens: tokens/s and peak RSS, both sides
 #       keeping every activation; ours once more with per-layer recomputation (training's default)
 #   (b) greedy generation, batch 32 x 128 new tokens (EOS ignored): tokens/s
-#   (c) one AdamW step over the 135M parameters (trainer::AdamW vs torch.optim.AdamW)
+#   (c) one AdamW step over every parameter (trainer::AdamW vs torch.optim.AdamW)
 #   (d) one GRPO step with TRL's settings (8 prompts x 4 responses, <= 128 new tokens, beta 0,
 #       lr 1e-6, per_device_train_batch_size 32, f32, GSM8K): main_ppo vs TRL's GRPOTrainer
 # Each measurement runs in its own process, both sides with the same thread count; the table
@@ -15,11 +15,14 @@
 # SmolLM2-135M-Instruct (scripts/fetch_smollm2.sh) and an f32 HF copy of it made by
 # transformers from the same GGUF; the run first checks that both sides compute the same logits.
 #
-# Usage: scripts/bench_vs_torch.sh [--model smollm2|gemma3] [--only fwdbwd,gen,adamw,grpo] [--quick] [--threads N]
+# Usage: scripts/bench_vs_torch.sh [--model smollm2|gemma3|qwen2.5-0.5b-shape] [--only fwdbwd,gen,adamw,grpo] [--quick] [--threads N]
 #          [--micro-batch N] [--precision fp32|bf16] [--data FILE.parquet] [--results DIR]
 #          [-- MAIN_PPO_OVERRIDE ...]
 #   --model M       smollm2 (SmolLM2-135M-Instruct, default) or gemma3 (Gemma 3 270M base,
-#                   scripts/fetch_gemma3.sh; prompts as "<bos>Question: ...\nAnswer:"; no grpo)
+#                   scripts/fetch_gemma3.sh; prompts as "<bos>Question: ...\nAnswer:"; no grpo) or
+#                   qwen2.5-0.5b-shape (Qwen2.5-0.5B's config, the model of verl's quickstart,
+#                   random weights written by transformers, a GSM8K-trained BPE tokenizer with
+#                   ChatML; both sides load that HF folder; responses run to the length limit)
 #   --quick         fewer repetitions, 32 generated tokens, 2 GRPO steps (a few minutes)
 #   --precision P   our matrix products: fp32 (default) or bf16 (verl's mixed precision: bf16
 #                   operands, f32 sums and weights; AMX tiles). With bf16, PyTorch is measured
@@ -41,7 +44,7 @@ while [ $# -gt 0 ]; do
     --only) only="${2:?--only needs a list, e.g. fwdbwd,gen}"; shift 2 ;;
     --only=*) only="${1#*=}"; shift ;;
     --quick) quick="--quick"; shift ;;
-    --model) model="${2:?--model needs smollm2 or gemma3}"; shift 2 ;;
+    --model) model="${2:?--model needs smollm2, gemma3 or qwen2.5-0.5b-shape}"; shift 2 ;;
     --threads) threads="${2:?--threads needs a number}"; shift 2 ;;
     --micro-batch) micro="${2:?--micro-batch needs a number}"; shift 2 ;;
     --precision) precision="${2:?--precision needs fp32 or bf16}"; shift 2 ;;
@@ -53,7 +56,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$threads" in ''|*[!0-9]*|0) echo "bench_vs_torch.sh: --threads must be a positive integer, got \`$threads\`" >&2; exit 2 ;; esac
-case "$model" in smollm2|gemma3) ;; *) echo "bench_vs_torch.sh: --model must be smollm2 or gemma3, got \`$model\`" >&2; exit 2 ;; esac
+case "$model" in smollm2|gemma3|qwen2.5-0.5b-shape) ;; *) echo "bench_vs_torch.sh: --model must be smollm2, gemma3 or qwen2.5-0.5b-shape, got \`$model\`" >&2; exit 2 ;; esac
 if [ "$model" = gemma3 ]; then
   [ -n "$only" ] || only="fwdbwd,gen,adamw"
   case ",$only," in *,grpo,*) echo "bench_vs_torch.sh: --model gemma3 has no grpo measurement (TRL's side needs a chat model)" >&2; exit 2 ;; esac
@@ -80,15 +83,20 @@ if [ "$(cat "$venv/.requirements.sha256" 2>/dev/null)" != "$want" ]; then
 fi
 py="$venv/bin/python"
 
-# 2. The model: the GGUF for main_ppo, an f32 HF copy of the same weights for PyTorch.
-if [ "$model" = gemma3 ]; then
+# 2. The model: the GGUF for main_ppo, an f32 HF copy of the same weights for PyTorch (or, for
+#    the random-weight shape, one HF folder for both).
+if [ "$model" = qwen2.5-0.5b-shape ]; then
+  hf="${MAIN_PPO_CACHE:-$HOME/.cache/main_ppo/models}/qwen2.5-0.5b-shape"
+  TQDM_DISABLE=1 "$py" scripts/bench/vs_torch.py prepare-shape --data "$data" --out "$hf"
+  gguf="$hf"
+elif [ "$model" = gemma3 ]; then
   gguf="$(scripts/fetch_gemma3.sh)"
   hf="$(dirname "$gguf")/gemma-3-270m-f32-hf"
 else
   gguf="$(scripts/fetch_smollm2.sh)"
   hf="$(dirname "$gguf")/SmolLM2-135M-Instruct-f32-hf"
 fi
-TQDM_DISABLE=1 "$py" scripts/bench/vs_torch.py prepare-hf --gguf "$gguf" --out "$hf"
+[ "$model" = qwen2.5-0.5b-shape ] || TQDM_DISABLE=1 "$py" scripts/bench/vs_torch.py prepare-hf --gguf "$gguf" --out "$hf"
 
 # 3. Our side: the release binary and the bench executable (benches/vs_torch.rs).
 echo "building main_ppo (release) and benches/vs_torch.rs ..." >&2

@@ -122,6 +122,90 @@ def cmd_prepare_hf(a) -> None:
     print(f"HF copy written: {out} ({n} parameters, f32)", file=sys.stderr)
 
 
+# Qwen2.5-0.5B's published config (the model of verl's quickstart): what `--model
+# qwen2.5-0.5b-shape` builds with random weights.
+QWEN25_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+)
+
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+
+CHATML = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + "
+    "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def cmd_prepare_shape(a) -> None:
+    """A random-weight model of Qwen2.5-0.5B's shape written by transformers (f32, seed 0), with
+    a byte-level BPE tokenizer of 8,192 tokens trained on the GSM8K questions and answers of
+    --data (Qwen2.5's own tokenizer is not on PyPI; this one cuts a GSM8K prompt into about as
+    many tokens) and ChatML: the same files for both sides, a chat model TRL can train."""
+    import pyarrow.parquet as pq
+    import torch
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    out = Path(a.out)
+    stamp = json.dumps({"shape": QWEN25_05B, "data": str(Path(a.data).resolve()), "vocab": 8192, "split": QWEN2_SPLIT})
+    if (out / "model.safetensors").is_file() and (out / ".source").is_file():
+        if (out / ".source").read_text() == stamp:
+            print(f"model up to date: {out}", file=sys.stderr)
+            return
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    rows = pq.read_table(a.data).to_pylist()
+    texts = []
+    for r in rows:
+        texts += [m["content"] for m in r["prompt"]]
+        texts.append(str((r.get("extra_info") or {}).get("answer", "")))
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    # Qwen2's own normaliser and pre-tokenizer (transformers 5 rebuilds a `qwen2` model's
+    # tokenizer with them whatever tokenizer.json says; main_ppo reads tokenizer.json): NFC,
+    # its split pattern (digits one by one), bytes to characters.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=8192, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML
+    )
+    fast.save_pretrained(str(tmp))
+    eos, pad = fast.convert_tokens_to_ids("<|im_end|>"), fast.convert_tokens_to_ids("<|endoftext|>")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(**QWEN25_05B, eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
+    model = transformers.Qwen2ForCausalLM(cfg).to(torch.float32)
+    model.generation_config.eos_token_id = [eos, pad]
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    (tmp / ".source").write_text(stamp)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"model written: {out} ({n} parameters, f32; tokenizer {fast.vocab_size} tokens)", file=sys.stderr)
+
+
 def cmd_check(a) -> None:
     """Same weights on both sides: the prompt's ids, the logits at its last position and a greedy
     continuation, compared with what our bench wrote to --ours."""
@@ -738,7 +822,9 @@ def table_rows(res: dict, only: list[str], quick: bool, gen_new: str) -> list[di
             row(f"greedy generation 32x{gen_new} vs torch bf16 autocast", "tokens/s", "higher",
                 get("gen_ours", "tokens_per_s"), get("gen_pytorch_bf16", "tokens_per_s"), "prefill included")
     if "adamw" in only:
-        row("AdamW step, 135M params", "s", "lower",
+        n = get("adamw_pytorch", "params") or get("adamw_ours", "params")
+        size = f"{n / 1e6:.0f}M params" if isinstance(n, (int, float)) else "every parameter"
+        row(f"AdamW step, {size}", "s", "lower",
             get("adamw_ours", "step_s"), get("adamw_pytorch", "step_s"), "torch default (for-loop on CPU)")
         row("AdamW step, vs torch fused=True", "s", "lower",
             get("adamw_ours", "step_s"), get("adamw_pytorch", "fused_step_s"))
@@ -794,6 +880,11 @@ def main() -> None:
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_prepare_hf)
 
+    s = sub.add_parser("prepare-shape")
+    s.add_argument("--data", required=True)
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_prepare_shape)
+
     s = worker("check", cmd_check)
     s.add_argument("--ours", required=True)
     s.add_argument("--prompt", required=True)
@@ -831,7 +922,7 @@ def main() -> None:
     s.add_argument("--ours-bench", required=True, help="the built benches/vs_torch.rs executable")
     s.add_argument("--ours-bin", required=True, help="the main_ppo release binary")
     s.add_argument("--ours-rev", default="?")
-    s.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2")
+    s.add_argument("--model", choices=["smollm2", "gemma3", "qwen2.5-0.5b-shape"], default="smollm2")
     s.add_argument("--gguf", required=True)
     s.add_argument("--hf", required=True)
     s.add_argument("--data", required=True)
