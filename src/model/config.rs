@@ -55,6 +55,19 @@ pub enum LayerKind {
     Linear,
 }
 
+impl LayerKind {
+    /// A hybrid's layers without a list (transformers' and llama.cpp's default pattern): every
+    /// `every`-th layer full attention, the others Gated DeltaNet. `every` > 0.
+    pub fn full_every(layers: usize, every: usize) -> Vec<LayerKind> {
+        (0..layers)
+            .map(|i| match (i + 1) % every {
+                0 => LayerKind::Full,
+                _ => LayerKind::Linear,
+            })
+            .collect()
+    }
+}
+
 impl Arch {
     /// Whether each head of q and k goes through an RMSNorm before RoPE.
     pub fn qk_norm(self) -> bool {
@@ -392,12 +405,7 @@ fn read_hybrid_layers(v: &Value, layers: usize) -> Result<Vec<LayerKind>, String
                 })
                 .transpose()?
                 .unwrap_or(4) as usize;
-            (0..layers)
-                .map(|i| match (i + 1) % every {
-                    0 => LayerKind::Full,
-                    _ => LayerKind::Linear,
-                })
-                .collect()
+            LayerKind::full_every(layers, every)
         }
         Some(Value::Array(a)) => a
             .iter()

@@ -21,7 +21,7 @@ use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokeni
 use super::gguf_hybrid;
 use super::hf::{build, Loaded};
 use crate::data::{SpecialTokens, TokenizerBundle};
-use crate::model::config::{LayerKind, MoeArgs, RopeScaling};
+use crate::model::config::{LayerKind, LinearAttnArgs, MoeArgs, RopeScaling};
 use crate::model::{Arch, ModelArgs, ModelError};
 
 fn meta<'a>(c: &'a Content, key: &str, path: &Path) -> Result<&'a Value, ModelError> {
@@ -283,32 +283,7 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
             .len(),
     };
     let tied = !c.tensor_infos.contains_key("output.weight");
-    // Llama 3.1+ GGUFs carry their RoPE scaling as per-frequency divisors; refused rather than
-    // run with plain RoPE. Gemma 3's linear scaling of its global layers is read.
-    let mut rope_scaling = None;
-    if let Some(kind) = c
-        .metadata
-        .get(&k("rope.scaling.type"))
-        .and_then(|v| v.to_string().ok())
-        .filter(|t| t.as_str() != "none")
-    {
-        let factor = meta_f(c, &k("rope.scaling.factor")).filter(|f| *f > 0.0);
-        match (arch, kind.as_str(), factor) {
-            (Arch::Gemma3, "linear", Some(factor)) => {
-                rope_scaling = Some(RopeScaling::Linear { factor })
-            }
-            _ => {
-                return Err(ModelError::file(
-                    path,
-                    format!(
-                        "metadata `{}` = {kind:?}: RoPE scaling is not supported in GGUF files (Gemma 3's linear scaling with `{}` is)",
-                        k("rope.scaling.type"),
-                        k("rope.scaling.factor")
-                    ),
-                ))
-            }
-        }
-    }
+    let rope_scaling = rope_scaling(c, arch, &arch_name, path)?;
     if c.tensor_infos.contains_key("rope_freqs.weight") {
         return Err(ModelError::file(
             path,
@@ -330,9 +305,9 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
             )?,
             false => (None, Vec::new(), None, None),
         };
-    let layer_types = match arch.hybrid() {
-        true => hybrid_layers(c, &arch_name, layers, path)?,
-        false => layer_types,
+    let (layer_types, rotary_dim, linear_attn) = match arch.hybrid() {
+        true => hybrid_parts(c, &arch_name, arch, (layers, head_dim), path)?,
+        false => (layer_types, None, None),
     };
     Ok(ModelArgs {
         arch,
@@ -361,16 +336,66 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
             }
             _ => None,
         },
-        rotary_dim: match arch.hybrid() {
-            true => Some(rotary_dim(c, &k("rope.dimension_count"), head_dim, path)?),
-            false => None,
-        },
+        rotary_dim,
         attn_output_gate: arch.hybrid(),
-        linear_attn: match arch.hybrid() {
-            true => Some(linear_attn(c, &arch_name, arch, path)?),
-            false => None,
-        },
+        linear_attn,
     })
+}
+
+/// A hybrid's layer kinds, rotary width and Gated DeltaNet sizes.
+type HybridParts = (Vec<LayerKind>, Option<usize>, Option<LinearAttnArgs>);
+
+/// [`HybridParts`] of a `qwen35`, `qwen35moe` or `qwen3next` file, `(layers, head_dim)` read.
+fn hybrid_parts(
+    c: &Content,
+    arch_name: &str,
+    arch: Arch,
+    (layers, head_dim): (usize, usize),
+    path: &Path,
+) -> Result<HybridParts, ModelError> {
+    let rope = format!("{arch_name}.rope.dimension_count");
+    Ok((
+        hybrid_layers(c, arch_name, layers, path)?,
+        Some(rotary_dim(c, &rope, head_dim, path)?),
+        Some(linear_attn(c, arch_name, arch, path)?),
+    ))
+}
+
+/// `{arch}.rope.scaling.*`: Llama 3.1+ GGUFs carry their RoPE scaling as per-frequency
+/// divisors, refused rather than run with plain RoPE; Gemma 3's linear scaling of its global
+/// layers is read.
+fn rope_scaling(
+    c: &Content,
+    arch: Arch,
+    arch_name: &str,
+    path: &Path,
+) -> Result<Option<RopeScaling>, ModelError> {
+    let k = |s: &str| format!("{arch_name}.{s}");
+    let mut rope_scaling = None;
+    if let Some(kind) = c
+        .metadata
+        .get(&k("rope.scaling.type"))
+        .and_then(|v| v.to_string().ok())
+        .filter(|t| t.as_str() != "none")
+    {
+        let factor = meta_f(c, &k("rope.scaling.factor")).filter(|f| *f > 0.0);
+        match (arch, kind.as_str(), factor) {
+            (Arch::Gemma3, "linear", Some(factor)) => {
+                rope_scaling = Some(RopeScaling::Linear { factor })
+            }
+            _ => {
+                return Err(ModelError::file(
+                    path,
+                    format!(
+                        "metadata `{}` = {kind:?}: RoPE scaling is not supported in GGUF files (Gemma 3's linear scaling with `{}` is)",
+                        k("rope.scaling.type"),
+                        k("rope.scaling.factor")
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(rope_scaling)
 }
 
 /// The model's own layers: `{arch}.block_count` less the multi-token-prediction layers
@@ -441,12 +466,7 @@ fn hybrid_layers(
             format!("GGUF metadata `{ikey}` must be positive"),
         ));
     }
-    Ok((0..layers)
-        .map(|i| match (i + 1) % every {
-            0 => LayerKind::Full,
-            _ => LayerKind::Linear,
-        })
-        .collect())
+    Ok(LayerKind::full_every(layers, every))
 }
 
 /// The rotary width of a hybrid's attention heads (`{arch}.rope.dimension_count`): even, at
@@ -470,12 +490,12 @@ fn linear_attn(
     arch_name: &str,
     arch: Arch,
     path: &Path,
-) -> Result<crate::model::config::LinearAttnArgs, ModelError> {
+) -> Result<LinearAttnArgs, ModelError> {
     let k = |s: &str| format!("{arch_name}.ssm.{s}");
     let key_heads = meta_u(c, &k("group_count"), path)?;
     let value_heads = meta_u(c, &k("time_step_rank"), path)?;
     let inner = meta_u(c, &k("inner_size"), path)?;
-    let a = crate::model::config::LinearAttnArgs {
+    let a = LinearAttnArgs {
         num_key_heads: key_heads,
         num_value_heads: value_heads,
         key_head_dim: meta_u(c, &k("state_size"), path)?,

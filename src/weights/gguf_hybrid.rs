@@ -127,7 +127,6 @@ fn linear_layer(
         }
         Ok(())
     };
-    let hidden = |x: &Tensor| x.dims().last().copied().unwrap_or(0);
     // A = −exp(A_log) stored; A_log = ln(−A).
     let a = take(t, "A_log")?;
     check("A_log", &a, &[nv])?;
@@ -138,11 +137,12 @@ fn linear_layer(
     let conv = take(t, "conv1d.weight")?;
     check("conv1d.weight", &conv, &[l.conv_dim(), l.conv_kernel])?;
     let mut conv = conv.unsqueeze(1)?; // [channels, 1, width]
-    let mut out = take(t, "out_proj.weight")?;
-    check("out_proj.weight", &out, &[out.dims()[0], l.value_dim()])?;
+                                       // The model width as in_proj_qkv reads it; the other projections must agree.
     let mut qkv = take(t, "in_proj_qkv.weight")?;
-    let h = hidden(&qkv);
+    let h = qkv.dims().last().copied().unwrap_or(0);
     check("in_proj_qkv.weight", &qkv, &[l.conv_dim(), h])?;
+    let mut out = take(t, "out_proj.weight")?;
+    check("out_proj.weight", &out, &[h, l.value_dim()])?;
     let mut z = take(t, "in_proj_z.weight")?;
     check("in_proj_z.weight", &z, &[l.value_dim(), h])?;
     if arch != Arch::Qwen3Next && r > 1 {
@@ -203,12 +203,6 @@ pub(super) fn to_hf(
                 args.arch,
                 path,
             )?;
-        }
-    }
-    // The shared expert's gate: `[1, hidden]` both ways; a file that squeezed it is read too.
-    for (name, x) in t.iter_mut() {
-        if name.ends_with("shared_expert_gate.weight") && x.rank() == 1 {
-            *x = x.unsqueeze(0)?;
         }
     }
     Ok(())
