@@ -254,20 +254,25 @@ def rows(seed, n, lo, hi):
     return [torch.randint(1, VOCAB, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
 
 
+def spread(model, seed):
+    """Spreads the weights beyond the init's 0.02 so that every path carries signal: N(0, 0.3²),
+    norms 1 + N(0, 0.3²), drawn from a generator seeded with `seed`."""
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+
+
 def make(name, cfg):
     if getattr(cfg, "num_experts", None):
         # transformers' own loop over experts (its grouped_mm kernels take no float64).
         cfg._experts_implementation = "eager"
     torch.manual_seed(1234)
     model = MODEL_CLASS[type(cfg).__name__](cfg).to(torch.float64).eval()
-    # Spread the weights beyond the init's 0.02 so that every path carries signal.
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(99)
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
-            else:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+    spread(model, 99)
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -371,13 +376,7 @@ def chat(name, cfg):
         cfg._experts_implementation = "eager"
     torch.manual_seed(4321)
     model = MODEL_CLASS[type(cfg).__name__](cfg).to(torch.float64).eval()
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(77)
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
-            else:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+    spread(model, 77)
     out = OUT / name / "chat"
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
