@@ -79,6 +79,22 @@ def base(threads: int, load_s: float) -> dict:
 # workers
 
 
+def up_to_date(out: Path, stamp: str) -> bool:
+    """Whether `out` was written (by `publish`) from the source `stamp` describes."""
+    src = out / ".source"
+    return (out / "model.safetensors").is_file() and src.is_file() and src.read_text() == stamp
+
+
+def publish(tmp: Path, out: Path, stamp: str) -> None:
+    """`tmp`, completely written, becomes `out` (replacing it), stamped with its source."""
+    import shutil
+
+    (tmp / ".source").write_text(stamp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
 def cmd_prepare_hf(a) -> None:
     """Dequantise the GGUF with transformers and write an HF directory. transformers refuses
     save_pretrained on a model it loaded from GGUF, so weights and config are written here."""
@@ -89,10 +105,9 @@ def cmd_prepare_hf(a) -> None:
     gguf = Path(a.gguf)
     out = Path(a.out)
     stamp = f"{gguf.resolve()} {gguf.stat().st_size} {int(gguf.stat().st_mtime)}"
-    if (out / "model.safetensors").is_file() and (out / ".source").is_file():
-        if (out / ".source").read_text() == stamp:
-            print(f"HF copy up to date: {out}", file=sys.stderr)
-            return
+    if up_to_date(out, stamp):
+        print(f"HF copy up to date: {out}", file=sys.stderr)
+        return
     tmp = out.with_name(out.name + ".partial")
     tmp.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -112,12 +127,7 @@ def cmd_prepare_hf(a) -> None:
     model.config.save_pretrained(str(tmp))
     model.generation_config.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
-    (tmp / ".source").write_text(stamp)
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
+    publish(tmp, out, stamp)
     n = sum(v.numel() for v in weights.values())
     print(f"HF copy written: {out} ({n} parameters, f32)", file=sys.stderr)
 
@@ -160,10 +170,9 @@ def cmd_prepare_shape(a) -> None:
 
     out = Path(a.out)
     stamp = json.dumps({"shape": QWEN25_05B, "data": str(Path(a.data).resolve()), "vocab": 8192, "split": QWEN2_SPLIT})
-    if (out / "model.safetensors").is_file() and (out / ".source").is_file():
-        if (out / ".source").read_text() == stamp:
-            print(f"model up to date: {out}", file=sys.stderr)
-            return
+    if up_to_date(out, stamp):
+        print(f"model up to date: {out}", file=sys.stderr)
+        return
     tmp = out.with_name(out.name + ".partial")
     tmp.mkdir(parents=True, exist_ok=True)
     rows = pq.read_table(a.data).to_pylist()
@@ -196,12 +205,7 @@ def cmd_prepare_shape(a) -> None:
     model = transformers.Qwen2ForCausalLM(cfg).to(torch.float32)
     model.generation_config.eos_token_id = [eos, pad]
     model.save_pretrained(str(tmp), safe_serialization=True)
-    (tmp / ".source").write_text(stamp)
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
+    publish(tmp, out, stamp)
     n = sum(p.numel() for p in model.parameters())
     print(f"model written: {out} ({n} parameters, f32; tokenizer {fast.vocab_size} tokens)", file=sys.stderr)
 
