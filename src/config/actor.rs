@@ -165,6 +165,13 @@ pub struct ActorConfig {
     pub grad_clip: f64,
     /// Mixed precision of the actor's forward and backward passes (and old log-probs).
     pub fsdp_config: FsdpConfig,
+    /// Compute each group's shared prompt once per micro-batch (verl's PrefixGrouper): the
+    /// responses of a prompt continue one copy of it in the update's forward and backward and
+    /// in the log-prob passes (old, reference, critic, teachers), the prompt's gradients
+    /// gathered over them. The same numbers as without it (up to rounding); the sequences are
+    /// packed whatever `model.use_remove_padding` says. Models with Gated DeltaNet layers,
+    /// CUDA and half precision compute every response with its own prompt (logged).
+    pub use_prefix_grouper: bool,
 }
 
 defaults!(ActorConfig {
@@ -195,6 +202,7 @@ defaults!(ActorConfig {
     checkpoint: CheckpointContents::default(),
     grad_clip: 1.0,
     fsdp_config: FsdpConfig::default(),
+    use_prefix_grouper: false,
 });
 
 impl ActorConfig {

@@ -74,7 +74,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("actor_rollout_ref.actor.strategy", DIST),
     ("actor_rollout_ref.actor.rollout_n", DIST),
     ("actor_rollout_ref.actor.freeze_vision_tower", DIST),
-    ("actor_rollout_ref.actor.use_prefix_grouper", DIST),
     ("actor_rollout_ref.actor.use_torch_compile", DIST),
     ("actor_rollout_ref.actor.profiler", DIST),
     ("actor_rollout_ref.actor.router_replay", DIST),

@@ -379,6 +379,12 @@ fn no_effect_keys_are_reported_and_unsupported_values_refused() {
         "critic.model.use_remove_padding=false",
     ]);
     assert!(!c.actor_rollout_ref.model.use_remove_padding && !c.critic.model.use_remove_padding);
+    // So is use_prefix_grouper (shared prompts), off by default as in verl's actor.yaml.
+    assert!(!Config::default().actor_rollout_ref.actor.use_prefix_grouper);
+    let c = cfg(&["actor_rollout_ref.actor.use_prefix_grouper=True"]);
+    assert!(c.actor_rollout_ref.actor.use_prefix_grouper);
+    let e = err(&["actor_rollout_ref.actor.use_prefix_grouper=maybe"]);
+    assert!(e.contains("use_prefix_grouper"), "{e}");
 }
 
 #[test]

@@ -15,6 +15,7 @@ use candle_nn::Linear;
 use super::attention::{attention, attention_composed, Keys};
 use super::config::ModelArgs;
 use super::delta::{DeltaNet, DeltaState};
+use super::layer::{spans, Seg};
 use super::ops::sigmoid;
 pub(crate) use super::ops::{rms_norm, upcast};
 pub(crate) use super::proj::{apply, linear, mixed_matmul};
@@ -44,16 +45,17 @@ impl Rows {
 pub(crate) enum Mask {
     /// Additive bias `[batch, 1, seq, past + seq]`: 0 where allowed, −1e9 elsewhere.
     Bias(Tensor),
-    /// Sequences packed end to end in a batch of one, `(first token, length)` each: causal
-    /// inside each sequence, nothing across sequences.
-    Packed(Arc<[(usize, usize)]>),
+    /// Sequences packed end to end in a batch of one: causal inside each sequence, nothing
+    /// across sequences except a shared prefix ([`Seg::prefix`]).
+    Packed(Arc<[Seg]>),
 }
 
 impl Mask {
     /// The additive bias the op composition reads: the bias itself (already windowed), or for
-    /// packed sequences a block-diagonal causal one `[1, 1, n, n]`, each query seeing at most
-    /// `window` positions (quadratic in the total length: the composition is the reference and
-    /// the fallback, the hand-written layer never builds it).
+    /// packed sequences a block-diagonal causal one `[1, 1, n, n]` (a sequence with a shared
+    /// prefix also sees the prefix's tokens, counted before its own), each query seeing at
+    /// most `window` positions (quadratic in the total length: the composition is the
+    /// reference and the fallback, the hand-written layer never builds it).
     pub(crate) fn bias(
         &self,
         dtype: DType,
@@ -63,12 +65,23 @@ impl Mask {
         match self {
             Mask::Bias(b) => Ok(b.clone()),
             Mask::Packed(segs) => {
-                let n: usize = segs.iter().map(|s| s.1).sum();
+                let n: usize = segs.iter().map(|s| s.len).sum();
                 let mut bias = vec![-1e9f32; n * n];
-                for &(a, l) in segs.iter() {
-                    for i in 0..l {
-                        let first = window.map_or(0, |w| (i + 1).saturating_sub(w));
-                        bias[(a + i) * n + a + first..][..=i - first].fill(0.0);
+                for s in segs.iter() {
+                    let (p0, pl) = s.prefix.unwrap_or((0, 0));
+                    for i in 0..s.len {
+                        // Query i sits at position pl + i of the sequence it continues.
+                        let last = pl + i;
+                        let first = window.map_or(0, |w| (last + 1).saturating_sub(w));
+                        let row = &mut bias[(s.start + i) * n..][..n];
+                        for key in first..=last {
+                            let col = if key < pl {
+                                p0 + key
+                            } else {
+                                s.start + key - pl
+                            };
+                            row[col] = 0.0;
+                        }
                     }
                 }
                 Tensor::from_vec(bias, (1, 1, n, n), &Device::Cpu)?
@@ -80,15 +93,26 @@ impl Mask {
 
     /// What layer `l`'s composition reads: packed sequences stay sequences where the layer's
     /// attention is the blocked op ([`Block::blocked`]) and for a Gated DeltaNet layer (which
-    /// reads no keys), anything else becomes the bias.
+    /// reads no keys), anything else becomes the bias. Shared prefixes are read through the
+    /// bias; a Gated DeltaNet layer cannot continue one (its state is not carried between
+    /// sequences) and refuses them.
     pub(crate) fn layer_keys(&self, l: &Block, dtype: DType, device: &Device) -> Result<Keys> {
-        match self {
-            Mask::Packed(segments) if l.blocked || l.delta().is_some() => Ok(Keys::Packed {
-                segments: segments.clone(),
-                window: l.window,
-            }),
-            _ => Ok(Keys::Bias(self.bias(dtype, device, l.window)?)),
+        if let Mask::Packed(segs) = self {
+            match (spans(segs), l.blocked || l.delta().is_some()) {
+                (Some(segments), true) => {
+                    return Ok(Keys::Packed {
+                        segments: segments.into(),
+                        window: l.window,
+                    })
+                }
+                (None, true) if l.delta().is_some() => candle_core::bail!(
+                    "packed sequences with shared prefixes reached a Gated DeltaNet layer, \
+                     which carries no state between sequences"
+                ),
+                _ => {}
+            }
         }
+        Ok(Keys::Bias(self.bias(dtype, device, l.window)?))
     }
 
     pub(crate) fn detach(&self) -> Mask {

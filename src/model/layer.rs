@@ -215,22 +215,64 @@ pub(super) enum Attn<'a, T> {
     /// `batch` rows of `seq` tokens each (padded), an additive bias `[batch, seq, seq]` holding
     /// causality and padding.
     Bias(&'a [T]),
-    /// Sequences laid end to end over the rows (verl's `use_remove_padding`), `(first row,
-    /// length)` each, in order and covering every row: causal inside each sequence, nothing
-    /// across sequences. `Dims::batch` is 1 and `Dims::seq` the total.
-    Packed(&'a [(usize, usize)]),
+    /// Sequences laid end to end over the rows (verl's `use_remove_padding`), in order and
+    /// covering every row: causal inside each sequence, nothing across sequences except a
+    /// shared prefix ([`Seg::prefix`]). `Dims::batch` is 1 and `Dims::seq` the total.
+    Packed(&'a [Seg]),
 }
 
-/// Whether packed sequences `(first token, length)` are non-empty and laid end to end from
-/// token 0 over all `n` tokens; the broken rule otherwise.
-pub(super) fn check_segments(segs: &[(usize, usize)], n: usize) -> std::result::Result<(), String> {
+/// One packed sequence: `len` rows from `start`. With a `prefix` `(first row, length)` (an
+/// earlier sequence of the same call, itself without one) the sequence continues it: its rows
+/// see every prefix row and then their own rows causally, as if the prefix were copied in
+/// front of them (a GRPO group's responses sharing their prompt, computed once).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Seg {
+    pub start: usize,
+    pub len: usize,
+    pub prefix: Option<(usize, usize)>,
+}
+
+impl Seg {
+    /// A sequence of its own (no shared prefix).
+    pub(crate) fn alone((start, len): (usize, usize)) -> Seg {
+        Seg {
+            start,
+            len,
+            prefix: None,
+        }
+    }
+}
+
+/// The sequences as `(first token, length)` pairs when none continues a shared prefix.
+pub(crate) fn spans(segs: &[Seg]) -> Option<Vec<(usize, usize)>> {
+    segs.iter()
+        .map(|s| s.prefix.is_none().then_some((s.start, s.len)))
+        .collect()
+}
+
+/// Whether packed sequences are non-empty and laid end to end from token 0 over all `n`
+/// tokens, and each shared prefix is a whole earlier sequence that has none itself; the broken
+/// rule otherwise.
+pub(super) fn check_segments(segs: &[Seg], n: usize) -> std::result::Result<(), String> {
     let mut next = 0;
-    for (i, &(a, l)) in segs.iter().enumerate() {
+    for (i, s) in segs.iter().enumerate() {
+        let (a, l) = (s.start, s.len);
         if a != next || l == 0 {
             return Err(format!(
                 "sequence {i} is ({a}, {l}); sequences must be non-empty and laid end to end \
                  from token 0"
             ));
+        }
+        if let Some(p) = s.prefix {
+            let whole = segs[..i]
+                .iter()
+                .any(|e| (e.start, e.len) == p && e.prefix.is_none());
+            if !whole {
+                return Err(format!(
+                    "sequence {i}'s prefix {p:?} is not an earlier sequence without a prefix \
+                     of its own"
+                ));
+            }
         }
         next = a + l;
     }
@@ -240,18 +282,65 @@ pub(super) fn check_segments(segs: &[(usize, usize)], n: usize) -> std::result::
     Ok(())
 }
 
-/// One attention block: `(first row, length, bias [length, length] or None for causal)`.
-type Block<'a, T> = (usize, usize, Option<&'a [T]>);
+/// One attention block: the query rows `start..start + t`, their bias `[t, t]` (padded rows)
+/// or none (causal), and the shared prefix rows they also see.
+#[derive(Clone, Copy)]
+struct Block<'a, T> {
+    start: usize,
+    t: usize,
+    bias: Option<&'a [T]>,
+    prefix: Option<(usize, usize)>,
+}
+
+impl<T> Block<'_, T> {
+    /// How many keys each query row of the block has: the prefix's, then the block's own.
+    fn keys(&self) -> usize {
+        self.prefix.map_or(0, |p| p.1) + self.t
+    }
+}
 
 /// The attention blocks of a call: each padded row, or each packed sequence.
 fn blocks<'a, T>(d: &Dims, cx: &Context<'a, T>) -> Vec<Block<'a, T>> {
     let t = d.seq;
     match cx.attn {
         Attn::Bias(b) => (0..d.batch)
-            .map(|r| (r * t, t, Some(&b[r * t * t..][..t * t])))
+            .map(|r| Block {
+                start: r * t,
+                t,
+                bias: Some(&b[r * t * t..][..t * t]),
+                prefix: None,
+            })
             .collect(),
-        Attn::Packed(segs) => segs.iter().map(|&(a, l)| (a, l, None)).collect(),
+        Attn::Packed(segs) => segs
+            .iter()
+            .map(|s| Block {
+                start: s.start,
+                t: s.len,
+                bias: None,
+                prefix: s.prefix,
+            })
+            .collect(),
     }
+}
+
+/// KV head `g`'s columns of `x` `[rows, width]` (keys or values) at the rows block `blk`
+/// reads, as `(slice, row stride)`: in place without a prefix, else gathered into `buf` as
+/// `[prefix rows; own rows]` `[keys, hd]`.
+fn key_rows<'a, T: Elem>(
+    x: &'a [T],
+    width: usize,
+    blk: &Block<T>,
+    (g, hd): (usize, usize),
+    buf: &'a mut Vec<T>,
+) -> (&'a [T], usize) {
+    let Some((p0, pl)) = blk.prefix else {
+        return (&x[blk.start * width + g * hd..], width);
+    };
+    buf.clear();
+    for row in (p0..p0 + pl).chain(blk.start..blk.start + blk.t) {
+        buf.extend_from_slice(&x[row * width + g * hd..][..hd]);
+    }
+    (&buf[..], hd)
 }
 
 /// What the backward needs from the forward: recomputed in backward, or kept from the forward
@@ -812,38 +901,61 @@ fn gate_bwd<T: Elem>(da: &mut [T], z: &[T], pre: &[T]) -> Vec<T> {
     dz
 }
 
-/// The softmax probabilities `P [rep·t, t]` of the `rep` query heads that read KV head `g`
-/// in attention block `(start, t, bias)`: scores `q̃·k̃ᵀ/√d` plus the bias, or causal (zero
-/// above the diagonal) without one, max-shifted per row.
-fn probs<T: Elem>(d: &Dims, acts: &Acts<T>, blk: Block<T>, g: usize, p: &mut [T]) {
-    let (start, t, bias) = blk;
+/// The softmax probabilities `P [rep·t, keys]` of the `rep` query heads that read KV head `g`
+/// in attention block `blk`, from its keys `kk` (`[keys, hd]` at the given row stride):
+/// scores `q̃·k̃ᵀ/√d` plus the bias, or without one causal after the shared prefix (row `i`
+/// sees keys `0..=prefix + i`), max-shifted per row.
+fn probs<T: Elem>(
+    d: &Dims,
+    acts: &Acts<T>,
+    blk: &Block<T>,
+    g: usize,
+    kk: (&[T], usize),
+    p: &mut [T],
+) {
+    let (t, kn) = (blk.t, blk.keys());
     let (hd, rep) = (d.head_dim, d.heads / d.kv_heads);
-    let (qw, kw) = (d.q_width(), d.kv_width());
+    let qw = d.q_width();
     let scale: T = c(d.attn_scale);
     for j in 0..rep {
         let h = g * rep + j;
-        let s = &mut p[j * t * t..][..t * t];
-        let q = &acts.q[start * qw + h * hd..];
-        let k = &acts.k[start * kw + g * hd..];
-        gemm_mixed(d.bf16, s, t, t, hd, q, qw, 1, k, 1, kw, false, Par::None);
-        match bias {
+        let s = &mut p[j * t * kn..][..t * kn];
+        let q = &acts.q[blk.start * qw + h * hd..];
+        gemm_mixed(
+            d.bf16,
+            s,
+            t,
+            kn,
+            hd,
+            q,
+            qw,
+            1,
+            kk.0,
+            1,
+            kk.1,
+            false,
+            Par::None,
+        );
+        match blk.bias {
             Some(b) => softmax_rows(s, b, t, scale),
-            None => softmax_causal(s, t, scale, d.window),
+            None => softmax_causal(s, kn, kn - t, scale, d.window),
         }
     }
 }
 
-/// `s ← softmax(s·scale)` over keys `0..=i` of each row `i` of `t` (the last `window` of
-/// them when given), zero elsewhere (a packed sequence: causal, no padding), vectorized.
-fn softmax_causal<T: Elem>(s: &mut [T], t: usize, scale: T, window: Option<usize>) {
+/// `s ← softmax(s·scale)` over keys `0..=off + i` of each row `i` of `cols` keys (the last
+/// `window` of them when given), zero elsewhere (a packed sequence after `off` shared prefix
+/// keys: causal, no padding), vectorized.
+fn softmax_causal<T: Elem>(s: &mut [T], cols: usize, off: usize, scale: T, window: Option<usize>) {
     vectorized(
         #[inline(always)]
         || {
-            for (i, srow) in s.chunks_mut(t).enumerate() {
-                let first = window.map_or(0, |w| (i + 1).saturating_sub(w));
+            for (i, srow) in s.chunks_mut(cols).enumerate() {
+                let last = off + i;
+                let first = window.map_or(0, |w| (last + 1).saturating_sub(w));
                 let (old, rest) = srow.split_at_mut(first);
                 old.fill(T::zero());
-                let (live, dead) = rest.split_at_mut(i + 1 - first);
+                let (live, dead) = rest.split_at_mut(last + 1 - first);
                 for v in live.iter_mut() {
                     *v *= scale;
                 }
@@ -1002,30 +1114,33 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
 /// columns of its own rows.
 fn attention_fwd<T: Elem>(d: &Dims, acts: &Acts<T>, cx: &Context<T>) -> Vec<T> {
     let (n, hd, rep, qw) = (d.rows(), d.head_dim, d.heads / d.kv_heads, d.q_width());
+    let kw = d.kv_width();
     let mut a = vec![T::zero(); n * qw];
     let blks = blocks(d, cx);
     let parts: Vec<(usize, usize, Vec<T>)> = (0..blks.len() * d.kv_heads)
         .into_par_iter()
         .map(|task| {
             let (bi, g) = (task / d.kv_heads, task % d.kv_heads);
-            let blk = blks[bi];
-            let t = blk.1;
-            let mut p = vec![T::zero(); rep * t * t];
-            probs(d, acts, blk, g, &mut p);
+            let blk = &blks[bi];
+            let (t, kn) = (blk.t, blk.keys());
+            let (mut kb, mut vb) = (Vec::new(), Vec::new());
+            let kk = key_rows(&acts.k, kw, blk, (g, hd), &mut kb); // [kn, hd]
+            let vv = key_rows(&acts.v, kw, blk, (g, hd), &mut vb); // [kn, hd]
+            let mut p = vec![T::zero(); rep * t * kn];
+            probs(d, acts, blk, g, kk, &mut p);
             let mut out = vec![T::zero(); rep * t * hd]; // [rep, t, hd]
-            let vv = &acts.v[blk.0 * d.kv_width() + g * hd..];
             for j in 0..rep {
                 gemm_mixed(
                     d.bf16,
                     &mut out[j * t * hd..][..t * hd],
                     t,
                     hd,
-                    t,
-                    &p[j * t * t..][..t * t],
-                    t,
+                    kn,
+                    &p[j * t * kn..][..t * kn],
+                    kn,
                     1,
-                    vv,
-                    d.kv_width(),
+                    vv.0,
+                    vv.1,
                     1,
                     false,
                     Par::None,
@@ -1035,7 +1150,7 @@ fn attention_fwd<T: Elem>(d: &Dims, acts: &Acts<T>, cx: &Context<T>) -> Vec<T> {
         })
         .collect();
     for (bi, g, out) in parts {
-        let (start, t, _) = blks[bi];
+        let (start, t) = (blks[bi].start, blks[bi].t);
         for j in 0..rep {
             let h = g * rep + j;
             for i in 0..t {
@@ -1598,6 +1713,7 @@ fn shared_bwd<T: Elem>(
 }
 
 /// Gradients of the rotated queries and keys and of the values from `da [rows, heads·hd]`.
+/// A shared prefix's keys and values gather the gradients of every block that reads them.
 fn attention_bwd<T: Elem>(
     d: &Dims,
     acts: &Acts<T>,
@@ -1607,38 +1723,40 @@ fn attention_bwd<T: Elem>(
     let (n, hd, rep) = (d.rows(), d.head_dim, d.heads / d.kv_heads);
     let (qw, kw) = (d.q_width(), d.kv_width());
     let scale: T = c(d.attn_scale);
-    // Per (attention block, KV head): dq̃ of its `rep` heads `[rep, t, hd]`, dk̃ and dv `[t, hd]`.
+    // Per (attention block, KV head): dq̃ of its `rep` heads `[rep, t, hd]`, dk̃ and dv of the
+    // keys it reads `[keys, hd]`.
     type Part<T> = (usize, usize, Vec<T>, Vec<T>, Vec<T>);
     let blks = blocks(d, cx);
     let parts: Vec<Part<T>> = (0..blks.len() * d.kv_heads)
         .into_par_iter()
         .map(|task| {
             let (bi, g) = (task / d.kv_heads, task % d.kv_heads);
-            let blk = blks[bi];
-            let (r0, t) = (blk.0, blk.1);
-            let mut p = vec![T::zero(); rep * t * t];
-            probs(d, acts, blk, g, &mut p);
-            let kk = &acts.k[r0 * kw + g * hd..];
-            let vv = &acts.v[r0 * kw + g * hd..];
+            let blk = &blks[bi];
+            let (r0, t, kn) = (blk.start, blk.t, blk.keys());
+            let (mut kb, mut vb) = (Vec::new(), Vec::new());
+            let kk = key_rows(&acts.k, kw, blk, (g, hd), &mut kb); // [kn, hd]
+            let vv = key_rows(&acts.v, kw, blk, (g, hd), &mut vb); // [kn, hd]
+            let mut p = vec![T::zero(); rep * t * kn];
+            probs(d, acts, blk, g, kk, &mut p);
             let mut dq = vec![T::zero(); rep * t * hd]; // [rep, t, hd]
-            let mut dk = vec![T::zero(); t * hd];
-            let mut dv = vec![T::zero(); t * hd];
-            let mut ds = vec![T::zero(); t * t];
+            let mut dk = vec![T::zero(); kn * hd];
+            let mut dv = vec![T::zero(); kn * hd];
+            let mut ds = vec![T::zero(); t * kn];
             for j in 0..rep {
                 let h = g * rep + j;
-                let pj = &p[j * t * t..][..t * t];
+                let pj = &p[j * t * kn..][..t * kn];
                 let dao = &da[r0 * qw + h * hd..];
                 let qq = &acts.q[r0 * qw + h * hd..];
                 // dv += Pᵀ·dA
                 gemm_mixed(
                     d.bf16,
                     &mut dv,
-                    t,
+                    kn,
                     hd,
                     t,
                     pj,
                     1,
-                    t,
+                    kn,
                     dao,
                     qw,
                     1,
@@ -1650,30 +1768,30 @@ fn attention_bwd<T: Elem>(
                     d.bf16,
                     &mut ds,
                     t,
-                    t,
+                    kn,
                     hd,
                     dao,
                     qw,
                     1,
-                    vv,
+                    vv.0,
                     1,
-                    kw,
+                    vv.1,
                     false,
                     Par::None,
                 );
-                softmax_bwd_rows(&mut ds, pj, t, scale);
+                softmax_bwd_rows(&mut ds, pj, kn, scale);
                 // dq̃ = dS·k̃ (scale folded into dS); dk̃ += dSᵀ·q̃
                 gemm_mixed(
                     d.bf16,
                     &mut dq[j * t * hd..][..t * hd],
                     t,
                     hd,
-                    t,
+                    kn,
                     &ds,
-                    t,
+                    kn,
                     1,
-                    kk,
-                    kw,
+                    kk.0,
+                    kk.1,
                     1,
                     false,
                     Par::None,
@@ -1681,12 +1799,12 @@ fn attention_bwd<T: Elem>(
                 gemm_mixed(
                     d.bf16,
                     &mut dk,
-                    t,
+                    kn,
                     hd,
                     t,
                     &ds,
                     1,
-                    t,
+                    kn,
                     qq,
                     qw,
                     1,
@@ -1701,15 +1819,30 @@ fn attention_bwd<T: Elem>(
     let mut dk = vec![T::zero(); n * kw];
     let mut dv = vec![T::zero(); n * kw];
     for (bi, g, pq, pk, pv) in parts {
-        let (r0, t, _) = blks[bi];
+        let blk = &blks[bi];
+        let (r0, t) = (blk.start, blk.t);
         for i in 0..t {
-            let row = r0 + i;
             for j in 0..rep {
                 let h = g * rep + j;
-                dq[row * qw + h * hd..][..hd].copy_from_slice(&pq[(j * t + i) * hd..][..hd]);
+                dq[(r0 + i) * qw + h * hd..][..hd].copy_from_slice(&pq[(j * t + i) * hd..][..hd]);
             }
-            dk[row * kw + g * hd..][..hd].copy_from_slice(&pk[i * hd..][..hd]);
-            dv[row * kw + g * hd..][..hd].copy_from_slice(&pv[i * hd..][..hd]);
+        }
+        // Key i of the block: prefix rows first, then the block's own.
+        let (p0, pl) = blk.prefix.unwrap_or((0, 0));
+        for i in 0..blk.keys() {
+            let row = if i < pl { p0 + i } else { r0 + i - pl };
+            for (x, y) in dk[row * kw + g * hd..][..hd]
+                .iter_mut()
+                .zip(&pk[i * hd..][..hd])
+            {
+                *x += *y;
+            }
+            for (x, y) in dv[row * kw + g * hd..][..hd]
+                .iter_mut()
+                .zip(&pv[i * hd..][..hd])
+            {
+                *x += *y;
+            }
         }
     }
     (dq, dk, dv)

@@ -1155,4 +1155,175 @@ mod tests {
             assert!(e.contains(rule), "{segs:?}: {e}");
         }
     }
+
+    /// Responses continuing their group's prompt (`forward_hidden_grouped`, the prompt computed
+    /// once) against each response after its own copy of the prompt (`forward_hidden_packed`,
+    /// itself equal to the padded batch above): hidden states at every response-predicting
+    /// token (the prompt's last one and each response token but the last), and every weight's
+    /// gradient of a loss over them (each copy of the prompt collects its own gradient in the
+    /// reference; the shared prompt collects them all). The hand-written layer with and without
+    /// recomputation, and the composition (the bias opens the prefix to its continuations);
+    /// Gemma 3's sliding window (4) reaches back across the prompt. f64 to 1e-9 relative, f32
+    /// to 1e-5 / 1e-4, bf16 products within 2e-2.
+    #[test]
+    fn grouped_responses_equal_each_response_after_its_own_prompt() {
+        // Two groups: prompt A with three responses, prompt B with one; then a lone sequence.
+        let a: &[u32] = &[3, 7, 1, 9];
+        let b: &[u32] = &[5, 6, 8];
+        let rows: [(&[u32], &[u32]); 4] = [
+            (a, &[4, 2, 11]),
+            (a, &[12, 2]),
+            (a, &[9, 9, 1, 5, 3]),
+            (b, &[13, 14, 2]),
+        ];
+        let lone: &[u32] = &[6, 1, 2];
+        let dev = Device::Cpu;
+        let (mut gids, mut gpos, mut gsegs, mut cont, mut gat) =
+            (vec![], vec![], vec![], vec![], vec![]);
+        let (mut uids, mut upos, mut usegs, mut uat) = (vec![], vec![], vec![], vec![]);
+        let mut targets = vec![];
+        let mut prompt_seg: Vec<(&[u32], usize)> = vec![];
+        for (p, r) in rows {
+            // Grouped: the prompt once, then each response continuing it.
+            let j = match prompt_seg.iter().find(|(q, _)| *q == p) {
+                Some(&(_, j)) => j,
+                None => {
+                    gsegs.push((gids.len(), p.len()));
+                    cont.push(None);
+                    gids.extend_from_slice(p);
+                    gpos.extend(0..p.len() as u32);
+                    prompt_seg.push((p, gsegs.len() - 1));
+                    gsegs.len() - 1
+                }
+            };
+            let (p0, pl) = gsegs[j];
+            let start = gids.len();
+            gsegs.push((start, r.len() - 1));
+            cont.push(Some(j));
+            gids.extend_from_slice(&r[..r.len() - 1]);
+            gpos.extend(pl as u32..(pl + r.len() - 1) as u32);
+            gat.push((p0 + pl - 1) as u32);
+            gat.extend((start..start + r.len() - 1).map(|k| k as u32));
+            // Unshared: prompt and response end to end.
+            let ustart = uids.len();
+            uids.extend_from_slice(p);
+            uids.extend_from_slice(&r[..r.len() - 1]);
+            usegs.push((ustart, p.len() + r.len() - 1));
+            upos.extend(0..(p.len() + r.len() - 1) as u32);
+            uat.extend((0..r.len()).map(|k| (ustart + p.len() - 1 + k) as u32));
+            targets.extend_from_slice(r);
+        }
+        gsegs.push((gids.len(), lone.len()));
+        cont.push(None);
+        gids.extend_from_slice(lone);
+        gpos.extend(0..lone.len() as u32);
+        usegs.push((uids.len(), lone.len()));
+        uids.extend_from_slice(lone);
+        upos.extend(0..lone.len() as u32);
+        let k = targets.len();
+        let t = |v: &[u32]| Tensor::new(v, &dev).unwrap();
+        let targets = Tensor::from_vec(targets, (1, k), &dev).unwrap();
+        for (arch, dtype, bf16) in [
+            (Arch::Llama, DType::F64, false),
+            (Arch::Qwen3, DType::F64, false),
+            (Arch::Qwen3, DType::F32, false),
+            (Arch::Qwen3, DType::F32, true),
+            (Arch::Gemma3, DType::F64, false),
+            (Arch::Qwen3Moe, DType::F64, false),
+            (Arch::Qwen2, DType::F32, true),
+        ] {
+            let args = ModelArgs::tiny(arch, 30);
+            let (vm, mut m) = crate::testing::tiny_model(&args, dtype, 0.3);
+            m.set_exec(crate::model::Exec { bf16, ..m.exec() });
+            let (vtol, gtol) = match (dtype, bf16) {
+                (DType::F64, _) => (1e-9, 1e-9),
+                (_, false) => (1e-5, 1e-4),
+                _ => (2e-2, 2e-2),
+            };
+            let run = |m: &crate::model::CausalLm, grouped: bool| {
+                let h = if grouped {
+                    m.forward_hidden_grouped(&t(&gids), &t(&gpos), &gsegs, &cont)
+                        .unwrap()
+                        .index_select(&t(&gat), 0)
+                        .unwrap()
+                } else {
+                    m.forward_hidden_packed(&t(&uids), &t(&upos), &usegs)
+                        .unwrap()
+                        .index_select(&t(&uat), 0)
+                        .unwrap()
+                };
+                let (lp, ent) = m
+                    .token_logprobs(&h.unsqueeze(0).unwrap(), &targets, 4, true)
+                    .unwrap();
+                let loss = (lp.sum_all().unwrap() + ent.unwrap().sum_all().unwrap()).unwrap();
+                let g = loss.backward().unwrap();
+                let mut grads = Vec::new();
+                for (name, var) in vm.data().lock().unwrap().iter() {
+                    grads.push((name.clone(), grad_or_zero(&g, name, var)));
+                }
+                grads.sort_by(|a, b| a.0.cmp(&b.0));
+                (to_f64(&h), grads)
+            };
+            for (composed, recompute) in [(false, false), (false, true), (true, false)] {
+                m.set_exec(crate::model::Exec {
+                    composed,
+                    recompute,
+                    ..m.exec()
+                });
+                assert_eq!(m.shares_prefixes(), !composed, "{arch:?}");
+                let (hg, gg) = run(&m, true);
+                let (hu, gu) = run(&m, false);
+                let what = format!(
+                    "{arch:?} {dtype:?} bf16 {bf16} composed {composed} recompute {recompute}"
+                );
+                let scale = hu.iter().fold(0f64, |s, x| s.max(x.abs()));
+                for (a, b) in hg.iter().zip(&hu) {
+                    assert!((a - b).abs() <= vtol * scale, "{what}: hidden {a} vs {b}");
+                }
+                for ((name, a), (_, b)) in gg.iter().zip(&gu) {
+                    let scale = b.iter().fold(0f64, |s, x| s.max(x.abs()));
+                    assert!(
+                        scale > 0.0 || unrouted(name),
+                        "{what} {name}: zero gradient"
+                    );
+                    for (x, y) in a.iter().zip(b) {
+                        assert!((x - y).abs() <= gtol * scale, "{what} {name}: {x} vs {y}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// A continuation must name an earlier sequence that continues none, and a model with
+    /// Gated DeltaNet layers (whose state is not carried between sequences) refuses one.
+    #[test]
+    fn grouped_sequences_are_checked() {
+        let dev = Device::Cpu;
+        let ids = Tensor::new(&[1u32, 2, 3, 4, 5], &dev).unwrap();
+        let pos = Tensor::new(&[0u32, 1, 2, 2, 3], &dev).unwrap();
+        let segs = [(0, 2), (2, 1), (3, 2)];
+        let args = ModelArgs::tiny(Arch::Llama, 30);
+        let (_vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+        for (cont, rule) in [
+            (vec![None, Some(2), None], "not an earlier sequence"),
+            (vec![None, Some(0), Some(1)], "not an earlier sequence"),
+            (vec![None, Some(0)], "3 sequences but 2"),
+        ] {
+            let e = m
+                .forward_hidden_grouped(&ids, &pos, &segs, &cont)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(rule), "{cont:?}: {e}");
+        }
+        let ok = m.forward_hidden_grouped(&ids, &pos, &segs, &[None, Some(0), Some(0)]);
+        assert_eq!(ok.unwrap().dims(), &[5, args.hidden_size]);
+        let args = ModelArgs::tiny(Arch::Qwen3_5, 30);
+        let (_vm, m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
+        assert!(!m.shares_prefixes());
+        let e = m
+            .forward_hidden_grouped(&ids, &pos, &segs, &[None, Some(0), None])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("Gated DeltaNet"), "{e}");
+    }
 }

@@ -17,6 +17,7 @@ use super::block::{
     Mixer, Mlp, Rows, Shared,
 };
 use super::config::{LayerKind, ModelArgs};
+use super::layer::Seg;
 use super::lm_head::{HeadOut, HeadStats};
 use super::proj::{mix64, Proj};
 
@@ -459,6 +460,66 @@ impl CausalLm {
         position_ids: &Tensor,
         segments: &[(usize, usize)],
     ) -> Result<Tensor> {
+        let segs: Vec<Seg> = segments.iter().copied().map(Seg::alone).collect();
+        self.run_packed(input_ids, position_ids, segs)
+    }
+
+    /// [`CausalLm::forward_hidden_packed`] where some sequences continue another one's tokens
+    /// (verl's `use_prefix_grouper`: a group's responses after their shared prompt, the prompt
+    /// computed once): `continues[i] = Some(j)` makes sequence `i` see all of sequence `j`
+    /// (an earlier one that continues none) before its own tokens, causally after them, with
+    /// positions counted on from `j`'s length (the caller's `position_ids`). Each continuing
+    /// sequence's states equal those of `j`'s tokens followed by its own in a forward of their
+    /// own, and in backward the prefix's gradients gather every continuation's. Gated DeltaNet
+    /// layers carry no state between sequences and refuse a continuation
+    /// ([`CausalLm::shares_prefixes`]).
+    pub fn forward_hidden_grouped(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        segments: &[(usize, usize)],
+        continues: &[Option<usize>],
+    ) -> Result<Tensor> {
+        if continues.len() != segments.len() {
+            candle_core::bail!(
+                "grouped forward: {} sequences but {} continuation entries",
+                segments.len(),
+                continues.len()
+            );
+        }
+        let mut segs = Vec::with_capacity(segments.len());
+        for (i, (&span, &c)) in segments.iter().zip(continues).enumerate() {
+            let prefix = match c {
+                None => None,
+                Some(j) if j < i && continues[j].is_none() => Some(segments[j]),
+                Some(j) => candle_core::bail!(
+                    "grouped forward: sequence {i} continues sequence {j}, which is not an \
+                     earlier sequence continuing none"
+                ),
+            };
+            segs.push(Seg {
+                prefix,
+                ..Seg::alone(span)
+            });
+        }
+        if segs.iter().any(|s| s.prefix.is_some())
+            && self.layers.iter().any(|l| l.delta().is_some())
+        {
+            candle_core::bail!(
+                "grouped forward: this model has Gated DeltaNet layers, which carry no state \
+                 between sequences: a shared prefix cannot be continued"
+            );
+        }
+        self.run_packed(input_ids, position_ids, segs)
+    }
+
+    /// The packed forwards: `[n]` ids and positions, sequences `segs`.
+    fn run_packed(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        segs: Vec<Seg>,
+    ) -> Result<Tensor> {
         let n = input_ids.dims1()?;
         if position_ids.dims1()? != n {
             candle_core::bail!(
@@ -466,17 +527,26 @@ impl CausalLm {
                 position_ids.dims()
             );
         }
-        if let Err(rule) = super::layer::check_segments(segments, n) {
+        if let Err(rule) = super::layer::check_segments(&segs, n) {
             candle_core::bail!("packed forward: {rule}");
         }
         let h = self.run(
             &input_ids.unsqueeze(0)?,
             &position_ids.unsqueeze(0)?,
-            Keys::Packed(segments.into()),
+            Keys::Packed(segs.into()),
             None,
             None,
         )?; // [1, n, h]
         h.squeeze(0)
+    }
+
+    /// Whether [`CausalLm::forward_hidden_grouped`] computes a shared prefix once here without
+    /// extra work: packed sequences run without padding ([`CausalLm::packs_without_padding`])
+    /// on the hand-written layer (CPU), and no layer is a Gated DeltaNet. Elsewhere the grouped
+    /// forward still gives the same numbers (through a dense bias) where it runs at all: the
+    /// trainer then computes each response with its own copy of the prompt.
+    pub fn shares_prefixes(&self) -> bool {
+        self.packs_without_padding() && self.device.is_cpu() && self.layers.iter().all(hand_written)
     }
 
     /// Whether [`CausalLm::forward_hidden_packed`] runs without padding work here: the
@@ -668,7 +738,13 @@ impl CausalLm {
                     .to_dtype(self.dtype)?
                     .to_device(&self.device)?,
             )),
-            (Keys::Packed(s), true) => Rows::Packed(s.clone()),
+            (Keys::Packed(s), true) => match super::layer::spans(s) {
+                Some(spans) => Rows::Packed(spans.into()),
+                None => candle_core::bail!(
+                    "packed sequences with shared prefixes reached a model with Gated DeltaNet \
+                     layers"
+                ),
+            },
         })
     }
 
@@ -1136,8 +1212,8 @@ impl CausalLm {
 enum Keys<'a> {
     /// `[batch, past + seq]`: 1 on real tokens.
     Mask(&'a Tensor),
-    /// Packed sequences, `(first token, length)` each.
-    Packed(Arc<[(usize, usize)]>),
+    /// Packed sequences, some perhaps continuing a shared prefix.
+    Packed(Arc<[Seg]>),
 }
 
 /// A layer's `self_attn` weights (`q_proj` twice as wide with an output gate).

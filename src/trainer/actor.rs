@@ -604,7 +604,10 @@ impl Reference {
     /// (top-k distillation's teacher side), at this model's temperature.
     pub fn compute_topk(&self, batch: &StepBatch, k: usize) -> candle_core::Result<TopkRows> {
         let t = self.temperature;
-        let layout = self.inputs.given(self.model.packs_without_padding());
+        let layout = self.inputs.given(
+            self.model.packs_without_padding(),
+            self.model.shares_prefixes(),
+        );
         let chunk = logit_chunk(self.model.args.vocab_size);
         // 2k outputs of [m, r]: the k log-probs, then the k ids (as f32: exact below 2^24).
         let out = forward_rows(&self.model, batch, self.micro, layout, 2 * k, |m, mi| {
@@ -642,7 +645,10 @@ impl Reference {
     /// The `ref` phase: fills `ref_log_prob` (verl's `compute_ref_log_prob`).
     pub fn compute_ref_log_prob(&self, batch: &mut StepBatch) -> candle_core::Result<()> {
         let t = self.temperature;
-        let layout = self.inputs.given(self.model.packs_without_padding());
+        let layout = self.inputs.given(
+            self.model.packs_without_padding(),
+            self.model.shares_prefixes(),
+        );
         let mut out = forward_rows(&self.model, batch, self.micro, layout, 1, |m, mi| {
             Ok(vec![response_logprobs(m, mi, t, false)?.0])
         })?;

@@ -50,7 +50,7 @@ impl StepBatch {
             )));
         }
         if layout.packed {
-            return self.packed_inputs(rows, layout.pad_id, device);
+            return self.packed_inputs(rows, layout, device);
         }
         let pad_id = layout.pad_id;
         let m = rows.len();
@@ -117,10 +117,22 @@ impl StepBatch {
     /// [`StepBatch::inputs`] packed: each row's prompt and response (without its last token)
     /// laid end to end, no padding; only the real response positions reach the LM head or
     /// value head. `targets` and `response_mask` stay `[m, r]`. Every prompt has a token.
-    fn packed_inputs(&self, rows: &[usize], pad_id: u32, device: &Device) -> Result<MicroInputs> {
+    /// With `layout.share_prefixes` (`actor.use_prefix_grouper`) the rows of the micro-batch
+    /// with the same prompt (a GRPO group) share one copy of it: the prompt is laid once, where
+    /// its first row is, and each of its rows' responses is a sequence continuing it.
+    fn packed_inputs(
+        &self,
+        rows: &[usize],
+        layout: Layout,
+        device: &Device,
+    ) -> Result<MicroInputs> {
+        let pad_id = layout.pad_id;
         let m = rows.len();
         let r = self.response_width(rows);
         let (mut ids, mut pos, mut segments) = (Vec::new(), Vec::new(), Vec::with_capacity(m));
+        let mut continues: Vec<Option<usize>> = Vec::with_capacity(m);
+        // Shared prompts already laid: the prompt's ids → its sequence's index.
+        let mut laid: std::collections::HashMap<&[u32], usize> = Default::default();
         // The real response positions: the token predicting each, its target; and for every
         // position (i, j) of `[m, r]` which of them it is (padding: the zero after the last).
         let (mut at, mut real_targets, mut spread) = (Vec::new(), Vec::new(), Vec::new());
@@ -129,18 +141,45 @@ impl StepBatch {
         let mut rmask = Vec::with_capacity(m * r);
         for &row in rows {
             let (pr, rs) = (&self.prompts[row], &self.responses[row]);
-            let start = ids.len();
-            // Token k of the sequence (prompt, then response but its last token) predicts
-            // response token k − (prompt length − 1).
-            ids.extend_from_slice(pr);
-            ids.extend_from_slice(&rs[..rs.len().saturating_sub(1)]);
-            let len = ids.len() - start;
-            pos.extend(0..len as u32);
-            segments.push((start, len));
+            let body = &rs[..rs.len().saturating_sub(1)];
+            // Token `first + k` predicts response token k (`first`: the prompt's last token,
+            // then the response's own tokens follow it).
+            let first = if layout.share_prefixes {
+                let j = match laid.get(pr.as_slice()) {
+                    Some(&j) => j,
+                    None => {
+                        segments.push((ids.len(), pr.len()));
+                        continues.push(None);
+                        ids.extend_from_slice(pr);
+                        pos.extend(0..pr.len() as u32);
+                        laid.insert(pr.as_slice(), segments.len() - 1);
+                        segments.len() - 1
+                    }
+                };
+                let (p0, pl) = segments[j];
+                if !body.is_empty() {
+                    segments.push((ids.len(), body.len()));
+                    continues.push(Some(j));
+                    ids.extend_from_slice(body);
+                    pos.extend(pl as u32..(pl + body.len()) as u32);
+                }
+                // k = 0 reads the prompt's last token; k ≥ 1 the body's token k − 1.
+                let body_start = ids.len() - body.len();
+                (p0 + pl - 1, body_start)
+            } else {
+                let start = ids.len();
+                ids.extend_from_slice(pr);
+                ids.extend_from_slice(body);
+                let len = ids.len() - start;
+                pos.extend(0..len as u32);
+                segments.push((start, len));
+                continues.push(None);
+                (start + pr.len() - 1, start + pr.len())
+            };
             for j in 0..r {
                 if j < rs.len() {
                     spread.push(at.len() as u32);
-                    at.push((start + pr.len() - 1 + j) as u32);
+                    at.push(if j == 0 { first.0 } else { first.1 + j - 1 } as u32);
                     real_targets.push(rs[j]);
                 } else {
                     padding.push(spread.len());
@@ -161,11 +200,13 @@ impl StepBatch {
             spread[i] = k as u32;
         }
         let n = ids.len();
+        let shared = continues.iter().any(Option::is_some);
         Ok(MicroInputs {
             input_ids: Tensor::from_vec(ids, n, device)?,
             position_ids: Tensor::from_vec(pos, n, device)?,
             tokens: Tokens::Packed {
                 segments,
+                continues: shared.then_some(continues),
                 at: Tensor::from_vec(at, k, device)?,
                 targets: Tensor::from_vec(real_targets, (1, k), device)?,
                 spread: Tensor::from_vec(spread, m * r, device)?,
@@ -185,6 +226,9 @@ pub struct Layout {
     /// Sequences packed end to end (`use_remove_padding`, where the model supports it),
     /// else padded to the longest prompt (left) and response (right).
     pub packed: bool,
+    /// Rows of a micro-batch with the same prompt share one copy of it
+    /// (`actor.use_prefix_grouper`, where the model supports it; packed then).
+    pub share_prefixes: bool,
 }
 
 impl Layout {
@@ -193,14 +237,27 @@ impl Layout {
         Layout {
             pad_id,
             packed: model.use_remove_padding,
+            share_prefixes: false,
+        }
+    }
+
+    /// This layout with shared prompts asked for or not (`actor.use_prefix_grouper`).
+    pub fn sharing(self, share_prefixes: bool) -> Layout {
+        Layout {
+            share_prefixes,
+            ..self
         }
     }
 
     /// This layout as a model can run it: packed only where `packs` (the model's
-    /// [`CausalLm::packs_without_padding`]), padded otherwise.
-    pub fn given(self, packs: bool) -> Layout {
+    /// [`CausalLm::packs_without_padding`]), padded otherwise; prompts shared where asked for
+    /// and `shares` ([`CausalLm::shares_prefixes`]), which packs the sequences whatever
+    /// `use_remove_padding` says (the numbers are the padded layout's either way).
+    pub fn given(self, packs: bool, shares: bool) -> Layout {
+        let share = self.share_prefixes && packs && shares;
         Layout {
-            packed: self.packed && packs,
+            packed: (self.packed && packs) || share,
+            share_prefixes: share,
             ..self
         }
     }
@@ -231,8 +288,12 @@ pub enum Tokens {
         prompt_width: usize,
     },
     Packed {
-        /// `(first token, length)` of each row's sequence.
+        /// `(first token, length)` of each sequence: each row's prompt and response, or with
+        /// shared prompts each prompt once and each response continuing it.
         segments: Vec<(usize, usize)>,
+        /// With shared prompts: for each sequence, the prompt's sequence it continues
+        /// ([`CausalLm::forward_hidden_grouped`]); `None` when nothing is shared.
+        continues: Option<Vec<Option<usize>>>,
         /// `[k]` u32: for each of the `k` real response positions (row by row), the token whose
         /// hidden state predicts it.
         at: Tensor,
@@ -257,10 +318,19 @@ impl MicroInputs {
                     model.forward_hidden(&self.input_ids, &self.position_ids, key_mask, None)?; // [m, p + r − 1, h]
                 hidden.narrow(1, prompt_width - 1, self.response_width)
             }
-            Tokens::Packed { segments, at, .. } => model
-                .forward_hidden_packed(&self.input_ids, &self.position_ids, segments)? // [n, h]
-                .index_select(at, 0)?
-                .unsqueeze(0), // [1, k, h]
+            Tokens::Packed {
+                segments,
+                continues,
+                at,
+                ..
+            } => {
+                let (ids, pos) = (&self.input_ids, &self.position_ids);
+                let h = match continues {
+                    Some(c) => model.forward_hidden_grouped(ids, pos, segments, c)?,
+                    None => model.forward_hidden_packed(ids, pos, segments)?,
+                }; // [n, h]
+                h.index_select(at, 0)?.unsqueeze(0) // [1, k, h]
+            }
         }
     }
 
@@ -374,6 +444,7 @@ mod tests {
     const PADDED: Layout = Layout {
         pad_id: 0,
         packed: false,
+        share_prefixes: false,
     };
 
     #[test]
@@ -426,11 +497,13 @@ mod tests {
             at,
             targets,
             spread,
+            continues,
         } = &mi.tokens
         else {
             panic!("packed layout asked for");
         };
         assert_eq!(segments, &vec![(0, 3), (3, 3)]);
+        assert!(continues.is_none());
         // Real positions: (0, 0) read by token 2; (1, 0..3) by tokens 3, 4, 5.
         assert_eq!(at.to_vec1::<u32>().unwrap(), vec![2, 3, 4, 5]);
         assert_eq!(targets.to_vec2::<u32>().unwrap(), vec![vec![5, 6, 7, 8]]);
@@ -467,6 +540,70 @@ mod tests {
                 assert!(e.to_string().contains("batch row 1"), "{e}");
             }
         }
+    }
+
+    /// Shared prompts by hand: rows 0, 1 and 3 have prompt `1 2 3`, row 2 prompt `4`. The
+    /// prompt is laid once where its first row is; each response (but its last token)
+    /// continues it with positions counted on; a one-token response needs no sequence (the
+    /// prompt's last token predicts it). Position (i, 0) reads the prompt's last token.
+    #[test]
+    fn shared_prompts_are_laid_once() {
+        let b = StepBatch::new(
+            vec![vec![1, 2, 3], vec![1, 2, 3], vec![4], vec![1, 2, 3]],
+            vec![vec![5], vec![6, 7], vec![8, 9], vec![10, 11, 12]],
+            vec![0, 0, 1, 0],
+            vec![0, 0, 1, 0],
+            vec![false; 4],
+        );
+        let shared = Layout {
+            packed: true,
+            share_prefixes: true,
+            ..PADDED
+        };
+        let mi = b.inputs(&[0, 1, 2, 3], shared, &Device::Cpu).unwrap();
+        assert_eq!(
+            mi.input_ids.to_vec1::<u32>().unwrap(),
+            vec![1, 2, 3, 6, 4, 8, 10, 11]
+        );
+        assert_eq!(
+            mi.position_ids.to_vec1::<u32>().unwrap(),
+            vec![0, 1, 2, 3, 0, 1, 3, 4]
+        );
+        let Tokens::Packed {
+            segments,
+            continues,
+            at,
+            targets,
+            spread,
+        } = &mi.tokens
+        else {
+            panic!("packed layout asked for");
+        };
+        assert_eq!(segments, &vec![(0, 3), (3, 1), (4, 1), (5, 1), (6, 2)]);
+        assert_eq!(
+            continues.as_deref(),
+            Some(&[None, Some(0), None, Some(2), Some(0)][..])
+        );
+        assert_eq!(at.to_vec1::<u32>().unwrap(), vec![2, 2, 3, 4, 5, 2, 6, 7]);
+        assert_eq!(
+            targets.to_vec2::<u32>().unwrap(),
+            vec![vec![5, 6, 7, 8, 9, 10, 11, 12]]
+        );
+        assert_eq!(
+            spread.to_vec1::<u32>().unwrap(),
+            vec![0, 8, 8, 1, 2, 8, 3, 4, 8, 5, 6, 7]
+        );
+        // Targets and mask as the padded layout's; a layout given a model that cannot share
+        // stays as asked otherwise.
+        let padded = b.inputs(&[0, 1, 2, 3], PADDED, &Device::Cpu).unwrap();
+        assert_eq!(
+            mi.targets.to_vec2::<u32>().unwrap(),
+            padded.targets.to_vec2::<u32>().unwrap()
+        );
+        let asked = PADDED.sharing(true);
+        assert_eq!(asked.given(true, true), shared);
+        assert_eq!(asked.given(true, false), PADDED);
+        assert_eq!(asked.given(false, true), PADDED);
     }
 
     #[test]

@@ -398,10 +398,15 @@ impl Trainer {
     }
 
     /// `trainer.balance_batch`: the update order that evens out the micro-batches' tokens, and
-    /// verl's `global_seqlen/*` metrics.
+    /// verl's `global_seqlen/*` metrics. With `actor.use_prefix_grouper` the rows keep their
+    /// order, each group together (verl balances whole groups across ranks and then leaves
+    /// each rank's rows in order; with one rank that is the row order).
     pub(super) fn balance(&self, batch: &mut StepBatch) -> Vec<(String, f64)> {
         let seqlens: Vec<usize> = (0..batch.len()).map(|r| batch.seq_len(r)).collect();
-        batch.update_order = Some(super::micro::balanced_order(&seqlens));
+        batch.update_order = match self.cfg.actor_rollout_ref.actor.use_prefix_grouper {
+            true => None,
+            false => Some(super::micro::balanced_order(&seqlens)),
+        };
         super::micro::seqlen_metrics(&seqlens)
     }
 

@@ -670,8 +670,8 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
         None
     };
     let total_steps = total_steps(cfg, plan, train.len())?;
-    let inputs = Layout::of(tok.pad_token_id, m);
     let a = &cfg.actor_rollout_ref.actor;
+    let inputs = Layout::of(tok.pad_token_id, m).sharing(a.use_prefix_grouper);
     let mut actor = Actor::new(loaded, a, plan, total_steps, inputs, lora);
     actor.set_rollout_exec(exec(cfg, Role::Rollout));
     Ok(Policy {
@@ -699,7 +699,7 @@ pub fn critic(
     let lora = attach_lora(&mut l, m, "critic.model", seed, "TOKEN_CLS")?;
     let context = l.model.args.max_position_embeddings;
     fits_context(plan, "critic.model.path", &m.path, context)?;
-    let inputs = Layout::of(tok.pad_token_id, m);
+    let inputs = Layout::of(tok.pad_token_id, m).sharing(shared_prompts(cfg));
     Ok(Critic::new(
         l,
         &cfg.critic,
@@ -708,6 +708,12 @@ pub fn critic(
         inputs,
         lora,
     )?)
+}
+
+/// `actor.use_prefix_grouper`: every model that reads the step's rows (actor, reference,
+/// critic, teachers) computes a group's shared prompt once where it can.
+fn shared_prompts(cfg: &Config) -> bool {
+    cfg.actor_rollout_ref.actor.use_prefix_grouper
 }
 
 /// Prompt plus response must fit a model's context (`max_position_embeddings`).
@@ -728,7 +734,7 @@ pub fn reference(
     device: &Device,
     pad: u32,
 ) -> Result<Option<Reference>> {
-    let inputs = Layout::of(pad, &cfg.actor_rollout_ref.model);
+    let inputs = Layout::of(pad, &cfg.actor_rollout_ref.model).sharing(shared_prompts(cfg));
     let mut r = match (plan.need_reference, plan.ref_log_prob_micro) {
         (true, Some(micro)) if actor.trainable.lora.is_some() => {
             Some(Reference::from_base(actor, micro, inputs))
@@ -756,7 +762,8 @@ pub fn teachers(
     let Some(d) = &plan.distillation else {
         return Ok(None);
     };
-    let inputs = Layout::of(tok.pad_token_id, &cfg.actor_rollout_ref.model);
+    let inputs =
+        Layout::of(tok.pad_token_id, &cfg.actor_rollout_ref.model).sharing(shared_prompts(cfg));
     super::teacher::Teachers::load(d, tok, device, plan.log_prob_micro, inputs).map(Some)
 }
 

@@ -32,6 +32,9 @@ pub trait Network: Sized {
     /// Whether packed sequences (`use_remove_padding`) save work here (see
     /// [`CausalLm::packs_without_padding`]); padded otherwise.
     fn packs_without_padding(&self) -> bool;
+    /// Whether a group's shared prompt is computed once here (see
+    /// [`CausalLm::shares_prefixes`]).
+    fn shares_prefixes(&self) -> bool;
     /// Puts the adapter-dropout mask stream at `position` (see
     /// [`CausalLm::set_dropout_position`]); nothing without adapter dropout.
     fn set_dropout_position(&self, position: u64);
@@ -46,6 +49,9 @@ impl Network for CausalLm {
     }
     fn packs_without_padding(&self) -> bool {
         CausalLm::packs_without_padding(self)
+    }
+    fn shares_prefixes(&self) -> bool {
+        CausalLm::shares_prefixes(self)
     }
     fn set_dropout_position(&self, position: u64) {
         CausalLm::set_dropout_position(self, position)
@@ -70,6 +76,9 @@ impl Network for ValueModel {
     }
     fn packs_without_padding(&self) -> bool {
         self.backbone.packs_without_padding()
+    }
+    fn shares_prefixes(&self) -> bool {
+        self.backbone.shares_prefixes()
     }
     fn set_dropout_position(&self, position: u64) {
         self.backbone.set_dropout_position(position)
@@ -136,7 +145,8 @@ pub struct UpdateSettings {
 impl UpdateSettings {
     /// How micro-batches reach `model`: packed when asked for and supported.
     pub fn layout<N: Network>(&self, model: &N) -> Layout {
-        self.inputs.given(model.packs_without_padding())
+        self.inputs
+            .given(model.packs_without_padding(), model.shares_prefixes())
     }
 
     /// The divisor of seq-mean-token-sum-norm for an update with `plan`: verl's default workers

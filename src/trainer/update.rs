@@ -380,6 +380,7 @@ mod tests {
     const PADDED: crate::trainer::micro::Layout = crate::trainer::micro::Layout {
         pad_id: 0,
         packed: false,
+        share_prefixes: false,
     };
 
     fn settings(plan: UpdatePlan) -> UpdateSettings {
