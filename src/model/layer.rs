@@ -1712,6 +1712,10 @@ fn shared_bwd<T: Elem>(
     [gg, gu, gd, linear_bwd(lgate, h, &dz, n, hid, dh, true)]
 }
 
+/// One (attention block, KV head)'s gradients: block, head, dq̃ of its `rep` heads
+/// `[rep, t, hd]`, dk̃ and dv of the keys it reads `[keys, hd]`.
+type Part<T> = (usize, usize, Vec<T>, Vec<T>, Vec<T>);
+
 /// Gradients of the rotated queries and keys and of the values from `da [rows, heads·hd]`.
 /// A shared prefix's keys and values gather the gradients of every block that reads them.
 fn attention_bwd<T: Elem>(
@@ -1723,9 +1727,6 @@ fn attention_bwd<T: Elem>(
     let (n, hd, rep) = (d.rows(), d.head_dim, d.heads / d.kv_heads);
     let (qw, kw) = (d.q_width(), d.kv_width());
     let scale: T = c(d.attn_scale);
-    // Per (attention block, KV head): dq̃ of its `rep` heads `[rep, t, hd]`, dk̃ and dv of the
-    // keys it reads `[keys, hd]`.
-    type Part<T> = (usize, usize, Vec<T>, Vec<T>, Vec<T>);
     let blks = blocks(d, cx);
     let parts: Vec<Part<T>> = (0..blks.len() * d.kv_heads)
         .into_par_iter()
@@ -1815,6 +1816,20 @@ fn attention_bwd<T: Elem>(
             (bi, g, dq, dk, dv)
         })
         .collect();
+    scatter_grads(d, &blks, parts, n)
+}
+
+/// The per-(block, KV head) gradients of [`attention_bwd`] in place: dq̃ at each block's query
+/// rows; dk̃ and dv added at the rows of the keys each block read (a shared prefix's rows gather
+/// every block that continues it).
+fn scatter_grads<T: Elem>(
+    d: &Dims,
+    blks: &[Block<T>],
+    parts: Vec<Part<T>>,
+    n: usize,
+) -> (Vec<T>, Vec<T>, Vec<T>) {
+    let (hd, rep) = (d.head_dim, d.heads / d.kv_heads);
+    let (qw, kw) = (d.q_width(), d.kv_width());
     let mut dq = vec![T::zero(); n * qw];
     let mut dk = vec![T::zero(); n * kw];
     let mut dv = vec![T::zero(); n * kw];

@@ -1156,6 +1156,84 @@ mod tests {
         }
     }
 
+    /// Two groups (prompt A with three responses, prompt B with one) and a lone sequence, laid
+    /// out grouped (each prompt once, each response continuing it) and alone (each response
+    /// after its own copy of the prompt), with each layout's response-predicting tokens.
+    struct GroupedLayouts {
+        grouped: Packing,
+        alone: Packing,
+        targets: Vec<u32>,
+    }
+
+    /// Packed ids and positions, the sequences, which one each continues (grouped layout)
+    /// and the tokens that predict response tokens.
+    #[derive(Default)]
+    struct Packing {
+        ids: Vec<u32>,
+        pos: Vec<u32>,
+        segs: Vec<(usize, usize)>,
+        cont: Vec<Option<usize>>,
+        at: Vec<u32>,
+    }
+
+    fn grouped_layouts() -> GroupedLayouts {
+        let a: &[u32] = &[3, 7, 1, 9];
+        let b: &[u32] = &[5, 6, 8];
+        let rows: [(&[u32], &[u32]); 4] = [
+            (a, &[4, 2, 11]),
+            (a, &[12, 2]),
+            (a, &[9, 9, 1, 5, 3]),
+            (b, &[13, 14, 2]),
+        ];
+        let lone: &[u32] = &[6, 1, 2];
+        let mut g = Packing::default();
+        let mut u = Packing::default();
+        let mut targets = vec![];
+        let mut prompt_seg: Vec<(&[u32], usize)> = vec![];
+        for (p, r) in rows {
+            // Grouped: the prompt once, then each response continuing it.
+            let j = match prompt_seg.iter().find(|(q, _)| *q == p) {
+                Some(&(_, j)) => j,
+                None => {
+                    g.segs.push((g.ids.len(), p.len()));
+                    g.cont.push(None);
+                    g.ids.extend_from_slice(p);
+                    g.pos.extend(0..p.len() as u32);
+                    prompt_seg.push((p, g.segs.len() - 1));
+                    g.segs.len() - 1
+                }
+            };
+            let (p0, pl) = g.segs[j];
+            let start = g.ids.len();
+            g.segs.push((start, r.len() - 1));
+            g.cont.push(Some(j));
+            g.ids.extend_from_slice(&r[..r.len() - 1]);
+            g.pos.extend(pl as u32..(pl + r.len() - 1) as u32);
+            g.at.push((p0 + pl - 1) as u32);
+            g.at.extend((start..start + r.len() - 1).map(|k| k as u32));
+            // Alone: prompt and response end to end.
+            let ustart = u.ids.len();
+            u.ids.extend_from_slice(p);
+            u.ids.extend_from_slice(&r[..r.len() - 1]);
+            u.segs.push((ustart, p.len() + r.len() - 1));
+            u.pos.extend(0..(p.len() + r.len() - 1) as u32);
+            u.at.extend((0..r.len()).map(|k| (ustart + p.len() - 1 + k) as u32));
+            targets.extend_from_slice(r);
+        }
+        g.segs.push((g.ids.len(), lone.len()));
+        g.cont.push(None);
+        g.ids.extend_from_slice(lone);
+        g.pos.extend(0..lone.len() as u32);
+        u.segs.push((u.ids.len(), lone.len()));
+        u.ids.extend_from_slice(lone);
+        u.pos.extend(0..lone.len() as u32);
+        GroupedLayouts {
+            grouped: g,
+            alone: u,
+            targets,
+        }
+    }
+
     /// Responses continuing their group's prompt (`forward_hidden_grouped`, the prompt computed
     /// once) against each response after its own copy of the prompt (`forward_hidden_packed`,
     /// itself equal to the padded batch above): hidden states at every response-predicting
@@ -1167,59 +1245,14 @@ mod tests {
     /// to 1e-5 / 1e-4, bf16 products within 2e-2.
     #[test]
     fn grouped_responses_equal_each_response_after_its_own_prompt() {
-        // Two groups: prompt A with three responses, prompt B with one; then a lone sequence.
-        let a: &[u32] = &[3, 7, 1, 9];
-        let b: &[u32] = &[5, 6, 8];
-        let rows: [(&[u32], &[u32]); 4] = [
-            (a, &[4, 2, 11]),
-            (a, &[12, 2]),
-            (a, &[9, 9, 1, 5, 3]),
-            (b, &[13, 14, 2]),
-        ];
-        let lone: &[u32] = &[6, 1, 2];
         let dev = Device::Cpu;
-        let (mut gids, mut gpos, mut gsegs, mut cont, mut gat) =
-            (vec![], vec![], vec![], vec![], vec![]);
-        let (mut uids, mut upos, mut usegs, mut uat) = (vec![], vec![], vec![], vec![]);
-        let mut targets = vec![];
-        let mut prompt_seg: Vec<(&[u32], usize)> = vec![];
-        for (p, r) in rows {
-            // Grouped: the prompt once, then each response continuing it.
-            let j = match prompt_seg.iter().find(|(q, _)| *q == p) {
-                Some(&(_, j)) => j,
-                None => {
-                    gsegs.push((gids.len(), p.len()));
-                    cont.push(None);
-                    gids.extend_from_slice(p);
-                    gpos.extend(0..p.len() as u32);
-                    prompt_seg.push((p, gsegs.len() - 1));
-                    gsegs.len() - 1
-                }
-            };
-            let (p0, pl) = gsegs[j];
-            let start = gids.len();
-            gsegs.push((start, r.len() - 1));
-            cont.push(Some(j));
-            gids.extend_from_slice(&r[..r.len() - 1]);
-            gpos.extend(pl as u32..(pl + r.len() - 1) as u32);
-            gat.push((p0 + pl - 1) as u32);
-            gat.extend((start..start + r.len() - 1).map(|k| k as u32));
-            // Unshared: prompt and response end to end.
-            let ustart = uids.len();
-            uids.extend_from_slice(p);
-            uids.extend_from_slice(&r[..r.len() - 1]);
-            usegs.push((ustart, p.len() + r.len() - 1));
-            upos.extend(0..(p.len() + r.len() - 1) as u32);
-            uat.extend((0..r.len()).map(|k| (ustart + p.len() - 1 + k) as u32));
-            targets.extend_from_slice(r);
-        }
-        gsegs.push((gids.len(), lone.len()));
-        cont.push(None);
-        gids.extend_from_slice(lone);
-        gpos.extend(0..lone.len() as u32);
-        usegs.push((uids.len(), lone.len()));
-        uids.extend_from_slice(lone);
-        upos.extend(0..lone.len() as u32);
+        let GroupedLayouts {
+            grouped: g,
+            alone: u,
+            targets,
+        } = grouped_layouts();
+        let (gids, gpos, gsegs, cont, gat) = (g.ids, g.pos, g.segs, g.cont, g.at);
+        let (uids, upos, usegs, uat) = (u.ids, u.pos, u.segs, u.at);
         let k = targets.len();
         let t = |v: &[u32]| Tensor::new(v, &dev).unwrap();
         let targets = Tensor::from_vec(targets, (1, k), &dev).unwrap();

@@ -241,32 +241,7 @@ impl Trainer {
             )?),
             false => None,
         };
-        if cfg.actor_rollout_ref.actor.use_prefix_grouper {
-            let models = [("actor", Some(actor.view()))]
-                .into_iter()
-                .chain([("reference", reference.as_ref().map(|r| &r.model))])
-                .chain([(
-                    "critic",
-                    critic.as_ref().map(|c| &c.trainable.view().backbone),
-                )]);
-            let (on, off): (Vec<_>, Vec<_>) = models
-                .filter_map(|(name, m)| m.map(|m| (name, m.shares_prefixes())))
-                .partition(|(_, shares)| *shares);
-            let names = |v: &[(&str, bool)]| v.iter().map(|x| x.0).collect::<Vec<_>>().join(", ");
-            if !on.is_empty() {
-                tracing::info!(
-                    "use_prefix_grouper: each group's prompt computed once ({})",
-                    names(&on)
-                );
-            }
-            if !off.is_empty() {
-                tracing::warn!(
-                    "use_prefix_grouper: not available for {} (Gated DeltaNet layers, CUDA or half \
-                     precision): each response computed with its own copy of the prompt, same numbers",
-                    names(&off)
-                );
-            }
-        }
+        setup::say_prefix_sharing(&cfg, &actor, reference.as_ref(), critic.as_ref());
         actor.trainable.set_comm(opts.comm.clone());
         if let Some(c) = critic.as_mut() {
             c.trainable.set_comm(opts.comm.clone());

@@ -19,7 +19,7 @@ use crate::data::dataset::{load_samples, DatasetOptions};
 use crate::data::AgentRendering;
 use crate::data::{ChatTemplate, PromptDataset, TokenizerBundle};
 use crate::metrics::Tracker;
-use crate::model::Exec;
+use crate::model::{CausalLm, Exec};
 use crate::reward::tools::{ToolPool, ToolPoolSettings, ToolSource};
 use crate::reward::{ModelContext, NativeRegistry, RewardManager};
 use crate::rollout::agent::{AgentContext, AgentSettings, NoTools, ToolRunner};
@@ -708,6 +708,42 @@ pub fn critic(
         inputs,
         lora,
     )?)
+}
+
+/// With `actor.use_prefix_grouper`, says once which models compute a group's shared prompt
+/// once and which cannot and compute each response with its own copy (same numbers).
+pub fn say_prefix_sharing(
+    cfg: &Config,
+    actor: &Actor,
+    reference: Option<&Reference>,
+    critic: Option<&Critic>,
+) {
+    if !cfg.actor_rollout_ref.actor.use_prefix_grouper {
+        return;
+    }
+    let models: [(&str, Option<&CausalLm>); 3] = [
+        ("actor", Some(actor.view())),
+        ("reference", reference.map(|r| &r.model)),
+        ("critic", critic.map(|c| &c.trainable.view().backbone)),
+    ];
+    let (on, off): (Vec<_>, Vec<_>) = models
+        .into_iter()
+        .filter_map(|(name, m)| m.map(|m| (name, m.shares_prefixes())))
+        .partition(|(_, shares)| *shares);
+    let names = |v: &[(&str, bool)]| v.iter().map(|x| x.0).collect::<Vec<_>>().join(", ");
+    if !on.is_empty() {
+        tracing::info!(
+            "use_prefix_grouper: each group's prompt computed once ({})",
+            names(&on)
+        );
+    }
+    if !off.is_empty() {
+        tracing::warn!(
+            "use_prefix_grouper: not available for {} (Gated DeltaNet layers, CUDA or half \
+             precision): each response computed with its own copy of the prompt, same numbers",
+            names(&off)
+        );
+    }
 }
 
 /// `actor.use_prefix_grouper`: every model that reads the step's rows (actor, reference,
