@@ -40,6 +40,41 @@ impl StepBatch {
         }
     }
 
+    /// [`StepBatch::micro_batches`] for micro-batches laid out as `layout`: with shared prompts
+    /// (`use_prefix_grouper`) a token budget counts the tokens the micro-batch really computes,
+    /// each distinct prompt once and every response, so a group's rows fit together where the
+    /// padded count would split them (a row longer than the budget still goes alone).
+    pub fn micro_batches_for(
+        &self,
+        rows: &[usize],
+        micro: MicroBatching,
+        layout: Layout,
+    ) -> Vec<Vec<usize>> {
+        let budget = match micro {
+            MicroBatching::TokenBudget(b) if layout.share_prefixes => b,
+            _ => return self.micro_batches(rows, micro),
+        };
+        let mut out: Vec<Vec<usize>> = Vec::new();
+        let mut cur: Vec<usize> = Vec::new();
+        let mut prompts: std::collections::HashSet<&[u32]> = Default::default();
+        let mut cost = 0usize;
+        for &row in rows {
+            let p = self.prompts[row].as_slice();
+            let add = self.responses[row].len() + if prompts.contains(p) { 0 } else { p.len() };
+            if !cur.is_empty() && cost + add > budget {
+                out.push(std::mem::take(&mut cur));
+                prompts.clear();
+                cost = 0;
+            }
+            cost += self.responses[row].len() + if prompts.insert(p) { p.len() } else { 0 };
+            cur.push(row);
+        }
+        if !cur.is_empty() {
+            out.push(cur);
+        }
+        out
+    }
+
     /// The forward-pass tensors of `rows` (see [`MicroInputs`]), padded or packed as `layout`
     /// says.
     /// A row with an empty prompt is refused: no token would predict its first response token.
@@ -631,6 +666,42 @@ mod tests {
             assert_eq!(m[&format!("global_seqlen/{k}")], 25.0, "{k}");
         }
         assert_eq!(m["global_seqlen/minmax_diff"], 0.0);
+    }
+
+    /// With shared prompts the budget counts each prompt once: three rows of one 4-token
+    /// prompt with 4-token responses cost 4 + 12 = 16 together (padded: 3 × 8 = 24, so two
+    /// micro-batches); a new prompt counts in full. Without sharing, or with a row count, the
+    /// micro-batches are the padded rule's.
+    #[test]
+    fn token_budget_counts_a_shared_prompt_once() {
+        let b = StepBatch::new(
+            vec![vec![1; 4], vec![1; 4], vec![1; 4], vec![2; 4], vec![2; 4]],
+            vec![vec![1; 4], vec![1; 4], vec![1; 4], vec![1; 9], vec![1; 3]],
+            vec![0, 0, 0, 1, 1],
+            vec![0, 0, 0, 1, 1],
+            vec![false; 5],
+        );
+        let rows = [0, 1, 2, 3, 4];
+        let budget = MicroBatching::TokenBudget(16);
+        let shared = PADDED.sharing(true).given(true, true);
+        // Rows 0-2: 4 + 3·4 = 16; row 3 starts anew (4 + 9 = 13), row 4 adds 3 → 16.
+        assert_eq!(
+            b.micro_batches_for(&rows, budget, shared),
+            vec![vec![0, 1, 2], vec![3, 4]]
+        );
+        assert_eq!(
+            b.micro_batches_for(&rows, budget, PADDED),
+            b.micro_batches(&rows, budget)
+        );
+        assert_eq!(
+            b.micro_batches(&rows, budget),
+            vec![vec![0, 1], vec![2], vec![3], vec![4]]
+        );
+        let fixed = MicroBatching::Sequences(2);
+        assert_eq!(
+            b.micro_batches_for(&rows, fixed, shared),
+            b.micro_batches(&rows, fixed)
+        );
     }
 
     #[test]

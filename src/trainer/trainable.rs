@@ -360,7 +360,7 @@ pub fn forward_rows<N: Network>(
     let lens = batch.response_lens();
     let mut out: Vec<Ragged> = vec![vec![Vec::new(); n]; outputs];
     let rows: Vec<usize> = (0..n).collect();
-    for mb in batch.micro_batches(&rows, micro) {
+    for mb in batch.micro_batches_for(&rows, micro, layout) {
         let mi = batch.inputs(&mb, layout, model.device())?;
         for (dst, t) in out.iter_mut().zip(f(model, &mi)?) {
             scatter_rows(&t, &mb, &lens, dst)?;

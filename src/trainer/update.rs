@@ -151,7 +151,8 @@ pub fn mini_batch_grads<N: Network>(
     let (plan, prefix) = (&settings.plan, settings.prefix);
     let (rank, world) = settings.shard;
     let device = model.device().clone();
-    let micros = batch.micro_batches(mini, plan.micro);
+    let layout = settings.layout(model);
+    let micros = batch.micro_batches_for(mini, plan.micro, layout);
     if micros.is_empty() {
         return Ok(None);
     }
@@ -164,7 +165,7 @@ pub fn mini_batch_grads<N: Network>(
     // share its storage with another variable's, so the first one is never written to.
     let mut owned = std::collections::HashSet::new();
     for micro in micros.into_iter().skip(rank).step_by(world.max(1)) {
-        let mi = batch.inputs(&micro, settings.layout(model), &device)?;
+        let mi = batch.inputs(&micro, layout, &device)?;
         let out = micro_loss(model, &mi, &micro, ctx)?;
         let scale = micro_scale(plan, micro.len());
         let loss = if scale == 1.0 {
