@@ -108,6 +108,7 @@ fn settings(global_norm: bool, shard: (usize, usize)) -> UpdateSettings {
         inputs: Layout {
             pad_id: 0,
             packed: true,
+            share_prefixes: false,
         },
         shard,
     }
