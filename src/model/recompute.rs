@@ -1016,6 +1016,55 @@ mod tests {
         assert_eq!(checked, tensors, "{arch:?}: the weights of layer 0");
     }
 
+    /// Hidden states `h` `[positions, hidden]` as f64, and every weight's gradient (by name,
+    /// sorted) of the summed log-probs of `targets` `[1, positions]` plus the entropies.
+    fn states_and_grads(
+        vm: &candle_nn::VarMap,
+        m: &crate::model::CausalLm,
+        h: &Tensor,
+        targets: &Tensor,
+    ) -> StatesAndGrads {
+        let (lp, ent) = m
+            .token_logprobs(&h.unsqueeze(0).unwrap(), targets, 4, true)
+            .unwrap();
+        let loss = (lp.sum_all().unwrap() + ent.unwrap().sum_all().unwrap()).unwrap();
+        let g = loss.backward().unwrap();
+        let mut grads = Vec::new();
+        for (name, var) in vm.data().lock().unwrap().iter() {
+            grads.push((name.clone(), grad_or_zero(&g, name, var)));
+        }
+        grads.sort_by(|a, b| a.0.cmp(&b.0));
+        (to_f64(h), grads)
+    }
+
+    /// Hidden states, and each weight's gradient by name.
+    type StatesAndGrads = (Vec<f64>, Vec<(String, Vec<f64>)>);
+
+    /// [`states_and_grads`] of a layout under test (`got`) against the reference layout's
+    /// (`want`): hidden states within `vtol` and each gradient within `gtol` of its tensor's
+    /// largest value; every gradient non-zero except an expert no token reached.
+    fn assert_agree(
+        what: &str,
+        got: StatesAndGrads,
+        want: StatesAndGrads,
+        (vtol, gtol): (f64, f64),
+    ) {
+        let scale = want.0.iter().fold(0f64, |s, x| s.max(x.abs()));
+        for (a, b) in got.0.iter().zip(&want.0) {
+            assert!((a - b).abs() <= vtol * scale, "{what}: hidden {a} vs {b}");
+        }
+        for ((name, a), (_, b)) in got.1.iter().zip(&want.1) {
+            let scale = b.iter().fold(0f64, |s, x| s.max(x.abs()));
+            assert!(
+                scale > 0.0 || unrouted(name),
+                "{what} {name}: zero gradient"
+            );
+            for (x, y) in a.iter().zip(b) {
+                assert!((x - y).abs() <= gtol * scale, "{what} {name}: {x} vs {y}");
+            }
+        }
+    }
+
     /// Sequences packed end to end (`forward_hidden_packed`) against the same sequences in a
     /// left-padded batch (`forward_hidden`, the reference): hidden states at every real token,
     /// and every weight's gradient of a loss over those tokens (log-probs and entropies), for
@@ -1094,17 +1143,7 @@ mod tests {
                         .index_select(&real, 0)
                         .unwrap()
                 };
-                let (lp, ent) = m
-                    .token_logprobs(&h.unsqueeze(0).unwrap(), &targets, 4, true)
-                    .unwrap();
-                let loss = (lp.sum_all().unwrap() + ent.unwrap().sum_all().unwrap()).unwrap();
-                let g = loss.backward().unwrap();
-                let mut grads = Vec::new();
-                for (name, var) in vm.data().lock().unwrap().iter() {
-                    grads.push((name.clone(), grad_or_zero(&g, name, var)));
-                }
-                grads.sort_by(|a, b| a.0.cmp(&b.0));
-                (to_f64(&h), grads)
+                states_and_grads(&vm, m, &h, &targets)
             };
             for (composed, recompute) in [(false, false), (false, true), (true, true)] {
                 m.set_exec(crate::model::Exec {
@@ -1112,25 +1151,10 @@ mod tests {
                     recompute,
                     ..m.exec()
                 });
-                let (hp, gp) = run(&m, true);
-                let (hr, gr) = run(&m, false);
                 let what = format!(
                     "{arch:?} {dtype:?} bf16 {bf16} composed {composed} recompute {recompute}"
                 );
-                let scale = hr.iter().fold(0f64, |s, x| s.max(x.abs()));
-                for (a, b) in hp.iter().zip(&hr) {
-                    assert!((a - b).abs() <= vtol * scale, "{what}: hidden {a} vs {b}");
-                }
-                for ((name, a), (_, b)) in gp.iter().zip(&gr) {
-                    let scale = b.iter().fold(0f64, |s, x| s.max(x.abs()));
-                    assert!(
-                        scale > 0.0 || unrouted(name),
-                        "{what} {name}: zero gradient"
-                    );
-                    for (x, y) in a.iter().zip(b) {
-                        assert!((x - y).abs() <= gtol * scale, "{what} {name}: {x} vs {y}");
-                    }
-                }
+                assert_agree(&what, run(&m, true), run(&m, false), (vtol, gtol));
             }
         }
     }
@@ -1285,17 +1309,7 @@ mod tests {
                         .index_select(&t(&uat), 0)
                         .unwrap()
                 };
-                let (lp, ent) = m
-                    .token_logprobs(&h.unsqueeze(0).unwrap(), &targets, 4, true)
-                    .unwrap();
-                let loss = (lp.sum_all().unwrap() + ent.unwrap().sum_all().unwrap()).unwrap();
-                let g = loss.backward().unwrap();
-                let mut grads = Vec::new();
-                for (name, var) in vm.data().lock().unwrap().iter() {
-                    grads.push((name.clone(), grad_or_zero(&g, name, var)));
-                }
-                grads.sort_by(|a, b| a.0.cmp(&b.0));
-                (to_f64(&h), grads)
+                states_and_grads(&vm, m, &h, &targets)
             };
             for (composed, recompute) in [(false, false), (false, true), (true, false)] {
                 m.set_exec(crate::model::Exec {
@@ -1304,25 +1318,10 @@ mod tests {
                     ..m.exec()
                 });
                 assert_eq!(m.shares_prefixes(), !composed, "{arch:?}");
-                let (hg, gg) = run(&m, true);
-                let (hu, gu) = run(&m, false);
                 let what = format!(
                     "{arch:?} {dtype:?} bf16 {bf16} composed {composed} recompute {recompute}"
                 );
-                let scale = hu.iter().fold(0f64, |s, x| s.max(x.abs()));
-                for (a, b) in hg.iter().zip(&hu) {
-                    assert!((a - b).abs() <= vtol * scale, "{what}: hidden {a} vs {b}");
-                }
-                for ((name, a), (_, b)) in gg.iter().zip(&gu) {
-                    let scale = b.iter().fold(0f64, |s, x| s.max(x.abs()));
-                    assert!(
-                        scale > 0.0 || unrouted(name),
-                        "{what} {name}: zero gradient"
-                    );
-                    for (x, y) in a.iter().zip(b) {
-                        assert!((x - y).abs() <= gtol * scale, "{what} {name}: {x} vs {y}");
-                    }
-                }
+                assert_agree(&what, run(&m, true), run(&m, false), (vtol, gtol));
             }
         }
     }

@@ -323,52 +323,7 @@ fn packed_and_padded_runs_agree() {
         with_pad.extend(padded);
         let mut padded_run = trainer(&fx, &with_pad, None);
         padded_run.fit().unwrap();
-        assert_eq!(packed_run.history.len(), 3, "{name}");
-        for ((step, a), (_, b)) in packed_run.history.iter().zip(&padded_run.history) {
-            let (a, b) = (deterministic(a), deterministic(b));
-            assert_eq!(
-                a.keys().collect::<Vec<_>>(),
-                b.keys().collect::<Vec<_>>(),
-                "{name}"
-            );
-            for (k, x) in &a {
-                let y = b[k];
-                // The rollout-vs-trainer diagnostics measure rounding differences, which
-                // packing changes: those near 0 are compared to 1e-5.
-                let tol = if k.starts_with("rollout_corr/") || k.starts_with("training/rollout_") {
-                    (1e-4 * x.abs().max(y.abs())).max(1e-5)
-                } else {
-                    1e-4 * x.abs().max(y.abs()).max(1e-3)
-                };
-                assert!(
-                    (x - y).abs() <= tol,
-                    "{name} step {step}: {k} packed {x}, padded {y}"
-                );
-            }
-        }
-        let mut models = vec![(
-            "actor",
-            weights(&packed_run.actor.trainable.varmap),
-            weights(&padded_run.actor.trainable.varmap),
-        )];
-        if let (Some(a), Some(b)) = (&packed_run.critic, &padded_run.critic) {
-            models.push((
-                "critic",
-                weights(&a.trainable.varmap),
-                weights(&b.trainable.varmap),
-            ));
-        }
-        for (model, a, b) in models {
-            for ((tensor, x), (_, y)) in a.iter().zip(&b) {
-                let scale = y.iter().fold(0f32, |s, v| s.max(v.abs()));
-                for (u, v) in x.iter().zip(y) {
-                    assert!(
-                        (u - v).abs() <= 1e-4 * scale,
-                        "{name}: {model} {tensor}: packed {u}, padded {v}"
-                    );
-                }
-            }
-        }
+        assert_runs_agree(name, &packed_run, &padded_run, ("packed", "padded"));
     }
 }
 
@@ -423,48 +378,56 @@ fn prefix_grouper_runs_agree_with_unshared_runs() {
                 .share_prefixes
         );
         shared.fit().unwrap();
-        assert_eq!(shared.history.len(), 3, "{name}");
-        for ((step, a), (_, b)) in shared.history.iter().zip(&alone.history) {
-            let (a, b) = (deterministic(a), deterministic(b));
-            assert_eq!(
-                a.keys().collect::<Vec<_>>(),
-                b.keys().collect::<Vec<_>>(),
-                "{name}"
+        assert_runs_agree(name, &shared, &alone, ("shared", "alone"));
+    }
+}
+
+/// Two 3-step runs that differ only in how micro-batches are laid out (`labels` name them):
+/// the deterministic metrics of every step within 1e-4 relative (the rollout-vs-trainer
+/// diagnostics, which measure rounding differences, near 0 to 1e-5), and the actor's and
+/// critic's weights within 1e-4 of each tensor's largest value.
+fn assert_runs_agree(name: &str, a: &Trainer, b: &Trainer, (la, lb): (&str, &str)) {
+    assert_eq!(a.history.len(), 3, "{name}");
+    for ((step, ma), (_, mb)) in a.history.iter().zip(&b.history) {
+        let (ma, mb) = (deterministic(ma), deterministic(mb));
+        assert_eq!(
+            ma.keys().collect::<Vec<_>>(),
+            mb.keys().collect::<Vec<_>>(),
+            "{name}"
+        );
+        for (k, x) in &ma {
+            let y = mb[k];
+            let tol = if k.starts_with("rollout_corr/") || k.starts_with("training/rollout_") {
+                (1e-4 * x.abs().max(y.abs())).max(1e-5)
+            } else {
+                1e-4 * x.abs().max(y.abs()).max(1e-3)
+            };
+            assert!(
+                (x - y).abs() <= tol,
+                "{name} step {step}: {k} {la} {x}, {lb} {y}"
             );
-            for (k, x) in &a {
-                let y = b[k];
-                let tol = if k.starts_with("rollout_corr/") || k.starts_with("training/rollout_") {
-                    (1e-4 * x.abs().max(y.abs())).max(1e-5)
-                } else {
-                    1e-4 * x.abs().max(y.abs()).max(1e-3)
-                };
+        }
+    }
+    let mut models = vec![(
+        "actor",
+        weights(&a.actor.trainable.varmap),
+        weights(&b.actor.trainable.varmap),
+    )];
+    if let (Some(ca), Some(cb)) = (&a.critic, &b.critic) {
+        models.push((
+            "critic",
+            weights(&ca.trainable.varmap),
+            weights(&cb.trainable.varmap),
+        ));
+    }
+    for (model, wa, wb) in models {
+        for ((tensor, x), (_, y)) in wa.iter().zip(&wb) {
+            let scale = y.iter().fold(0f32, |s, v| s.max(v.abs()));
+            for (u, v) in x.iter().zip(y) {
                 assert!(
-                    (x - y).abs() <= tol,
-                    "{name} step {step}: {k} shared {x}, alone {y}"
+                    (u - v).abs() <= 1e-4 * scale,
+                    "{name}: {model} {tensor}: {la} {u}, {lb} {v}"
                 );
-            }
-        }
-        let mut models = vec![(
-            "actor",
-            weights(&shared.actor.trainable.varmap),
-            weights(&alone.actor.trainable.varmap),
-        )];
-        if let (Some(a), Some(b)) = (&shared.critic, &alone.critic) {
-            models.push((
-                "critic",
-                weights(&a.trainable.varmap),
-                weights(&b.trainable.varmap),
-            ));
-        }
-        for (model, a, b) in models {
-            for ((tensor, x), (_, y)) in a.iter().zip(&b) {
-                let scale = y.iter().fold(0f32, |s, v| s.max(v.abs()));
-                for (u, v) in x.iter().zip(y) {
-                    assert!(
-                        (u - v).abs() <= 1e-4 * scale,
-                        "{name}: {model} {tensor}: shared {u}, alone {v}"
-                    );
-                }
             }
         }
     }
