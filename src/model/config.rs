@@ -599,6 +599,12 @@ fn get_usize(v: &Value, key: &str) -> Result<usize, String> {
 /// A RoPE base and its scaling.
 type Rope = (f64, Option<RopeScaling>);
 
+/// `x` as a number, or an error naming config.json's `key`.
+fn json_number(key: &str, x: &Value) -> Result<f64, String> {
+    x.as_f64()
+        .ok_or_else(|| format!("config.json: {key} must be a number, found {x}"))
+}
+
 /// Where transformers keeps the RoPE settings: `rope_parameters` (transformers ≥ 5: theta,
 /// type and the scaling's fields together) and the older top-level `rope_theta` with a
 /// `rope_scaling` object (`rope_type`, or `type` before 4.45). Both may be present (files
@@ -630,20 +636,16 @@ fn read_rope(v: &Value) -> Result<Rope, String> {
             ))
         }
     };
-    let number = |key: &str, x: &Value| -> Result<f64, String> {
-        x.as_f64()
-            .ok_or_else(|| format!("config.json: {key} must be a number, found {x}"))
-    };
     // rope_theta: top level and/or rope_parameters.rope_theta.
     let top = v
         .get("rope_theta")
         .filter(|x| !x.is_null())
-        .map(|x| number("rope_theta", x))
+        .map(|x| json_number("rope_theta", x))
         .transpose()?;
     let nested = params
         .and_then(|p| p.get("rope_theta"))
         .filter(|x| !x.is_null())
-        .map(|x| number("rope_parameters.rope_theta", x))
+        .map(|x| json_number("rope_parameters.rope_theta", x))
         .transpose()?;
     let theta = match (top, nested) {
         (Some(a), Some(b)) if a != b => {
@@ -710,16 +712,28 @@ fn read_rope(v: &Value) -> Result<Rope, String> {
     let Some(((kind, kind_key), fields, name)) = chosen else {
         return Ok((theta, None));
     };
+    let scaling = rope_scaling_of(fields, name, (&kind, &kind_key))?;
+    Ok((theta, scaling))
+}
+
+/// The scaling of RoPE type `kind` (read from `kind_key`) from the fields of the `name`
+/// object (`rope_parameters` or `rope_scaling`): `None` for `default`; an unsupported type is
+/// refused, since it changes the rotary frequencies.
+fn rope_scaling_of(
+    fields: &serde_json::Map<String, Value>,
+    name: &str,
+    (kind, kind_key): (&str, &str),
+) -> Result<Option<RopeScaling>, String> {
     let field = |k: &str| -> Result<f64, String> {
         let key = format!("{name}.{k}");
         match fields.get(k) {
             None | Some(Value::Null) => Err(format!(
                 "config.json: {key} is missing; rope_type {kind:?} needs it"
             )),
-            Some(x) => number(&key, x),
+            Some(x) => json_number(&key, x),
         }
     };
-    let scaling = match kind.as_str() {
+    Ok(match kind {
         "default" => None,
         "llama3" => {
             let (factor, low, high) = (
@@ -755,8 +769,7 @@ fn read_rope(v: &Value) -> Result<Rope, String> {
                 "config.json: {kind_key} {other:?} is not supported (supported: \"default\", \"llama3\", \"linear\"); it changes the rotary frequencies, so the model cannot run without it"
             ))
         }
-    };
-    Ok((theta, scaling))
+    })
 }
 
 /// Gemma 3's RoPE: the full layers' settings and the sliding layers' base. transformers 5

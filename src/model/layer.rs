@@ -578,66 +578,100 @@ fn linear_bwd<T: Elem>(
         Par::Rayon,
     );
     if let Some(ad) = l.ad {
-        let r = ad.a.len() / inp;
-        let xd = dropped_input(ad, x);
-        let xa = xd.as_deref().unwrap_or(x);
-        let xs = adapter_input(ad, xa, rows, inp, l.bf16);
-        let mut db = vec![T::zero(); out * r];
-        gemm_mixed(
-            l.bf16,
-            &mut db,
-            out,
-            r,
+        let (da, db) = adapter_bwd(ad, l.bf16, (x, dy), (rows, inp, out), dx);
+        g.a = Some(da);
+        g.bb = Some(db);
+    }
+    g
+}
+
+/// The LoRA adapter's part of [`linear_bwd`]: the gradients of A `[r, inp]` and B `[out, r]`
+/// (returned as `(dA, dB)`), and its share of the input gradient added to `dx`, back through
+/// the adapter's dropout mask where it has one.
+fn adapter_bwd<T: Elem>(
+    ad: Adapter<T>,
+    bf16: bool,
+    (x, dy): (&[T], &[T]),
+    (rows, inp, out): (usize, usize, usize),
+    dx: &mut [T],
+) -> (Vec<T>, Vec<T>) {
+    let r = ad.a.len() / inp;
+    let xd = dropped_input(ad, x);
+    let xa = xd.as_deref().unwrap_or(x);
+    let xs = adapter_input(ad, xa, rows, inp, bf16);
+    let mut db = vec![T::zero(); out * r];
+    gemm_mixed(
+        bf16,
+        &mut db,
+        out,
+        r,
+        rows,
+        dy,
+        1,
+        out,
+        &xs,
+        r,
+        1,
+        false,
+        Par::Rayon,
+    );
+    drop(xs);
+    let mut dxa = vec![T::zero(); rows * r]; // s·dy·B
+    gemm_mixed(
+        bf16,
+        &mut dxa,
+        rows,
+        r,
+        out,
+        dy,
+        out,
+        1,
+        ad.b,
+        r,
+        1,
+        false,
+        Par::Rayon,
+    );
+    scale_in_place(&mut dxa, ad.scale);
+    let mut da = vec![T::zero(); r * inp];
+    gemm_mixed(
+        bf16,
+        &mut da,
+        r,
+        inp,
+        rows,
+        &dxa,
+        1,
+        r,
+        xa,
+        inp,
+        1,
+        false,
+        Par::Rayon,
+    );
+    drop(xd);
+    match ad.dropout {
+        None => gemm_mixed(
+            bf16,
+            dx,
             rows,
-            dy,
-            1,
-            out,
-            &xs,
-            r,
-            1,
-            false,
-            Par::Rayon,
-        );
-        drop(xs);
-        let mut dxa = vec![T::zero(); rows * r]; // s·dy·B
-        gemm_mixed(
-            l.bf16,
-            &mut dxa,
-            rows,
-            r,
-            out,
-            dy,
-            out,
-            1,
-            ad.b,
-            r,
-            1,
-            false,
-            Par::Rayon,
-        );
-        scale_in_place(&mut dxa, ad.scale);
-        let mut da = vec![T::zero(); r * inp];
-        gemm_mixed(
-            l.bf16,
-            &mut da,
-            r,
             inp,
-            rows,
+            r,
             &dxa,
-            1,
             r,
-            xa,
+            1,
+            ad.a,
             inp,
             1,
-            false,
+            true,
             Par::Rayon,
-        );
-        drop(xd);
-        let bf = l.bf16;
-        match ad.dropout {
-            None => gemm_mixed(
-                bf,
-                dx,
+        ),
+        Some(d) => {
+            // The adapter's input gradient goes back through the same mask.
+            let mut dxd = vec![T::zero(); rows * inp];
+            gemm_mixed(
+                bf16,
+                &mut dxd,
                 rows,
                 inp,
                 r,
@@ -647,35 +681,14 @@ fn linear_bwd<T: Elem>(
                 ad.a,
                 inp,
                 1,
-                true,
+                false,
                 Par::Rayon,
-            ),
-            Some(d) => {
-                // The adapter's input gradient goes back through the same mask.
-                let mut dxd = vec![T::zero(); rows * inp];
-                gemm_mixed(
-                    bf,
-                    &mut dxd,
-                    rows,
-                    inp,
-                    r,
-                    &dxa,
-                    r,
-                    1,
-                    ad.a,
-                    inp,
-                    1,
-                    false,
-                    Par::Rayon,
-                );
-                d.apply(&mut dxd);
-                par_zip(dx, &dxd, |o, v| o + v);
-            }
+            );
+            d.apply(&mut dxd);
+            par_zip(dx, &dxd, |o, v| o + v);
         }
-        g.a = Some(da);
-        g.bb = Some(db);
     }
-    g
+    (da, db)
 }
 
 fn column_sums<T: Elem>(m: &[T], cols: usize) -> Vec<T> {
