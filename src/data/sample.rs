@@ -100,51 +100,7 @@ impl Sample {
                 ))
             }
         };
-        let top_level = obj.get("ground_truth").filter(|v| !v.is_null());
-        let ground_truth = match (obj.get("reward_model"), need) {
-            (_, Need::Prompt) => obj
-                .get("reward_model")
-                .and_then(|rm| rm.get("ground_truth"))
-                .cloned()
-                .unwrap_or(Value::Null),
-            (_, Need::Reward) if top_level.is_some() => top_level.cloned().unwrap_or_default(),
-            (None | Some(Value::Null), Need::Reward) => {
-                return Err(err(
-                    "ground_truth",
-                    format!(
-                    "missing (the row has: {}); give `ground_truth` or `reward_model.ground_truth`",
-                    columns()
-                ),
-                ))
-            }
-            (Some(Value::Object(rm)), _) => match rm.get("ground_truth") {
-                Some(Value::Null) | None => {
-                    return Err(err(
-                        "reward_model.ground_truth",
-                        "missing; each row needs the answer its reward is checked against".into(),
-                    ))
-                }
-                Some(v) => v.clone(),
-            },
-            (Some(Value::Null) | None, _) => {
-                return Err(err(
-                    "reward_model",
-                    format!(
-                        "missing (the row has: {}); expected {{\"ground_truth\": ...}}",
-                        columns()
-                    ),
-                ))
-            }
-            (Some(other), _) => {
-                return Err(err(
-                    "reward_model",
-                    format!(
-                        "expected an object with `ground_truth`, found {}",
-                        kind(other)
-                    ),
-                ))
-            }
-        };
+        let ground_truth = Self::ground_truth_of(obj, need, &err)?;
         let extra_info = match obj.get("extra_info") {
             None | Some(Value::Null) => Value::Object(Default::default()),
             Some(v @ Value::Object(_)) => v.clone(),
@@ -176,6 +132,62 @@ impl Sample {
             extra_info,
             ability,
             raw,
+        })
+    }
+
+    /// The answer the reward checks: top-level `ground_truth` (rows for the reward alone) or
+    /// `reward_model.ground_truth`, refused by column where missing or mistyped (not needed for
+    /// prompts alone: `Null` then).
+    fn ground_truth_of(
+        obj: &serde_json::Map<String, Value>,
+        need: Need,
+        err: &dyn Fn(&str, String) -> DataError,
+    ) -> Result<Value, DataError> {
+        let columns = || obj.keys().cloned().collect::<Vec<_>>().join(", ");
+        let top_level = obj.get("ground_truth").filter(|v| !v.is_null());
+        Ok(match (obj.get("reward_model"), need) {
+            (_, Need::Prompt) => obj
+                .get("reward_model")
+                .and_then(|rm| rm.get("ground_truth"))
+                .cloned()
+                .unwrap_or(Value::Null),
+            (_, Need::Reward) if top_level.is_some() => top_level.cloned().unwrap_or_default(),
+            (None | Some(Value::Null), Need::Reward) => {
+                return Err(err(
+                    "ground_truth",
+                    format!(
+                "missing (the row has: {}); give `ground_truth` or `reward_model.ground_truth`",
+                columns()
+            ),
+                ))
+            }
+            (Some(Value::Object(rm)), _) => match rm.get("ground_truth") {
+                Some(Value::Null) | None => {
+                    return Err(err(
+                        "reward_model.ground_truth",
+                        "missing; each row needs the answer its reward is checked against".into(),
+                    ))
+                }
+                Some(v) => v.clone(),
+            },
+            (Some(Value::Null) | None, _) => {
+                return Err(err(
+                    "reward_model",
+                    format!(
+                        "missing (the row has: {}); expected {{\"ground_truth\": ...}}",
+                        columns()
+                    ),
+                ))
+            }
+            (Some(other), _) => {
+                return Err(err(
+                    "reward_model",
+                    format!(
+                        "expected an object with `ground_truth`, found {}",
+                        kind(other)
+                    ),
+                ))
+            }
         })
     }
 

@@ -27,7 +27,7 @@ use rayon::prelude::*;
 use super::{generate_with, sample_row, Rollout, RowStreams, Sampler, SamplingParams, StopReason};
 use crate::kernels::elem::{Elem, KvElem};
 use crate::model::decode::{self, Decoder, Packed, SeqCache};
-use crate::model::CausalLm;
+use crate::model::{CausalLm, ModelArgs};
 
 /// How much generation may hold at once.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -261,7 +261,6 @@ fn continuous<T: Elem, C: KvElem<T>>(
     mut turns: Option<&mut dyn Turns>,
 ) -> Result<Stats> {
     let args = packed.args();
-    let lim = p.limits;
     let mut waiting: VecDeque<usize> = (0..prompts.len()).collect();
     let mut active: Vec<Live<C>> = Vec::new();
     let mut parked = Parked::<C>(Vec::new());
@@ -279,30 +278,14 @@ fn continuous<T: Elem, C: KvElem<T>>(
             }
         }
         // Admission: fill the free sequence slots within the memory and prefill budgets.
-        let mut prefill: usize = entering.iter().map(|l| l.feed.len()).sum();
-        // (Rows entering for the first time add their prompt's length below.)
-        while let Some(&row) = waiting.front() {
-            let len = prompts[row].len();
-            let need = SeqCache::<C>::bytes_needed(args, len, len + p.max_new_tokens);
-            let in_flight = active.len() + entering.len() + parked.0.len();
-            if in_flight >= lim.max_num_seqs.max(1)
-                || (in_flight > 0 && reserved + need > lim.kv_cache_bytes)
-                || (!entering.is_empty() && prefill + len > lim.max_num_batched_tokens)
-            {
-                break;
-            }
-            waiting.pop_front();
-            reserved += need;
-            prefill += len;
-            entering.push(Live {
-                row,
-                cache: SeqCache::with_capacity(args, len + p.max_new_tokens),
-                rng: streams.rng(row),
-                next: 0,
-                feed: Vec::new(),
-                reserved: need,
-            });
-        }
+        let running = active.len() + parked.0.len();
+        admit(
+            &mut waiting,
+            &mut entering,
+            running,
+            &mut reserved,
+            (args, prompts, p, streams),
+        );
         if active.is_empty() && entering.is_empty() {
             // Nothing can run: wait for a tool, or stop when no row is waiting for one.
             match turns.as_deref_mut() {
@@ -373,6 +356,43 @@ fn continuous<T: Elem, C: KvElem<T>>(
         active = still;
     }
     Ok(stats)
+}
+
+/// Moves rows from `waiting` to `entering` while the free sequence slots (`running` rows
+/// besides those entering), the KV memory budget (`reserved` bytes so far, grown by each
+/// admitted row's need) and the prefill token budget allow; rows already entering (back from
+/// a tool) count with what they feed.
+fn admit<C: Copy>(
+    waiting: &mut VecDeque<usize>,
+    entering: &mut Vec<Live<C>>,
+    running: usize,
+    reserved: &mut usize,
+    (args, prompts, p, streams): (&ModelArgs, &[&[u32]], &SamplingParams, &RowStreams),
+) {
+    let lim = p.limits;
+    let mut prefill: usize = entering.iter().map(|l| l.feed.len()).sum();
+    while let Some(&row) = waiting.front() {
+        let len = prompts[row].len();
+        let need = SeqCache::<C>::bytes_needed(args, len, len + p.max_new_tokens);
+        let in_flight = running + entering.len();
+        if in_flight >= lim.max_num_seqs.max(1)
+            || (in_flight > 0 && *reserved + need > lim.kv_cache_bytes)
+            || (!entering.is_empty() && prefill + len > lim.max_num_batched_tokens)
+        {
+            break;
+        }
+        waiting.pop_front();
+        *reserved += need;
+        prefill += len;
+        entering.push(Live {
+            row,
+            cache: SeqCache::with_capacity(args, len + p.max_new_tokens),
+            rng: streams.rng(row),
+            next: 0,
+            feed: Vec::new(),
+            reserved: need,
+        });
+    }
 }
 
 /// Waves of padded batches through the tensor composition (devices and dtypes without the
