@@ -59,14 +59,18 @@ impl StepBatch {
         let mut prompts: std::collections::HashSet<&[u32]> = Default::default();
         let mut cost = 0usize;
         for &row in rows {
-            let p = self.prompts[row].as_slice();
-            let add = self.responses[row].len() + if prompts.contains(p) { 0 } else { p.len() };
-            if !cur.is_empty() && cost + add > budget {
+            let (p, r) = (self.prompts[row].as_slice(), self.responses[row].len());
+            let prompt_cost = |seen: &std::collections::HashSet<&[u32]>| match seen.contains(p) {
+                true => 0,
+                false => p.len(),
+            };
+            if !cur.is_empty() && cost + r + prompt_cost(&prompts) > budget {
                 out.push(std::mem::take(&mut cur));
                 prompts.clear();
                 cost = 0;
             }
-            cost += self.responses[row].len() + if prompts.insert(p) { p.len() } else { 0 };
+            cost += r + prompt_cost(&prompts);
+            prompts.insert(p);
             cur.push(row);
         }
         if !cur.is_empty() {
