@@ -88,6 +88,18 @@ pub fn exp_f32(x: f32) -> f32 {
 pub trait KvElem<T>: Copy + Send + Sync + 'static {
     fn store(x: T) -> Self;
     fn load(self) -> T;
+    /// The cached elements as the AVX-512 decode attention reads them (f32 values or bf16
+    /// bits); `None` for f64.
+    fn rows(_: &[Self]) -> Option<KvRows<'_>> {
+        None
+    }
+}
+
+/// Cached keys or values seen as f32 values or bf16 bits (`kernels::attend`'s fast path).
+#[derive(Clone, Copy)]
+pub enum KvRows<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
 }
 
 impl<T: Elem> KvElem<T> for T {
@@ -99,10 +111,14 @@ impl<T: Elem> KvElem<T> for T {
     fn load(self) -> T {
         self
     }
+    fn rows(s: &[T]) -> Option<KvRows<'_>> {
+        T::f32s(s).map(KvRows::F32)
+    }
 }
 
 /// A bf16 value (its bits), rounded to nearest even from f32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(transparent)]
 pub struct Bf16(pub u16);
 
 impl KvElem<f32> for Bf16 {
@@ -113,6 +129,11 @@ impl KvElem<f32> for Bf16 {
     #[inline(always)]
     fn load(self) -> f32 {
         f32::from_bits((self.0 as u32) << 16)
+    }
+    fn rows(s: &[Bf16]) -> Option<KvRows<'_>> {
+        // SAFETY: `Bf16` is a transparent `u16`: same size, alignment and valid values.
+        let bits = unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u16, s.len()) };
+        Some(KvRows::Bf16(bits))
     }
 }
 

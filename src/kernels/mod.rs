@@ -7,6 +7,7 @@
 //! - `simd`: element-wise loops compiled at AVX-512 width, and `Par` (rayon or the calling
 //!   thread),
 //! - `gemm`: strided matrix products on host slices, and the mixed f32/bf16 form,
+//! - `attend`: decode attention of one token over its cached keys and values,
 //! - `bf16`: bf16 products with f32 sums on AMX tiles or AVX512-BF16,
 //! - `adamw`: AdamW's element-wise rule, in place on a parameter's storage,
 //! - `storage`: CPU storage as host slices (custom ops, in-place gradient accumulation),
@@ -20,6 +21,7 @@
 
 pub mod adamw;
 pub mod alloc;
+pub mod attend;
 pub mod bf16;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -20,8 +20,9 @@ use rayon::prelude::*;
 use super::block::{Attention, Mixer, Mlp};
 use super::config::ModelArgs;
 use super::transformer::CausalLm;
+use crate::kernels::attend::{attend, Kv};
 use crate::kernels::bf16::{self, PackedB};
-use crate::kernels::elem::{dot_tree, max, sum, Bf16, Elem, KvElem};
+use crate::kernels::elem::{Bf16, Elem, KvElem};
 use crate::kernels::gemm::gemm_strided;
 use crate::kernels::simd::{vectorized, Par};
 
@@ -326,64 +327,6 @@ fn flat<T: Elem>(w: &Tensor) -> Result<Vec<T>> {
 /// `dst[m, n] (+)= a[m, k] · b[k, n]`, all row-major and contiguous; `acc` adds to `dst`.
 fn matmul<T: Elem>(dst: &mut [T], a: &[T], b: &[T], m: usize, k: usize, n: usize, acc: bool) {
     gemm_strided(dst, m, n, k, a, k, 1, b, n, 1, acc, Par::Rayon);
-}
-
-/// One sequence's cached keys and values: position `j`'s `[kv_heads, head_dim]` row at
-/// `j·width`, positions `0..n`.
-struct Kv<'a, C> {
-    ks: &'a [C],
-    vs: &'a [C],
-    n: usize,
-    width: usize,
-}
-
-/// Causal attention of one token's query heads `q [heads, hd]` over its sequence's cache
-/// (query head `h` reads KV head `h / (heads / kv_heads)`):
-/// `out[h] = Σ_j softmax_j(q_h·k_j·scale) v_j`, vectorized ([`vectorized`]). Each cached row
-/// is read once, whole and in order, for all heads.
-fn attend<T: Elem, C: KvElem<T>>(q: &[T], kv: &Kv<C>, hd: usize, scale: T, out: &mut [T]) {
-    vectorized(
-        #[inline(always)]
-        || attend_body(q, kv, hd, scale, out),
-    )
-}
-
-#[inline(always)]
-fn attend_body<T: Elem, C: KvElem<T>>(q: &[T], kv: &Kv<C>, hd: usize, scale: T, out: &mut [T]) {
-    let heads = q.len() / hd;
-    let rep = heads / (kv.width / hd).max(1);
-    let n = kv.n;
-    // [heads, n] scores, then probabilities.
-    let mut w = vec![T::zero(); heads * n];
-    // One cached row of keys (then values) in T, converted once for all heads.
-    let mut row = vec![T::zero(); kv.width];
-    for j in 0..n {
-        let k = &kv.ks[j * kv.width..][..kv.width];
-        row.iter_mut().zip(k).for_each(|(r, &c)| *r = c.load());
-        for (h, qh) in q.chunks_exact(hd).enumerate() {
-            w[h * n + j] = dot_tree(qh, &row[h / rep * hd..][..hd]) * scale;
-        }
-    }
-    for wh in w.chunks_exact_mut(n) {
-        let mx = max(wh);
-        for v in wh.iter_mut() {
-            *v = (*v - mx).exp_fast();
-        }
-        let inv = sum(wh).recip();
-        for v in wh.iter_mut() {
-            *v *= inv;
-        }
-    }
-    out.fill(T::zero());
-    for j in 0..n {
-        let v = &kv.vs[j * kv.width..][..kv.width];
-        row.iter_mut().zip(v).for_each(|(r, &c)| *r = c.load());
-        for (h, oh) in out.chunks_exact_mut(hd).enumerate() {
-            let p = w[h * n + j];
-            let vh = &row[h / rep * hd..][..hd];
-            oh.iter_mut().zip(vh).for_each(|(o, &vv)| *o += p * vv);
-        }
-    }
 }
 
 /// `x += rms(out)·w` per row (Gemma's norm of a sub-layer's output before its residual add),
