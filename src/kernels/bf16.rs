@@ -175,6 +175,9 @@ fn padded(len: usize) -> usize {
 fn pack_a(a: &[f32], a_rs: usize, a_cs: usize, m: usize, k: usize, par: bool) -> Vec<u16> {
     let (rts, kbs) = (padded(m) / TR, k.div_ceil(TK));
     let mut out = vec![0u16; rts * kbs * TILE];
+    // A decode step's 32 rows (~18k values at 576 inputs) pack faster here than a pool
+    // thread wakes up.
+    let par = par && out.len() >= 1 << 16;
     each_chunk(&mut out, kbs * TILE, par, |rt, panel| {
         let rows = TR.min(m.saturating_sub(rt * TR));
         if rows == 0 {
@@ -760,7 +763,21 @@ fn gemm_packed_on(
     let bp = &bp.tiles;
     let kbs = k.div_ceil(TK);
     let (mb, nb) = (padded(m) / 32, padded(n) / 32);
-    let chunks = n.div_ceil(NC);
+    let threads = if par == Par::Rayon {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
+    // Column chunks of NC (B's panel reused by every row block of a task), narrower when
+    // there are too few row blocks and chunks to give each thread several tasks: with one
+    // row block (a decode step's 32 rows) nothing is reused, and 3 chunks on 2 threads
+    // would leave one idle a third of the time. Each block sums over all of k either way, so
+    // the split never changes a result.
+    let nc = match (nb * 32).div_ceil(NC) * mb >= 4 * threads {
+        true => NC,
+        false => 32 * nb.div_ceil((4 * threads).div_ceil(mb)).max(1),
+    };
+    let chunks = n.div_ceil(nc);
     let out = SendPtr(dst.as_mut_ptr());
     // One task: the column chunk `cc` for the row blocks `rows`.
     let task = |cc: usize, rows: std::ops::Range<usize>| {
@@ -769,7 +786,7 @@ fn gemm_packed_on(
             for bi in rows {
                 let a0 = ap[(2 * bi) * kbs * TILE..].as_ptr();
                 let a1 = ap[(2 * bi + 1) * kbs * TILE..].as_ptr();
-                for bj in cc * NC / 32..((cc + 1) * NC / 32).min(nb) {
+                for bj in cc * nc / 32..((cc + 1) * nc / 32).min(nb) {
                     let b0 = bp[(2 * bj) * kbs * TILE..].as_ptr();
                     let b1 = bp[(2 * bj + 1) * kbs * TILE..].as_ptr();
                     let (r0, c0) = (bi * 32, bj * 32);
@@ -811,11 +828,6 @@ fn gemm_packed_on(
                 }
             }
         })
-    };
-    let threads = if par == Par::Rayon {
-        rayon::current_num_threads()
-    } else {
-        1
     };
     // Split rows too when there are fewer column chunks than a few per thread.
     let row_parts = (4 * threads).div_ceil(chunks).clamp(1, mb);

@@ -329,12 +329,24 @@ fn matmul<T: Elem>(dst: &mut [T], a: &[T], b: &[T], m: usize, k: usize, n: usize
     gemm_strided(dst, m, n, k, a, k, 1, b, n, 1, acc, Par::Rayon);
 }
 
+/// Elements below which a decode step's element-wise loop runs on the calling thread: a
+/// step of 32 rows has ~18k values per 576-wide activation, a few microseconds of work, less
+/// than waking a pool thread for it costs (each wake-up is a futex and a context switch;
+/// ~360 such loops and products per SmolLM2 step).
+const JOB: usize = 1 << 15;
+
+/// Rows of `width` per parallel job ([`JOB`] elements at least).
+fn rows_per_job(width: usize) -> usize {
+    JOB.div_ceil(width.max(1))
+}
+
 /// `x += rms(out)·w` per row (Gemma's norm of a sub-layer's output before its residual add),
 /// through the scratch rows `tmp`.
 fn add_normed<T: Elem>(x: &mut [T], out: &[T], w: &[T], tmp: &mut [T], eps: f64) {
     rms_norm(tmp, out, w, eps);
     x.par_iter_mut()
         .zip(tmp.par_iter())
+        .with_min_len(JOB)
         .for_each(|(v, &o)| *v += o);
 }
 
@@ -401,6 +413,7 @@ fn experts_step<T: Elem>(e: &ExpertMats<T>, x: &mut [T], hn: &[T], m: usize, h: 
         x.par_chunks_mut(h)
             .zip(out.par_chunks(h))
             .zip(g.par_iter())
+            .with_min_len(rows_per_job(h))
             .for_each(|((xr, or), &gv)| {
                 let s = T::one() / (T::one() + (-gv).exp_fast());
                 xr.iter_mut().zip(or).for_each(|(xv, &ov)| *xv += s * ov);
@@ -447,9 +460,11 @@ fn rotary_tables<T: Elem>(pos: &[usize], freqs: &[f64]) -> (Vec<T>, Vec<T>) {
 
 /// `m[r] += b` for every row `r` of `m` (rows of `b.len()`).
 fn add_to_rows<T: Elem>(m: &mut [T], b: &[T]) {
-    m.par_chunks_mut(b.len()).for_each(|row| {
-        row.iter_mut().zip(b).for_each(|(v, &bb)| *v += bb);
-    });
+    m.par_chunks_mut(b.len())
+        .with_min_len(rows_per_job(b.len()))
+        .for_each(|row| {
+            row.iter_mut().zip(b).for_each(|(v, &bb)| *v += bb);
+        });
 }
 
 /// RoPE on the first `rd` values of the q and k heads of every token's `q|k|v` row (`(dq, dkv,
@@ -466,6 +481,7 @@ fn norm_and_rotate<T: Elem>(
     let (eps, hd_t) = (T::from_f64(eps), T::from_f64(hd as f64));
     qkv.par_chunks_mut(dq + 2 * dkv)
         .enumerate()
+        .with_min_len(rows_per_job(dq + 2 * dkv))
         .for_each(|(i, row)| {
             let (c, s) = (&cos[i * half..][..half], &sin[i * half..][..half]);
             vectorized(
@@ -529,6 +545,7 @@ fn attend_tokens<T: Elem, C: KvElem<T>>(
 fn gated_act<T: Elem>(act: &mut [T], gu: &[T], inter: usize, gelu: bool) {
     act.par_chunks_mut(inter)
         .zip(gu.par_chunks(2 * inter))
+        .with_min_len(rows_per_job(inter))
         .for_each(|(o, row)| {
             let (g, u) = row.split_at(inter);
             vectorized(
@@ -561,6 +578,7 @@ fn rms_norm<T: Elem>(out: &mut [T], x: &[T], w: &[T], eps: f64) {
     let n = T::from_f64(h as f64);
     out.par_chunks_mut(h)
         .zip(x.par_chunks(h))
+        .with_min_len(rows_per_job(h))
         .for_each(|(o, xr)| {
             vectorized(
                 #[inline(always)]
@@ -827,7 +845,7 @@ impl<T: Elem> Packed<T> {
         }
         if let Some(scale) = a.embed_scale() {
             let scale = T::from_f64(scale);
-            x.par_iter_mut().for_each(|v| *v *= scale);
+            x.par_iter_mut().with_min_len(JOB).for_each(|v| *v *= scale);
         }
         let mut bufs = Bufs::new(a, m);
         let mut gu = vec![T::zero(); m * 2 * inter]; // [M, 2·intermediate]
@@ -933,6 +951,7 @@ impl<T: Elem> Packed<T> {
             g.apply(gates, hn, m, h, dq, false);
             att.par_iter_mut()
                 .zip(gates.par_iter())
+                .with_min_len(JOB)
                 .for_each(|(v, &g)| *v /= T::one() + (-g).exp_fast());
         }
         match &l.sandwich {

@@ -1,0 +1,146 @@
+//! The decode step's bf16 products at generation's shape: 32 rows (one token per sequence)
+//! times SmolLM2-135M's weights (`q|k|v`, `o`, `gate|up`, `down` of one layer, and the
+//! 49,152-entry LM head), each weight packed once (`bf16::PackedB`) as the decode engine packs
+//! it. Weights of 30 layers are allocated so that the working set exceeds the caches, as in
+//! generation. Prints the weights' bytes streamed per second next to a baseline in the same
+//! run: a plain parallel sum over the same number of bytes (what the memory system gives
+//! two threads), the time of each shape over all layers, and the fixed cost of one call. Run:
+//! `cargo bench --bench decode_products` (set RAYON_NUM_THREADS).
+//! Skipped on a CPU without AMX or AVX512-BF16.
+
+use std::time::Instant;
+
+use main_ppo::kernels::bf16::{self, PackedB};
+use main_ppo::kernels::simd::Par;
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+
+fn main() {
+    if !bf16::available() {
+        eprintln!("skipped: this CPU has neither AMX nor AVX512-BF16");
+        return;
+    }
+    let (m, h, inter, vocab, layers) = (32usize, 576usize, 1536usize, 49_152usize, 30usize);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+    let mut pack = |k: usize, n: usize| {
+        let w: Vec<f32> = (0..k * n).map(|_| rng.random_range(-0.1..0.1)).collect();
+        PackedB::new(&w, n, 1, k, n, Par::Rayon)
+    };
+    // Per layer: (k, n) of q|k|v, o, gate|up, down.
+    let shapes = [(h, 960), (h, h), (h, 2 * inter), (inter, h)];
+    let mats: Vec<Vec<PackedB>> = (0..layers)
+        .map(|_| shapes.iter().map(|&(k, n)| pack(k, n)).collect())
+        .collect();
+    let head = pack(h, vocab);
+    let big = pack(h, 576 * 30);
+    let bytes: usize =
+        layers * shapes.iter().map(|&(k, n)| 2 * k * n).sum::<usize>() + 2 * h * vocab;
+    let a: Vec<f32> = (0..m * inter)
+        .map(|_| rng.random_range(-1.0..1.0))
+        .collect();
+    let mut out = vec![0f32; m * vocab];
+    let step = |out: &mut [f32]| {
+        for l in &mats {
+            for (p, &(k, n)) in l.iter().zip(&shapes) {
+                bf16::gemm_packed(&mut out[..m * n], m, &a, k, 1, p, false, Par::Rayon);
+            }
+        }
+        bf16::gemm_packed(out, m, &a, h, 1, &head, false, Par::Rayon);
+    };
+    let plain: Vec<u64> = vec![1; bytes / 8];
+    let sum = || {
+        plain
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().sum::<u64>())
+            .sum::<u64>()
+    };
+    step(&mut out);
+    std::hint::black_box(sum());
+    let reps = 20;
+    let (mut t_step, mut t_sum) = (0f64, 0f64);
+    for _ in 0..reps {
+        let t = Instant::now();
+        step(&mut out);
+        t_step += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        std::hint::black_box(sum());
+        t_sum += t.elapsed().as_secs_f64();
+    }
+    let gbs = |t: f64| bytes as f64 * reps as f64 / t / 1e9;
+    // One small product repeated on a weight that stays in cache: the fixed cost per call
+    // (packing the rows, the pool's tasks); and one product as wide as 30 of them.
+    {
+        let t = Instant::now();
+        for _ in 0..reps * layers {
+            bf16::gemm_packed(
+                &mut out[..m * h],
+                m,
+                &a,
+                h,
+                1,
+                &mats[0][1],
+                false,
+                Par::Rayon,
+            );
+        }
+        let s = t.elapsed().as_secs_f64() / (reps * layers) as f64;
+        println!("  576x576 same matrix: {:.1} us per call", s * 1e6);
+        let t = Instant::now();
+        for _ in 0..reps {
+            bf16::gemm_packed(
+                &mut out[..m * 576 * 30],
+                m,
+                &a,
+                h,
+                1,
+                &big,
+                false,
+                Par::Rayon,
+            );
+        }
+        let s = t.elapsed().as_secs_f64() / reps as f64;
+        println!(
+            "  576x(30*576) one call: {:.2} ms, {:.1} GB/s",
+            s * 1e3,
+            (2 * h * 576 * 30) as f64 / s / 1e9
+        );
+    }
+    // Each shape alone, over all layers: where the step's time goes.
+    for (i, &(k, n)) in shapes.iter().enumerate().chain([(4, &(h, vocab))]) {
+        let t = Instant::now();
+        for _ in 0..reps {
+            match i {
+                4 => bf16::gemm_packed(&mut out, m, &a, h, 1, &head, false, Par::Rayon),
+                _ => {
+                    for l in &mats {
+                        bf16::gemm_packed(&mut out[..m * n], m, &a, k, 1, &l[i], false, Par::Rayon);
+                    }
+                }
+            }
+        }
+        let s = t.elapsed().as_secs_f64() / reps as f64;
+        let b = if i == 4 {
+            2 * k * n
+        } else {
+            layers * 2 * k * n
+        };
+        println!(
+            "  {k}x{n}: {:.2} ms per step, {:.1} GB/s",
+            s * 1e3,
+            b as f64 / s / 1e9
+        );
+    }
+    println!(
+        "decode products, {m} rows, {:.0} MB of bf16 weights: {:.2} ms per step = {:.1} GB/s; \
+         plain parallel sum of as many bytes: {:.2} ms = {:.1} GB/s; ratio {:.2} ({} threads, {})",
+        bytes as f64 / 1e6,
+        t_step / reps as f64 * 1e3,
+        gbs(t_step),
+        t_sum / reps as f64 * 1e3,
+        gbs(t_sum),
+        t_sum / t_step,
+        rayon::current_num_threads(),
+        bf16::describe(),
+    );
+    std::hint::black_box(&out);
+}
