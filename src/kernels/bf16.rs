@@ -259,6 +259,64 @@ impl PackedB {
         PackedB { k, n, tiles }
     }
 
+    /// `B = [W_0; W_1; ...]ᵀ` packed from the parts as they are stored: part `i` holds `n_i`
+    /// rows of `k` (a `[out, in]` weight, row-major), column `j` of `B` is row `j` of the
+    /// parts stacked. The same tiles as [`PackedB::new`] on the stacked copy (`b_rs = 1`,
+    /// `b_cs = k`), without making it: the decode engine packs every weight of the model at
+    /// each step that changed them, and the copies (a concatenation, then a flat `Vec`) were
+    /// twice the weights' f32 bytes in fresh pages.
+    pub fn from_rows(parts: &[&[f32]], k: usize, par: Par) -> Self {
+        let mut starts = Vec::with_capacity(parts.len() + 1);
+        let mut n = 0;
+        for p in parts {
+            assert_eq!(
+                p.len() % k.max(1),
+                0,
+                "from_rows: a part is not whole rows of {k}"
+            );
+            starts.push(n);
+            n += p.len() / k.max(1);
+        }
+        starts.push(n);
+        let (cts, kbs) = (padded(n) / TR, k.div_ceil(TK));
+        let mut tiles = vec![0u16; cts * kbs * TILE];
+        // Column j of B: (part, row) with starts[part] <= j < starts[part + 1].
+        let locate = |j: usize| {
+            let p = starts.partition_point(|&s| s <= j) - 1;
+            (p, j - starts[p])
+        };
+        each_chunk(&mut tiles, kbs * TILE, par == Par::Rayon, |ct, panel| {
+            let c0 = ct * TR;
+            let cols = TR.min(n.saturating_sub(c0));
+            if cols == 0 {
+                return; // a padding tile: zeros
+            }
+            let (p0, r0) = locate(c0);
+            // Whether the tile's 16 columns are 16 consecutive rows of one part.
+            let whole = cols == TR && r0 + TR <= starts[p0 + 1] - starts[p0];
+            for kb in 0..kbs {
+                let tile = &mut panel[kb * TILE..][..TILE];
+                let k0 = kb * TK;
+                let len = TK.min(k - k0);
+                if whole && len == TK && simd::ok() {
+                    let part = parts[p0];
+                    // SAFETY: rows r0..r0+16 and inputs k0..k0+32 lie inside the part.
+                    unsafe { simd::rows32_t(part[r0 * k + k0..].as_ptr(), k, tile.as_mut_ptr()) };
+                    continue;
+                }
+                for j in 0..cols {
+                    let (p, r) = locate(c0 + j);
+                    let row = &parts[p][r * k..][..k];
+                    for kk in 0..len {
+                        let (q, e) = (kk / 2, kk % 2);
+                        tile[q * TK + 2 * j + e] = bf16_bits(row[k0 + kk]);
+                    }
+                }
+            }
+        });
+        PackedB { k, n, tiles }
+    }
+
     /// Rows (`k`) and columns (`n`) of the packed matrix.
     pub fn dims(&self) -> (usize, usize) {
         (self.k, self.n)
@@ -853,6 +911,34 @@ struct Buf([f32; 1024]);
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    /// `from_rows` on separate parts gives the tiles `new` gives on their stacked copy, bit
+    /// for bit: parts whose row counts are and are not multiples of a tile's 16 columns, k
+    /// with and without a partial k-block.
+    #[test]
+    fn packing_from_parts_equals_packing_the_stacked_copy() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for (k, rows) in [
+            (64usize, vec![32usize, 16, 48]),
+            (576, vec![576, 192, 192]),
+            (40, vec![7, 30, 1, 16]),
+            (96, vec![100]),
+        ] {
+            let parts: Vec<Vec<f32>> = rows
+                .iter()
+                .map(|&r| (0..r * k).map(|_| rng.random_range(-2.0..2.0)).collect())
+                .collect();
+            let stacked: Vec<f32> = parts.concat();
+            let n: usize = rows.iter().sum();
+            let want = PackedB::new(&stacked, 1, k, k, n, Par::Rayon);
+            let refs: Vec<&[f32]> = parts.iter().map(|p| &p[..]).collect();
+            for par in [Par::Rayon, Par::None] {
+                let got = PackedB::from_rows(&refs, k, par);
+                assert_eq!(got.dims(), (k, n));
+                assert!(got.tiles == want.tiles, "k {k}, rows {rows:?}");
+            }
+        }
+    }
 
     /// MAIN_PPO_BF16_KERNEL's values: the choices pass, a kernel this CPU lacks and an unknown
     /// spelling are errors naming the value and what to use (they were ignored silently).

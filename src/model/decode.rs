@@ -25,6 +25,7 @@ use crate::kernels::bf16::{self, PackedB};
 use crate::kernels::elem::{Bf16, Elem, KvElem};
 use crate::kernels::gemm::gemm_strided;
 use crate::kernels::simd::{vectorized, Par};
+use crate::kernels::storage::Host;
 
 #[path = "decode_delta.rs"]
 mod delta;
@@ -114,16 +115,24 @@ impl<T: Elem> Mat<T> {
     /// transposed into row-major [`packed_columns`].
     fn from_weights(ws: &[&Tensor], bf16: bool) -> Result<Self> {
         if bf16 && T::DTYPE == DType::F32 {
-            let stacked: Vec<f32> = match ws {
-                [w] => flat(w)?,
-                _ => flat(&Tensor::cat(ws, 0)?)?,
-            }; // [Σ out_i, in]
-            let (n, k) = (
-                ws.iter().map(|w| w.dim(0)).sum::<Result<usize>>()?,
-                ws[0].dim(1)?,
-            );
-            let packed = PackedB::new(&stacked, 1, k, k, n, Par::Rayon);
-            return Ok(Mat::Amx(packed));
+            // Packed from the weights' own storage where it is f32 and contiguous (a copy
+            // otherwise), as the rows of [Σ out_i, in].
+            let k = ws.first().map(|w| w.dim(1)).transpose()?.unwrap_or(0);
+            let ws: Vec<Tensor> = ws
+                .iter()
+                .map(|w| match w.dims2()? {
+                    (_, i) if i != k => {
+                        candle_core::bail!("packing weights with {i} and {k} inputs side by side")
+                    }
+                    _ => w.to_dtype(DType::F32)?.contiguous(),
+                })
+                .collect::<Result<_>>()?;
+            let refs: Vec<&Tensor> = ws.iter().collect();
+            let host = Host::new(&refs)?;
+            let parts: Vec<&[f32]> = (0..ws.len())
+                .map(|i| host.slice::<f32>(i))
+                .collect::<Result<_>>()?;
+            return Ok(Mat::Amx(PackedB::from_rows(&parts, k, Par::Rayon)));
         }
         Ok(Mat::Plain(packed_columns(ws)?))
     }
