@@ -342,8 +342,8 @@ mod fast {
 mod tests {
     use rand::{Rng, SeedableRng};
 
+    use super::super::elem::{Bf16, KvElem};
     use super::{portable, Kv};
-    use crate::kernels::elem::{Bf16, KvElem};
 
     /// The AVX-512 path against the portable loop, bit for bit: head sizes 64/128/256, one to
     /// four (and seven) query heads per KV head, positions from 1 to past several blocks of
