@@ -814,12 +814,12 @@ impl<T: Elem> Packed<T> {
 
     /// Runs one ragged batch: sequence `i` continues `caches[i]` with the tokens `tokens[i]`
     /// (non-empty; positions `caches[i].len()..`). Appends their keys and values to the caches
-    /// and returns the logits after each sequence's last new token, `[sequences][vocab]` f32.
+    /// and returns the logits after each sequence's last new token, `[sequences, vocab]` f32.
     pub fn step<C: KvElem<T>>(
         &self,
         tokens: &[&[u32]],
         caches: &mut [&mut SeqCache<C>],
-    ) -> Result<Vec<Vec<f32>>> {
+    ) -> Result<Logits> {
         let a = &self.args;
         let (h, inter) = (a.hidden_size, a.intermediate_size);
         let dkv = a.num_key_value_heads * a.head_dim;
@@ -981,8 +981,8 @@ impl<T: Elem> Packed<T> {
     }
 
     /// The logits of the last new token of each sequence (final norm, LM head) from the
-    /// step's hidden states `x` `[M, hidden]`: `[S][vocab]`.
-    fn last_logits(&self, x: &[T], tokens: &[&[u32]]) -> Vec<Vec<f32>> {
+    /// step's hidden states `x` `[M, hidden]`: `[S, vocab]`.
+    fn last_logits(&self, x: &[T], tokens: &[&[u32]]) -> Logits {
         let (h, vocab) = (self.args.hidden_size, self.args.vocab_size);
         let mut last = Vec::with_capacity(tokens.len() * h); // [S, hidden]
         let mut end = 0;
@@ -995,14 +995,47 @@ impl<T: Elem> Packed<T> {
         rms_norm(&mut ln, &last, &self.norm, self.args.rms_norm_eps);
         let mut logits = vec![T::zero(); s * vocab]; // [S, vocab]
         self.out.apply(&mut logits, &ln, s, h, vocab, false);
-        logits
-            .chunks(vocab)
-            .map(|r| {
-                r.iter()
-                    .map(|&v| <T as WithDType>::to_f64(v) as f32)
-                    .collect()
-            })
-            .collect()
+        // In f32 the collect reuses `logits`' buffer (same size and alignment).
+        let data = logits
+            .into_iter()
+            .map(|v| <T as WithDType>::to_f64(v) as f32)
+            .collect();
+        Logits { data, vocab }
+    }
+}
+
+/// A decode step's logits, one row of `vocab` f32 per sequence (`[sequences, vocab]`, one
+/// buffer: a step of 32 SmolLM2 rows is 6.3 MB, copied row by row before).
+pub struct Logits {
+    data: Vec<f32>,
+    vocab: usize,
+}
+
+impl Logits {
+    /// The rows in sequence order.
+    pub fn iter(&self) -> std::slice::Chunks<'_, f32> {
+        self.data.chunks(self.vocab.max(1))
+    }
+
+    /// The rows, for a parallel pass.
+    pub fn par_iter(&self) -> rayon::slice::Chunks<'_, f32> {
+        self.data.par_chunks(self.vocab.max(1))
+    }
+
+    /// Sequences.
+    pub fn len(&self) -> usize {
+        self.data.len() / self.vocab.max(1)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+}
+
+impl std::ops::Index<usize> for Logits {
+    type Output = [f32];
+    fn index(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..][..self.vocab]
     }
 }
 
@@ -1094,7 +1127,7 @@ mod tests {
             args.intermediate_size = 96;
             let (_vm, mut m) = crate::testing::tiny_model(&args, candle_core::DType::F32, 0.3);
             let prompts: [&[u32]; 3] = [&[1, 2, 3, 4, 5], &[7, 8], &[9, 10, 11, 12, 13, 14, 15]];
-            let run = |m: &crate::model::CausalLm, which: &[usize]| -> Vec<Vec<f32>> {
+            let run = |m: &crate::model::CausalLm, which: &[usize]| -> super::Logits {
                 let p = super::Packed::<f32>::new(m).unwrap();
                 let mut caches: Vec<super::SeqCache<f32>> = which
                     .iter()
@@ -1105,7 +1138,7 @@ mod tests {
                 p.step(&toks, &mut refs).unwrap()
             };
             // The same with the cache in bf16, as the scheduler runs bf16 models.
-            let run_bf = |m: &crate::model::CausalLm, which: &[usize]| -> Vec<Vec<f32>> {
+            let run_bf = |m: &crate::model::CausalLm, which: &[usize]| -> super::Logits {
                 let p = super::Packed::<f32>::new(m).unwrap();
                 let mut caches: Vec<super::SeqCache<super::Bf16>> = which
                     .iter()
