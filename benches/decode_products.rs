@@ -39,13 +39,20 @@ fn main() {
         .map(|_| rng.random_range(-1.0..1.0))
         .collect();
     let mut out = vec![0f32; m * vocab];
+    // `dst[m, n] = a[m, k] · p`.
+    let product = |out: &mut [f32], p: &PackedB| {
+        let (k, n) = p.dims();
+        bf16::gemm_packed(&mut out[..m * n], m, &a, k, 1, p, false, Par::Rayon);
+    };
+    // Seconds per call of `f`, over `reps` calls.
+    let timed = |reps: usize, f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        (0..reps).for_each(|_| f());
+        t.elapsed().as_secs_f64() / reps as f64
+    };
     let step = |out: &mut [f32]| {
-        for l in &mats {
-            for (p, &(k, n)) in l.iter().zip(&shapes) {
-                bf16::gemm_packed(&mut out[..m * n], m, &a, k, 1, p, false, Par::Rayon);
-            }
-        }
-        bf16::gemm_packed(out, m, &a, h, 1, &head, false, Par::Rayon);
+        mats.iter().flatten().for_each(|p| product(out, p));
+        product(out, &head);
     };
     let plain: Vec<u64> = vec![1; bytes / 8];
     let sum = || {
@@ -59,71 +66,32 @@ fn main() {
     let reps = 20;
     let (mut t_step, mut t_sum) = (0f64, 0f64);
     for _ in 0..reps {
-        let t = Instant::now();
-        step(&mut out);
-        t_step += t.elapsed().as_secs_f64();
-        let t = Instant::now();
-        std::hint::black_box(sum());
-        t_sum += t.elapsed().as_secs_f64();
+        t_step += timed(1, &mut || step(&mut out));
+        t_sum += timed(1, &mut || {
+            std::hint::black_box(sum());
+        });
     }
     let gbs = |t: f64| bytes as f64 * reps as f64 / t / 1e9;
     // One small product repeated on a weight that stays in cache: the fixed cost per call
     // (packing the rows, the pool's tasks); and one product as wide as 30 of them.
-    {
-        let t = Instant::now();
-        for _ in 0..reps * layers {
-            bf16::gemm_packed(
-                &mut out[..m * h],
-                m,
-                &a,
-                h,
-                1,
-                &mats[0][1],
-                false,
-                Par::Rayon,
-            );
-        }
-        let s = t.elapsed().as_secs_f64() / (reps * layers) as f64;
-        println!("  576x576 same matrix: {:.1} us per call", s * 1e6);
-        let t = Instant::now();
-        for _ in 0..reps {
-            bf16::gemm_packed(
-                &mut out[..m * 576 * 30],
-                m,
-                &a,
-                h,
-                1,
-                &big,
-                false,
-                Par::Rayon,
-            );
-        }
-        let s = t.elapsed().as_secs_f64() / reps as f64;
-        println!(
-            "  576x(30*576) one call: {:.2} ms, {:.1} GB/s",
-            s * 1e3,
-            (2 * h * 576 * 30) as f64 / s / 1e9
-        );
-    }
-    // Each shape alone, over all layers: where the step's time goes.
-    for (i, &(k, n)) in shapes.iter().enumerate().chain([(4, &(h, vocab))]) {
-        let t = Instant::now();
-        for _ in 0..reps {
-            match i {
-                4 => bf16::gemm_packed(&mut out, m, &a, h, 1, &head, false, Par::Rayon),
-                _ => {
-                    for l in &mats {
-                        bf16::gemm_packed(&mut out[..m * n], m, &a, k, 1, &l[i], false, Par::Rayon);
-                    }
-                }
-            }
-        }
-        let s = t.elapsed().as_secs_f64() / reps as f64;
-        let b = if i == 4 {
-            2 * k * n
-        } else {
-            layers * 2 * k * n
-        };
+    let s = timed(reps * layers, &mut || product(&mut out, &mats[0][1]));
+    println!("  576x576 same matrix: {:.1} us per call", s * 1e6);
+    let s = timed(reps, &mut || product(&mut out, &big));
+    let wide = 2 * h * 576 * 30;
+    println!(
+        "  576x(30*576) one call: {:.2} ms, {:.1} GB/s",
+        s * 1e3,
+        wide as f64 / s / 1e9
+    );
+    // Each shape over all layers, then the LM head: where the step's time goes.
+    let groups: Vec<Vec<&PackedB>> = (0..shapes.len())
+        .map(|i| mats.iter().map(|l| &l[i]).collect())
+        .chain([vec![&head]])
+        .collect();
+    for g in &groups {
+        let s = timed(reps, &mut || g.iter().for_each(|p| product(&mut out, p)));
+        let (k, n) = g[0].dims();
+        let b = g.len() * 2 * k * n;
         println!(
             "  {k}x{n}: {:.2} ms per step, {:.1} GB/s",
             s * 1e3,

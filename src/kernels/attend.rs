@@ -262,7 +262,9 @@ mod fast {
     ) {
         // SAFETY: per the contract.
         unsafe {
-            let o = |r: usize, c: usize| out.as_ptr().add((h0 + r) * 16 * VC + 16 * c);
+            // Head h0 + r's output values 16·c..16·c + 16.
+            let base = out.as_mut_ptr();
+            let o = |r: usize, c: usize| base.add((h0 + r) * 16 * VC + 16 * c);
             let mut acc = [[_mm512_setzero_ps(); VC]; R];
             for (r, a) in acc.iter_mut().enumerate() {
                 for (c, x) in a.iter_mut().enumerate() {
@@ -283,7 +285,7 @@ mod fast {
             }
             for (r, a) in acc.iter().enumerate() {
                 for (c, &x) in a.iter().enumerate() {
-                    _mm512_storeu_ps(out.as_mut_ptr().add((h0 + r) * 16 * VC + 16 * c), x);
+                    _mm512_storeu_ps(o(r, c), x);
                 }
             }
         }
@@ -345,69 +347,76 @@ mod tests {
     use super::super::elem::{Bf16, KvElem};
     use super::{portable, Kv};
 
+    /// `len` values drawn uniformly from `(-r, r)`.
+    fn uniform(rng: &mut rand::rngs::StdRng, len: usize, r: f32) -> Vec<f32> {
+        (0..len).map(|_| rng.random_range(-r..r)).collect()
+    }
+
     /// The AVX-512 path against the portable loop, bit for bit: head sizes 64/128/256, one to
     /// four (and seven) query heads per KV head, positions from 1 to past several blocks of
-    /// 16 (with a partial block), caches of f32 and of bf16 bits. Skipped (with a line) on a
-    /// CPU without AVX-512F.
+    /// 16 (with a partial block), caches of f32 and of bf16 bits. The path is called directly
+    /// and must accept every case (else the test would compare the portable loop with
+    /// itself). Skipped (with a line) on a CPU without AVX-512F.
     #[test]
     fn avx512_path_equals_the_portable_loop_bit_for_bit() {
-        if !cfg!(target_arch = "x86_64") || !std::arch::is_x86_feature_detected!("avx512f") {
-            eprintln!("skipped: this CPU has no AVX-512F");
-            return;
-        }
-        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-        let mut cases = 0;
-        for hd in [64usize, 128, 256] {
-            for (heads, kv_heads) in [(1usize, 1usize), (9, 3), (8, 2), (14, 2), (4, 4), (6, 2)] {
-                for n in [1usize, 5, 16, 17, 40, 113] {
-                    let width = kv_heads * hd;
-                    let q: Vec<f32> = (0..heads * hd)
-                        .map(|_| rng.random_range(-2.0..2.0))
-                        .collect();
-                    let ks: Vec<f32> = (0..n * width)
-                        .map(|_| rng.random_range(-2.0..2.0))
-                        .collect();
-                    let vs: Vec<f32> = (0..n * width)
-                        .map(|_| rng.random_range(-2.0..2.0))
-                        .collect();
-                    let scale = 1.0 / (hd as f32).sqrt();
-                    let check = |got: &[f32], want: &[f32], what: &str| {
-                        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-                            assert_eq!(
-                                g.to_bits(),
-                                w.to_bits(),
-                                "{what}: hd {hd}, {heads}/{kv_heads} heads, n {n}, element {i}: {g} vs {w}"
-                            );
-                        }
-                    };
-                    // f32 cache.
-                    let kv = Kv {
-                        ks: &ks[..],
-                        vs: &vs[..],
-                        n,
-                        width,
-                    };
-                    let (mut got, mut want) = (vec![0f32; q.len()], vec![0f32; q.len()]);
-                    super::attend(&q, &kv, hd, scale, &mut got);
-                    portable(&q, &kv, hd, scale, &mut want);
-                    check(&got, &want, "f32 cache");
-                    // bf16 cache.
-                    let kb: Vec<Bf16> = ks.iter().map(|&x| Bf16::store(x)).collect();
-                    let vb: Vec<Bf16> = vs.iter().map(|&x| Bf16::store(x)).collect();
-                    let kv = Kv {
-                        ks: &kb[..],
-                        vs: &vb[..],
-                        n,
-                        width,
-                    };
-                    super::attend(&q, &kv, hd, scale, &mut got);
-                    portable(&q, &kv, hd, scale, &mut want);
-                    check(&got, &want, "bf16 cache");
-                    cases += 1;
+        #[cfg(target_arch = "x86_64")]
+        {
+            if !std::arch::is_x86_feature_detected!("avx512f") {
+                eprintln!("skipped: this CPU has no AVX-512F");
+                return;
+            }
+            let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+            for hd in [64usize, 128, 256] {
+                for (heads, kv_heads) in [(1usize, 1usize), (9, 3), (8, 2), (14, 2), (4, 4), (6, 2)]
+                {
+                    for n in [1usize, 5, 16, 17, 40, 113] {
+                        let width = kv_heads * hd;
+                        let q = uniform(&mut rng, heads * hd, 2.0);
+                        let (ks, vs) = (
+                            uniform(&mut rng, n * width, 2.0),
+                            uniform(&mut rng, n * width, 2.0),
+                        );
+                        let scale = 1.0 / (hd as f32).sqrt();
+                        let kb: Vec<Bf16> = ks.iter().map(|&x| Bf16::store(x)).collect();
+                        let vb: Vec<Bf16> = vs.iter().map(|&x| Bf16::store(x)).collect();
+                        let (f32_kv, bf16_kv) = (
+                            Kv {
+                                ks: &ks[..],
+                                vs: &vs[..],
+                                n,
+                                width,
+                            },
+                            Kv {
+                                ks: &kb[..],
+                                vs: &vb[..],
+                                n,
+                                width,
+                            },
+                        );
+                        let mut want = vec![0f32; q.len()];
+                        let check = |fast_ran: bool, got: &[f32], want: &[f32], what: &str| {
+                            assert!(fast_ran, "{what}: the AVX-512 path refused hd {hd}, {heads}/{kv_heads} heads, n {n}");
+                            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                                assert_eq!(
+                                    g.to_bits(),
+                                    w.to_bits(),
+                                    "{what}: hd {hd}, {heads}/{kv_heads} heads, n {n}, element {i}: {g} vs {w}"
+                                );
+                            }
+                        };
+                        let mut got = vec![0f32; q.len()];
+                        portable(&q, &f32_kv, hd, scale, &mut want);
+                        let rows = (f32::rows(&ks).unwrap(), f32::rows(&vs).unwrap());
+                        let ran = super::fast::attend(&q, rows, (n, width), hd, scale, &mut got);
+                        check(ran, &got, &want, "f32 cache");
+                        portable(&q, &bf16_kv, hd, scale, &mut want);
+                        let rows = (Bf16::rows(&kb).unwrap(), Bf16::rows(&vb).unwrap());
+                        let ran = super::fast::attend(&q, rows, (n, width), hd, scale, &mut got);
+                        check(ran, &got, &want, "bf16 cache");
+                    }
                 }
             }
         }
-        assert_eq!(cases, 3 * 6 * 6);
     }
 
     /// The portable loop against attention written out in f64 (scores, softmax, weighted
@@ -417,15 +426,11 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         let (hd, heads, kv_heads, n) = (16usize, 4usize, 2usize, 7usize);
         let width = kv_heads * hd;
-        let q: Vec<f32> = (0..heads * hd)
-            .map(|_| rng.random_range(-1.0..1.0))
-            .collect();
-        let ks: Vec<f32> = (0..n * width)
-            .map(|_| rng.random_range(-1.0..1.0))
-            .collect();
-        let vs: Vec<f32> = (0..n * width)
-            .map(|_| rng.random_range(-1.0..1.0))
-            .collect();
+        let q = uniform(&mut rng, heads * hd, 1.0);
+        let (ks, vs) = (
+            uniform(&mut rng, n * width, 1.0),
+            uniform(&mut rng, n * width, 1.0),
+        );
         let scale = 0.25f32;
         let mut got = vec![0f32; heads * hd];
         portable(

@@ -294,6 +294,13 @@ impl PackedB {
             let (p0, r0) = locate(c0);
             // Whether the tile's 16 columns are 16 consecutive rows of one part.
             let whole = cols == TR && r0 + TR <= starts[p0 + 1] - starts[p0];
+            // Each column's source row (for the element-wise path).
+            let rows: Vec<&[f32]> = (c0..c0 + cols)
+                .map(|j| {
+                    let (p, r) = locate(j);
+                    &parts[p][r * k..][..k]
+                })
+                .collect();
             for kb in 0..kbs {
                 let tile = &mut panel[kb * TILE..][..TILE];
                 let k0 = kb * TK;
@@ -304,9 +311,7 @@ impl PackedB {
                     unsafe { simd::rows32_t(part[r0 * k + k0..].as_ptr(), k, tile.as_mut_ptr()) };
                     continue;
                 }
-                for j in 0..cols {
-                    let (p, r) = locate(c0 + j);
-                    let row = &parts[p][r * k..][..k];
+                for (j, row) in rows.iter().enumerate() {
                     for kk in 0..len {
                         let (q, e) = (kk / 2, kk % 2);
                         tile[q * TK + 2 * j + e] = bf16_bits(row[k0 + kk]);

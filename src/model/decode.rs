@@ -117,15 +117,10 @@ impl<T: Elem> Mat<T> {
         if bf16 && T::DTYPE == DType::F32 {
             // Packed from the weights' own storage where it is f32 and contiguous (a copy
             // otherwise), as the rows of [Σ out_i, in].
-            let k = ws.first().map(|w| w.dim(1)).transpose()?.unwrap_or(0);
+            let k = common_inputs(ws)?;
             let ws: Vec<Tensor> = ws
                 .iter()
-                .map(|w| match w.dims2()? {
-                    (_, i) if i != k => {
-                        candle_core::bail!("packing weights with {i} and {k} inputs side by side")
-                    }
-                    _ => w.to_dtype(DType::F32)?.contiguous(),
-                })
+                .map(|w| w.to_dtype(DType::F32)?.contiguous())
                 .collect::<Result<_>>()?;
             let refs: Vec<&Tensor> = ws.iter().collect();
             let host = Host::new(&refs)?;
@@ -283,6 +278,19 @@ pub fn kv_bytes_per_position(args: &ModelArgs, elem_bytes: usize) -> usize {
     2 * attention * args.num_key_value_heads * args.head_dim * elem_bytes
 }
 
+/// The inputs (`in`) that the weights `[out_i, in]` share; an error when they differ or a
+/// weight is not a matrix (0 for none).
+fn common_inputs(ws: &[&Tensor]) -> Result<usize> {
+    let inp = ws.first().map(|w| w.dim(1)).transpose()?.unwrap_or(0);
+    for w in ws {
+        let (_, i) = w.dims2()?;
+        if i != inp {
+            candle_core::bail!("packing weights with {i} and {inp} inputs side by side");
+        }
+    }
+    Ok(inp)
+}
+
 /// Weights `[out_i, in]` (as stored) side by side as the columns of one `[in, Σ out_i]`
 /// row-major matrix: each transposed into its own column range. Blocked over 64 input rows
 /// per task, so each task's destination stays in cache (candle's strided copy of a transposed
@@ -290,14 +298,10 @@ pub fn kv_bytes_per_position(args: &ModelArgs, elem_bytes: usize) -> usize {
 fn packed_columns<T: Elem>(ws: &[&Tensor]) -> Result<Vec<T>> {
     let mut srcs = Vec::with_capacity(ws.len());
     let mut outs = Vec::with_capacity(ws.len());
-    let inp = ws.first().map(|w| w.dim(1)).transpose()?.unwrap_or(0);
+    let inp = common_inputs(ws)?;
     for w in ws {
-        let (out, i) = w.dims2()?;
-        if i != inp {
-            candle_core::bail!("packing weights with {i} and {inp} inputs side by side");
-        }
         srcs.push(flat::<T>(w)?);
-        outs.push(out);
+        outs.push(w.dim(0)?);
     }
     let total: usize = outs.iter().sum();
     let mut dst = vec![T::zero(); inp * total];
@@ -1020,15 +1024,6 @@ impl Logits {
     /// The rows, for a parallel pass.
     pub fn par_iter(&self) -> rayon::slice::Chunks<'_, f32> {
         self.data.par_chunks(self.vocab.max(1))
-    }
-
-    /// Sequences.
-    pub fn len(&self) -> usize {
-        self.data.len() / self.vocab.max(1)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.data.is_empty()
     }
 }
 

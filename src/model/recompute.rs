@@ -678,14 +678,7 @@ mod tests {
             let grads = |m: &crate::model::CausalLm| {
                 let h = m.forward_hidden(&ids, &pos, &mask, None).unwrap();
                 let (lp, ent) = m.token_logprobs(&h, &ids, 4, true).unwrap();
-                let loss = (lp.sum_all().unwrap() + ent.unwrap().sum_all().unwrap()).unwrap();
-                let g = loss.backward().unwrap();
-                let mut out = Vec::new();
-                for (name, var) in vm.data().lock().unwrap().iter() {
-                    out.push((name.clone(), grad_or_zero(&g, name, var)));
-                }
-                out.sort_by(|a, b| a.0.cmp(&b.0));
-                out
+                named_grads(&vm, &lp, &ent.unwrap())
             };
             for composed in [false, true] {
                 m.set_exec(crate::model::Exec {
@@ -778,6 +771,22 @@ mod tests {
             None if unrouted(name) => vec![0.0; var.elem_count()],
             None => panic!("{name}: no gradient"),
         }
+    }
+
+    /// Every weight's gradient (by name, sorted) of the summed log-probs `lp` plus the summed
+    /// entropies `ent`.
+    fn named_grads(vm: &candle_nn::VarMap, lp: &Tensor, ent: &Tensor) -> Vec<(String, Vec<f64>)> {
+        let loss = (lp.sum_all().unwrap() + ent.sum_all().unwrap()).unwrap();
+        let g = loss.backward().unwrap();
+        let mut grads: Vec<(String, Vec<f64>)> = vm
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(name, var)| (name.clone(), grad_or_zero(&g, name, var)))
+            .collect();
+        grads.sort_by(|a, b| a.0.cmp(&b.0));
+        grads
     }
 
     fn to_f64(t: &Tensor) -> Vec<f64> {
@@ -1027,14 +1036,7 @@ mod tests {
         let (lp, ent) = m
             .token_logprobs(&h.unsqueeze(0).unwrap(), targets, 4, true)
             .unwrap();
-        let loss = (lp.sum_all().unwrap() + ent.unwrap().sum_all().unwrap()).unwrap();
-        let g = loss.backward().unwrap();
-        let mut grads = Vec::new();
-        for (name, var) in vm.data().lock().unwrap().iter() {
-            grads.push((name.clone(), grad_or_zero(&g, name, var)));
-        }
-        grads.sort_by(|a, b| a.0.cmp(&b.0));
-        (to_f64(h), grads)
+        (to_f64(h), named_grads(vm, &lp, &ent.unwrap()))
     }
 
     /// Hidden states, and each weight's gradient by name.
