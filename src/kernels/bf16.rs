@@ -31,6 +31,7 @@
 //! subnormal inputs and outputs to zero, as the instructions define.
 
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use super::simd::Par;
@@ -174,14 +175,15 @@ fn padded(len: usize) -> usize {
 /// `a[m, k]` as A tiles: tile `(rt, kb)` at `(rt·kbs + kb)·TILE`, row `i` = `a[rt·16+i, kb·32..]`.
 fn pack_a(a: &[f32], a_rs: usize, a_cs: usize, m: usize, k: usize, par: bool) -> Vec<u16> {
     let (rts, kbs) = (padded(m) / TR, k.div_ceil(TK));
-    let mut out = vec![0u16; rts * kbs * TILE];
+    let len = rts * kbs * TILE;
     // A decode step's 32 rows (~18k values at 576 inputs) pack faster here than a pool
     // thread wakes up.
-    let par = par && out.len() >= 1 << 16;
-    each_chunk(&mut out, kbs * TILE, par, |rt, panel| {
+    let par = par && len >= 1 << 16;
+    build_tiles(len, kbs * TILE, par, |rt, panel| {
         let rows = TR.min(m.saturating_sub(rt * TR));
         if rows == 0 {
-            return; // padding tiles: zeros
+            zeroed(panel); // padding tiles
+            return;
         }
         for kb in 0..kbs {
             let tile = &mut panel[kb * TILE..][..TILE];
@@ -193,21 +195,21 @@ fn pack_a(a: &[f32], a_rs: usize, a_cs: usize, m: usize, k: usize, par: bool) ->
                 // by the caller for the last row and column).
                 unsafe {
                     if a_cs == 1 {
-                        simd::rows32(a[base..].as_ptr(), a_rs, tile.as_mut_ptr())
+                        simd::rows32(a[base..].as_ptr(), a_rs, tile.as_mut_ptr().cast())
                     } else {
-                        simd::cols_pairs_t(a[base..].as_ptr(), a_cs, tile.as_mut_ptr())
+                        simd::cols_pairs_t(a[base..].as_ptr(), a_cs, tile.as_mut_ptr().cast())
                     }
                 }
                 continue;
             }
+            let tile = zeroed(tile);
             for i in 0..rows {
                 for kk in 0..len {
                     tile[i * TK + kk] = bf16_bits(a[(r0 + i) * a_rs + (k0 + kk) * a_cs]);
                 }
             }
         }
-    });
-    out
+    })
 }
 
 /// `b[k, n]` packed as B tiles for any number of products with it (a weight used by every
@@ -226,36 +228,43 @@ impl PackedB {
             assert!(b.len() > (k - 1) * b_rs + (n - 1) * b_cs);
         }
         let (cts, kbs) = (padded(n) / TR, k.div_ceil(TK));
-        let mut tiles = vec![0u16; cts * kbs * TILE];
-        each_chunk(&mut tiles, kbs * TILE, par == Par::Rayon, |ct, panel| {
-            let cols = TR.min(n.saturating_sub(ct * TR));
-            if cols == 0 {
-                return; // a padding tile: zeros
-            }
-            for kb in 0..kbs {
-                let tile = &mut panel[kb * TILE..][..TILE];
-                let (c0, k0) = (ct * TR, kb * TK);
-                let len = TK.min(k - k0);
-                let base = k0 * b_rs + c0 * b_cs;
-                if cols == TR && len == TK && simd::ok() && (b_cs == 1 || b_rs == 1) {
-                    // SAFETY: a full tile inside `b` (asserted above for the last element).
-                    unsafe {
-                        if b_cs == 1 {
-                            simd::rows_pairs(b[base..].as_ptr(), b_rs, tile.as_mut_ptr())
-                        } else {
-                            simd::rows32_t(b[base..].as_ptr(), b_cs, tile.as_mut_ptr())
+        let tiles = build_tiles(
+            cts * kbs * TILE,
+            kbs * TILE,
+            par == Par::Rayon,
+            |ct, panel| {
+                let cols = TR.min(n.saturating_sub(ct * TR));
+                if cols == 0 {
+                    zeroed(panel); // padding tiles
+                    return;
+                }
+                for kb in 0..kbs {
+                    let tile = &mut panel[kb * TILE..][..TILE];
+                    let (c0, k0) = (ct * TR, kb * TK);
+                    let len = TK.min(k - k0);
+                    let base = k0 * b_rs + c0 * b_cs;
+                    if cols == TR && len == TK && simd::ok() && (b_cs == 1 || b_rs == 1) {
+                        // SAFETY: a full tile inside `b` (asserted above for the last element).
+                        unsafe {
+                            if b_cs == 1 {
+                                simd::rows_pairs(b[base..].as_ptr(), b_rs, tile.as_mut_ptr().cast())
+                            } else {
+                                simd::rows32_t(b[base..].as_ptr(), b_cs, tile.as_mut_ptr().cast())
+                            }
+                        }
+                        continue;
+                    }
+                    let tile = zeroed(tile);
+                    for kk in 0..len {
+                        let (p, e) = (kk / 2, kk % 2);
+                        for j in 0..cols {
+                            tile[p * TK + 2 * j + e] =
+                                bf16_bits(b[(k0 + kk) * b_rs + (c0 + j) * b_cs]);
                         }
                     }
-                    continue;
                 }
-                for kk in 0..len {
-                    let (p, e) = (kk / 2, kk % 2);
-                    for j in 0..cols {
-                        tile[p * TK + 2 * j + e] = bf16_bits(b[(k0 + kk) * b_rs + (c0 + j) * b_cs]);
-                    }
-                }
-            }
-        });
+            },
+        );
         PackedB { k, n, tiles }
     }
 
@@ -279,46 +288,58 @@ impl PackedB {
         }
         starts.push(n);
         let (cts, kbs) = (padded(n) / TR, k.div_ceil(TK));
-        let mut tiles = vec![0u16; cts * kbs * TILE];
         // Column j of B: (part, row) with starts[part] <= j < starts[part + 1].
         let locate = |j: usize| {
             let p = starts.partition_point(|&s| s <= j) - 1;
             (p, j - starts[p])
         };
-        each_chunk(&mut tiles, kbs * TILE, par == Par::Rayon, |ct, panel| {
-            let c0 = ct * TR;
-            let cols = TR.min(n.saturating_sub(c0));
-            if cols == 0 {
-                return; // a padding tile: zeros
-            }
-            let (p0, r0) = locate(c0);
-            // Whether the tile's 16 columns are 16 consecutive rows of one part.
-            let whole = cols == TR && r0 + TR <= starts[p0 + 1] - starts[p0];
-            // Each column's source row (for the element-wise path).
-            let rows: Vec<&[f32]> = (c0..c0 + cols)
-                .map(|j| {
-                    let (p, r) = locate(j);
-                    &parts[p][r * k..][..k]
-                })
-                .collect();
-            for kb in 0..kbs {
-                let tile = &mut panel[kb * TILE..][..TILE];
-                let k0 = kb * TK;
-                let len = TK.min(k - k0);
-                if whole && len == TK && simd::ok() {
-                    let part = parts[p0];
-                    // SAFETY: rows r0..r0+16 and inputs k0..k0+32 lie inside the part.
-                    unsafe { simd::rows32_t(part[r0 * k + k0..].as_ptr(), k, tile.as_mut_ptr()) };
-                    continue;
+        let tiles = build_tiles(
+            cts * kbs * TILE,
+            kbs * TILE,
+            par == Par::Rayon,
+            |ct, panel| {
+                let c0 = ct * TR;
+                let cols = TR.min(n.saturating_sub(c0));
+                if cols == 0 {
+                    zeroed(panel); // padding tiles
+                    return;
                 }
-                for (j, row) in rows.iter().enumerate() {
-                    for kk in 0..len {
-                        let (q, e) = (kk / 2, kk % 2);
-                        tile[q * TK + 2 * j + e] = bf16_bits(row[k0 + kk]);
+                let (p0, r0) = locate(c0);
+                // Whether the tile's 16 columns are 16 consecutive rows of one part.
+                let whole = cols == TR && r0 + TR <= starts[p0 + 1] - starts[p0];
+                // Each column's source row (for the element-wise path).
+                let rows: Vec<&[f32]> = (c0..c0 + cols)
+                    .map(|j| {
+                        let (p, r) = locate(j);
+                        &parts[p][r * k..][..k]
+                    })
+                    .collect();
+                for kb in 0..kbs {
+                    let tile = &mut panel[kb * TILE..][..TILE];
+                    let k0 = kb * TK;
+                    let len = TK.min(k - k0);
+                    if whole && len == TK && simd::ok() {
+                        let part = parts[p0];
+                        // SAFETY: rows r0..r0+16 and inputs k0..k0+32 lie inside the part.
+                        unsafe {
+                            simd::rows32_t(
+                                part[r0 * k + k0..].as_ptr(),
+                                k,
+                                tile.as_mut_ptr().cast(),
+                            )
+                        };
+                        continue;
+                    }
+                    let tile = zeroed(tile);
+                    for (j, row) in rows.iter().enumerate() {
+                        for kk in 0..len {
+                            let (q, e) = (kk / 2, kk % 2);
+                            tile[q * TK + 2 * j + e] = bf16_bits(row[k0 + kk]);
+                        }
                     }
                 }
-            }
-        });
+            },
+        );
         PackedB { k, n, tiles }
     }
 
@@ -329,7 +350,7 @@ impl PackedB {
 }
 
 /// `f(index, chunk)` over `out`'s chunks of `len`, on rayon's threads or on this one.
-fn each_chunk(out: &mut [u16], len: usize, par: bool, f: impl Fn(usize, &mut [u16]) + Sync) {
+fn each_chunk<T: Send>(out: &mut [T], len: usize, par: bool, f: impl Fn(usize, &mut [T]) + Sync) {
     if len == 0 {
         return;
     }
@@ -340,6 +361,35 @@ fn each_chunk(out: &mut [u16], len: usize, par: bool, f: impl Fn(usize, &mut [u1
     } else {
         out.chunks_mut(len).enumerate().for_each(|(i, c)| f(i, c));
     }
+}
+
+/// `len` packed values made chunk by chunk (`chunk` values each, as [`each_chunk`]) without
+/// clearing them first: `f(i, values)` writes every value of chunk `i` — a whole tile by a
+/// packer of [`simd`], or [`zeroed`] and then filled. (Clearing first was ~3 % of a GRPO step's
+/// CPU time, in `memset`.) Builds with debug assertions (the tests) fill the buffer with a bf16
+/// NaN first, so a value left unwritten shows in every product that reads it.
+fn build_tiles(
+    len: usize,
+    chunk: usize,
+    par: bool,
+    f: impl Fn(usize, &mut [MaybeUninit<u16>]) + Sync,
+) -> Vec<u16> {
+    let mut v: Vec<u16> = Vec::with_capacity(len);
+    let values = &mut v.spare_capacity_mut()[..len];
+    if cfg!(debug_assertions) {
+        values.fill(MaybeUninit::new(0x7fc1));
+    }
+    each_chunk(values, chunk, par, f);
+    // SAFETY: every value was written (`f`'s contract above).
+    unsafe { v.set_len(len) };
+    v
+}
+
+/// `values` set to zero, as initialised values.
+fn zeroed(values: &mut [MaybeUninit<u16>]) -> &mut [u16] {
+    values.fill(MaybeUninit::new(0));
+    // SAFETY: every value was just written; MaybeUninit<u16> has u16's layout.
+    unsafe { &mut *(values as *mut [MaybeUninit<u16>] as *mut [u16]) }
 }
 
 /// Whole-tile packing with AVX-512 (every AMX CPU has it): 16 values converted per instruction,
