@@ -190,14 +190,15 @@ fn pack_a(a: &[f32], a_rs: usize, a_cs: usize, m: usize, k: usize, par: bool) ->
             let (r0, k0) = (rt * TR, kb * TK);
             let len = TK.min(k - k0);
             let base = r0 * a_rs + k0 * a_cs;
-            if rows == TR && len == TK && simd::ok() && (a_cs == 1 || a_rs == 1) {
-                // SAFETY: a full tile: rows r0..r0+16 and k0..k0+32 are inside `a` (asserted
-                // by the caller for the last row and column).
+            if simd::ok() && (a_cs == 1 || a_rs == 1) {
+                // SAFETY: rows r0..r0+rows and k0..k0+len are inside `a` (asserted by the
+                // caller for the last row and column); the packer reads nothing else.
                 unsafe {
+                    let (p, dst) = (a[base..].as_ptr(), tile.as_mut_ptr().cast());
                     if a_cs == 1 {
-                        simd::rows32(a[base..].as_ptr(), a_rs, tile.as_mut_ptr().cast())
+                        simd::rows32(p, a_rs, rows, len, dst)
                     } else {
-                        simd::cols_pairs_t(a[base..].as_ptr(), a_cs, tile.as_mut_ptr().cast())
+                        simd::cols_pairs_t(p, a_cs, rows, len, dst)
                     }
                 }
                 continue;
@@ -243,13 +244,15 @@ impl PackedB {
                     let (c0, k0) = (ct * TR, kb * TK);
                     let len = TK.min(k - k0);
                     let base = k0 * b_rs + c0 * b_cs;
-                    if cols == TR && len == TK && simd::ok() && (b_cs == 1 || b_rs == 1) {
-                        // SAFETY: a full tile inside `b` (asserted above for the last element).
+                    if simd::ok() && (b_cs == 1 || b_rs == 1) {
+                        // SAFETY: columns c0..c0+cols and k0..k0+len are inside `b` (asserted
+                        // above for the last element); the packer reads nothing else.
                         unsafe {
+                            let (p, dst) = (b[base..].as_ptr(), tile.as_mut_ptr().cast());
                             if b_cs == 1 {
-                                simd::rows_pairs(b[base..].as_ptr(), b_rs, tile.as_mut_ptr().cast())
+                                simd::rows_pairs(p, b_rs, cols, len, dst)
                             } else {
-                                simd::rows32_t(b[base..].as_ptr(), b_cs, tile.as_mut_ptr().cast())
+                                simd::rows32_t(p, b_cs, cols, len, dst)
                             }
                         }
                         continue;
@@ -305,8 +308,8 @@ impl PackedB {
                     return;
                 }
                 let (p0, r0) = locate(c0);
-                // Whether the tile's 16 columns are 16 consecutive rows of one part.
-                let whole = cols == TR && r0 + TR <= starts[p0 + 1] - starts[p0];
+                // Whether the tile's columns are consecutive rows of one part.
+                let whole = r0 + cols <= starts[p0 + 1] - starts[p0];
                 // Each column's source row (for the element-wise path).
                 let rows: Vec<&[f32]> = (c0..c0 + cols)
                     .map(|j| {
@@ -318,13 +321,15 @@ impl PackedB {
                     let tile = &mut panel[kb * TILE..][..TILE];
                     let k0 = kb * TK;
                     let len = TK.min(k - k0);
-                    if whole && len == TK && simd::ok() {
+                    if whole && simd::ok() {
                         let part = parts[p0];
-                        // SAFETY: rows r0..r0+16 and inputs k0..k0+32 lie inside the part.
+                        // SAFETY: rows r0..r0+cols and inputs k0..k0+len lie inside the part.
                         unsafe {
                             simd::rows32_t(
                                 part[r0 * k + k0..].as_ptr(),
                                 k,
+                                cols,
+                                len,
                                 tile.as_mut_ptr().cast(),
                             )
                         };
@@ -404,12 +409,24 @@ mod simd {
             && std::arch::is_x86_feature_detected!("avx512bw")
     }
 
-    /// 16 f32 at `p` → bf16 bits in the low half of each 32-bit lane (nearest even; NaN quiet).
+    /// The first `n` of 16 lanes (`n` ≥ 16: all).
+    #[inline]
+    pub fn lanes(n: usize) -> __mmask16 {
+        if n >= 16 {
+            0xffff
+        } else {
+            ((1u32 << n) - 1) as __mmask16
+        }
+    }
+
+    /// The f32 at `p` in lanes `m` (the others 0, never read) → bf16 bits in the low half of
+    /// each 32-bit lane (nearest even; NaN quiet).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn conv16(p: *const f32) -> __m512i {
-        // SAFETY: the caller guarantees 16 readable f32 at p.
-        let b = unsafe { _mm512_loadu_si512(p as *const __m512i) };
+    unsafe fn conv16(p: *const f32, m: __mmask16) -> __m512i {
+        // SAFETY: the caller guarantees the lanes of `m` readable at p; a masked load does not
+        // touch the others.
+        let b = unsafe { _mm512_maskz_loadu_epi32(m, p as *const i32) };
         let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
         let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(
             b,
@@ -421,12 +438,18 @@ mod simd {
         _mm512_mask_mov_epi32(r, nan, quiet)
     }
 
-    /// 32 contiguous f32 at `p` → 32 bf16 in order (16 pairs `(p[2i], p[2i+1])` as u32 lanes).
+    /// The first `len` (≤ 32) contiguous f32 at `p` → 32 bf16 in order, zeros after `len` (16
+    /// pairs `(p[2i], p[2i+1])` as u32 lanes).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn conv32(p: *const f32) -> __m512i {
-        // SAFETY: the caller guarantees 32 readable f32 at p.
-        let (lo, hi) = unsafe { (conv16(p), conv16(p.add(16))) };
+    unsafe fn conv32(p: *const f32, len: usize) -> __m512i {
+        // SAFETY: the caller guarantees `len` readable f32 at p; the upper half is read only
+        // when it has any.
+        let lo = unsafe { conv16(p, lanes(len)) };
+        let hi = match len > 16 {
+            true => unsafe { conv16(p.add(16), lanes(len - 16)) },
+            false => _mm512_setzero_si512(),
+        };
         _mm512_inserti64x4::<1>(
             _mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)),
             _mm512_cvtepi32_epi16(hi),
@@ -475,65 +498,99 @@ mod simd {
         o
     }
 
-    /// A tile whose rows are contiguous: row `i` = the 32 f32 at `p + i·rs`.
+    // Each packer writes a whole tile (512 u16 at `dst`) from its first `r` rows (A) or
+    // columns (B) of 16 and first `len` of 32 values along k, zeros elsewhere: full tiles and
+    // the edges of a matrix alike. Nothing outside those `r × len` values is read.
+
+    /// An A tile whose rows are contiguous: row `i` = the f32 at `p + i·rs`.
     ///
     /// # Safety
-    /// 16 rows of 32 readable f32 at `p` with stride `rs`; 512 writable u16 at `dst`.
+    /// `r` ≤ 16 rows of `len` ≤ 32 readable f32 at `p` with stride `rs`; 512 writable u16 at
+    /// `dst`.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub unsafe fn rows32(p: *const f32, rs: usize, dst: *mut u16) {
+    pub unsafe fn rows32(p: *const f32, rs: usize, r: usize, len: usize, dst: *mut u16) {
         for i in 0..16 {
+            let v = match i < r {
+                // SAFETY: per the contract.
+                true => unsafe { conv32(p.add(i * rs), len) },
+                false => _mm512_setzero_si512(),
+            };
             // SAFETY: per the contract.
-            unsafe { _mm512_storeu_si512(dst.add(i * 32) as *mut __m512i, conv32(p.add(i * rs))) };
+            unsafe { _mm512_storeu_si512(dst.add(i * 32) as *mut __m512i, v) };
         }
     }
 
-    /// A tile of 32-bit pairs, transposed: tile row `p` lane `j` = the pair at `p + j·cs` (two
-    /// contiguous f32 at offset `2p`): B tiles from a matrix whose k runs contiguously.
+    /// A B tile of 32-bit pairs, transposed: tile row `q` lane `j` = the pair at `p + j·cs +
+    /// 2q` (k runs contiguously in the source).
     ///
     /// # Safety
-    /// 16 runs of 32 readable f32 at `p` with stride `cs`; 512 writable u16 at `dst`.
+    /// `r` ≤ 16 runs of `len` ≤ 32 readable f32 at `p` with stride `cs`; 512 writable u16 at
+    /// `dst`.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub unsafe fn rows32_t(p: *const f32, cs: usize, dst: *mut u16) {
-        let mut r = [_mm512_setzero_si512(); 16];
-        for (j, rj) in r.iter_mut().enumerate() {
+    pub unsafe fn rows32_t(p: *const f32, cs: usize, r: usize, len: usize, dst: *mut u16) {
+        let mut rows = [_mm512_setzero_si512(); 16];
+        for (j, rj) in rows.iter_mut().enumerate().take(r) {
             // SAFETY: per the contract.
-            *rj = unsafe { conv32(p.add(j * cs)) };
+            *rj = unsafe { conv32(p.add(j * cs), len) };
         }
-        for (i, o) in transpose(r).into_iter().enumerate() {
+        for (i, o) in transpose(rows).into_iter().enumerate() {
             // SAFETY: per the contract.
             unsafe { _mm512_storeu_si512(dst.add(i * 32) as *mut __m512i, o) };
         }
     }
 
-    /// A tile of pairs from two rows each: tile row `q` = (`p[2q·rs + j]`, `p[(2q+1)·rs + j]`)
-    /// for j in 0..16: B tiles from a matrix whose columns run contiguously.
+    /// The f32 at `p` in lanes `m`, when `k < len` (else zeros, nothing read).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn conv16_if(p: *const f32, k: usize, len: usize, m: __mmask16) -> __m512i {
+        match k < len {
+            // SAFETY: the caller's contract covers k < len.
+            true => unsafe { conv16(p, m) },
+            false => _mm512_setzero_si512(),
+        }
+    }
+
+    /// A B tile of pairs from two rows each: tile row `q` = (`p[2q·rs + j]`, `p[(2q+1)·rs +
+    /// j]`) for j < 16 (the columns run contiguously in the source).
     ///
     /// # Safety
-    /// 32 rows of 16 readable f32 at `p` with stride `rs`; 512 writable u16 at `dst`.
+    /// `len` ≤ 32 rows of `r` ≤ 16 readable f32 at `p` with stride `rs`; 512 writable u16 at
+    /// `dst`.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub unsafe fn rows_pairs(p: *const f32, rs: usize, dst: *mut u16) {
+    pub unsafe fn rows_pairs(p: *const f32, rs: usize, r: usize, len: usize, dst: *mut u16) {
+        let m = lanes(r);
         for q in 0..16 {
-            // SAFETY: per the contract.
+            let (k0, k1) = (2 * q, 2 * q + 1);
+            // SAFETY: per the contract (rows k0, k1 read only below len).
             unsafe {
-                let v = pair(conv16(p.add(2 * q * rs)), conv16(p.add((2 * q + 1) * rs)));
-                _mm512_storeu_si512(dst.add(q * 32) as *mut __m512i, v);
+                let lo = conv16_if(p.wrapping_add(k0 * rs), k0, len, m);
+                let hi = conv16_if(p.wrapping_add(k1 * rs), k1, len, m);
+                _mm512_storeu_si512(dst.add(q * 32) as *mut __m512i, pair(lo, hi));
             }
         }
     }
 
-    /// The same pairs, transposed: tile row `i` lane `q` = (`p[2q·cs + i]`, `p[(2q+1)·cs + i]`):
-    /// A tiles from a matrix whose rows (of A) run contiguously down its columns.
+    /// The same pairs, transposed: A tile row `i` lane `q` = (`p[2q·cs + i]`, `p[(2q+1)·cs +
+    /// i]`) (A's rows run contiguously down its columns in the source).
     ///
     /// # Safety
-    /// 32 runs of 16 readable f32 at `p` with stride `cs`; 512 writable u16 at `dst`.
+    /// `len` ≤ 32 runs of `r` ≤ 16 readable f32 at `p` with stride `cs`; 512 writable u16 at
+    /// `dst`.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub unsafe fn cols_pairs_t(p: *const f32, cs: usize, dst: *mut u16) {
-        let mut r = [_mm512_setzero_si512(); 16];
-        for (q, rq) in r.iter_mut().enumerate() {
-            // SAFETY: per the contract.
-            *rq = unsafe { pair(conv16(p.add(2 * q * cs)), conv16(p.add((2 * q + 1) * cs))) };
+    pub unsafe fn cols_pairs_t(p: *const f32, cs: usize, r: usize, len: usize, dst: *mut u16) {
+        let m = lanes(r);
+        let mut rows = [_mm512_setzero_si512(); 16];
+        for (q, rq) in rows.iter_mut().enumerate() {
+            let (k0, k1) = (2 * q, 2 * q + 1);
+            // SAFETY: per the contract (runs k0, k1 read only below len).
+            *rq = unsafe {
+                pair(
+                    conv16_if(p.wrapping_add(k0 * cs), k0, len, m),
+                    conv16_if(p.wrapping_add(k1 * cs), k1, len, m),
+                )
+            };
         }
-        for (i, o) in transpose(r).into_iter().enumerate() {
+        for (i, o) in transpose(rows).into_iter().enumerate() {
             // SAFETY: per the contract.
             unsafe { _mm512_storeu_si512(dst.add(i * 32) as *mut __m512i, o) };
         }
@@ -545,10 +602,10 @@ mod simd {
     pub fn ok() -> bool {
         false
     }
-    pub unsafe fn rows32(_: *const f32, _: usize, _: *mut u16) {}
-    pub unsafe fn rows32_t(_: *const f32, _: usize, _: *mut u16) {}
-    pub unsafe fn rows_pairs(_: *const f32, _: usize, _: *mut u16) {}
-    pub unsafe fn cols_pairs_t(_: *const f32, _: usize, _: *mut u16) {}
+    pub unsafe fn rows32(_: *const f32, _: usize, _: usize, _: usize, _: *mut u16) {}
+    pub unsafe fn rows32_t(_: *const f32, _: usize, _: usize, _: usize, _: *mut u16) {}
+    pub unsafe fn rows_pairs(_: *const f32, _: usize, _: usize, _: usize, _: *mut u16) {}
+    pub unsafe fn cols_pairs_t(_: *const f32, _: usize, _: usize, _: usize, _: *mut u16) {}
 }
 
 /// The tile configuration `ldtilecfg` reads: palette 1, tiles 0-7 all 16 rows × 64 bytes.
@@ -966,6 +1023,74 @@ struct Buf([f32; 1024]);
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    /// Each AVX-512 packer against the tile layout its documentation gives, written out here
+    /// element by element: full and edge tiles (rows or columns 1, 7, 16; k-lengths 1, 2, 17,
+    /// 31, 32). Every source value outside the `r × len` block is NaN: a packer that read one
+    /// would leave a NaN where the layout has a zero.
+    #[test]
+    fn tile_packers_write_their_layout_and_read_only_their_block() {
+        if !simd::ok() {
+            eprintln!("skipped: no AVX-512 on this machine");
+            return;
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let stride = 40; // between the 16 (or 32) runs
+        type Packer = unsafe fn(*const f32, usize, usize, usize, *mut u16);
+        // (name, packer, source index of (run-major position `i` of 16, k position `kk` of 32)
+        // and the tile index it lands on).
+        #[allow(clippy::type_complexity)]
+        let packers: [(
+            &str,
+            Packer,
+            fn(usize, usize) -> usize,
+            fn(usize, usize) -> usize,
+        ); 4] = [
+            (
+                "rows32",
+                simd::rows32,
+                |i, kk| i * 40 + kk,
+                |i, kk| i * TK + kk,
+            ),
+            (
+                "rows32_t",
+                simd::rows32_t,
+                |j, kk| j * 40 + kk,
+                |j, kk| (kk / 2) * TK + 2 * j + kk % 2,
+            ),
+            (
+                "rows_pairs",
+                simd::rows_pairs,
+                |j, kk| kk * 40 + j,
+                |j, kk| (kk / 2) * TK + 2 * j + kk % 2,
+            ),
+            (
+                "cols_pairs_t",
+                simd::cols_pairs_t,
+                |i, kk| kk * 40 + i,
+                |i, kk| i * TK + kk,
+            ),
+        ];
+        for (name, pack, src, dst) in packers {
+            for r in [1, 7, 16] {
+                for len in [1, 2, 17, 31, 32] {
+                    let mut a = vec![f32::NAN; 40 * 40];
+                    let mut want = vec![0u16; TILE];
+                    for i in 0..r {
+                        for kk in 0..len {
+                            let v: f32 = rng.random_range(-2.0..2.0);
+                            a[src(i, kk)] = v;
+                            want[dst(i, kk)] = bf16_bits(v);
+                        }
+                    }
+                    let mut got = vec![0xffffu16; TILE];
+                    // SAFETY: the block's values lie inside `a` (40 × 40); 512 u16 in `got`.
+                    unsafe { pack(a.as_ptr(), stride, r, len, got.as_mut_ptr()) };
+                    assert_eq!(got, want, "{name}: {r} runs × {len}");
+                }
+            }
+        }
+    }
 
     /// `from_rows` on separate parts gives the tiles `new` gives on their stacked copy, bit
     /// for bit: parts whose row counts are and are not multiples of a tile's 16 columns, k
