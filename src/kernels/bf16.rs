@@ -174,43 +174,83 @@ fn padded(len: usize) -> usize {
 
 /// `a[m, k]` as A tiles: tile `(rt, kb)` at `(rt·kbs + kb)·TILE`, row `i` = `a[rt·16+i, kb·32..]`.
 fn pack_a(a: &[f32], a_rs: usize, a_cs: usize, m: usize, k: usize, par: bool) -> Vec<u16> {
-    let (rts, kbs) = (padded(m) / TR, k.div_ceil(TK));
-    let len = rts * kbs * TILE;
     // A decode step's 32 rows (~18k values at 576 inputs) pack faster here than a pool
     // thread wakes up.
-    let par = par && len >= 1 << 16;
-    build_tiles(len, kbs * TILE, par, |rt, panel| {
-        let rows = TR.min(m.saturating_sub(rt * TR));
-        if rows == 0 {
-            zeroed(panel); // padding tiles
-            return;
+    let par = par && padded(m) * k.div_ceil(TK) * TK >= 1 << 16;
+    pack_tiles(a, a_rs, a_cs, m, k, Side::A, par)
+}
+
+/// The operand a tile feeds: A tiles hold 16 rows of 32 k-values each; B tiles 16 columns of
+/// 32 k-values as VNNI pairs (tile row `q` = the pairs at k `2q`, `2q + 1` of every column).
+#[derive(Clone, Copy)]
+enum Side {
+    A,
+    B,
+}
+
+impl Side {
+    /// Where run `i` (a row of A, a column of B) at k-position `kk` lies in a tile.
+    fn at(self, i: usize, kk: usize) -> usize {
+        match self {
+            Side::A => i * TK + kk,
+            Side::B => (kk / 2) * TK + 2 * i + kk % 2,
         }
-        for kb in 0..kbs {
-            let tile = &mut panel[kb * TILE..][..TILE];
-            let (r0, k0) = (rt * TR, kb * TK);
-            let len = TK.min(k - k0);
-            let base = r0 * a_rs + k0 * a_cs;
-            if simd::ok() && (a_cs == 1 || a_rs == 1) {
-                // SAFETY: rows r0..r0+rows and k0..k0+len are inside `a` (asserted by the
-                // caller for the last row and column); the packer reads nothing else.
-                unsafe {
-                    let (p, dst) = (a[base..].as_ptr(), tile.as_mut_ptr().cast());
-                    if a_cs == 1 {
-                        simd::rows32(p, a_rs, rows, len, dst)
-                    } else {
-                        simd::cols_pairs_t(p, a_cs, rows, len, dst)
+    }
+}
+
+/// `runs` runs (rows of A or columns of B) of `k` values, value `kk` of run `i` at
+/// `src[i·run_s + kk·k_s]`, as `side`'s tiles: tile `(t, kb)` at `(t·kbs + kb)·TILE` holds runs
+/// `t·16..` and values `kb·32..`, zeros past the ends. Whole runs or whole k-columns in
+/// contiguous memory go through the AVX-512 packers (edges included), others element by
+/// element.
+fn pack_tiles(
+    src: &[f32],
+    run_s: usize,
+    k_s: usize,
+    runs: usize,
+    k: usize,
+    side: Side,
+    par: bool,
+) -> Vec<u16> {
+    let kbs = k.div_ceil(TK);
+    build_tiles(
+        padded(runs) / TR * kbs * TILE,
+        kbs * TILE,
+        par,
+        |t, panel| {
+            let r = TR.min(runs.saturating_sub(t * TR));
+            if r == 0 {
+                zeroed(panel); // padding tiles
+                return;
+            }
+            for kb in 0..kbs {
+                let tile = &mut panel[kb * TILE..][..TILE];
+                let (i0, k0) = (t * TR, kb * TK);
+                let len = TK.min(k - k0);
+                let base = i0 * run_s + k0 * k_s;
+                if simd::ok() && (k_s == 1 || run_s == 1) {
+                    // SAFETY: runs i0..i0+r and values k0..k0+len are inside `src` (the callers
+                    // assert the last run's last value); the packer reads nothing else.
+                    unsafe {
+                        let (p, dst) = (src[base..].as_ptr(), tile.as_mut_ptr().cast());
+                        match side {
+                            Side::A if k_s == 1 => simd::rows32(p, run_s, r, len, dst),
+                            Side::A => simd::cols_pairs_t(p, k_s, r, len, dst),
+                            Side::B if run_s == 1 => simd::rows_pairs(p, k_s, r, len, dst),
+                            Side::B => simd::rows32_t(p, run_s, r, len, dst),
+                        }
+                    }
+                    continue;
+                }
+                let tile = zeroed(tile);
+                for i in 0..r {
+                    for kk in 0..len {
+                        tile[side.at(i, kk)] = bf16_bits(src[base + i * run_s + kk * k_s]);
                     }
                 }
-                continue;
             }
-            let tile = zeroed(tile);
-            for i in 0..rows {
-                for kk in 0..len {
-                    tile[i * TK + kk] = bf16_bits(a[(r0 + i) * a_rs + (k0 + kk) * a_cs]);
-                }
-            }
-        }
-    })
+        },
+    )
 }
 
 /// `b[k, n]` packed as B tiles for any number of products with it (a weight used by every
@@ -228,46 +268,7 @@ impl PackedB {
         if k > 0 && n > 0 {
             assert!(b.len() > (k - 1) * b_rs + (n - 1) * b_cs);
         }
-        let (cts, kbs) = (padded(n) / TR, k.div_ceil(TK));
-        let tiles = build_tiles(
-            cts * kbs * TILE,
-            kbs * TILE,
-            par == Par::Rayon,
-            |ct, panel| {
-                let cols = TR.min(n.saturating_sub(ct * TR));
-                if cols == 0 {
-                    zeroed(panel); // padding tiles
-                    return;
-                }
-                for kb in 0..kbs {
-                    let tile = &mut panel[kb * TILE..][..TILE];
-                    let (c0, k0) = (ct * TR, kb * TK);
-                    let len = TK.min(k - k0);
-                    let base = k0 * b_rs + c0 * b_cs;
-                    if simd::ok() && (b_cs == 1 || b_rs == 1) {
-                        // SAFETY: columns c0..c0+cols and k0..k0+len are inside `b` (asserted
-                        // above for the last element); the packer reads nothing else.
-                        unsafe {
-                            let (p, dst) = (b[base..].as_ptr(), tile.as_mut_ptr().cast());
-                            if b_cs == 1 {
-                                simd::rows_pairs(p, b_rs, cols, len, dst)
-                            } else {
-                                simd::rows32_t(p, b_cs, cols, len, dst)
-                            }
-                        }
-                        continue;
-                    }
-                    let tile = zeroed(tile);
-                    for kk in 0..len {
-                        let (p, e) = (kk / 2, kk % 2);
-                        for j in 0..cols {
-                            tile[p * TK + 2 * j + e] =
-                                bf16_bits(b[(k0 + kk) * b_rs + (c0 + j) * b_cs]);
-                        }
-                    }
-                }
-            },
-        );
+        let tiles = pack_tiles(b, b_cs, b_rs, n, k, Side::B, par == Par::Rayon);
         PackedB { k, n, tiles }
     }
 
@@ -308,9 +309,26 @@ impl PackedB {
                     return;
                 }
                 let (p0, r0) = locate(c0);
-                // Whether the tile's columns are consecutive rows of one part.
-                let whole = r0 + cols <= starts[p0 + 1] - starts[p0];
-                // Each column's source row (for the element-wise path).
+                if simd::ok() && r0 + cols <= starts[p0 + 1] - starts[p0] {
+                    // The tile's columns are consecutive rows of one part.
+                    let part = parts[p0];
+                    for kb in 0..kbs {
+                        let k0 = kb * TK;
+                        // SAFETY: rows r0..r0+cols and inputs k0..k0+TK.min(k - k0) lie
+                        // inside the part; the tile holds TILE values.
+                        unsafe {
+                            simd::rows32_t(
+                                part[r0 * k + k0..].as_ptr(),
+                                k,
+                                cols,
+                                TK.min(k - k0),
+                                panel[kb * TILE..][..TILE].as_mut_ptr().cast(),
+                            )
+                        };
+                    }
+                    return;
+                }
+                // Element by element, each column from its own part's row.
                 let rows: Vec<&[f32]> = (c0..c0 + cols)
                     .map(|j| {
                         let (p, r) = locate(j);
@@ -318,28 +336,11 @@ impl PackedB {
                     })
                     .collect();
                 for kb in 0..kbs {
-                    let tile = &mut panel[kb * TILE..][..TILE];
+                    let tile = zeroed(&mut panel[kb * TILE..][..TILE]);
                     let k0 = kb * TK;
-                    let len = TK.min(k - k0);
-                    if whole && simd::ok() {
-                        let part = parts[p0];
-                        // SAFETY: rows r0..r0+cols and inputs k0..k0+len lie inside the part.
-                        unsafe {
-                            simd::rows32_t(
-                                part[r0 * k + k0..].as_ptr(),
-                                k,
-                                cols,
-                                len,
-                                tile.as_mut_ptr().cast(),
-                            )
-                        };
-                        continue;
-                    }
-                    let tile = zeroed(tile);
                     for (j, row) in rows.iter().enumerate() {
-                        for kk in 0..len {
-                            let (q, e) = (kk / 2, kk % 2);
-                            tile[q * TK + 2 * j + e] = bf16_bits(row[k0 + kk]);
+                        for kk in 0..TK.min(k - k0) {
+                            tile[Side::B.at(j, kk)] = bf16_bits(row[k0 + kk]);
                         }
                     }
                 }
@@ -1035,7 +1036,7 @@ mod tests {
             return;
         }
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
-        let stride = 40; // between the 16 (or 32) runs
+        const S: usize = 40; // the source's stride between the 16 (or 32) runs
         type Packer = unsafe fn(*const f32, usize, usize, usize, *mut u16);
         // (name, packer, source index of (run-major position `i` of 16, k position `kk` of 32)
         // and the tile index it lands on).
@@ -1049,32 +1050,32 @@ mod tests {
             (
                 "rows32",
                 simd::rows32,
-                |i, kk| i * 40 + kk,
+                |i, kk| i * S + kk,
                 |i, kk| i * TK + kk,
             ),
             (
                 "rows32_t",
                 simd::rows32_t,
-                |j, kk| j * 40 + kk,
+                |j, kk| j * S + kk,
                 |j, kk| (kk / 2) * TK + 2 * j + kk % 2,
             ),
             (
                 "rows_pairs",
                 simd::rows_pairs,
-                |j, kk| kk * 40 + j,
+                |j, kk| kk * S + j,
                 |j, kk| (kk / 2) * TK + 2 * j + kk % 2,
             ),
             (
                 "cols_pairs_t",
                 simd::cols_pairs_t,
-                |i, kk| kk * 40 + i,
+                |i, kk| kk * S + i,
                 |i, kk| i * TK + kk,
             ),
         ];
         for (name, pack, src, dst) in packers {
             for r in [1, 7, 16] {
                 for len in [1, 2, 17, 31, 32] {
-                    let mut a = vec![f32::NAN; 40 * 40];
+                    let mut a = vec![f32::NAN; S * S];
                     let mut want = vec![0u16; TILE];
                     for i in 0..r {
                         for kk in 0..len {
@@ -1084,8 +1085,8 @@ mod tests {
                         }
                     }
                     let mut got = vec![0xffffu16; TILE];
-                    // SAFETY: the block's values lie inside `a` (40 × 40); 512 u16 in `got`.
-                    unsafe { pack(a.as_ptr(), stride, r, len, got.as_mut_ptr()) };
+                    // SAFETY: the block's values lie inside `a` (S × S); 512 u16 in `got`.
+                    unsafe { pack(a.as_ptr(), S, r, len, got.as_mut_ptr()) };
                     assert_eq!(got, want, "{name}: {r} runs × {len}");
                 }
             }
