@@ -39,6 +39,17 @@ pub fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
     d.into_iter().fold(0.0, f64::max)
 }
 
+/// The largest absolute difference of `got` from `want`, and `want`'s largest entry (at least
+/// 1e-12): an error and the scale it is judged against.
+pub fn worst_of(got: &[f64], want: &[f64]) -> (f64, f64) {
+    let scale = want.iter().fold(0f64, |s, x| s.max(x.abs())).max(1e-12);
+    let worst = got
+        .iter()
+        .zip(want)
+        .fold(0f64, |s, (a, b)| s.max((a - b).abs()));
+    (worst, scale)
+}
+
 /// The Gated DeltaNet hybrids (their own paths: the op composition, the composition's cache).
 pub const HYBRID_ARCHS: [crate::model::Arch; 3] = [
     crate::model::Arch::Qwen3_5,

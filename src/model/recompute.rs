@@ -1042,17 +1042,11 @@ mod tests {
     /// Hidden states, the targets' log-probs, and each weight's gradient by name.
     type StatesAndGrads = (Vec<f64>, Vec<f64>, Vec<(String, Vec<f64>)>);
 
-    /// The largest `|a − b|` over `a` and `b`, as a fraction of `b`'s largest magnitude (`b`
-    /// all zero: the largest difference itself).
+    /// The largest `|a − b|` as a fraction of `b`'s largest magnitude (`b` all zero: any
+    /// difference is enormous).
     fn worst(a: &[f64], b: &[f64]) -> f64 {
-        assert_eq!(a.len(), b.len());
-        let scale = b.iter().fold(0f64, |s, x| s.max(x.abs()));
-        let diff = a.iter().zip(b).fold(0f64, |d, (x, y)| d.max((x - y).abs()));
-        if scale > 0.0 {
-            diff / scale
-        } else {
-            diff
-        }
+        let (d, scale) = crate::testing::worst_of(a, b);
+        d / scale
     }
 
     /// [`states_and_grads`] of a layout under test (`got`) against the reference layout's

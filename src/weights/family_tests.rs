@@ -197,17 +197,6 @@ const EXEC_PATHS: [Exec; 3] = [
     },
 ];
 
-/// The largest absolute difference of `got` from `want`, and `want`'s largest entry (at least
-/// 1e-12): a gradient's error and the scale it is judged against.
-fn worst_of(got: &[f64], want: &[f64]) -> (f64, f64) {
-    let scale = want.iter().fold(0f64, |s, x| s.max(x.abs())).max(1e-12);
-    let worst = got
-        .iter()
-        .zip(want)
-        .fold(0f64, |s, (a, b)| s.max((a - b).abs()));
-    (worst, scale)
-}
-
 /// Log-probs, loss and every parameter's gradient equal PyTorch's: values within `tol`
 /// relative (absolute below 1), each gradient within `rel` of its tensor's largest entry, for every execution
 /// path and layout.
@@ -250,7 +239,7 @@ fn training_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
                     .to_vec1()
                     .unwrap();
                 let want: Vec<f64> = grads[pname].flatten_all().unwrap().to_vec1().unwrap();
-                let (worst, scale) = worst_of(&got, &want);
+                let (worst, scale) = crate::testing::worst_of(&got, &want);
                 assert!(
                     worst <= rel * scale,
                     "{case}: ∂L/∂{pname} off by {worst:.3e} (largest entry {scale:.3e})"
@@ -564,7 +553,7 @@ fn router_aux_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
                     continue;
                 };
                 let want: Vec<f64> = want.flatten_all().unwrap().to_vec1().unwrap();
-                let (worst, scale) = worst_of(&got, &want);
+                let (worst, scale) = crate::testing::worst_of(&got, &want);
                 assert!(
                     worst <= rel * scale,
                     "{case}: ∂aux/∂{pname} off by {worst:.3e} (largest entry {scale:.3e})"
@@ -802,7 +791,7 @@ fn hybrid_training_in_bf16_stays_near_f32() {
         assert_eq!(g16.len(), g32.len());
         let mut worst = 0f64;
         for ((n, a), (_, b)) in g16.iter().zip(&g32) {
-            let (w, s) = worst_of(a, b);
+            let (w, s) = crate::testing::worst_of(a, b);
             worst = worst.max(w / s);
             assert!(w <= 5e-2 * s, "{arch:?}: ∂L/∂{n} off by {w:.3e} of {s:.3e}");
         }
