@@ -4,7 +4,9 @@
 //! it. Weights of 30 layers are allocated so that the working set exceeds the caches, as in
 //! generation. Prints the weights' bytes streamed per second next to a baseline in the same
 //! run: a plain parallel sum over the same number of bytes (what the memory system gives
-//! two threads), the time of each shape over all layers, and the fixed cost of one call. Run:
+//! two threads), the time of each shape over all layers, and the fixed cost of one call. The
+//! products run inside a `kernels::team` session, as the decode engine runs them (the step is
+//! also timed through rayon, for comparison). Run:
 //! `cargo bench --bench decode_products` (set RAYON_NUM_THREADS).
 //! Skipped on a CPU without AMX or AVX512-BF16.
 
@@ -12,6 +14,7 @@ use std::time::Instant;
 
 use main_ppo::kernels::bf16::{self, PackedB};
 use main_ppo::kernels::simd::Par;
+use main_ppo::kernels::team;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
@@ -64,19 +67,32 @@ fn main() {
     step(&mut out);
     std::hint::black_box(sum());
     let reps = 20;
-    let (mut t_step, mut t_sum) = (0f64, 0f64);
+    let (mut t_step, mut t_sum, mut t_rayon) = (0f64, 0f64, 0f64);
     for _ in 0..reps {
-        t_step += timed(1, &mut || step(&mut out));
+        t_step += timed(1, &mut || team::session(|| step(&mut out)));
+        t_rayon += timed(1, &mut || step(&mut out));
         t_sum += timed(1, &mut || {
             std::hint::black_box(sum());
         });
     }
     let gbs = |t: f64| bytes as f64 * reps as f64 / t / 1e9;
     // One small product repeated on a weight that stays in cache: the fixed cost per call
-    // (packing the rows, the pool's tasks); and one product as wide as 30 of them.
-    let s = timed(reps * layers, &mut || product(&mut out, &mats[0][1]));
-    println!("  576x576 same matrix: {:.1} us per call", s * 1e6);
-    let s = timed(reps, &mut || product(&mut out, &big));
+    // (packing the rows, starting and ending the parallel loop) on the team, through rayon
+    // from outside its pool, and on this thread alone; then one product as wide as 30 of them.
+    let small = &mats[0][1];
+    let s = team::session(|| timed(reps * layers, &mut || product(&mut out, small)));
+    let r = timed(reps * layers, &mut || product(&mut out, small));
+    let one = timed(reps * layers, &mut || {
+        let (k, n) = small.dims();
+        bf16::gemm_packed(&mut out[..m * n], m, &a, k, 1, small, false, Par::None)
+    });
+    println!(
+        "  576x576 same matrix: {:.1} us per call on the team, {:.1} through rayon, {:.1} on one thread",
+        s * 1e6,
+        r * 1e6,
+        one * 1e6
+    );
+    let s = team::session(|| timed(reps, &mut || product(&mut out, &big)));
     let wide = 2 * h * 576 * 30;
     println!(
         "  576x(30*576) one call: {:.2} ms, {:.1} GB/s",
@@ -89,7 +105,7 @@ fn main() {
         .chain([vec![&head]])
         .collect();
     for g in &groups {
-        let s = timed(reps, &mut || g.iter().for_each(|p| product(&mut out, p)));
+        let s = team::session(|| timed(reps, &mut || g.iter().for_each(|p| product(&mut out, p))));
         let (k, n) = g[0].dims();
         let b = g.len() * 2 * k * n;
         println!(
@@ -100,7 +116,8 @@ fn main() {
     }
     println!(
         "decode products, {m} rows, {:.0} MB of bf16 weights: {:.2} ms per step = {:.1} GB/s; \
-         plain parallel sum of as many bytes: {:.2} ms = {:.1} GB/s; ratio {:.2} ({} threads, {})",
+         plain parallel sum of as many bytes: {:.2} ms = {:.1} GB/s; ratio {:.2} ({} threads, {}); \
+         through rayon instead of the team: {:.2} ms",
         bytes as f64 / 1e6,
         t_step / reps as f64 * 1e3,
         gbs(t_step),
@@ -109,6 +126,7 @@ fn main() {
         t_sum / t_step,
         rayon::current_num_threads(),
         bf16::describe(),
+        t_rayon / reps as f64 * 1e3,
     );
     std::hint::black_box(&out);
 }

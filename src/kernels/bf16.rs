@@ -30,7 +30,6 @@
 //! where the CPU has it, else none, and callers then use the f32 path. Both kernels flush
 //! subnormal inputs and outputs to zero, as the instructions define.
 
-use rayon::prelude::*;
 use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
@@ -361,9 +360,7 @@ fn each_chunk<T: Send>(out: &mut [T], len: usize, par: bool, f: impl Fn(usize, &
         return;
     }
     if par {
-        out.par_chunks_mut(len)
-            .enumerate()
-            .for_each(|(i, c)| f(i, c));
+        super::team::chunks(out, len, f);
     } else {
         out.chunks_mut(len).enumerate().for_each(|(i, c)| f(i, c));
     }
@@ -1011,7 +1008,7 @@ fn gemm_packed_on(
         })
         .collect();
     if threads > 1 {
-        tasks.into_par_iter().for_each(|(cc, r)| task(cc, r));
+        super::team::for_each(tasks.len(), |i| task(tasks[i].0, tasks[i].1.clone()));
     } else {
         tasks.into_iter().for_each(|(cc, r)| task(cc, r));
     }

@@ -11,6 +11,7 @@
 //! - `bf16`: bf16 products with f32 sums on AMX tiles or AVX512-BF16,
 //! - `adamw`: AdamW's element-wise rule, in place on a parameter's storage,
 //! - `storage`: CPU storage as host slices (custom ops, in-place gradient accumulation),
+//! - `team`: helper threads that spin between the short parallel loops of a decode step,
 //! - `alloc`: the process's allocator (the system's, large blocks on transparent huge pages),
 //! - `cuda` (feature `cuda`): the GPU kernels: sampling, AdamW and accumulation in place, the
 //!   memory pool's statistics.
@@ -29,6 +30,7 @@ pub mod elem;
 pub mod gemm;
 pub mod simd;
 pub mod storage;
+pub mod team;
 
 use candle_core::{DType, Device};
 

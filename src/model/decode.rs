@@ -26,6 +26,7 @@ use crate::kernels::elem::{Bf16, Elem, KvElem};
 use crate::kernels::gemm::gemm_strided;
 use crate::kernels::simd::{vectorized, Par};
 use crate::kernels::storage::Host;
+use crate::kernels::team;
 
 #[path = "decode_delta.rs"]
 mod delta;
@@ -357,10 +358,11 @@ fn rows_per_job(width: usize) -> usize {
 /// through the scratch rows `tmp`.
 fn add_normed<T: Elem>(x: &mut [T], out: &[T], w: &[T], tmp: &mut [T], eps: f64) {
     rms_norm(tmp, out, w, eps);
-    x.par_iter_mut()
-        .zip(tmp.par_iter())
-        .with_min_len(JOB)
-        .for_each(|(v, &o)| *v += o);
+    team::chunks(x, JOB, |i, c| {
+        c.iter_mut()
+            .zip(&tmp[i * JOB..])
+            .for_each(|(v, &o)| *v += o)
+    });
 }
 
 /// GELU with the tanh approximation: `½z(1 + tanh(√(2/π)(z + 0.044715 z³)))`.
@@ -423,14 +425,11 @@ fn experts_step<T: Elem>(e: &ExpertMats<T>, x: &mut [T], hn: &[T], m: usize, h: 
         down.apply(&mut out, &act, m, width, h, false);
         let mut g = vec![T::zero(); m];
         gate.apply(&mut g, hn, m, h, 1, false);
-        x.par_chunks_mut(h)
-            .zip(out.par_chunks(h))
-            .zip(g.par_iter())
-            .with_min_len(rows_per_job(h))
-            .for_each(|((xr, or), &gv)| {
-                let s = T::one() / (T::one() + (-gv).exp_fast());
-                xr.iter_mut().zip(or).for_each(|(xv, &ov)| *xv += s * ov);
-            });
+        team::rows(x, h, rows_per_job(h), |r, xr| {
+            let s = T::one() / (T::one() + (-g[r]).exp_fast());
+            let or = &out[r * h..][..h];
+            xr.iter_mut().zip(or).for_each(|(xv, &ov)| *xv += s * ov);
+        });
     }
 }
 
@@ -473,11 +472,9 @@ fn rotary_tables<T: Elem>(pos: &[usize], freqs: &[f64]) -> (Vec<T>, Vec<T>) {
 
 /// `m[r] += b` for every row `r` of `m` (rows of `b.len()`).
 fn add_to_rows<T: Elem>(m: &mut [T], b: &[T]) {
-    m.par_chunks_mut(b.len())
-        .with_min_len(rows_per_job(b.len()))
-        .for_each(|row| {
-            row.iter_mut().zip(b).for_each(|(v, &bb)| *v += bb);
-        });
+    team::rows(m, b.len(), rows_per_job(b.len()), |_, row| {
+        row.iter_mut().zip(b).for_each(|(v, &bb)| *v += bb);
+    });
 }
 
 /// RoPE on the first `rd` values of the q and k heads of every token's `q|k|v` row (`(dq, dkv,
@@ -492,34 +489,31 @@ fn norm_and_rotate<T: Elem>(
 ) {
     let half = rd / 2;
     let (eps, hd_t) = (T::from_f64(eps), T::from_f64(hd as f64));
-    qkv.par_chunks_mut(dq + 2 * dkv)
-        .enumerate()
-        .with_min_len(rows_per_job(dq + 2 * dkv))
-        .for_each(|(i, row)| {
-            let (c, s) = (&cos[i * half..][..half], &sin[i * half..][..half]);
-            vectorized(
-                #[inline(always)]
-                || {
-                    for (j, head) in row[..dq + dkv].chunks_mut(hd).enumerate() {
-                        if let Some((qn, kn)) = qk_norm {
-                            let w = if j * hd < dq { qn } else { kn };
-                            let ss = head.iter().fold(T::zero(), |s, &v| s + v * v);
-                            let inv = (ss / hd_t + eps).sqrt().recip();
-                            for (v, &wv) in head.iter_mut().zip(w) {
-                                *v = *v * inv * wv;
-                            }
-                        }
-                        // The first rd values turn (all of them unless partial rotary).
-                        let (x1, x2) = head[..2 * half].split_at_mut(half);
-                        for f in 0..half {
-                            let (u, w) = (x1[f], x2[f]);
-                            x1[f] = u * c[f] - w * s[f];
-                            x2[f] = w * c[f] + u * s[f];
+    team::rows(qkv, dq + 2 * dkv, rows_per_job(dq + 2 * dkv), |i, row| {
+        let (c, s) = (&cos[i * half..][..half], &sin[i * half..][..half]);
+        vectorized(
+            #[inline(always)]
+            || {
+                for (j, head) in row[..dq + dkv].chunks_mut(hd).enumerate() {
+                    if let Some((qn, kn)) = qk_norm {
+                        let w = if j * hd < dq { qn } else { kn };
+                        let ss = head.iter().fold(T::zero(), |s, &v| s + v * v);
+                        let inv = (ss / hd_t + eps).sqrt().recip();
+                        for (v, &wv) in head.iter_mut().zip(w) {
+                            *v = *v * inv * wv;
                         }
                     }
-                },
-            )
-        });
+                    // The first rd values turn (all of them unless partial rotary).
+                    let (x1, x2) = head[..2 * half].split_at_mut(half);
+                    for f in 0..half {
+                        let (u, w) = (x1[f], x2[f]);
+                        x1[f] = u * c[f] - w * s[f];
+                        x2[f] = w * c[f] + u * s[f];
+                    }
+                }
+            },
+        )
+    });
 }
 
 /// Attention of layer `li` for every token `i` (of sequence `seq[i]` at position `pos[i]`) into
@@ -539,7 +533,7 @@ fn attend_tokens<T: Elem, C: KvElem<T>>(
     scale: T,
 ) {
     let dqkv = dq + 2 * dkv;
-    att.par_chunks_mut(dq).enumerate().for_each(|(i, out)| {
+    team::rows(att, dq, 1, |i, out| {
         let c = &caches[seq[i]];
         let first = window.map_or(0, |w| (pos[i] + 1).saturating_sub(w));
         let at = first - c.first[li];
@@ -556,26 +550,23 @@ fn attend_tokens<T: Elem, C: KvElem<T>>(
 /// The gated MLP's activation: `act[m, inter] = f(gate) ⊙ up` from `gu` `[m, 2·inter]` (gate
 /// columns, then up columns), `f` GELU (tanh) for Gemma, else SiLU; rows in parallel.
 fn gated_act<T: Elem>(act: &mut [T], gu: &[T], inter: usize, gelu: bool) {
-    act.par_chunks_mut(inter)
-        .zip(gu.par_chunks(2 * inter))
-        .with_min_len(rows_per_job(inter))
-        .for_each(|(o, row)| {
-            let (g, u) = row.split_at(inter);
-            vectorized(
-                #[inline(always)]
-                || {
-                    if gelu {
-                        for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
-                            *oi = gelu_tanh(gi) * ui;
-                        }
-                    } else {
-                        for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
-                            *oi = gi / (T::one() + (-gi).exp_fast()) * ui;
-                        }
+    team::rows(act, inter, rows_per_job(inter), |r, o| {
+        let (g, u) = gu[r * 2 * inter..][..2 * inter].split_at(inter);
+        vectorized(
+            #[inline(always)]
+            || {
+                if gelu {
+                    for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
+                        *oi = gelu_tanh(gi) * ui;
                     }
-                },
-            )
-        });
+                } else {
+                    for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
+                        *oi = gi / (T::one() + (-gi).exp_fast()) * ui;
+                    }
+                }
+            },
+        )
+    });
 }
 
 fn gelu_tanh<T: Elem>(z: T) -> T {
@@ -589,21 +580,19 @@ fn rms_norm<T: Elem>(out: &mut [T], x: &[T], w: &[T], eps: f64) {
     let h = w.len();
     let eps = T::from_f64(eps);
     let n = T::from_f64(h as f64);
-    out.par_chunks_mut(h)
-        .zip(x.par_chunks(h))
-        .with_min_len(rows_per_job(h))
-        .for_each(|(o, xr)| {
-            vectorized(
-                #[inline(always)]
-                || {
-                    let ss = xr.iter().fold(T::zero(), |acc, &v| acc + v * v);
-                    let inv = (ss / n + eps).sqrt().recip();
-                    for ((oi, &xi), &wi) in o.iter_mut().zip(xr).zip(w) {
-                        *oi = xi * inv * wi;
-                    }
-                },
-            )
-        });
+    team::rows(out, h, rows_per_job(h), |r, o| {
+        let xr = &x[r * h..][..h];
+        vectorized(
+            #[inline(always)]
+            || {
+                let ss = xr.iter().fold(T::zero(), |acc, &v| acc + v * v);
+                let inv = (ss / n + eps).sqrt().recip();
+                for ((oi, &xi), &wi) in o.iter_mut().zip(xr).zip(w) {
+                    *oi = xi * inv * wi;
+                }
+            },
+        )
+    });
 }
 
 /// What every layer of a step reads: the tokens' sequences and positions, each sequence's
@@ -819,7 +808,17 @@ impl<T: Elem> Packed<T> {
     /// Runs one ragged batch: sequence `i` continues `caches[i]` with the tokens `tokens[i]`
     /// (non-empty; positions `caches[i].len()..`). Appends their keys and values to the caches
     /// and returns the logits after each sequence's last new token, `[sequences, vocab]` f32.
+    ///
+    /// The step's parallel loops run on [`team`]'s spinning threads (~150 loops per step).
     pub fn step<C: KvElem<T>>(
+        &self,
+        tokens: &[&[u32]],
+        caches: &mut [&mut SeqCache<C>],
+    ) -> Result<Logits> {
+        team::session(|| self.step_here(tokens, caches))
+    }
+
+    fn step_here<C: KvElem<T>>(
         &self,
         tokens: &[&[u32]],
         caches: &mut [&mut SeqCache<C>],
@@ -858,7 +857,7 @@ impl<T: Elem> Packed<T> {
         }
         if let Some(scale) = a.embed_scale() {
             let scale = T::from_f64(scale);
-            x.par_iter_mut().with_min_len(JOB).for_each(|v| *v *= scale);
+            team::chunks(&mut x, JOB, |_, c| c.iter_mut().for_each(|v| *v *= scale));
         }
         let mut bufs = Bufs::new(a, m);
         let mut gu = vec![T::zero(); m * 2 * inter]; // [M, 2·intermediate]
@@ -962,10 +961,12 @@ impl<T: Elem> Packed<T> {
         if let Some(g) = &at.gate {
             // Qwen3.5's output gate: att ⊙ sigmoid(h·W_gate).
             g.apply(gates, hn, m, h, dq, false);
-            att.par_iter_mut()
-                .zip(gates.par_iter())
-                .with_min_len(JOB)
-                .for_each(|(v, &g)| *v /= T::one() + (-g).exp_fast());
+            team::chunks(att, JOB, |i, c| {
+                let g = &gates[i * JOB..];
+                c.iter_mut()
+                    .zip(g)
+                    .for_each(|(v, &g)| *v /= T::one() + (-g).exp_fast())
+            });
         }
         match &l.sandwich {
             Some((pa, _)) => {
