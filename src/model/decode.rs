@@ -249,6 +249,25 @@ impl<C: Copy> SeqCache<C> {
             .sum::<usize>()
     }
 
+    /// Becomes a copy of `other` (a cache of the same model), keeping this cache's reserved
+    /// room.
+    fn copy_from(&mut self, other: &SeqCache<C>) {
+        let pairs = [
+            (&mut self.k, &other.k),
+            (&mut self.v, &other.v),
+            (&mut self.conv, &other.conv),
+            (&mut self.rec, &other.rec),
+        ];
+        for (mine, theirs) in pairs {
+            for (m, t) in mine.iter_mut().zip(theirs) {
+                m.clear();
+                m.extend_from_slice(t);
+            }
+        }
+        self.first.clone_from(&other.first);
+        self.len = other.len;
+    }
+
     /// Rows layer `layer` keeps (its memory, in positions).
     pub fn kept(&self, layer: usize) -> usize {
         self.len - self.first[layer]
@@ -809,13 +828,65 @@ impl<T: Elem> Packed<T> {
     /// (non-empty; positions `caches[i].len()..`). Appends their keys and values to the caches
     /// and returns the logits after each sequence's last new token, `[sequences, vocab]` f32.
     ///
-    /// The step's parallel loops run on [`team`]'s spinning threads (~150 loops per step).
+    /// Sequences that enter together with the same prompt (empty caches, equal tokens: a GRPO
+    /// group's `n` samples) are computed once; the others receive copies of that sequence's
+    /// cache and logits — the values they would have computed, as every row of a step is
+    /// computed independently of the others (batch invariance). The step's parallel loops run
+    /// on [`team`]'s spinning threads (~150 loops per step).
     pub fn step<C: KvElem<T>>(
         &self,
         tokens: &[&[u32]],
         caches: &mut [&mut SeqCache<C>],
     ) -> Result<Logits> {
-        team::session(|| self.step_here(tokens, caches))
+        if tokens.len() != caches.len() {
+            candle_core::bail!("{} token lists for {} caches", tokens.len(), caches.len());
+        }
+        // copy_of[i] = Some(j): sequence i enters with sequence j's prompt (j < i, j unique).
+        let mut seen: std::collections::HashMap<&[u32], usize> = Default::default();
+        let copy_of: Vec<Option<usize>> = tokens
+            .iter()
+            .zip(caches.iter())
+            .enumerate()
+            .map(|(i, (t, c))| match c.is_empty() && !t.is_empty() {
+                true => match seen.entry(t) {
+                    std::collections::hash_map::Entry::Occupied(e) => Some(*e.get()),
+                    std::collections::hash_map::Entry::Vacant(e) => {
+                        e.insert(i);
+                        None
+                    }
+                },
+                false => None,
+            })
+            .collect();
+        if copy_of.iter().all(Option::is_none) {
+            return team::session(|| self.step_here(tokens, caches));
+        }
+        // The distinct sequences' step, then the copies; `row[i]`: sequence i's logits row.
+        let mut row = vec![0; tokens.len()];
+        let mut once: Vec<&[u32]> = Vec::new();
+        let mut sub: Vec<&mut SeqCache<C>> = Vec::new();
+        for (i, c) in caches.iter_mut().enumerate() {
+            if copy_of[i].is_none() {
+                row[i] = once.len();
+                once.push(tokens[i]);
+                sub.push(&mut **c);
+            }
+        }
+        let logits = team::session(|| self.step_here(&once, &mut sub))?;
+        drop(sub);
+        for (i, j) in copy_of.iter().enumerate() {
+            if let Some(j) = *j {
+                row[i] = row[j];
+                let (done, rest) = caches.split_at_mut(i);
+                rest[0].copy_from(done[j]);
+            }
+        }
+        let vocab = logits.vocab;
+        let mut data = Vec::with_capacity(tokens.len() * vocab);
+        for &r in &row {
+            data.extend_from_slice(&logits[r]);
+        }
+        Ok(Logits { data, vocab })
     }
 
     fn step_here<C: KvElem<T>>(
@@ -1190,6 +1261,75 @@ mod tests {
     /// f32 logits, so within 1e-6): Gemma 3 (window 4, a sliding and a full layer) and Mistral
     /// (window 3 on every layer), a prompt longer than twice the window, then one token a step
     /// up to 7 windows. `bytes_needed` covers what the cache held at its largest.
+    /// Sequences entering a step with the same prompt share one prefill (`Packed::step`): each
+    /// one's logits, through the prefill and three decode steps with different tokens per
+    /// sequence, equal those of the sequence decoded alone, bit for bit (bf16 products: rows
+    /// are batch-invariant, `bf16_decoding_stays_near_f32_and_is_batch_invariant`). Attention
+    /// (Qwen2), Gated DeltaNet layers with their convolution and recurrent state (Qwen3.5), and
+    /// sliding layers trimmed during the prefill (Gemma 3, prompt longer than twice its
+    /// window); a copied cache that missed a field, or a logits row given to the wrong
+    /// sequence, differs at some step.
+    #[test]
+    fn sequences_entering_with_one_prompt_share_its_prefill() {
+        use crate::model::{Arch, ModelArgs};
+        if !crate::kernels::bf16::available() {
+            eprintln!("skipped: neither AMX nor AVX512-BF16 on this machine");
+            return;
+        }
+        for arch in [Arch::Qwen2, Arch::Qwen3_5, Arch::Gemma3] {
+            let mut args = ModelArgs::tiny(arch, 40);
+            args.hidden_size = 64;
+            args.intermediate_size = 96;
+            let (_vm, mut m) = crate::testing::tiny_model(&args, candle_core::DType::F32, 0.3);
+            m.set_exec(crate::model::Exec {
+                bf16: true,
+                ..m.exec()
+            });
+            let w = args.sliding_window.unwrap_or(4);
+            let a: Vec<u32> = (0..2 * w as u32 + 3)
+                .map(|i| (i * 5 + 2) % 39 + 1)
+                .collect();
+            let b: Vec<u32> = vec![7, 8, 9];
+            // Sequences 0, 2 and 3 enter with prompt a, 1 with b; then each gets its own tokens.
+            let prompts: [&[u32]; 4] = [&a, &b, &a, &a];
+            let next = |s: usize, t: usize| (s * 11 + t * 3) as u32 % 39 + 1;
+            let p = super::Packed::<f32>::new(&m).unwrap();
+            // Logits of each step for sequences `which`, decoded together.
+            let run = |which: &[usize]| -> Vec<Vec<Vec<f32>>> {
+                let mut caches: Vec<super::SeqCache<super::Bf16>> = which
+                    .iter()
+                    .map(|_| super::SeqCache::with_capacity(&args, 32))
+                    .collect();
+                let mut steps = Vec::new();
+                for t in 0..4 {
+                    let toks: Vec<Vec<u32>> = which
+                        .iter()
+                        .map(|&s| match t {
+                            0 => prompts[s].to_vec(),
+                            _ => vec![next(s, t)],
+                        })
+                        .collect();
+                    let toks: Vec<&[u32]> = toks.iter().map(|v| v.as_slice()).collect();
+                    let mut refs: Vec<&mut super::SeqCache<super::Bf16>> =
+                        caches.iter_mut().collect();
+                    let l = p.step(&toks, &mut refs).unwrap();
+                    steps.push(l.iter().map(|r| r.to_vec()).collect());
+                }
+                steps
+            };
+            let together = run(&[0, 1, 2, 3]);
+            for s in 0..4 {
+                let alone = run(&[s]);
+                for (t, (all, one)) in together.iter().zip(&alone).enumerate() {
+                    assert!(
+                        all[s] == one[0],
+                        "{arch:?}: sequence {s}, step {t}: logits differ from decoding it alone"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn sliding_layers_keep_only_their_window() {
         use crate::model::{Arch, ModelArgs};
