@@ -230,8 +230,16 @@ pub fn for_each(n: usize, f: impl Fn(usize) + Sync) {
     job.work();
     IN_TASK.with(|c| c.set(false));
     s.slot.store(std::ptr::null_mut(), SeqCst);
+    // Helpers still in their last task. One preempted by the OS (more threads than cores)
+    // would keep this thread spinning through its time slice: past ~16k polls it yields.
+    let mut polls = 0u32;
     while s.busy.load(SeqCst) != 0 {
-        std::hint::spin_loop();
+        polls = polls.saturating_add(1);
+        if polls > 1 << 14 {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
     }
     let panic = job.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
     if let Some(p) = panic {
