@@ -832,7 +832,8 @@ impl<T: Elem> Packed<T> {
     /// group's `n` samples) are computed once; the others receive copies of that sequence's
     /// cache and logits — the values they would have computed, as every row of a step is
     /// computed independently of the others (batch invariance). The step's parallel loops run
-    /// on [`team`]'s spinning threads (~150 loops per step).
+    /// on [`team`]'s spinning threads (~150 loops per step) where all of them can
+    /// ([`Packed::on_team`]).
     pub fn step<C: KvElem<T>>(
         &self,
         tokens: &[&[u32]],
@@ -859,7 +860,7 @@ impl<T: Elem> Packed<T> {
             })
             .collect();
         if copy_of.iter().all(Option::is_none) {
-            return team::session(|| self.step_here(tokens, caches));
+            return self.on_team(|| self.step_here(tokens, caches));
         }
         // The distinct sequences' step, then the copies; `row[i]`: sequence i's logits row.
         let mut row = vec![0; tokens.len()];
@@ -872,7 +873,7 @@ impl<T: Elem> Packed<T> {
                 sub.push(&mut **c);
             }
         }
-        let logits = team::session(|| self.step_here(&once, &mut sub))?;
+        let logits = self.on_team(|| self.step_here(&once, &mut sub))?;
         drop(sub);
         for (i, j) in copy_of.iter().enumerate() {
             if let Some(j) = *j {
@@ -889,6 +890,23 @@ impl<T: Elem> Packed<T> {
         Ok(Logits { data, vocab })
     }
 
+    /// Runs `f` (a step) in a [`team::session`] when every parallel loop of the step goes
+    /// through the team: products on bf16 tiles, attention layers, dense MLPs. Products on the
+    /// `gemm` crate (f32/f64 models, the experts' router) and the Gated DeltaNet recurrence
+    /// parallelise through rayon, whose workers would share the cores with a spinning helper:
+    /// those steps run as before, on rayon alone.
+    fn on_team<R>(&self, f: impl FnOnce() -> R) -> R {
+        let bf16 = matches!(self.out, Mat::Amx(_));
+        let all = self
+            .layers
+            .iter()
+            .all(|l| l.experts.is_none() && matches!(l.mixer, Mixed::Attention(_)));
+        match bf16 && all {
+            true => team::session(f),
+            false => f(),
+        }
+    }
+
     fn step_here<C: KvElem<T>>(
         &self,
         tokens: &[&[u32]],
@@ -897,9 +915,6 @@ impl<T: Elem> Packed<T> {
         let a = &self.args;
         let (h, inter) = (a.hidden_size, a.intermediate_size);
         let dkv = a.num_key_value_heads * a.head_dim;
-        if tokens.len() != caches.len() {
-            candle_core::bail!("{} token lists for {} caches", tokens.len(), caches.len());
-        }
         let (seq, pos, ids) = token_layout(tokens, caches, a.vocab_size)?;
         let m = ids.len();
         let cx = StepCx {
@@ -1255,12 +1270,6 @@ mod tests {
         }
     }
 
-    /// A sliding-window layer's cache keeps at most twice its window (or a longer prompt's
-    /// prefill) while full layers keep every position, and decoding with the dropped rows gone
-    /// still gives the full forward's logits at every position (f64 weights; the step hands out
-    /// f32 logits, so within 1e-6): Gemma 3 (window 4, a sliding and a full layer) and Mistral
-    /// (window 3 on every layer), a prompt longer than twice the window, then one token a step
-    /// up to 7 windows. `bytes_needed` covers what the cache held at its largest.
     /// Sequences entering a step with the same prompt share one prefill (`Packed::step`): each
     /// one's logits, through the prefill and three decode steps with different tokens per
     /// sequence, equal those of the sequence decoded alone, bit for bit (bf16 products: rows
@@ -1330,6 +1339,12 @@ mod tests {
         }
     }
 
+    /// A sliding-window layer's cache keeps at most twice its window (or a longer prompt's
+    /// prefill) while full layers keep every position, and decoding with the dropped rows gone
+    /// still gives the full forward's logits at every position (f64 weights; the step hands out
+    /// f32 logits, so within 1e-6): Gemma 3 (window 4, a sliding and a full layer) and Mistral
+    /// (window 3 on every layer), a prompt longer than twice the window, then one token a step
+    /// up to 7 windows. `bytes_needed` covers what the cache held at its largest.
     #[test]
     fn sliding_layers_keep_only_their_window() {
         use crate::model::{Arch, ModelArgs};
