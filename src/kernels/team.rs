@@ -21,7 +21,7 @@
 use std::any::Any;
 use std::cell::Cell;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Mutex, OnceLock};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
@@ -64,12 +64,22 @@ struct Shared {
     seq: AtomicU64,
     /// Helpers between announcing themselves and leaving a job.
     busy: AtomicUsize,
-    /// 1 while a session is open (helpers spin), 0 otherwise (they park).
-    open: AtomicUsize,
+    /// Whether a session is open (helpers spin) or not (they park).
+    open: AtomicBool,
     /// Held by the thread whose session owns the team.
     owner: Mutex<()>,
-    helpers: Vec<Thread>,
+    /// The helper threads, started at the first session.
+    helpers: OnceLock<Vec<Thread>>,
 }
+
+static SHARED: Shared = Shared {
+    slot: AtomicPtr::new(std::ptr::null_mut()),
+    seq: AtomicU64::new(0),
+    busy: AtomicUsize::new(0),
+    open: AtomicBool::new(false),
+    owner: Mutex::new(()),
+    helpers: OnceLock::new(),
+};
 
 /// How long a helper spins without a loop before it yields its core between polls (inside a
 /// session, e.g. while the caller samples between two steps).
@@ -82,25 +92,17 @@ thread_local! {
     static IN_TASK: Cell<bool> = const { Cell::new(false) };
 }
 
-fn shared() -> &'static Shared {
-    static SHARED: OnceLock<&'static Shared> = OnceLock::new();
-    SHARED.get_or_init(|| {
+/// The helpers (rayon's thread count − 1), started on first use; fewer if the OS refuses one.
+fn helpers() -> &'static [Thread] {
+    SHARED.helpers.get_or_init(|| {
         let n = rayon::current_num_threads().saturating_sub(1);
-        // The helpers need the address before they start; it lives for the process.
-        let cell: &'static OnceLock<Shared> = Box::leak(Box::new(OnceLock::new()));
         let mut helpers = Vec::with_capacity(n);
         for i in 0..n {
             let h = std::thread::Builder::new()
                 .name(format!("main_ppo-team-{i}"))
-                .spawn(move || {
+                .spawn(|| {
                     IN_TASK.with(|c| c.set(true));
-                    let s = loop {
-                        match cell.get() {
-                            Some(s) => break s,
-                            None => std::thread::park(),
-                        }
-                    };
-                    helper(s)
+                    helper(&SHARED)
                 });
             match h {
                 Ok(h) => helpers.push(h.thread().clone()),
@@ -110,16 +112,7 @@ fn shared() -> &'static Shared {
                 }
             }
         }
-        let s = cell.get_or_init(|| Shared {
-            slot: AtomicPtr::new(std::ptr::null_mut()),
-            seq: AtomicU64::new(0),
-            busy: AtomicUsize::new(0),
-            open: AtomicUsize::new(0),
-            owner: Mutex::new(()),
-            helpers,
-        });
-        s.helpers.iter().for_each(Thread::unpark);
-        s
+        helpers
     })
 }
 
@@ -129,7 +122,7 @@ fn helper(s: &'static Shared) -> ! {
     let mut idle = Instant::now();
     let mut polls = 0u32;
     loop {
-        if s.open.load(Acquire) == 0 {
+        if !s.open.load(Acquire) {
             std::thread::park();
             idle = Instant::now();
             continue;
@@ -172,8 +165,8 @@ pub fn session<R>(f: impl FnOnce() -> R) -> R {
     if rayon::current_num_threads() < 2 || OWNER.with(Cell::get) || IN_TASK.with(Cell::get) {
         return f();
     }
-    let s = shared();
-    if s.helpers.is_empty() {
+    let s = &SHARED;
+    if helpers().is_empty() {
         return f();
     }
     let _guard = match s.owner.try_lock() {
@@ -186,13 +179,13 @@ pub fn session<R>(f: impl FnOnce() -> R) -> R {
     struct Close(&'static Shared);
     impl Drop for Close {
         fn drop(&mut self) {
-            self.0.open.store(0, Release);
+            self.0.open.store(false, Release);
             OWNER.with(|c| c.set(false));
         }
     }
     OWNER.with(|c| c.set(true));
-    s.open.store(1, Release);
-    s.helpers.iter().for_each(Thread::unpark);
+    s.open.store(true, Release);
+    helpers().iter().for_each(Thread::unpark);
     let _close = Close(s);
     f()
 }
@@ -212,7 +205,7 @@ pub fn for_each(n: usize, f: impl Fn(usize) + Sync) {
         (0..n).into_par_iter().for_each(f);
         return;
     }
-    let s = shared();
+    let s = &SHARED;
     let job = Job {
         f: &f,
         n,
