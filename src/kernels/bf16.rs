@@ -171,14 +171,6 @@ fn padded(len: usize) -> usize {
     len.div_ceil(2 * TR) * 2 * TR
 }
 
-/// `a[m, k]` as A tiles: tile `(rt, kb)` at `(rt·kbs + kb)·TILE`, row `i` = `a[rt·16+i, kb·32..]`.
-fn pack_a(a: &[f32], a_rs: usize, a_cs: usize, m: usize, k: usize, par: bool) -> Vec<u16> {
-    // A decode step's 32 rows (~18k values at 576 inputs) pack faster here than a pool
-    // thread wakes up.
-    let par = par && padded(m) * k.div_ceil(TK) * TK >= 1 << 16;
-    pack_tiles(a, a_rs, a_cs, m, k, Side::A, par)
-}
-
 /// The operand a tile feeds: A tiles hold 16 rows of 32 k-values each; B tiles 16 columns of
 /// 32 k-values as VNNI pairs (tile row `q` = the pairs at k `2q`, `2q + 1` of every column).
 #[derive(Clone, Copy)]
@@ -913,6 +905,26 @@ pub fn gemm(
     gemm_packed(dst, m, a, a_rs, a_cs, &bp, acc, par);
 }
 
+/// `dst[m, n] = a[m, k] · b[k, n]` into memory not yet initialised (see
+/// [`product_uninit`]), strides as [`gemm`]. Callers check [`available`] first.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_uninit(
+    dst: &mut [MaybeUninit<f32>],
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    a_rs: usize,
+    a_cs: usize,
+    b: &[f32],
+    b_rs: usize,
+    b_cs: usize,
+    par: Par,
+) {
+    let bp = PackedB::new(b, b_rs, b_cs, k, n, par);
+    product_uninit(dst, &PackedA::new(a, a_rs, a_cs, m, k, par), &bp, par)
+}
+
 /// `dst[m, n] (+)= a[m, k] · B` with `B [k, n]` packed once by [`PackedB::new`].
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_packed(
@@ -955,16 +967,68 @@ fn gemm_packed_on(
     acc: bool,
     par: Par,
 ) {
-    let (k, n) = bp.dims();
-    assert!(dst.len() >= m * n);
+    assert!(dst.len() >= m * bp.n);
+    let ap = PackedA::new(a, a_rs, a_cs, m, bp.k, par);
+    // SAFETY: dst holds m·n initialised values.
+    unsafe { product_into(kernel, dst.as_mut_ptr(), &ap, bp, acc, par) }
+}
+
+/// `a[m, k]` packed as A tiles (16 rows × 32 k-values each, see [`pack_tiles`]), for several
+/// products with the same left operand: a layer's input read by its query, key and value
+/// projections, or by an MLP's gate and up projections.
+pub struct PackedA {
+    m: usize,
+    k: usize,
+    tiles: Vec<u16>,
+}
+
+impl PackedA {
+    /// Value `a[i, kk]` at `a[i·a_rs + kk·a_cs]`.
+    pub fn new(a: &[f32], a_rs: usize, a_cs: usize, m: usize, k: usize, par: Par) -> Self {
+        if m > 0 && k > 0 {
+            assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs);
+        }
+        // A decode step's 32 rows (~18k values at 576 inputs) pack faster here than a pool
+        // thread wakes up.
+        let par = par == Par::Rayon && padded(m) * k.div_ceil(TK) * TK >= 1 << 16;
+        let tiles = pack_tiles(a, a_rs, a_cs, m, k, Side::A, par);
+        PackedA { m, k, tiles }
+    }
+}
+
+/// `dst[m, n] = A · B` into memory not yet initialised: every value written once by the
+/// product, none read. Callers check [`available`] first.
+pub fn product_uninit(dst: &mut [MaybeUninit<f32>], ap: &PackedA, bp: &PackedB, par: Par) {
+    assert!(dst.len() >= ap.m * bp.n);
+    let kernel = kernel().expect("bf16 product called on a CPU without AMX or AVX512-BF16");
+    // SAFETY: dst is valid for m·n writes; without `acc` the product reads none of them.
+    unsafe { product_into(kernel, dst.as_mut_ptr().cast(), ap, bp, false, par) }
+}
+
+/// `out[m, n] (+)= A · B` on `kernel`.
+///
+/// # Safety
+/// `out` must be valid for writes of `m·n` f32 (row-major, contiguous) that nothing else
+/// touches during the call, and hold initialised values when `acc`; without `acc` every value
+/// is written and none read.
+unsafe fn product_into(
+    kernel: Kernel,
+    out: *mut f32,
+    ap: &PackedA,
+    bp: &PackedB,
+    acc: bool,
+    par: Par,
+) {
+    let (k, n, m) = (bp.k, bp.n, ap.m);
+    assert_eq!(ap.k, k, "bf16 product: A has {} columns, B {k} rows", ap.k);
     if m == 0 || n == 0 || k == 0 {
         if !acc {
-            dst[..m * n].fill(0.0);
+            // SAFETY: out is valid for m·n writes (this function's contract).
+            unsafe { std::ptr::write_bytes(out, 0, m * n) };
         }
         return;
     }
-    assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs);
-    let ap = pack_a(a, a_rs, a_cs, m, k, par == Par::Rayon);
+    let ap = &ap.tiles;
     let bp = &bp.tiles;
     let kbs = k.div_ceil(TK);
     let (mb, nb) = (padded(m) / 32, padded(n) / 32);
@@ -983,7 +1047,7 @@ fn gemm_packed_on(
         false => 32 * nb.div_ceil((4 * threads).div_ceil(mb)).max(1),
     };
     let chunks = n.div_ceil(nc);
-    let out = SendPtr(dst.as_mut_ptr());
+    let out = SendPtr(out);
     // One task: the column chunk `cc` for the row blocks `rows`.
     let task = |cc: usize, rows: std::ops::Range<usize>| {
         with_tiles(kernel, || {
@@ -1011,16 +1075,19 @@ fn gemm_packed_on(
                     // `dst + Σ` summed in the same order as in a whole block: a row's result
                     // must not depend on which block of the batch it falls in (batch-invariant
                     // decoding).
-                    let dst_row = |i: usize| {
-                        // SAFETY: row r0+i < m and columns c0..c0+cn < n of dst[m, n]; no
-                        // other task touches this block.
-                        unsafe {
-                            std::slice::from_raw_parts_mut(out.get().add((r0 + i) * n + c0), cn)
-                        }
-                    };
+                    // SAFETY: row r0+i < m and columns c0..c0+cn < n of out[m, n]; no other
+                    // task touches this block.
+                    let dst_row = |i: usize| unsafe { out.get().add((r0 + i) * n + c0) };
                     if acc {
                         for i in 0..rn {
-                            cbuf.0[i * 32..][..cn].copy_from_slice(dst_row(i));
+                            // SAFETY: as dst_row; with acc the values are initialised.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    dst_row(i),
+                                    cbuf.0[i * 32..].as_mut_ptr(),
+                                    cn,
+                                )
+                            };
                         }
                     }
                     // SAFETY: the packs hold kbs tiles from each pointer; cbuf holds 1,024 f32.
@@ -1028,7 +1095,10 @@ fn gemm_packed_on(
                         block_with(kernel, a0, a1, b0, b1, kbs, cbuf.0.as_mut_ptr(), 128, acc)
                     };
                     for i in 0..rn {
-                        dst_row(i).copy_from_slice(&cbuf.0[i * 32..][..cn]);
+                        // SAFETY: as dst_row.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(cbuf.0[i * 32..].as_ptr(), dst_row(i), cn)
+                        };
                     }
                 }
             }

@@ -7,6 +7,8 @@
 //! keeps the partial results in vector registers (a single running sum is one long dependency
 //! chain); [`dot_tree`] combines its lanes pairwise for short, head-sized products.
 
+use std::mem::MaybeUninit;
+
 use candle_core::WithDType;
 
 /// Element types of the fast path.
@@ -16,6 +18,10 @@ pub trait Elem: WithDType + num_traits::Float + Send + Sync + 'static {
         None
     }
     fn f32s_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
+    /// [`Elem::f32s_mut`] for memory not yet initialised.
+    fn f32s_uninit(_: &mut [MaybeUninit<Self>]) -> Option<&mut [MaybeUninit<f32>]> {
         None
     }
     /// `e^self`: libm's for f64; for f32 a polynomial the compiler can vectorize
@@ -34,6 +40,9 @@ impl Elem for f32 {
         Some(s)
     }
     fn f32s_mut(s: &mut [f32]) -> Option<&mut [f32]> {
+        Some(s)
+    }
+    fn f32s_uninit(s: &mut [MaybeUninit<f32>]) -> Option<&mut [MaybeUninit<f32>]> {
         Some(s)
     }
 }

@@ -92,6 +92,29 @@ pub fn par_zip2<T: Copy + Send + Sync>(
         });
 }
 
+/// `f(a[i], b[i])` for every `i` into a fresh vector (not zero-filled first: see
+/// [`super::alloc::filled`]), in parallel chunks, vectorized.
+pub fn par_map2<T: super::elem::Elem>(a: &[T], b: &[T], f: impl Fn(T, T) -> T + Sync) -> Vec<T> {
+    assert_eq!(a.len(), b.len(), "par_map2: slices of different lengths");
+    // SAFETY: the chunks of `out` cover it, and each chunk's loop writes every value of it.
+    unsafe {
+        super::alloc::filled(a.len(), |out| {
+            out.par_chunks_mut(CHUNK)
+                .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
+                .for_each(|(o, (a, b))| {
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+                                o.write(f(a, b));
+                            }
+                        },
+                    )
+                })
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,6 +136,8 @@ mod tests {
                 .collect();
             par_zip2(&mut o, &a, &b, |o, a, b| o - a * b);
             assert_eq!(o, want);
+            let want: Vec<f32> = a.iter().zip(&b).map(|(&a, &b)| a * b - 1.0).collect();
+            assert_eq!(par_map2(&a, &b, |a, b| a * b - 1.0), want);
             assert_eq!(
                 vectorized(
                     #[inline(always)]

@@ -37,8 +37,8 @@ use candle_core::{Result, WithDType};
 use rayon::prelude::*;
 
 use crate::kernels::elem::{dot, max, sigmoid, sum, Elem};
-use crate::kernels::gemm::gemm_mixed;
-use crate::kernels::simd::{par_zip, par_zip2, vectorized, Par, CHUNK};
+use crate::kernels::gemm::{gemm_mixed, gemm_new, SharedA, SharedB};
+use crate::kernels::simd::{par_map2, par_zip, par_zip2, vectorized, Par, CHUNK};
 
 /// The sizes of one layer call: `rows = batch·seq` tokens, no KV cache (keys = queries).
 #[derive(Debug, Clone, Copy)]
@@ -438,23 +438,20 @@ fn c<T: Elem>(v: f64) -> T {
 
 /// `y[rows, out] = x[rows, in]·Wᵀ (+ b)`.
 fn linear_fwd<T: Elem>(l: Lin<T>, x: &[T], rows: usize, inp: usize) -> Vec<T> {
+    linear_fwd_on(l, &input_a(l, x, rows, inp), rows, inp)
+}
+
+/// `x` `[rows, inp]` as the left operand of products `x·Wᵀ`: packed once for every
+/// projection that reads it (`linear_fwd_on`).
+fn input_a<'a, T: Elem>(l: Lin<T>, x: &'a [T], rows: usize, inp: usize) -> SharedA<'a, T> {
+    SharedA::new(l.bf16, x, (inp, 1), rows, inp)
+}
+
+/// [`linear_fwd`] on an input prepared by [`input_a`].
+fn linear_fwd_on<T: Elem>(l: Lin<T>, xa: &SharedA<T>, rows: usize, inp: usize) -> Vec<T> {
     let out = l.w.len() / inp;
-    let mut y = vec![T::zero(); rows * out];
-    gemm_mixed(
-        l.bf16,
-        &mut y,
-        rows,
-        out,
-        inp,
-        x,
-        inp,
-        1,
-        l.w,
-        1,
-        inp,
-        false,
-        Par::Rayon,
-    );
+    let x = xa.plain();
+    let mut y = xa.product(l.bf16, l.w, (1, inp), out);
     if let Some(b) = l.b {
         y.par_chunks_mut(out).for_each(|row| {
             vectorized(
@@ -528,7 +525,7 @@ fn adapter_input<T: Elem>(ad: Adapter<T>, x: &[T], rows: usize, inp: usize, bf16
 /// s·xd·Aᵀ`): `∂B = dyᵀ·xs`, `∂A = s·(dy·B)ᵀ·xd` and `dx += (s·(dy·B)·A) ⊙ m / (1 − p)`.
 fn linear_bwd<T: Elem>(
     l: Lin<T>,
-    x: &[T],
+    xb: &SharedB<T>,
     dy: &[T],
     rows: usize,
     inp: usize,
@@ -536,32 +533,8 @@ fn linear_bwd<T: Elem>(
     acc: bool,
 ) -> LinGrad<T> {
     let out = l.w.len() / inp;
-    let mut g = LinGrad {
-        w: None,
-        b: None,
-        a: None,
-        bb: None,
-    };
-    if l.train_base {
-        let mut dw = vec![T::zero(); out * inp];
-        gemm_mixed(
-            l.bf16,
-            &mut dw,
-            out,
-            inp,
-            rows,
-            dy,
-            1,
-            out,
-            x,
-            inp,
-            1,
-            false,
-            Par::Rayon,
-        );
-        g.w = Some(dw);
-        g.b = l.b.map(|_| column_sums(dy, out));
-    }
+    let x = xb.plain();
+    let mut g = base_grads(l, xb, dy, inp);
     gemm_mixed(
         l.bf16,
         dx,
@@ -581,6 +554,52 @@ fn linear_bwd<T: Elem>(
         let (da, db) = adapter_bwd(ad, l.bf16, (x, dy), (rows, inp, out), dx);
         g.a = Some(da);
         g.bb = Some(db);
+    }
+    g
+}
+
+/// [`linear_bwd`] with `dx` a fresh `[rows, inp]` buffer, written by its product (not
+/// zero-filled first).
+fn linear_bwd_new<T: Elem>(
+    l: Lin<T>,
+    xb: &SharedB<T>,
+    dy: &[T],
+    rows: usize,
+    inp: usize,
+) -> (Vec<T>, LinGrad<T>) {
+    let out = l.w.len() / inp;
+    let x = xb.plain();
+    let mut g = base_grads(l, xb, dy, inp);
+    let mut dx = gemm_new(l.bf16, rows, inp, out, dy, out, 1, l.w, inp, 1, Par::Rayon);
+    if let Some(ad) = l.ad {
+        let (da, db) = adapter_bwd(ad, l.bf16, (x, dy), (rows, inp, out), &mut dx);
+        g.a = Some(da);
+        g.bb = Some(db);
+    }
+    (dx, g)
+}
+
+/// `x` `[rows, inp]` as the right operand of the weight gradients `∂Wᵢ = dyᵢᵀ·x` of the
+/// projections `ls` that read it: packed once for all of them (nothing packed when none of
+/// their base weights trains).
+fn input_b<'a, T: Elem>(ls: &[Lin<T>], x: &'a [T], rows: usize, inp: usize) -> SharedB<'a, T> {
+    let train = ls.iter().any(|l| l.train_base);
+    SharedB::new(ls[0].bf16, x, (inp, 1), rows, inp, train)
+}
+
+/// The base weight's gradients of [`linear_bwd`] (`∂W = dyᵀ·x`, `∂b = Σ_rows dy`), when it
+/// trains; the adapter's left unset.
+fn base_grads<T: Elem>(l: Lin<T>, xb: &SharedB<T>, dy: &[T], inp: usize) -> LinGrad<T> {
+    let out = l.w.len() / inp;
+    let mut g = LinGrad {
+        w: None,
+        b: None,
+        a: None,
+        bb: None,
+    };
+    if l.train_base {
+        g.w = Some(xb.product(l.bf16, dy, (1, out), out));
+        g.b = l.b.map(|_| column_sums(dy, out));
     }
     g
 }
@@ -718,13 +737,11 @@ fn scale_in_place<T: Elem>(v: &mut [T], s: T) {
 
 /// The gated product `f(gate) ⊙ up` (`[rows, inter]` each), `f` = SiLU or GELU (tanh).
 fn gated<T: Elem>(gate: &[T], up: &[T], gelu: bool) -> Vec<T> {
-    let mut act = vec![T::zero(); gate.len()];
     if gelu {
-        par_zip2(&mut act, gate, up, |_, z, u| gelu_tanh(z).0 * u);
+        par_map2(gate, up, |z, u| gelu_tanh(z).0 * u)
     } else {
-        par_zip2(&mut act, gate, up, |_, z, u| z * sigmoid(z) * u);
+        par_map2(gate, up, |z, u| z * sigmoid(z) * u)
     }
-    act
 }
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
@@ -1036,15 +1053,17 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
     let [lq, lk, lv, lo] = w.attn;
     let off = d.norm_offset;
     let (h1, r1) = rms_fwd(x, w.ln1, d.eps, off);
+    let h1a = input_a(lq, &h1, n, hid);
     let (mut q, z) = match d.output_gate {
-        false => (linear_fwd(lq, &h1, n, hid), None),
+        false => (linear_fwd_on(lq, &h1a, n, hid), None),
         true => {
-            let (q, z) = split_heads(&linear_fwd(lq, &h1, n, hid), hd);
+            let (q, z) = split_heads(&linear_fwd_on(lq, &h1a, n, hid), hd);
             (q, Some(z))
         }
     };
-    let mut k = linear_fwd(lk, &h1, n, hid);
-    let v = linear_fwd(lv, &h1, n, hid);
+    let mut k = linear_fwd_on(lk, &h1a, n, hid);
+    let v = linear_fwd_on(lv, &h1a, n, hid);
+    drop(h1a);
     let qk_pre = w.qk_norm.map(|(qn, kn)| {
         // rms_fwd's rows are the chunks of its weight's width: one per (token, head).
         let (qh, rq) = rms_fwd(&q, qn, d.eps, off);
@@ -1095,8 +1114,10 @@ fn run<T: Elem>(w: &Weights<T>, d: &Dims, x: &[T], cx: &Context<T>) -> (Vec<T>, 
     let (h2, r2) = rms_fwd(&x2, w.ln2, d.eps, off);
     let (mut y, mlp) = match &w.mlp {
         Ffn::Dense([lg, lu, ld]) => {
-            let gate = linear_fwd(*lg, &h2, n, hid);
-            let up = linear_fwd(*lu, &h2, n, hid);
+            let h2a = input_a(*lg, &h2, n, hid);
+            let gate = linear_fwd_on(*lg, &h2a, n, hid);
+            let up = linear_fwd_on(*lu, &h2a, n, hid);
+            drop(h2a);
             let act = gated(&gate, &up, d.gelu);
             (
                 linear_fwd(*ld, &act, n, d.inter),
@@ -1339,16 +1360,9 @@ pub(super) fn backward<T: Elem>(
         }
         _ => (None, None),
     };
-    let mut da = vec![T::zero(); n * qw];
-    let go = linear_bwd(
-        lo,
-        &acts.a,
-        dao.as_deref().unwrap_or(&dx2),
-        n,
-        qw,
-        &mut da,
-        false,
-    );
+    let ab = input_b(&[lo], &acts.a, n, qw);
+    let (mut da, go) = linear_bwd_new(lo, &ab, dao.as_deref().unwrap_or(&dx2), n, qw);
+    drop(ab);
     drop(dao);
     // Through the output gate: ∂z, and ∂a of the ungated output in place.
     let dz = acts.gate.as_ref().map(|g| gate_bwd(&mut da, &g.z, &g.pre));
@@ -1372,10 +1386,11 @@ pub(super) fn backward<T: Elem>(
         Some(dz) => join_heads(&dq, &dz, hd),
         None => dq,
     };
-    let mut dh1 = vec![T::zero(); n * hid];
-    let gq = linear_bwd(lq, &acts.h1, &dq, n, hid, &mut dh1, false);
-    let gk = linear_bwd(lk, &acts.h1, &dk, n, hid, &mut dh1, true);
-    let gv = linear_bwd(lv, &acts.h1, &dv, n, hid, &mut dh1, true);
+    let h1b = input_b(&[lq, lk, lv], &acts.h1, n, hid);
+    let (mut dh1, gq) = linear_bwd_new(lq, &h1b, &dq, n, hid);
+    let gk = linear_bwd(lk, &h1b, &dk, n, hid, &mut dh1, true);
+    let gv = linear_bwd(lv, &h1b, &dv, n, hid, &mut dh1, true);
+    drop(h1b);
     let mut dx = dx2;
     let dln1 = rms_bwd(x, &acts.r1, w.ln1, &dh1, &mut dx, off);
     Ok((
@@ -1408,23 +1423,23 @@ fn gated_mlp_bwd<T: Elem>(
     let hid = lg.w.len() / inter;
     let m = gate.len() / inter;
     let act = gated(gate, up, gelu);
-    let mut dact = vec![T::zero(); m * inter];
-    let gd = linear_bwd(ld, &act, dy, m, inter, &mut dact, false);
+    let (mut dact, gd) = linear_bwd_new(ld, &input_b(&[ld], &act, m, inter), dy, m, inter);
     drop(act);
     // dact → (dgate, dup): dup = dact·f(z), then dact becomes dgate in place.
-    let mut dup = vec![T::zero(); m * inter];
+    let dup;
     if gelu {
-        par_zip2(&mut dup, &dact, gate, |_, dg, z| dg * gelu_tanh(z).0);
+        dup = par_map2(&dact, gate, |dg, z| dg * gelu_tanh(z).0);
         par_zip2(&mut dact, gate, up, |dg, z, u| dg * u * gelu_tanh(z).1);
     } else {
-        par_zip2(&mut dup, &dact, gate, |_, dg, z| dg * z * sigmoid(z));
+        dup = par_map2(&dact, gate, |dg, z| dg * z * sigmoid(z));
         par_zip2(&mut dact, gate, up, |dg, z, u| {
             let s = sigmoid(z);
             dg * u * s * (T::one() + z * (T::one() - s))
         });
     }
-    let gg = linear_bwd(lg, x, &dact, m, hid, dx, true);
-    let gu = linear_bwd(lu, x, &dup, m, hid, dx, true);
+    let xb = input_b(&[lg, lu], x, m, hid);
+    let gg = linear_bwd(lg, &xb, &dact, m, hid, dx, true);
+    let gu = linear_bwd(lu, &xb, &dup, m, hid, dx, true);
     [gg, gu, gd]
 }
 
@@ -1722,7 +1737,8 @@ fn shared_bwd<T: Elem>(
         });
     let si = sa.gate.len() / n.max(1);
     let [gg, gu, gd] = gated_mlp_bwd([lg, lu, ld], si, h, &sa.gate, &sa.up, false, &dys, dh);
-    [gg, gu, gd, linear_bwd(lgate, h, &dz, n, hid, dh, true)]
+    let hb = input_b(&[lgate], h, n, hid);
+    [gg, gu, gd, linear_bwd(lgate, &hb, &dz, n, hid, dh, true)]
 }
 
 /// One (attention block, KV head)'s gradients: block, head, dq̃ of its `rep` heads

@@ -154,11 +154,13 @@ impl LogProbs {
         let cols = self.cols();
         let mut out = vec![T::zero(); n * cols]; // [n, cols]
         let packs = Packs::new(self.bf16, w, hid);
+        // One logits buffer for every chunk, each chunk's product overwriting it.
+        let mut zbuf = vec![T::zero(); self.chunk.min(n) * vocab];
         for start in (0..n).step_by(self.chunk) {
             let c = self.chunk.min(n - start);
-            let mut z = vec![T::zero(); c * vocab]; // [c, vocab]
+            let z = &mut zbuf[..c * vocab]; // [c, vocab]
             let hc = &h[start * hid..(start + c) * hid];
-            packs.logits(&mut z, c, hc, w, hid);
+            packs.logits(z, c, hc, w, hid);
             let tg = &self.targets[start..start + c];
             out[start * cols..(start + c) * cols]
                 .par_chunks_mut(cols)
