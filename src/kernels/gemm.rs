@@ -197,6 +197,23 @@ unsafe fn gemm_raw<T: Elem>(
     }
 }
 
+/// `A [m, k] · B [k, n]` from bf16 packs into a fresh buffer of the element type (f32: the
+/// only type packs are made for).
+fn packed_product<T: Elem>(
+    ap: &super::bf16::PackedA,
+    bp: &super::bf16::PackedB,
+    m: usize,
+    n: usize,
+) -> Vec<T> {
+    // SAFETY: product_uninit writes all m·n values.
+    unsafe {
+        super::alloc::filled(m * n, |dst| {
+            let d32 = T::f32s_uninit(dst).expect("packs are made of f32 operands only");
+            super::bf16::product_uninit(d32, ap, bp, Par::Rayon)
+        })
+    }
+}
+
 /// A left operand `a[m, k]` of several products `a·Bᵢ` (a layer's input read by its query, key
 /// and value projections, or by an MLP's gate and up projections): packed once as bf16 tiles
 /// where the products are bf16, else kept as it is.
@@ -232,13 +249,7 @@ impl<'a, T: Elem> SharedA<'a, T> {
         let (m, k) = (self.m, self.k);
         if let (Some(ap), Some(b32), true) = (&self.packed, T::f32s(b), bf16) {
             let bp = super::bf16::PackedB::new(b32, b_rs, b_cs, k, n, Par::Rayon);
-            // SAFETY: product_uninit writes all m·n values.
-            return unsafe {
-                super::alloc::filled(m * n, |dst| {
-                    let d32 = T::f32s_uninit(dst).expect("a, b and dst share one element type");
-                    super::bf16::product_uninit(d32, ap, &bp, Par::Rayon)
-                })
-            };
+            return packed_product(ap, &bp, m, n);
         }
         let (a_rs, a_cs) = self.strides;
         gemm_new(bf16, m, n, k, self.a, a_rs, a_cs, b, b_rs, b_cs, Par::Rayon)
@@ -292,13 +303,7 @@ impl<'a, T: Elem> SharedB<'a, T> {
         let (k, n) = (self.k, self.n);
         if let (Some(bp), Some(a32), true) = (&self.packed, T::f32s(a), bf16) {
             let ap = super::bf16::PackedA::new(a32, a_rs, a_cs, m, k, Par::Rayon);
-            // SAFETY: product_uninit writes all m·n values.
-            return unsafe {
-                super::alloc::filled(m * n, |dst| {
-                    let d32 = T::f32s_uninit(dst).expect("a, b and dst share one element type");
-                    super::bf16::product_uninit(d32, &ap, bp, Par::Rayon)
-                })
-            };
+            return packed_product(&ap, bp, m, n);
         }
         let (b_rs, b_cs) = self.strides;
         gemm_new(bf16, m, n, k, a, a_rs, a_cs, self.b, b_rs, b_cs, Par::Rayon)

@@ -533,8 +533,6 @@ fn linear_bwd<T: Elem>(
     acc: bool,
 ) -> LinGrad<T> {
     let out = l.w.len() / inp;
-    let x = xb.plain();
-    let mut g = base_grads(l, xb, dy, inp);
     gemm_mixed(
         l.bf16,
         dx,
@@ -550,12 +548,7 @@ fn linear_bwd<T: Elem>(
         acc,
         Par::Rayon,
     );
-    if let Some(ad) = l.ad {
-        let (da, db) = adapter_bwd(ad, l.bf16, (x, dy), (rows, inp, out), dx);
-        g.a = Some(da);
-        g.bb = Some(db);
-    }
-    g
+    linear_grads(l, xb, dy, rows, inp, dx)
 }
 
 /// [`linear_bwd`] with `dx` a fresh `[rows, inp]` buffer, written by its product (not
@@ -568,14 +561,8 @@ fn linear_bwd_new<T: Elem>(
     inp: usize,
 ) -> (Vec<T>, LinGrad<T>) {
     let out = l.w.len() / inp;
-    let x = xb.plain();
-    let mut g = base_grads(l, xb, dy, inp);
     let mut dx = gemm_new(l.bf16, rows, inp, out, dy, out, 1, l.w, inp, 1, Par::Rayon);
-    if let Some(ad) = l.ad {
-        let (da, db) = adapter_bwd(ad, l.bf16, (x, dy), (rows, inp, out), &mut dx);
-        g.a = Some(da);
-        g.bb = Some(db);
-    }
+    let g = linear_grads(l, xb, dy, rows, inp, &mut dx);
     (dx, g)
 }
 
@@ -585,6 +572,26 @@ fn linear_bwd_new<T: Elem>(
 fn input_b<'a, T: Elem>(ls: &[Lin<T>], x: &'a [T], rows: usize, inp: usize) -> SharedB<'a, T> {
     let train = ls.iter().any(|l| l.train_base);
     SharedB::new(ls[0].bf16, x, (inp, 1), rows, inp, train)
+}
+
+/// The weights' gradients of [`linear_bwd`] once `dx` holds the base's input gradient: the
+/// base weight's, and the adapter's (which adds its own share to `dx`).
+fn linear_grads<T: Elem>(
+    l: Lin<T>,
+    xb: &SharedB<T>,
+    dy: &[T],
+    rows: usize,
+    inp: usize,
+    dx: &mut [T],
+) -> LinGrad<T> {
+    let out = l.w.len() / inp;
+    let mut g = base_grads(l, xb, dy, inp);
+    if let Some(ad) = l.ad {
+        let (da, db) = adapter_bwd(ad, l.bf16, (xb.plain(), dy), (rows, inp, out), dx);
+        g.a = Some(da);
+        g.bb = Some(db);
+    }
+    g
 }
 
 /// The base weight's gradients of [`linear_bwd`] (`∂W = dyᵀ·x`, `∂b = Σ_rows dy`), when it
