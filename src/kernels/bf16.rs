@@ -204,45 +204,58 @@ fn pack_tiles(
     par: bool,
 ) -> Vec<u16> {
     let kbs = k.div_ceil(TK);
+    // Where runs lie side by side in memory (`run_s == 1`), a tile reads one 64-byte line from
+    // each of 32 source rows far apart; a task then packs several neighbouring panels together,
+    // k-block by k-block, so that each source row is read in longer stretches.
+    let group = if run_s == 1 { PANEL_GROUP } else { 1 };
     build_tiles(
         padded(runs) / TR * kbs * TILE,
-        kbs * TILE,
+        group * kbs * TILE,
         par,
-        |t, panel| {
-            let r = TR.min(runs.saturating_sub(t * TR));
-            if r == 0 {
-                zeroed(panel); // padding tiles
-                return;
-            }
+        |g, panels| {
+            let count = panels.len() / (kbs * TILE);
             for kb in 0..kbs {
-                let tile = &mut panel[kb * TILE..][..TILE];
-                let (i0, k0) = (t * TR, kb * TK);
-                let len = TK.min(k - k0);
-                let base = i0 * run_s + k0 * k_s;
-                if simd::ok() && (k_s == 1 || run_s == 1) {
-                    // SAFETY: runs i0..i0+r and values k0..k0+len are inside `src` (the callers
-                    // assert the last run's last value); the packer reads nothing else.
-                    unsafe {
-                        let (p, dst) = (src[base..].as_ptr(), tile.as_mut_ptr().cast());
-                        match side {
-                            Side::A if k_s == 1 => simd::rows32(p, run_s, r, len, dst),
-                            Side::A => simd::cols_pairs_t(p, k_s, r, len, dst),
-                            Side::B if run_s == 1 => simd::rows_pairs(p, k_s, r, len, dst),
-                            Side::B => simd::rows32_t(p, run_s, r, len, dst),
-                        }
+                for j in 0..count {
+                    let t = g * group + j;
+                    let tile = &mut panels[(j * kbs + kb) * TILE..][..TILE];
+                    let r = TR.min(runs.saturating_sub(t * TR));
+                    if r == 0 {
+                        zeroed(tile); // padding tiles
+                        continue;
                     }
-                    continue;
-                }
-                let tile = zeroed(tile);
-                for i in 0..r {
-                    for kk in 0..len {
-                        tile[side.at(i, kk)] = bf16_bits(src[base + i * run_s + kk * k_s]);
+                    let (i0, k0) = (t * TR, kb * TK);
+                    let len = TK.min(k - k0);
+                    let base = i0 * run_s + k0 * k_s;
+                    if simd::ok() && (k_s == 1 || run_s == 1) {
+                        // SAFETY: runs i0..i0+r and values k0..k0+len are inside `src` (the
+                        // callers assert the last run's last value); the packer reads nothing
+                        // else.
+                        unsafe {
+                            let (p, dst) = (src[base..].as_ptr(), tile.as_mut_ptr().cast());
+                            match side {
+                                Side::A if k_s == 1 => simd::rows32(p, run_s, r, len, dst),
+                                Side::A => simd::cols_pairs_t(p, k_s, r, len, dst),
+                                Side::B if run_s == 1 => simd::rows_pairs(p, k_s, r, len, dst),
+                                Side::B => simd::rows32_t(p, run_s, r, len, dst),
+                            }
+                        }
+                        continue;
+                    }
+                    let tile = zeroed(tile);
+                    for i in 0..r {
+                        for kk in 0..len {
+                            tile[side.at(i, kk)] = bf16_bits(src[base + i * run_s + kk * k_s]);
+                        }
                     }
                 }
             }
         },
     )
 }
+
+/// Panels of 16 runs one packing task makes together when the runs lie side by side in memory
+/// (see [`pack_tiles`]).
+const PANEL_GROUP: usize = 4;
 
 /// `b[k, n]` packed as B tiles for any number of products with it (a weight used by every
 /// chunk of rows, every decode step).
