@@ -114,25 +114,39 @@ fn physical_memory() -> usize {
 
 /// A vector of `len` values written by `write`, without clearing them first (zero-filled
 /// buffers that a product or a map then overwrites were ~6 % of a forward+backward's time, in
-/// `memset`). Builds with debug assertions (the tests) fill the buffer with NaN first, so a
-/// value `write` leaves unset shows in every result that reads it.
+/// `memset`). Builds with debug assertions (the tests) fill the buffer with `poison` first
+/// (NaN, or a bf16 NaN's bits), so a value `write` leaves unset shows in every result that
+/// reads it.
 ///
 /// # Safety
 /// `write` must write every one of the `len` values it is given (reading any of them before
 /// writing it reads uninitialised memory).
-pub unsafe fn filled<T: super::elem::Elem>(
+pub unsafe fn filled_with<T: Copy>(
     len: usize,
+    poison: T,
     write: impl FnOnce(&mut [std::mem::MaybeUninit<T>]),
 ) -> Vec<T> {
     let mut v: Vec<T> = Vec::with_capacity(len);
     let values = &mut v.spare_capacity_mut()[..len];
     if cfg!(debug_assertions) {
-        values.fill(std::mem::MaybeUninit::new(T::nan()));
+        values.fill(std::mem::MaybeUninit::new(poison));
     }
     write(values);
     // SAFETY: every value was written (this function's contract).
     unsafe { v.set_len(len) };
     v
+}
+
+/// [`filled_with`] NaN.
+///
+/// # Safety
+/// As [`filled_with`].
+pub unsafe fn filled<T: super::elem::Elem>(
+    len: usize,
+    write: impl FnOnce(&mut [std::mem::MaybeUninit<T>]),
+) -> Vec<T> {
+    // SAFETY: the caller's promise, passed on.
+    unsafe { filled_with(len, T::nan(), write) }
 }
 
 /// Open [`huge_pages`] scopes, over all threads (rayon's workers allocate for the caller).

@@ -382,15 +382,8 @@ fn build_tiles(
     par: bool,
     f: impl Fn(usize, &mut [MaybeUninit<u16>]) + Sync,
 ) -> Vec<u16> {
-    let mut v: Vec<u16> = Vec::with_capacity(len);
-    let values = &mut v.spare_capacity_mut()[..len];
-    if cfg!(debug_assertions) {
-        values.fill(MaybeUninit::new(0x7fc1));
-    }
-    each_chunk(values, chunk, par, f);
-    // SAFETY: every value was written (`f`'s contract above).
-    unsafe { v.set_len(len) };
-    v
+    // SAFETY: `f` writes every value of each chunk, and the chunks cover the buffer.
+    unsafe { super::alloc::filled_with(len, 0x7fc1, |values| each_chunk(values, chunk, par, f)) }
 }
 
 /// `values` set to zero, as initialised values.

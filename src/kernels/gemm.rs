@@ -197,6 +197,15 @@ unsafe fn gemm_raw<T: Elem>(
     }
 }
 
+/// `pack(x)` where the products are bf16 (`bf16` asked, f32 elements, a CPU with a bf16
+/// kernel), else `None`.
+fn packed_if<T: Elem, P>(bf16: bool, x: &[T], pack: impl FnOnce(&[f32]) -> P) -> Option<P> {
+    match T::f32s(x) {
+        Some(x32) if bf16 && super::bf16::available() => Some(pack(x32)),
+        _ => None,
+    }
+}
+
 /// `A [m, k] · B [k, n]` from bf16 packs into a fresh buffer of the element type (f32: the
 /// only type packs are made for).
 fn packed_product<T: Elem>(
@@ -228,12 +237,9 @@ pub struct SharedA<'a, T> {
 impl<'a, T: Elem> SharedA<'a, T> {
     /// `a[i, kk]` at `a[i·a_rs + kk·a_cs]`; `bf16` as [`gemm_mixed`]'s.
     pub fn new(bf16: bool, a: &'a [T], (a_rs, a_cs): (usize, usize), m: usize, k: usize) -> Self {
-        let packed = match T::f32s(a) {
-            Some(a32) if bf16 && super::bf16::available() => {
-                Some(super::bf16::PackedA::new(a32, a_rs, a_cs, m, k, Par::Rayon))
-            }
-            _ => None,
-        };
+        let packed = packed_if(bf16, a, |a32| {
+            super::bf16::PackedA::new(a32, a_rs, a_cs, m, k, Par::Rayon)
+        });
         SharedA {
             a,
             strides: (a_rs, a_cs),
@@ -283,12 +289,9 @@ impl<'a, T: Elem> SharedB<'a, T> {
         n: usize,
         pack: bool,
     ) -> Self {
-        let packed = match T::f32s(b) {
-            Some(b32) if pack && bf16 && super::bf16::available() => {
-                Some(super::bf16::PackedB::new(b32, b_rs, b_cs, k, n, Par::Rayon))
-            }
-            _ => None,
-        };
+        let packed = packed_if(pack && bf16, b, |b32| {
+            super::bf16::PackedB::new(b32, b_rs, b_cs, k, n, Par::Rayon)
+        });
         SharedB {
             b,
             strides: (b_rs, b_cs),
@@ -330,7 +333,9 @@ mod tests {
     /// [`SharedB`]) gives what [`gemm_mixed`] writes over a zeroed output, bit for bit — the
     /// bf16 kernel (where this CPU has one) and the `gemm` crate, f32 and f64 — for shapes
     /// with partial tiles, both operands row-major and transposed, and `k = 0` (zeros). Test
-    /// builds fill fresh buffers with NaN first, so a value left unwritten fails here.
+    /// builds fill fresh buffers with NaN first, so a value left unwritten fails here. What is
+    /// checked is the plumbing (fresh buffers, packs made once and reused); the products'
+    /// arithmetic is checked against f64 sums in `bf16::tests` and the model's parity tests.
     fn check<T: Elem>() {
         for (m, n, k) in [(1, 1, 1), (33, 47, 70), (64, 96, 576), (5, 3, 0), (0, 4, 2)] {
             let a: Vec<T> = values(m * k, 1);

@@ -521,7 +521,7 @@ fn adapter_input<T: Elem>(ad: Adapter<T>, x: &[T], rows: usize, inp: usize, bf16
 }
 
 /// Gradients of a linear layer from `dy [rows, out]`: `∂W = dyᵀ·x`, `∂b = Σ_rows dy` (when the
-/// base trains), and `dx (+)= dy·W`; with an adapter (`xd` = `x` through its dropout, `xs =
+/// base trains), and `dx += dy·W` (into a fresh `dx`: [`linear_bwd_new`]); with an adapter (`xd` = `x` through its dropout, `xs =
 /// s·xd·Aᵀ`): `∂B = dyᵀ·xs`, `∂A = s·(dy·B)ᵀ·xd` and `dx += (s·(dy·B)·A) ⊙ m / (1 − p)`.
 fn linear_bwd<T: Elem>(
     l: Lin<T>,
@@ -530,7 +530,6 @@ fn linear_bwd<T: Elem>(
     rows: usize,
     inp: usize,
     dx: &mut [T],
-    acc: bool,
 ) -> LinGrad<T> {
     let out = l.w.len() / inp;
     gemm_mixed(
@@ -545,7 +544,7 @@ fn linear_bwd<T: Elem>(
         l.w,
         inp,
         1,
-        acc,
+        true,
         Par::Rayon,
     );
     linear_grads(l, xb, dy, rows, inp, dx)
@@ -1395,8 +1394,8 @@ pub(super) fn backward<T: Elem>(
     };
     let h1b = input_b(&[lq, lk, lv], &acts.h1, n, hid);
     let (mut dh1, gq) = linear_bwd_new(lq, &h1b, &dq, n, hid);
-    let gk = linear_bwd(lk, &h1b, &dk, n, hid, &mut dh1, true);
-    let gv = linear_bwd(lv, &h1b, &dv, n, hid, &mut dh1, true);
+    let gk = linear_bwd(lk, &h1b, &dk, n, hid, &mut dh1);
+    let gv = linear_bwd(lv, &h1b, &dv, n, hid, &mut dh1);
     drop(h1b);
     let mut dx = dx2;
     let dln1 = rms_bwd(x, &acts.r1, w.ln1, &dh1, &mut dx, off);
@@ -1445,8 +1444,8 @@ fn gated_mlp_bwd<T: Elem>(
         });
     }
     let xb = input_b(&[lg, lu], x, m, hid);
-    let gg = linear_bwd(lg, &xb, &dact, m, hid, dx, true);
-    let gu = linear_bwd(lu, &xb, &dup, m, hid, dx, true);
+    let gg = linear_bwd(lg, &xb, &dact, m, hid, dx);
+    let gu = linear_bwd(lu, &xb, &dup, m, hid, dx);
     [gg, gu, gd]
 }
 
@@ -1516,8 +1515,10 @@ fn moe_fwd<T: Elem>(m: &Moe<T>, d: &Dims, h: &[T]) -> (Vec<T>, MoeActs<T>) {
             continue;
         }
         let xe = gather_rows(h, &tokens, hid); // [m, hidden]
-        let gate = linear_fwd(lg, &xe, rows, hid);
-        let up = linear_fwd(lu, &xe, rows, hid);
+        let xa = input_a(lg, &xe, rows, hid);
+        let gate = linear_fwd_on(lg, &xa, rows, hid);
+        let up = linear_fwd_on(lu, &xa, rows, hid);
+        drop(xa);
         let act = gated(&gate, &up, false);
         let ye = linear_fwd(ld, &act, rows, d.inter); // [m, hidden]
         for (i, (&t, &s)) in tokens.iter().zip(&slots).enumerate() {
@@ -1537,9 +1538,11 @@ fn moe_fwd<T: Elem>(m: &Moe<T>, d: &Dims, h: &[T]) -> (Vec<T>, MoeActs<T>) {
     }
     // The shared expert on every token, scaled by the sigmoid of its gate's logit.
     let shared = m.shared.as_ref().map(|([lg, lu, ld], lgate)| {
-        let logit = linear_fwd(*lgate, h, n, hid); // [n, 1]
-        let gate = linear_fwd(*lg, h, n, hid);
-        let up = linear_fwd(*lu, h, n, hid);
+        let ha = input_a(*lg, h, n, hid);
+        let logit = linear_fwd_on(*lgate, &ha, n, hid); // [n, 1]
+        let gate = linear_fwd_on(*lg, &ha, n, hid);
+        let up = linear_fwd_on(*lu, &ha, n, hid);
+        drop(ha);
         let ys = linear_fwd(*ld, &gated(&gate, &up, false), n, gate.len() / n.max(1));
         y.par_chunks_mut(hid)
             .zip(ys.par_chunks(hid))
@@ -1745,7 +1748,7 @@ fn shared_bwd<T: Elem>(
     let si = sa.gate.len() / n.max(1);
     let [gg, gu, gd] = gated_mlp_bwd([lg, lu, ld], si, h, &sa.gate, &sa.up, false, &dys, dh);
     let hb = input_b(&[lgate], h, n, hid);
-    [gg, gu, gd, linear_bwd(lgate, &hb, &dz, n, hid, dh, true)]
+    [gg, gu, gd, linear_bwd(lgate, &hb, &dz, n, hid, dh)]
 }
 
 /// One (attention block, KV head)'s gradients: block, head, dq̃ of its `rep` heads
