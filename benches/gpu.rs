@@ -198,7 +198,7 @@ fn main() {
             .reduce(|a, b| (a + b).unwrap())
             .unwrap();
         let grads = loss.backward().unwrap();
-        let mut opt = AdamW::new(named, &OptimConfig::default());
+        let mut opt = AdamW::new(named, &OptimConfig::default()).unwrap();
         for i in 0..4 {
             dev.synchronize().unwrap();
             let t0 = Instant::now();

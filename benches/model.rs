@@ -115,7 +115,7 @@ fn main() {
             .reduce(|a, b| (a + b).unwrap())
             .unwrap();
         let grads = loss.backward().unwrap();
-        let mut opt = AdamW::new(named, &OptimConfig::default());
+        let mut opt = AdamW::new(named, &OptimConfig::default()).unwrap();
         for i in 0..3 {
             let t0 = Instant::now();
             opt.step(&grads, 1e-6).unwrap();

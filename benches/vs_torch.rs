@@ -344,7 +344,7 @@ fn adamw(a: &Args, varmap: &candle_nn::VarMap) -> Result<Value, BoxError> {
         grads.insert(v.as_tensor(), g);
     }
     let cfg = OptimConfig::with_lr(1e-6);
-    let mut opt = AdamW::new(vars, &cfg);
+    let mut opt = AdamW::new(vars, &cfg).unwrap();
     let mut secs = Vec::new();
     for i in 0..warmup + reps {
         let t0 = Instant::now();

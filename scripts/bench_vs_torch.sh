@@ -16,8 +16,8 @@
 # transformers from the same GGUF; the run first checks that both sides compute the same logits.
 #
 # Usage: scripts/bench_vs_torch.sh [--model smollm2|gemma3|qwen2.5-0.5b-shape] [--only fwdbwd,gen,adamw,grpo] [--quick] [--threads N]
-#          [--micro-batch N] [--precision fp32|bf16] [--data FILE.parquet] [--results DIR]
-#          [-- MAIN_PPO_OVERRIDE ...]
+#          [--micro-batch N] [--precision fp32|bf16] [--optim adamw|adamw8bit|adamw4bit]
+#          [--data FILE.parquet] [--results DIR] [-- MAIN_PPO_OVERRIDE ...]
 #   --model M       smollm2 (SmolLM2-135M-Instruct, default) or gemma3 (Gemma 3 270M base,
 #                   scripts/fetch_gemma3.sh; prompts as "<bos>Question: ...\nAnswer:"; no grpo) or
 #                   qwen2.5-0.5b-shape (Qwen2.5-0.5B's config, the model of verl's quickstart,
@@ -30,6 +30,9 @@
 #                   torch.autocast(bfloat16) (extra rows); TRL in (d) stays f32.
 #   --threads N     threads for both sides (default: all cores)
 #   --micro-batch N main_ppo's ppo/log-prob micro-batch in (d) (default 8)
+#   --optim O       the optimizer of (d) on both sides: adamw (torch's, default) or torchao's
+#                   adamw8bit / adamw4bit (TRL: optim=adamw_torch_8bit / _4bit; main_ppo:
+#                   optim.optimizer_impl=torchao.optim, optimizer=AdamW8bit / AdamW4bit)
 #   -- ...          extra main_ppo overrides for (d)
 # Environment: BENCH_VENV (default ~/.cache/main_ppo/bench-venv), PYTHON (to create the venv,
 #   default python3), BENCH_LOCK=FILE (build and measure under `flock FILE`, so that nothing
@@ -37,7 +40,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-only="" quick="" model=smollm2 threads="$(nproc 2>/dev/null || echo 1)" micro=8 data="data/gsm8k/train.parquet" precision=fp32
+only="" quick="" model=smollm2 threads="$(nproc 2>/dev/null || echo 1)" micro=8 data="data/gsm8k/train.parquet" precision=fp32 optim=adamw
 results="" extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -48,6 +51,7 @@ while [ $# -gt 0 ]; do
     --threads) threads="${2:?--threads needs a number}"; shift 2 ;;
     --micro-batch) micro="${2:?--micro-batch needs a number}"; shift 2 ;;
     --precision) precision="${2:?--precision needs fp32 or bf16}"; shift 2 ;;
+    --optim) optim="${2:?--optim needs adamw, adamw8bit or adamw4bit}"; shift 2 ;;
     --data) data="${2:?--data needs a file}"; shift 2 ;;
     --results) results="${2:?--results needs a folder}"; shift 2 ;;
     --) shift; extra=("$@"); break ;;
@@ -61,6 +65,7 @@ if [ "$model" = gemma3 ]; then
   [ -n "$only" ] || only="fwdbwd,gen,adamw"
   case ",$only," in *,grpo,*) echo "bench_vs_torch.sh: --model gemma3 has no grpo measurement (TRL's side needs a chat model)" >&2; exit 2 ;; esac
 fi
+case "$optim" in adamw|adamw8bit|adamw4bit) ;; *) echo "bench_vs_torch.sh: --optim must be adamw, adamw8bit or adamw4bit, got \`$optim\`" >&2; exit 2 ;; esac
 case "$precision" in fp32|bf16) ;; *) echo "bench_vs_torch.sh: --precision must be fp32 or bf16, got \`$precision\`" >&2; exit 2 ;; esac
 case "$micro" in ''|*[!0-9]*|0) echo "bench_vs_torch.sh: --micro-batch must be a positive integer, got \`$micro\`" >&2; exit 2 ;; esac
 for m in ${only//,/ }; do
@@ -121,4 +126,4 @@ for o in "${extra[@]+"${extra[@]}"}"; do ovr+=("--ours-override=$o"); done
 locked "$py" scripts/bench/vs_torch.py run \
   --ours-bench "$bench_exe" --ours-bin target/release/main_ppo --ours-rev "$rev" \
   --model "$model" --gguf "$gguf" --hf "$hf" --data "$data" --results "$results" --threads "$threads" \
-  --micro-batch "$micro" --precision "$precision" ${only:+--only "$only"} $quick "${ovr[@]+"${ovr[@]}"}"
+  --micro-batch "$micro" --precision "$precision" --optim "$optim" ${only:+--only "$only"} $quick "${ovr[@]+"${ovr[@]}"}"

@@ -403,6 +403,26 @@ def gsm8k_reward(completions, reward_model, **_):
     return out
 
 
+# `--optim`: the optimizer on both sides of the GRPO run. TRL's names (transformers'
+# OptimizerNames; the low-bit ones build torchao's AdamW8bit / AdamW4bit with 256-value blocks)
+# and ours (verl's optim.optimizer_impl / optim.optimizer, the same torchao classes).
+OPTIMS = {
+    "adamw": (None, []),  # TRL's default optimizer, as every earlier run
+    "adamw8bit": (
+        "adamw_torch_8bit",
+        ["actor_rollout_ref.actor.optim.optimizer_impl=torchao.optim",
+         "actor_rollout_ref.actor.optim.optimizer=AdamW8bit"],
+    ),
+    "adamw4bit": (
+        "adamw_torch_4bit",
+        ["actor_rollout_ref.actor.optim.optimizer_impl=torchao.optim",
+         "actor_rollout_ref.actor.optim.optimizer=AdamW4bit",
+         # transformers passes block_size 256 to AdamW4bit (torchao's own default is 128)
+         "+actor_rollout_ref.actor.optim.override_optimizer_config.block_size=256"],
+    ),
+}
+
+
 def cmd_grpo(a) -> None:
     """TRL's GRPOTrainer: 8 prompts x 4 responses per step, <= max_new tokens, beta 0, lr 1e-6,
     f32 on the CPU; wall time of each step (between step ends) and peak RSS."""
@@ -441,6 +461,7 @@ def cmd_grpo(a) -> None:
         max_completion_length=a.max_new,
         beta=0.0,
         learning_rate=1e-6,
+        **({"optim": OPTIMS[a.optim][0]} if OPTIMS[a.optim][0] else {}),
         bf16=False,
         fp16=False,
         use_cpu=True,
@@ -593,7 +614,7 @@ def ours_grpo_overrides(a, out: Path) -> list[str]:
         ]
         if a.precision == "bf16"
         else []
-    ) + list(a.ours_override)
+    ) + OPTIMS[a.optim][1] + list(a.ours_override)
 
 
 PROMPT = (
@@ -703,6 +724,7 @@ def cmd_run(a) -> None:
         "only": only,
         "micro_batch": a.micro_batch,
         "precision": a.precision,
+        "optim": a.optim,
     }
     print(
         f"threads: {a.threads} on both sides (RAYON_NUM_THREADS, torch.set_num_threads); "
@@ -780,7 +802,7 @@ def cmd_run(a) -> None:
         measure(
             "grpo_trl",
             py + ["grpo", "--data", a.data, "--out", str(out / "trl_grpo"), "--steps", str(a.grpo_steps),
-                  "--max-new", str(a.grpo_max_new), "--seed", str(a.seed)] + common_py,
+                  "--max-new", str(a.grpo_max_new), "--seed", str(a.seed), "--optim", a.optim] + common_py,
         )
 
     rows = table_rows(res, only, quick, gen_new)
@@ -841,7 +863,8 @@ def table_rows(res: dict, only: list[str], quick: bool, gen_new: str) -> list[di
             f"ours {' / '.join(f'{x:.1f}' for x in o)}; TRL {' / '.join(f'{x:.1f}' for x in t)}")
         gc = ((res.get("grpo_trl") or {}).get("settings") or {}).get("gradient_checkpointing")
         row("GRPO peak RSS", "GiB", "lower", get("grpo_ours", "peak_rss_bytes"), get("grpo_trl", "peak_rss_bytes"),
-            f"ours micro-batch {res['info']['micro_batch']}; TRL gradient_checkpointing={gc} (its default)")
+            f"ours micro-batch {res['info']['micro_batch']}; TRL gradient_checkpointing={gc} (its default); "
+            f"optimizer {res['info'].get('optim', 'adamw')} on both sides")
         ol = (res.get("grpo_ours") or {}).get("completion_mean_length") or []
         tl = (res.get("grpo_trl") or {}).get("completion_mean_length") or []
         row(f"GRPO mean response length, {steps}", "tokens", "-", mean(ol[timed]), mean(tl[timed]),
@@ -921,6 +944,7 @@ def main() -> None:
     s.add_argument("--steps", type=int, default=3)
     s.add_argument("--max-new", type=int, default=128)
     s.add_argument("--seed", type=int, default=1)
+    s.add_argument("--optim", choices=sorted(OPTIMS), default="adamw")
 
     s = sub.add_parser("run")
     s.add_argument("--ours-bench", required=True, help="the built benches/vs_torch.rs executable")
@@ -938,6 +962,8 @@ def main() -> None:
     s.add_argument("--micro-batch", type=int, default=8)
     s.add_argument("--seed", type=int, default=1)
     s.add_argument("--ours-override", action="append", default=[])
+    s.add_argument("--optim", choices=sorted(OPTIMS), default="adamw",
+                   help="the GRPO run's optimizer on both sides (adamw: torch's; adamw8bit, adamw4bit: torchao's)")
     s.set_defaults(fn=cmd_run)
 
     a = p.parse_args()

@@ -146,6 +146,7 @@ fn optimizer_keys(
             key("optimizer")
         ));
     }
+    fold_overrides(tree, &optim, notices);
     if let Some(style) = tree::remove(tree, &tree::split(&key("lr_decay_style"))) {
         if !style.is_null() {
             let s = style.as_str().unwrap_or_default().to_string();
@@ -206,6 +207,55 @@ fn optimizer_keys(
         ));
     }
     Ok(())
+}
+
+/// `optim.override_optimizer_config`'s update arguments onto `optim.*`: verl passes lr, weight
+/// decay and betas to the optimizer class and then updates them with the override, so the
+/// override wins; `eps` has no other key. `decoupled_weight_decay` turns torch's (or
+/// Megatron's) Adam into AdamW and back. The entries stay in place (the typed config shows
+/// both; resolving checks that they agree).
+fn fold_overrides(tree: &mut Value, optim: &str, notices: &mut Vec<String>) {
+    let section = format!("{optim}.override_optimizer_config");
+    let Some(map) = tree::get(tree, &tree::split(&section))
+        .and_then(Value::as_mapping)
+        .cloned()
+    else {
+        return;
+    };
+    for name in ["lr", "eps", "weight_decay", "betas"] {
+        let Some(v) = map.get(name).filter(|v| !v.is_null()) else {
+            continue;
+        };
+        let target = tree::split(&format!("{optim}.{name}"));
+        let current = tree::get(tree, &target).cloned().unwrap_or(Value::Null);
+        if !super::compat::same_value(&current, v) {
+            notices.push(format!(
+                "`{section}.{name}` = {} replaces `{optim}.{name}` = {} (verl passes the override to the optimizer last)",
+                tree::show(v),
+                tree::show(&current)
+            ));
+        }
+        tree::set(tree, &target, v.clone());
+    }
+    if let Some(d) = map.get("decoupled_weight_decay").and_then(Value::as_bool) {
+        let impl_ = get_str(tree, &format!("{optim}.optimizer_impl"))
+            .unwrap_or_else(|| "torch.optim".into());
+        let name = get_str(tree, &format!("{optim}.optimizer")).unwrap_or_default();
+        let is_adam = ["adam", "adamw"].contains(&name.to_ascii_lowercase().as_str());
+        if impl_ == "torch.optim" && is_adam {
+            let to = if d { "AdamW" } else { "Adam" };
+            if !name.eq_ignore_ascii_case(to) {
+                notices.push(format!(
+                    "`{section}.decoupled_weight_decay` = {d}: `{optim}.optimizer` {name} runs as {to}"
+                ));
+            }
+            tree::set(
+                tree,
+                &tree::split(&format!("{optim}.optimizer")),
+                Value::String(to.into()),
+            );
+        }
+    }
 }
 
 /// Sets `key` from the engine key `from`, refusing when the user set `key` to another value.

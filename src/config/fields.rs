@@ -95,3 +95,17 @@ macro_rules! defaults {
         }
     };
 }
+
+/// Serde adapter for a section verl writes as `null` when empty (`override_optimizer_config:
+/// null`): `null` reads as the section's default.
+pub mod null_default {
+    use serde::{Deserialize, Deserializer};
+
+    pub fn deserialize<'de, D, T>(d: D) -> Result<T, D::Error>
+    where
+        D: Deserializer<'de>,
+        T: Deserialize<'de> + Default,
+    {
+        Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+    }
+}

@@ -44,7 +44,7 @@ pub use data::{DataConfig, Truncation};
 pub use distillation::{DistillLossMode, DistillPlan, DistillationConfig, TeacherPlan};
 pub use load::{load, ConfigSource, Loaded};
 pub use model::ModelConfig;
-pub use optim::{LrSchedulerType, OptimConfig};
+pub use optim::{LrSchedulerType, MomentFormat, OptimConfig, OptimizerChoice, OptimizerOverrides};
 pub use reference::RefConfig;
 pub use resolve::{
     resolve, sequence_budgets, BypassLoss, FilterPlan, MicroBatching, Plan, RolloutCorrPlan, Seeds,

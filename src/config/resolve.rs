@@ -1079,10 +1079,30 @@ fn micro_divides(
 }
 
 fn check_optim(errors: &mut Vec<String>, prefix: &str, o: &super::OptimConfig) {
-    if !o.optimizer.eq_ignore_ascii_case("adamw") {
+    if let Err(e) = o.choice() {
+        errors.push(format!("`{prefix}`: {e}"));
+    }
+    // Loading copies the override's arguments onto the section's keys; a config built in code
+    // must do the same (never one value read and the other ignored).
+    let ov = &o.override_optimizer_config;
+    for (name, over, field) in [
+        ("lr", ov.lr, o.lr),
+        ("eps", ov.eps, o.eps),
+        ("weight_decay", ov.weight_decay, o.weight_decay),
+        ("betas[0]", ov.betas.map(|b| b[0]), o.betas[0]),
+        ("betas[1]", ov.betas.map(|b| b[1]), o.betas[1]),
+    ] {
+        if over.is_some_and(|v| v != field) {
+            errors.push(format!(
+                "`{prefix}.override_optimizer_config.{name}` ({}) and `{prefix}.{name}` ({field}) disagree: loading a config copies the override onto the key",
+                over.unwrap_or_default()
+            ));
+        }
+    }
+    if !(o.eps >= 0.0 && o.eps.is_finite()) {
         errors.push(format!(
-            "`{prefix}.optimizer` ({:?}) must be AdamW, the only optimizer implemented",
-            o.optimizer
+            "`{prefix}.eps` ({}) must be a non-negative number",
+            o.eps
         ));
     }
     if !(o.lr >= 0.0 && o.lr.is_finite()) {

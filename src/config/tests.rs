@@ -1383,3 +1383,135 @@ fn distillation_rules() {
     .unwrap();
     assert_eq!(l.no_effect.len(), 2, "{:?}", l.no_effect);
 }
+
+/// verl's optimizer selection (`optim.optimizer_impl` + `optim.optimizer`, imported by
+/// `build_optimizer`) and `override_optimizer_config`: torchao's low-bit classes resolve to
+/// their moment formats and default blocks; the override's update arguments land on the keys
+/// the optimizer reads (the override wins, as verl passes it last); implementation switches are
+/// reported as without effect; arguments that change the update and are not implemented are
+/// refused naming the key; an unknown argument names the keys that exist.
+#[test]
+fn optimizer_classes_and_their_keyword_arguments() {
+    let a = "actor_rollout_ref.actor.optim";
+    let c = cfg(&[
+        &format!("{a}.optimizer_impl=torchao.optim"),
+        &format!("{a}.optimizer=AdamW4bit"),
+    ]);
+    let ch = c.actor_rollout_ref.actor.optim.choice().unwrap();
+    assert_eq!(
+        (ch.decoupled, ch.moments, ch.block_size, ch.torchao_form),
+        (true, MomentFormat::Int4, 128, true)
+    );
+    let c = cfg(&[
+        &format!("{a}.optimizer_impl=torchao.optim"),
+        &format!("{a}.optimizer=Adam8bit"),
+        &format!("+{a}.override_optimizer_config.block_size=512"),
+    ]);
+    let ch = c.actor_rollout_ref.actor.optim.choice().unwrap();
+    assert_eq!(
+        (ch.decoupled, ch.moments, ch.block_size),
+        (false, MomentFormat::Int8, 512)
+    );
+
+    let l = with(&[
+        &format!("{a}.lr=1e-6"),
+        &format!("+{a}.override_optimizer_config.lr=3e-6"),
+        &format!("+{a}.override_optimizer_config.eps=1e-5"),
+        &format!("+{a}.override_optimizer_config.betas=[0.8,0.95]"),
+        &format!("+{a}.override_optimizer_config.weight_decay=0.1"),
+        &format!("+{a}.override_optimizer_config.foreach=False"),
+        &format!("+{a}.override_optimizer_config.bf16_stochastic_round=True"),
+    ])
+    .unwrap();
+    let o = &l.config.actor_rollout_ref.actor.optim;
+    assert_eq!(
+        (o.lr, o.eps, o.betas, o.weight_decay),
+        (3e-6, 1e-5, [0.8, 0.95], 0.1)
+    );
+    assert!(
+        l.notices
+            .iter()
+            .any(|n| n.contains("override_optimizer_config.lr")),
+        "{:?}",
+        l.notices
+    );
+    for k in ["foreach", "bf16_stochastic_round"] {
+        let key = format!("{a}.override_optimizer_config.{k}");
+        assert!(l.no_effect.contains(&key), "{key}: {:?}", l.no_effect);
+    }
+
+    // Adam's L2 weight decay through torch's (and Megatron's) decoupled_weight_decay switch.
+    let c = cfg(&[&format!(
+        "+{a}.override_optimizer_config.decoupled_weight_decay=False"
+    )]);
+    assert_eq!(c.actor_rollout_ref.actor.optim.optimizer, "Adam");
+    assert!(!c.actor_rollout_ref.actor.optim.choice().unwrap().decoupled);
+    let e = rule_error(&[
+        &format!("{a}.optimizer_impl=torchao.optim"),
+        &format!("{a}.optimizer=AdamW8bit"),
+        &format!("+{a}.override_optimizer_config.decoupled_weight_decay=False"),
+    ]);
+    assert!(e.contains("decoupled_weight_decay"), "{e}");
+
+    for (arg, key) in [
+        ("amsgrad=True", "override_optimizer_config.amsgrad"),
+        ("maximize=True", "override_optimizer_config.maximize"),
+        (
+            "fp8_recipe=blockwise",
+            "override_optimizer_config.fp8_recipe",
+        ),
+    ] {
+        let e = err(&[&format!("+{a}.override_optimizer_config.{arg}")]);
+        assert!(e.contains(&format!("{a}.{key}")), "{arg}: {e}");
+    }
+    let e = err(&[&format!("+{a}.override_optimizer_config.betaz=[0.9,0.9]")]);
+    assert!(
+        e.contains("override_optimizer_config.betaz") && e.contains("betas"),
+        "{e}"
+    );
+
+    for (extra, want) in [
+        (
+            vec![
+                format!("{a}.optimizer_impl=bitsandbytes.optim"),
+                format!("{a}.optimizer=AdamW8bit"),
+            ],
+            "torchao",
+        ),
+        (
+            vec![
+                format!("{a}.optimizer_impl=torchao.optim"),
+                format!("{a}.optimizer=AdamW2bit"),
+            ],
+            "AdamW8bit",
+        ),
+        (
+            vec![format!("{a}.optimizer_impl=apex.optimizers")],
+            "optimizer_impl",
+        ),
+        (
+            vec![format!("+{a}.override_optimizer_config.block_size=64")],
+            "block_size",
+        ),
+        (
+            vec![
+                format!("{a}.optimizer_impl=torchao.optim"),
+                format!("{a}.optimizer=AdamW4bit"),
+                format!("+{a}.override_optimizer_config.block_size=3"),
+            ],
+            "even",
+        ),
+    ] {
+        let refs: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let e = rule_error(&refs);
+        assert!(e.contains(a) && e.contains(want), "{extra:?}: {e}");
+    }
+    // A config built in code whose override and key disagree is refused, not half-read.
+    let mut c = cfg(VALID);
+    c.critic.optim.override_optimizer_config.eps = Some(1e-3);
+    let e = resolve(&c).unwrap_err().to_string();
+    assert!(
+        e.contains("critic.optim.override_optimizer_config.eps"),
+        "{e}"
+    );
+}

@@ -6,8 +6,9 @@
 //! p ← p − lr/(1−β1ᵗ) · m / (√v/√(1−β2ᵗ) + ε)
 //! ```
 //!
-//! [`InPlace`] applies it to a CPU f32 parameter in its own storage, with the gradient as the
-//! second operand.
+//! torch's Adam (`weight_decay` as an L2 term) is the same rule with `g ← g + wd·p` first and no
+//! decay. [`InPlace`] runs a step on a CPU f32 parameter in its own storage, with the gradient
+//! as the second operand.
 
 use rayon::prelude::*;
 
@@ -22,6 +23,9 @@ pub struct AdamWRule {
     pub decay: f32,
     /// Multiplies each gradient before use (1 = none).
     pub grad_scale: f32,
+    /// torch's Adam (coupled weight decay): `g ← g + l2·p` before the moments, with `decay` 1;
+    /// 0 for AdamW.
+    pub l2: f32,
 }
 
 impl AdamWRule {
@@ -58,11 +62,15 @@ fn adamw_chunk(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], rule: Ada
         sqrt_bc2,
         decay,
         grad_scale,
+        l2,
     } = rule;
     let n = p.len().min(m.len()).min(v.len()).min(g.len());
     let (p, m, v, g) = (&mut p[..n], &mut m[..n], &mut v[..n], &g[..n]);
     for k in 0..n {
-        let gk = g[k] * grad_scale;
+        let mut gk = g[k] * grad_scale;
+        if l2 != 0.0 {
+            gk += l2 * p[k];
+        }
         m[k] = b1 * m[k] + (1.0 - b1) * gk;
         v[k] = b2 * v[k] + (1.0 - b2) * gk * gk;
         p[k] = p[k] * decay - step_size * m[k] / (v[k].sqrt() / sqrt_bc2 + eps);
@@ -83,14 +91,16 @@ unsafe fn adamw_chunk_avx512(
     adamw_chunk(p, m, v, g, rule)
 }
 
-/// [`AdamWRule`] as an in-place op on a CPU f32 parameter's storage, with the gradient as the
-/// second operand and the moments borrowed for the call.
-pub struct InPlace<'a> {
-    pub rule: AdamWRule,
-    pub moments: std::cell::RefCell<(&'a mut [f32], &'a mut [f32])>,
+/// An optimizer step as an in-place op on a CPU f32 parameter's storage, with the gradient as
+/// the second operand: `step(parameter, gradient)` runs on the two slices (moments and rule
+/// captured by the closure).
+pub struct InPlace<F: FnMut(&mut [f32], &[f32]) -> candle_core::Result<()>> {
+    pub step: std::cell::RefCell<F>,
 }
 
-impl candle_core::InplaceOp2 for InPlace<'_> {
+impl<F: FnMut(&mut [f32], &[f32]) -> candle_core::Result<()>> candle_core::InplaceOp2
+    for InPlace<F>
+{
     fn name(&self) -> &'static str {
         "adamw-step"
     }
@@ -103,19 +113,10 @@ impl candle_core::InplaceOp2 for InPlace<'_> {
         l2: &candle_core::Layout,
     ) -> candle_core::Result<()> {
         let (p, g) = super::storage::f32_operands("adamw-step", s1, l1, s2, l2)?;
-        let mut moments = self.moments.borrow_mut();
-        let (m, v) = &mut *moments;
-        if p.len() != g.len() || p.len() != m.len() || p.len() != v.len() {
-            candle_core::bail!(
-                "adamw-step: {} parameters, {} gradients, {}/{} moments",
-                p.len(),
-                g.len(),
-                m.len(),
-                v.len()
-            );
+        if p.len() != g.len() {
+            candle_core::bail!("adamw-step: {} parameters, {} gradients", p.len(), g.len());
         }
-        self.rule.apply(p, m, v, g);
-        Ok(())
+        (self.step.borrow_mut())(p, g)
     }
 }
 
@@ -139,22 +140,26 @@ mod tests {
         };
         let (p0, g) = (mk(1), mk(2));
         let (m0, v0) = (mk(3), mk(4).iter().map(|x| x.abs()).collect::<Vec<_>>());
-        let c = AdamWRule {
-            b1: 0.9,
-            b2: 0.999,
-            eps: 1e-8,
-            step_size: 0.013,
-            sqrt_bc2: 0.031,
-            decay: 0.9999,
-            grad_scale: 0.37,
-        };
-        let (mut p1, mut m1, mut v1) = (p0.clone(), m0.clone(), v0.clone());
-        adamw_chunk(&mut p1, &mut m1, &mut v1, &g, c);
-        let (mut p2, mut m2, mut v2) = (p0, m0, v0);
-        unsafe { adamw_chunk_avx512(&mut p2, &mut m2, &mut v2, &g, c) };
-        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&p1), bits(&p2));
-        assert_eq!(bits(&m1), bits(&m2));
-        assert_eq!(bits(&v1), bits(&v2));
+        // AdamW (decay, no L2 term) and Adam (L2 term, no decay).
+        for (decay, l2) in [(0.9999, 0.0), (1.0, 0.01)] {
+            let c = AdamWRule {
+                b1: 0.9,
+                b2: 0.999,
+                eps: 1e-8,
+                step_size: 0.013,
+                sqrt_bc2: 0.031,
+                decay,
+                grad_scale: 0.37,
+                l2,
+            };
+            let (mut p1, mut m1, mut v1) = (p0.clone(), m0.clone(), v0.clone());
+            adamw_chunk(&mut p1, &mut m1, &mut v1, &g, c);
+            let (mut p2, mut m2, mut v2) = (p0.clone(), m0.clone(), v0.clone());
+            unsafe { adamw_chunk_avx512(&mut p2, &mut m2, &mut v2, &g, c) };
+            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&p1), bits(&p2));
+            assert_eq!(bits(&m1), bits(&m2));
+            assert_eq!(bits(&v1), bits(&v2));
+        }
     }
 }

@@ -10,6 +10,7 @@
 //! - `attend`: decode attention of one token over its cached keys and values,
 //! - `bf16`: bf16 products with f32 sums on AMX tiles or AVX512-BF16,
 //! - `adamw`: AdamW's element-wise rule, in place on a parameter's storage,
+//! - `adam_lowbit`: Adam with block-quantised moments (torchao's 8-bit, 4-bit and FP8 forms),
 //! - `storage`: CPU storage as host slices (custom ops, in-place gradient accumulation),
 //! - `team`: helper threads that spin between the short parallel loops of a decode step,
 //! - `alloc`: the process's allocator (the system's, large blocks on transparent huge pages),
@@ -20,6 +21,7 @@
 //! layer, the fused LM head and the packed decode engine all run on the CPU in f32 or f64;
 //! everything else (CUDA, half precision) runs candle's op composition.
 
+pub mod adam_lowbit;
 pub mod adamw;
 pub mod alloc;
 pub mod attend;

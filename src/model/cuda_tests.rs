@@ -330,6 +330,7 @@ fn cuda_adamw_and_accumulation_equal_the_cpu_bits() {
             sqrt_bc2: (1.0 - 0.999f64.powi(step as i32)).sqrt() as f32,
             decay: (1.0 - lr * 0.01) as f32,
             grad_scale: 0.75,
+            l2: 0.0,
         };
         rule.apply(&mut p, &mut m, &mut v, &g);
         let gd = Tensor::from_vec(g, n, &dev).unwrap();

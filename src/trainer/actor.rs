@@ -170,7 +170,7 @@ impl Actor {
         total_steps: u64,
         inputs: Layout,
         lora: Option<LoraState>,
-    ) -> Self {
+    ) -> candle_core::Result<Self> {
         let settings = UpdateSettings {
             prefix: "actor",
             plan: plan.actor.clone(),
@@ -184,7 +184,7 @@ impl Actor {
             shard: (0, 1),
         };
         let args = loaded.model.args.clone();
-        Self {
+        Ok(Self {
             trainable: Trainable::new(
                 loaded.model,
                 loaded.varmap,
@@ -193,7 +193,7 @@ impl Actor {
                 &cfg.optim,
                 total_steps,
                 settings,
-            ),
+            )?,
             cfg: cfg.clone(),
             temperature: plan.temperatures.log_prob,
             log_prob_micro: plan.log_prob_micro,
@@ -203,7 +203,7 @@ impl Actor {
                 .as_ref()
                 .and_then(|c| c.bypass.map(|l| (l, c.correction.clone()))),
             distill: Distill::of(plan, cfg),
-        }
+        })
     }
 
     /// How generation runs (its precision is `actor_rollout_ref.rollout.dtype`, independent of

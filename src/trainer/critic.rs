@@ -114,7 +114,7 @@ impl Critic {
                 &cfg.optim,
                 total_steps,
                 settings,
-            ),
+            )?,
             cliprange_value: cfg.cliprange_value,
             forward_micro,
         })

@@ -1,9 +1,14 @@
-//! AdamW as one fused pass per parameter over host memory, with f32 moments kept between steps
-//! and saved in checkpoints (candle-nn's AdamW builds a dozen temporary tensors per parameter and
-//! has no state to save), plus verl's learning-rate schedules and gradient-norm clipping.
+//! AdamW (and Adam) as one fused pass per parameter over host memory, with moments kept between
+//! steps and saved in checkpoints (candle-nn's AdamW builds a dozen temporary tensors per
+//! parameter and has no state to save), plus verl's learning-rate schedules and gradient-norm
+//! clipping.
 //!
 //! Update (PyTorch's `torch.optim.AdamW`): `p ← p·(1 − lr·wd)`, `m ← β1·m + (1−β1)·g`,
-//! `v ← β2·v + (1−β2)·g²`, `p ← p − lr/(1−β1ᵗ) · m / (√v/√(1−β2ᵗ) + ε)`.
+//! `v ← β2·v + (1−β2)·g²`, `p ← p − lr/(1−β1ᵗ) · m / (√v/√(1−β2ᵗ) + ε)`; `torch.optim.Adam` adds
+//! `wd·p` to the gradient instead of decaying. The moments are f32, or with `torchao.optim`'s
+//! low-bit classes (`optim.optimizer_impl=torchao.optim optim.optimizer=AdamW8bit`, ...)
+//! block-quantised as torchao keeps them, ~2 bytes per parameter for both instead of 8
+//! (`kernels::adam_lowbit`).
 //! Schedules: verl's `get_constant_schedule_with_warmup` / `get_cosine_schedule_with_warmup`
 //! (`verl/utils/torch_functional.py`).
 
@@ -14,7 +19,8 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
-use crate::config::{LrSchedulerType, OptimConfig};
+use crate::config::{LrSchedulerType, MomentFormat, OptimConfig, OptimizerChoice};
+use crate::kernels::adam_lowbit::{BlockMoment, Codec, TorchAoRule};
 use crate::kernels::adamw::{AdamWRule, InPlace};
 
 /// The learning rate of each training step.
@@ -26,6 +32,9 @@ pub struct LrSchedule {
     pub kind: LrSchedulerType,
     pub min_lr_ratio: f64,
     pub num_cycles: f64,
+    /// The cosine schedule counts from 0 (verl's default) or from 1 (`zero_indexed_step=false`,
+    /// torchtitan's convention); verl's constant schedule always counts from 0.
+    pub zero_indexed: bool,
 }
 
 impl LrSchedule {
@@ -42,11 +51,16 @@ impl LrSchedule {
             kind: o.scheduler(),
             min_lr_ratio: o.min_lr_ratio,
             num_cycles: o.num_cycles,
+            zero_indexed: o.zero_indexed_step,
         }
     }
 
     /// The rate at scheduler step `step` (0 before the first `step()` call, as PyTorch counts).
     pub fn lr(&self, step: u64) -> f64 {
+        let step = match self.kind {
+            LrSchedulerType::Cosine if !self.zero_indexed => step + 1,
+            _ => step,
+        };
         let w = self.warmup_steps;
         if step < w {
             return self.base_lr * step as f64 / (w.max(1)) as f64;
@@ -154,70 +168,169 @@ struct Meta {
     betas: [f64; 2],
     eps: f64,
     weight_decay: f64,
+    /// How the moments were saved: `f32`, or torchao's `int8`, `int4`, `fp8` codes (files
+    /// written before low-bit moments existed hold f32).
+    #[serde(default = "f32_moments")]
+    moments: String,
+    #[serde(default)]
+    block_size: usize,
 }
 
-/// One moment of one parameter: host f32 values, or (for an f32 parameter on a GPU) an f32
-/// tensor on its device, updated there in place and copied to the host only for checkpoints;
-/// zeros not yet allocated before the first step or load.
+fn f32_moments() -> String {
+    "f32".into()
+}
+
+fn format_name(f: MomentFormat) -> &'static str {
+    match f {
+        MomentFormat::F32 => "f32",
+        MomentFormat::Int8 => "int8",
+        MomentFormat::Int4 => "int4",
+        MomentFormat::Fp8 => "fp8",
+    }
+}
+
+fn codec(f: MomentFormat) -> Option<Codec> {
+    match f {
+        MomentFormat::F32 => None,
+        MomentFormat::Int8 => Some(Codec::Map8),
+        MomentFormat::Int4 => Some(Codec::Map4),
+        MomentFormat::Fp8 => Some(Codec::Fp8),
+    }
+}
+
+/// One moment of one parameter: host f32 values, block-quantised host codes (torchao's low-bit
+/// classes), or (for an f32 parameter on a GPU under torch's AdamW) an f32 tensor on its
+/// device, updated there in place and copied to the host only for checkpoints; zeros not yet
+/// allocated before the first step or load.
 enum Moment {
     Zero,
     Host(Vec<f32>),
+    Blocks(BlockMoment),
     Device(Tensor),
 }
 
 impl Moment {
-    /// Zeros for `var`: on its device when that is a GPU and the parameter is f32.
-    fn zeros(var: &Var) -> candle_core::Result<Self> {
+    /// Zeros for `var` under `choice` (`signed`: the first moment). Quantised when the choice
+    /// keeps low-bit moments and the parameter has at least 4096 values in whole blocks
+    /// (torchao's rule, after bitsandbytes); on its device when that is a GPU, the parameter is
+    /// f32 and the update is torch's AdamW; host f32 otherwise.
+    fn zeros(var: &Var, choice: &OptimizerChoice, signed: bool) -> candle_core::Result<Self> {
         let p = var.as_tensor();
-        Ok(match Self::on_device(p) {
+        let n = p.elem_count();
+        if let Some(c) = Self::codec_for(choice, n) {
+            return Ok(Moment::Blocks(BlockMoment::zeros(
+                c,
+                signed,
+                choice.block_size,
+                n,
+            )));
+        }
+        Ok(match Self::on_device(p, choice) {
             true => Moment::Device(Tensor::zeros(p.shape(), DType::F32, p.device())?),
-            false => Moment::Host(vec![0f32; p.elem_count()]),
+            false => Moment::Host(vec![0f32; n]),
         })
     }
 
+    /// The codec of a parameter of `n` values under `choice`, when its moments are quantised.
+    fn codec_for(choice: &OptimizerChoice, n: usize) -> Option<Codec> {
+        let b = choice.block_size;
+        codec(choice.moments).filter(|_| n >= 4096 && b > 0 && n.is_multiple_of(b))
+    }
+
     /// Allocates the zeros of a [`Moment::Zero`] for `var`.
-    fn allocate(&mut self, var: &Var) -> candle_core::Result<()> {
+    fn allocate(
+        &mut self,
+        var: &Var,
+        choice: &OptimizerChoice,
+        signed: bool,
+    ) -> candle_core::Result<()> {
         if matches!(self, Moment::Zero) {
-            *self = Moment::zeros(var)?;
+            *self = Moment::zeros(var, choice, signed)?;
         }
         Ok(())
     }
 
     /// Whether `p`'s moments live on its device (AdamW runs there, `kernels::cuda`).
-    fn on_device(p: &Tensor) -> bool {
-        cfg!(feature = "cuda") && p.device().is_cuda() && p.dtype() == DType::F32
+    fn on_device(p: &Tensor, choice: &OptimizerChoice) -> bool {
+        cfg!(feature = "cuda")
+            && p.device().is_cuda()
+            && p.dtype() == DType::F32
+            && choice.decoupled
+            && !choice.torchao_form
     }
 
-    /// The values on the host (checkpoints) of a moment of `n` values.
+    /// The values in f32 on the host of a moment of `n` values.
     fn to_host(&self, n: usize) -> candle_core::Result<Vec<f32>> {
         match self {
             Moment::Zero => Ok(vec![0f32; n]),
             Moment::Host(v) => Ok(v.clone()),
+            Moment::Blocks(b) => Ok(b.to_f32()),
             Moment::Device(t) => t.flatten_all()?.to_vec1(),
         }
     }
 
-    /// Replaces the values with `t`'s (a checkpoint's tensor of `var`'s shape).
-    fn set(&mut self, var: &Var, t: &Tensor) -> candle_core::Result<()> {
+    /// Replaces the values with `t`'s (a checkpoint's f32 tensor of `var`'s shape; quantised
+    /// when this moment keeps codes).
+    fn set(
+        &mut self,
+        var: &Var,
+        choice: &OptimizerChoice,
+        signed: bool,
+        t: &Tensor,
+    ) -> candle_core::Result<()> {
         let t = t.to_dtype(DType::F32)?;
-        self.allocate(var)?;
+        self.allocate(var, choice, signed)?;
         match self {
             Moment::Zero => unreachable!("allocated above"),
             Moment::Host(v) => *v = t.flatten_all()?.to_vec1()?,
+            Moment::Blocks(b) => b.set_f32(&t.flatten_all()?.to_vec1::<f32>()?),
             Moment::Device(d) => *d = t.to_device(d.device())?.reshape(d.shape())?.contiguous()?,
         }
         Ok(())
     }
+}
 
-    fn host_mut(&mut self) -> candle_core::Result<&mut Vec<f32>> {
-        match self {
-            Moment::Host(v) => Ok(v),
-            _ => candle_core::bail!("AdamW: a device moment read as host values"),
+/// The element-wise rule of one step.
+#[derive(Clone, Copy)]
+enum Rule {
+    Torch(AdamWRule),
+    TorchAo(TorchAoRule),
+}
+
+impl Rule {
+    /// The step over host slices of one parameter.
+    fn apply(
+        &self,
+        p: &mut [f32],
+        m: &mut Moment,
+        v: &mut Moment,
+        g: &[f32],
+    ) -> candle_core::Result<()> {
+        let n = p.len();
+        match (self, m, v) {
+            (Rule::Torch(r), Moment::Host(m), Moment::Host(v)) if m.len() == n && v.len() == n => {
+                r.apply(p, m, v, g)
+            }
+            (Rule::TorchAo(r), Moment::Host(m), Moment::Host(v))
+                if m.len() == n && v.len() == n =>
+            {
+                r.apply(p, m, v, g)
+            }
+            (Rule::TorchAo(r), Moment::Blocks(m), Moment::Blocks(v))
+                if m.len() == n && v.len() == n =>
+            {
+                r.apply_blocks(p, m, v, g)
+            }
+            _ => candle_core::bail!(
+                "optimizer: moments that do not fit a parameter of {n} values or the update"
+            ),
         }
+        Ok(())
     }
 }
 
-/// AdamW over named variables.
+/// AdamW (or Adam, with f32 or block-quantised moments, as `optim.*` chooses) over named
+/// variables.
 pub struct AdamW {
     vars: Vec<(String, Var)>,
     m: Vec<Moment>,
@@ -227,17 +340,20 @@ pub struct AdamW {
     pub betas: [f64; 2],
     pub eps: f64,
     pub weight_decay: f64,
+    choice: OptimizerChoice,
 }
 
 impl AdamW {
-    /// Over `vars` (sorted by name, so checkpoints line up), with `optim.*`'s betas, eps and
-    /// weight decay.
-    pub fn new(vars: HashMap<String, Var>, o: &OptimConfig) -> Self {
+    /// Over `vars` (sorted by name, so checkpoints line up), with `optim.*`'s optimizer, betas,
+    /// eps and weight decay. An optimizer the section cannot name is an error (resolving the
+    /// config reports it first, with the key).
+    pub fn new(vars: HashMap<String, Var>, o: &OptimConfig) -> candle_core::Result<Self> {
+        let choice = o.choice().map_err(candle_core::Error::Msg)?;
         let sorted: BTreeMap<String, Var> = vars.into_iter().collect();
         let vars: Vec<(String, Var)> = sorted.into_iter().collect();
         let m = vars.iter().map(|_| Moment::Zero).collect();
         let v = vars.iter().map(|_| Moment::Zero).collect();
-        Self {
+        Ok(Self {
             vars,
             m,
             v,
@@ -245,7 +361,40 @@ impl AdamW {
             betas: o.betas,
             eps: o.eps,
             weight_decay: o.weight_decay,
+            choice,
+        })
+    }
+
+    /// The block-quantised moments of the variable `name` (tests and diagnostics).
+    pub fn block_moments(&self, name: &str) -> Option<(&BlockMoment, &BlockMoment)> {
+        let i = self.vars.iter().position(|(n, _)| n == name)?;
+        match (&self.m[i], &self.v[i]) {
+            (Moment::Blocks(m), Moment::Blocks(v)) => Some((m, v)),
+            _ => None,
         }
+    }
+
+    /// The f32 host moments of the variable `name` (tests and diagnostics).
+    pub fn host_moments(&self, name: &str) -> Option<(&[f32], &[f32])> {
+        let i = self.vars.iter().position(|(n, _)| n == name)?;
+        match (&self.m[i], &self.v[i]) {
+            (Moment::Host(m), Moment::Host(v)) => Some((m, v)),
+            _ => None,
+        }
+    }
+
+    /// Bytes the moments hold now (zero before the first step).
+    pub fn state_bytes(&self) -> usize {
+        self.m
+            .iter()
+            .chain(&self.v)
+            .map(|m| match m {
+                Moment::Zero => 0,
+                Moment::Host(v) => v.len() * 4,
+                Moment::Blocks(b) => b.codes.len() + b.scale.len() * 4,
+                Moment::Device(t) => t.elem_count() * 4,
+            })
+            .sum()
     }
 
     pub fn vars(&self) -> &[(String, Var)] {
@@ -271,38 +420,32 @@ impl AdamW {
         grad_scale: f64,
     ) -> candle_core::Result<()> {
         self.step += 1;
-        let t = self.step as i32;
-        let (b1, b2) = (self.betas[0], self.betas[1]);
-        let rule = AdamWRule {
-            b1: b1 as f32,
-            b2: b2 as f32,
-            eps: self.eps as f32,
-            step_size: (lr / (1.0 - b1.powi(t))) as f32,
-            sqrt_bc2: (1.0 - b2.powi(t)).sqrt() as f32,
-            decay: (1.0 - lr * self.weight_decay) as f32,
-            grad_scale: grad_scale as f32,
-        };
+        let rule = self.rule(lr, grad_scale);
+        let choice = self.choice;
         for (i, (_, var)) in self.vars.iter().enumerate() {
             let Some(g) = grads.get(var.as_tensor()) else {
                 continue;
             };
             let p = var.as_tensor();
-            self.m[i].allocate(var)?;
-            self.v[i].allocate(var)?;
+            self.m[i].allocate(var, &choice, true)?;
+            self.v[i].allocate(var, &choice, false)?;
             #[cfg(feature = "cuda")]
-            if let (Moment::Device(m), Moment::Device(v)) = (&self.m[i], &self.v[i]) {
-                crate::kernels::cuda::adamw_in_place(p, m, v, g, rule)?;
+            if let (Moment::Device(m), Moment::Device(v), Rule::Torch(r)) =
+                (&self.m[i], &self.v[i], rule)
+            {
+                crate::kernels::cuda::adamw_in_place(p, m, v, g, r)?;
                 continue;
             }
-            let (m, v) = (self.m[i].host_mut()?, self.v[i].host_mut()?);
+            let (m, v) = (&mut self.m[i], &mut self.v[i]);
             if p.device().is_cpu() && p.dtype() == DType::F32 && p.is_contiguous() {
                 let g = g
                     .to_dtype(DType::F32)?
                     .to_device(&Device::Cpu)?
                     .contiguous()?;
                 let op = InPlace {
-                    rule,
-                    moments: std::cell::RefCell::new((m.as_mut_slice(), v.as_mut_slice())),
+                    step: std::cell::RefCell::new(|p: &mut [f32], g: &[f32]| {
+                        rule.apply(p, m, v, g)
+                    }),
                 };
                 p.inplace_op2(&g, &op)?;
                 continue;
@@ -317,7 +460,14 @@ impl AdamW {
                 .flatten_all()?
                 .to_device(&Device::Cpu)?
                 .to_vec1()?;
-            rule.apply(&mut host, m, v, &g);
+            if g.len() != host.len() {
+                candle_core::bail!(
+                    "optimizer: {} gradients for {} parameters",
+                    g.len(),
+                    host.len()
+                );
+            }
+            rule.apply(&mut host, m, v, &g)?;
             var.set(
                 &Tensor::from_vec(host, p.shape(), &Device::Cpu)?
                     .to_dtype(p.dtype())?
@@ -327,27 +477,74 @@ impl AdamW {
         Ok(())
     }
 
-    /// Writes the moments (`<dir>/optim.safetensors`) and the step (`<dir>/optim.json`).
+    /// The constants of step `self.step` at learning rate `lr`: torch.optim's (folded in f64,
+    /// rounded to f32) or torchao's (each computed in f32, as its f32 tensors do).
+    fn rule(&self, lr: f64, grad_scale: f64) -> Rule {
+        let t = self.step as i32;
+        let (b1, b2) = (self.betas[0], self.betas[1]);
+        let wd = self.weight_decay;
+        let decoupled = self.choice.decoupled;
+        if self.choice.torchao_form {
+            let (lr32, wd32, b1_32, b2_32) = (lr as f32, wd as f32, b1 as f32, b2 as f32);
+            let step = self.step as f32;
+            return Rule::TorchAo(TorchAoRule {
+                lr: lr32,
+                lr_wd: if decoupled { lr32 * wd32 } else { 0.0 },
+                l2: if decoupled { 0.0 } else { wd32 },
+                w1: (1.0 - b1) as f32,
+                w2: (1.0 - b2) as f32,
+                bc1: 1.0 - b1_32.powf(step),
+                sqrt_bc2: (1.0 - b2_32.powf(step)).sqrt(),
+                eps: self.eps as f32,
+                grad_scale: grad_scale as f32,
+            });
+        }
+        Rule::Torch(AdamWRule {
+            b1: b1 as f32,
+            b2: b2 as f32,
+            eps: self.eps as f32,
+            step_size: (lr / (1.0 - b1.powi(t))) as f32,
+            sqrt_bc2: (1.0 - b2.powi(t)).sqrt() as f32,
+            decay: if decoupled {
+                (1.0 - lr * wd) as f32
+            } else {
+                1.0
+            },
+            grad_scale: grad_scale as f32,
+            l2: if decoupled { 0.0 } else { wd as f32 },
+        })
+    }
+
+    /// Writes the moments (`<dir>/optim.safetensors`: `m.<name>` and `v.<name>` in f32, or for
+    /// block-quantised moments `m.<name>.codes` (u8) and `m.<name>.scale` (f32 per block)) and
+    /// the step and format (`<dir>/optim.json`).
     pub fn save(&self, dir: &Path) -> candle_core::Result<()> {
         std::fs::create_dir_all(dir)?;
         let mut map = HashMap::new();
         for (i, (name, var)) in self.vars.iter().enumerate() {
-            map.insert(
-                format!("m.{name}"),
-                Tensor::from_vec(
-                    self.m[i].to_host(var.elem_count())?,
-                    var.as_tensor().shape(),
-                    &Device::Cpu,
-                )?,
-            );
-            map.insert(
-                format!("v.{name}"),
-                Tensor::from_vec(
-                    self.v[i].to_host(var.elem_count())?,
-                    var.as_tensor().shape(),
-                    &Device::Cpu,
-                )?,
-            );
+            for (slot, prefix) in [(&self.m[i], "m"), (&self.v[i], "v")] {
+                let key = format!("{prefix}.{name}");
+                if let Moment::Blocks(b) = slot {
+                    let (nc, ns) = (b.codes.len(), b.scale.len());
+                    map.insert(
+                        format!("{key}.codes"),
+                        Tensor::from_vec(b.codes.clone(), nc, &Device::Cpu)?,
+                    );
+                    map.insert(
+                        format!("{key}.scale"),
+                        Tensor::from_vec(b.scale.clone(), ns, &Device::Cpu)?,
+                    );
+                    continue;
+                }
+                map.insert(
+                    key,
+                    Tensor::from_vec(
+                        slot.to_host(var.elem_count())?,
+                        var.as_tensor().shape(),
+                        &Device::Cpu,
+                    )?,
+                );
+            }
         }
         candle_core::safetensors::save(&map, dir.join("optim.safetensors"))?;
         let meta = Meta {
@@ -355,6 +552,8 @@ impl AdamW {
             betas: self.betas,
             eps: self.eps,
             weight_decay: self.weight_decay,
+            moments: format_name(self.choice.moments).into(),
+            block_size: self.choice.block_size,
         };
         std::fs::write(
             dir.join("optim.json"),
@@ -363,7 +562,10 @@ impl AdamW {
         Ok(())
     }
 
-    /// Restores what [`AdamW::save`] wrote; every variable's moments must be there.
+    /// Restores what [`AdamW::save`] wrote; every variable's moments must be there. Codes saved
+    /// in this run's format are restored as they are (a resumed run continues bit for bit);
+    /// moments saved in another format (f32 from torch's AdamW, other codes or blocks) are
+    /// read back to f32 and stored in this run's.
     pub fn load(&mut self, dir: &Path) -> candle_core::Result<()> {
         // Every failure names the file (a truncated or garbled save is found by name).
         let named = |f: &Path, e: &dyn std::fmt::Display| {
@@ -372,12 +574,50 @@ impl AdamW {
         let meta_path = dir.join("optim.json");
         let text = std::fs::read_to_string(&meta_path).map_err(|e| named(&meta_path, &e))?;
         let meta: Meta = serde_json::from_str(&text).map_err(|e| named(&meta_path, &e))?;
+        let saved_format = match meta.moments.as_str() {
+            "f32" => MomentFormat::F32,
+            "int8" => MomentFormat::Int8,
+            "int4" => MomentFormat::Int4,
+            "fp8" => MomentFormat::Fp8,
+            other => {
+                return Err(named(
+                    &meta_path,
+                    &format!("`moments` {other:?} is not f32, int8, int4 or fp8"),
+                ))
+            }
+        };
         let moments = dir.join("optim.safetensors");
         let tensors = candle_core::safetensors::load(&moments, &Device::Cpu)
             .map_err(|e| named(&moments, &e))?;
+        let choice = self.choice;
         for (i, (name, var)) in self.vars.iter().enumerate() {
             for (slot, prefix) in [(&mut self.m[i], "m"), (&mut self.v[i], "v")] {
                 let key = format!("{prefix}.{name}");
+                let signed = prefix == "m";
+                if tensors.contains_key(&format!("{key}.codes")) {
+                    let saved = saved_blocks(
+                        &moments,
+                        &tensors,
+                        &key,
+                        saved_format,
+                        meta.block_size,
+                        signed,
+                        var.elem_count(),
+                    )?;
+                    let same = Moment::codec_for(&choice, var.elem_count()) == Some(saved.codec)
+                        && choice.block_size == saved.block;
+                    if same {
+                        *slot = Moment::Blocks(saved);
+                    } else {
+                        let t = Tensor::from_vec(
+                            saved.to_f32(),
+                            var.as_tensor().shape(),
+                            &Device::Cpu,
+                        )?;
+                        slot.set(var, &choice, signed, &t)?;
+                    }
+                    continue;
+                }
                 let t = tensors.get(&key).ok_or_else(|| {
                     candle_core::Error::Msg(format!("{}: no `{key}`", dir.display()))
                 })?;
@@ -389,13 +629,69 @@ impl AdamW {
                         var.as_tensor().dims()
                     )));
                 }
-                check_moment(&moments, &key, t, prefix == "v")?;
-                slot.set(var, t)?;
+                check_moment(&moments, &key, t, !signed)?;
+                slot.set(var, &choice, signed, t)?;
             }
         }
         self.step = meta.step;
         Ok(())
     }
+}
+
+/// A saved block-quantised moment (`<key>.codes`, `<key>.scale`) of a parameter of `n` values,
+/// checked against the format `optim.json` names: the lengths its blocks imply, finite
+/// non-negative scales, and no NaN code (FP8).
+fn saved_blocks(
+    file: &Path,
+    tensors: &HashMap<String, Tensor>,
+    key: &str,
+    format: MomentFormat,
+    block: usize,
+    signed: bool,
+    n: usize,
+) -> candle_core::Result<BlockMoment> {
+    let err = |m: String| candle_core::Error::Msg(format!("{}: {m}", file.display()));
+    let Some(c) = codec(format) else {
+        return Err(err(format!(
+            "`{key}.codes` is saved, but optim.json says the moments are f32"
+        )));
+    };
+    if block == 0 || !n.is_multiple_of(block) || (c == Codec::Map4 && block % 2 == 1) {
+        return Err(err(format!(
+            "optim.json's block_size {block} does not divide `{key}`'s {n} values into whole blocks"
+        )));
+    }
+    let scale_t = tensors
+        .get(&format!("{key}.scale"))
+        .ok_or_else(|| err(format!("`{key}.codes` without `{key}.scale`")))?;
+    let codes: Vec<u8> = tensors[&format!("{key}.codes")]
+        .to_dtype(DType::U8)?
+        .flatten_all()?
+        .to_vec1()?;
+    let scale: Vec<f32> = scale_t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let mut b = BlockMoment::zeros(c, signed, block, n);
+    if codes.len() != b.codes.len() || scale.len() != b.scale.len() {
+        return Err(err(format!(
+            "`{key}` holds {} code bytes and {} scales; {n} values in {}-value {} blocks need {} and {}",
+            codes.len(),
+            scale.len(),
+            block,
+            format_name(format),
+            b.codes.len(),
+            b.scale.len()
+        )));
+    }
+    if let Some(bad) = scale.iter().find(|s| !(s.is_finite() && **s >= 0.0)) {
+        return Err(err(format!(
+            "`{key}.scale` holds {bad}: a block's scale is a finite maximum magnitude"
+        )));
+    }
+    if c == Codec::Fp8 && codes.iter().any(|&x| x & 0x7f == 0x7f) {
+        return Err(err(format!("`{key}.codes` holds an FP8 NaN code")));
+    }
+    b.codes = codes;
+    b.scale = scale;
+    Ok(b)
 }
 
 /// Refuses a saved moment that would make every later update NaN: a NaN or infinite value
@@ -465,7 +761,7 @@ mod tests {
         let init = [1.5f32, -0.3, 0.0, 2.0];
         let var = Var::from_tensor(&Tensor::new(&init, &Device::Cpu).unwrap()).unwrap();
         let c = Tensor::new(&[1.0f32, 3.0, 0.5, -2.0], &Device::Cpu).unwrap();
-        let mut opt = AdamW::new(HashMap::from([("w".to_string(), var.clone())]), &cfg());
+        let mut opt = AdamW::new(HashMap::from([("w".to_string(), var.clone())]), &cfg()).unwrap();
         let mut history: Vec<Vec<f64>> = vec![Vec::new(); 4];
         for _ in 0..5 {
             let p: Vec<f32> = var.as_tensor().to_vec1().unwrap();
@@ -485,6 +781,83 @@ mod tests {
             );
         }
         assert_eq!(opt.step, 5);
+    }
+
+    /// torch.optim.Adam (`weight_decay` added to the gradient, no decay of the weights) written
+    /// out in f64 for one scalar parameter.
+    fn adam_reference(p0: f64, grads: &[f64], lr: f64, wd: f64) -> f64 {
+        let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8);
+        let (mut p, mut m, mut v) = (p0, 0.0, 0.0);
+        for (t, g) in grads.iter().enumerate() {
+            let t = t as i32 + 1;
+            let g = g + wd * p;
+            m = b1 * m + (1.0 - b1) * g;
+            v = b2 * v + (1.0 - b2) * g * g;
+            let denom = v.sqrt() / (1.0 - b2.powi(t)).sqrt() + eps;
+            p -= lr / (1.0 - b1.powi(t)) * m / denom;
+        }
+        p
+    }
+
+    /// `optimizer=Adam` follows torch.optim.Adam (coupled weight decay) and differs from AdamW
+    /// with a large weight decay, in place on an f32 parameter and through the host copy of an
+    /// f64 one.
+    #[test]
+    fn adam_matches_the_pytorch_update() {
+        let init = [1.5f64, -0.3, 0.0, 2.0];
+        let cs = [1.0f64, 3.0, 0.5, -2.0];
+        let adam = OptimConfig {
+            optimizer: "Adam".into(),
+            weight_decay: 0.5,
+            ..cfg()
+        };
+        for dtype in [DType::F32, DType::F64] {
+            let t = Tensor::new(&init, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let var = Var::from_tensor(&t).unwrap();
+            let c = Tensor::new(&cs, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let mut opt =
+                AdamW::new(HashMap::from([("w".to_string(), var.clone())]), &adam).unwrap();
+            let mut history: Vec<Vec<f64>> = vec![Vec::new(); 4];
+            for _ in 0..5 {
+                let p: Vec<f64> = var
+                    .as_tensor()
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                for k in 0..4 {
+                    history[k].push(2.0 * cs[k] * p[k]);
+                }
+                opt.step(&grads_of(&var, &c), 0.1).unwrap();
+            }
+            let got: Vec<f64> = var
+                .as_tensor()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            for k in 0..4 {
+                let want = adam_reference(init[k], &history[k], 0.1, 0.5);
+                let adamw = reference(init[k], &history[k], 0.1, 0.5);
+                assert!(
+                    (got[k] - want).abs() < 1e-5,
+                    "{dtype:?} param {k}: {} vs {want}",
+                    got[k]
+                );
+                if init[k] != 0.0 {
+                    assert!(
+                        (want - adamw).abs() > 1e-4,
+                        "param {k}: Adam and AdamW agree"
+                    );
+                }
+            }
+        }
     }
 
     /// The in-place path (f32 on the CPU) and the host-copy path (any other dtype) apply the
@@ -510,8 +883,8 @@ mod tests {
             .to_dtype(DType::F32)
             .unwrap();
         let c64 = Tensor::new(&cs, &dev).unwrap();
-        let mut o32 = AdamW::new(HashMap::from([("w".to_string(), v32.clone())]), &cfg());
-        let mut o64 = AdamW::new(HashMap::from([("w".to_string(), v64.clone())]), &cfg());
+        let mut o32 = AdamW::new(HashMap::from([("w".to_string(), v32.clone())]), &cfg()).unwrap();
+        let mut o64 = AdamW::new(HashMap::from([("w".to_string(), v64.clone())]), &cfg()).unwrap();
         let mut history: Vec<Vec<f64>> = vec![Vec::new(); init.len()];
         for _ in 0..4 {
             let p: Vec<f64> = v64.as_tensor().to_vec1().unwrap();
@@ -549,18 +922,21 @@ mod tests {
         let make =
             || Var::from_tensor(&Tensor::new(&[0.5f32, 1.0, -2.0], &Device::Cpu).unwrap()).unwrap();
         let straight = make();
-        let mut a = AdamW::new(HashMap::from([("p".to_string(), straight.clone())]), &cfg());
+        let mut a =
+            AdamW::new(HashMap::from([("p".to_string(), straight.clone())]), &cfg()).unwrap();
         for _ in 0..4 {
             a.step(&grads_of(&straight, &c), 0.05).unwrap();
         }
         let resumed = make();
-        let mut b = AdamW::new(HashMap::from([("p".to_string(), resumed.clone())]), &cfg());
+        let mut b =
+            AdamW::new(HashMap::from([("p".to_string(), resumed.clone())]), &cfg()).unwrap();
         for _ in 0..2 {
             b.step(&grads_of(&resumed, &c), 0.05).unwrap();
         }
         let dir = tempfile::tempdir().unwrap();
         b.save(dir.path()).unwrap();
-        let mut c2 = AdamW::new(HashMap::from([("p".to_string(), resumed.clone())]), &cfg());
+        let mut c2 =
+            AdamW::new(HashMap::from([("p".to_string(), resumed.clone())]), &cfg()).unwrap();
         c2.load(dir.path()).unwrap();
         for _ in 0..2 {
             c2.step(&grads_of(&resumed, &c), 0.05).unwrap();
@@ -573,7 +949,7 @@ mod tests {
     #[test]
     fn a_truncated_or_garbled_optimizer_file_is_named() {
         let var = Var::from_tensor(&Tensor::new(&[0.5f32, 1.0], &Device::Cpu).unwrap()).unwrap();
-        let make = || AdamW::new(HashMap::from([("p".to_string(), var.clone())]), &cfg());
+        let make = || AdamW::new(HashMap::from([("p".to_string(), var.clone())]), &cfg()).unwrap();
         let dir = tempfile::tempdir().unwrap();
         make().save(dir.path()).unwrap();
         let moments = dir.path().join("optim.safetensors");
@@ -598,7 +974,7 @@ mod tests {
         let var =
             Var::from_tensor(&Tensor::new(&[0.5f32, 1.0, -2.0], &Device::Cpu).unwrap()).unwrap();
         let c = Tensor::new(&[1.0f32, -1.0, 0.25], &Device::Cpu).unwrap();
-        let make = || AdamW::new(HashMap::from([("p".to_string(), var.clone())]), &cfg());
+        let make = || AdamW::new(HashMap::from([("p".to_string(), var.clone())]), &cfg()).unwrap();
         let mut a = make();
         a.step(&grads_of(&var, &c), 0.05).unwrap();
         let dir = tempfile::tempdir().unwrap();
@@ -713,8 +1089,8 @@ mod tests {
         let make =
             || Var::from_tensor(&Tensor::new(init.as_slice(), &Device::Cpu).unwrap()).unwrap();
         let (x, y) = (make(), make());
-        let mut ox = AdamW::new(HashMap::from([("w".to_string(), x.clone())]), &cfg());
-        let mut oy = AdamW::new(HashMap::from([("w".to_string(), y.clone())]), &cfg());
+        let mut ox = AdamW::new(HashMap::from([("w".to_string(), x.clone())]), &cfg()).unwrap();
+        let mut oy = AdamW::new(HashMap::from([("w".to_string(), y.clone())]), &cfg()).unwrap();
         for _ in 0..3 {
             let mut gx = grads_of(&x, &c);
             let vx = vec![("w".to_string(), x.clone())];
@@ -762,6 +1138,29 @@ mod tests {
         assert!((s.lr(11) - 1.0).abs() < 1e-12);
         assert!((s.lr(11 + 99 / 2) - 0.6).abs() < 0.02);
         assert!((s.lr(110) - 0.2).abs() < 1e-12);
+        // zero_indexed_step=false (verl's cosine schedule counting from 1): every rate is the
+        // next step's; the constant schedule has no such switch in verl.
+        let one = LrSchedule::new(
+            &OptimConfig {
+                zero_indexed_step: false,
+                ..o.clone()
+            },
+            110,
+        );
+        for t in [0, 5, 11, 60, 109] {
+            assert_eq!(one.lr(t), s.lr(t + 1), "step {t}");
+        }
+        assert_eq!(one.lr(0), 1.0 / 11.0);
+        let constant = LrSchedule::new(
+            &OptimConfig {
+                lr: 1.0,
+                lr_warmup_steps: Some(4),
+                zero_indexed_step: false,
+                ..OptimConfig::default()
+            },
+            100,
+        );
+        assert_eq!(constant.lr(0), 0.0);
         // The deprecated warmup_style wins.
         let o = OptimConfig {
             lr_scheduler_type: LrSchedulerType::Constant,

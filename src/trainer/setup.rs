@@ -672,7 +672,7 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
     let total_steps = total_steps(cfg, plan, train.len())?;
     let a = &cfg.actor_rollout_ref.actor;
     let inputs = Layout::of(tok.pad_token_id, m).sharing(a.use_prefix_grouper);
-    let mut actor = Actor::new(loaded, a, plan, total_steps, inputs, lora);
+    let mut actor = Actor::new(loaded, a, plan, total_steps, inputs, lora)?;
     actor.set_rollout_exec(exec(cfg, Role::Rollout));
     Ok(Policy {
         actor,

@@ -485,6 +485,39 @@ fn resume_is_bit_exact() {
     assert_resume_bit_exact(&fixture(), extra);
 }
 
+/// torchao's low-bit moments through the whole loop: a PPO run with its actor on `AdamW8bit`
+/// and its critic on `AdamW4bit` (block 64), on a small model whose 64×64 matrices have 4096
+/// values (torchao quantises from 4096 values up), stopped after step 2 and resumed, ends with
+/// the uninterrupted run's weights, optimizer files and metrics; the checkpoints hold codes (not
+/// f32 moments), in the format their optim.json names.
+#[test]
+fn low_bit_optimizers_resume_bit_exact() {
+    let mut args = ModelArgs::tiny(Arch::Llama, 259);
+    (args.hidden_size, args.intermediate_size, args.head_dim) = (64, 64, 16);
+    let extra: &[&str] = &[
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.optim.optimizer_impl=torchao.optim",
+        "actor_rollout_ref.actor.optim.optimizer=AdamW8bit",
+        "critic.optim.optimizer_impl=torchao.optim",
+        "critic.optim.optimizer=AdamW4bit",
+        "+critic.optim.override_optimizer_config.block_size=64",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=2",
+    ];
+    let fx = fixture_of(&args);
+    let (_, root) = assert_resume_bit_exact(&fx, extra);
+    let dir = crate::checkpoint::step_dir(&root, 4);
+    for (role, format) in [("actor", "int8"), ("critic", "int4")] {
+        let saved =
+            candle_core::safetensors::load(dir.join(role).join("optim.safetensors"), &Device::Cpu)
+                .unwrap();
+        let codes = saved.keys().filter(|k| k.ends_with(".codes")).count();
+        assert!(codes > 0, "{role}: no quantised moment saved");
+        let meta = std::fs::read_to_string(dir.join(role).join("optim.json")).unwrap();
+        assert!(meta.contains(&format!("\"{format}\"")), "{role}: {meta}");
+    }
+}
+
 /// A Qwen3-MoE actor whose config asks for the router's load-balancing loss (GRPO, the
 /// hand-written MoE layer, packed sequences), and a Qwen3.5-MoE one (DeltaNet and gated
 /// attention as the composition, experts with a shared expert on every layer): stopped after
@@ -1797,3 +1830,6 @@ fn a_moe_actor_adds_the_router_loss_its_config_asks_for() {
 
 #[path = "tests_masks.rs"]
 mod masks;
+
+#[path = "tests_optim_lowbit.rs"]
+mod optim_lowbit;

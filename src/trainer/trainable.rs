@@ -194,20 +194,20 @@ impl<N: Network> Trainable<N> {
         optim: &OptimConfig,
         total_steps: u64,
         settings: UpdateSettings,
-    ) -> Self {
+    ) -> candle_core::Result<Self> {
         let vars = trainable_variables(&varmap, lora.as_ref());
-        Self {
+        Ok(Self {
             view: model.no_grad(),
             model,
             varmap,
             lora,
             args,
-            optimizer: AdamW::new(vars, optim),
+            optimizer: AdamW::new(vars, optim)?,
             schedule: LrSchedule::new(optim, total_steps),
             updates: 0,
             settings,
             comm: crate::dist::single(),
-        }
+        })
     }
 
     /// Trains as one of `comm`'s ranks: this process computes its share of each mini-batch's

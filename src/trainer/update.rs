@@ -575,7 +575,8 @@ mod tests {
             &optim,
             10,
             settings(plan(false, 2, 1, 2)),
-        );
+        )
+        .unwrap();
         let got = t.update(&b, 1, nll).unwrap();
         assert!(
             (got["actor/pg_loss"] - want).abs() < 1e-9,

@@ -230,6 +230,7 @@ fn inner_two_rank_gradients() {
             10,
             settings(false, shard),
         )
+        .unwrap()
     };
     let mut single = trainable((0, 1));
     let mut dp = trainable((rank, world));

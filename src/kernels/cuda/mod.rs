@@ -155,6 +155,9 @@ pub fn adamw_in_place(
     g: &Tensor,
     rule: AdamWRule,
 ) -> Result<()> {
+    if rule.l2 != 0.0 {
+        candle_core::bail!("adamw-cuda: the kernel is AdamW's; Adam's L2 term runs on the host");
+    }
     struct Op<'a> {
         m: &'a Tensor,
         v: &'a Tensor,
