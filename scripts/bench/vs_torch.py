@@ -423,6 +423,12 @@ OPTIMS = {
 }
 
 
+def optimizer_class(trainer) -> str:
+    """The optimizer class TRL trained with (inside accelerate's wrapper)."""
+    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    return f"{type(opt).__module__}.{type(opt).__name__}"
+
+
 def cmd_grpo(a) -> None:
     """TRL's GRPOTrainer: 8 prompts x 4 responses per step, <= max_new tokens, beta 0, lr 1e-6,
     f32 on the CPU; wall time of each step (between step ends) and peak RSS."""
@@ -506,6 +512,8 @@ def cmd_grpo(a) -> None:
                 "gradient_checkpointing": cfg.gradient_checkpointing,
                 "bf16": cfg.bf16,
                 "temperature": cfg.temperature,
+                "optim": str(cfg.optim),
+                "optimizer_class": optimizer_class(trainer),
             },
         }
     )
