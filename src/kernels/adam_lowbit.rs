@@ -145,7 +145,9 @@ pub fn e4m3_from_f32(f: f32) -> u8 {
     let out: u8 = if b >= 1087 << 20 {
         0x7f
     } else if b < 121 << 23 {
-        // Below 2⁻⁶: a subnormal, rounded by adding 2⁻⁶·2³… (the denormal magic number).
+        // Below 2⁻⁶ (E4M3's smallest normal): a subnormal. Adding 2^14 (bits 141 << 23) puts
+        // the value's 2⁻⁹ steps in the low mantissa bits, rounded to nearest even by the f32
+        // addition itself; subtracting the magic's bits leaves the code.
         let magic = 141u32 << 23;
         b = (f32::from_bits(b) + f32::from_bits(magic)).to_bits();
         (b - magic) as u8

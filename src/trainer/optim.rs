@@ -823,25 +823,22 @@ mod tests {
                 .unwrap();
             let mut opt =
                 AdamW::new(HashMap::from([("w".to_string(), var.clone())]), &adam).unwrap();
-            let mut history: Vec<Vec<f64>> = vec![Vec::new(); 4];
-            for _ in 0..5 {
-                let p: Vec<f64> = var
-                    .as_tensor()
+            let values = |v: &Var| -> Vec<f64> {
+                v.as_tensor()
                     .to_dtype(DType::F64)
                     .unwrap()
                     .to_vec1()
-                    .unwrap();
+                    .unwrap()
+            };
+            let mut history: Vec<Vec<f64>> = vec![Vec::new(); 4];
+            for _ in 0..5 {
+                let p = values(&var);
                 for k in 0..4 {
                     history[k].push(2.0 * cs[k] * p[k]);
                 }
                 opt.step(&grads_of(&var, &c), 0.1).unwrap();
             }
-            let got: Vec<f64> = var
-                .as_tensor()
-                .to_dtype(DType::F64)
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let got = values(&var);
             for k in 0..4 {
                 let want = adam_reference(init[k], &history[k], 0.1, 0.5);
                 let adamw = reference(init[k], &history[k], 0.1, 0.5);

@@ -164,8 +164,9 @@ fn low_bit_adam_equals_torchao_bit_for_bit() {
 }
 
 /// The low-bit classes do change the numbers: AdamW8bit's parameters differ from torch's AdamW
-/// (f32 moments) on the quantised parameter after five steps, and are bit-equal to it on the
-/// parameters whose moments stay f32 only up to the two forms' rounding.
+/// (f32 moments) on the quantised parameter after five steps, while on the parameters whose
+/// moments stay f32 the two differ only by the two forms' rounding; the moments' bytes are
+/// what the formats say.
 #[test]
 fn quantised_moments_are_not_f32_moments() {
     let (qv, fv) = (vars(), vars());
