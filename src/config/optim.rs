@@ -87,10 +87,12 @@ pub struct OptimizerOverrides {
     pub block_size: Option<usize>,
 }
 
-/// How the moments are kept between steps.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How the moments are kept between steps (named so in checkpoints' optim.json).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum MomentFormat {
     /// f32, as `torch.optim` keeps them.
+    #[default]
     F32,
     /// torchao's 8-bit dynamic-tree codes with one f32 scale per block.
     Int8,

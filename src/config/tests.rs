@@ -1388,8 +1388,7 @@ fn distillation_rules() {
 /// `build_optimizer`) and `override_optimizer_config`: torchao's low-bit classes resolve to
 /// their moment formats and default blocks; the override's update arguments land on the keys
 /// the optimizer reads (the override wins, as verl passes it last); implementation switches are
-/// reported as without effect; arguments that change the update and are not implemented are
-/// refused naming the key; an unknown argument names the keys that exist.
+/// reported as without effect. (Refusals: the next test.)
 #[test]
 fn optimizer_classes_and_their_keyword_arguments() {
     let a = "actor_rollout_ref.actor.optim";
@@ -1446,6 +1445,14 @@ fn optimizer_classes_and_their_keyword_arguments() {
     )]);
     assert_eq!(c.actor_rollout_ref.actor.optim.optimizer, "Adam");
     assert!(!c.actor_rollout_ref.actor.optim.choice().unwrap().decoupled);
+}
+
+/// Optimizer classes and arguments that change the update and are not implemented are refused
+/// naming the key; an unknown argument names the keys that exist; a config built in code whose
+/// override and key disagree is refused, not half-read.
+#[test]
+fn optimizer_classes_and_arguments_not_implemented_are_refused() {
+    let a = "actor_rollout_ref.actor.optim";
     let e = rule_error(&[
         &format!("{a}.optimizer_impl=torchao.optim"),
         &format!("{a}.optimizer=AdamW8bit"),

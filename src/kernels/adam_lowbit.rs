@@ -103,15 +103,9 @@ pub fn maps() -> &'static [Vec<f32>; 4] {
     })
 }
 
-/// The map a code indexes (not used for FP8).
-fn map(codec: Codec, signed: bool) -> &'static [f32] {
-    let m = maps();
-    match (codec, signed) {
-        (Codec::Map8, true) => &m[0],
-        (Codec::Map8, false) => &m[1],
-        (Codec::Map4, true) => &m[2],
-        (Codec::Map4, false) | (Codec::Fp8, _) => &m[3],
-    }
+/// The map an 8-bit or (`four`) 4-bit code indexes.
+fn map(four: bool, signed: bool) -> &'static [f32] {
+    &maps()[usize::from(four) * 2 + usize::from(!signed)]
 }
 
 /// The code of `x` in a sorted `map`: the last entry not above `x` (entry 0 when `x` is below
@@ -262,13 +256,13 @@ impl BlockMoment {
 fn decode_block(codec: Codec, signed: bool, codes: &[u8], scale: f32, out: &mut [f32]) {
     match codec {
         Codec::Map8 => {
-            let m = map(codec, signed);
+            let m = map(false, signed);
             for (o, &c) in out.iter_mut().zip(codes) {
                 *o = m[c as usize] * scale;
             }
         }
         Codec::Map4 => {
-            let m = map(codec, signed);
+            let m = map(true, signed);
             for (o, &c) in out.chunks_mut(2).zip(codes) {
                 o[0] = m[(c >> 4) as usize] * scale;
                 o[1] = m[(c & 15) as usize] * scale;
@@ -296,14 +290,14 @@ fn encode_block(codec: Codec, signed: bool, x: &[f32], codes: &mut [u8]) -> f32 
     let floor = if amax.is_nan() { amax } else { amax.max(1e-12) };
     match codec {
         Codec::Map8 => {
-            let m = map(codec, signed);
+            let m = map(false, signed);
             for (c, &v) in codes.iter_mut().zip(x) {
                 *c = nearest(m, v / floor);
             }
             floor
         }
         Codec::Map4 => {
-            let m = map(codec, signed);
+            let m = map(true, signed);
             for (c, v) in codes.iter_mut().zip(x.chunks(2)) {
                 *c = (nearest(m, v[0] / floor) << 4) | nearest(m, v[1] / floor);
             }
@@ -462,7 +456,7 @@ mod tests {
             (Codec::Map4, true),
             (Codec::Map4, false),
         ] {
-            let m = map(codec, signed);
+            let m = map(codec == Codec::Map4, signed);
             let block = 64;
             let x: Vec<f32> = (0..block)
                 .map(|i| {

@@ -521,8 +521,9 @@ fn adapter_input<T: Elem>(ad: Adapter<T>, x: &[T], rows: usize, inp: usize, bf16
 }
 
 /// Gradients of a linear layer from `dy [rows, out]`: `∂W = dyᵀ·x`, `∂b = Σ_rows dy` (when the
-/// base trains), and `dx += dy·W` (into a fresh `dx`: [`linear_bwd_new`]); with an adapter (`xd` = `x` through its dropout, `xs =
-/// s·xd·Aᵀ`): `∂B = dyᵀ·xs`, `∂A = s·(dy·B)ᵀ·xd` and `dx += (s·(dy·B)·A) ⊙ m / (1 − p)`.
+/// base trains), and `dx += dy·W` (into a fresh `dx`: [`linear_bwd_new`]); with an adapter
+/// (`xd` = `x` through its dropout, `xs = s·xd·Aᵀ`): `∂B = dyᵀ·xs`, `∂A = s·(dy·B)ᵀ·xd` and
+/// `dx += (s·(dy·B)·A) ⊙ m / (1 − p)`.
 fn linear_bwd<T: Elem>(
     l: Lin<T>,
     xb: &SharedB<T>,

@@ -170,23 +170,10 @@ struct Meta {
     weight_decay: f64,
     /// How the moments were saved: `f32`, or torchao's `int8`, `int4`, `fp8` codes (files
     /// written before low-bit moments existed hold f32).
-    #[serde(default = "f32_moments")]
-    moments: String,
+    #[serde(default)]
+    moments: MomentFormat,
     #[serde(default)]
     block_size: usize,
-}
-
-fn f32_moments() -> String {
-    "f32".into()
-}
-
-fn format_name(f: MomentFormat) -> &'static str {
-    match f {
-        MomentFormat::F32 => "f32",
-        MomentFormat::Int8 => "int8",
-        MomentFormat::Int4 => "int4",
-        MomentFormat::Fp8 => "fp8",
-    }
 }
 
 fn codec(f: MomentFormat) -> Option<Codec> {
@@ -290,6 +277,18 @@ impl Moment {
     }
 }
 
+impl Moment {
+    /// Values held (none before the first step or load; a device moment's on its device).
+    fn len(&self) -> Option<usize> {
+        match self {
+            Moment::Zero => None,
+            Moment::Host(v) => Some(v.len()),
+            Moment::Blocks(b) => Some(b.len()),
+            Moment::Device(t) => Some(t.elem_count()),
+        }
+    }
+}
+
 /// The element-wise rule of one step.
 #[derive(Clone, Copy)]
 enum Rule {
@@ -307,23 +306,19 @@ impl Rule {
         g: &[f32],
     ) -> candle_core::Result<()> {
         let n = p.len();
+        if g.len() != n || m.len() != Some(n) || v.len() != Some(n) {
+            candle_core::bail!(
+                "optimizer: {n} parameters, {} gradients, moments of {:?} and {:?} values",
+                g.len(),
+                m.len(),
+                v.len()
+            );
+        }
         match (self, m, v) {
-            (Rule::Torch(r), Moment::Host(m), Moment::Host(v)) if m.len() == n && v.len() == n => {
-                r.apply(p, m, v, g)
-            }
-            (Rule::TorchAo(r), Moment::Host(m), Moment::Host(v))
-                if m.len() == n && v.len() == n =>
-            {
-                r.apply(p, m, v, g)
-            }
-            (Rule::TorchAo(r), Moment::Blocks(m), Moment::Blocks(v))
-                if m.len() == n && v.len() == n =>
-            {
-                r.apply_blocks(p, m, v, g)
-            }
-            _ => candle_core::bail!(
-                "optimizer: moments that do not fit a parameter of {n} values or the update"
-            ),
+            (Rule::Torch(r), Moment::Host(m), Moment::Host(v)) => r.apply(p, m, v, g),
+            (Rule::TorchAo(r), Moment::Host(m), Moment::Host(v)) => r.apply(p, m, v, g),
+            (Rule::TorchAo(r), Moment::Blocks(m), Moment::Blocks(v)) => r.apply_blocks(p, m, v, g),
+            _ => candle_core::bail!("optimizer: moments kept in a form the update does not read"),
         }
         Ok(())
     }
@@ -460,13 +455,6 @@ impl AdamW {
                 .flatten_all()?
                 .to_device(&Device::Cpu)?
                 .to_vec1()?;
-            if g.len() != host.len() {
-                candle_core::bail!(
-                    "optimizer: {} gradients for {} parameters",
-                    g.len(),
-                    host.len()
-                );
-            }
             rule.apply(&mut host, m, v, &g)?;
             var.set(
                 &Tensor::from_vec(host, p.shape(), &Device::Cpu)?
@@ -552,7 +540,7 @@ impl AdamW {
             betas: self.betas,
             eps: self.eps,
             weight_decay: self.weight_decay,
-            moments: format_name(self.choice.moments).into(),
+            moments: self.choice.moments,
             block_size: self.choice.block_size,
         };
         std::fs::write(
@@ -574,18 +562,6 @@ impl AdamW {
         let meta_path = dir.join("optim.json");
         let text = std::fs::read_to_string(&meta_path).map_err(|e| named(&meta_path, &e))?;
         let meta: Meta = serde_json::from_str(&text).map_err(|e| named(&meta_path, &e))?;
-        let saved_format = match meta.moments.as_str() {
-            "f32" => MomentFormat::F32,
-            "int8" => MomentFormat::Int8,
-            "int4" => MomentFormat::Int4,
-            "fp8" => MomentFormat::Fp8,
-            other => {
-                return Err(named(
-                    &meta_path,
-                    &format!("`moments` {other:?} is not f32, int8, int4 or fp8"),
-                ))
-            }
-        };
         let moments = dir.join("optim.safetensors");
         let tensors = candle_core::safetensors::load(&moments, &Device::Cpu)
             .map_err(|e| named(&moments, &e))?;
@@ -599,7 +575,7 @@ impl AdamW {
                         &moments,
                         &tensors,
                         &key,
-                        saved_format,
+                        meta.moments,
                         meta.block_size,
                         signed,
                         var.elem_count(),
@@ -669,16 +645,12 @@ fn saved_blocks(
         .flatten_all()?
         .to_vec1()?;
     let scale: Vec<f32> = scale_t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-    let mut b = BlockMoment::zeros(c, signed, block, n);
-    if codes.len() != b.codes.len() || scale.len() != b.scale.len() {
+    let (want_codes, want_scales) = (BlockMoment::code_bytes(c, n), n / block);
+    if codes.len() != want_codes || scale.len() != want_scales {
         return Err(err(format!(
-            "`{key}` holds {} code bytes and {} scales; {n} values in {}-value {} blocks need {} and {}",
+            "`{key}` holds {} code bytes and {} scales; {n} values in {block}-value {format:?} blocks need {want_codes} and {want_scales}",
             codes.len(),
             scale.len(),
-            block,
-            format_name(format),
-            b.codes.len(),
-            b.scale.len()
         )));
     }
     if let Some(bad) = scale.iter().find(|s| !(s.is_finite() && **s >= 0.0)) {
@@ -689,9 +661,13 @@ fn saved_blocks(
     if c == Codec::Fp8 && codes.iter().any(|&x| x & 0x7f == 0x7f) {
         return Err(err(format!("`{key}.codes` holds an FP8 NaN code")));
     }
-    b.codes = codes;
-    b.scale = scale;
-    Ok(b)
+    Ok(BlockMoment {
+        codec: c,
+        signed,
+        block,
+        codes,
+        scale,
+    })
 }
 
 /// Refuses a saved moment that would make every later update NaN: a NaN or infinite value

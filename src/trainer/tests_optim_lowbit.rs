@@ -211,7 +211,9 @@ fn quantised_moments_are_not_f32_moments() {
 
 /// A run saved after two steps and resumed gives the straight run's parameters bit for bit
 /// (the codes are restored as saved); resumed under torch's AdamW the f32 moments are the
-/// codes read back, and a garbled scale is refused with the file and key named.
+/// codes read back (compared with `BlockMoment::to_f32`, the decoding the update itself uses,
+/// whose bits the torchao test above checks through the parameters); a garbled scale is
+/// refused with the file and key named.
 #[test]
 fn quantised_moments_resume_bit_for_bit() {
     for name in ["AdamW8bit", "AdamW4bit", "AdamWFp8"] {
