@@ -20,6 +20,7 @@ use std::time::Instant;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use main_ppo::config::OptimConfig;
+use main_ppo::model::grad_sink::GradSinks;
 use main_ppo::rollout::{generate, generate_all, Limits, Sampler, SamplingParams};
 use main_ppo::trainer::AdamW;
 use serde_json::{json, Value};
@@ -171,7 +172,7 @@ fn run() -> Result<(), BoxError> {
                 bf16: a.usize("bf16", 0)? != 0,
                 ..model.exec()
             });
-            fwdbwd(&a, &model)?
+            fwdbwd(&a, &model, &loaded.varmap)?
         }
         "gen" => {
             let mut model = loaded.model;
@@ -254,7 +255,13 @@ fn check(
 
 /// Forward + backward of the mean log-probability of `[batch, seq]` tokens (every position
 /// scored, as a policy-gradient loss does), `warmup` untimed then `reps` timed repetitions.
-fn fwdbwd(a: &Args, model: &main_ppo::model::CausalLm) -> Result<Value, BoxError> {
+/// Each backward sums the weights' gradients as the trainer's micro-batches do (in
+/// `model::grad_sink`'s buffers, taken out as tensors at the end, inside the timing).
+fn fwdbwd(
+    a: &Args,
+    model: &main_ppo::model::CausalLm,
+    varmap: &candle_nn::VarMap,
+) -> Result<Value, BoxError> {
     let (b, t) = (a.usize("batch", 8)?, a.usize("seq", 256)?);
     let (warmup, reps) = (a.usize("warmup", 1)?, a.usize("reps", 2)?.max(1));
     // The same ids as the PyTorch side: (i * 7919) mod 49000 over the row-major [b, t] grid.
@@ -268,14 +275,21 @@ fn fwdbwd(a: &Args, model: &main_ppo::model::CausalLm) -> Result<Value, BoxError
     // As the trainer's update runs its micro-batches: large blocks on huge pages and recycled
     // from one forward+backward to the next (`kernels::alloc::huge_pages`).
     let chunk = main_ppo::trainer::actor::logit_chunk(model.args.vocab_size); // as training
+    let vars = varmap.all_vars();
     main_ppo::kernels::alloc::huge_pages(|| -> Result<(), BoxError> {
         for i in 0..warmup + reps {
             let t0 = Instant::now();
+            let sinks = GradSinks::open(vars.iter().map(|v| v.as_tensor()));
             let h = model.forward_hidden(&ids, &pos, &mask, None)?; // [b, t, hidden]
             let (lp, _) = model.token_logprobs(&h, &ids, chunk, false)?; // [b, t]
             let loss = lp.mean_all()?.neg()?;
             let f = t0.elapsed().as_secs_f64();
-            let grads = loss.backward()?;
+            let mut grads = loss.backward()?;
+            for v in &vars {
+                if let Some(g) = sinks.take(v.as_tensor())? {
+                    grads.insert(v.as_tensor(), g);
+                }
+            }
             let total = t0.elapsed().as_secs_f64();
             loss_v = loss.to_scalar::<f32>()?;
             drop(grads);

@@ -22,7 +22,9 @@
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
+use std::sync::Arc;
 
+use super::grad_sink::Sink;
 use crate::kernels::bf16::{self, PackedB};
 use crate::kernels::elem::Elem;
 use crate::kernels::gemm::{gemm_mixed, gemm_strided};
@@ -111,6 +113,9 @@ struct LogProbs {
     device: Option<(Tensor, Tensor)>,
     /// The tensor path's chunks hold at least this many logits (`chunk` rows otherwise).
     min_chunk_logits: usize,
+    /// Where the host path's backward puts the weight's gradient when a scope armed the
+    /// weight (see `grad_sink`); `None`: it hands it to candle.
+    sink: Option<Arc<Sink>>,
 }
 
 /// `W` `[vocab, hid]` packed once per forward for the bf16 products `x·Wᵀ` of every row
@@ -191,10 +196,10 @@ impl LogProbs {
         Ok(out)
     }
 
-    /// Gradients of hidden `[rows, hidden]` and, when `need_w` (the weight is trained: not a
-    /// LoRA model's frozen output embedding), of weight `[vocab, hidden]`, from the forward's
-    /// outputs `res` and their gradient `g` `[rows, cols]` (a Σ p² column's gradient is not
-    /// read).
+    /// The gradient of hidden `[rows, hidden]` from the forward's outputs `res` and their
+    /// gradient `g` `[rows, cols]` (a Σ p² column's gradient is not read); with `gw` (the weight
+    /// is trained: not a LoRA model's frozen output embedding) the weight's `[vocab, hidden]`
+    /// too, written into `gw.0`, or added to it when `gw.1`.
     ///
     /// The vocabulary in blocks of columns, every row at once: each block's logits
     /// `z = h·W_bᵀ` `[rows, block]` are recomputed and turned into `dz` in place, then
@@ -208,19 +213,14 @@ impl LogProbs {
         (h, w, res): (&[T], &[T], &[T]),
         g: &[T],
         hid: usize,
-        need_w: bool,
-    ) -> (Vec<T>, Option<Vec<T>>) {
+        mut gw: Option<(&mut [T], bool)>,
+    ) -> Vec<T> {
         let n = self.targets.len();
         let vocab = w.len() / hid.max(1);
         let cols = self.cols();
         let mut gh = vec![T::zero(); n * hid];
-        let mut gw = if need_w {
-            vec![T::zero(); vocab * hid]
-        } else {
-            Vec::new()
-        };
         if n == 0 || vocab == 0 {
-            return (gh, need_w.then_some(gw));
+            return gh;
         }
         // Per row: lse, H, and the gradients of log p(t) and H.
         let stats: Vec<[T; 4]> = (0..n)
@@ -297,7 +297,7 @@ impl LogProbs {
                 Par::Rayon,
             );
             // ∂W_b = dzᵀ [vb, n] · h [n, hid]
-            if need_w {
+            if let Some((gw, add)) = gw.as_mut() {
                 let gwb = &mut gw[v0 * hid..(v0 + vb) * hid];
                 gemm_mixed(
                     self.bf16,
@@ -311,12 +311,12 @@ impl LogProbs {
                     h,
                     hid,
                     1,
-                    false,
+                    *add,
                     Par::Rayon,
                 );
             }
         }
-        (gh, need_w.then_some(gw))
+        gh
     }
 
     /// `z_t = h·W[t]`: in f64 over bf16-rounded operands where the products are bf16 (as the
@@ -547,12 +547,26 @@ impl CustomOp2 for LogProbs {
             let (h, w, res, grad) = (h?, w?, res?, grad?);
             let host = Host::new(&[&h, &w, &res, &grad])?;
             let ins = (host.slice(0)?, host.slice(1)?, host.slice(2)?);
-            let (a, b) = op.backward::<T>(ins, host.slice(3)?, hid, need_w);
-            Ok((
-                Tensor::from_vec(a, (rows, hid), h.device())?,
-                b.map(|b| Tensor::from_vec(b, (vocab, hid), w.device()))
-                    .transpose()?,
-            ))
+            let g = host.slice(3)?;
+            let sink = op.sink.as_ref().filter(|s| s.is_open());
+            let (gh, gw) = match (sink, need_w) {
+                (_, false) => (op.backward::<T>(ins, g, hid, None), None),
+                // The weight's gradient goes into its sink (added after the first pass);
+                // candle receives none.
+                (Some(sink), true) => {
+                    let mut gh = Vec::new();
+                    sink.with::<T>(|sum, add| {
+                        gh = op.backward::<T>(ins, g, hid, Some((sum, add)));
+                    })?;
+                    (gh, None)
+                }
+                (None, true) => {
+                    let mut gw = vec![T::zero(); vocab * hid];
+                    let gh = op.backward::<T>(ins, g, hid, Some((&mut gw, false)));
+                    (gh, Some(Tensor::from_vec(gw, (vocab, hid), w.device())?))
+                }
+            };
+            Ok((Tensor::from_vec(gh, (rows, hid), h.device())?, gw))
         }
         let (gh, gw) = match h.dtype() {
             DType::F64 => run::<f64>(self, h, w, res, grad)?,
@@ -642,6 +656,10 @@ fn token_logprobs_op(
         with_entropy: stats.entropy,
         with_sum_pi_squared: stats.sum_pi_squared,
         bf16,
+        sink: match device {
+            None => super::grad_sink::sink_of(weight),
+            Some(_) => None,
+        },
         device,
         min_chunk_logits: tensors.unwrap_or(0),
     };

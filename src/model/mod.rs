@@ -12,6 +12,8 @@
 //!   recomputation on candle's autograd,
 //! - `delta` + `delta_op`: Qwen3.5's Gated DeltaNet token mixer (chunk-wise delta rule, its
 //!   decode state; the recurrence as one hand-written op with its backward on the CPU),
+//! - `grad_sink`: weight gradients summed in one buffer each, in place, by the backward
+//!   passes of the embedding lookup, the hand-written layer and the LM head (a trainer's scope),
 //! - `lm_head`: the fused LM head + log-softmax + gather + entropy, beside its composition,
 //! - `transformer`: `CausalLm` (embedding → layers → norm → head) and its execution settings,
 //! - `heads`: the critic's value head and a reward model's score head,
@@ -26,6 +28,7 @@ pub mod decode;
 mod delta;
 mod delta_mix;
 mod delta_op;
+pub mod grad_sink;
 pub mod heads;
 mod layer;
 pub mod lm_head;

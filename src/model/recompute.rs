@@ -23,6 +23,7 @@ use candle_core::{
 
 use super::block::{block_forward_routed, Block, Mask, Rows};
 use super::config::ModelArgs;
+use super::grad_sink::Sink;
 use super::layer;
 use super::proj::Proj;
 use crate::kernels::elem::Elem;
@@ -282,6 +283,9 @@ struct Layer {
     /// Where the sequences lie (read by a Gated DeltaNet layer).
     rows: Rows,
     stash: Stash,
+    /// The sinks of the weights that had one when the forward ran, in the stash's order (the
+    /// hand-written backward sums their gradients there).
+    sinks: Vec<Option<Arc<Sink>>>,
     /// Without recomputation: the forward's activations (`layer::Acts<T>`), kept for backward.
     keep: bool,
     kept: Mutex<Option<Box<dyn std::any::Any + Send>>>,
@@ -439,11 +443,18 @@ impl Layer {
                 stash.len()
             );
         }
-        // `None`: the weight took no part (an expert no token was routed to).
-        for (slot, (w, gv)) in stash.iter_mut().zip(all) {
-            *slot = gv
-                .map(|gv| Tensor::from_vec(gv, w.shape(), w.device()))
-                .transpose()?;
+        // `None`: the weight took no part (an expert no token was routed to). A weight with an
+        // open sink (`grad_sink`) sums its gradient there and its carrier hands candle none.
+        for ((slot, (w, gv)), sink) in stash.iter_mut().zip(all).zip(&self.sinks) {
+            *slot = match (gv, sink.as_ref().filter(|s| s.is_open())) {
+                (Some(gv), Some(sink)) => {
+                    sink.add(gv)?;
+                    None
+                }
+                (gv, _) => gv
+                    .map(|gv| Tensor::from_vec(gv, w.shape(), w.device()))
+                    .transpose()?,
+            };
         }
         Tensor::from_vec(gx, (b, t, h), x.device())
     }
@@ -629,6 +640,7 @@ pub(super) fn block_routed(
             mask: mask.detach(),
             rows: rows.detach(),
             stash,
+            sinks: ws.iter().map(super::grad_sink::sink_of).collect(),
             keep: !recompute,
             kept: Mutex::new(None),
             fused: fused && crate::kernels::supported(x.device(), x.dtype()),

@@ -751,7 +751,7 @@ impl CausalLm {
     /// The embeddings of `input_ids` `[b, t]`: `[b, t, hidden]` (times √hidden for Gemma).
     fn embed_ids(&self, input_ids: &Tensor) -> Result<Tensor> {
         let (b, t) = input_ids.dims2()?;
-        let x = self.embed.embedding(&input_ids.flatten_all()?)?.reshape((
+        let x = super::grad_sink::lookup(&self.embed, &input_ids.flatten_all()?)?.reshape((
             b,
             t,
             self.args.hidden_size,

@@ -29,6 +29,7 @@ use crate::dist::grads::{all_reduce_grads, Summed};
 use crate::dist::Collective;
 use crate::kernels::storage::add_in_place;
 use crate::metrics::{mean, Metrics};
+use crate::model::grad_sink::GradSinks;
 use crate::util::permutation;
 
 /// What one micro-batch's loss reports: the loss to backpropagate (before the micro-batch
@@ -164,6 +165,10 @@ pub fn mini_batch_grads<N: Network>(
     // later micro-batches add into them in place. A gradient straight from `backward()` may
     // share its storage with another variable's, so the first one is never written to.
     let mut owned = std::collections::HashSet::new();
+    // The ops that compute weight gradients themselves (embedding, layers, LM head) sum them
+    // in place over the micro-batches, outside candle's store (model::grad_sink): one set of
+    // gradients instead of a sum beside each backward's fresh set.
+    let sinks = GradSinks::open(vars.iter().map(|(_, v)| v.as_tensor()));
     for micro in micros.into_iter().skip(rank).step_by(world.max(1)) {
         let mi = batch.inputs(&micro, layout, &device)?;
         let out = micro_loss(model, &mi, &micro, ctx)?;
@@ -198,6 +203,17 @@ pub fn mini_batch_grads<N: Network>(
         scalars.add(out.scalars, scale);
         for (k, v) in out.extra {
             scalars.lists.entry(k).or_default().push(v);
+        }
+    }
+    for (_, var) in vars {
+        if let Some(sunk) = sinks.take(var.as_tensor())? {
+            // The sink's sum is this function's own: another path's part adds into it.
+            let sum = match grads.remove(var.as_tensor()) {
+                Some(rest) if add_in_place(&sunk, &rest)? => sunk,
+                Some(rest) => (sunk + rest)?,
+                None => sunk,
+            };
+            grads.insert(var.as_tensor(), sum);
         }
     }
     Ok(Some(grads))
