@@ -18,7 +18,9 @@
 //! CPU with f32/f64 runs it on host slices; on a GPU the same op runs as chunked tensor
 //! operations (`forward_tensors` / `backward_tensors`, chunks of ~2^28 logits, bf16 products
 //! when asked); half precision on the CPU uses the composition
-//! (`CausalLm::token_logprobs_composed`).
+//! (`CausalLm::token_logprobs_composed`). Inside a trainer's `grad_sink` scope the host path
+//! adds `∂L/∂W` block by block into the weight's one accumulator instead of handing candle a
+//! new `[vocab, hidden]` tensor.
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
