@@ -92,6 +92,15 @@ impl Sink {
         Ok(())
     }
 
+    /// [`Sink::add`] of a CPU tensor's values (copied out: a tensor's storage cannot be taken).
+    pub(super) fn add_tensor(&self, g: &Tensor) -> Result<()> {
+        let g = g.flatten_all()?;
+        match g.dtype() {
+            DType::F64 => self.add(g.to_vec1::<f64>()?),
+            _ => self.add(g.to_vec1::<f32>()?),
+        }
+    }
+
     /// The weight's `[rows, columns]`: its first dimension and the product of the others.
     pub(super) fn dims(&self) -> (usize, usize) {
         let d = self.shape.dims();
@@ -307,76 +316,98 @@ mod tests {
             [[4u32, 8, 15, 16, 4], [1, 2, 3, 4, 5]],
             [[9, 8, 7, 4, 60], [0, 0, 1, 2, 3]],
         ];
-        for (arch, dtype, tol, recompute) in [
-            (Arch::Llama, DType::F64, 1e-12, false),
-            (Arch::Qwen2, DType::F64, 1e-12, true),
-            (Arch::Llama, DType::F32, 1e-5, false),
+        // (arch, dtype, tolerance, recompute, composed layers)
+        for (arch, dtype, tol, recompute, composed) in [
+            (Arch::Llama, DType::F64, 1e-12, false, false),
+            (Arch::Qwen2, DType::F64, 1e-12, true, false),
+            (Arch::Qwen2, DType::F64, 1e-12, true, true),
+            (Arch::Qwen3Moe, DType::F64, 1e-12, false, false),
+            (Arch::Qwen3_5, DType::F64, 1e-12, false, false),
+            (Arch::Llama, DType::F32, 1e-5, false, false),
         ] {
             let mut args = ModelArgs::tiny(arch, 61);
             args.tie_word_embeddings = arch == Arch::Llama;
             let (vm, mut m) = crate::testing::tiny_model(&args, dtype, 0.3);
+            let exec = m.exec();
             m.set_exec(crate::model::Exec {
                 recompute,
-                ..m.exec()
+                composed,
+                ..exec
             });
+            let what = format!("{arch:?} {dtype:?} recompute {recompute} composed {composed}");
             let vars = vars(&vm);
-            // candle's own: each batch's gradient, summed here.
-            let mut want: Vec<Vec<f64>> = vec![Vec::new(); vars.len()];
-            let mut first = Vec::new();
-            for b in batches {
-                let g = loss(&m, b).backward().unwrap();
-                for ((_, v), w) in vars.iter().zip(&mut want) {
-                    let x = values(g.get(v.as_tensor()).unwrap());
-                    *w = if w.is_empty() {
-                        x
-                    } else {
-                        w.iter().zip(x).map(|(a, b)| a + b).collect()
-                    };
-                }
-                if first.is_empty() {
-                    first = want.clone();
-                }
-            }
+            let grads = |g: &candle_core::backprop::GradStore| -> Vec<Option<Vec<f64>>> {
+                vars.iter()
+                    .map(|(_, v)| g.get(v.as_tensor()).map(values))
+                    .collect()
+            };
+            // candle's own, outside a scope: each batch's gradients, summed here (none for a
+            // weight that took no part, such as an expert no token was routed to).
+            let per_batch: Vec<_> = batches
+                .iter()
+                .map(|b| grads(&loss(&m, *b).backward().unwrap()))
+                .collect();
+            let want: Vec<Option<Vec<f64>>> = (0..vars.len())
+                .map(|i| sum(per_batch.iter().map(|g| g[i].clone())))
+                .collect();
             // A graph built inside a scope whose backward runs after it closed: candle gets
             // every gradient (none is left in a sink nobody takes).
             let late = {
                 let _s = GradSinks::open(vars.iter().map(|(_, v)| v.as_tensor()));
                 loss(&m, batches[0])
             };
-            let g = late.backward().unwrap();
-            for ((name, v), w) in vars.iter().zip(&first) {
-                let got = values(g.get(v.as_tensor()).unwrap());
-                close(&got, w, tol, &format!("{arch:?} {name} late"));
+            let got = grads(&late.backward().unwrap());
+            for (((name, _), g), w) in vars.iter().zip(got).zip(&per_batch[0]) {
+                assert_eq!(g.is_some(), w.is_some(), "{what} {name} late");
+                if let (Some(g), Some(w)) = (g, w) {
+                    close(&g, w, tol, &format!("{what} {name} late"));
+                }
             }
             let sinks = GradSinks::open(vars.iter().map(|(_, v)| v.as_tensor()));
-            let mut candles: Vec<Option<Vec<f64>>> = vec![None; vars.len()];
-            for b in batches {
-                let g = loss(&m, b).backward().unwrap();
-                for ((_, v), c) in vars.iter().zip(&mut candles) {
-                    if let Some(x) = g.get(v.as_tensor()).map(values) {
-                        *c = Some(match c.take() {
-                            Some(c) => c.iter().zip(x).map(|(a, b)| a + b).collect(),
-                            None => x,
-                        });
-                    }
-                }
-            }
+            let per_batch: Vec<_> = batches
+                .iter()
+                .map(|b| grads(&loss(&m, *b).backward().unwrap()))
+                .collect();
             let mut sunk = 0;
-            for (((name, v), w), c) in vars.iter().zip(&want).zip(candles) {
-                match sinks.take(v.as_tensor()).unwrap() {
-                    Some(s) => {
+            for (i, ((name, v), w)) in vars.iter().zip(&want).enumerate() {
+                let c = sum(per_batch.iter().map(|g| g[i].clone()));
+                match (sinks.take(v.as_tensor()).unwrap(), w) {
+                    (Some(s), Some(w)) => {
                         sunk += 1;
-                        assert!(c.is_none(), "{arch:?}: candle also has {name}");
-                        close(&values(&s), w, tol, &format!("{arch:?} {name}"));
+                        assert!(c.is_none(), "{what}: candle also has {name}");
+                        close(&values(&s), w, tol, &format!("{what} {name}"));
                         assert!(sinks.take(v.as_tensor()).unwrap().is_none(), "taken once");
                     }
-                    None => assert_eq!(c.as_ref(), Some(w), "{arch:?} {name}"),
+                    (Some(_), None) => {
+                        panic!("{what}: a sunk gradient for {name}, none in candle's")
+                    }
+                    (None, w) => assert_eq!(c.as_ref(), w.as_ref(), "{what} {name}"),
                 }
             }
-            // Everything but the final norm (candle's composition) goes through the embedding
-            // lookup, the hand-written layers or the fused head.
-            assert_eq!(sunk, vars.len() - 1, "{arch:?} {recompute}");
+            // Everything that has a gradient goes through the embedding lookup, the layer op
+            // or the fused head, but the final norm (candle's composition) and Gated DeltaNet
+            // layers (their own ops on candle's path, MLP included).
+            let layer = |n: &str| n.split('.').take(3).collect::<Vec<_>>().join(".");
+            let delta: Vec<String> = vars
+                .iter()
+                .filter(|(n, _)| n.contains("linear_attn"))
+                .map(|(n, _)| layer(n))
+                .collect();
+            let expected = vars
+                .iter()
+                .zip(&want)
+                .filter(|((n, _), w)| {
+                    w.is_some() && n != "model.norm.weight" && !delta.contains(&layer(n))
+                })
+                .count();
+            assert_eq!(sunk, expected, "{what}");
         }
+    }
+
+    /// The element-wise sum of the present gradients, `None` when none is.
+    fn sum(gs: impl Iterator<Item = Option<Vec<f64>>>) -> Option<Vec<f64>> {
+        gs.flatten()
+            .reduce(|a, b| a.iter().zip(&b).map(|(x, y)| x + y).collect())
     }
 
     /// Outside a scope the lookup is candle's (its backward gives candle the gradient); an id

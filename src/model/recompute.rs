@@ -444,7 +444,8 @@ impl Layer {
             );
         }
         // `None`: the weight took no part (an expert no token was routed to). A weight with an
-        // open sink (`grad_sink`) sums its gradient there and its carrier hands candle none.
+        // open sink (`grad_sink`) sums its gradient there and its carrier hands candle none
+        // (here and in the composition's backward below).
         for ((slot, (w, gv)), sink) in stash.iter_mut().zip(all).zip(&self.sinks) {
             *slot = match (gv, sink.as_ref().filter(|s| s.is_open())) {
                 (Some(gv), Some(sink)) => {
@@ -530,8 +531,15 @@ impl CustomOp2 for Layer {
             .stash
             .lock()
             .map_err(|_| candle_core::Error::Msg("recompute stash poisoned".into()))?;
-        for (slot, w) in stash.iter_mut().zip(weights(&self.block)) {
-            *slot = g.remove(&w);
+        let ws = weights(&self.block);
+        for ((slot, w), sink) in stash.iter_mut().zip(ws).zip(&self.sinks) {
+            *slot = match (g.remove(&w), sink.as_ref().filter(|s| s.is_open())) {
+                (Some(gw), Some(sink)) => {
+                    sink.add_tensor(&gw)?;
+                    None
+                }
+                (gw, _) => gw,
+            };
         }
         Ok((g.remove(input.as_tensor()), Some(tie.zeros_like()?)))
     }

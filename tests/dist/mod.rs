@@ -348,7 +348,11 @@ fn metrics(dir: &Path) -> Vec<serde_json::Map<String, serde_json::Value>> {
         .collect()
 }
 
-/// Every metric but times, throughput and memory agrees to `tol` (relative, floor 1).
+/// Every metric but times, throughput and memory agrees to `tol` (relative, floor 1); the
+/// rollout-correction statistics to at least 1e-5: they compare two f32 log-prob passes over
+/// whole sequences (`chi2_seq` squares a ratio of products over up to 128 tokens), so the
+/// last-bit differences that summing gradients in another order leaves in the weights after a
+/// step move them by ~1e-6 (measured: 1.2e-6 on `chi2_seq`, two ranks against one process).
 fn assert_same_metrics(
     a: &[serde_json::Map<String, serde_json::Value>],
     b: &[serde_json::Map<String, serde_json::Value>],
@@ -366,6 +370,10 @@ fn assert_same_metrics(
                 x[k].as_f64().unwrap_or(f64::NAN),
                 y[k].as_f64().unwrap_or(f64::NAN),
             );
+            let tol = match k.starts_with("rollout_corr/") {
+                true => tol.max(1e-5),
+                false => tol,
+            };
             let ok = (u - v).abs() <= tol * u.abs().max(1.0) || (u.is_nan() && v.is_nan());
             assert!(ok, "{what}: step {} {k}: {u} vs {v}", step + 1);
         }
