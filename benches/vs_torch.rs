@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! cargo bench --bench vs_torch -- check  [--out FILE]                 prompt ids, last logits, greedy ids
-//! cargo bench --bench vs_torch -- fwdbwd [--batch 8] [--seq 256] [--warmup 1] [--reps 2] [--bf16 0]
+//! cargo bench --bench vs_torch -- fwdbwd [--batch 8] [--seq 256] [--warmup 1] [--reps 2] [--bf16 0] [--grad-sinks 1]
 //! cargo bench --bench vs_torch -- gen    [--batch 32] [--new 128] [--warmup-new 4] [--bf16 0]
 //! cargo bench --bench vs_torch -- adamw  [--warmup 1] [--reps 3]
 //! ```
@@ -256,7 +256,9 @@ fn check(
 /// Forward + backward of the mean log-probability of `[batch, seq]` tokens (every position
 /// scored, as a policy-gradient loss does), `warmup` untimed then `reps` timed repetitions.
 /// Each backward sums the weights' gradients as the trainer's micro-batches do (in
-/// `model::grad_sink`'s buffers, taken out as tensors at the end, inside the timing).
+/// `model::grad_sink`'s buffers, taken out as tensors at the end, inside the timing);
+/// `--grad-sinks 0` leaves them to candle's gradient store instead (the path before the sinks,
+/// for an A/B on one binary).
 fn fwdbwd(
     a: &Args,
     model: &main_ppo::model::CausalLm,
@@ -275,7 +277,10 @@ fn fwdbwd(
     // As the trainer's update runs its micro-batches: large blocks on huge pages and recycled
     // from one forward+backward to the next (`kernels::alloc::huge_pages`).
     let chunk = main_ppo::trainer::actor::logit_chunk(model.args.vocab_size); // as training
-    let vars = varmap.all_vars();
+    let vars = match a.usize("grad-sinks", 1)? {
+        0 => Vec::new(),
+        _ => varmap.all_vars(),
+    };
     main_ppo::kernels::alloc::huge_pages(|| -> Result<(), BoxError> {
         for i in 0..warmup + reps {
             let t0 = Instant::now();
