@@ -290,11 +290,7 @@ fn fwdbwd(
             let loss = lp.mean_all()?.neg()?;
             let f = t0.elapsed().as_secs_f64();
             let mut grads = loss.backward()?;
-            for v in &vars {
-                if let Some(g) = sinks.take(v.as_tensor())? {
-                    grads.insert(v.as_tensor(), g);
-                }
-            }
+            sinks.drain_into(&mut grads)?;
             let total = t0.elapsed().as_secs_f64();
             loss_v = loss.to_scalar::<f32>()?;
             drop(grads);

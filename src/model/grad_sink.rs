@@ -25,9 +25,11 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, TensorId};
 
 use crate::kernels::elem::Elem;
+use crate::kernels::storage::add_in_place;
 
 thread_local! {
     /// The weights armed on this thread, by tensor id (a forward consults it when it builds
@@ -47,9 +49,9 @@ pub(super) struct Sink {
 }
 
 impl Sink {
-    /// Runs `f` on the sum as a slice of `T`, with `true` when it already held a gradient
-    /// (`f` adds into it) and `false` when it was just made (zeros; `f` may overwrite it).
-    pub(super) fn with<T: Elem>(&self, f: impl FnOnce(&mut [T], bool)) -> Result<()> {
+    /// Replaces the sum by `f(sum)` (`None` before the first gradient), read and written as a
+    /// vector of `T` (moved out of and back into the storage, no copy).
+    fn update<T: Elem>(&self, f: impl FnOnce(Option<Vec<T>>) -> Vec<T>) -> Result<()> {
         if T::DTYPE != self.dtype {
             candle_core::bail!(
                 "gradient sink: a {:?} gradient for a {:?} weight",
@@ -58,38 +60,39 @@ impl Sink {
             );
         }
         let mut slot = self.sum.lock().unwrap_or_else(|e| e.into_inner());
-        let (mut values, held) = match slot.take() {
-            Some(s) => (T::cpu_storage_data(s)?, true),
-            None => (vec![T::zero(); self.shape.elem_count()], false),
-        };
-        f(&mut values, held);
-        *slot = Some(T::to_cpu_storage_owned(values));
+        let sum = slot.take().map(T::cpu_storage_data).transpose()?;
+        *slot = Some(T::to_cpu_storage_owned(f(sum)));
         Ok(())
+    }
+
+    /// Runs `f` on the sum as a slice of `T`, with `true` when it already held a gradient
+    /// (`f` adds into it) and `false` when it was just made (zeros; `f` may overwrite it).
+    pub(super) fn with<T: Elem>(&self, f: impl FnOnce(&mut [T], bool)) -> Result<()> {
+        self.update::<T>(|sum| {
+            let held = sum.is_some();
+            let mut sum = sum.unwrap_or_else(|| vec![T::zero(); self.shape.elem_count()]);
+            f(&mut sum, held);
+            sum
+        })
     }
 
     /// Adds a whole gradient `g` (the weight's shape, row-major): the first one becomes the
     /// sum as it is (no copy), later ones add into it.
     pub(super) fn add<T: Elem>(&self, g: Vec<T>) -> Result<()> {
-        if T::DTYPE != self.dtype || g.len() != self.shape.elem_count() {
+        if g.len() != self.shape.elem_count() {
             candle_core::bail!(
-                "gradient sink: {} {:?} values for a {:?} weight of shape {:?}",
+                "gradient sink: {} values for a weight of shape {:?}",
                 g.len(),
-                T::DTYPE,
-                self.dtype,
                 self.shape
             );
         }
-        let mut slot = self.sum.lock().unwrap_or_else(|e| e.into_inner());
-        let sum = match slot.take() {
+        self.update::<T>(|sum| match sum {
             None => g,
-            Some(s) => {
-                let mut sum = T::cpu_storage_data(s)?;
+            Some(mut sum) => {
                 crate::kernels::simd::par_zip(&mut sum, &g, |a, b| a + b);
                 sum
             }
-        };
-        *slot = Some(T::to_cpu_storage_owned(sum));
-        Ok(())
+        })
     }
 
     /// [`Sink::add`] of a CPU tensor's values (copied out: a tensor's storage cannot be taken).
@@ -108,9 +111,15 @@ impl Sink {
         (rows, self.shape.elem_count() / rows.max(1))
     }
 
-    pub(super) fn is_open(&self) -> bool {
+    fn is_open(&self) -> bool {
         self.open.load(Ordering::Acquire)
     }
+}
+
+/// The sink an op kept from its forward while its scope is still open; `None` otherwise (the
+/// op hands candle the gradient: a backward run after the scope closed loses nothing).
+pub(super) fn open(sink: &Option<Arc<Sink>>) -> Option<&Sink> {
+    sink.as_deref().filter(|s| s.is_open())
 }
 
 /// The sink of `weight` when a scope on this thread armed it, else `None` (the op runs candle's
@@ -122,14 +131,15 @@ pub(super) fn sink_of(weight: &Tensor) -> Option<Arc<Sink>> {
 /// Weights whose gradients backward passes sum in place while this value lives (see the
 /// module's notes). Dropping it disarms them; sums not taken are freed.
 pub struct GradSinks {
-    sinks: Vec<(TensorId, Arc<Sink>)>,
+    /// Each armed weight (for its id and the gradient store's key) with its sink.
+    sinks: Vec<(Tensor, Arc<Sink>)>,
 }
 
 impl GradSinks {
     /// Arms every weight of `weights` that is a trained (`Var`) f32 or f64 tensor on the CPU,
     /// on this thread; the others keep candle's path.
     pub fn open<'a>(weights: impl IntoIterator<Item = &'a Tensor>) -> GradSinks {
-        let sinks: Vec<(TensorId, Arc<Sink>)> = weights
+        let sinks: Vec<(Tensor, Arc<Sink>)> = weights
             .into_iter()
             .filter(|w| {
                 w.is_variable()
@@ -143,13 +153,13 @@ impl GradSinks {
                     sum: Mutex::new(None),
                     open: AtomicBool::new(true),
                 };
-                (w.id(), Arc::new(sink))
+                (w.clone(), Arc::new(sink))
             })
             .collect();
         ARMED.with(|a| {
             let mut a = a.borrow_mut();
-            for (id, s) in &sinks {
-                a.insert(*id, s.clone());
+            for (w, s) in &sinks {
+                a.insert(w.id(), s.clone());
             }
         });
         GradSinks { sinks }
@@ -158,7 +168,7 @@ impl GradSinks {
     /// The gradient of `weight` summed over this scope's backward passes so far (the sink is
     /// empty afterwards), or `None` when no op wrote to it.
     pub fn take(&self, weight: &Tensor) -> Result<Option<Tensor>> {
-        let Some((_, sink)) = self.sinks.iter().find(|(id, _)| *id == weight.id()) else {
+        let Some((_, sink)) = self.sinks.iter().find(|(w, _)| w.id() == weight.id()) else {
             return Ok(None);
         };
         let Some(sum) = sink.sum.lock().unwrap_or_else(|e| e.into_inner()).take() else {
@@ -173,15 +183,33 @@ impl GradSinks {
     }
 }
 
+impl GradSinks {
+    /// Moves every sum taken so far into `grads` as its weight's gradient, adding the part
+    /// candle's store computed through other ops where it holds one (into the sum, in place:
+    /// the sum is this scope's own).
+    pub fn drain_into(&self, grads: &mut GradStore) -> Result<()> {
+        for (w, _) in &self.sinks {
+            let Some(sunk) = self.take(w)? else { continue };
+            let sum = match grads.remove(w) {
+                Some(rest) if add_in_place(&sunk, &rest)? => sunk,
+                Some(rest) => (sunk + rest)?,
+                None => sunk,
+            };
+            grads.insert(w, sum);
+        }
+        Ok(())
+    }
+}
+
 impl Drop for GradSinks {
     fn drop(&mut self) {
         ARMED.with(|a| {
             let mut a = a.borrow_mut();
-            for (id, s) in &self.sinks {
+            for (w, s) in &self.sinks {
                 s.open.store(false, Ordering::Release);
                 // Only this scope's own entry (a nested scope over the same weight replaced it).
-                if a.get(id).is_some_and(|x| Arc::ptr_eq(x, s)) {
-                    a.remove(id);
+                if a.get(&w.id()).is_some_and(|x| Arc::ptr_eq(x, s)) {
+                    a.remove(&w.id());
                 }
             }
         });
@@ -292,10 +320,8 @@ mod tests {
     /// Every value of `got` within `tol` of the largest of `want` (at least 1).
     fn close(got: &[f64], want: &[f64], tol: f64, what: &str) {
         assert_eq!(got.len(), want.len(), "{what}");
-        let scale = want.iter().fold(1.0f64, |m, x| m.max(x.abs()));
-        for (x, y) in got.iter().zip(want) {
-            assert!((x - y).abs() <= tol * scale, "{what}: {x} vs {y}");
-        }
+        let (worst, scale) = crate::testing::worst_of(got, want);
+        assert!(worst <= tol * scale.max(1.0), "{what}: off by {worst}");
     }
 
     fn vars(vm: &VarMap) -> Vec<(String, Var)> {
@@ -411,7 +437,8 @@ mod tests {
     }
 
     /// Outside a scope the lookup is candle's (its backward gives candle the gradient); an id
-    /// outside the vocabulary is an error naming it inside a scope (as candle's is outside).
+    /// outside the vocabulary is an error naming it inside a scope (as candle's is outside); a
+    /// weight with a sunk part and a part in candle's store gets their sum from `drain_into`.
     #[test]
     fn lookup_outside_a_scope_and_bad_ids() {
         let w = Var::new(&[[1f32, 2.], [3., 4.], [5., 6.]], &Device::Cpu).unwrap();
@@ -433,6 +460,20 @@ mod tests {
         assert_eq!(
             values(g.get(w.as_tensor()).unwrap()),
             [1., 1., 0., 0., 2., 2.]
+        );
+        // Reached by the sunk lookup and by another op (Σ w², gradient 2w, in candle's store):
+        // `drain_into` adds the two, by hand [1, 1, 0, 0, 2, 2] + [2, 4, 6, 8, 10, 12].
+        let s = GradSinks::open([w.as_tensor()]);
+        let x = lookup(w.as_tensor(), &ids).unwrap();
+        let squares = w.as_tensor().sqr().unwrap().sum_all().unwrap();
+        let mut g = (x.sum_all().unwrap() + squares)
+            .unwrap()
+            .backward()
+            .unwrap();
+        s.drain_into(&mut g).unwrap();
+        assert_eq!(
+            values(g.get(w.as_tensor()).unwrap()),
+            [3., 5., 6., 8., 12., 14.]
         );
     }
 }

@@ -550,7 +550,7 @@ impl CustomOp2 for LogProbs {
             let host = Host::new(&[&h, &w, &res, &grad])?;
             let ins = (host.slice(0)?, host.slice(1)?, host.slice(2)?);
             let g = host.slice(3)?;
-            let sink = op.sink.as_ref().filter(|s| s.is_open());
+            let sink = super::grad_sink::open(&op.sink);
             let (gh, gw) = match (sink, need_w) {
                 (_, false) => (op.backward::<T>(ins, g, hid, None), None),
                 // The weight's gradient goes into its sink (added after the first pass);

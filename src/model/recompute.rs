@@ -23,7 +23,7 @@ use candle_core::{
 
 use super::block::{block_forward_routed, Block, Mask, Rows};
 use super::config::ModelArgs;
-use super::grad_sink::Sink;
+use super::grad_sink::{self, Sink};
 use super::layer;
 use super::proj::Proj;
 use crate::kernels::elem::Elem;
@@ -447,7 +447,7 @@ impl Layer {
         // open sink (`grad_sink`) sums its gradient there and its carrier hands candle none
         // (here and in the composition's backward below).
         for ((slot, (w, gv)), sink) in stash.iter_mut().zip(all).zip(&self.sinks) {
-            *slot = match (gv, sink.as_ref().filter(|s| s.is_open())) {
+            *slot = match (gv, grad_sink::open(sink)) {
                 (Some(gv), Some(sink)) => {
                     sink.add(gv)?;
                     None
@@ -533,7 +533,7 @@ impl CustomOp2 for Layer {
             .map_err(|_| candle_core::Error::Msg("recompute stash poisoned".into()))?;
         let ws = weights(&self.block);
         for ((slot, w), sink) in stash.iter_mut().zip(ws).zip(&self.sinks) {
-            *slot = match (g.remove(&w), sink.as_ref().filter(|s| s.is_open())) {
+            *slot = match (g.remove(&w), grad_sink::open(sink)) {
                 (Some(gw), Some(sink)) => {
                     sink.add_tensor(&gw)?;
                     None
@@ -648,7 +648,7 @@ pub(super) fn block_routed(
             mask: mask.detach(),
             rows: rows.detach(),
             stash,
-            sinks: ws.iter().map(super::grad_sink::sink_of).collect(),
+            sinks: ws.iter().map(grad_sink::sink_of).collect(),
             keep: !recompute,
             kept: Mutex::new(None),
             fused: fused && crate::kernels::supported(x.device(), x.dtype()),

@@ -205,17 +205,7 @@ pub fn mini_batch_grads<N: Network>(
             scalars.lists.entry(k).or_default().push(v);
         }
     }
-    for (_, var) in vars {
-        if let Some(sunk) = sinks.take(var.as_tensor())? {
-            // The sink's sum is this function's own: another path's part adds into it.
-            let sum = match grads.remove(var.as_tensor()) {
-                Some(rest) if add_in_place(&sunk, &rest)? => sunk,
-                Some(rest) => (sunk + rest)?,
-                None => sunk,
-            };
-            grads.insert(var.as_tensor(), sum);
-        }
-    }
+    sinks.drain_into(&mut grads)?;
     Ok(Some(grads))
 }
 
