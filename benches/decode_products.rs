@@ -7,8 +7,10 @@
 //! two threads), the time of each shape over all layers, and the fixed cost of one call. The
 //! products run inside a `kernels::team` session, as the decode engine runs them (the step is
 //! also timed through rayon, for comparison). Run:
-//! `cargo bench --bench decode_products` (set RAYON_NUM_THREADS).
-//! Skipped on a CPU without AMX or AVX512-BF16.
+//! `cargo bench --bench decode_products` (set RAYON_NUM_THREADS; MAIN_PPO_CPU and
+//! MAIN_PPO_BF16_KERNEL choose the kernel). The last line also gives the products' GFLOP/s,
+//! to set against the CPU's FMA peak where the step is bound by arithmetic (the widening
+//! kernels: AVX2, NEON). Skipped with MAIN_PPO_BF16_KERNEL=none.
 
 use std::time::Instant;
 
@@ -20,7 +22,7 @@ use rayon::prelude::*;
 
 fn main() {
     if !bf16::available() {
-        eprintln!("skipped: this CPU has neither AMX nor AVX512-BF16");
+        eprintln!("skipped: MAIN_PPO_BF16_KERNEL=none");
         return;
     }
     let (m, h, inter, vocab, layers) = (32usize, 576usize, 1536usize, 49_152usize, 30usize);
@@ -116,16 +118,19 @@ fn main() {
     }
     println!(
         "decode products, {m} rows, {:.0} MB of bf16 weights: {:.2} ms per step = {:.1} GB/s; \
-         plain parallel sum of as many bytes: {:.2} ms = {:.1} GB/s; ratio {:.2} ({} threads, {}); \
-         through rayon instead of the team: {:.2} ms",
+         {:.1} GFLOP/s; plain parallel sum of as many bytes: {:.2} ms = {:.1} GB/s; ratio {:.2} \
+         ({} threads, {}, {}); through rayon instead of the team: {:.2} ms",
         bytes as f64 / 1e6,
         t_step / reps as f64 * 1e3,
         gbs(t_step),
+        // Two flops per weight (bf16: two bytes) and row.
+        gbs(t_step) * m as f64,
         t_sum / reps as f64 * 1e3,
         gbs(t_sum),
         t_sum / t_step,
         rayon::current_num_threads(),
         bf16::describe(),
+        main_ppo::kernels::cpu::describe(),
         t_rayon / reps as f64 * 1e3,
     );
     std::hint::black_box(&out);

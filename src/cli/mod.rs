@@ -221,6 +221,12 @@ pub fn main_with<A: Into<OsString>>(
 
 /// Runs a command; `Ok(false)` is a completed run that found failures (exit status 1).
 fn run(cli: Cli, natives: &crate::reward::NativeRegistry) -> anyhow::Result<bool> {
+    // The instruction set first: which bf16 kernels exist depends on it.
+    let choice = std::env::var("MAIN_PPO_CPU").ok();
+    crate::kernels::cpu::check_choice(choice.as_deref()).map_err(|message| ConfigError::Value {
+        key: "MAIN_PPO_CPU".into(),
+        message,
+    })?;
     let choice = std::env::var("MAIN_PPO_BF16_KERNEL").ok();
     crate::kernels::bf16::check_choice(choice.as_deref()).map_err(|message| {
         ConfigError::Value {

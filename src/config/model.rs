@@ -60,7 +60,7 @@ impl Precision {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MixedPrecision {
-    /// Precision of the forward and backward products: fp32 (our default) or bf16 (verl's default on GPUs; AMX or AVX512-BF16 on the CPU, cuBLAS on CUDA).
+    /// Precision of the forward and backward products: fp32 (our default) or bf16 (verl's default on GPUs; on the CPU AMX, AVX512-BF16, BFDOT, or bf16 operands widened for f32 FMA; cuBLAS on CUDA).
     pub param_dtype: Precision,
 }
 

@@ -27,6 +27,8 @@
 
 use rayon::prelude::*;
 
+use super::simd::vectorized;
+
 /// How a block-quantised moment stores its codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Codec {
@@ -111,7 +113,7 @@ fn map(four: bool, signed: bool) -> &'static [f32] {
 /// The code of `x` in a sorted `map`: the last entry not above `x` (entry 0 when `x` is below
 /// all, or NaN), moved up one when `x` lies at least half way to the next entry
 /// (torchao's branchless binary search and rounding).
-#[inline]
+#[inline(always)]
 fn nearest(map: &[f32], x: f32) -> u8 {
     let n = map.len();
     let mut c = 0usize;
@@ -132,6 +134,7 @@ fn nearest(map: &[f32], x: f32) -> u8 {
 
 /// f32 to E4M3 (`float8_e4m3fn`) bits, rounding to nearest even, as c10's conversion does:
 /// magnitudes from 480 up, and NaN, give the NaN code 0x7f.
+#[inline(always)]
 pub fn e4m3_from_f32(f: f32) -> u8 {
     let bits = f.to_bits();
     let sign = bits & 0x8000_0000;
@@ -155,6 +158,7 @@ pub fn e4m3_from_f32(f: f32) -> u8 {
 }
 
 /// E4M3 bits to f32 (0x7f and 0xff are NaN).
+#[inline(always)]
 pub fn e4m3_to_f32(c: u8) -> f32 {
     let sign = if c & 0x80 != 0 { -1.0 } else { 1.0 };
     let e = i32::from((c >> 3) & 0xf);
@@ -253,6 +257,7 @@ impl BlockMoment {
 }
 
 /// `map[code] · scale` (or the E4M3 value times scale) for one block.
+#[inline(always)]
 fn decode_block(codec: Codec, signed: bool, codes: &[u8], scale: f32, out: &mut [f32]) {
     match codec {
         Codec::Map8 => {
@@ -277,6 +282,7 @@ fn decode_block(codec: Codec, signed: bool, codes: &[u8], scale: f32, out: &mut 
 }
 
 /// Codes for one block of values; returns its scale.
+#[inline(always)]
 fn encode_block(codec: Codec, signed: bool, x: &[f32], codes: &mut [u8]) -> f32 {
     // `abs().amax().clip(1e-12)`: NaN propagates through the maximum as in torch.
     let amax = x.iter().fold(0f32, |a, &v| {
@@ -372,7 +378,12 @@ impl TorchAoRule {
             .zip(m.par_chunks_mut(CHUNK))
             .zip(v.par_chunks_mut(CHUNK))
             .zip(g.par_chunks(CHUNK))
-            .for_each(|(((p, m), v), g)| self.values(p, m, v, g));
+            .for_each(|(((p, m), v), g)| {
+                vectorized(
+                    #[inline(always)]
+                    || self.values(p, m, v, g),
+                )
+            });
     }
 
     /// The step with block-quantised moments: each block's moments decoded to f32, updated,
@@ -403,17 +414,22 @@ impl TorchAoRule {
             .for_each(|(((((p, g), mc), msc), vc), vsc)| {
                 let mut mf = vec![0f32; block];
                 let mut vf = vec![0f32; block];
-                for (k, (pb, gb)) in p.chunks_mut(block).zip(g.chunks(block)).enumerate() {
-                    let (mcb, vcb) = (
-                        &mut mc[k * per..(k + 1) * per],
-                        &mut vc[k * per..(k + 1) * per],
-                    );
-                    decode_block(codec, ms, mcb, msc[k], &mut mf);
-                    decode_block(codec, vs, vcb, vsc[k], &mut vf);
-                    self.values(pb, &mut mf, &mut vf, gb);
-                    msc[k] = encode_block(codec, ms, &mf, mcb);
-                    vsc[k] = encode_block(codec, vs, &vf, vcb);
-                }
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        for (k, (pb, gb)) in p.chunks_mut(block).zip(g.chunks(block)).enumerate() {
+                            let (mcb, vcb) = (
+                                &mut mc[k * per..(k + 1) * per],
+                                &mut vc[k * per..(k + 1) * per],
+                            );
+                            decode_block(codec, ms, mcb, msc[k], &mut mf);
+                            decode_block(codec, vs, vcb, vsc[k], &mut vf);
+                            self.values(pb, &mut mf, &mut vf, gb);
+                            msc[k] = encode_block(codec, ms, &mf, mcb);
+                            vsc[k] = encode_block(codec, vs, &vf, vcb);
+                        }
+                    },
+                )
             });
     }
 }

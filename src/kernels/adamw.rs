@@ -40,10 +40,14 @@ impl AdamWRule {
             .zip(g.par_chunks(CHUNK))
             .for_each(|(((p, m), v), g)| {
                 #[cfg(target_arch = "x86_64")]
-                if std::arch::is_x86_feature_detected!("avx512f") {
-                    // SAFETY: the CPU has AVX-512F (checked just above).
-                    unsafe { adamw_chunk_avx512(p, m, v, g, rule) };
-                    return;
+                match super::cpu::isa() {
+                    // SAFETY: `isa` answers AVX-512 only on a CPU with AVX-512F.
+                    super::cpu::Isa::Avx512 => {
+                        return unsafe { adamw_chunk_avx512(p, m, v, g, rule) }
+                    }
+                    // SAFETY: `isa` answers AVX2 only on a CPU with AVX2 and FMA.
+                    super::cpu::Isa::Avx2 => return unsafe { adamw_chunk_avx2(p, m, v, g, rule) },
+                    _ => {}
                 }
                 adamw_chunk(p, m, v, g, rule);
             });
@@ -91,6 +95,20 @@ unsafe fn adamw_chunk_avx512(
     adamw_chunk(p, m, v, g, rule)
 }
 
+/// [`adamw_chunk`] compiled with AVX2 (8 lanes), chosen at run time; bit-identical to the
+/// plain loop as the AVX-512 form is (`fma` is enabled, but Rust never fuses on its own).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn adamw_chunk_avx2(
+    p: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    g: &[f32],
+    rule: AdamWRule,
+) {
+    adamw_chunk(p, m, v, g, rule)
+}
+
 /// An optimizer step as an in-place op on a CPU f32 parameter's storage, with the gradient as
 /// the second operand: `step(parameter, gradient)` runs on the two slices (moments and rule
 /// captured by the closure).
@@ -120,16 +138,26 @@ impl<F: FnMut(&mut [f32], &[f32]) -> candle_core::Result<()>> candle_core::Inpla
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
 
-    /// The AVX-512 build of the rule gives the plain loop's bits (no fused multiply-add is
-    /// introduced; sqrt and division are correctly rounded in both), including a ragged tail.
-    #[cfg(target_arch = "x86_64")]
+    /// The AVX-512 and AVX2 builds of the rule give the plain loop's bits (no fused
+    /// multiply-add is introduced; sqrt and division are correctly rounded in all), including
+    /// a ragged tail; each form this CPU has is checked.
     #[test]
-    fn avx512_chunk_is_bit_identical_to_the_plain_loop() {
-        if !std::arch::is_x86_feature_detected!("avx512f") {
+    fn vector_chunks_are_bit_identical_to_the_plain_loop() {
+        use super::super::cpu::Isa;
+        type Chunk = unsafe fn(&mut [f32], &mut [f32], &mut [f32], &[f32], AdamWRule);
+        let forms: Vec<(Isa, Chunk)> = [
+            (Isa::Avx512, adamw_chunk_avx512 as Chunk),
+            (Isa::Avx2, adamw_chunk_avx2 as Chunk),
+        ]
+        .into_iter()
+        .filter(|(isa, _)| isa.here())
+        .collect();
+        if forms.is_empty() {
+            eprintln!("skipped: this CPU has neither AVX-512 nor AVX2");
             return;
         }
         let n = 1000 + 7;
@@ -154,12 +182,15 @@ mod tests {
             };
             let (mut p1, mut m1, mut v1) = (p0.clone(), m0.clone(), v0.clone());
             adamw_chunk(&mut p1, &mut m1, &mut v1, &g, c);
-            let (mut p2, mut m2, mut v2) = (p0.clone(), m0.clone(), v0.clone());
-            unsafe { adamw_chunk_avx512(&mut p2, &mut m2, &mut v2, &g, c) };
             let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&p1), bits(&p2));
-            assert_eq!(bits(&m1), bits(&m2));
-            assert_eq!(bits(&v1), bits(&v2));
+            for (isa, chunk) in &forms {
+                let (mut p2, mut m2, mut v2) = (p0.clone(), m0.clone(), v0.clone());
+                // SAFETY: the CPU has the form's features (filtered above).
+                unsafe { chunk(&mut p2, &mut m2, &mut v2, &g, c) };
+                assert_eq!(bits(&p1), bits(&p2), "{isa:?}");
+                assert_eq!(bits(&m1), bits(&m2), "{isa:?}");
+                assert_eq!(bits(&v1), bits(&v2), "{isa:?}");
+            }
         }
     }
 }

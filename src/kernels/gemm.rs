@@ -8,7 +8,7 @@ use super::elem::Elem;
 use super::simd::Par;
 
 /// `dst[m, n] (+)= a[m, k] · b[k, n]` as [`gemm_strided`], with bf16 operands and f32 sums
-/// ([`super::bf16`]) when `bf16` is set, the elements are f32 and the CPU has AMX or AVX512-BF16; otherwise in
+/// ([`super::bf16`]) when `bf16` is set, the elements are f32 and a bf16 kernel runs (any CPU unless MAIN_PPO_BF16_KERNEL=none); otherwise in
 /// the element type.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_mixed<T: Elem>(
@@ -170,6 +170,24 @@ unsafe fn gemm_raw<T: Elem>(
     } else {
         gemm::Parallelism::None
     };
+    #[cfg(target_arch = "x86_64")]
+    if let Some(set) = forced::Set::of(super::cpu::isa()) {
+        // SAFETY: as below; `forced::gemm` normalises the operands as `gemm::gemm` does.
+        unsafe {
+            forced::gemm(
+                set,
+                m,
+                n,
+                k,
+                dst,
+                (a.as_ptr(), a_rs, a_cs),
+                (b.as_ptr(), b_rs, b_cs),
+                acc,
+                par,
+            )
+        };
+        return;
+    }
     // SAFETY: the asserts bound the largest index read from `a` and `b`; dst per this
     // function's contract.
     unsafe {
@@ -194,6 +212,119 @@ unsafe fn gemm_raw<T: Elem>(
             false,
             par,
         )
+    }
+}
+
+/// `gemm`'s AVX2 + FMA kernels by name, for `MAIN_PPO_CPU=avx2` on a CPU with AVX-512:
+/// `gemm::gemm` always takes its widest set, so the forced form would otherwise still run
+/// AVX-512 products, and measure something no AVX2 machine runs. This calls the `fma` set of
+/// `gemm-f32` / `gemm-f64` through `gemm_common::gemm::gemm_basic_generic`, after the operand
+/// normalisation `gemm::gemm` does for a row-major destination (it works on the transpose,
+/// `dstᵀ = bᵀ·aᵀ`, whose columns are contiguous). `MAIN_PPO_CPU=portable` leaves the `gemm`
+/// crate its own choice: it switches off this crate's hand-written vector code, and the
+/// crate's scalar kernel (one sequential sum per output) is not what any CPU users have runs.
+#[cfg(target_arch = "x86_64")]
+mod forced {
+    use super::Elem;
+    use candle_core::DType;
+    use gemm_common::gemm::gemm_basic_generic;
+    use gemm_common::simd::{MixedSimd, V3};
+
+    /// A kernel set of the `gemm` crates.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Set {
+        /// AVX2 + FMA (`gemm_f32::microkernel::fma`).
+        Fma,
+    }
+
+    impl Set {
+        /// The set to force for `isa`, `None` where `gemm::gemm`'s own choice is the one.
+        pub fn of(isa: super::super::cpu::Isa) -> Option<Set> {
+            use super::super::cpu::{detected, Isa};
+            (isa == Isa::Avx2 && detected() != Isa::Avx2).then_some(Set::Fma)
+        }
+    }
+
+    /// One product with a given set; `m, n, k > 0`, `dst [m, n]` row-major, operands as
+    /// `(pointer, row stride, column stride)` with non-negative strides.
+    ///
+    /// # Safety
+    /// As `gemm::gemm`: every index the strides reach lies inside its operand, `dst` holds
+    /// `m·n` writable values (initialised when `acc`).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemm<T: Elem>(
+        set: Set,
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: *mut T,
+        (a, a_rs, a_cs): (*const T, usize, usize),
+        (b, b_rs, b_cs): (*const T, usize, usize),
+        acc: bool,
+        par: gemm::Parallelism,
+    ) {
+        // gemm::gemm's normalisation for dst_cs = 1 < dst_rs = n (n > 1): the transpose,
+        // whose columns are dst's rows (column stride n, row stride 1), `bᵀ·aᵀ`. For n = 1
+        // it keeps the product as it is.
+        let (mm, nn, dst_cs, dst_rs, l, l_cs, l_rs, r, r_cs, r_rs) = if n > 1 {
+            (n, m, n, 1, b, b_rs, b_cs, a, a_rs, a_cs)
+        } else {
+            (m, n, 1, n, a, a_cs, a_rs, b, b_cs, b_rs)
+        };
+        let i = |x: usize| x as isize;
+        macro_rules! call {
+            ($ty:ty, $simd:expr, $S:ty, $kernels:path, $lanes:expr) => {{
+                use $kernels as ukr;
+                // SAFETY: per this function's contract; T is $ty (checked by the caller's
+                // match on the dtype).
+                unsafe {
+                    gemm_basic_generic::<
+                        $S,
+                        $ty,
+                        $lanes,
+                        { ukr::MR_DIV_N * $lanes },
+                        { ukr::NR },
+                        { ukr::MR_DIV_N },
+                        { ukr::H_M },
+                        { ukr::H_N },
+                    >(
+                        $simd,
+                        mm,
+                        nn,
+                        k,
+                        dst as *mut $ty,
+                        i(dst_cs),
+                        i(dst_rs),
+                        acc,
+                        l as *const $ty,
+                        i(l_cs),
+                        i(l_rs),
+                        r as *const $ty,
+                        i(r_cs),
+                        i(r_rs),
+                        1.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        |a, b, c| a * b + c,
+                        &ukr::UKR,
+                        &ukr::H_UKR,
+                        false,
+                        par,
+                    )
+                }
+            }};
+        }
+        let v3 = || {
+            <V3 as MixedSimd<f32, f32, f32, f32>>::try_new()
+                .expect("MAIN_PPO_CPU=avx2 is accepted only on a CPU with AVX2 and FMA")
+        };
+        match (T::DTYPE, set) {
+            (DType::F32, Set::Fma) => call!(f32, v3(), V3, gemm_f32::microkernel::fma::f32, 8),
+            (DType::F64, Set::Fma) => call!(f64, v3(), V3, gemm_f64::microkernel::fma::f64, 4),
+            (d, _) => unreachable!("the hand-written paths take f32 and f64, not {d:?}"),
+        }
     }
 }
 
@@ -321,6 +452,72 @@ impl<'a, T: Elem> SharedB<'a, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The `gemm` crate's AVX2 + FMA set called by name ([`forced`]) against f64 sums of the
+    /// same operands, f32 and f64, with and without accumulation, for row-major and
+    /// transposed operands and the shapes `gemm::gemm` normalises differently (`n = 1` keeps
+    /// the product, `n > 1` works on its transpose). Skipped without AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn forced_fma_set_is_the_product() {
+        if !super::super::cpu::Isa::Avx2.here() {
+            eprintln!("skipped: no AVX2 and FMA on this CPU");
+            return;
+        }
+        fn run<T: Elem>(tol: f64) {
+            for (m, n, k) in [
+                (1, 1, 1),
+                (7, 1, 33),
+                (1, 9, 17),
+                (33, 47, 70),
+                (64, 96, 200),
+            ] {
+                let a: Vec<T> = values(m * k, 3);
+                let b: Vec<T> = values(k * n, 4);
+                let d0: Vec<T> = values(m * n, 5);
+                for (a_rs, a_cs) in [(k, 1), (1, m)] {
+                    for (b_rs, b_cs) in [(n, 1), (1, k)] {
+                        for acc in [false, true] {
+                            let mut got = d0.clone();
+                            let f = |x: T| candle_core::WithDType::to_f64(x);
+                            // SAFETY: the operands and dst hold the values the strides reach.
+                            unsafe {
+                                forced::gemm(
+                                    forced::Set::Fma,
+                                    m,
+                                    n,
+                                    k,
+                                    got.as_mut_ptr(),
+                                    (a.as_ptr(), a_rs, a_cs),
+                                    (b.as_ptr(), b_rs, b_cs),
+                                    acc,
+                                    gemm::Parallelism::Rayon(2),
+                                )
+                            };
+                            for i in 0..m {
+                                for j in 0..n {
+                                    let sum: f64 = (0..k)
+                                        .map(|l| {
+                                            f(a[i * a_rs + l * a_cs]) * f(b[l * b_rs + j * b_cs])
+                                        })
+                                        .sum();
+                                    let want = sum + if acc { f(d0[i * n + j]) } else { 0.0 };
+                                    let g = f(got[i * n + j]);
+                                    assert!(
+                                        (g - want).abs() <= tol * (1.0 + k as f64),
+                                        "{m}x{n}x{k} a ({a_rs},{a_cs}) b ({b_rs},{b_cs}) acc {acc} \
+                                         [{i},{j}]: {g} vs {want}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        run::<f32>(1e-6);
+        run::<f64>(1e-14);
+    }
 
     /// Values in [-1, 1) from a hash of the index (no two neighbours alike).
     fn values<T: Elem>(len: usize, seed: usize) -> Vec<T> {

@@ -2,13 +2,16 @@
 //! and llm.c's `llmc/` are to theirs). Nothing here imports the rest of the crate; the model,
 //! the decode engine and the optimizer build on these.
 //!
+//! - `cpu`: which vector instructions the paths below use (AVX-512, AVX2 + FMA, NEON or
+//!   portable loops), detected once per process or forced with `MAIN_PPO_CPU`,
 //! - `elem`: the element types of the hand-written paths (f32, f64; bf16 cache bits) and the
 //!   lane-wise reductions (`dot`, `sum`, `max`),
-//! - `simd`: element-wise loops compiled at AVX-512 width, and `Par` (rayon or the calling
-//!   thread),
+//! - `simd`: element-wise loops compiled at the CPU's vector width, and `Par` (rayon or the
+//!   calling thread),
 //! - `gemm`: strided matrix products on host slices, and the mixed f32/bf16 form,
 //! - `attend`: decode attention of one token over its cached keys and values,
-//! - `bf16`: bf16 products with f32 sums on AMX tiles or AVX512-BF16,
+//! - `bf16`: bf16 products with f32 sums: AMX tiles, AVX512-BF16, NEON's BFDOT, or bf16
+//!   operands widened to f32 for FMA (AVX2, NEON, portable loops),
 //! - `adamw`: AdamW's element-wise rule, in place on a parameter's storage,
 //! - `adam_lowbit`: Adam with block-quantised moments (torchao's 8-bit, 4-bit and FP8 forms),
 //! - `storage`: CPU storage as host slices (custom ops, in-place gradient accumulation),
@@ -26,6 +29,7 @@ pub mod adamw;
 pub mod alloc;
 pub mod attend;
 pub mod bf16;
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod elem;

@@ -3,9 +3,10 @@
 //! The crate is built for the baseline x86-64 target (SSE2), so a plain loop over f32 slices
 //! runs 4 lanes wide at best, and one inside a rayon `par_iter().zip(..).map(..)` chain often
 //! runs one element per call of the closure. [`vectorized`] runs a closure inside a function
-//! compiled for AVX-512 when the CPU has it: the closure is inlined there, so its loops (the
-//! SiLU gate's exponentials, RMSNorm's sums, the LM head's log-sum-exp) are vectorized 16 lanes
-//! wide. Elsewhere (no AVX-512, other architectures) the closure runs as compiled.
+//! compiled for the process's instruction set ([`super::cpu`]: AVX-512, or AVX2 + FMA): the
+//! closure is inlined there, so its loops (the SiLU gate's exponentials, RMSNorm's sums, the
+//! LM head's log-sum-exp) are vectorized 16 or 8 lanes wide. Elsewhere (aarch64, whose
+//! baseline is NEON, and the portable form) the closure runs as compiled.
 //!
 //! The closure must really be inlined, or it keeps the baseline code: callers mark it
 //! `#[inline(always)]` (and the functions it calls, e.g. `exp_f32`), since LLVM's size heuristic
@@ -31,14 +32,20 @@ pub enum Par {
     None,
 }
 
-/// Runs `f` compiled for AVX-512 (with AVX2 and FMA) when the CPU has it, else as it is.
+/// Runs `f` compiled for this process's vector instructions ([`super::cpu::isa`]): AVX-512
+/// (with AVX2 and FMA) or AVX2 with FMA on x86-64; elsewhere (NEON is aarch64's baseline, and
+/// the portable form) the closure runs as compiled. Rust never fuses a multiply and an add
+/// by itself, so each form computes the same values; only the vector width differs.
 #[inline(always)]
 pub fn vectorized<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has every feature the function is compiled for.
-            return unsafe { avx512(f) };
+        match super::cpu::isa() {
+            // SAFETY: `isa` answers a form only when the CPU has every feature it enables.
+            super::cpu::Isa::Avx512 => return unsafe { avx512(f) },
+            // SAFETY: as above.
+            super::cpu::Isa::Avx2 => return unsafe { avx2(f) },
+            _ => {}
         }
     }
     f()
@@ -47,6 +54,12 @@ pub fn vectorized<R>(f: impl FnOnce() -> R) -> R {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 

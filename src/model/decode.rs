@@ -103,7 +103,7 @@ struct SharedMats<T> {
 }
 
 /// A right-hand matrix `[k, n]` of the decode products: row-major in the model's dtype, or
-/// packed once into bf16 tiles (AMX or AVX512-BF16) (f32 models with [`CausalLm::bf16_matmuls`]).
+/// packed once into bf16 tiles (`kernels::bf16`) (f32 models with [`CausalLm::bf16_matmuls`]).
 enum Mat<T> {
     Plain(Vec<T>),
     Amx(PackedB),
@@ -1184,7 +1184,7 @@ mod tests {
         }
     }
 
-    /// Decoding with bf16 products (AMX or AVX512-BF16), with an f32 and with a bf16 key/value
+    /// Decoding with bf16 products (`kernels::bf16`), with an f32 and with a bf16 key/value
     /// (and recurrent-state) cache: a 3-sequence ragged step's logits stay within bf16 rounding
     /// of the f32 step's (relative error of all logits ≤ 2e-2 for Qwen2: operands off by ≤ 2⁻⁹
     /// each, through a dozen products; ≤ 8e-2 for the DeltaNet hybrids), differ
@@ -1194,7 +1194,7 @@ mod tests {
     fn bf16_decoding_stays_near_f32_and_is_batch_invariant() {
         use crate::model::{Arch, ModelArgs};
         if !crate::kernels::bf16::available() {
-            eprintln!("skipped: neither AMX nor AVX512-BF16 on this machine");
+            eprintln!("skipped: MAIN_PPO_BF16_KERNEL=none");
             return;
         }
         // The hybrids' chains are longer (projection, convolution, L2 norm, recurrence, gated
@@ -1282,7 +1282,7 @@ mod tests {
     fn sequences_entering_with_one_prompt_share_its_prefill() {
         use crate::model::{Arch, ModelArgs};
         if !crate::kernels::bf16::available() {
-            eprintln!("skipped: neither AMX nor AVX512-BF16 on this machine");
+            eprintln!("skipped: MAIN_PPO_BF16_KERNEL=none");
             return;
         }
         for arch in [Arch::Qwen2, Arch::Qwen3_5, Arch::Gemma3] {

@@ -60,7 +60,7 @@ pub(super) struct Dims {
     /// Keys a query sees in packed sequences (sliding-window layers; padded calls carry the
     /// window in their bias).
     pub window: Option<usize>,
-    /// Matrix products with bf16 operands and f32 sums (f32 layers on CPUs with a bf16 kernel: AMX or AVX512-BF16).
+    /// Matrix products with bf16 operands and f32 sums (f32 layers on the CPU: `kernels::bf16`).
     pub bf16: bool,
     /// The values of each head that RoPE turns, the first ones (`head_dim` unless partial:
     /// Qwen3.5's `partial_rotary_factor`); the rotary tables are `[rows, rotary_dim]`.

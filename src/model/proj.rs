@@ -336,7 +336,7 @@ mod tests {
     #[test]
     fn the_bf16_linear_op_is_the_product_of_rounded_operands() {
         if !crate::kernels::bf16::available() {
-            eprintln!("skipped: neither AMX nor AVX512-BF16 on this machine");
+            eprintln!("skipped: MAIN_PPO_BF16_KERNEL=none");
             return;
         }
         let dev = Device::Cpu;

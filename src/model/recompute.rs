@@ -913,7 +913,7 @@ mod tests {
         }
     }
 
-    /// bf16 products (verl's mixed precision, AMX or AVX512-BF16): output and gradients within bf16's rounding
+    /// bf16 products (verl's mixed precision, `kernels::bf16`): output and gradients within bf16's rounding
     /// of the f32 layer's (relative error of the whole tensor ≤ 5e-2: an operand rounded to bf16
     /// is off by ≤ 2⁻⁹ of itself, so a product by ≤ 2·2⁻⁹ ≈ 4e-3, and a weight's gradient comes
     /// through up to a dozen products of forward and backward; a product in a wrong layout would
@@ -922,7 +922,7 @@ mod tests {
     #[test]
     fn bf16_products_stay_within_bf16_rounding_of_f32() {
         if !crate::kernels::bf16::available() {
-            eprintln!("skipped: neither AMX nor AVX512-BF16 on this machine");
+            eprintln!("skipped: MAIN_PPO_BF16_KERNEL=none");
             return;
         }
         let args = ModelArgs::tiny(Arch::Qwen2, 30);

@@ -376,7 +376,7 @@ impl CausalLm {
     }
 
     /// Whether products actually run in bf16: asked for, an f32 model, and on the CPU a bf16
-    /// kernel present (AMX or AVX512-BF16); on a GPU cuBLAS serves them.
+    /// kernel present (every CPU has one unless MAIN_PPO_BF16_KERNEL=none); on a GPU cuBLAS serves them.
     pub fn bf16_matmuls(&self) -> bool {
         self.exec.bf16
             && self.dtype == DType::F32

@@ -193,7 +193,14 @@ impl Trainer {
         };
         // One GPU per rank of a node: `auto`/`cuda` take the local rank's.
         let device = crate::model::device_at(&cfg.trainer.device, opts.comm.local_rank())?;
-        // Which kernel serves bf16 products on the CPU, said once (a CPU without one keeps f32).
+        if device.is_cpu() {
+            tracing::info!(
+                "CPU vector instructions: {}",
+                crate::kernels::cpu::describe()
+            );
+        }
+        // Which kernel serves bf16 products on the CPU, said once (MAIN_PPO_BF16_KERNEL=none
+        // keeps f32).
         let bf16: Vec<&str> = [
             (setup::Role::Actor, "actor"),
             (setup::Role::Rollout, "rollout"),

@@ -30,26 +30,18 @@ fn golden_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("src/trainer/golden_3step.json")
 }
 
-/// The SIMD features that decide how the matrix kernels round.
+/// The SIMD features that decide how the matrix kernels round: those of the instruction set
+/// the kernels run (`kernels::cpu::isa`, which `MAIN_PPO_CPU` may narrow), written as the
+/// recording names them.
 fn cpu_features() -> String {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let mut f = vec![std::env::consts::ARCH.to_string()];
-        for (name, on) in [
-            ("avx2", std::arch::is_x86_feature_detected!("avx2")),
-            ("fma", std::arch::is_x86_feature_detected!("fma")),
-            ("avx512f", std::arch::is_x86_feature_detected!("avx512f")),
-        ] {
-            if on {
-                f.push(name.to_string());
-            }
-        }
-        f.join(",")
+    use crate::kernels::cpu::Isa;
+    let mut f = vec![std::env::consts::ARCH];
+    match crate::kernels::cpu::isa() {
+        Isa::Avx512 => f.extend(["avx2", "fma", "avx512f"]),
+        Isa::Avx2 => f.extend(["avx2", "fma"]),
+        Isa::Neon | Isa::Portable => {}
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        std::env::consts::ARCH.to_string()
-    }
+    f.join(",")
 }
 
 /// [`fixture`] with every weight drawn from a seeded ChaCha stream (uniform, ±0.17: std ≈ 0.1),

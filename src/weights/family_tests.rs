@@ -754,7 +754,7 @@ fn a_saved_qwen3_5_config_reads_back() {
 #[test]
 fn hybrid_training_in_bf16_stays_near_f32() {
     if !crate::kernels::bf16::available() {
-        eprintln!("skipped: neither AMX nor AVX512-BF16 on this machine");
+        eprintln!("skipped: MAIN_PPO_BF16_KERNEL=none");
         return;
     }
     let r = reference("qwen3_5"); // its sequences and loss weights (vocabulary 96)
