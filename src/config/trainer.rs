@@ -52,6 +52,9 @@ pub struct TrainerConfig {
     pub experiment_name: String,
     /// Metric sinks: console, file, tensorboard (a string or a list).
     pub logger: OneOrMany,
+    /// HTTPS proxy of the wandb tracker (`wandb.Settings(https_proxy=...)`, as verl's tracking
+    /// reads it); null = none.
+    pub wandb_proxy: Option<String>,
     /// Validation samples printed after each validation.
     pub log_val_generations: usize,
     /// Folder for one JSONL of rollouts per step; null = none.
@@ -115,6 +118,7 @@ defaults!(TrainerConfig {
     project_name: "verl_examples".into(),
     experiment_name: "gsm8k".into(),
     logger: OneOrMany::Many(vec!["console".into(), "wandb".into()]),
+    wandb_proxy: None,
     log_val_generations: 0,
     rollout_data_dir: None,
     validation_data_dir: None,
