@@ -9,6 +9,7 @@ mod guard;
 pub mod logging;
 mod merge;
 mod plot;
+mod reference;
 mod reward;
 
 use std::ffi::OsString;
@@ -97,6 +98,10 @@ pub enum ConfigCommand {
     Check(ConfigArgs),
     /// Print the resolved configuration as YAML.
     Show(ConfigArgs),
+    /// Print the configuration reference (Markdown): every key main_ppo knows, with its type,
+    /// default, meaning and status here (implemented, no effect, refused unless default, legacy
+    /// spelling). The book's page docs/src/reference/config.md is this output.
+    Reference,
 }
 
 impl ConfigArgs {
@@ -240,6 +245,10 @@ fn run(cli: Cli, natives: &crate::reward::NativeRegistry) -> anyhow::Result<bool
         Some(Command::Config(ConfigCommand::Check(args))) => check::run(&args).map(|_| true),
         Some(Command::Config(ConfigCommand::Show(args))) => {
             print!("{}", args.load()?.config.to_yaml());
+            Ok(true)
+        }
+        Some(Command::Config(ConfigCommand::Reference)) => {
+            print!("{}", reference::page());
             Ok(true)
         }
         Some(Command::Reward(RewardCommand::Score(args))) => reward::score(&args, natives),

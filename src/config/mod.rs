@@ -10,6 +10,7 @@
 
 pub mod actor;
 pub mod algorithm;
+pub mod catalogue;
 pub mod compat;
 pub mod critic;
 pub mod data;
