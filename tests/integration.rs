@@ -7,6 +7,8 @@ use main_ppo::testing::write_tokenizer_dir;
 
 /// Data parallelism over MPI (feature `mpi`).
 mod dist;
+/// The README and the book: their command lines, keys, links and the configuration reference.
+mod docs;
 /// The hybrid model families through the CLI (chat fixtures of transformers, their GGUF).
 mod families;
 /// The remote trackers (wandb, MLflow, ...) through their SDKs.

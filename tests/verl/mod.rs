@@ -19,7 +19,7 @@ fn fixtures() -> PathBuf {
 /// A folder per model family: a `config.json` of a tiny model (the families main_ppo runs) or
 /// one naming the family's architecture only (those it refuses). No weights: `config check`
 /// reads the configuration only.
-fn model_dir(root: &Path, family: &str) -> PathBuf {
+pub(super) fn model_dir(root: &Path, family: &str) -> PathBuf {
     use main_ppo::model::{Arch, ModelArgs};
     let dir = root.join("models").join(family);
     if dir.is_dir() {
