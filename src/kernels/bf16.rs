@@ -106,6 +106,12 @@ impl Kernel {
         }
     }
 
+    /// Whether the kernel widens bf16 to f32 for f32 FMA, reading A's tiles as f32 values
+    /// ([`PackedA`] holds them widened for it).
+    fn widens(self) -> bool {
+        matches!(self, Kernel::Avx2 | Kernel::Neon | Kernel::Portable)
+    }
+
     /// Whether the kernel runs on this CPU (and kernel) within the instruction set `isa`.
     fn runs_under(self, isa: Isa) -> bool {
         match self {
@@ -1065,16 +1071,17 @@ unsafe fn block_dp(
     unreachable!("bf16 products are only called when bf16::available()")
 }
 
-/// One 32×32 block with this process's kernel (see [`block`]).
+/// One 32×32 block with `kernel` (see [`block`]); `a0`, `a1` address A's tiles in the form
+/// the kernel reads ([`ATiles`]).
 ///
 /// # Safety
-/// As [`block`]; `kernel` must be [`kernel`]'s answer, and for AMX the tile configuration
-/// loaded on this thread.
+/// As [`block`]; `kernel` must run on this CPU, A's tiles must be in its form, and for AMX
+/// the tile configuration loaded on this thread.
 #[allow(clippy::too_many_arguments)]
 unsafe fn block_with(
     kernel: Kernel,
-    a0: *const u16,
-    a1: *const u16,
+    a0: *const u8,
+    a1: *const u8,
     b0: *const u16,
     b1: *const u16,
     kbs: usize,
@@ -1084,18 +1091,21 @@ unsafe fn block_with(
 ) {
     // SAFETY: per this function's contract: `kernel` runs on this CPU.
     unsafe {
+        // A's tiles: bf16 for the dot-product kernels, f32 for the widening ones.
+        let (h0, h1) = (a0.cast::<u16>(), a1.cast::<u16>());
+        let (w0, w1) = (a0.cast::<f32>(), a1.cast::<f32>());
         match kernel {
-            Kernel::Amx => block(a0, a1, b0, b1, kbs, c, stride, load),
-            Kernel::Avx512Bf16 => block_dp(a0, a1, b0, b1, kbs, c, stride, load),
+            Kernel::Amx => block(h0, h1, b0, b1, kbs, c, stride, load),
+            Kernel::Avx512Bf16 => block_dp(h0, h1, b0, b1, kbs, c, stride, load),
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => widen::avx2(a0, a1, b0, b1, kbs, c, stride, load),
+            Kernel::Avx2 => widen::avx2(w0, w1, b0, b1, kbs, c, stride, load),
             #[cfg(target_arch = "aarch64")]
-            Kernel::Bfdot => widen::bfdot(a0, a1, b0, b1, kbs, c, stride, load),
+            Kernel::Bfdot => widen::bfdot(h0, h1, b0, b1, kbs, c, stride, load),
             #[cfg(target_arch = "aarch64")]
-            Kernel::Neon => widen::neon(a0, a1, b0, b1, kbs, c, stride, load),
+            Kernel::Neon => widen::neon(w0, w1, b0, b1, kbs, c, stride, load),
             Kernel::Portable => super::simd::vectorized(
                 #[inline(always)]
-                || widen::portable(a0, a1, b0, b1, kbs, c, stride, load),
+                || widen::portable(w0, w1, b0, b1, kbs, c, stride, load),
             ),
             #[allow(unreachable_patterns)]
             k => unreachable!("the {} kernel does not run on this architecture", k.name()),
@@ -1223,7 +1233,7 @@ fn gemm_packed_on(
     par: Par,
 ) {
     assert!(dst.len() >= m * bp.n);
-    let ap = PackedA::new(a, a_rs, a_cs, m, bp.k, par);
+    let ap = PackedA::for_kernel(kernel, a, a_rs, a_cs, m, bp.k, par);
     // SAFETY: dst holds m·n initialised values.
     unsafe { product_into(kernel, dst.as_mut_ptr(), &ap, bp, acc, par) }
 }
@@ -1234,12 +1244,37 @@ fn gemm_packed_on(
 pub struct PackedA {
     m: usize,
     k: usize,
-    tiles: Vec<u16>,
+    tiles: ATiles,
+}
+
+/// A's tiles as the kernel reads them: bf16 values (AMX, AVX512-BF16, BFDOT), or the same
+/// values widened to f32 in the same places (the widening kernels: each A value is broadcast
+/// to every lane, which a load of an f32 does alone, where a bf16 needed a shift or a mask
+/// per broadcast. Measured on Zen 4 with the AVX2 path forced, the products of a 32-row decode
+/// step (`cargo bench --bench decode_products`) went from 103 to 156 GFLOP/s, 70 % of the
+/// machine's f32 FMA peak, with this and the five-row passes of `bf16_widen` together).
+enum ATiles {
+    Bf16(Vec<u16>),
+    Wide(Vec<f32>),
 }
 
 impl PackedA {
-    /// Value `a[i, kk]` at `a[i·a_rs + kk·a_cs]`.
+    /// Value `a[i, kk]` at `a[i·a_rs + kk·a_cs]`, for this process's kernel.
     pub fn new(a: &[f32], a_rs: usize, a_cs: usize, m: usize, k: usize, par: Par) -> Self {
+        let kernel = kernel().expect("bf16 product called with MAIN_PPO_BF16_KERNEL=none");
+        Self::for_kernel(kernel, a, a_rs, a_cs, m, k, par)
+    }
+
+    /// [`PackedA::new`] for `kernel`.
+    fn for_kernel(
+        kernel: Kernel,
+        a: &[f32],
+        a_rs: usize,
+        a_cs: usize,
+        m: usize,
+        k: usize,
+        par: Par,
+    ) -> Self {
         if m > 0 && k > 0 {
             assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs);
         }
@@ -1247,7 +1282,40 @@ impl PackedA {
         // thread wakes up.
         let par = par == Par::Rayon && padded(m) * k.div_ceil(TK) * TK >= 1 << 16;
         let tiles = pack_tiles(a, a_rs, a_cs, m, k, Side::A, par);
+        let tiles = match kernel.widens() {
+            false => ATiles::Bf16(tiles),
+            true => ATiles::Wide(widened(&tiles, par)),
+        };
         PackedA { m, k, tiles }
+    }
+
+    /// Tile `t`'s first value, as the kernel reads it (bf16 or f32 tiles).
+    fn tile(&self, t: usize) -> *const u8 {
+        match &self.tiles {
+            ATiles::Bf16(v) => v[t * TILE..].as_ptr().cast(),
+            ATiles::Wide(v) => v[t * TILE..].as_ptr().cast(),
+        }
+    }
+}
+
+/// bf16 values as f32 (each the upper half of its f32), in parallel chunks when `par`.
+fn widened(tiles: &[u16], par: bool) -> Vec<f32> {
+    // SAFETY: every chunk's loop writes each of its values.
+    unsafe {
+        super::alloc::filled(tiles.len(), |out| {
+            let chunk = if par { 1 << 15 } else { tiles.len().max(1) };
+            each_chunk(out, chunk, par, |i, o| {
+                let src = &tiles[i * chunk..][..o.len()];
+                super::simd::vectorized(
+                    #[inline(always)]
+                    || {
+                        for (o, &b) in o.iter_mut().zip(src) {
+                            o.write(f32::from_bits((b as u32) << 16));
+                        }
+                    },
+                )
+            })
+        })
     }
 }
 
@@ -1283,7 +1351,12 @@ unsafe fn product_into(
         }
         return;
     }
-    let ap = &ap.tiles;
+    assert_eq!(
+        kernel.widens(),
+        matches!(ap.tiles, ATiles::Wide(_)),
+        "bf16 product: A was packed for another kernel than {}",
+        kernel.name()
+    );
     let bp = &bp.tiles;
     let kbs = k.div_ceil(TK);
     let (mb, nb) = (padded(m) / 32, padded(n) / 32);
@@ -1308,8 +1381,8 @@ unsafe fn product_into(
         with_tiles(kernel, || {
             let mut cbuf = Buf([0f32; 1024]);
             for bi in rows {
-                let a0 = ap[(2 * bi) * kbs * TILE..].as_ptr();
-                let a1 = ap[(2 * bi + 1) * kbs * TILE..].as_ptr();
+                let a0 = ap.tile((2 * bi) * kbs);
+                let a1 = ap.tile((2 * bi + 1) * kbs);
                 for bj in cc * nc / 32..((cc + 1) * nc / 32).min(nb) {
                     let b0 = bp[(2 * bj) * kbs * TILE..].as_ptr();
                     let b1 = bp[(2 * bj + 1) * kbs * TILE..].as_ptr();
