@@ -16,7 +16,7 @@
 # transformers from the same GGUF; the run first checks that both sides compute the same logits.
 #
 # Usage: scripts/bench_vs_torch.sh [--model smollm2|gemma3|qwen2.5-0.5b-shape] [--only fwdbwd,gen,adamw,grpo] [--quick] [--threads N]
-#          [--micro-batch N] [--precision fp32|bf16] [--optim adamw|adamw8bit|adamw4bit]
+#          [--micro-batch N] [--precision fp32|bf16] [--optim adamw|adamw8bit|adamw4bit] [--cpu auto|avx2]
 #          [--data FILE.parquet] [--results DIR] [-- MAIN_PPO_OVERRIDE ...]
 #   --model M       smollm2 (SmolLM2-135M-Instruct, default) or gemma3 (Gemma 3 270M base,
 #                   scripts/fetch_gemma3.sh; prompts as "<bos>Question: ...\nAnswer:"; no grpo) or
@@ -33,6 +33,11 @@
 #   --optim O       the optimizer of (d) on both sides: adamw (torch's, default) or torchao's
 #                   adamw8bit / adamw4bit (TRL: optim=adamw_torch_8bit / _4bit; main_ppo:
 #                   optim.optimizer_impl=torchao.optim, optimizer=AdamW8bit / AdamW4bit)
+#   --cpu C         instruction sets of both sides: auto (default, the CPU's widest) or avx2 (an
+#                   AVX2-only CPU on an AVX-512 one: MAIN_PPO_CPU=avx2 for main_ppo;
+#                   ATEN_CPU_CAPABILITY=avx2, MKL_ENABLE_INSTRUCTIONS=AVX2, ONEDNN_MAX_CPU_ISA=AVX2
+#                   for PyTorch). With bf16 on a CPU (or a forced set) without bf16 instructions,
+#                   PyTorch's autocast rows are left out (emulated bf16, many times its f32 time).
 #   -- ...          extra main_ppo overrides for (d)
 # Environment: BENCH_VENV (default ~/.cache/main_ppo/bench-venv), PYTHON (to create the venv,
 #   default python3), BENCH_LOCK=FILE (build and measure under `flock FILE`, so that nothing
@@ -40,7 +45,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-only="" quick="" model=smollm2 threads="$(nproc 2>/dev/null || echo 1)" micro=8 data="data/gsm8k/train.parquet" precision=fp32 optim=adamw
+cpu=auto only="" quick="" model=smollm2 threads="$(nproc 2>/dev/null || echo 1)" micro=8 data="data/gsm8k/train.parquet" precision=fp32 optim=adamw
 results="" extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -52,6 +57,7 @@ while [ $# -gt 0 ]; do
     --micro-batch) micro="${2:?--micro-batch needs a number}"; shift 2 ;;
     --precision) precision="${2:?--precision needs fp32 or bf16}"; shift 2 ;;
     --optim) optim="${2:?--optim needs adamw, adamw8bit or adamw4bit}"; shift 2 ;;
+    --cpu) cpu="${2:?--cpu needs auto or avx2}"; shift 2 ;;
     --data) data="${2:?--data needs a file}"; shift 2 ;;
     --results) results="${2:?--results needs a folder}"; shift 2 ;;
     --) shift; extra=("$@"); break ;;
@@ -65,6 +71,7 @@ if [ "$model" = gemma3 ]; then
   [ -n "$only" ] || only="fwdbwd,gen,adamw"
   case ",$only," in *,grpo,*) echo "bench_vs_torch.sh: --model gemma3 has no grpo measurement (TRL's side needs a chat model)" >&2; exit 2 ;; esac
 fi
+case "$cpu" in auto|avx2) ;; *) echo "bench_vs_torch.sh: --cpu must be auto or avx2, got \`$cpu\`" >&2; exit 2 ;; esac
 case "$optim" in adamw|adamw8bit|adamw4bit) ;; *) echo "bench_vs_torch.sh: --optim must be adamw, adamw8bit or adamw4bit, got \`$optim\`" >&2; exit 2 ;; esac
 case "$precision" in fp32|bf16) ;; *) echo "bench_vs_torch.sh: --precision must be fp32 or bf16, got \`$precision\`" >&2; exit 2 ;; esac
 case "$micro" in ''|*[!0-9]*|0) echo "bench_vs_torch.sh: --micro-batch must be a positive integer, got \`$micro\`" >&2; exit 2 ;; esac
@@ -126,4 +133,4 @@ for o in "${extra[@]+"${extra[@]}"}"; do ovr+=("--ours-override=$o"); done
 locked "$py" scripts/bench/vs_torch.py run \
   --ours-bench "$bench_exe" --ours-bin target/release/main_ppo --ours-rev "$rev" \
   --model "$model" --gguf "$gguf" --hf "$hf" --data "$data" --results "$results" --threads "$threads" \
-  --micro-batch "$micro" --precision "$precision" --optim "$optim" ${only:+--only "$only"} $quick "${ovr[@]+"${ovr[@]}"}"
+  --micro-batch "$micro" --precision "$precision" --optim "$optim" --cpu "$cpu" ${only:+--only "$only"} $quick "${ovr[@]+"${ovr[@]}"}"

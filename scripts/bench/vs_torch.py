@@ -663,6 +663,22 @@ def first_divergence(a: list[int], b: list[int]) -> str:
     return f"{n}/{n} tokens identical"
 
 
+def isa_env(cpu: str) -> dict:
+    """The environment that narrows both sides to one instruction set: main_ppo's
+    MAIN_PPO_CPU, and PyTorch's ATen kernels (ATEN_CPU_CAPABILITY), MKL (MKL_ENABLE_INSTRUCTIONS)
+    and oneDNN (ONEDNN_MAX_CPU_ISA). `auto` changes nothing."""
+    if cpu == "auto":
+        return {}
+    if cpu == "avx2":
+        return {
+            "MAIN_PPO_CPU": "avx2",
+            "ATEN_CPU_CAPABILITY": "avx2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2",
+        }
+    sys.exit(f"bench_vs_torch: --cpu must be auto or avx2, got `{cpu}`")
+
+
 def cpu_description() -> str:
     """The CPU as /proc/cpuinfo names it (virtual machines may give a generic name), its
     family/model and the SIMD extensions that matter for these kernels."""
@@ -707,6 +723,7 @@ def cmd_run(a) -> None:
         TQDM_DISABLE="1",
         PYTHONUNBUFFERED="1",
     )
+    env.update(isa_env(a.cpu))
     py = [sys.executable, os.path.abspath(__file__)]
     common_py = ["--hf", a.hf, "--threads", threads]
     common_rs = ["--model", a.gguf, "--prompt", str(prompt)]
@@ -716,6 +733,14 @@ def cmd_run(a) -> None:
     import trl
 
     cpu = cpu_description()
+    torch_isa = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+        env=env, stdout=subprocess.PIPE, text=True, check=False,
+    ).stdout.strip()
+    # PyTorch's bf16 autocast on a CPU without bf16 instructions (or with them forced off)
+    # emulates bf16 and runs many times slower than f32: its rows would take many minutes and
+    # prove nothing, so they are left out, saying why.
+    native_bf16 = a.cpu != "avx2" and any(x in cpu for x in ("avx512_bf16", "amx_bf16"))
     info = {
         "when_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": a.model,
@@ -733,14 +758,22 @@ def cmd_run(a) -> None:
         "micro_batch": a.micro_batch,
         "precision": a.precision,
         "optim": a.optim,
+        "cpu_forced": a.cpu,
+        "torch_cpu_capability": torch_isa,
     }
     print(
         f"threads: {a.threads} on both sides (RAYON_NUM_THREADS, torch.set_num_threads); "
         f"CPU: {cpu} ({os.cpu_count()} cores)\n"
         f"main_ppo {a.ours_rev}; torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"trl {trl.__version__}\n",
+        f"trl {trl.__version__}\n"
+        + (f"instruction sets forced to {a.cpu} on both sides (MAIN_PPO_CPU; ATEN_CPU_CAPABILITY, "
+           f"MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA): torch reports {torch_isa}\n" if a.cpu != "auto" else ""),
         flush=True,
     )
+    if a.precision == "bf16" and not native_bf16:
+        print("PyTorch's bf16 autocast rows are left out: this CPU (or the forced instruction set) has "
+              "no bf16 instructions, and PyTorch's emulated bf16 runs many times slower than its f32 "
+              "(the f32 rows are the baseline)\n", flush=True)
     res: dict = {"info": info}
 
     def measure(key: str, argv: list[str]):
@@ -785,12 +818,12 @@ def cmd_run(a) -> None:
         measure("fwdbwd_ours", [a.ours_bench, "fwdbwd", "--checkpointing", "0"] + fb + ours_prec + common_rs)
         measure("fwdbwd_ours_recompute", [a.ours_bench, "fwdbwd", "--checkpointing", "1"] + fb + ours_prec + common_rs)
         measure("fwdbwd_pytorch", py + ["fwdbwd"] + fb + common_py)
-        if bf16:
+        if bf16 and native_bf16:
             measure("fwdbwd_pytorch_bf16", py + ["fwdbwd", "--autocast-bf16"] + fb + common_py)
     if "gen" in only:
         measure("gen_ours", [a.ours_bench, "gen"] + gn + ours_prec + common_rs)
         measure("gen_pytorch", py + ["gen", "--prompt", str(prompt)] + gn + common_py)
-        if bf16:
+        if bf16 and native_bf16:
             measure("gen_pytorch_bf16", py + ["gen", "--autocast-bf16", "--prompt", str(prompt)] + gn + common_py)
         o, t = res["gen_ours"], res["gen_pytorch"]
         if "row0_ids" in o and "row0_ids" in t:
@@ -972,6 +1005,8 @@ def main() -> None:
     s.add_argument("--ours-override", action="append", default=[])
     s.add_argument("--optim", choices=sorted(OPTIMS), default="adamw",
                    help="the GRPO run's optimizer on both sides (adamw: torch's; adamw8bit, adamw4bit: torchao's)")
+    s.add_argument("--cpu", choices=["auto", "avx2"], default="auto",
+                   help="instruction sets of both sides: the CPU's widest (auto) or AVX2 + FMA (avx2)")
     s.set_defaults(fn=cmd_run)
 
     a = p.parse_args()
