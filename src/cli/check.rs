@@ -205,7 +205,12 @@ fn agent_section(o: &mut String, cfg: &Config, plan: &Plan, data: &DataSummary) 
         "  tools: {tools}, in {} worker process(es), {} s per call",
         cfg.actor_rollout_ref.rollout.agent.num_workers, mt.tool_timeout_s
     );
-    let turns = |n: Option<u64>| n.map_or("unlimited".to_string(), |n| n.to_string());
+    let turns = |n: Option<i64>| match crate::config::MultiTurnConfig::turn_limit(n) {
+        None => "unlimited".to_string(),
+        Some(0) => "1 (a negative limit ends every conversation after its first turn, as in verl)"
+            .to_string(),
+        Some(n) => n.to_string(),
+    };
     let fmt = serde_json::to_value(mt.format).unwrap_or_default();
     let _ = writeln!(
         o,

@@ -351,6 +351,8 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
     let context = l.prompt_length + l.response_length;
     let distillation = super::distillation::rules(&mut f.errors, &mut f.warnings, cfg, context);
     let default_local_dir = trainer_rules(&mut f, cfg);
+    f.warnings
+        .extend(cfg.actor_rollout_ref.rollout.multi_turn.warnings());
     let (seeds, temperatures) = seeds_and_temperatures(cfg);
     let (true, Some(reward)) = (f.errors.is_empty(), reward) else {
         return Err(ConfigError::Invalid(f.errors));

@@ -157,16 +157,16 @@ pub struct MultiTurnConfig {
     /// Rows without an `agent_name` run the tool agent loop (as verl's SGLang multi-turn
     /// rollout ran every row); otherwise `agent.default_agent_loop` decides.
     pub enable: bool,
-    /// Model turns per conversation at most; null = no limit.
-    #[serde(with = "negative_none")]
-    pub max_assistant_turns: Option<u64>,
+    /// Model turns per conversation at most; null or 0 = no limit; a negative value ends every
+    /// conversation after its first turn (as verl reads it).
+    pub max_assistant_turns: Option<i64>,
     /// YAML of `BaseTool`-style tool classes (verl's `tools:` list).
     pub tool_config_path: Option<String>,
     /// A Python file of `@function_tool` functions.
     pub function_tool_path: Option<String>,
-    /// Tool (user-side) turns per conversation at most; null = no limit.
-    #[serde(with = "negative_none")]
-    pub max_user_turns: Option<u64>,
+    /// Tool (user-side) turns per conversation at most; null or 0 = no limit; a negative value
+    /// ends every conversation after its first turn (as verl reads it).
+    pub max_user_turns: Option<i64>,
     /// Tool calls of one model turn that run (the rest are dropped, as verl).
     pub max_parallel_calls: usize,
     /// Characters of a tool's text kept (longer ones are cut as `tool_response_truncate_side` says).
@@ -189,8 +189,9 @@ pub struct MultiTurnConfig {
     /// killed and replaced and the call's text says it timed out.
     pub tool_timeout_s: f64,
     /// Ours: the most bytes of text one tool call may return before truncation (a larger
-    /// result is an error for that call, never read into the trainer).
-    pub max_tool_output_bytes: usize,
+    /// result is an error for that call, never read into the trainer); null or 0 = no limit,
+    /// as verl reads its limits.
+    pub max_tool_output_bytes: Option<u64>,
 }
 
 defaults!(MultiTurnConfig {
@@ -208,8 +209,28 @@ defaults!(MultiTurnConfig {
     format: ToolFormat::Hermes,
     num_repeat_rollouts: None,
     tool_timeout_s: 60.0,
-    max_tool_output_bytes: 1 << 20,
+    max_tool_output_bytes: Some(1 << 20),
 });
+
+impl MultiTurnConfig {
+    /// A turn limit as verl's agent loop reads it (`if limit and turns >= limit`): null and 0
+    /// mean no limit; a negative value is reached at once, so every conversation ends after
+    /// its first model turn. `Some(n)`: the conversation ends once the count reaches `n`.
+    pub fn turn_limit(limit: Option<i64>) -> Option<usize> {
+        match limit {
+            None | Some(0) => None,
+            Some(n) if n < 0 => Some(0),
+            Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+        }
+    }
+
+    /// `max_tool_output_bytes` as a limit: null and 0 mean none.
+    pub fn tool_output_limit(&self) -> Option<usize> {
+        self.max_tool_output_bytes
+            .filter(|&n| n > 0)
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX))
+    }
+}
 
 /// The agent loops a row can name in its `agent_name` column.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -302,5 +323,19 @@ impl MultiTurnConfig {
             errors.push(format!("`{key}.agent.num_workers` must be at least 1"));
         }
         errors
+    }
+
+    /// Values verl accepts that are likely mistakes: a negative turn limit, which verl (and
+    /// so main_ppo) reads as reached at once.
+    pub fn warnings(&self) -> Vec<String> {
+        let key = "actor_rollout_ref.rollout.multi_turn";
+        [
+            ("max_assistant_turns", self.max_assistant_turns),
+            ("max_user_turns", self.max_user_turns),
+        ]
+        .into_iter()
+        .filter_map(|(name, v)| v.filter(|&n| n < 0).map(|n| (name, n)))
+        .map(|(name, n)| format!("`{key}.{name}` ({n}) is negative: as in verl, every conversation ends after its first model turn and no tool runs (null or 0 means no limit)"))
+        .collect()
     }
 }

@@ -1522,3 +1522,19 @@ fn optimizer_classes_and_arguments_not_implemented_are_refused() {
         "{e}"
     );
 }
+
+/// A negative `multi_turn` turn limit is taken as verl takes it (reached at once), with a
+/// warning naming the key; a negative tool output limit is refused naming its key.
+#[test]
+fn negative_turn_limits_warn_and_a_negative_output_limit_is_refused() {
+    let mt = "actor_rollout_ref.rollout.multi_turn";
+    for key in ["max_assistant_turns", "max_user_turns"] {
+        let plan = resolved(&[&format!("{mt}.{key}=-1")]).unwrap();
+        let w = plan.warnings.join("\n");
+        assert!(w.contains(&format!("{mt}.{key}` (-1)")), "{w}");
+        let plan = resolved(&[&format!("{mt}.{key}=0")]).unwrap();
+        assert!(!plan.warnings.join("\n").contains(key));
+    }
+    let e = err(&[&format!("{mt}.max_tool_output_bytes=-1")]);
+    assert!(e.contains("max_tool_output_bytes"), "{e}");
+}

@@ -1001,6 +1001,8 @@ def call_reply(req_id, name, result, limit):
     bytes (UTF-8)."""
     text, reward, metrics, error = result
     size = len(text.encode("utf-8", errors="replace"))
+    if limit is None:
+        return encode({"id": req_id, "text": text, "reward": reward, "metrics": metrics, "error": error})
     if size > limit:
         return encode(
             {
@@ -1037,7 +1039,9 @@ def main():
                 if not _real_verl_usable():
                     _install_verl_shims()
                 shipped = _define_shipped_tools()
-                limit = int(msg.get("max_output_bytes") or limit)
+                # null: no limit (multi_turn.max_tool_output_bytes null or 0, as verl reads limits)
+                limit = msg.get("max_output_bytes", limit)
+                limit = None if limit is None else int(limit)
                 tools = load_tools(msg, shipped)
                 schemas = [schema_of(t) for t in tools.values()]
                 send_line(encode({"ok": True, "schemas": schemas, "names": list(tools)}))

@@ -58,8 +58,8 @@ pub struct ToolPoolSettings {
     pub num_workers: usize,
     /// Longest a single call may take.
     pub timeout: Duration,
-    /// A tool text longer than this (UTF-8 bytes) is replaced by an error.
-    pub max_output_bytes: usize,
+    /// A tool text longer than this (UTF-8 bytes) is replaced by an error; `None`: no limit.
+    pub max_output_bytes: Option<usize>,
 }
 
 impl Default for ToolPoolSettings {
@@ -68,7 +68,7 @@ impl Default for ToolPoolSettings {
             python: "python3".into(),
             num_workers: 1,
             timeout: Duration::from_secs(60),
-            max_output_bytes: DEFAULT_MAX_OUTPUT_BYTES,
+            max_output_bytes: Some(DEFAULT_MAX_OUTPUT_BYTES),
         }
     }
 }
@@ -195,7 +195,7 @@ fn load_message(src: &ToolSource, s: &ToolPoolSettings) -> Result<Value, RewardE
         "tools": tools,
         "tool_config_path": shown(&src.tool_config_path),
         "function_tool_path": shown(&src.function_tool_path),
-        "max_output_bytes": s.max_output_bytes.max(1),
+        "max_output_bytes": s.max_output_bytes,
     }))
 }
 

@@ -22,7 +22,7 @@ fn settings(workers: usize, timeout_s: f64) -> ToolPoolSettings {
         python: "python3".into(),
         num_workers: workers,
         timeout: Duration::from_secs_f64(timeout_s),
-        max_output_bytes: DEFAULT_MAX_OUTPUT_BYTES,
+        max_output_bytes: Some(DEFAULT_MAX_OUTPUT_BYTES),
     }
 }
 

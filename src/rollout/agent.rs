@@ -57,6 +57,8 @@ use crate::data::{ChatTemplate, TokenizerBundle};
 #[derive(Debug, Clone, PartialEq)]
 pub struct AgentSettings {
     pub format: ToolFormat,
+    /// A conversation ends once its model (tool) turns reach this; `None`: no limit (see
+    /// [`MultiTurnConfig::turn_limit`] for how verl's values read).
     pub max_assistant_turns: Option<usize>,
     pub max_user_turns: Option<usize>,
     pub max_parallel_calls: usize,
@@ -73,8 +75,8 @@ impl AgentSettings {
     pub fn new(m: &MultiTurnConfig) -> Self {
         Self {
             format: m.format,
-            max_assistant_turns: m.max_assistant_turns.map(|v| v as usize),
-            max_user_turns: m.max_user_turns.map(|v| v as usize),
+            max_assistant_turns: MultiTurnConfig::turn_limit(m.max_assistant_turns),
+            max_user_turns: MultiTurnConfig::turn_limit(m.max_user_turns),
             max_parallel_calls: m.max_parallel_calls.max(1),
             max_tool_response_length: m.max_tool_response_length,
             truncate_side: m.tool_response_truncate_side,
@@ -215,7 +217,12 @@ pub fn truncate_tool_text(text: &str, max: usize, side: TruncateSide) -> String 
         return text.to_string();
     }
     let head = |k: usize| text.chars().take(k).collect::<String>();
-    let tail = |k: usize| text.chars().skip(n - k).collect::<String>();
+    // Python's `text[-k:]`, which for k = 0 is the whole text (verl cuts with it, so a limit
+    // of 0, or 1 on the middle side, keeps the whole tail).
+    let tail = |k: usize| {
+        let k = if k == 0 { n } else { k };
+        text.chars().skip(n - k).collect::<String>()
+    };
     match side {
         TruncateSide::Left => format!("(truncated)...{}", tail(max)),
         TruncateSide::Right => format!("{}...(truncated)", head(max)),

@@ -207,6 +207,65 @@ fn budgets_and_turn_limits_end_the_conversation() {
     assert_eq!(a.finish(&out)[0].mask, vec![1; call.len()]);
 }
 
+/// The turn limits as verl reads them (`if limit and turns >= limit`), each value given as a
+/// command-line override: null and 0 are no limit (the call of the first turn runs), 1 ends
+/// after the first turn, and a negative value is reached at once (the call never runs).
+#[test]
+fn turn_limits_read_zero_and_null_as_no_limit_and_a_negative_one_as_reached() {
+    let (_d, tok) = bundle();
+    let call = [
+        ids(
+            &tok,
+            "<tool_call>{\"name\": \"echo\", \"arguments\": {}}</tool_call>",
+        ),
+        vec![258],
+    ]
+    .concat();
+    let out = Rollout {
+        responses: vec![call.clone()],
+        log_probs: vec![vec![0.0; call.len()]],
+        stop: vec![StopReason::Eos],
+    };
+    for key in ["max_assistant_turns", "max_user_turns"] {
+        for (value, runs) in [
+            ("null", true),
+            ("0", true),
+            ("1", key == "max_user_turns"),
+            ("-1", false),
+            ("-5", false),
+        ] {
+            let cfg = crate::config::load(
+                &crate::config::ConfigSource::Builtin,
+                &[format!(
+                    "actor_rollout_ref.rollout.multi_turn.{key}={value}"
+                )],
+            )
+            .unwrap()
+            .config;
+            let runner = Arc::new(Script {
+                calls: Mutex::new(Vec::new()),
+            });
+            let ctx = context(
+                &tok,
+                runner.clone(),
+                &cfg.actor_rollout_ref.rollout.multi_turn,
+            );
+            let conv = Conversation {
+                messages: vec![json!({"role": "user", "content": "hi"})],
+                tools_kwargs: json!({}),
+                tool_agent: true,
+            };
+            let mut a = ToolAgent::new(&ctx, vec![conv], vec![vec![1]], 500, vec![258]);
+            assert_eq!(a.turn_ended(0, &out), runs, "{key}={value}");
+            assert_eq!(
+                runner.calls.lock().unwrap().len(),
+                usize::from(runs),
+                "{key}={value}"
+            );
+        }
+    }
+}
+
 /// verl's truncation of tool texts, written out by hand.
 #[test]
 fn tool_texts_are_cut_as_verl_cuts_them() {
@@ -224,6 +283,20 @@ fn tool_texts_are_cut_as_verl_cuts_them() {
         truncate_tool_text(t, 4, TruncateSide::Middle),
         "ab...(truncated)...ij"
     );
+    // A limit of 0 (or 1 in the middle) as Python slices it: `text[-0:]` is the whole text.
+    assert_eq!(
+        truncate_tool_text(t, 0, TruncateSide::Left),
+        "(truncated)...abcdefghij"
+    );
+    assert_eq!(
+        truncate_tool_text(t, 0, TruncateSide::Right),
+        "...(truncated)"
+    );
+    assert_eq!(
+        truncate_tool_text(t, 1, TruncateSide::Middle),
+        "...(truncated)...abcdefghij"
+    );
+    assert_eq!(truncate_tool_text("", 0, TruncateSide::Left), "");
 }
 
 /// `tokenization_sanity_check_mode` on hand-made conversations: ids that are the conversation

@@ -624,7 +624,7 @@ pub fn tool_runner(cfg: &Config) -> Result<Arc<dyn ToolRunner>> {
         python: cfg.reward.python.clone(),
         num_workers: r.agent.num_workers.max(1),
         timeout: std::time::Duration::from_secs_f64(mt.tool_timeout_s),
-        max_output_bytes: mt.max_tool_output_bytes,
+        max_output_bytes: mt.tool_output_limit(),
     };
     let pool = ToolPool::start(&src, settings).map_err(|e| {
         TrainerError::Other(format!(
@@ -903,6 +903,56 @@ mod tests {
             e.contains("trainer.default_local_dir") && e.contains("trainer.rollout_data_dir"),
             "{e}"
         );
+    }
+
+    /// `multi_turn.max_tool_output_bytes` null or 0 is no limit (as verl reads its limits),
+    /// not a 1-byte one: a 2 MiB tool text comes back whole; a positive value still refuses a
+    /// longer text with a named error.
+    #[test]
+    fn a_tool_output_limit_of_zero_or_null_is_no_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("functions.py");
+        std::fs::write(
+            &f,
+            "from verl.tools.function_tool import function_tool\n\n@function_tool\ndef big(n: int) -> str:\n    \"\"\"n letters.\n\n    Args:\n        n: How many.\n    \"\"\"\n    return 'x' * n\n",
+        )
+        .unwrap();
+        let n = 2 << 20;
+        for (value, whole) in [("0", true), ("null", true), ("1000", false)] {
+            let cfg = crate::config::load(
+                &crate::config::ConfigSource::Builtin,
+                &[
+                    format!(
+                        "actor_rollout_ref.rollout.multi_turn.function_tool_path={}",
+                        f.display()
+                    ),
+                    format!("actor_rollout_ref.rollout.multi_turn.max_tool_output_bytes={value}"),
+                    "actor_rollout_ref.rollout.agent.num_workers=1".into(),
+                ],
+            )
+            .unwrap()
+            .config;
+            let runner = tool_runner(&cfg).unwrap();
+            let (tx, rx) = std::sync::mpsc::channel();
+            runner.submit(
+                crate::rollout::agent::ToolCall {
+                    key: 0,
+                    name: "big".into(),
+                    arguments: format!("{{\"n\": {n}}}"),
+                    create_kwargs: serde_json::json!({}),
+                },
+                tx,
+            );
+            let out = rx.recv_timeout(std::time::Duration::from_secs(60)).unwrap();
+            if whole {
+                assert_eq!((out.text.len(), &out.error), (n, &None), "{value}");
+            } else {
+                assert_eq!(
+                    out.error.as_deref(),
+                    Some("tool 'big' returned 2097152 bytes, over the 1000-byte limit")
+                );
+            }
+        }
     }
 
     /// The pre-flight `config check` shares with training refuses what training would refuse
