@@ -10,7 +10,10 @@
 //! A worker that dies, errs or stops answering (network down, auth expired, a server that hangs)
 //! is reported once; a dead or hung one is killed and its later steps are dropped (the run's
 //! own `file`/`tensorboard` sinks keep everything). [`RemoteTracker::finish`] flushes within a
-//! timeout.
+//! timeout. Each worker leads a process group of its own (`reward::python::GroupLeader`): it is
+//! always killed with its group, so processes its SDK started end with it, and its script starts
+//! with the reward workers' watch on main_ppo (`orphan_watch.py`), which ends the group when
+//! main_ppo dies without ending it.
 //!
 //! Environment: `MAIN_PPO_TRACKER_TIMEOUT_S` (longest one call may take before the worker is
 //! declared hung, default 120), `MAIN_PPO_TRACKER_FLUSH_S` (longest the final flush may take,
@@ -18,7 +21,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -27,8 +30,13 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use super::Metrics;
+use crate::reward::python::GroupLeader;
 
-const WORKER: &str = include_str!("tracker_worker.py");
+/// The worker: the watch every Python worker of main_ppo starts with, then the tracker's own.
+const WORKER: &str = concat!(
+    include_str!("../reward/orphan_watch.py"),
+    include_str!("tracker_worker.py")
+);
 
 /// The remote backends, each with the pip package its SDK comes in.
 pub const BACKENDS: [(&str, &str); 6] = [
@@ -39,6 +47,10 @@ pub const BACKENDS: [(&str, &str); 6] = [
     ("clearml", "clearml"),
     ("trackio", "trackio"),
 ];
+
+/// How long a worker that has closed its run may take to exit by itself before its process
+/// group is killed.
+const EXIT_GRACE: Duration = Duration::from_secs(10);
 
 /// The pip package of a remote backend.
 pub fn package(backend: &str) -> Option<&'static str> {
@@ -118,7 +130,8 @@ pub struct RemoteTracker {
     /// The run's id in the backend (wandb run id, MLflow run id, ...), when it has one.
     pub run_id: Option<String>,
     shared: Shared,
-    child: Arc<Mutex<Child>>,
+    /// The worker, leading a process group of its own (with whatever the SDK starts).
+    child: Arc<Mutex<GroupLeader>>,
     thread: Option<JoinHandle<()>>,
     flush_timeout: Duration,
     buffer: usize,
@@ -149,10 +162,9 @@ fn number(x: f64) -> Value {
     }
 }
 
-fn kill(child: &Mutex<Child>) {
-    let mut c = child.lock().unwrap_or_else(|e| e.into_inner());
-    let _ = c.kill();
-    let _ = c.wait();
+/// Kills the worker's process group: the worker and the processes its SDK started.
+fn kill(child: &Mutex<GroupLeader>) {
+    child.lock().unwrap_or_else(|e| e.into_inner()).kill();
 }
 
 impl RemoteTracker {
@@ -164,23 +176,25 @@ impl RemoteTracker {
                 "trainer.logger: `{backend}` is not a remote backend"
             ));
         };
-        let mut child = Command::new(&settings.python)
-            .arg("-u")
-            .arg("-c")
-            .arg(WORKER)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| {
+        let mut child = GroupLeader::spawn(
+            Command::new(&settings.python)
+                .arg("-u")
+                .arg("-c")
+                .arg(WORKER)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped()),
+        )
+        .map_err(|e| {
                 format!(
                     "trainer.logger: `{backend}` runs its SDK (pip package `{pkg}`) in a Python worker, but the interpreter `{}` (reward.python) cannot start: {e}",
                     settings.python
                 )
             })?;
-        let mut stdin = child.stdin.take().expect("piped stdin");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let stderr = child.stderr.take().expect("piped stderr");
+        let pipes = child.child_mut();
+        let mut stdin = pipes.stdin.take().expect("piped stdin");
+        let stdout = pipes.stdout.take().expect("piped stdout");
+        let stderr = pipes.stderr.take().expect("piped stderr");
         let (rx, tail) = read_worker(backend, stdout, stderr);
         let child = Arc::new(Mutex::new(child));
         let init = json!({
@@ -357,6 +371,13 @@ impl RemoteTracker {
                 let _ = t.join();
             }
         }
+        if !timed_out && !failed {
+            // The run is closed: the worker's exit handlers (the SDK's own teardown) may run
+            // before its group goes.
+            let left = deadline.saturating_duration_since(Instant::now());
+            let child = self.child.lock().unwrap_or_else(|e| e.into_inner());
+            child.wait_exit(left.min(EXIT_GRACE));
+        }
         kill(&self.child);
     }
 }
@@ -374,7 +395,7 @@ fn deliver(
     mut stdin: ChildStdin,
     rx: Receiver<Line>,
     shared: &Shared,
-    child: &Mutex<Child>,
+    child: &Mutex<GroupLeader>,
     timeout: Duration,
 ) {
     let (m, cv) = &**shared;
@@ -554,4 +575,111 @@ fn read_worker(
         }
     });
     (rx, tail)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fake `wandb` SDK that starts a helper process when the run opens (writing its pid to
+    /// `$HELPER_PID`) and hangs at step 2, run by a wrapper interpreter that puts it on the
+    /// path (the test process's environment stays as it is).
+    fn fake_sdk(dir: &std::path::Path) -> String {
+        let pkg = dir.join("sdk/wandb");
+        std::fs::create_dir_all(&pkg).unwrap();
+        let helper = dir.join("helper.pid");
+        std::fs::write(
+            pkg.join("__init__.py"),
+            format!(
+                r#"
+import subprocess, time
+class Settings:
+    def __init__(self, **kw): pass
+class Run:
+    id = "fake"
+def init(**kw):
+    p = subprocess.Popen(["sleep", "60"])
+    open({helper:?}, "w").write(str(p.pid))
+    return Run()
+def log(data, step=None):
+    if step == 2:
+        time.sleep(3600)
+def finish(): pass
+"#,
+                helper = helper.display().to_string()
+            ),
+        )
+        .unwrap();
+        let python = dir.join("python");
+        std::fs::write(
+            &python,
+            format!(
+                "#!/bin/sh\nexport PYTHONPATH={}\nexec python3 \"$@\"\n",
+                dir.join("sdk").display()
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+        python.display().to_string()
+    }
+
+    fn alive(pid: u32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| !s.contains(") Z "))
+            .unwrap_or(false)
+    }
+
+    /// A worker that stops answering is killed with its process group: the helper process
+    /// its SDK started goes with it (before, the worker was killed alone and the helper
+    /// lived on).
+    #[test]
+    fn a_hung_worker_is_killed_with_the_processes_its_sdk_started() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = RemoteSettings {
+            python: fake_sdk(dir.path()),
+            init_timeout: Duration::from_secs(60),
+            call_timeout: Duration::from_secs(1),
+            flush_timeout: Duration::from_secs(5),
+            buffer: 10,
+        };
+        let run = RunSpec {
+            project: "p".into(),
+            experiment: "e".into(),
+            config: json!({}),
+            resume_id: None,
+        };
+        let mut t = RemoteTracker::start("wandb", &run, &settings).unwrap();
+        let helper: u32 = std::fs::read_to_string(dir.path().join("helper.pid"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(alive(helper));
+        let m: Metrics = [("x".to_string(), 1.0)].into_iter().collect();
+        t.log(&m, 1);
+        t.log(&m, 2);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while lock(&t.shared).failed.is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let failed = lock(&t.shared).failed.clone();
+        assert!(
+            failed
+                .as_deref()
+                .is_some_and(|f| f.contains("no answer within 1 s")),
+            "{failed:?}"
+        );
+        let gone = Instant::now() + Duration::from_secs(5);
+        while alive(helper) && Instant::now() < gone {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let survived = alive(helper);
+        if survived {
+            // SAFETY: a plain system call on the helper this test started.
+            unsafe { libc::kill(helper as libc::pid_t, libc::SIGKILL) };
+        }
+        assert!(!survived, "the SDK's helper outlived its killed worker");
+        t.finish();
+    }
 }

@@ -10,8 +10,6 @@ import math
 import os
 import sys
 import tempfile
-import threading
-import time
 import traceback
 
 _proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
@@ -19,15 +17,8 @@ os.dup2(2, 1)
 sys.stdout = sys.stderr
 
 
-def _watch_parent(ppid):
-    # Exit when main_ppo goes away, even while the SDK is stuck on the network.
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != ppid:
-            os._exit(1)
-
-
-threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+# The watch on main_ppo (orphan_watch.py, run before this) ends this worker's process group, with
+# the processes the SDK started, when main_ppo goes away, even while the SDK is stuck.
 
 # The module each backend imports and the pip package that provides it.
 PACKAGES = {
@@ -313,6 +304,8 @@ def main():
             send({"id": rid, "ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
             if op == "init":
                 break
+    else:
+        _orphaned()  # the requests ended without `finish`: main_ppo is gone
 
 
 main()

@@ -15,7 +15,7 @@ import threading
 import time
 import traceback
 
-# Descriptors, _requests, _proto and the parent watch: bridge_base.py, run before this.
+# The parent watch (orphan_watch.py) and descriptors, _requests, _proto (bridge_base.py) run before this.
 
 VERL = ("data_source", "solution_str", "ground_truth", "extra_info")
 ROW_NAMES = ("data", "row", "item")

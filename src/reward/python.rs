@@ -27,7 +27,11 @@ use serde_json::{json, Map, Value};
 use super::{RewardError, ScoreResult};
 
 /// The reward worker: the shared start (`bridge_base.py`) then `bridge.py`.
-const BRIDGE: &str = concat!(include_str!("bridge_base.py"), include_str!("bridge.py"));
+const BRIDGE: &str = concat!(
+    include_str!("orphan_watch.py"),
+    include_str!("bridge_base.py"),
+    include_str!("bridge.py")
+);
 
 /// A bridge's descriptors for requests (it reads) and replies (it writes); `bridge.py` and
 /// `tool_bridge.py` open the same numbers.
@@ -111,14 +115,94 @@ pub(crate) enum Line {
 /// reward bridge here, the tool bridge in `tools.rs`. It leads a process group of its own;
 /// dropping it asks it to quit, then kills the group.
 pub(crate) struct BridgeProcess {
-    child: Child,
+    child: GroupLeader,
     /// The write end of the process's request pipe.
     requests: PipeWriter,
     /// The replies as they arrive.
     pub(crate) rx: Receiver<Line>,
+}
+
+/// A child process that leads a process group of its own (the reward and tool bridges here,
+/// the tracker workers in `metrics/remote.rs`): killing it kills its group, so whatever the
+/// user's code or an SDK started ends with it. Its script starts with `orphan_watch.py`, so
+/// the group also ends when main_ppo dies without killing it (SIGKILL included).
+pub(crate) struct GroupLeader {
+    child: Child,
     /// The process has been waited for (after its group was killed), so its pid no longer
     /// names its group.
     reaped: bool,
+}
+
+impl GroupLeader {
+    /// Starts `cmd` as the leader of a new process group.
+    pub(crate) fn spawn(cmd: &mut Command) -> std::io::Result<Self> {
+        let child = cmd.process_group(0).spawn()?;
+        Ok(Self {
+            child,
+            reaped: false,
+        })
+    }
+
+    /// The process id (which is also its process group's id).
+    pub(crate) fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The child itself (its pipes).
+    pub(crate) fn child_mut(&mut self) -> &mut Child {
+        &mut self.child
+    }
+
+    /// The process has exited (looked at without reaping it, so that its pid keeps naming its
+    /// process group until [`GroupLeader::kill`]).
+    pub(crate) fn exited(&self) -> bool {
+        if self.reaped {
+            return true;
+        }
+        // SAFETY: waitid fills `info`, a plain C struct that all-zero bytes make valid.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let r = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                self.child.id() as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+            )
+        };
+        // An error means there is no such child left to wait for; no state change leaves
+        // `info` zero.
+        r != 0 || info.si_signo != 0
+    }
+
+    /// Waits up to `timeout` for the leader to exit by itself (not reaping it); whether it did.
+    pub(crate) fn wait_exit(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while !self.exited() {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        true
+    }
+
+    /// Kills the process group (the leader and whatever it started) and reaps the leader;
+    /// returns how it ended. Killing again only reports it.
+    pub(crate) fn kill(&mut self) -> String {
+        if !self.reaped {
+            // The leader leads its group, and its pid is not reused before it is reaped below,
+            // so the group is still its own.
+            // SAFETY: a plain system call.
+            if unsafe { libc::killpg(self.child.id() as libc::pid_t, libc::SIGKILL) } != 0 {
+                let _ = self.child.kill();
+            }
+            self.reaped = true;
+        }
+        self.child
+            .wait()
+            .map(|s| s.to_string())
+            .unwrap_or_else(|e| e.to_string())
+    }
 }
 
 struct Worker {
@@ -150,7 +234,7 @@ fn launch(
     script: &str,
     label: &'static str,
     id: usize,
-) -> std::io::Result<(Child, PipeWriter, Receiver<Line>)> {
+) -> std::io::Result<(GroupLeader, PipeWriter, Receiver<Line>)> {
     let (req_read, requests) = std::io::pipe()?;
     let (replies, reply_write) = std::io::pipe()?;
     let (log, log_write) = std::io::pipe()?;
@@ -163,8 +247,7 @@ fn launch(
         .arg(script)
         .stdin(Stdio::null())
         .stdout(log_write.try_clone()?)
-        .stderr(log_write)
-        .process_group(0);
+        .stderr(log_write);
     // SAFETY: only dup2 runs between fork and exec (async-signal-safe); `r` and `w` stay open
     // in the parent until the child has been started. dup2's copies are not close-on-exec.
     unsafe {
@@ -175,7 +258,7 @@ fn launch(
             Ok(())
         });
     }
-    let child = cmd.spawn()?;
+    let child = GroupLeader::spawn(&mut cmd)?;
     // The child's ends are the child's alone now: the replies end when it exits.
     drop((cmd, req_read, reply_write));
     let (tx, rx) = mpsc::channel();
@@ -213,7 +296,6 @@ impl BridgeProcess {
             child,
             requests,
             rx,
-            reaped: false,
         })
     }
 
@@ -233,55 +315,25 @@ impl BridgeProcess {
     /// The process has exited (looked at without reaping it, so that its pid keeps naming its
     /// process group until [`BridgeProcess::kill`]).
     pub(crate) fn exited(&self) -> bool {
-        if self.reaped {
-            return true;
-        }
-        // SAFETY: waitid fills `info`, a plain C struct that all-zero bytes make valid.
-        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-        let r = unsafe {
-            libc::waitid(
-                libc::P_PID,
-                self.child.id() as libc::id_t,
-                &mut info,
-                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
-            )
-        };
-        // An error means there is no such child left to wait for; no state change leaves
-        // `info` zero.
-        r != 0 || info.si_signo != 0
+        self.child.exited()
     }
 
     /// Kills the process group (the bridge and whatever the user's code started) and reaps the
     /// bridge; returns how it ended.
     pub(crate) fn kill(&mut self) -> String {
-        if !self.reaped {
-            // The bridge leads its group, and its pid is not reused before it is reaped below,
-            // so the group is still the bridge's.
-            // SAFETY: a plain system call.
-            if unsafe { libc::killpg(self.child.id() as libc::pid_t, libc::SIGKILL) } != 0 {
-                let _ = self.child.kill();
-            }
-            self.reaped = true;
-        }
-        self.child
-            .wait()
-            .map(|s| s.to_string())
-            .unwrap_or_else(|e| e.to_string())
+        self.child.kill()
     }
 }
 
 impl Drop for BridgeProcess {
     fn drop(&mut self) {
-        if self.reaped {
+        if self.child.reaped {
             return;
         }
         // Asked to quit first, so that the user code's exit handlers run; then its group goes,
         // with anything the user's code left running.
         let _ = self.send(&json!({"op": "quit"}));
-        let deadline = Instant::now() + Duration::from_millis(200);
-        while Instant::now() < deadline && !self.exited() {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        self.child.wait_exit(Duration::from_millis(200));
         self.kill();
     }
 }

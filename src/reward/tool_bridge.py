@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from uuid import uuid4
 
-# Descriptors, _requests, _proto and the parent watch: bridge_base.py, run before this.
+# The parent watch (orphan_watch.py) and descriptors, _requests, _proto (bridge_base.py) run before this.
 
 
 def finite(value):

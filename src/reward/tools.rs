@@ -27,6 +27,7 @@ use super::RewardError;
 use crate::rollout::agent::{ToolCall, ToolOutcome, ToolRunner};
 
 const TOOL_BRIDGE: &str = concat!(
+    include_str!("orphan_watch.py"),
     include_str!("bridge_base.py"),
     include_str!("tool_bridge.py")
 );

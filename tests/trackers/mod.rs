@@ -15,7 +15,8 @@ use super::{bin_in, text, tiny_run};
 
 /// A fake `wandb` package (also used by the MPI tests): it appends what it is asked to `$FAKE_TRACKER_LOG`, and at step 2
 /// kills itself (`FAKE_TRACKER_MODE=die`) or stops answering (`hang`), or refuses to import
-/// (`missing`).
+/// (`missing`); with `helper` its run starts a helper process (as real SDKs start a service)
+/// whose pid goes to `$FAKE_TRACKER_LOG.helper`.
 const FAKE_WANDB: &str = r#"
 import json, os, time
 if os.environ.get("FAKE_TRACKER_MODE") == "missing":
@@ -31,6 +32,11 @@ class Run:
     id = "fake-run-id"
 def init(**kw):
     _w({"init": kw.get("project"), "name": kw.get("name"), "pid": os.getpid()})
+    if MODE == "helper":
+        import subprocess
+        p = subprocess.Popen(["sleep", "120"])
+        with open(LOG + ".helper", "w") as f:
+            f.write(str(p.pid))
     return Run()
 def log(data, step=None):
     if step == 2 and MODE == "die":
@@ -219,6 +225,61 @@ fn a_killed_or_hung_tracker_worker_leaves_training_unchanged() {
     for (what, t) in &times {
         println!("mean timing_s/step, trackers {what}: {t:.4} s");
     }
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.contains(") Z "))
+        .unwrap_or(false)
+}
+
+/// main_ppo killed with SIGKILL mid-run: the tracker worker and the helper process its SDK
+/// started end too (the worker leads a process group of its own, which its watch on main_ppo
+/// kills; before, the worker exited alone and the helper lived on).
+#[test]
+fn a_tracker_sdks_helper_ends_when_main_ppo_is_killed() {
+    let dir = tempfile::tempdir().unwrap();
+    let sdk = fake_sdk(dir.path());
+    let log = dir.path().join("fake.jsonl");
+    let args = tiny_run(dir.path(), 200, &["trainer.logger=[console,wandb]"]);
+    let mut child = bin_in(dir.path())
+        .args(&args)
+        .env("PYTHONPATH", sdk.display().to_string())
+        .env("FAKE_TRACKER_MODE", "helper")
+        .env("FAKE_TRACKER_LOG", log.display().to_string())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid_file = dir.path().join("fake.jsonl.helper");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let helper = loop {
+        if let Some(pid) = std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|s| s.trim().parse::<u32>().ok())
+        {
+            break pid;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the fake SDK never started its helper"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(alive(helper));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let gone = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while alive(helper) && std::time::Instant::now() < gone {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let survived = alive(helper);
+    if survived {
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &helper.to_string()])
+            .status();
+    }
+    assert!(!survived, "the SDK's helper outlived main_ppo");
 }
 
 /// The real SDKs' interpreter (`scripts/fetch_trackers.sh`), or `None` (printed).
