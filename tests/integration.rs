@@ -1079,6 +1079,99 @@ fn sigkill_during_a_save_leaves_the_previous_checkpoint_usable() {
     );
 }
 
+/// The files of a checkpoint that make the run go on: weights, optimizer moments and step,
+/// the trainer's state (loader, sampler, KL controller).
+fn checkpoint_bytes(step_dir: &Path) -> Vec<(String, Vec<u8>)> {
+    [
+        "actor/huggingface/model.safetensors",
+        "actor/optim.safetensors",
+        "actor/optim.json",
+        "critic/huggingface/model.safetensors",
+        "critic/optim.safetensors",
+        "critic/optim.json",
+        "trainer_state.json",
+    ]
+    .iter()
+    .map(|f| {
+        let bytes = std::fs::read(step_dir.join(f))
+            .unwrap_or_else(|e| panic!("{}: {e}", step_dir.join(f).display()));
+        (f.to_string(), bytes)
+    })
+    .collect()
+}
+
+/// A kill -9 injected at each point of step 2's save (MAIN_PPO_TEST_KILL_AT: after the actor,
+/// after the whole folder, after the commit record, after the rename, after the tracker file,
+/// after the record's removal, after pruning), then the same command: it resumes from the
+/// newest complete checkpoint (step 1 before the commit record, step 2 from it on), leaves
+/// no hidden folder or file behind, and ends with a step-3 checkpoint bit-identical to an
+/// uninterrupted run's.
+#[test]
+fn a_kill_at_each_point_of_a_save_then_the_same_command_resumes_bit_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = tiny_run(
+        dir.path(),
+        3,
+        &[
+            "trainer.save_freq=1",
+            "trainer.max_actor_ckpt_to_keep=2",
+            "trainer.max_critic_ckpt_to_keep=2",
+        ],
+    );
+    let ckpt = dir.path().join("checkpoints/verl_examples/gsm8k");
+    let out = bin_in(dir.path()).args(&args).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out).1);
+    let want = checkpoint_bytes(&ckpt.join("global_step_3"));
+    for (point, resumed) in [
+        ("actor_written", 1),
+        ("checkpoint_written", 1),
+        ("commit_recorded", 2),
+        ("renamed", 2),
+        ("tracker_written", 2),
+        ("committed", 2),
+        ("pruned", 2),
+    ] {
+        std::fs::remove_dir_all(dir.path().join("checkpoints")).unwrap();
+        let killed = bin_in(dir.path())
+            .args(&args)
+            .env("MAIN_PPO_TEST_KILL_AT", format!("2:{point}"))
+            .output()
+            .unwrap();
+        let (_, stderr) = text(&killed);
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&killed.status),
+            Some(9),
+            "{point}: {stderr}"
+        );
+        assert!(
+            stderr.contains(&format!("killed at {point} of step 2")),
+            "{stderr}"
+        );
+        let out = bin_in(dir.path()).args(&args).output().unwrap();
+        let (_, stderr) = text(&out);
+        assert!(out.status.success(), "{point}: {stderr}");
+        assert!(
+            stderr.contains(&format!("global_step_{resumed} (step {resumed})")),
+            "{point}: resumed from step {resumed}: {stderr}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(ckpt.join("latest_checkpointed_iteration.txt")).unwrap(),
+            "3",
+            "{point}"
+        );
+        let hidden: Vec<String> = std::fs::read_dir(&ckpt)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with('.'))
+            .collect();
+        assert!(hidden.is_empty(), "{point}: {hidden:?}");
+        let got = checkpoint_bytes(&ckpt.join("global_step_3"));
+        for ((f, a), (_, b)) in want.iter().zip(&got) {
+            assert!(a == b, "{point}: {f} differs from the uninterrupted run's");
+        }
+    }
+}
+
 #[test]
 fn sigint_finishes_the_step_saves_and_exits_0() {
     let dir = tempfile::tempdir().unwrap();

@@ -15,9 +15,11 @@
 //!     config.yaml                          the resolved configuration
 //! ```
 //!
-//! A save writes everything into a hidden `.global_step_N.partial` folder, then renames it into
-//! place and only then rewrites the tracker file (itself through a temporary file and a rename),
-//! so a crash at any moment leaves the previous checkpoint and tracker intact.
+//! A save writes everything into a hidden `.global_step_N.partial` folder, records the step in
+//! `.checkpoint_commit`, renames the folder into place, rewrites the tracker file (itself
+//! through a temporary file and a rename) and removes the record. A crash before the record
+//! leaves the previous checkpoint and tracker; a crash after it is finished by the next start
+//! ([`recover`]): the folder and the tracker file change as one.
 
 use std::path::{Path, PathBuf};
 
@@ -53,14 +55,33 @@ pub fn parse_step(dir: &Path) -> Option<u64> {
         .ok()
 }
 
-/// Writes a checkpoint for `step` with `write` (given the folder to fill), atomically.
+/// The commit record: a save whose folder is complete writes the step here before it moves
+/// anything into place, and removes it once the folder and the tracker file name that step.
+/// Whoever finds it (the next start, [`recover`]) finishes the commit, so the folder and the
+/// tracker file change as one.
+pub const COMMIT: &str = ".checkpoint_commit";
+
+fn partial_dir(root: &Path, step: u64) -> PathBuf {
+    root.join(format!(".global_step_{step}.partial"))
+}
+
+fn old_dir(root: &Path, step: u64) -> PathBuf {
+    root.join(format!(".global_step_{step}.old"))
+}
+
+/// Writes a checkpoint for `step` with `write` (given the folder to fill), atomically with the
+/// tracker file: the folder is filled as `.global_step_N.partial`, then the commit record
+/// names N, then [`commit`] moves the folder into place (an existing `global_step_N` aside
+/// first) and rewrites the tracker. A crash before the record leaves the previous checkpoint
+/// and tracker; one after it is finished by the next start ([`recover`]); at every moment a
+/// complete copy of each step exists.
 pub fn save_atomic<E: std::fmt::Display>(
     root: &Path,
     step: u64,
     write: impl FnOnce(&Path) -> Result<(), E>,
 ) -> Result<PathBuf, CheckpointError> {
     std::fs::create_dir_all(root).map_err(|e| io(root, e))?;
-    let tmp = root.join(format!(".global_step_{step}.partial"));
+    let tmp = partial_dir(root, step);
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
     }
@@ -70,22 +91,55 @@ pub fn save_atomic<E: std::fmt::Display>(
         message: format!("writing the checkpoint failed: {e}"),
     })?;
     sync_dir(&tmp);
-    let dst = step_dir(root, step);
-    if dst.exists() {
-        // Saving the same step again (a resumed run that re-saves): move the old one aside
-        // first, so there is never a moment without a complete copy.
-        let old = root.join(format!(".global_step_{step}.old"));
-        if old.exists() {
-            std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+    crate::util::fault_point("checkpoint_written", step);
+    write_file_atomic(root, COMMIT, &step.to_string())?;
+    crate::util::fault_point("commit_recorded", step);
+    commit(root, step)
+}
+
+/// Finishes the commit of `step` (recorded in [`COMMIT`]): each part is done only if not done
+/// yet, so a commit cut short anywhere finishes when run again. Moves the complete
+/// `.global_step_N.partial` into place (a `global_step_N` there is moved aside to
+/// `.global_step_N.old` first, so a complete copy always exists), rewrites the tracker file,
+/// then removes the old copy and the record.
+fn commit(root: &Path, step: u64) -> Result<PathBuf, CheckpointError> {
+    let (tmp, dst, old) = (
+        partial_dir(root, step),
+        step_dir(root, step),
+        old_dir(root, step),
+    );
+    if tmp.is_dir() {
+        if dst.exists() {
+            // Saving the same step again (a resumed run that re-saves).
+            if old.exists() {
+                std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+            }
+            std::fs::rename(&dst, &old).map_err(|e| io(&dst, e))?;
+            crate::util::fault_point("previous_moved_aside", step);
         }
-        std::fs::rename(&dst, &old).map_err(|e| io(&dst, e))?;
         std::fs::rename(&tmp, &dst).map_err(|e| io(&tmp, e))?;
-        std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
-    } else {
-        std::fs::rename(&tmp, &dst).map_err(|e| io(&tmp, e))?;
+        sync_dir(root);
+        crate::util::fault_point("renamed", step);
+    } else if !dst.exists() && old.is_dir() {
+        std::fs::rename(&old, &dst).map_err(|e| io(&old, e))?;
     }
+    if !dst.is_dir() {
+        return Err(CheckpointError::Invalid(format!(
+            "{}: the commit record names step {step}, but neither {} nor its saved copy exists",
+            root.join(COMMIT).display(),
+            dst.display()
+        )));
+    }
+    write_file_atomic(root, TRACKER, &step.to_string())?;
+    crate::util::fault_point("tracker_written", step);
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+        crate::util::fault_point("previous_removed", step);
+    }
+    let record = root.join(COMMIT);
+    std::fs::remove_file(&record).map_err(|e| io(&record, e))?;
     sync_dir(root);
-    write_tracker(root, step)?;
+    crate::util::fault_point("committed", step);
     Ok(dst)
 }
 
@@ -97,10 +151,11 @@ fn sync_dir(dir: &Path) {
     }
 }
 
-fn write_tracker(root: &Path, step: u64) -> Result<(), CheckpointError> {
-    let tmp = root.join(format!(".{TRACKER}.tmp"));
-    std::fs::write(&tmp, step.to_string()).map_err(|e| io(&tmp, e))?;
-    let dst = root.join(TRACKER);
+/// Writes `text` to `root/name` through a temporary file and a rename.
+fn write_file_atomic(root: &Path, name: &str, text: &str) -> Result<(), CheckpointError> {
+    let tmp = root.join(format!(".{name}.tmp"));
+    std::fs::write(&tmp, text).map_err(|e| io(&tmp, e))?;
+    let dst = root.join(name);
     std::fs::rename(&tmp, &dst).map_err(|e| io(&dst, e))
 }
 
@@ -272,20 +327,62 @@ pub fn prune(root: &Path, part: &str, keep: Option<usize>) -> Result<(), Checkpo
     Ok(())
 }
 
-/// Removes folders of saves that never finished (a crash or kill during a save).
-pub fn remove_partials(root: &Path) {
+/// Puts `root` in the state of its last save that reached its commit record: a save cut short
+/// after the record (a crash or kill while moving folders or rewriting the tracker) is
+/// finished, so the checkpoint it wrote is the newest; folders of saves that never reached it
+/// are removed. A moved-aside copy of a step whose folder is gone (left by a save of an
+/// earlier version, cut short between its two renames) is put back, never deleted.
+pub fn recover(root: &Path) -> Result<(), CheckpointError> {
+    let record = root.join(COMMIT);
+    match std::fs::read_to_string(&record) {
+        Ok(text) => {
+            let step: u64 = text.trim().parse().map_err(|_| {
+                CheckpointError::Invalid(format!(
+                    "{}: garbled commit record (expected a step number, found `{}`); delete it to resume from {}",
+                    record.display(),
+                    text.trim().chars().take(80).collect::<String>(),
+                    TRACKER
+                ))
+            })?;
+            tracing::warn!(
+                "finishing the save of {} that was cut short after its folder was complete",
+                step_dir(root, step).display()
+            );
+            commit(root, step)?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(&record, e)),
+    }
     for e in std::fs::read_dir(root).into_iter().flatten().flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with(".global_step_")
-            && (name.ends_with(".partial") || name.ends_with(".old"))
-        {
-            tracing::warn!(
-                "removing an unfinished checkpoint save: {}",
-                e.path().display()
-            );
-            let _ = std::fs::remove_dir_all(e.path());
+        let Some(rest) = name.strip_prefix(".global_step_") else {
+            if name.starts_with(&format!(".{TRACKER}.")) || name.starts_with(&format!(".{COMMIT}."))
+            {
+                let _ = std::fs::remove_file(e.path());
+            }
+            continue;
+        };
+        if let Some(step) = rest.strip_suffix(".old").and_then(|s| s.parse().ok()) {
+            let dst = step_dir(root, step);
+            if !dst.exists() {
+                tracing::warn!(
+                    "putting back {} from its saved copy {}",
+                    dst.display(),
+                    e.path().display()
+                );
+                std::fs::rename(e.path(), &dst).map_err(|err| io(&e.path(), err))?;
+                continue;
+            }
+        } else if !rest.ends_with(".partial") {
+            continue;
         }
+        tracing::warn!(
+            "removing an unfinished checkpoint save: {}",
+            e.path().display()
+        );
+        let _ = std::fs::remove_dir_all(e.path());
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -322,6 +419,108 @@ mod tests {
         );
     }
 
+    /// Every point of the save sequence (a fresh step and a step saved again), crashed at (a
+    /// panic from the fault hook stands for SIGKILL: nothing after it runs), then the next
+    /// start's recovery: the folder and the tracker file agree, the resumed checkpoint is the
+    /// newest complete one (the new save once its commit record exists, else the previous),
+    /// and no step ever loses its last complete copy. Before the commit record, a kill after
+    /// the rename left a folder the tracker did not name (the resume then refused it), and
+    /// a kill between a re-save's two renames left only hidden copies, which the next start
+    /// deleted.
+    #[test]
+    fn a_crash_at_any_point_of_a_save_resumes_from_the_newest_complete_checkpoint() {
+        const POINTS: [&str; 7] = [
+            "checkpoint_written",
+            "commit_recorded",
+            "previous_moved_aside",
+            "renamed",
+            "tracker_written",
+            "previous_removed",
+            "committed",
+        ];
+        for resave in [false, true] {
+            for (i, point) in POINTS.iter().enumerate() {
+                if !resave && point.starts_with("previous_") {
+                    continue;
+                }
+                let dir = tempfile::tempdir().unwrap();
+                let root = dir.path();
+                save(root, 1, "one");
+                if resave {
+                    save(root, 2, "two");
+                }
+                let target = *point;
+                let crashed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    crate::util::with_fault_hook(
+                        move |name, step| {
+                            if name == target && step == 2 {
+                                panic!("killed at {name}");
+                            }
+                        },
+                        || save(root, 2, "new"),
+                    )
+                }));
+                assert!(
+                    crashed.is_err(),
+                    "{point} (re-save {resave}) was never reached"
+                );
+                recover(root).unwrap();
+                let (step, path) = find_resume(root, ResumeMode::Auto, None)
+                    .unwrap_or_else(|e| panic!("{point} (re-save {resave}): {e}"))
+                    .unwrap();
+                let committed = i >= 1;
+                let want = match (committed, resave) {
+                    (true, _) => (2, "new"),
+                    (false, true) => (2, "two"),
+                    (false, false) => (1, "one"),
+                };
+                assert_eq!(
+                    (
+                        step,
+                        std::fs::read_to_string(path.join("x")).unwrap().as_str()
+                    ),
+                    want,
+                    "{point} (re-save {resave})"
+                );
+                assert_eq!(
+                    std::fs::read_to_string(root.join(TRACKER)).unwrap(),
+                    want.0.to_string(),
+                    "{point} (re-save {resave})"
+                );
+                let left: Vec<String> = std::fs::read_dir(root)
+                    .unwrap()
+                    .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with('.'))
+                    .collect();
+                assert!(left.is_empty(), "{point} (re-save {resave}): {left:?}");
+                // The recovered folder takes the next save as any other.
+                save(root, 3, "three");
+                assert_eq!(
+                    find_resume(root, ResumeMode::Auto, None)
+                        .unwrap()
+                        .unwrap()
+                        .0,
+                    3
+                );
+            }
+        }
+        // A moved-aside copy left by an earlier version's re-save cut between its renames (no
+        // commit record) is the step's only complete copy: put back, not deleted.
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), 2, "two");
+        std::fs::rename(step_dir(dir.path(), 2), old_dir(dir.path(), 2)).unwrap();
+        std::fs::create_dir_all(partial_dir(dir.path(), 2)).unwrap();
+        recover(dir.path()).unwrap();
+        let (step, path) = find_resume(dir.path(), ResumeMode::Auto, None)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (step, std::fs::read_to_string(path.join("x")).unwrap()),
+            (2, "two".into())
+        );
+        assert!(!partial_dir(dir.path(), 2).exists());
+    }
+
     #[test]
     fn a_failed_save_keeps_the_previous_checkpoint() {
         let dir = tempfile::tempdir().unwrap();
@@ -337,7 +536,7 @@ mod tests {
         assert_eq!(step, 1);
         assert_eq!(std::fs::read_to_string(p.join("x")).unwrap(), "a");
         assert_eq!(list(dir.path()).len(), 1, "the partial folder is hidden");
-        remove_partials(dir.path());
+        recover(dir.path()).unwrap();
         assert!(!dir.path().join(".global_step_2.partial").exists());
     }
 

@@ -87,6 +87,9 @@ pub fn base_fingerprint(
 /// resume itself then reports).
 pub fn saved_tracker_runs(cfg: &crate::config::Config, root: &Path) -> BTreeMap<String, String> {
     let t = &cfg.trainer;
+    // A save cut short after its commit record is finished first (rank 0 only calls this):
+    // its checkpoint is the one resumed. An error is the resume's to report.
+    let _ = checkpoint::recover(root);
     let Ok(Some((_, dir))) =
         checkpoint::find_resume(root, t.resume_mode, t.resume_from_path.as_deref())
     else {
@@ -157,6 +160,7 @@ impl Trainer {
                 .save(&dir.join("actor"), &self.tokenizer)?;
             #[cfg(debug_assertions)]
             pause_in_save(self.global_step)?;
+            crate::util::fault_point("actor_written", self.global_step);
             if let Some(c) = &self.critic {
                 c.trainable.save(&dir.join("critic"), &self.tokenizer)?;
             }
@@ -170,6 +174,7 @@ impl Trainer {
         })?;
         checkpoint::prune(&root, "actor", self.cfg.trainer.max_actor_ckpt_to_keep)?;
         checkpoint::prune(&root, "critic", self.cfg.trainer.max_critic_ckpt_to_keep)?;
+        crate::util::fault_point("pruned", self.global_step);
         self.last_saved = Some(self.global_step);
         tracing::info!("checkpoint saved: {}", dir.display());
         Ok(dir)
@@ -178,10 +183,12 @@ impl Trainer {
     /// Restores the state of the checkpoint `trainer.resume_mode` selects, if any.
     pub(super) fn resume(&mut self) -> Result<()> {
         let root = self.plan.default_local_dir.clone();
-        if self.comm.rank() == 0 {
-            checkpoint::remove_partials(&root);
-        }
+        let recovered = match self.comm.rank() {
+            0 => checkpoint::recover(&root),
+            _ => Ok(()),
+        };
         self.comm.barrier()?;
+        recovered?;
         let t = self.cfg.trainer.clone();
         let Some((step, dir)) =
             checkpoint::find_resume(&root, t.resume_mode, t.resume_from_path.as_deref())?
