@@ -1172,6 +1172,90 @@ fn a_kill_at_each_point_of_a_save_then_the_same_command_resumes_bit_identical() 
     }
 }
 
+/// DAPO's dynamic sampling on a step that cannot fill (every response scores the same, no
+/// batch limit: `max_num_gen_batches=0`): it says how many groups each generation batch kept,
+/// and a SIGTERM ends the step after the batch under way: exit 0 within seconds, the step
+/// abandoned. Before, it printed nothing while it drew and went on drawing after the signal.
+#[test]
+fn sigterm_during_dynamic_sampling_that_cannot_fill_stops_after_the_batch() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = tiny_run(dir.path(), 2, &[]);
+    std::fs::write(
+        dir.path().join("constant.py"),
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n",
+    )
+    .unwrap();
+    args.extend(
+        [
+            "custom_reward_function.path=constant.py",
+            "algorithm.adv_estimator=grpo",
+            "algorithm.filter_groups.enable=True",
+            "algorithm.filter_groups.metric=score",
+            "algorithm.filter_groups.max_num_gen_batches=0",
+            "trainer.total_epochs=100000",
+        ]
+        .map(String::from),
+    );
+    let mut child = bin_in(dir.path())
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let mut seen = Vec::new();
+    let started = std::time::Instant::now();
+    while !seen.iter().any(|l: &String| {
+        l.contains("generation batch 3 drawn, 0 of data.train_batch_size = 4 groups kept so far")
+    }) {
+        match rx.recv_timeout(std::time::Duration::from_secs(120)) {
+            Ok(l) => seen.push(l),
+            Err(_) => {
+                let _ = child.kill();
+                panic!(
+                    "no progress line after {:?}:\n{}",
+                    started.elapsed(),
+                    seen.join("\n")
+                );
+            }
+        }
+    }
+    let signalled = std::time::Instant::now();
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let code = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s.code();
+        }
+        if signalled.elapsed() > std::time::Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("still drawing 60 s after SIGTERM");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    seen.extend(rx.try_iter());
+    let all = seen.join("\n");
+    assert_eq!(code, Some(0), "{all}");
+    assert!(
+        all.contains("stopped on request during the dynamic sampling at step 1"),
+        "{all}"
+    );
+    assert!(all.contains("stopped after step 0 on request"), "{all}");
+}
+
 #[test]
 fn sigint_finishes_the_step_saves_and_exits_0() {
     let dir = tempfile::tempdir().unwrap();

@@ -149,6 +149,18 @@ impl Trainer {
             counts.evicted += groups.dropped;
             kept += groups.kept.len();
             parts.push(batch.select(&groups.rows));
+            if kept < tbs {
+                if self.comm.rank() == 0 {
+                    tracing::info!(
+                        "step {}: generation batch {} drawn, {kept} of data.train_batch_size = {tbs} groups kept so far ({} dropped: `{}` the same for every response)",
+                        self.global_step + 1,
+                        counts.gen_batches,
+                        counts.evicted,
+                        f.metric
+                    );
+                }
+                self.check_stop("dynamic sampling", self.global_step + 1)?;
+            }
         }
         counts.surplus = kept - tbs;
         counts.write(m);

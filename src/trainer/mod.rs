@@ -87,6 +87,10 @@ pub enum TrainerError {
         needed: usize,
         gen_batches: usize,
     },
+    /// A stop was requested (Ctrl-C, SIGTERM) during `phase` of a step not yet updated: the
+    /// step is abandoned ([`Trainer::fit`] puts the loader and sampler back, saves and ends).
+    #[error("stopped on request during the {phase} at step {step}")]
+    Stopped { step: u64, phase: &'static str },
 }
 
 pub type Result<T> = std::result::Result<T, TrainerError>;
@@ -102,7 +106,9 @@ pub enum FitOutcome {
     /// `total_training_steps`: `steps` steps ran; the last is checkpointed when
     /// `trainer.save_freq` is set.
     DataExhausted { steps: u64 },
-    /// A stop was requested (Ctrl-C, SIGTERM): the step finished and a checkpoint was saved.
+    /// A stop was requested (Ctrl-C, SIGTERM): the step under way finished (or, stopped in its
+    /// rollout, tool, teacher or dynamic-sampling phase, was abandoned: the resumed run repeats
+    /// it) and the newest finished step's checkpoint was saved.
     Interrupted {
         step: u64,
         checkpoint: Option<PathBuf>,
@@ -315,7 +321,13 @@ impl Trainer {
 
     fn fit_steps(&mut self) -> Result<FitOutcome> {
         if self.val.is_some() && (self.cfg.trainer.val_before_train || self.cfg.trainer.val_only) {
-            let m = self.validate()?;
+            let m = match self.validate() {
+                Err(e @ TrainerError::Stopped { .. }) => {
+                    tracing::warn!("{e}: validation before training ends unreported");
+                    return self.interrupted();
+                }
+                m => m?,
+            };
             self.log(m, self.global_step);
             if self.cfg.trainer.val_only {
                 return Ok(FitOutcome::ValidatedOnly);
@@ -326,8 +338,18 @@ impl Trainer {
             if self.stop_requested()? {
                 return self.interrupted();
             }
+            let (cursor, sampler) = (self.loader.cursor(), self.rollout.sampler.state());
             let m = match self.step() {
                 Err(e @ TrainerError::DataExhausted { .. }) => return self.data_exhausted(e),
+                Err(e @ TrainerError::Stopped { .. }) => {
+                    // Nothing of the step is kept: its prompts and sampler go back, so the
+                    // checkpoint is the previous step's and a resumed run repeats this one.
+                    self.loader =
+                        BatchLoader::resume(self.train.len(), self.plan.gen_batch_size, cursor);
+                    self.rollout.sampler = crate::rollout::Sampler::restore(sampler);
+                    tracing::warn!("{e}: the step is abandoned (a resumed run repeats it)");
+                    return self.interrupted();
+                }
                 m => m?,
             };
             self.log(m, self.global_step);
@@ -346,6 +368,16 @@ impl Trainer {
     fn stop_requested(&self) -> Result<bool> {
         let here = self.stop.load(Ordering::SeqCst);
         Ok(crate::dist::any(self.comm.as_ref(), here)?)
+    }
+
+    /// `Err(Stopped)` when a stop was requested (on any rank): called between the phases of a
+    /// step before its update, and between generation and validation batches, where a step
+    /// or a validation may run long (all ranks call it at the same points).
+    pub(super) fn check_stop(&self, phase: &'static str, step: u64) -> Result<()> {
+        match self.stop_requested()? {
+            true => Err(TrainerError::Stopped { step, phase }),
+            false => Ok(()),
+        }
     }
 
     /// The end of a run whose data ran out mid-step: the completed steps' checkpoint (with
@@ -406,7 +438,10 @@ impl Trainer {
         let (mut batch, epoch) = match self.plan.filter_groups.clone() {
             None => {
                 let (prompts, epoch) = self.next_prompts()?;
-                (self.rollout_and_reward(&prompts, &mut t)?, epoch)
+                crate::util::fault_point("rollout", step);
+                let batch = self.rollout_and_reward(&prompts, &mut t)?;
+                self.check_stop("rollout (and its tool calls)", step)?;
+                (batch, epoch)
             }
             Some(f) => match self.dynamic_sampling(&f, &mut t, &mut m)? {
                 Ok(rows) => rows,
@@ -436,8 +471,10 @@ impl Trainer {
             t.time("ref", || r.compute_ref_log_prob(&mut batch))?;
         }
         if let Some(teachers) = &self.teachers {
+            crate::util::fault_point("teacher", step);
             t.time("teacher", || teachers.compute(&mut batch, &self.train))?;
             m.insert("perf/teacher_memory_gb".into(), teachers.memory_gb());
+            self.check_stop("teacher log-probs", step)?;
         }
         if let Some(c) = &self.critic {
             t.time("values", || c.compute_values(&mut batch))?;

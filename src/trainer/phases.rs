@@ -484,7 +484,14 @@ impl Trainer {
         let last = step == self.total_steps;
         if let (Some(freq), true) = (self.cfg.trainer.test_freq, self.val.is_some()) {
             if last || step.is_multiple_of(freq) {
-                m.extend(t.time("testing", || self.validate())?);
+                match t.time("testing", || self.validate()) {
+                    // The step is complete: its checkpoint is saved (below, or by the stop
+                    // that follows it); only the validation's metrics are missing.
+                    Err(TrainerError::Stopped { .. }) => tracing::warn!(
+                        "validation after step {step} stopped on request: its metrics are not reported"
+                    ),
+                    v => m.extend(v?),
+                }
             }
         }
         if let Some(freq) = self.cfg.trainer.save_freq {

@@ -698,6 +698,98 @@ fn stopped_at_2_then_resumed(
     (history, c)
 }
 
+/// A stop requested during step 2's rollout (the phase that runs the tool calls; a fault hook
+/// raises the flag as the rollout starts) abandons step 2: step 1 is saved and the loader is
+/// back after step 1's batch; the resumed run then equals an uninterrupted one. Before, the
+/// step ran to its end (update, validation, save) and the run stopped after step 2.
+#[test]
+fn a_stop_during_a_rollout_abandons_the_step_and_the_resumed_run_is_unchanged() {
+    let fx = fixture();
+    let extra: &[&str] = &["algorithm.adv_estimator=grpo"];
+    let mut a = trainer(&fx, extra, None);
+    a.fit().unwrap();
+    let straight_weights = weights(&a.actor.trainable.varmap);
+    let straight: Vec<_> = a
+        .history
+        .iter()
+        .map(|(s, m)| (*s, deterministic(m)))
+        .collect();
+    drop(a);
+    let fx2 = fixture_like(&fx);
+    let mut b = trainer(&fx2, extra, None);
+    let after_one = {
+        let mut l = b.loader.clone();
+        l.next_batch();
+        l.cursor()
+    };
+    let stop = b.stop.clone();
+    let out = crate::util::with_fault_hook(
+        move |name, step| {
+            if name == "rollout" && step == 2 {
+                stop.store(true, Ordering::SeqCst);
+            }
+        },
+        || b.fit().unwrap(),
+    );
+    let root = b.plan.default_local_dir.clone();
+    assert_eq!(
+        out,
+        FitOutcome::Interrupted {
+            step: 1,
+            checkpoint: Some(crate::checkpoint::step_dir(&root, 1))
+        }
+    );
+    assert_eq!(b.loader.cursor(), after_one);
+    let mut history = b.history.clone();
+    drop(b);
+    let mut c = trainer(&fx2, extra, None);
+    assert_eq!(c.global_step, 1);
+    c.fit().unwrap();
+    history.extend(c.history.iter().cloned());
+    let resumed: Vec<_> = history
+        .iter()
+        .map(|(s, m)| (*s, deterministic(m)))
+        .collect();
+    assert_eq!(straight, resumed);
+    assert!(straight_weights == weights(&c.actor.trainable.varmap));
+}
+
+/// A stop requested during a validation (raised as its second batch starts) ends it there:
+/// the step's checkpoint is saved, the run stops after that step, and the step reports no
+/// validation metrics. Before, the whole validation ran first.
+#[test]
+fn a_stop_during_validation_ends_it_and_saves_the_step() {
+    let fx = fixture();
+    let mut t = trainer(&fx, &["trainer.test_freq=1", "data.val_batch_size=2"], None);
+    let stop = t.stop.clone();
+    let batches = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = batches.clone();
+    let out = crate::util::with_fault_hook(
+        move |name, step| {
+            if name == "validation" && step == 1 && seen.fetch_add(1, Ordering::SeqCst) == 1 {
+                stop.store(true, Ordering::SeqCst);
+            }
+        },
+        || t.fit().unwrap(),
+    );
+    let root = t.plan.default_local_dir.clone();
+    assert_eq!(
+        out,
+        FitOutcome::Interrupted {
+            step: 1,
+            checkpoint: Some(crate::checkpoint::step_dir(&root, 1))
+        }
+    );
+    assert_eq!(
+        batches.load(Ordering::SeqCst),
+        2,
+        "validation stopped after its second batch"
+    );
+    let (_, m) = t.history.back().unwrap();
+    assert!(!m.keys().any(|k| k.starts_with("val-")), "{m:?}");
+    assert!(crate::checkpoint::step_dir(&root, 1).is_dir());
+}
+
 /// The same model and data as `fx` in a new folder (its own checkpoints).
 fn fixture_like(fx: &Fixture) -> Fixture {
     let dir = tempfile::tempdir().unwrap();

@@ -279,3 +279,148 @@ fn an_impossible_loader_position_is_refused() {
         "{e}"
     );
 }
+
+/// [`dapo_natives`] plus `stopper`: the reward of `odd_rows_vary` (or 1 for every response
+/// with `constant`), which raises `stop` at its call number `at` and at every call once `arm`
+/// is set (a Ctrl-C at a known moment inside a step's dynamic sampling).
+fn stopping_natives(
+    stop: Arc<AtomicBool>,
+    arm: Arc<AtomicBool>,
+    at: usize,
+    constant: bool,
+) -> NativeRegistry {
+    let mut n = dapo_natives();
+    let calls = std::sync::atomic::AtomicUsize::new(0);
+    n.register(
+        "stopper",
+        move |inp: &ScoreInput, _: &Map<String, serde_json::Value>| {
+            let k = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            if k == at || arm.load(Ordering::SeqCst) {
+                stop.store(true, Ordering::SeqCst);
+            }
+            let gt: usize = inp.ground_truth.as_str().unwrap().parse().unwrap();
+            let even_len = inp.solution_str.chars().count().is_multiple_of(2);
+            let varies = !constant && !gt.is_multiple_of(2) && !even_len;
+            Ok(ScoreResult {
+                score: if varies { 0.0 } else { 1.0 },
+                extra: Map::new(),
+            })
+        },
+    )
+    .unwrap();
+    n
+}
+
+fn stopping_trainer(
+    fx: &Fixture,
+    extra: &[&str],
+    natives: NativeRegistry,
+    stop: Arc<AtomicBool>,
+    tracker: Tracker,
+) -> Trainer {
+    let o: Vec<&str> = DAPO
+        .iter()
+        .chain(extra)
+        .chain(&["reward.sources=[{name: r, type: native, function: stopper}]"])
+        .copied()
+        .collect();
+    Trainer::new(
+        config(fx, &o),
+        TrainerOptions {
+            natives,
+            stop,
+            tracker: Some(tracker),
+            ..TrainerOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+/// A step that cannot fill (no group ever varies, `max_num_gen_batches` 0 = no limit) keeps
+/// drawing generation batches; a stop requested during its third batch ends the run after
+/// that batch (it used to draw on until the data of every epoch ran out), with the loader put
+/// back where the step found it.
+#[test]
+fn a_stop_during_dynamic_sampling_that_cannot_fill_ends_the_step_at_once() {
+    let fx = fixture();
+    let stop = Arc::new(AtomicBool::new(false));
+    // 4 prompts of 4 responses a batch: call 40 falls in the third batch.
+    let natives = stopping_natives(stop.clone(), Default::default(), 40, true);
+    let mut t = stopping_trainer(
+        &fx,
+        &[
+            "algorithm.filter_groups.max_num_gen_batches=0",
+            "trainer.total_epochs=5",
+            "trainer.total_training_steps=2",
+        ],
+        natives,
+        stop,
+        quiet(),
+    );
+    assert_eq!(
+        t.fit().unwrap(),
+        FitOutcome::Interrupted {
+            step: 0,
+            checkpoint: None
+        }
+    );
+    assert_eq!(t.loader.cursor().epoch, 0);
+    assert_eq!(t.loader.cursor().batches_served, 0);
+}
+
+/// A stop requested inside step 3's dynamic sampling abandons step 3 (step 2's checkpoint
+/// stands); the same run resumed then equals an uninterrupted one, metrics and weights.
+#[test]
+fn a_run_stopped_inside_dynamic_sampling_resumes_bit_exact() {
+    let extra: &[&str] = &["trainer.total_training_steps=4", "trainer.save_freq=2"];
+    let fx = fixture();
+    let quiet_natives = || stopping_natives(Default::default(), Default::default(), 0, false);
+    let mut a = stopping_trainer(&fx, extra, quiet_natives(), Default::default(), quiet());
+    assert_eq!(a.fit().unwrap(), FitOutcome::Finished { steps: 4 });
+    let straight: Vec<_> = a
+        .history
+        .iter()
+        .map(|(s, m)| (*s, deterministic(m)))
+        .collect();
+    assert!(
+        straight[2].1["train/num_gen_batches"] > 1.0,
+        "step 3 draws more than one batch"
+    );
+    let straight_weights = weights(&a.actor.trainable.varmap);
+    drop(a);
+
+    let fx2 = fixture_like(&fx);
+    let (stop, arm) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let natives = stopping_natives(stop.clone(), arm.clone(), 0, false);
+    let sink: Box<dyn MetricSink + Send> = Box::new(StopAt(2, arm));
+    let mut b = stopping_trainer(
+        &fx2,
+        extra,
+        natives,
+        stop,
+        Tracker::with_sinks(vec![("arm".into(), sink)]),
+    );
+    let out = b.fit().unwrap();
+    assert!(
+        matches!(out, FitOutcome::Interrupted { step: 2, .. }),
+        "{out:?}"
+    );
+    let mut history = b.history.clone();
+    drop(b);
+    let mut c = stopping_trainer(&fx2, extra, quiet_natives(), Default::default(), quiet());
+    assert_eq!(c.global_step, 2, "resumed from step 2");
+    assert_eq!(c.fit().unwrap(), FitOutcome::Finished { steps: 4 });
+    history.extend(c.history.iter().cloned());
+    let resumed: Vec<_> = history
+        .iter()
+        .map(|(s, m)| (*s, deterministic(m)))
+        .collect();
+    assert_eq!(straight, resumed);
+    assert!(
+        straight_weights == weights(&c.actor.trainable.varmap),
+        "actor weights differ"
+    );
+}

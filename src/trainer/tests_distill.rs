@@ -388,3 +388,31 @@ fn a_distillation_run_with_dynamic_sampling_resumes_bit_exact() {
     assert_eq!(straight, resumed);
     assert!(straight_weights == weights(&c.actor.trainable.varmap));
 }
+
+/// A stop requested while the teachers compute step 2's log-probs (a fault hook raises the
+/// flag as the phase starts) abandons step 2 after that phase: step 1 is saved and the run
+/// stops there. Before, step 2 ran to its end.
+#[test]
+fn a_stop_during_the_teacher_phase_abandons_the_step() {
+    let fx = fixture();
+    let teacher = other_teacher(&fx.dir.path().join("teacher"));
+    let mut t = with_teacher(&fx, &teacher, &[]);
+    let stop = t.stop.clone();
+    let out = crate::util::with_fault_hook(
+        move |name, step| {
+            if name == "teacher" && step == 2 {
+                stop.store(true, Ordering::SeqCst);
+            }
+        },
+        || t.fit().unwrap(),
+    );
+    let root = t.plan.default_local_dir.clone();
+    assert_eq!(
+        out,
+        FitOutcome::Interrupted {
+            step: 1,
+            checkpoint: Some(crate::checkpoint::step_dir(&root, 1))
+        }
+    );
+    assert_eq!(t.history.len(), 1);
+}

@@ -299,7 +299,11 @@ impl Trainer {
         let indices: Vec<usize> = (0..ds.len()).collect();
         let mut scored = Vec::new();
         let mut dumps = Vec::new();
-        for chunk in indices.chunks(per_batch) {
+        for (i, chunk) in indices.chunks(per_batch).enumerate() {
+            if i > 0 {
+                self.check_stop("validation", self.global_step)?;
+            }
+            crate::util::fault_point("validation", self.global_step);
             let rows = repeat_rows(chunk, n);
             let view = self.actor.rollout_view();
             let agent = self.rollout.agent.as_deref();
