@@ -229,6 +229,180 @@ pub fn moe_bench_args() -> crate::model::ModelArgs {
     args
 }
 
+/// Writes a model as llama.cpp would: GGUF names, permuted Llama Q/K rows, a layer's experts
+/// stacked per projection (`ffn_gate_exps` `[experts, out, in]`, ...), `dtype` storage, and a
+/// byte-level tokenizer in the metadata.
+pub fn write_gguf(
+    vm: &candle_nn::VarMap,
+    args: &crate::model::ModelArgs,
+    path: &std::path::Path,
+    dtype: candle_core::quantized::GgmlDType,
+) {
+    write_gguf_with(vm, args, path, dtype, false)
+}
+
+/// llama.cpp's name of a (non-expert) tensor of an HF checkpoint.
+fn gguf_name(name: &str) -> String {
+    match name {
+        "model.embed_tokens.weight" => return "token_embd.weight".into(),
+        "model.norm.weight" => return "output_norm.weight".into(),
+        "lm_head.weight" => return "output.weight".into(),
+        _ => {}
+    }
+    let rest = name.strip_prefix("model.layers.").unwrap();
+    let (n, part) = rest.split_once('.').unwrap();
+    let p = match part {
+        "input_layernorm.weight" => "attn_norm.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "self_attn.q_norm.weight" => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" => "attn_k_norm.weight",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        "mlp.gate.weight" => "ffn_gate_inp.weight",
+        other => panic!("unexpected {other}"),
+    };
+    format!("blk.{n}.{p}")
+}
+
+/// Each stack of experts' matrices (`(expert, [out, in])` under its GGUF name) as one
+/// `[experts, out, in]` tensor; with `fused`, a layer's gate and up stacks as one
+/// `ffn_gate_up_exps` `[experts, 2·out, in]`, gate rows first.
+fn stacked_experts(
+    stacks: std::collections::BTreeMap<String, Vec<(usize, candle_core::Tensor)>>,
+    fused: bool,
+) -> std::collections::BTreeMap<String, candle_core::Tensor> {
+    let mut stacked: std::collections::BTreeMap<String, candle_core::Tensor> = Default::default();
+    for (gg, mut experts) in stacks {
+        experts.sort_by_key(|(e, _)| *e);
+        let ts: Vec<candle_core::Tensor> = experts.into_iter().map(|(_, t)| t).collect();
+        stacked.insert(gg, candle_core::Tensor::stack(&ts, 0).unwrap());
+    }
+    if fused {
+        let gates: Vec<String> = stacked
+            .keys()
+            .filter(|k| k.ends_with("ffn_gate_exps.weight"))
+            .cloned()
+            .collect();
+        for g in gates {
+            let u = g.replace("ffn_gate_exps", "ffn_up_exps");
+            let (gt, ut) = (stacked.remove(&g).unwrap(), stacked.remove(&u).unwrap());
+            let both = candle_core::Tensor::cat(&[gt, ut], 1).unwrap();
+            stacked.insert(g.replace("ffn_gate_exps", "ffn_gate_up_exps"), both);
+        }
+    }
+    stacked
+}
+
+/// [`write_gguf`]; with `fused_experts`, each layer's experts' gate and up projections as one
+/// `ffn_gate_up_exps` stack `[experts, 2·inter, hidden]` (gate rows first), as newer llama.cpp
+/// converters may write them.
+pub fn write_gguf_with(
+    vm: &candle_nn::VarMap,
+    args: &crate::model::ModelArgs,
+    path: &std::path::Path,
+    dtype: candle_core::quantized::GgmlDType,
+    fused_experts: bool,
+) {
+    use candle_core::quantized::gguf_file::Value as G;
+    use candle_core::quantized::QTensor;
+    let data = vm.data().lock().unwrap();
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    // Experts' projections by (GGUF name, expert), stacked after the loop.
+    let mut stacks: std::collections::BTreeMap<String, Vec<(usize, candle_core::Tensor)>> =
+        Default::default();
+    for (name, var) in data.iter() {
+        let t = var.as_tensor().clone();
+        if let Some((layer, rest)) = name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split_once(".mlp.experts."))
+        {
+            let (e, proj) = rest.split_once('.').unwrap();
+            let kind = proj.strip_suffix("_proj.weight").unwrap();
+            let gg = format!("blk.{layer}.ffn_{kind}_exps.weight");
+            stacks.entry(gg).or_default().push((e.parse().unwrap(), t));
+            continue;
+        }
+        let gg = gguf_name(name);
+        // llama.cpp permutes q/k rows for Llama only (Qwen rotates as HF does).
+        let llama = args.arch == crate::model::Arch::Llama;
+        let t = if llama && gg.ends_with("attn_q.weight") {
+            crate::weights::gguf::permute(&t, args.num_attention_heads).unwrap()
+        } else if llama && gg.ends_with("attn_k.weight") {
+            crate::weights::gguf::permute(&t, args.num_key_value_heads).unwrap()
+        } else {
+            t
+        };
+        // 1-D tensors stay F32, as llama.cpp keeps norms.
+        let q = QTensor::quantize(
+            &t,
+            if t.rank() == 1 {
+                candle_core::quantized::GgmlDType::F32
+            } else {
+                dtype
+            },
+        )
+        .unwrap();
+        tensors.push((gg, q));
+    }
+    for (gg, t) in stacked_experts(stacks, fused_experts) {
+        tensors.push((gg, QTensor::quantize(&t, dtype).unwrap()));
+    }
+    let tok = byte_tokenizer();
+    let vocab = tok.get_vocab(true);
+    let mut tokens = vec![String::new(); vocab.len()];
+    for (t, i) in &vocab {
+        tokens[*i as usize] = t.clone();
+    }
+    let types: Vec<G> = (0..tokens.len())
+        .map(|i| G::I32(if i >= 256 { 3 } else { 1 }))
+        .collect();
+    let u = |x: usize| G::U32(x as u32);
+    let a = crate::weights::gguf::gguf_arch_name(args.arch).unwrap();
+    let k = |s: &str| format!("{a}.{s}");
+    let mut meta: Vec<(String, G)> = vec![
+        ("general.architecture".into(), G::String(a.into())),
+        (k("block_count"), u(args.num_hidden_layers)),
+        (k("embedding_length"), u(args.hidden_size)),
+        (k("feed_forward_length"), u(args.intermediate_size)),
+        (k("attention.head_count"), u(args.num_attention_heads)),
+        (k("attention.head_count_kv"), u(args.num_key_value_heads)),
+        (k("attention.key_length"), u(args.head_dim)),
+        (
+            k("attention.layer_norm_rms_epsilon"),
+            G::F32(args.rms_norm_eps as f32),
+        ),
+        (k("rope.freq_base"), G::F32(args.rope_theta as f32)),
+        (k("context_length"), u(args.max_position_embeddings)),
+        (k("vocab_size"), u(args.vocab_size)),
+        ("tokenizer.ggml.model".into(), G::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), G::String("smollm".into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            G::Array(tokens.iter().map(|t| G::String(t.clone())).collect()),
+        ),
+        ("tokenizer.ggml.merges".into(), G::Array(vec![])),
+        ("tokenizer.ggml.token_type".into(), G::Array(types)),
+        ("tokenizer.ggml.eos_token_id".into(), u(258)),
+        ("tokenizer.chat_template".into(), G::String(CHATML.into())),
+    ];
+    if let Some(m) = &args.moe {
+        meta.extend([
+            (k("expert_count"), u(m.num_experts)),
+            (k("expert_used_count"), u(m.num_experts_per_tok)),
+            (k("expert_feed_forward_length"), u(m.moe_intermediate_size)),
+        ]);
+    }
+    let meta_refs: Vec<(&str, &G)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut f = std::fs::File::create(path).unwrap();
+    candle_core::quantized::gguf_file::write(&mut f, &meta_refs, &tensor_refs).unwrap();
+}
+
 #[cfg(test)]
 mod tests {
     /// tests/fixtures/byte_tokenizer is what [`super::write_tokenizer_dir`] writes (the GPU

@@ -381,6 +381,43 @@ fn reward_score_gives_every_gsm8k_reference_solution_full_marks() {
     }
 }
 
+/// A number as ground truth where the built-in gsm8k scorer compares text scores 0 (as in
+/// verl): `reward score` and `eval` give training's start-up warning, naming the file, the row
+/// and the value (they scored it 0 silently before).
+#[test]
+fn reward_score_and_eval_warn_on_a_numeric_ground_truth_as_training_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("rows.jsonl");
+    write_jsonl(
+        &input,
+        &[
+            serde_json::json!({"data_source": "openai/gsm8k", "solution_str": "#### 4", "ground_truth": "4", "responses": ["#### 4"]}),
+            serde_json::json!({"data_source": "openai/gsm8k", "solution_str": "#### 42", "ground_truth": 42, "responses": ["#### 42", "#### 41"]}),
+        ],
+    );
+    for sub in [["reward", "score"], ["eval", ""]] {
+        let mut args: Vec<String> = sub
+            .iter()
+            .filter(|s| !s.is_empty())
+            .map(|s| s.to_string())
+            .collect();
+        args.extend(["--input".to_string(), input.display().to_string()]);
+        let out = run(&args);
+        let (stdout, stderr) = text(&out);
+        assert!(
+            stderr.contains("1 row(s) have a number as ground truth")
+                && stderr.contains("rows.jsonl, row 1, ground_truth 42"),
+            "{sub:?}: {stderr}"
+        );
+        if sub[0] == "reward" {
+            assert!(
+                stdout.lines().nth(1).unwrap().contains("\"score\":0.0"),
+                "{stdout}"
+            );
+        }
+    }
+}
+
 #[test]
 fn reward_score_reports_failed_rows_and_exits_1() {
     let dir = tempfile::tempdir().unwrap();
@@ -880,6 +917,8 @@ fn smollm2_config_check_filters_with_the_gguf_tokenizer() {
         "critic.ppo_micro_batch_size_per_gpu=4".into(),
         "data.max_prompt_length=160".into(),
         "data.filter_overlong_prompts=True".into(),
+        // verl's default names wandb, whose SDK this interpreter may lack.
+        "trainer.logger=[console]".into(),
     ]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
@@ -926,6 +965,26 @@ fn tiny_run(dir: &Path, steps: u64, extra: &[&str]) -> Vec<String> {
     let mut args = short_run_args(dir, &model, steps);
     args.extend(extra.iter().map(|s| s.to_string()));
     args
+}
+
+/// A folder of empty modules named as the tracker SDKs (wandb, mlflow, ...), to put on
+/// PYTHONPATH where a command line names a remote `trainer.logger` backend (as verl's default
+/// `[console, wandb]` does): `config check` and training import the SDK of each, and this
+/// machine need not have them installed.
+fn stub_sdks(dir: &Path) -> PathBuf {
+    let sdks = dir.join("stub_sdks");
+    for m in [
+        "wandb",
+        "volcengine_ml_platform",
+        "swanlab",
+        "mlflow",
+        "clearml",
+        "trackio",
+    ] {
+        std::fs::create_dir_all(sdks.join(m)).unwrap();
+        std::fs::write(sdks.join(m).join("__init__.py"), "").unwrap();
+    }
+    sdks
 }
 
 fn bin_in(dir: &Path) -> Command {
@@ -1521,6 +1580,104 @@ fn budgets_beyond_any_or_the_models_context_are_refused() {
         ] {
             assert!(stderr.contains(want), "{sub:?}: {want} missing: {stderr}");
         }
+    }
+}
+
+/// `config check` runs training's pre-flight: on each case below, the check and training
+/// (the same arguments) agree: both accept, or both refuse with the same exit status naming
+/// the key. Cases: a `.gguf` file as the critic's tokenizer (as verl's older config folders
+/// give it: `critic.model.tokenizer_path` interpolates the actor's model path; training
+/// stopped before step 1 on it, naming no key), a critic tokenizer folder without a tokenizer,
+/// a misspelled logger (`wandbb`), a logger whose SDK the interpreter cannot import, and a
+/// teacher model path that does not exist (training failed only after the policy loaded).
+/// Before, `config check` passed every refused case.
+#[test]
+fn config_check_and_training_agree_on_every_pre_flight_case() {
+    use main_ppo::model::{Arch, ModelArgs};
+    let dir = tempfile::tempdir().unwrap();
+    let base = tiny_run(dir.path(), 1, &[]);
+    let gguf = dir.path().join("tiny.gguf");
+    let margs = ModelArgs::tiny(Arch::Llama, 259);
+    let (vm, _) = main_ppo::testing::tiny_model(&margs, candle_core::DType::F32, 0.1);
+    main_ppo::testing::write_gguf(&vm, &margs, &gguf, candle_core::quantized::GgmlDType::F32);
+    let no_tokenizer = dir.path().join("no_tokenizer");
+    std::fs::create_dir_all(&no_tokenizer).unwrap();
+    let sdk = dir.path().join("sdk/wandb");
+    std::fs::create_dir_all(&sdk).unwrap();
+    std::fs::write(
+        sdk.join("__init__.py"),
+        "raise ImportError(\"No module named 'wandb'\")\n",
+    )
+    .unwrap();
+    let teacher = "distillation.teacher_models.teacher_model.model_path";
+    // (case, its arguments, refused: (exit status, words every message holds)).
+    type Case<'a> = (&'a str, Vec<String>, Option<(i32, Vec<&'a str>)>);
+    let cases: Vec<Case> = vec![
+        (
+            "gguf critic tokenizer",
+            vec![format!("critic.model.tokenizer_path={}", gguf.display())],
+            None,
+        ),
+        (
+            "critic tokenizer folder without a tokenizer",
+            vec![format!(
+                "critic.model.tokenizer_path={}",
+                no_tokenizer.display()
+            )],
+            Some((2, vec!["critic.model.tokenizer_path", "no tokenizer.json"])),
+        ),
+        (
+            "misspelled logger",
+            vec!["trainer.logger=[console,wandbb]".into()],
+            Some((
+                2,
+                vec!["trainer.logger", "`wandbb`", "did you mean `wandb`"],
+            )),
+        ),
+        (
+            "logger without its SDK",
+            vec!["trainer.logger=[console,wandb]".into()],
+            Some((2, vec!["trainer.logger", "pip install wandb"])),
+        ),
+        (
+            "missing teacher",
+            vec![
+                "algorithm.adv_estimator=grpo".into(),
+                "distillation.enabled=True".into(),
+                format!("{teacher}=/no/such/teacher"),
+            ],
+            Some((2, vec![teacher, "/no/such/teacher does not exist"])),
+        ),
+    ];
+    for (name, extra, refused) in cases {
+        let _ = std::fs::remove_dir_all(dir.path().join("checkpoints"));
+        let mut args = base.clone();
+        args.extend(extra);
+        let mut outs = Vec::new();
+        for sub in [vec!["config", "check"], vec![]] {
+            let mut all: Vec<String> = sub.iter().map(|s| s.to_string()).collect();
+            all.extend(args.clone());
+            let out = bin_in(dir.path())
+                .args(&all)
+                .env("PYTHONPATH", dir.path().join("sdk"))
+                .output()
+                .unwrap();
+            let (_, stderr) = text(&out);
+            match &refused {
+                None => assert!(out.status.success(), "{name}, {sub:?}: {stderr}"),
+                Some((code, needles)) => {
+                    assert_eq!(out.status.code(), Some(*code), "{name}, {sub:?}: {stderr}");
+                    for n in needles {
+                        assert!(
+                            stderr.contains(n),
+                            "{name}, {sub:?}: `{n}` missing: {stderr}"
+                        );
+                    }
+                }
+            }
+            outs.push(out.status.code());
+        }
+        assert_eq!(outs[0], outs[1], "{name}: check and training disagree");
     }
 }
 

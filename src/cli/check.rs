@@ -115,8 +115,8 @@ pub fn run(args: &ConfigArgs) -> anyhow::Result<()> {
     }
     let cfg = &loaded.config;
     let plan = crate::config::resolve(cfg)?;
-    setup::check_paths(cfg, &plan)?;
-    super::guard::model_context(cfg, &plan)?;
+    crate::trainer::preflight::run(cfg, &plan)?;
+    crate::trainer::preflight::tracker_sdks(cfg)?;
     let data = DataSummary::load(cfg, &plan)?;
     for w in &plan.warnings {
         tracing::warn!("{w}");

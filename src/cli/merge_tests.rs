@@ -306,7 +306,7 @@ fn config_check_names_a_lora_checkpoint_given_as_the_model() {
             .unwrap()
             .config;
         let plan = crate::config::resolve(&cfg).unwrap();
-        let e = super::super::guard::model_context(&cfg, &plan)
+        let e = crate::trainer::preflight::model_context(&cfg, &plan)
             .expect_err("refused")
             .to_string();
         assert!(

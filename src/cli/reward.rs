@@ -86,6 +86,24 @@ fn row_item(file: &Path, i: usize, row: &Value, response: Option<&Value>) -> Res
     Ok(Item::new(&sample, solution_str))
 }
 
+/// Training's start-up warning, for the rows of `file` (`(row, item)`, a row counted once):
+/// a number as ground truth where the built-in gsm8k scorer compares text scores 0.
+fn warn_numeric_ground_truths<'a>(
+    manager: &RewardManager,
+    file: &Path,
+    items: impl Iterator<Item = (usize, &'a Result<Item, String>)>,
+) {
+    let file = file.display().to_string();
+    let mut seen = std::collections::BTreeSet::new();
+    let rows = items
+        .filter(|(i, _)| seen.insert(*i))
+        .filter_map(|(i, p)| p.as_ref().ok().map(|it| (i, it)))
+        .map(|(i, it)| (file.as_str(), i, it.data_source.as_str(), &it.ground_truth));
+    if let Some(w) = manager.numeric_ground_truth_warning(rows) {
+        tracing::warn!("{w}");
+    }
+}
+
 fn response_len(row: &Value) -> usize {
     row.get("response_length")
         .and_then(Value::as_u64)
@@ -190,6 +208,7 @@ pub fn score(args: &ScoreArgs, natives: &NativeRegistry) -> anyhow::Result<bool>
             None => row_item(&args.input, i, r, None),
         })
         .collect();
+    warn_numeric_ground_truths(&manager, &args.input, prepared.iter().enumerate());
     let lens: Vec<usize> = rows.iter().map(response_len).collect();
     let results = score_rows(&mut manager, &prepared, &lens)?;
     let secs = t0.elapsed().as_secs_f64();
@@ -312,6 +331,7 @@ pub fn test(args: &TestArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
         .enumerate()
         .map(|(i, r)| row_item(&args.file, i, r, None))
         .collect();
+    warn_numeric_ground_truths(&manager, &args.file, prepared.iter().enumerate());
     let lens: Vec<usize> = rows.iter().map(response_len).collect();
     let results = score_rows(&mut manager, &prepared, &lens)?;
     let (mut passed, mut failed) = (0, 0);
@@ -439,6 +459,8 @@ pub fn eval(args: &EvalArgs, natives: &NativeRegistry) -> anyhow::Result<bool> {
             lens.push(response_length(&args.input, i, row, j)?);
         }
     }
+    let by_row = owner.iter().map(|(i, _)| *i).zip(&prepared);
+    warn_numeric_ground_truths(&manager, &args.input, by_row);
     let token_lens: Vec<usize> = lens.iter().map(|l| l.unwrap_or(0)).collect();
     let results = score_rows(&mut manager, &prepared, &token_lens)?;
     let mut per_row: Vec<Vec<Option<f64>>> = rows

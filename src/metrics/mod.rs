@@ -12,7 +12,7 @@ pub mod tensorboard;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-pub use sinks::{MetricSink, RemoteOptions, Tracker};
+pub use sinks::{check_backends, MetricSink, RemoteOptions, Tracker};
 
 /// One step's metrics, by verl name, sorted (as the console line prints them).
 pub type Metrics = BTreeMap<String, f64>;

@@ -21,6 +21,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
 use std::process::{ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Condvar, Mutex};
@@ -58,6 +59,83 @@ pub fn package(backend: &str) -> Option<&'static str> {
         .iter()
         .find(|(b, _)| *b == backend)
         .map(|(_, p)| *p)
+}
+
+/// The Python module a remote backend's SDK is imported as.
+fn module(backend: &str) -> Option<&'static str> {
+    package(backend).map(|p| match p {
+        "volcengine-ml-platform" => "volcengine_ml_platform",
+        other => other,
+    })
+}
+
+/// The error for a backend whose SDK `python` cannot import (`error`: Python's words).
+fn missing_sdk(backend: &str, pkg: &str, python: &str, error: &str) -> String {
+    format!(
+        "trainer.logger: `{backend}` needs the Python package `{pkg}`, which `{python}` (reward.python) cannot import ({error}): `pip install {pkg}` for that interpreter, or set reward.python to one that has it"
+    )
+}
+
+/// The error for an interpreter that cannot start.
+fn no_interpreter(backend: &str, pkg: &str, python: &str, e: &std::io::Error) -> String {
+    format!(
+        "trainer.logger: `{backend}` runs its SDK (pip package `{pkg}`) in a Python worker, but the interpreter `{python}` (reward.python) cannot start: {e}"
+    )
+}
+
+/// How long [`probe_sdk`] waits for the import.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Whether `python` imports `backend`'s SDK, as the tracker worker does first when training
+/// starts it; the error is the one the worker's start gives. Backends without an SDK pass.
+pub fn probe_sdk(backend: &str, python: &str) -> Result<(), String> {
+    let (Some(pkg), Some(module)) = (package(backend), module(backend)) else {
+        return Ok(());
+    };
+    let mut child = Command::new(python)
+        .arg("-c")
+        .arg(format!("import {module}"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .map_err(|e| no_interpreter(backend, pkg, python, &e))?;
+    let stderr = child.stderr.take().expect("piped stderr");
+    let reader = std::thread::spawn(move || {
+        BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+            .collect::<Vec<String>>()
+    });
+    let deadline = Instant::now() + PROBE_TIMEOUT;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break s,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            _ => {
+                // SAFETY: a plain system call on the group this function started (the child is
+                // not reaped yet, so its pid still names the group).
+                unsafe { libc::killpg(child.id() as libc::pid_t, libc::SIGKILL) };
+                let _ = child.wait();
+                return Err(format!(
+                    "trainer.logger: importing `{module}` (the `{backend}` SDK) with `{python}` (reward.python) took more than {} s",
+                    PROBE_TIMEOUT.as_secs()
+                ));
+            }
+        }
+    };
+    let lines = reader.join().unwrap_or_default();
+    if status.success() {
+        return Ok(());
+    }
+    let error = lines
+        .iter()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .cloned()
+        .unwrap_or_else(|| status.to_string());
+    Err(missing_sdk(backend, pkg, python, error.trim()))
 }
 
 /// How the workers run.
@@ -167,14 +245,116 @@ fn kill(child: &Mutex<GroupLeader>) {
     child.lock().unwrap_or_else(|e| e.into_inner()).kill();
 }
 
+/// Why a tracker could not start.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StartError {
+    /// The configuration cannot run here (an unknown backend, an SDK the interpreter cannot
+    /// import, an interpreter that does not start): fixed in the configuration or the
+    /// environment, refused as `config check` refuses it.
+    Config(String),
+    /// The backend could not open its run (a server that does not answer, credentials, a
+    /// worker that died).
+    Failed(String),
+}
+
+impl std::fmt::Display for StartError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StartError::Config(m) | StartError::Failed(m) => f.write_str(m),
+        }
+    }
+}
+
+/// Where a backend sends its run, for messages: MLflow's tracking URI (the worker's default
+/// when `MLFLOW_TRACKING_URI` is unset), nothing for the others.
+fn target(backend: &str) -> String {
+    match backend {
+        "mlflow" => format!(
+            " at MLFLOW_TRACKING_URI={}",
+            std::env::var("MLFLOW_TRACKING_URI")
+                .unwrap_or_else(|_| "sqlite:////tmp/mlruns.db".into())
+        ),
+        _ => String::new(),
+    }
+}
+
+/// The last lines the worker wrote on stderr, for an error message (empty when none).
+fn tail_text(tail: &Mutex<VecDeque<String>>) -> String {
+    let t = tail.lock().unwrap_or_else(|e| e.into_inner());
+    if t.is_empty() {
+        String::new()
+    } else {
+        format!("\n{}", t.iter().cloned().collect::<Vec<_>>().join("\n"))
+    }
+}
+
+/// Sends the `init` request and waits for the run to open: its run id, or why not.
+fn open_run(
+    backend: &str,
+    pkg: &str,
+    run: &RunSpec,
+    settings: &RemoteSettings,
+    stdin: &mut ChildStdin,
+    rx: &Receiver<Line>,
+    tail: &Mutex<VecDeque<String>>,
+) -> Result<Option<String>, StartError> {
+    let init = json!({
+        "op": "init", "id": 0, "backend": backend, "project": run.project,
+        "experiment": run.experiment, "config": run.config, "resume_id": run.resume_id,
+    });
+    let python = &settings.python;
+    if let Err(e) = send_line(stdin, &init) {
+        std::thread::sleep(Duration::from_millis(100));
+        return Err(StartError::Failed(format!(
+            "trainer.logger: the `{backend}` worker (`{python}`) exited at start-up: {e}{}",
+            tail_text(tail)
+        )));
+    }
+    match rx.recv_timeout(settings.init_timeout) {
+        Ok(Line::Msg(m)) if m["ok"] == json!(true) => Ok(m["run_id"].as_str().map(str::to_string)),
+        Ok(Line::Msg(m)) if m["missing"].is_string() => Err(StartError::Config(missing_sdk(
+            backend,
+            pkg,
+            python,
+            m["error"].as_str().unwrap_or("ImportError"),
+        ))),
+        Ok(Line::Msg(m)) => Err(StartError::Failed(format!(
+            "trainer.logger: `{backend}` (pip package `{pkg}`) could not open the run (project `{}`, experiment `{}`){}: {}\n{}",
+            run.project,
+            run.experiment,
+            target(backend),
+            m["error"].as_str().unwrap_or("unknown error"),
+            m["traceback"].as_str().unwrap_or("").trim_end()
+        ))),
+        Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => {
+            std::thread::sleep(Duration::from_millis(100));
+            Err(StartError::Failed(format!(
+                "trainer.logger: the `{backend}` worker (`{python}`) exited while opening the run{}{}",
+                target(backend),
+                tail_text(tail)
+            )))
+        }
+        Err(RecvTimeoutError::Timeout) => Err(StartError::Failed(format!(
+            "trainer.logger: `{backend}` did not open its run{} within {} s (MAIN_PPO_TRACKER_INIT_S){}",
+            target(backend),
+            settings.init_timeout.as_secs_f64(),
+            tail_text(tail)
+        ))),
+    }
+}
+
 impl RemoteTracker {
     /// Starts the worker and opens the run; fails (naming `trainer.logger`, the backend and its
     /// pip package) when the SDK is missing or the run cannot be opened.
-    pub fn start(backend: &str, run: &RunSpec, settings: &RemoteSettings) -> Result<Self, String> {
+    pub fn start(
+        backend: &str,
+        run: &RunSpec,
+        settings: &RemoteSettings,
+    ) -> Result<Self, StartError> {
         let Some(pkg) = package(backend) else {
-            return Err(format!(
+            return Err(StartError::Config(format!(
                 "trainer.logger: `{backend}` is not a remote backend"
-            ));
+            )));
         };
         let mut child = GroupLeader::spawn(
             Command::new(&settings.python)
@@ -185,76 +365,15 @@ impl RemoteTracker {
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped()),
         )
-        .map_err(|e| {
-                format!(
-                    "trainer.logger: `{backend}` runs its SDK (pip package `{pkg}`) in a Python worker, but the interpreter `{}` (reward.python) cannot start: {e}",
-                    settings.python
-                )
-            })?;
+        .map_err(|e| StartError::Config(no_interpreter(backend, pkg, &settings.python, &e)))?;
         let pipes = child.child_mut();
         let mut stdin = pipes.stdin.take().expect("piped stdin");
         let stdout = pipes.stdout.take().expect("piped stdout");
         let stderr = pipes.stderr.take().expect("piped stderr");
         let (rx, tail) = read_worker(backend, stdout, stderr);
         let child = Arc::new(Mutex::new(child));
-        let init = json!({
-            "op": "init", "id": 0, "backend": backend, "project": run.project,
-            "experiment": run.experiment, "config": run.config, "resume_id": run.resume_id,
-        });
-        let stderr_tail = || {
-            let t = tail.lock().unwrap_or_else(|e| e.into_inner());
-            if t.is_empty() {
-                String::new()
-            } else {
-                format!("\n{}", t.iter().cloned().collect::<Vec<_>>().join("\n"))
-            }
-        };
-        let fail = |msg: String| {
-            kill(&child);
-            Err(msg)
-        };
-        if let Err(e) = send_line(&mut stdin, &init) {
-            std::thread::sleep(Duration::from_millis(100));
-            return fail(format!(
-                "trainer.logger: the `{backend}` worker (`{}`) exited at start-up: {e}{}",
-                settings.python,
-                stderr_tail()
-            ));
-        }
-        let run_id = match rx.recv_timeout(settings.init_timeout) {
-            Ok(Line::Msg(m)) if m["ok"] == json!(true) => m["run_id"].as_str().map(str::to_string),
-            Ok(Line::Msg(m)) if m["missing"].is_string() => {
-                return fail(format!(
-                    "trainer.logger: `{backend}` needs the Python package `{pkg}`, which `{}` (reward.python) cannot import ({}): `pip install {pkg}` for that interpreter, or set reward.python to one that has it",
-                    settings.python,
-                    m["error"].as_str().unwrap_or("ImportError")
-                ))
-            }
-            Ok(Line::Msg(m)) => {
-                return fail(format!(
-                    "trainer.logger: `{backend}` (pip package `{pkg}`) could not open the run (project `{}`, experiment `{}`): {}\n{}",
-                    run.project,
-                    run.experiment,
-                    m["error"].as_str().unwrap_or("unknown error"),
-                    m["traceback"].as_str().unwrap_or("").trim_end()
-                ))
-            }
-            Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => {
-                std::thread::sleep(Duration::from_millis(100));
-                return fail(format!(
-                    "trainer.logger: the `{backend}` worker (`{}`) exited while opening the run{}",
-                    settings.python,
-                    stderr_tail()
-                ));
-            }
-            Err(RecvTimeoutError::Timeout) => {
-                return fail(format!(
-                    "trainer.logger: `{backend}` did not open its run within {} s (MAIN_PPO_TRACKER_INIT_S){}",
-                    settings.init_timeout.as_secs_f64(),
-                    stderr_tail()
-                ))
-            }
-        };
+        let run_id = open_run(backend, pkg, run, settings, &mut stdin, &rx, &tail)
+            .inspect_err(|_| kill(&child))?;
         let shared: Shared = Arc::new((Mutex::new(Queue::default()), Condvar::new()));
         let thread = {
             let (shared, child, name) = (shared.clone(), child.clone(), backend.to_string());
@@ -262,7 +381,11 @@ impl RemoteTracker {
             std::thread::Builder::new()
                 .name(format!("tracker-{backend}"))
                 .spawn(move || deliver(&name, stdin, rx, &shared, &child, timeout))
-                .map_err(|e| format!("trainer.logger: `{backend}`: cannot start a thread: {e}"))?
+                .map_err(|e| {
+                    StartError::Failed(format!(
+                        "trainer.logger: `{backend}`: cannot start a thread: {e}"
+                    ))
+                })?
         };
         tracing::info!(
             "trainer.logger: {backend} run open{}",
@@ -507,8 +630,8 @@ pub fn start_all(
     run: &RunSpec,
     resume_ids: &BTreeMap<String, String>,
     settings: &RemoteSettings,
-) -> Result<Vec<RemoteTracker>, String> {
-    let results: Vec<Result<RemoteTracker, String>> = std::thread::scope(|s| {
+) -> Result<Vec<RemoteTracker>, StartError> {
+    let results: Vec<Result<RemoteTracker, StartError>> = std::thread::scope(|s| {
         let handles: Vec<_> = backends
             .iter()
             .map(|b| {
@@ -520,8 +643,11 @@ pub fn start_all(
         handles
             .into_iter()
             .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err("trainer.logger: a tracker start-up panicked".into()))
+                h.join().unwrap_or_else(|_| {
+                    Err(StartError::Failed(
+                        "trainer.logger: a tracker start-up panicked".into(),
+                    ))
+                })
             })
             .collect()
     });
@@ -534,10 +660,19 @@ pub fn start_all(
         }
     }
     if errors.is_empty() {
-        Ok(out)
-    } else {
-        Err(errors.join("\n"))
+        return Ok(out);
     }
+    // A configuration error first: it is what needs fixing before the run can start.
+    let config = errors.iter().any(|e| matches!(e, StartError::Config(_)));
+    let text = errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("\n");
+    Err(match config {
+        true => StartError::Config(text),
+        false => StartError::Failed(text),
+    })
 }
 
 /// Threads reading a tracker worker's output: its answers (one JSON object per stdout line,

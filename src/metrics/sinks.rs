@@ -7,7 +7,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use super::remote::{RemoteSettings, RemoteTracker, RunSpec};
+use super::remote::{RemoteSettings, RemoteTracker, RunSpec, StartError};
 use super::tensorboard::EventWriter;
 use super::{py_float, Metrics};
 
@@ -147,6 +147,36 @@ const REMOTE: [&str; 7] = [
     "rl_insight",
 ];
 
+/// The backends main_ppo knows (`trainer.logger`).
+fn known_backends() -> Vec<&'static str> {
+    let mut all = vec!["console", "file", "tensorboard"];
+    all.extend(REMOTE);
+    all
+}
+
+/// Refuses a `trainer.logger` list naming a backend main_ppo does not know, naming the closest
+/// known one (a misspelled `wandbb`); what [`Tracker::new`] and the pre-flight refuse.
+pub fn check_backends(backends: &[String]) -> Result<(), String> {
+    let known = known_backends();
+    for b in backends {
+        if known.contains(&b.as_str()) {
+            continue;
+        }
+        let closest = known
+            .iter()
+            .map(|k| (strsim::jaro_winkler(b, k), *k))
+            .filter(|(score, _)| *score >= 0.8)
+            .max_by(|a, c| a.0.total_cmp(&c.0))
+            .map(|(_, k)| format!("; did you mean `{k}`?"))
+            .unwrap_or_default();
+        return Err(format!(
+            "trainer.logger: unknown backend `{b}`{closest} (known: {})",
+            known.join(", ")
+        ));
+    }
+    Ok(())
+}
+
 impl Tracker {
     /// The sinks named in `trainer.logger`; returns warnings for backends skipped here. The
     /// remote backends start their workers when `remote` is given (a missing SDK is an error
@@ -156,7 +186,7 @@ impl Tracker {
         project: &str,
         experiment: &str,
         remote: Option<&RemoteOptions>,
-    ) -> Result<(Self, Vec<String>), String> {
+    ) -> Result<(Self, Vec<String>), StartError> {
         let mut t = Tracker {
             sinks: Vec::new(),
             files: Vec::new(),
@@ -164,13 +194,17 @@ impl Tracker {
         };
         let mut skipped = Vec::new();
         let mut wanted: Vec<String> = Vec::new();
+        check_backends(backends).map_err(StartError::Config)?;
         for b in backends {
             match b.as_str() {
                 "console" => t.sinks.push((b.clone(), Box::new(Console::stdout()))),
                 "file" => {
                     let p = file_logger_path(project, experiment);
                     let f = JsonFile::open(&p).map_err(|e| {
-                        format!("trainer.logger=file: cannot open {}: {e}", p.display())
+                        StartError::Failed(format!(
+                            "trainer.logger=file: cannot open {}: {e}",
+                            p.display()
+                        ))
                     })?;
                     t.files.push((b.clone(), p));
                     t.sinks.push((b.clone(), Box::new(f)));
@@ -178,10 +212,10 @@ impl Tracker {
                 "tensorboard" => {
                     let d = tensorboard_dir(project, experiment);
                     let w = EventWriter::create(&d).map_err(|e| {
-                        format!(
+                        StartError::Failed(format!(
                             "trainer.logger=tensorboard: cannot write in {}: {e}",
                             d.display()
-                        )
+                        ))
                     })?;
                     t.files.push((b.clone(), w.path.clone()));
                     t.sinks
@@ -192,13 +226,7 @@ impl Tracker {
                         wanted.push(other.to_string());
                     }
                 }
-                other if REMOTE.contains(&other) => skipped.push(other.to_string()),
-                other => {
-                    return Err(format!(
-                    "trainer.logger: unknown backend `{other}` (console, file, tensorboard, {})",
-                    REMOTE.join(", ")
-                ))
-                }
+                other => skipped.push(other.to_string()),
             }
         }
         if let (Some(r), false) = (remote, wanted.is_empty()) {
@@ -300,8 +328,17 @@ mod tests {
     fn unknown_backend_is_an_error_and_remote_ones_a_warning() {
         let err = Tracker::new(&["consol".into()], "p", "e", None)
             .err()
-            .unwrap();
-        assert!(err.contains("unknown backend `consol`"), "{err}");
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("unknown backend `consol`; did you mean `console`?"),
+            "{err}"
+        );
+        let err = check_backends(&["console".into(), "wandbb".into()]).unwrap_err();
+        assert!(err.contains("`wandbb`; did you mean `wandb`?"), "{err}");
+        assert!(check_backends(&["xyz".into()])
+            .unwrap_err()
+            .contains("known: console"));
         let (t, w) = Tracker::new(&["console".into(), "wandb".into()], "p", "e", None).unwrap();
         assert_eq!(t.sinks.len(), 1);
         assert_eq!(w.len(), 1);

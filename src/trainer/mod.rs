@@ -28,6 +28,7 @@ pub mod dynamic;
 pub mod micro;
 pub mod optim;
 mod phases;
+pub mod preflight;
 pub mod rollout_corr;
 pub mod setup;
 mod state;
@@ -184,7 +185,7 @@ impl Trainer {
         for w in &plan.warnings {
             tracing::warn!("{w}");
         }
-        setup::check_paths(&cfg, &plan)?;
+        preflight::run(&cfg, &plan)?;
         setup::check_world(&cfg, &plan, opts.comm.as_ref())?;
         let reward = setup::reward_manager(&cfg, &plan, &opts.natives)?;
         // The trackers open their runs before any model is read: a missing SDK fails here.

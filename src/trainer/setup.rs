@@ -102,6 +102,27 @@ pub fn check_paths(cfg: &Config, plan: &Plan) -> std::result::Result<(), ConfigE
     if plan.need_critic && !crate::weights::is_hub_id(&cfg.critic.model.path) {
         need("critic.model.path", &cfg.critic.model.path);
     }
+    if let Some(t) = cfg
+        .critic
+        .model
+        .tokenizer_path
+        .as_ref()
+        .filter(|_| plan.need_critic)
+    {
+        if !crate::weights::is_hub_id(t) {
+            need("critic.model.tokenizer_path", t);
+        }
+    }
+    // Distillation's teachers load after the policy: a missing one is reported here, not
+    // after minutes of loading.
+    for t in plan.distillation.iter().flat_map(|d| &d.teachers) {
+        if !crate::weights::is_hub_id(&t.model_path) {
+            need(
+                &format!("distillation.teacher_models.{}.model_path", t.name),
+                &t.model_path,
+            );
+        }
+    }
     let python_files = cfg
         .reward
         .custom_reward_function
@@ -161,6 +182,16 @@ pub fn check_paths(cfg: &Config, plan: &Plan) -> std::result::Result<(), ConfigE
     {
         problems.push(format!("{bad}: a hub model would not download"));
     }
+    problems.extend(output_problems(cfg, plan));
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid(problems))
+    }
+}
+
+/// The folders a run writes (checkpoints, sample dumps) that cannot be created or written.
+fn output_problems(cfg: &Config, plan: &Plan) -> Vec<String> {
     let t = &cfg.trainer;
     let outputs = [
         (
@@ -170,18 +201,14 @@ pub fn check_paths(cfg: &Config, plan: &Plan) -> std::result::Result<(), ConfigE
         ("trainer.rollout_data_dir", t.rollout_data_dir.clone()),
         ("trainer.validation_data_dir", t.validation_data_dir.clone()),
     ];
-    for (key, dir) in outputs {
-        if let Some(dir) = dir {
-            if let Err(e) = writable(Path::new(&expand_home(&dir))) {
-                problems.push(format!("`{key}`: {dir}: {e}"));
-            }
-        }
-    }
-    if problems.is_empty() {
-        Ok(())
-    } else {
-        Err(ConfigError::Invalid(problems))
-    }
+    outputs
+        .into_iter()
+        .filter_map(|(key, dir)| {
+            let dir = dir?;
+            let e = writable(Path::new(&expand_home(&dir))).err()?;
+            Some(format!("`{key}`: {dir}: {e}"))
+        })
+        .collect()
 }
 
 /// The models named by hub id that are not in the cache while `hub` is offline
@@ -860,7 +887,13 @@ pub fn tracker(
         &t.experiment_name,
         Some(&remote),
     )
-    .map_err(TrainerError::Other)?;
+    .map_err(|e| match e {
+        // Refused as `config check` refuses it (a usage error).
+        crate::metrics::remote::StartError::Config(m) => {
+            TrainerError::Config(ConfigError::Invalid(vec![m]))
+        }
+        crate::metrics::remote::StartError::Failed(m) => TrainerError::Other(m),
+    })?;
     for w in warnings {
         tracing::warn!("{w}");
     }

@@ -155,7 +155,8 @@ fn a_teacher_with_another_tokenizer_is_refused_before_its_weights() {
     vocab.insert("a".into(), b);
     vocab.insert("b".into(), a);
     std::fs::write(&path, tok.to_string()).unwrap();
-    std::fs::write(teacher.join("config.json"), "{}").unwrap();
+    // The student's configuration (the pre-flight reads it first), weights that are not any.
+    std::fs::copy(fx.model.join("config.json"), teacher.join("config.json")).unwrap();
     std::fs::write(teacher.join("model.safetensors"), "not weights").unwrap();
     let key = format!(
         "distillation.teacher_models.teacher_model.model_path={}",

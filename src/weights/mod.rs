@@ -47,7 +47,11 @@ pub fn load_tokenizer(path: &str) -> Result<crate::data::TokenizerBundle, ModelE
     } else {
         return Err(ModelError::file(p, "no such model: expected an HF model directory (config.json, model.safetensors, tokenizer.json) or a .gguf file".into()));
     };
-    crate::data::TokenizerBundle::from_dir(&dir).map_err(|e| ModelError::file(&dir, e.to_string()))
+    crate::data::TokenizerBundle::from_dir(&dir).map_err(|e| match e {
+        // Already names its file (the folder or its tokenizer.json).
+        crate::data::DataError::File { file, message } => ModelError::File { file, message },
+        other => ModelError::file(&dir, other.to_string()),
+    })
 }
 
 /// A model and its tokenizer from `path`: a `.gguf` file, an HF directory, or a hub id found in
@@ -102,7 +106,8 @@ fn load_both(
     let p = Path::new(&expanded);
     let tok_from = |fallback: Option<crate::data::TokenizerBundle>| -> Result<crate::data::TokenizerBundle, ModelError> {
         match tokenizer_path {
-            Some(t) => crate::data::TokenizerBundle::from_dir(Path::new(&crate::util::expand_home(t))).map_err(|e| ModelError::File { file: t.to_string(), message: e.to_string() }),
+            // An HF folder, a `.gguf` file (its own tokenizer) or a hub id, as a model's.
+            Some(t) => load_tokenizer(t),
             None => fallback.ok_or_else(|| ModelError::file(p, "no tokenizer".into())),
         }
     };

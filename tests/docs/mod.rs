@@ -198,6 +198,9 @@ fn command_lines(docs: &[Doc]) -> Vec<CommandLine> {
 struct Fixtures {
     dir: tempfile::TempDir,
     model: PathBuf,
+    /// An interpreter standing in for a virtualenv the docs name: python3 with an empty
+    /// module for each tracker SDK (`config check` imports the SDKs of `trainer.logger`).
+    python: PathBuf,
 }
 
 impl Fixtures {
@@ -209,7 +212,19 @@ impl Fixtures {
             "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n",
         )
         .unwrap();
-        Self { dir, model }
+        let sdks = super::stub_sdks(dir.path());
+        let python = dir.path().join("python");
+        std::fs::write(
+            &python,
+            format!(
+                "#!/bin/sh\nexport PYTHONPATH={}\nexec python3 \"$@\"\n",
+                sdks.display()
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+        Self { dir, model, python }
     }
 
     /// `key=value` with the value swapped where it names a model, a missing file, an output
@@ -230,7 +245,7 @@ impl Fixtures {
         } else if key.ends_with("custom_reward_function.path") && missing {
             self.dir.path().join("reward.py").display().to_string()
         } else if key == "reward.python" && missing {
-            "python3".to_string()
+            self.python.display().to_string()
         } else if key.ends_with("_dir") && key.starts_with("trainer.") {
             self.dir.path().join("out").display().to_string()
         } else {
@@ -253,6 +268,11 @@ impl Fixtures {
             if !set(key) {
                 out.push(format!("{key}={}", self.model.display()));
             }
+        }
+        // The trackers' SDKs installed, as a reader of the line has them (verl's default
+        // `trainer.logger` names wandb, whose SDK `config check` imports as training does).
+        if !set("reward.python") {
+            out.push(format!("reward.python={}", self.python.display()));
         }
         let config = args
             .iter()

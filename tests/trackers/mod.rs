@@ -147,7 +147,8 @@ fn a_missing_tracker_sdk_fails_at_start_up_naming_the_package() {
         ],
     );
     let (stdout, stderr) = text(&out);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    // A configuration the environment cannot run: a usage error, as `config check` reports it.
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(
         stderr.contains("trainer.logger")
             && stderr.contains("`wandb`")

@@ -262,6 +262,9 @@ fn verl_example_command_lines_pass_or_are_refused_in_one_named_line() {
     .unwrap();
     write_example_configs(root.path());
     write_gsm8k_subset(root.path());
+    // Most lines log to wandb (verl's default `trainer.logger`), whose SDK `config check`
+    // imports: stand-ins, as a user running them has the SDK installed.
+    let sdks = super::stub_sdks(root.path());
     let mut jobs = Vec::new();
     for commit in ["b178a3c", "1dda039"] {
         let folder = verl_folder_for(commit);
@@ -301,13 +304,18 @@ fn verl_example_command_lines_pass_or_are_refused_in_one_named_line() {
         let workers = 4;
         let handles: Vec<_> = (0..workers)
             .map(|w| {
-                let jobs = &jobs;
+                let (jobs, sdks) = (&jobs, &sdks);
                 s.spawn(move || {
                     let mut out = Vec::new();
                     for (i, job) in jobs.iter().enumerate().skip(w).step_by(workers) {
                         let mut args = vec!["config".to_string(), "check".to_string()];
                         args.extend(job.args.iter().cloned());
-                        let o = bin().args(&args).current_dir(&job.cwd).output().unwrap();
+                        let o = bin()
+                            .args(&args)
+                            .current_dir(&job.cwd)
+                            .env("PYTHONPATH", sdks)
+                            .output()
+                            .unwrap();
                         out.push((i, judge(&job.entry, o.status.success(), &text(&o).1)));
                     }
                     out
