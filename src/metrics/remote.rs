@@ -17,7 +17,9 @@
 //!
 //! Environment: `MAIN_PPO_TRACKER_TIMEOUT_S` (longest one call may take before the worker is
 //! declared hung, default 120), `MAIN_PPO_TRACKER_FLUSH_S` (longest the final flush may take,
-//! default 120), `MAIN_PPO_TRACKER_INIT_S` (longest opening the run may take, default 300).
+//! default 120), `MAIN_PPO_TRACKER_INIT_S` (longest opening the run may take, default 300),
+//! `MAIN_PPO_TRACKER_CONNECT_S` (longest an http(s) MLflow server's address may take to accept a
+//! connection before the run is opened, default 10: MLflow's own retries would wait minutes).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, Write};

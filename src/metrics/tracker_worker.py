@@ -146,10 +146,41 @@ class Swanlab:
         self.sdk.finish()
 
 
+# How long the MLflow server's address may take to accept a connection at start-up.
+CONNECT_TIMEOUT_S = float(os.environ.get("MAIN_PPO_TRACKER_CONNECT_S", "10"))
+
+
+def reachable(uri):
+    """Raises naming `uri` when an http(s) tracking server does not accept a TCP connection
+    within CONNECT_TIMEOUT_S. MLflow's client retries a refused request with growing pauses for
+    minutes before it gives up; a server that is down or a mistyped port is said at once instead.
+    Skipped for other stores and when a proxy serves the host (the SDK connects through it)."""
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    u = urllib.parse.urlsplit(uri)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return
+    if urllib.request.getproxies().get(u.scheme) and not urllib.request.proxy_bypass(u.hostname):
+        return
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        socket.create_connection((u.hostname, port), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ConnectionError(
+            f"the MLflow tracking server at {uri} cannot be reached ({exc}; waited at most "
+            f"{CONNECT_TIMEOUT_S:g} s, MAIN_PPO_TRACKER_CONNECT_S): start it, or set "
+            "MLFLOW_TRACKING_URI to a server that answers or to a local store (sqlite:///<file>)"
+        ) from None
+
+
 class Mlflow:
     def __init__(self, sdk, req):
         self.sdk = sdk
-        sdk.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", "sqlite:////tmp/mlruns.db"))
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:////tmp/mlruns.db")
+        reachable(uri)
+        sdk.set_tracking_uri(uri)
         run_id = req.get("resume_id") or os.environ.get("MLFLOW_RUN_ID")
         if run_id:
             self.run = sdk.start_run(run_id=run_id)

@@ -160,6 +160,52 @@ fn a_missing_tracker_sdk_fails_at_start_up_naming_the_package() {
     assert!(!dir.path().join("checkpoints").exists());
 }
 
+/// An MLflow tracking server that does not answer (nothing listens on its port): the run stops
+/// at start-up within seconds, naming `MLFLOW_TRACKING_URI` and its value. The fake SDK waits
+/// in `set_experiment` as MLflow's client does while it retries a refused connection (minutes);
+/// before, the run waited out `MAIN_PPO_TRACKER_INIT_S` (300 s by default) and then named no URI.
+#[test]
+fn an_unreachable_mlflow_server_fails_at_once_naming_the_uri() {
+    let dir = tempfile::tempdir().unwrap();
+    let pkg = dir.path().join("fake_sdk/mlflow");
+    std::fs::create_dir_all(&pkg).unwrap();
+    std::fs::write(
+        pkg.join("__init__.py"),
+        "import time\ndef set_tracking_uri(uri): pass\ndef set_experiment(name):\n    time.sleep(3600)\n",
+    )
+    .unwrap();
+    // A port nothing listens on: bound, then released.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let uri = format!("http://127.0.0.1:{port}");
+    let t0 = std::time::Instant::now();
+    let out = train(
+        dir.path(),
+        &["trainer.logger=[console,mlflow]"],
+        &[
+            (
+                "PYTHONPATH",
+                dir.path().join("fake_sdk").display().to_string(),
+            ),
+            ("MLFLOW_TRACKING_URI", uri.clone()),
+            ("MAIN_PPO_TRACKER_INIT_S", "60".into()),
+        ],
+    );
+    let secs = t0.elapsed().as_secs_f64();
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(secs < 40.0, "took {secs:.1} s: {stderr}");
+    assert!(
+        stderr.contains(&format!("MLFLOW_TRACKING_URI={uri}"))
+            && stderr.contains("cannot be reached"),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("step:"), "{stdout}");
+}
+
 /// A tracker worker that dies (SIGKILL) or stops answering at step 2: training finishes with
 /// the metrics of a run without trackers, one warning, and comparable step times.
 #[test]
