@@ -4,8 +4,10 @@
 //!
 //! The target is never one of the inputs: it may not be, lie inside or contain the checkpoint,
 //! the adapter or the base model; an existing non-empty target is replaced only with
-//! `--force`. The model is written into a hidden folder beside the target and renamed into
-//! place, so an interrupted merge leaves no half-written model under the target's name.
+//! `--force`. The model is written into a hidden folder beside the target, made before anything
+//! is loaded (a target that cannot be written is refused at once), and renamed into place, so an
+//! interrupted merge leaves no half-written model under the target's name; what a killed merge
+//! left beside the target is cleaned by the next merge into it.
 
 use std::path::{Component, Path, PathBuf};
 
@@ -57,9 +59,15 @@ pub fn run(args: &MergeArgs) -> anyhow::Result<()> {
     }
     let source = merge::resolve(&args.local_dir, args.base.as_deref())
         .map_err(|r| usage(r.flag, r.error.to_string()))?;
+    // First what killed merges into the target left (a target moved aside is put back, and
+    // then checked as any other).
+    clean_leftovers(&args.target_dir);
     check_target(&args.target_dir, &inputs(args, &source), args.force)?;
+    // The hidden folder is made before anything is loaded: a target that cannot be written is
+    // refused now, not after the merge.
+    let partial = Partial::create(&args.target_dir)?;
     let merged = merge::merge(&source)?;
-    write_in_place(&args.target_dir, |dir| merge::save(&merged, dir))?;
+    partial.commit(|dir| merge::save(&merged, dir))?;
     println!("merged: {}", merged.summary);
     println!("wrote {}", args.target_dir.display());
     Ok(())
@@ -175,46 +183,171 @@ fn check_target(
     Ok(())
 }
 
-/// Runs `write` into a hidden folder beside `target` and renames it into place (replacing an
-/// existing `target`, which [`check_target`] has allowed); on a failure the hidden folder is
-/// removed and `target` is left as it was.
-fn write_in_place(
-    target: &Path,
-    write: impl FnOnce(&Path) -> Result<(), crate::model::ModelError>,
-) -> anyhow::Result<()> {
-    let io = |p: &Path, e: std::io::Error| anyhow::anyhow!("{}: {e}", p.display());
-    let parent = match target.parent().filter(|p| !p.as_os_str().is_empty()) {
-        Some(p) => p.to_path_buf(),
-        None => PathBuf::from("."),
-    };
-    std::fs::create_dir_all(&parent).map_err(|e| io(&parent, e))?;
-    let name = target.file_name().expect("checked").to_string_lossy();
-    let pid = std::process::id();
-    let partial = parent.join(format!(".{name}.merging-{pid}"));
-    let _ = std::fs::remove_dir_all(&partial);
-    if let Err(e) = write(&partial) {
-        let _ = std::fs::remove_dir_all(&partial);
-        return Err(e.into());
-    }
-    let old = parent.join(format!(".{name}.replaced-{pid}"));
-    let had_target = target.exists();
-    if had_target {
-        std::fs::rename(target, &old).map_err(|e| {
-            let _ = std::fs::remove_dir_all(&partial);
-            io(target, e)
-        })?;
-    }
-    if let Err(e) = std::fs::rename(&partial, target) {
-        if had_target {
-            let _ = std::fs::rename(&old, target);
+/// The hidden folder a merge writes into, `.<target name>.merging-<pid>` beside the target,
+/// renamed into place by [`Partial::commit`]; dropped uncommitted (an error, a panic), it is
+/// removed. A merge killed before it finished leaves its folder (and, killed between the two
+/// renames of a replacement, the replaced target as `.<name>.replaced-<pid>`): the next merge
+/// into that target removes the first and puts the second back ([`clean_leftovers`]).
+struct Partial {
+    target: PathBuf,
+    parent: PathBuf,
+    name: String,
+    dir: PathBuf,
+    committed: bool,
+}
+
+impl Partial {
+    /// Creates the hidden folder beside `target` (and the folders above it); a place that
+    /// cannot be written is refused naming `--target_dir`, the target and the OS error.
+    fn create(target: &Path) -> Result<Self, ConfigError> {
+        let parent = match target.parent().filter(|p| !p.as_os_str().is_empty()) {
+            Some(p) => p.to_path_buf(),
+            None => PathBuf::from("."),
+        };
+        let refuse = |e: std::io::Error| {
+            usage(
+                "--target_dir",
+                format!(
+                    "{}: cannot write in {}: {e}",
+                    target.display(),
+                    parent.display()
+                ),
+            )
+        };
+        std::fs::create_dir_all(&parent).map_err(refuse)?;
+        let name = target
+            .file_name()
+            .expect("check_target names a folder")
+            .to_string_lossy()
+            .into_owned();
+        let dir = parent.join(format!(".{name}.merging-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).map_err(refuse)?;
+        // Replacing a folder renames it aside: that needs the folder itself writable too.
+        if target.is_dir() {
+            let probe = target.join(format!(".main_ppo-merge-probe-{}", std::process::id()));
+            let r = std::fs::write(&probe, b"").and_then(|_| std::fs::remove_file(&probe));
+            if let Err(e) = r {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(usage(
+                    "--target_dir",
+                    format!("{}: cannot replace it: {e}", target.display()),
+                ));
+            }
         }
-        let _ = std::fs::remove_dir_all(&partial);
-        return Err(io(target, e));
+        Ok(Partial {
+            target: target.to_path_buf(),
+            parent,
+            name,
+            dir,
+            committed: false,
+        })
     }
-    if had_target {
-        std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+
+    /// Runs `write` into the hidden folder and renames it into place (replacing an existing
+    /// target, which [`check_target`] has allowed); on a failure the hidden folder is removed
+    /// and the target is left as it was. Errors name the target.
+    fn commit(
+        mut self,
+        write: impl FnOnce(&Path) -> Result<(), crate::model::ModelError>,
+    ) -> anyhow::Result<()> {
+        let target = self.target.clone();
+        let failed = |e: &dyn std::fmt::Display| {
+            anyhow::anyhow!("writing the merged model to {}: {e}", target.display())
+        };
+        write(&self.dir).map_err(|e| failed(&e))?;
+        let old = self
+            .parent
+            .join(format!(".{}.replaced-{}", self.name, std::process::id()));
+        let had_target = target.exists();
+        if had_target {
+            std::fs::rename(&target, &old).map_err(|e| failed(&e))?;
+        }
+        if let Err(e) = std::fs::rename(&self.dir, &target) {
+            if had_target {
+                let _ = std::fs::rename(&old, &target);
+            }
+            return Err(failed(&e));
+        }
+        self.committed = true;
+        if had_target {
+            std::fs::remove_dir_all(&old).map_err(|e| anyhow::anyhow!("{}: {e}", old.display()))?;
+        }
+        Ok(())
     }
-    Ok(())
+}
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Whether process `pid` is running (or exists under another user).
+fn alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: signal 0 only checks that the process exists.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// What merges into `target` that were killed left beside it: their hidden folders
+/// `.<name>.merging-<pid>` are removed, and a target one moved aside to `.<name>.replaced-<pid>`
+/// is put back when the target is missing (it was killed between the two renames), else
+/// removed. Folders of a merge still running are left alone.
+fn clean_leftovers(target: &Path) {
+    let (Some(parent), Some(name)) = (target.parent(), target.file_name()) else {
+        return;
+    };
+    let parent = if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    };
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    let name = name.to_string_lossy();
+    let prefix = format!(".{name}.");
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = file.strip_prefix(&prefix) else {
+            continue;
+        };
+        let (kind, pid) = match rest.split_once('-') {
+            Some((k @ ("merging" | "replaced"), pid)) => match pid.parse::<u32>() {
+                Ok(pid) => (k, pid),
+                Err(_) => continue,
+            },
+            _ => continue,
+        };
+        if pid == std::process::id() || alive(pid) {
+            continue;
+        }
+        let path = e.path();
+        if kind == "replaced" && !target.exists() {
+            match std::fs::rename(&path, target) {
+                Ok(()) => tracing::warn!(
+                    "{}: put back from {}, where a merge (process {pid}) that was killed while replacing it had moved it",
+                    target.display(),
+                    path.display()
+                ),
+                Err(e) => tracing::warn!("{}: cannot put it back: {e}", path.display()),
+            }
+            continue;
+        }
+        match std::fs::remove_dir_all(&path) {
+            Ok(()) => tracing::info!(
+                "removed {}, left by a merge (process {pid}) that did not finish",
+                path.display()
+            ),
+            Err(e) => tracing::warn!("{}: cannot remove it: {e}", path.display()),
+        }
+    }
 }
 
 #[cfg(test)]

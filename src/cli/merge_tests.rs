@@ -240,6 +240,137 @@ fn merge_refuses_targets_that_touch_inputs_and_missing_bases() {
     assert_eq!(after, before);
 }
 
+/// A target that cannot be written is refused before anything is loaded, naming `--target_dir`
+/// and the target (not the hidden folder the merge writes into): here its folder is a file (and,
+/// when not run as root, a read-only folder) and the adapter's weights are garbage, so that an
+/// error about them would mean the merge had started. Before, the merge loaded and folded
+/// everything first and then failed on the folder, naming neither the flag nor the target.
+#[test]
+fn merge_refuses_an_unwritable_target_before_loading() {
+    let root = tempfile::tempdir().unwrap();
+    let (_base, actor) = lora_checkpoint(root.path());
+    std::fs::write(
+        actor.join("lora_adapter/adapter_model.safetensors"),
+        b"garbage",
+    )
+    .unwrap();
+    let step = actor.parent().unwrap().to_path_buf();
+    let file = root.path().join("a_file");
+    std::fs::write(&file, "x").unwrap();
+    let mut targets = vec![file.join("merged")];
+    // SAFETY: reads the process's effective user id.
+    if unsafe { libc::geteuid() } != 0 {
+        let ro = root.path().join("read_only");
+        std::fs::create_dir(&ro).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).unwrap();
+        targets.push(ro.join("merged"));
+    }
+    for target in targets {
+        let e = refused(&args(&step, &target));
+        assert!(
+            e.starts_with("--target_dir")
+                && e.contains(&format!("{}: cannot write in", target.display()))
+                && !e.contains("merging-"),
+            "{e}"
+        );
+    }
+    assert!(!names(root.path()).iter().any(|n| n.starts_with('.')));
+}
+
+/// The pid of a process that has ended.
+fn dead_pid() -> u32 {
+    let mut c = std::process::Command::new("true").spawn().unwrap();
+    let pid = c.id();
+    c.wait().unwrap();
+    pid
+}
+
+/// What a killed merge left beside its target is cleaned by the next merge into it: its hidden
+/// folder `.<name>.merging-<pid>` is removed, and a target it had moved aside
+/// (`.<name>.replaced-<pid>`, killed between the two renames) is put back, and then refused as
+/// any existing folder without `--force`. A running merge's folder is left alone. Before, the
+/// hidden folders stayed forever and a target moved aside was never put back.
+#[test]
+fn merge_cleans_what_a_killed_merge_left() {
+    let root = tempfile::tempdir().unwrap();
+    let (_base, actor) = lora_checkpoint(root.path());
+    let step = actor.parent().unwrap().to_path_buf();
+    let out = root.path().join("out");
+    let dead = dead_pid();
+    let stale = root.path().join(format!(".out.merging-{dead}"));
+    std::fs::create_dir(&stale).unwrap();
+    std::fs::write(stale.join("model.safetensors"), "half").unwrap();
+    let mut running = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let live = root.path().join(format!(".out.merging-{}", running.id()));
+    std::fs::create_dir(&live).unwrap();
+    run(&args(&step, &out)).unwrap();
+    assert!(out.join("model.safetensors").is_file());
+    assert!(!stale.exists(), "a killed merge's folder stays");
+    assert!(live.exists(), "a running merge's folder was removed");
+    running.kill().unwrap();
+    running.wait().unwrap();
+    // Killed between moving the old target aside and renaming the new one into place.
+    let kept = root.path().join("kept");
+    let aside = root.path().join(format!(".kept.replaced-{dead}"));
+    std::fs::create_dir(&aside).unwrap();
+    std::fs::write(aside.join("keep.txt"), "mine").unwrap();
+    let half = root.path().join(format!(".kept.merging-{dead}"));
+    std::fs::create_dir(&half).unwrap();
+    let e = refused(&args(&step, &kept));
+    assert!(
+        e.contains(&kept.display().to_string()) && e.contains("--force"),
+        "{e}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(kept.join("keep.txt")).unwrap(),
+        "mine"
+    );
+    assert!(!aside.exists() && !half.exists());
+}
+
+/// An adapter folder's problems are reported as themselves: invalid JSON in
+/// `adapter_config.json` names that file (before: "names no base model", the JSON being
+/// unreadable), and an `r` that disagrees with the tensors names `adapter_model.safetensors`,
+/// the tensor, its rank and `r` (before: a bare shape error naming neither the file nor `r`).
+#[test]
+fn merge_names_a_broken_adapter_config_and_a_wrong_r() {
+    let root = tempfile::tempdir().unwrap();
+    let (_base, actor) = lora_checkpoint(root.path());
+    let step = actor.parent().unwrap().to_path_buf();
+    let cfg_path = actor.join("lora_adapter/adapter_config.json");
+    let text = std::fs::read_to_string(&cfg_path).unwrap();
+    std::fs::write(&cfg_path, &text[..text.len() / 2]).unwrap();
+    let e = refused(&args(&step, &root.path().join("n1")));
+    assert!(
+        e.starts_with("--local_dir")
+            && e.contains("adapter_config.json")
+            && e.contains("not valid JSON")
+            && !e.contains("base"),
+        "{e}"
+    );
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+    cfg["r"] = serde_json::json!(2);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let e = format!(
+        "{:#}",
+        run(&args(&step, &root.path().join("n2"))).unwrap_err()
+    );
+    assert!(
+        e.contains("adapter_model.safetensors")
+            && e.contains("rank 4")
+            && e.contains("`r` in")
+            && e.contains("is 2"),
+        "{e}"
+    );
+    assert!(!names(root.path())
+        .iter()
+        .any(|n| n.starts_with('.') || n.starts_with('n')));
+}
+
 /// verl's spelling (`--local_dir`, `--target_dir`, `--backend fsdp`, `--hf_model_path`) and the
 /// dashed one both parse.
 #[test]

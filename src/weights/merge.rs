@@ -125,6 +125,9 @@ pub fn resolve(local_dir: &Path, base: Option<&str>) -> Result<Source, Refused> 
     let Some((adapter, checkpoint, role)) = lora else {
         return Ok(whole_model(&dir, &bad)?);
     };
+    // The adapter's settings first: a broken adapter_config.json is what to fix, not the base
+    // it may fail to name.
+    peft::read_adapter_config(&adapter)?;
     let (base, base_from) = match (base, peft::adapter_base(&adapter)) {
         (Some(b), _) => (b.to_string(), "--base".to_string()),
         (None, Some(b)) => (

@@ -589,7 +589,7 @@ pub fn assign_adapter(
     tensors: &HashMap<String, Tensor>,
     source: &Path,
 ) -> std::result::Result<(), ModelError> {
-    super::hf::assign(adapters, tensors, source)?;
+    super::hf::assign(adapters, tensors, source).map_err(|e| rank_disagreement(e, source))?;
     let data = adapters.data().lock().expect("varmap lock");
     let mut stray: Vec<&String> = tensors
         .keys()
@@ -603,6 +603,40 @@ pub fn assign_adapter(
         ));
     }
     Ok(())
+}
+
+/// A shape error of an adapter tensor whose rank side differs from the rank the variables were
+/// made with (`r` of `adapter_config.json`), said as that: the file, the tensor, its rank and
+/// `r`. Other errors pass unchanged.
+fn rank_disagreement(e: ModelError, source: &Path) -> ModelError {
+    let ModelError::Shape {
+        name,
+        expected,
+        found,
+    } = &e
+    else {
+        return e;
+    };
+    // lora_A is [r, in], lora_B [out, r].
+    let side = match name {
+        n if n.contains(".lora_A.") => 0,
+        n if n.contains(".lora_B.") => 1,
+        _ => return e,
+    };
+    let (Some(r), Some(got)) = (expected.get(side), found.get(side)) else {
+        return e;
+    };
+    if r == got || expected.len() != found.len() {
+        return e;
+    }
+    let dir = adapter_dir(source).unwrap_or_else(|_| source.to_path_buf());
+    ModelError::file(
+        &dir.join("adapter_model.safetensors"),
+        format!(
+            "tensor `{name}` has rank {got} (shape {found:?}), but `r` in {} is {r}: the weights and their adapter_config.json disagree (set `r` to the rank the adapter was trained with)",
+            dir.join("adapter_config.json").display()
+        ),
+    )
 }
 
 /// The adapter variables as PEFT's tensors, in the model's dtype.
