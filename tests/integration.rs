@@ -1589,8 +1589,9 @@ fn budgets_beyond_any_or_the_models_context_are_refused() {
 /// give it: `critic.model.tokenizer_path` interpolates the actor's model path; training
 /// stopped before step 1 on it, naming no key), a critic tokenizer folder without a tokenizer,
 /// a misspelled logger (`wandbb`), a logger whose SDK the interpreter cannot import, and a
-/// teacher model path that does not exist (training failed only after the policy loaded).
-/// Before, `config check` passed every refused case.
+/// teacher model path that does not exist (training failed only after the policy loaded), and
+/// a tool config entry without `class_name` (both said "reward configuration" and exited 1,
+/// naming no key). Before, `config check` passed every other refused case.
 #[test]
 fn config_check_and_training_agree_on_every_pre_flight_case() {
     use main_ppo::model::{Arch, ModelArgs};
@@ -1610,6 +1611,9 @@ fn config_check_and_training_agree_on_every_pre_flight_case() {
     )
     .unwrap();
     let teacher = "distillation.teacher_models.teacher_model.model_path";
+    let tools = dir.path().join("tools.yaml");
+    std::fs::write(&tools, "tools:\n  - config: {type: native}\n").unwrap();
+    let tool_key = "actor_rollout_ref.rollout.multi_turn.tool_config_path";
     // (case, its arguments, refused: (exit status, words every message holds)).
     type Case<'a> = (&'a str, Vec<String>, Option<(i32, Vec<&'a str>)>);
     let cases: Vec<Case> = vec![
@@ -1647,6 +1651,14 @@ fn config_check_and_training_agree_on_every_pre_flight_case() {
                 format!("{teacher}=/no/such/teacher"),
             ],
             Some((2, vec![teacher, "/no/such/teacher does not exist"])),
+        ),
+        (
+            "tool config entry without class_name",
+            vec![
+                "actor_rollout_ref.rollout.multi_turn.enable=True".into(),
+                format!("{tool_key}={}", tools.display()),
+            ],
+            Some((2, vec![tool_key, "tools[0] has no `class_name`"])),
         ),
     ];
     for (name, extra, refused) in cases {

@@ -55,7 +55,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     } else {
         candle_core::DType::F32
     };
-    let (mut model, tok) = setup::load_policy_as(cfg, &device, dtype)?;
+    let (mut model, tok) = setup::load_policy_as(cfg, &device, dtype).map_err(super::lift)?;
     // verl's main_generation runs the rollout engine: `rollout.dtype` sets the products.
     model.model.set_exec(setup::exec(cfg, setup::Role::Rollout));
     crate::config::data::check_model_context(
@@ -89,7 +89,8 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         t0.elapsed().as_secs_f64()
     );
     let template = tok.template(model_cfg.custom_chat_template.as_deref())?;
-    let ds = setup::generation_prompts(cfg, prompt_len, &args.input, &tok, &template)?;
+    let ds = setup::generation_prompts(cfg, prompt_len, &args.input, &tok, &template)
+        .map_err(super::lift)?;
     let r = &cfg.actor_rollout_ref.rollout;
     let mut params = SamplingParams::train(r, response_len, &tok.eos_token_ids);
     if let Some(b) = args.batch_size {

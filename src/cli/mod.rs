@@ -309,7 +309,7 @@ fn train_on(
     natives: &crate::reward::NativeRegistry,
     comm: crate::dist::Comm,
 ) -> anyhow::Result<()> {
-    use crate::trainer::{FitOutcome, Trainer, TrainerError, TrainerOptions};
+    use crate::trainer::{FitOutcome, Trainer, TrainerOptions};
     let plan = config::resolve(&loaded.config)?;
     let stop = stop_on_signals();
     let opts = TrainerOptions {
@@ -317,11 +317,6 @@ fn train_on(
         stop,
         tracker: None,
         comm,
-    };
-    // Configuration errors keep their own type (exit status 2).
-    let lift = |e: TrainerError| match e {
-        TrainerError::Config(c) => anyhow::Error::from(c),
-        other => anyhow::Error::from(other),
     };
     let mut trainer = Trainer::with_plan(loaded.config, plan, opts).map_err(lift)?;
     tracing::info!(
@@ -378,4 +373,13 @@ fn stop_on_signals() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
         flag
     })
     .clone()
+}
+
+/// A trainer error for the CLI's edge: a configuration error keeps its own type (exit status 2,
+/// as `config check` and training report it alike).
+pub(crate) fn lift(e: crate::trainer::TrainerError) -> anyhow::Error {
+    match e {
+        crate::trainer::TrainerError::Config(c) => anyhow::Error::from(c),
+        other => anyhow::Error::from(other),
+    }
 }

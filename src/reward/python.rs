@@ -14,6 +14,10 @@
 //! Each worker leads a process group of its own; killing a worker kills its group, so processes
 //! the function started end with it (when it is replaced, and when the pool is dropped). If
 //! main_ppo itself dies, the bridge notices within half a second and kills its group.
+//!
+//! Loading the user's code (the reward function's file here, the tools in `tools.rs`) may take
+//! `MAIN_PPO_WORKER_LOAD_S` seconds (default 120; [`load_timeout`]): a file whose imports are
+//! slower (a large library on a network file system) needs more.
 
 use std::io::{BufRead, BufReader, PipeWriter, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -37,6 +41,30 @@ const BRIDGE: &str = concat!(
 /// `tool_bridge.py` open the same numbers.
 const REQUEST_FD: RawFd = 3;
 const REPLY_FD: RawFd = 4;
+
+/// The variable that sets [`load_timeout`].
+pub const LOAD_TIMEOUT_VAR: &str = "MAIN_PPO_WORKER_LOAD_S";
+
+/// How long a Python worker may take to import and load the user's code (a reward function, the
+/// tools): `MAIN_PPO_WORKER_LOAD_S` seconds when set to a positive number, else 120; an
+/// unreadable value is said once.
+pub fn load_timeout() -> Duration {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    let Ok(v) = std::env::var(LOAD_TIMEOUT_VAR) else {
+        return Duration::from_secs(120);
+    };
+    match v.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Duration::from_secs_f64(s),
+        _ => {
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    "{LOAD_TIMEOUT_VAR}={v:?} is not a positive number of seconds; 120 s is used"
+                )
+            });
+            Duration::from_secs(120)
+        }
+    }
+}
 
 /// Which function to run and how.
 #[derive(Debug, Clone, PartialEq)]
@@ -360,7 +388,8 @@ impl Worker {
         w.send(&load).map_err(|e| {
             RewardError::Config(format!("the Python worker exited at start-up: {e}"))
         })?;
-        match w.proc.rx.recv_timeout(Duration::from_secs(120)) {
+        let limit = load_timeout();
+        match w.proc.rx.recv_timeout(limit) {
             Ok(Line::Msg(m)) if m["ok"] == json!(true) => {
                 w.is_async = m["async"] == json!(true);
                 Ok(w)
@@ -380,8 +409,9 @@ impl Worker {
                 )))
             }
             Err(_) => Err(RewardError::Config(format!(
-                "loading {} took more than 120 s",
-                func.path
+                "loading {} took more than {} s ({LOAD_TIMEOUT_VAR})",
+                func.path,
+                limit.as_secs_f64()
             ))),
         }
     }

@@ -4,8 +4,8 @@
 # stderr into main_ppo's log. main_ppo makes this process the leader of a process group of its
 # own and kills that group when a call runs past its timeout.
 #
-# A call follows verl's ToolAgentLoop._call_tool: an unknown name or arguments that are not JSON
-# become a message for the model (reward 0.0); a function tool is called with the arguments; a
+# A call follows verl's ToolAgentLoop._call_tool: an unknown name, arguments that are not JSON or
+# not a JSON object become a message for the model (reward 0.0); a function tool is called with the arguments; a
 # BaseTool gets create / execute / release; an exception becomes "Error executing tool ...".
 import asyncio
 import importlib
@@ -974,6 +974,16 @@ async def run_call(tools, function_tool_cls, name, arguments, create_kwargs):
         args = json.loads(arguments)
     except (json.JSONDecodeError, TypeError) as exc:
         return f"Invalid JSON in arguments for '{name}': {exc}", 0.0, {}, None
+    if not isinstance(args, dict):
+        # An array or a bare value: said as such to the model, where calling the tool with it
+        # would show the model a Python error about mappings.
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(args), "a number")
+        return (
+            f"Invalid arguments for '{name}': expected a JSON object of parameter names and values, got {kind}",
+            0.0,
+            {},
+            None,
+        )
     tool = tools[name]
     try:
         if isinstance(tool, function_tool_cls):

@@ -12,6 +12,11 @@
 //! queue, so up to `num_workers` calls run at once. A call that runs past the timeout, or a
 //! worker that dies, costs that call only: the worker's group is killed, the call's outcome is
 //! a named error, and a fresh worker takes the next call.
+//!
+//! Loading the tools may take `MAIN_PPO_WORKER_LOAD_S` seconds (default 120,
+//! [`super::python::load_timeout`]). A tool whose reward is not a finite number (NaN, ±inf)
+//! has it left out (verl would pass it on into `tool_rewards`): the call counts as a tool error
+//! and the first such reward is logged as a warning.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,8 +27,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
-use super::python::{BridgeProcess, Line};
-use super::RewardError;
+use super::python::{load_timeout, BridgeProcess, Line, LOAD_TIMEOUT_VAR};
 use crate::rollout::agent::{ToolCall, ToolOutcome, ToolRunner};
 
 const TOOL_BRIDGE: &str = concat!(
@@ -34,9 +38,6 @@ const TOOL_BRIDGE: &str = concat!(
 
 /// The largest tool text a worker sends back unless configured otherwise (1 MiB).
 pub const DEFAULT_MAX_OUTPUT_BYTES: usize = 1 << 20;
-
-/// How long a worker may take to import and instantiate the tools.
-const LOAD_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// How often a waiting worker thread checks whether the pool is being dropped.
 const POLL: Duration = Duration::from_millis(50);
@@ -87,6 +88,8 @@ struct Shared {
     load: Value,
     /// Set when the pool is dropped: calls in flight end at once.
     stop: AtomicBool,
+    /// Set once a non-finite tool reward has been logged.
+    warned_non_finite: AtomicBool,
     queue: Mutex<Receiver<Job>>,
 }
 
@@ -107,12 +110,41 @@ impl std::fmt::Debug for ToolPool {
     }
 }
 
-fn config_error(msg: String) -> RewardError {
-    RewardError::Config(msg)
+/// Which setting a [`ToolError::Config`] is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolSetting {
+    /// [`ToolSource::tool_config_path`]: the file, an entry, a tool class.
+    ToolConfigPath,
+    /// [`ToolSource::function_tool_path`]: the file or one of its functions.
+    FunctionToolPath,
+    /// [`ToolPoolSettings::python`]: the interpreter.
+    Python,
+}
+
+/// Why the tools did not start.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ToolError {
+    /// Fixed in the configuration or the files it names (a bad entry, a class that does not
+    /// import, an interpreter that does not start); the message names the file and entry.
+    #[error("{message}")]
+    Config {
+        setting: ToolSetting,
+        message: String,
+    },
+    /// A worker ended while loading, or loading took too long.
+    #[error("{0}")]
+    Failed(String),
+}
+
+fn config_error(msg: String) -> ToolError {
+    ToolError::Config {
+        setting: ToolSetting::ToolConfigPath,
+        message: msg,
+    }
 }
 
 /// One entry of the tool config's `tools:` list, checked and reduced to what the worker needs.
-fn tool_entry(path: &Path, i: usize, entry: &Value) -> Result<Value, RewardError> {
+fn tool_entry(path: &Path, i: usize, entry: &Value) -> Result<Value, ToolError> {
     let at = format!("{}: tools[{i}]", path.display());
     let obj = entry
         .as_object()
@@ -163,7 +195,7 @@ fn tool_entry(path: &Path, i: usize, entry: &Value) -> Result<Value, RewardError
 }
 
 /// The `tools:` entries of verl's tool config file at `path`.
-fn read_tool_config(path: &Path) -> Result<Vec<Value>, RewardError> {
+fn read_tool_config(path: &Path) -> Result<Vec<Value>, ToolError> {
     let shown = path.display();
     let text = std::fs::read_to_string(path)
         .map_err(|e| config_error(format!("cannot read the tool config {shown}: {e}")))?;
@@ -185,7 +217,7 @@ fn read_tool_config(path: &Path) -> Result<Vec<Value>, RewardError> {
 }
 
 /// The `load` message: the checked tool entries and where everything came from.
-fn load_message(src: &ToolSource, s: &ToolPoolSettings) -> Result<Value, RewardError> {
+fn load_message(src: &ToolSource, s: &ToolPoolSettings) -> Result<Value, ToolError> {
     let tools = match &src.tool_config_path {
         Some(p) => read_tool_config(p)?,
         None => Vec::new(),
@@ -205,43 +237,59 @@ fn spawn_worker(
     s: &ToolPoolSettings,
     load: &Value,
     id: usize,
-) -> Result<(BridgeProcess, Vec<Value>), RewardError> {
+) -> Result<(BridgeProcess, Vec<Value>), ToolError> {
     let mut proc =
         BridgeProcess::start(&s.python, TOOL_BRIDGE, "tool worker", id).map_err(|e| {
-            config_error(format!(
-                "cannot start the Python interpreter `{}` for tools: {e}",
-                s.python
-            ))
+            ToolError::Config {
+                setting: ToolSetting::Python,
+                message: format!(
+                    "cannot start the Python interpreter `{}` for tools: {e}",
+                    s.python
+                ),
+            }
         })?;
     proc.send(load)
-        .map_err(|e| config_error(format!("the tool worker exited at start-up: {e}")))?;
-    match proc.rx.recv_timeout(LOAD_TIMEOUT) {
+        .map_err(|e| ToolError::Failed(format!("the tool worker exited at start-up: {e}")))?;
+    let limit = load_timeout();
+    match proc.rx.recv_timeout(limit) {
         Ok(Line::Msg(m)) if m["ok"] == json!(true) => {
             let schemas = m["schemas"].as_array().cloned().unwrap_or_default();
             Ok((proc, schemas))
         }
-        Ok(Line::Msg(m)) => Err(config_error(format!(
-            "cannot load the tools{}: {}\n{}",
-            m["where"]
-                .as_str()
-                .map(|w| format!(" ({w})"))
-                .unwrap_or_default(),
-            m["error"]
-                .as_str()
-                .or(m["protocol_error"].as_str())
-                .unwrap_or("unknown error"),
-            m["traceback"].as_str().unwrap_or("").trim_end()
-        ))),
+        Ok(Line::Msg(m)) => {
+            let place = m["where"].as_str();
+            // The function tools' file, or the tool config (an entry, or the shims before it).
+            let setting = match place {
+                Some(w) if w.starts_with("function_tool_path ") => ToolSetting::FunctionToolPath,
+                _ if load["tool_config_path"].is_null() => ToolSetting::FunctionToolPath,
+                _ => ToolSetting::ToolConfigPath,
+            };
+            Err(ToolError::Config {
+                setting,
+                message: format!(
+                    "cannot load the tools{}: {}\n{}",
+                    place.map(|w| format!(" ({w})")).unwrap_or_default(),
+                    m["error"]
+                        .as_str()
+                        .or(m["protocol_error"].as_str())
+                        .unwrap_or("unknown error"),
+                    m["traceback"].as_str().unwrap_or("").trim_end()
+                ),
+            })
+        }
         Ok(Line::Eof) | Err(RecvTimeoutError::Disconnected) => {
             let status = proc.kill();
-            Err(config_error(format!(
+            Err(ToolError::Failed(format!(
                 "the tool worker exited while loading the tools ({status})"
             )))
         }
-        Err(RecvTimeoutError::Timeout) => Err(config_error(format!(
-            "loading the tools took more than {} s",
-            LOAD_TIMEOUT.as_secs()
-        ))),
+        Err(RecvTimeoutError::Timeout) => {
+            proc.kill();
+            Err(ToolError::Failed(format!(
+                "loading the tools took more than {} s ({LOAD_TIMEOUT_VAR})",
+                limit.as_secs_f64()
+            )))
+        }
     }
 }
 
@@ -249,12 +297,12 @@ impl ToolPool {
     /// Reads the tool config, starts the workers and loads the tools in each. A bad config, a
     /// class that cannot be imported or instantiated, an unusable function tool or a tool name
     /// used twice fails here, naming the file and entry.
-    pub fn start(src: &ToolSource, s: ToolPoolSettings) -> Result<Self, RewardError> {
+    pub fn start(src: &ToolSource, s: ToolPoolSettings) -> Result<Self, ToolError> {
         let load = load_message(src, &s)?;
         let n = s.num_workers.max(1);
         // One first, so that a broken tool fails once, not n times.
         let (first, schemas) = spawn_worker(&s, &load, 0)?;
-        let rest: Vec<Result<(BridgeProcess, Vec<Value>), RewardError>> =
+        let rest: Vec<Result<(BridgeProcess, Vec<Value>), ToolError>> =
             std::thread::scope(|scope| {
                 let handles: Vec<_> = (1..n)
                     .map(|id| {
@@ -266,7 +314,7 @@ impl ToolPool {
                     .into_iter()
                     .map(|h| {
                         h.join().unwrap_or_else(|_| {
-                            Err(config_error(
+                            Err(ToolError::Failed(
                                 "a tool worker start-up thread panicked".into(),
                             ))
                         })
@@ -282,6 +330,7 @@ impl ToolPool {
             settings: s,
             load,
             stop: AtomicBool::new(false),
+            warned_non_finite: AtomicBool::new(false),
             queue: Mutex::new(rx),
         });
         let mut pool = ToolPool {
@@ -297,7 +346,7 @@ impl ToolPool {
     }
 
     /// Starts the thread that feeds calls to worker `id`.
-    fn spawn_thread(&mut self, id: usize, proc: BridgeProcess) -> Result<(), RewardError> {
+    fn spawn_thread(&mut self, id: usize, proc: BridgeProcess) -> Result<(), ToolError> {
         let shared = Arc::clone(&self.shared);
         let slot = Slot {
             id,
@@ -307,7 +356,7 @@ impl ToolPool {
         let handle = std::thread::Builder::new()
             .name(format!("tool-worker-{id}"))
             .spawn(move || worker_loop(slot, &shared))
-            .map_err(|e| config_error(format!("cannot start a tool worker thread: {e}")))?;
+            .map_err(|e| ToolError::Failed(format!("cannot start a tool worker thread: {e}")))?;
         self.threads.push(handle);
         Ok(())
     }
@@ -400,14 +449,27 @@ fn failed(call: &ToolCall, why: Failure) -> ToolOutcome {
     }
 }
 
-/// The outcome a worker's reply describes.
-fn outcome(call: &ToolCall, m: &Value) -> ToolOutcome {
-    let reward = match &m["reward"] {
+/// The outcome a worker's reply describes. A reward that is not a finite number is left out
+/// and makes the call an error (the first one of the pool is logged as a warning: `warned`).
+fn outcome(call: &ToolCall, m: &Value, warned: &AtomicBool) -> ToolOutcome {
+    let mut reward = match &m["reward"] {
         Value::Number(n) => n.as_f64(),
         // A non-finite reward arrives as Python prints it ("nan", "inf", "-inf").
         Value::String(s) => s.parse::<f64>().ok(),
         _ => None,
     };
+    let mut error = m["error"].as_str().map(str::to_string);
+    if let Some(r) = reward.filter(|r| !r.is_finite()) {
+        let why = format!(
+            "tool '{}' returned the reward {r}, not a finite number: it is left out of tool_rewards and agent/tool_reward/mean, and the call counts as a tool error",
+            call.name
+        );
+        if !warned.swap(true, Ordering::SeqCst) {
+            tracing::warn!(target: "main_ppo::reward", "{why} (said once)");
+        }
+        reward = None;
+        error = error.or(Some(why));
+    }
     if let Some(metrics) = m["metrics"].as_object().filter(|m| !m.is_empty()) {
         let shown = Value::Object(metrics.clone());
         tracing::debug!(target: "main_ppo::reward", "tool '{}' metrics: {shown}", call.name);
@@ -416,7 +478,7 @@ fn outcome(call: &ToolCall, m: &Value) -> ToolOutcome {
         key: call.key,
         text: m["text"].as_str().unwrap_or("").to_string(),
         reward,
-        error: m["error"].as_str().map(str::to_string),
+        error,
     }
 }
 
@@ -465,7 +527,7 @@ impl Slot {
         };
         let request = json!({"op": "call", "id": id, "name": call.name, "arguments": call.arguments, "create_kwargs": kwargs});
         match self.exchange(&request, id, shared) {
-            Ok(reply) => outcome(call, &reply),
+            Ok(reply) => outcome(call, &reply, &shared.warned_non_finite),
             Err(why) => {
                 let out = failed(call, why);
                 tracing::warn!(target: "main_ppo::reward", "tool worker {}: {}", self.id, out.error.as_deref().unwrap_or(""));

@@ -701,6 +701,98 @@ class SandboxTool(BaseTool):
     assert_eq!(failed.text, "no\n");
 }
 
+/// Arguments that are JSON but not an object (an array, a string, a number) are answered as
+/// such, as invalid JSON is: a message for the model, reward 0, not a tool error. Before, the
+/// function tool was called with them and the model read Python's "argument after ** must be a
+/// mapping, not list".
+#[test]
+fn arguments_that_are_not_a_json_object_are_named_as_such() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = function_pool(dir.path(), 1, 30.0);
+    let out = run_all(
+        &pool,
+        vec![
+            call(0, "add", "[1, 2]", json!({})),
+            call(1, "add", r#""a""#, json!({})),
+            call(2, "add", "3", json!({})),
+        ],
+    );
+    for (o, kind) in out.iter().zip(["an array", "a string", "a number"]) {
+        assert_eq!(
+            o.text,
+            format!("Invalid arguments for 'add': expected a JSON object of parameter names and values, got {kind}")
+        );
+        assert_eq!((o.reward, &o.error), (Some(0.0), &None));
+    }
+}
+
+/// A tool whose reward is NaN or infinite: the reward is left out and the call is a tool error
+/// naming the tool and the value; a finite reward passes. Before, NaN went on into
+/// `tool_rewards` (and so into `agent/tool_reward/mean` and the reward function's extra_info,
+/// where JSON turned it into null) without a word.
+#[test]
+fn a_non_finite_tool_reward_is_left_out_and_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(
+        dir.path(),
+        "rewards.py",
+        "from verl.tools.function_tool import function_tool\n\n@function_tool\ndef score(x: str) -> str:\n    \"\"\"Scores.\n\n    Args:\n        x: A float as text.\n    \"\"\"\n    return 'ok', float(x)\n",
+    );
+    let pool = ToolPool::start(&source(None, Some(&f)), settings(1, 30.0)).unwrap();
+    let out = run_all(
+        &pool,
+        vec![
+            call(0, "score", r#"{"x": "nan"}"#, json!({})),
+            call(1, "score", r#"{"x": "-inf"}"#, json!({})),
+            call(2, "score", r#"{"x": "0.25"}"#, json!({})),
+        ],
+    );
+    for (o, shown) in out.iter().zip(["NaN", "-inf"]) {
+        assert_eq!((o.text.as_str(), o.reward), ("ok", None));
+        let e = o.error.as_deref().unwrap_or("");
+        assert!(
+            e.contains("tool 'score' returned the reward")
+                && e.contains(shown)
+                && e.contains("not a finite number"),
+            "{e}"
+        );
+    }
+    assert_eq!((out[2].reward, &out[2].error), (Some(0.25), &None));
+}
+
+/// A tool file whose import takes longer than `MAIN_PPO_WORKER_LOAD_S` fails at start-up naming
+/// the limit and the variable (the limit was a fixed, undocumented 120 s). Run in a child
+/// process of this test binary, so that the variable is set for it alone.
+#[test]
+fn the_tool_load_limit_is_set_by_its_variable() {
+    if std::env::var_os("MAIN_PPO_TEST_SLOW_TOOL").is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "reward::tools::tests::the_tool_load_limit_is_set_by_its_variable",
+                "--nocapture",
+            ])
+            .env("MAIN_PPO_TEST_SLOW_TOOL", "1")
+            .env(LOAD_TIMEOUT_VAR, "1.5")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{text}");
+        assert!(text.contains("1 passed"), "{text}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(dir.path(), "slow.py", "import time\ntime.sleep(30)\n");
+    let t0 = Instant::now();
+    let e = ToolPool::start(&source(None, Some(&f)), settings(1, 30.0)).unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(15), "{:?}", t0.elapsed());
+    assert_eq!(
+        e,
+        ToolError::Failed("loading the tools took more than 1.5 s (MAIN_PPO_WORKER_LOAD_S)".into())
+    );
+}
+
 fn start_error(dir: &Path, yaml: &str, functions: Option<&str>) -> String {
     let cfg = write(dir, "tools.yaml", yaml);
     let f = functions.map(|code| write(dir, "fns.py", code));

@@ -20,7 +20,7 @@ use crate::data::AgentRendering;
 use crate::data::{ChatTemplate, PromptDataset, TokenizerBundle};
 use crate::metrics::Tracker;
 use crate::model::{CausalLm, Exec};
-use crate::reward::tools::{ToolPool, ToolPoolSettings, ToolSource};
+use crate::reward::tools::{ToolError, ToolPool, ToolPoolSettings, ToolSetting, ToolSource};
 use crate::reward::{ModelContext, NativeRegistry, RewardManager};
 use crate::rollout::agent::{AgentContext, AgentSettings, NoTools, ToolRunner};
 use crate::util::expand_home;
@@ -653,10 +653,26 @@ pub fn tool_runner(cfg: &Config) -> Result<Arc<dyn ToolRunner>> {
         timeout: std::time::Duration::from_secs_f64(mt.tool_timeout_s),
         max_output_bytes: mt.tool_output_limit(),
     };
-    let pool = ToolPool::start(&src, settings).map_err(|e| {
-        TrainerError::Other(format!(
-            "starting the tools of actor_rollout_ref.rollout.multi_turn: {e}"
-        ))
+    let pool = ToolPool::start(&src, settings).map_err(|e| match e {
+        // A usage error naming the key, as config check reports it (exit 2).
+        ToolError::Config { setting, message } => {
+            let key = match setting {
+                ToolSetting::ToolConfigPath => {
+                    "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+                }
+                ToolSetting::FunctionToolPath => {
+                    "actor_rollout_ref.rollout.multi_turn.function_tool_path"
+                }
+                ToolSetting::Python => "reward.python",
+            };
+            TrainerError::Config(ConfigError::Value {
+                key: key.into(),
+                message,
+            })
+        }
+        ToolError::Failed(m) => TrainerError::Other(format!(
+            "starting the tools of actor_rollout_ref.rollout.multi_turn: {m}"
+        )),
     })?;
     Ok(Arc::new(pool))
 }
