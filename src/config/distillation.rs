@@ -244,6 +244,12 @@ pub(super) fn rules(
             ));
         }
     }
+    if l.distillation_loss_coef < 0.0 {
+        errors.push(format!(
+            "`{K}.distillation_loss.distillation_loss_coef` is {}: it must be >= 0 (a negative weight would train the student away from its teacher; 0 keeps only the task's loss)",
+            l.distillation_loss_coef
+        ));
+    }
     if l.loss_max_clamp.is_some_and(|c| c < 0.0) {
         errors.push(format!(
             "`{K}.distillation_loss.loss_max_clamp` must be >= 0 (the loss is clamped to [-c, c])"

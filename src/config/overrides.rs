@@ -283,11 +283,16 @@ pub fn check_nesting(text: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// A YAML parser message, with its nesting limit said in words.
+/// A YAML parser message, with its limits said in words: nesting, and aliases that expand to
+/// far more than the text holds (an "alias bomb", refused by the parser before it expands).
 pub fn yaml_message(e: &serde_yaml_ng::Error) -> String {
     let m = e.to_string();
     if m.contains("recursion limit exceeded") {
         format!("{m}: the value nests more than {MAX_DEPTH} levels deep")
+    } else if m.contains("repetition limit exceeded") {
+        format!(
+            "{m}: its aliases (`*name`) repeat anchored values (`&name`) so often that the document would expand to far more values than it holds (an alias bomb); refused before expanding it. Write the values out, or repeat anchors less"
+        )
     } else {
         m
     }

@@ -1321,6 +1321,24 @@ fn distillation_rules() {
         e.contains("policy_loss_mode") && e.contains("vanilla"),
         "{e}"
     );
+    // A negative distillation_loss_coef is refused naming it (it was accepted silently); 0 is
+    // fine.
+    let e = rule_error(&[
+        on,
+        path,
+        "distillation.distillation_loss.distillation_loss_coef=-5",
+    ]);
+    assert!(
+        e.contains("distillation.distillation_loss.distillation_loss_coef` is -5")
+            && e.contains(">= 0"),
+        "{e}"
+    );
+    assert!(resolved(&[
+        on,
+        path,
+        "distillation.distillation_loss.distillation_loss_coef=0"
+    ])
+    .is_ok());
     let e = err(&[on, path, "distillation.distillation_loss.loss_mode=k4"]);
     assert!(
         e.contains("distillation.distillation_loss.loss_mode"),
@@ -1537,4 +1555,42 @@ fn negative_turn_limits_warn_and_a_negative_output_limit_is_refused() {
     }
     let e = err(&[&format!("{mt}.max_tool_output_bytes=-1")]);
     assert!(e.contains("max_tool_output_bytes"), "{e}");
+}
+
+/// A YAML "alias bomb" (each anchor's list repeats the previous one nine times: 9^12 values
+/// from a few hundred bytes) is refused, in a config file and in a tool config, saying what it
+/// is and naming the file. Before, the parser's words alone: "repetition limit exceeded".
+#[test]
+fn a_yaml_alias_bomb_is_refused_in_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut text = String::from("a: &a [x, x, x, x, x, x, x, x, x]\n");
+    for i in 1..12u8 {
+        let (name, prev) = ((b'a' + i) as char, (b'a' + i - 1) as char);
+        let refs = vec![format!("*{prev}"); 9].join(", ");
+        text.push_str(&format!("{name}: &{name} [{refs}]\n"));
+    }
+    let path = dir.path().join("bomb.yaml");
+    std::fs::write(&path, &text).unwrap();
+    let e = load(&ConfigSource::File(path.clone()), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("bomb.yaml") && e.contains("alias bomb") && e.contains("`*name`"),
+        "{e}"
+    );
+    let tools = dir.path().join("tools.yaml");
+    std::fs::write(&tools, format!("{text}tools: []\n")).unwrap();
+    let e = crate::reward::tools::ToolPool::start(
+        &crate::reward::tools::ToolSource {
+            tool_config_path: Some(tools),
+            function_tool_path: None,
+        },
+        Default::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("tools.yaml is not valid YAML") && e.contains("alias bomb"),
+        "{e}"
+    );
 }

@@ -199,8 +199,10 @@ fn read_tool_config(path: &Path) -> Result<Vec<Value>, ToolError> {
     let shown = path.display();
     let text = std::fs::read_to_string(path)
         .map_err(|e| config_error(format!("cannot read the tool config {shown}: {e}")))?;
-    let doc: Value = serde_yaml_ng::from_str(&text)
-        .map_err(|e| config_error(format!("the tool config {shown} is not valid YAML: {e}")))?;
+    let doc: Value = serde_yaml_ng::from_str(&text).map_err(|e| {
+        let e = crate::config::overrides::yaml_message(&e);
+        config_error(format!("the tool config {shown} is not valid YAML: {e}"))
+    })?;
     let list = match doc.get("tools") {
         Some(Value::Array(list)) => list,
         Some(_) => {
