@@ -1693,6 +1693,60 @@ fn config_check_and_training_agree_on_every_pre_flight_case() {
     }
 }
 
+/// Every file of a checkpoint (full, and LoRA with its adapter folder) gets the permissions a new
+/// file of the process gets (here umask 022: rw-r--r--), so that a group sharing a cluster
+/// folder can read the weights. Before, the safetensors files (weights, adapters, optimizer
+/// moments) were written rw------- (the safetensors crate writes through a private temporary
+/// file), unlike the JSON beside them.
+#[test]
+fn checkpoint_files_are_readable_as_any_new_file() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    fn walk(dir: &Path, out: &mut Vec<(PathBuf, u32)>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+            if p.is_dir() {
+                walk(&p, out);
+            }
+            out.push((p, mode));
+        }
+    }
+    for extra in [&[][..], &["actor_rollout_ref.model.lora_rank=4"][..]] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = tiny_run(dir.path(), 1, extra);
+        args.extend([
+            "trainer.save_freq=1".to_string(),
+            format!(
+                "trainer.default_local_dir={}",
+                dir.path().join("ckpt").display()
+            ),
+        ]);
+        let mut c = bin_in(dir.path());
+        c.args(&args);
+        // SAFETY: umask(2) only, in the child before it runs main_ppo.
+        unsafe {
+            c.pre_exec(|| {
+                libc::umask(0o022);
+                Ok(())
+            });
+        }
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{extra:?}: {}", text(&out).1);
+        let mut files = Vec::new();
+        walk(&dir.path().join("ckpt"), &mut files);
+        let weights = files
+            .iter()
+            .filter(|(p, _)| p.extension().is_some_and(|e| e == "safetensors"))
+            .count();
+        assert!(weights >= 2, "{extra:?}: {files:?}");
+        for (p, mode) in &files {
+            let want = if p.is_dir() { 0o755 } else { 0o644 };
+            assert_eq!(*mode, want, "{extra:?}: {} is {mode:o}", p.display());
+        }
+    }
+}
+
 /// A tiny random model with `positions` positions (`max_position_embeddings`), saved as an HF
 /// directory with the byte-level test tokenizer (one token per byte).
 fn tiny_model_with_context(dir: &Path, positions: usize) {

@@ -534,7 +534,8 @@ impl AdamW {
                 );
             }
         }
-        candle_core::safetensors::save(&map, dir.join("optim.safetensors"))?;
+        crate::weights::save_safetensors(&map, &dir.join("optim.safetensors"))
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let meta = Meta {
             step: self.step,
             betas: self.betas,

@@ -473,8 +473,7 @@ pub fn save_dir(
     if shards.len() == 1 {
         let p = dir.join("model.safetensors");
         let map: HashMap<String, Tensor> = shards.pop().expect("one").into_iter().collect();
-        candle_core::safetensors::save(&map, &p)
-            .map_err(|e| ModelError::file(&p, e.to_string()))?;
+        super::save_safetensors(&map, &p)?;
     } else {
         let n = shards.len();
         let mut weight_map = serde_json::Map::new();
@@ -487,8 +486,7 @@ pub fn save_dir(
             }
             let p = dir.join(&name);
             let map: HashMap<String, Tensor> = shard.into_iter().collect();
-            candle_core::safetensors::save(&map, &p)
-                .map_err(|e| ModelError::file(&p, e.to_string()))?;
+            super::save_safetensors(&map, &p)?;
         }
         let idx = dir.join("model.safetensors.index.json");
         let v = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});

@@ -218,6 +218,36 @@ pub fn check_all_finite(
         .try_for_each(|n| check_finite(file, n, &tensors[n]))
 }
 
+/// The umask of this process, from `/proc/self/status` (read without changing it, which
+/// `umask(2)` would do for every thread); 0o022 where that file does not say.
+fn umask() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Umask:"))
+                .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        })
+        .unwrap_or(0o022)
+}
+
+/// Writes `tensors` as a safetensors file at `path`, with the permissions a new file of this
+/// process gets (0o666 less the umask), as `std::fs::write` gives the JSON beside it. The
+/// safetensors crate writes through a temporary file that is readable by its owner only and
+/// renames it into place: checkpoint and merged weights were then unreadable to the group a
+/// shared cluster folder is for.
+pub fn save_safetensors<S: AsRef<str> + Ord + std::fmt::Display>(
+    tensors: &std::collections::HashMap<S, candle_core::Tensor>,
+    path: &Path,
+) -> Result<(), ModelError> {
+    use std::os::unix::fs::PermissionsExt;
+    candle_core::safetensors::save(tensors, path)
+        .map_err(|e| ModelError::file(path, e.to_string()))?;
+    let mode = 0o666 & !umask();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| ModelError::file(path, e.to_string()))
+}
+
 /// `org/name` that is no local path and no `.gguf` file: a model-hub id.
 pub fn is_hub_id(path: &str) -> bool {
     let expanded = crate::util::expand_home(path);

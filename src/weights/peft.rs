@@ -362,7 +362,7 @@ pub fn save_adapter(
     std::fs::write(&cfg, serde_json::to_string_pretty(config).expect("json"))
         .map_err(|e| ModelError::file(&cfg, e.to_string()))?;
     let p = dir.join("adapter_model.safetensors");
-    candle_core::safetensors::save(tensors, &p).map_err(|e| ModelError::file(&p, e.to_string()))
+    super::save_safetensors(tensors, &p)
 }
 
 /// An adapter read from disk: its settings, tensors (PEFT names, on the CPU) and the modules
