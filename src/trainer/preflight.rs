@@ -192,6 +192,14 @@ fn critic_tokenizer(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
         return Ok(());
     }
     let folder = std::path::PathBuf::from(crate::util::expand_home(path));
+    let actor_path =
+        super::setup::tokenizer_override(cfg).unwrap_or(&cfg.actor_rollout_ref.model.path);
+    if same_place(path, actor_path) {
+        // The actor's own tokenizer (verl's older config folders set the critic's
+        // tokenizer_path to the actor's model path): checked, or left to loading, as the
+        // actor's.
+        return Ok(());
+    }
     if key == "critic.model.path" && folder.is_dir() && !folder.join("tokenizer.json").is_file() {
         // The model's own folder without a tokenizer: as for the actor's, left to loading
         // (`config check` says the prompt lengths were not checked).
@@ -202,8 +210,6 @@ fn critic_tokenizer(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
         key: key.into(),
         message: format!("the critic's tokenizer: {e}"),
     })?;
-    let actor_path =
-        super::setup::tokenizer_override(cfg).unwrap_or(&cfg.actor_rollout_ref.model.path);
     if !is_local(actor_path) {
         return Ok(());
     }
@@ -223,6 +229,15 @@ fn critic_tokenizer(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
         });
     }
     Ok(())
+}
+
+/// Whether two configured paths name the same file or folder (after `~` and symlinks).
+fn same_place(a: &str, b: &str) -> bool {
+    let full = |p: &str| {
+        let p = std::path::PathBuf::from(crate::util::expand_home(p));
+        p.canonicalize().unwrap_or(p)
+    };
+    full(a) == full(b)
 }
 
 /// A local model folder or file (a `.gguf`), as opposed to a hub id.
