@@ -1344,7 +1344,15 @@ fn distillation_rules() {
         e.contains("distillation.distillation_loss.loss_mode"),
         "{e}"
     );
-    // Several teachers: `teacher_model` is dropped, each other entry needs a key, keys unique.
+}
+
+/// `distillation.*` with several teachers (verl 1dda039's DistillationConfig rules):
+/// `teacher_model` is dropped, each other entry needs a key, keys are unique; verl's
+/// inference-server keys have no effect.
+#[test]
+fn distillation_rules_for_several_teachers() {
+    let on = "distillation.enabled=True";
+    let path = "distillation.teacher_models.teacher_model.model_path=/m/teacher";
     let two = [
         on,
         path,

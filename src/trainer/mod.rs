@@ -200,31 +200,7 @@ impl Trainer {
         };
         // One GPU per rank of a node: `auto`/`cuda` take the local rank's.
         let device = crate::model::device_at(&cfg.trainer.device, opts.comm.local_rank())?;
-        if device.is_cpu() {
-            tracing::info!(
-                "CPU vector instructions: {}",
-                crate::kernels::cpu::describe()
-            );
-        }
-        // Which kernel serves bf16 products on the CPU, said once (MAIN_PPO_BF16_KERNEL=none
-        // keeps f32).
-        let bf16: Vec<&str> = [
-            (setup::Role::Actor, "actor"),
-            (setup::Role::Rollout, "rollout"),
-            (setup::Role::Reference, "reference"),
-            (setup::Role::Critic, "critic"),
-        ]
-        .into_iter()
-        .filter(|(r, _)| setup::exec(&cfg, *r).bf16)
-        .map(|(_, name)| name)
-        .collect();
-        if device.is_cpu() && !bf16.is_empty() {
-            let kernel = crate::kernels::bf16::describe();
-            match crate::kernels::bf16::available() {
-                true => tracing::info!("bf16 products ({}): {kernel}", bf16.join(", ")),
-                false => tracing::warn!("bf16 products asked for ({}): {kernel}", bf16.join(", ")),
-            }
-        }
+        setup::say_cpu_kernels(&cfg, &device);
         let setup::Policy {
             mut actor,
             tokenizer,

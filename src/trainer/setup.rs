@@ -916,6 +916,36 @@ pub fn tracker(
     Ok(tracker)
 }
 
+/// Says at start-up, on the CPU, which vector instructions the kernels use and which kernel
+/// serves the bf16 products of the roles that asked for them (`MAIN_PPO_BF16_KERNEL=none`
+/// keeps f32).
+pub(super) fn say_cpu_kernels(cfg: &Config, device: &Device) {
+    if !device.is_cpu() {
+        return;
+    }
+    tracing::info!(
+        "CPU vector instructions: {}",
+        crate::kernels::cpu::describe()
+    );
+    let bf16: Vec<&str> = [
+        (Role::Actor, "actor"),
+        (Role::Rollout, "rollout"),
+        (Role::Reference, "reference"),
+        (Role::Critic, "critic"),
+    ]
+    .into_iter()
+    .filter(|(r, _)| exec(cfg, *r).bf16)
+    .map(|(_, name)| name)
+    .collect();
+    if !bf16.is_empty() {
+        let kernel = crate::kernels::bf16::describe();
+        match crate::kernels::bf16::available() {
+            true => tracing::info!("bf16 products ({}): {kernel}", bf16.join(", ")),
+            false => tracing::warn!("bf16 products asked for ({}): {kernel}", bf16.join(", ")),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
