@@ -327,6 +327,17 @@ pub fn prune(root: &Path, part: &str, keep: Option<usize>) -> Result<(), Checkpo
     Ok(())
 }
 
+/// Deletes all but the newest `keep` checkpoints (verl's SFT layout: whole step folders).
+pub fn prune_steps(root: &Path, keep: Option<usize>) -> Result<(), CheckpointError> {
+    let Some(keep) = keep else { return Ok(()) };
+    let all = list(root);
+    let n = all.len();
+    for (_, dir) in all.into_iter().take(n.saturating_sub(keep.max(1))) {
+        std::fs::remove_dir_all(&dir).map_err(|e| io(&dir, e))?;
+    }
+    Ok(())
+}
+
 /// Puts `root` in the state of its last save that reached its commit record: a save cut short
 /// after the record (a crash or kill while moving folders or rewriting the tracker) is
 /// finished, so the checkpoint it wrote is the newest; folders of saves that never reached it

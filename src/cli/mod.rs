@@ -11,6 +11,7 @@ mod merge;
 mod plot;
 mod reference;
 mod reward;
+mod sft;
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -81,6 +82,9 @@ pub enum Command {
     /// Chart metrics of runs (the `file` logger's JSONL or TensorBoard logs) against the step:
     /// PNG and/or SVG, one line per run.
     Plot(plot::PlotArgs),
+    /// Supervised fine-tuning, configured like verl's `python -m verl.trainer.sft_trainer`
+    /// (sft_trainer_engine.yaml): multi-turn conversations with tools, loss on assistant tokens.
+    Sft(ConfigArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -95,13 +99,23 @@ pub enum RewardCommand {
 pub enum ConfigCommand {
     /// Validate the configuration, check that its files exist, and explain the batch arithmetic
     /// (loads no model).
-    Check(ConfigArgs),
+    Check(CheckArgs),
     /// Print the resolved configuration as YAML.
     Show(ConfigArgs),
     /// Print the configuration reference (Markdown): every key main_ppo knows, with its type,
     /// default, meaning and status here (implemented, no effect, refused unless default, legacy
     /// spelling). The book's page docs/src/reference/config.md is this output.
     Reference,
+}
+
+/// `config check`'s flags: the configuration, and which trainer reads it.
+#[derive(Debug, Clone, Default, Args)]
+pub struct CheckArgs {
+    /// Check a configuration of `main_ppo sft` (verl's SFT trainer) instead of the RL trainer's.
+    #[arg(long)]
+    pub sft: bool,
+    #[command(flatten)]
+    pub config: ConfigArgs,
 }
 
 impl ConfigArgs {
@@ -242,7 +256,11 @@ fn run(cli: Cli, natives: &crate::reward::NativeRegistry) -> anyhow::Result<bool
     match cli.command {
         None => train(&cli.config, natives).map(|_| true),
         Some(Command::Train(args)) => train(&args, natives).map(|_| true),
-        Some(Command::Config(ConfigCommand::Check(args))) => check::run(&args).map(|_| true),
+        Some(Command::Config(ConfigCommand::Check(a))) if a.sft => {
+            sft::check(&a.config).map(|_| true)
+        }
+        Some(Command::Config(ConfigCommand::Check(a))) => check::run(&a.config).map(|_| true),
+        Some(Command::Sft(args)) => sft::run(&args).map(|_| true),
         Some(Command::Config(ConfigCommand::Show(args))) => {
             print!("{}", args.load()?.config.to_yaml());
             Ok(true)

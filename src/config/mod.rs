@@ -30,6 +30,7 @@ pub mod reward;
 pub mod rollout;
 pub mod rollout_corr;
 mod schema;
+pub mod sft;
 pub mod trainer;
 pub mod tree;
 
@@ -56,6 +57,7 @@ pub use rollout::{
     AgentConfig, AgentLoopName, CustomAsyncServerConfig, MultiTurnConfig, RolloutConfig,
     SamplingConfig, SanityCheckMode, ToolFormat, TruncateSide,
 };
+pub use sft::{load_sft, resolve_sft, LoadedSft, SftConfig, SftPlan, SftTruncation};
 pub use trainer::{LegacyWorkerImpl, ResumeMode, TrainerConfig};
 
 use crate::defaults;

@@ -15,6 +15,7 @@ pub mod loader;
 pub mod numpy_rng;
 pub mod read;
 pub mod sample;
+pub mod sft;
 pub mod template;
 pub mod tokenizer;
 

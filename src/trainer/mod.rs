@@ -31,6 +31,7 @@ mod phases;
 pub mod preflight;
 pub mod rollout_corr;
 pub mod setup;
+pub mod sft;
 mod state;
 mod step_metrics;
 pub mod teacher;

@@ -16,7 +16,7 @@ pub mod hub;
 pub mod merge;
 pub mod peft;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::model::{ModelArgs, ModelError};
 
@@ -31,11 +31,29 @@ mod props;
 #[cfg(test)]
 mod tests;
 
+/// The HF model folder a local model path names: the folder itself, or the `huggingface/`
+/// folder of a checkpoint given as its step folder (`global_step_N/`: an SFT checkpoint, or an
+/// RL checkpoint's `actor/`) when that holds full weights. Anything else is read as given (a
+/// LoRA checkpoint is then refused saying what to pass instead).
+pub fn checkpoint_model_dir(p: &Path) -> PathBuf {
+    if !p.is_dir() || p.join("config.json").is_file() {
+        return p.to_path_buf();
+    }
+    for role in [p.to_path_buf(), p.join("actor")] {
+        let hf_dir = role.join("huggingface");
+        if hf_dir.join("config.json").is_file() && hf::has_weights(&hf_dir) {
+            return hf_dir;
+        }
+    }
+    p.to_path_buf()
+}
+
 /// The tokenizer of a model path as [`load_model_and_tokenizer`] would read it (an HF folder's
 /// tokenizer files, a GGUF file's metadata, a hub id's folder), without reading any weights.
 pub fn load_tokenizer(path: &str) -> Result<crate::data::TokenizerBundle, ModelError> {
     let expanded = crate::util::expand_home(path);
-    let p = Path::new(&expanded);
+    let dir = checkpoint_model_dir(Path::new(&expanded));
+    let p = dir.as_path();
     if p.is_file() && expanded.ends_with(".gguf") {
         let (_, content) = gguf::open(p)?;
         return gguf::tokenizer(&content, p);
@@ -103,7 +121,8 @@ fn load_both(
     with_lm_head: bool,
 ) -> Result<(hf::Loaded, crate::data::TokenizerBundle), ModelError> {
     let expanded = crate::util::expand_home(path);
-    let p = Path::new(&expanded);
+    let dir = checkpoint_model_dir(Path::new(&expanded));
+    let p = dir.as_path();
     let tok_from = |fallback: Option<crate::data::TokenizerBundle>| -> Result<crate::data::TokenizerBundle, ModelError> {
         match tokenizer_path {
             // An HF folder, a `.gguf` file (its own tokenizer) or a hub id, as a model's.
