@@ -11,6 +11,8 @@ mod dist;
 mod docs;
 /// The hybrid model families through the CLI (chat fixtures of transformers, their GGUF).
 mod families;
+/// `main_ppo sft`: verl's SFT example command lines.
+mod sft;
 /// The remote trackers (wandb, MLflow, ...) through their SDKs.
 mod trackers;
 /// verl's example command lines and config folder.
