@@ -257,7 +257,7 @@ pub struct LoadedSft {
 /// Keys of verl's SFT config with no effect here beyond the RL compat table's: data-loader
 /// workers and shared memory, the profiler, DP token balancing, trainer sections of the
 /// cluster.
-const SFT_NO_EFFECT: &[&str] = &[
+pub const SFT_NO_EFFECT: &[&str] = &[
     "profiler",
     "data.num_workers",
     "data.use_shm",
