@@ -903,13 +903,7 @@ pub fn tracker(
         &t.experiment_name,
         Some(&remote),
     )
-    .map_err(|e| match e {
-        // Refused as `config check` refuses it (a usage error).
-        crate::metrics::remote::StartError::Config(m) => {
-            TrainerError::Config(ConfigError::Invalid(vec![m]))
-        }
-        crate::metrics::remote::StartError::Failed(m) => TrainerError::Other(m),
-    })?;
+    .map_err(tracker_start_error)?;
     for w in warnings {
         tracing::warn!("{w}");
     }
@@ -943,6 +937,17 @@ pub(super) fn say_cpu_kernels(cfg: &Config, device: &Device) {
             true => tracing::info!("bf16 products ({}): {kernel}", bf16.join(", ")),
             false => tracing::warn!("bf16 products asked for ({}): {kernel}", bf16.join(", ")),
         }
+    }
+}
+
+/// A tracker that cannot start: a configuration the environment cannot run is refused as
+/// `config check` refuses it (a usage error), a backend that failed to open its run is not.
+pub(super) fn tracker_start_error(e: crate::metrics::remote::StartError) -> TrainerError {
+    match e {
+        crate::metrics::remote::StartError::Config(m) => {
+            TrainerError::Config(ConfigError::Invalid(vec![m]))
+        }
+        crate::metrics::remote::StartError::Failed(m) => TrainerError::Other(m),
     }
 }
 

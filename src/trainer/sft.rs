@@ -274,7 +274,7 @@ impl SftTrainer {
             &tr.experiment_name,
             Some(&remote),
         )
-        .map_err(TrainerError::Other)?;
+        .map_err(super::setup::tracker_start_error)?;
         for w in warnings {
             tracing::warn!("{w}");
         }
