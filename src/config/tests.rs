@@ -1003,14 +1003,23 @@ fn mixed_precision_keys_take_verls_spellings_and_refuse_fp16() {
 
 /// Every config shipped in `configs/` loads, and every run config passes the rules (a broken
 /// YAML or a renamed key there would otherwise only show when a user runs it); ppo_trainer.yaml
-/// is the defaults, which leave the micro-batch sizes to the user as verl's do.
+/// is the defaults, which leave the micro-batch sizes to the user as verl's do. SFT configs
+/// (`*_sft_*.yaml`) are `main_ppo sft`'s and checked by its schema.
 #[test]
 fn every_shipped_config_loads_and_resolves() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs");
     let mut seen = 0;
     for e in std::fs::read_dir(&dir).unwrap() {
         let p = e.unwrap().path();
-        if p.extension().is_some_and(|x| x == "yaml") {
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        if name.ends_with(".yaml") && name.contains("_sft_") {
+            // `main_ppo sft`'s configs: its schema and rules.
+            let l = crate::config::load_sft(Some(&p), &[])
+                .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            crate::config::resolve_sft(&l.config)
+                .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            seen += 1;
+        } else if p.extension().is_some_and(|x| x == "yaml") {
             let l = crate::config::load(&crate::config::ConfigSource::File(p.clone()), &[])
                 .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
             if !p.ends_with("ppo_trainer.yaml") {

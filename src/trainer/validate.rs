@@ -20,9 +20,11 @@ use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
 
+use super::batch::TurnStats;
 use super::dumps::write_jsonl;
 use super::phases::{add_turns_to_requests, rollout_rows, turn_stats};
 use super::phases::{decode, requests};
+use super::step_metrics;
 use super::{Result, Trainer};
 use crate::data::numpy_rng::RandomState;
 use crate::metrics::Metrics;
@@ -259,6 +261,21 @@ pub fn validation_metrics(samples: &[ValSample], seed: u32) -> Metrics {
     m
 }
 
+/// The agent loop's metrics over a validation's conversations, under `val-aux/`: verl's
+/// `val-aux/num_turns/{min,max,mean}` and the step's `agent/*` shares (tool-call share, parsed
+/// share of call blocks, failed share of run calls, the model's own tokens) for the validation
+/// set, so that a `val_only` run measures how a checkpoint uses its tools.
+fn val_agent_metrics(m: &mut Metrics, turns: &[TurnStats]) {
+    let mut agent = Metrics::new();
+    step_metrics::agent_metrics(&mut agent, turns);
+    for (k, v) in agent {
+        if k.starts_with("timing_s/") || k == "num_turns/std" {
+            continue;
+        }
+        m.insert(format!("val-aux/{k}"), v);
+    }
+}
+
 /// Which `log_val_generations` rows verl's `_maybe_log_val_generations` shows: the rows sorted
 /// by input text (stable), shuffled by NumPy's legacy `RandomState(42).shuffle`, the first
 /// `n`. Returns indices into `rows`.
@@ -299,6 +316,7 @@ impl Trainer {
         let indices: Vec<usize> = (0..ds.len()).collect();
         let mut scored = Vec::new();
         let mut dumps = Vec::new();
+        let mut all_turns = Vec::new();
         for (i, chunk) in indices.chunks(per_batch).enumerate() {
             if i > 0 {
                 self.check_stop("validation", self.global_step)?;
@@ -319,6 +337,7 @@ impl Trainer {
             });
             if let Some(turns) = &turns {
                 add_turns_to_requests(&mut reqs, turns);
+                all_turns.extend(turns.iter().cloned());
             }
             let rewards = self.reward.score(&reqs, &lens)?;
             for (k, r) in rewards.iter().enumerate() {
@@ -354,7 +373,10 @@ impl Trainer {
                 dumps.push(d);
             }
         }
-        let m = validation_metrics(&scored, BOOTSTRAP_SEED);
+        let mut m = validation_metrics(&scored, BOOTSTRAP_SEED);
+        if !all_turns.is_empty() {
+            val_agent_metrics(&mut m, &all_turns);
+        }
         let shown = val_generations(&dumps, self.cfg.trainer.log_val_generations);
         for &k in &shown {
             let d = &dumps[k];
@@ -406,6 +428,40 @@ mod tests {
         assert_eq!(got, ["in10", "in09", "in00", "in08", "in05"]);
         assert!(val_generations(&rows, 0).is_empty());
         assert_eq!(val_generations(&rows, 100).len(), 12);
+    }
+
+    /// Three tool-agent conversations, by hand: calls 2 / 0 / 1 with one malformed block in the
+    /// second and one failed call in the first; turns 6 / 3 / 4.
+    #[test]
+    fn validation_reports_the_agent_loops_shares_under_val_aux() {
+        let t = |num_turns, tool_calls, malformed_calls, tool_errors| TurnStats {
+            num_turns,
+            tool_agent: true,
+            tool_calls,
+            malformed_calls,
+            tool_errors,
+            model_tokens: 10 * num_turns,
+            tool_seconds: 0.5,
+            ..TurnStats::default()
+        };
+        let mut m = Metrics::new();
+        val_agent_metrics(&mut m, &[t(6, 2, 0, 1), t(3, 0, 1, 0), t(4, 1, 0, 0)]);
+        let get = |k: &str| {
+            m.get(k)
+                .copied()
+                .unwrap_or_else(|| panic!("{k} missing: {m:?}"))
+        };
+        assert_eq!(get("val-aux/num_turns/mean"), 13.0 / 3.0);
+        assert_eq!(get("val-aux/num_turns/max"), 6.0);
+        assert_eq!(get("val-aux/num_turns/min"), 3.0);
+        // Every row wrote a call block (parsed or not); 3 of 4 blocks parsed; 1 of 3 run calls failed.
+        assert_eq!(get("val-aux/agent/tool_call_ratio"), 1.0);
+        assert_eq!(get("val-aux/agent/tool_call_parse_ratio"), 0.75);
+        assert_eq!(get("val-aux/agent/tool_error_ratio"), 1.0 / 3.0);
+        assert_eq!(get("val-aux/agent/tool_calls/mean"), 1.0);
+        assert!(m
+            .keys()
+            .all(|k| k.starts_with("val-aux/") && !k.contains("timing_s")));
     }
 
     /// Printed by `scripts/val_metrics_reference.py` (NumPy 2.4.6's legacy RandomState, an
