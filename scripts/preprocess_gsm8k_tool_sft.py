@@ -20,7 +20,14 @@ message, as `preprocess_gsm8k_tool_agent.py --tools-in-system` does for RL promp
 
 Held-out rows come from the test split (`test.parquet`), converted the same way.
 
-    python3 scripts/preprocess_gsm8k_tool_sft.py --src ../shared/data/gsm8k --out ~/data/gsm8k_tool_sft [--calls-in-content]
+`--rl-out DIR` also writes the RL prompts of the same recipe (`DIR/{train,test}.parquet`, every
+row of both splits, in verl's order): the conversation's opening (the system message with the
+tool when `--calls-in-content`, the user turn) as `prompt`, `reward_model.ground_truth` for
+verl's gsm8k scorer, `agent_name: tool_agent`. The tool-agent GRPO recipe
+(`configs/gsm8k_tool_grpo_smollm2.yaml`) trains on them and the tool quickstart evaluates on
+them, so a model sees at rollout exactly the opening it saw in SFT.
+
+    python3 scripts/preprocess_gsm8k_tool_sft.py --src ../shared/data/gsm8k --out ~/data/gsm8k_tool_sft [--calls-in-content] [--rl-out ~/data/gsm8k_tool_calc]
 """
 import argparse
 import json
@@ -105,6 +112,36 @@ def conversation(question, answer, in_content):
     return messages
 
 
+def solution_of(answer):
+    m = re.search("#### (\\-?[0-9\\.\\,]+)", answer)
+    if m is None:
+        raise ValueError(f"no '#### <number>' in the answer: {answer[-80:]!r}")
+    return m.group(1).replace(",", "")
+
+
+def rl_prompts(rows, split, in_content):
+    """verl's RL rows for the tool agent loop: the SFT conversation's opening as the prompt."""
+    out = []
+    for i, row in enumerate(rows):
+        info = row.get("extra_info") or {}
+        question, answer = info.get("question"), info.get("answer")
+        if question is None or answer is None:
+            raise ValueError(f"{split} row {i}: extra_info has no raw question/answer")
+        prompt = [{"role": "system", "content": SYSTEM_TOOLS}] if in_content else []
+        prompt.append({"role": "user", "content": question + " " + INSTRUCTION})
+        out.append(
+            {
+                "data_source": "openai/gsm8k",
+                "agent_name": "tool_agent",
+                "prompt": prompt,
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": solution_of(answer)},
+                "extra_info": {"split": split, "index": i, "question": question, "answer": answer},
+            }
+        )
+    return out
+
+
 def convert(rows, split, in_content):
     out, dropped = [], 0
     for i, row in enumerate(rows):
@@ -128,6 +165,7 @@ def main():
     ap.add_argument("--src", default="../shared/data/gsm8k", help="verl's GSM8K parquet (extra_info keeps question and answer)")
     ap.add_argument("--out", default=os.path.expanduser("~/data/gsm8k_tool_sft"))
     ap.add_argument("--calls-in-content", action="store_true", help="for chat templates that render no tools or tool_calls")
+    ap.add_argument("--rl-out", help="also write the RL prompts (the conversations' openings) here")
     args = ap.parse_args()
     out_dir = os.path.expanduser(args.out)
     os.makedirs(out_dir, exist_ok=True)
@@ -144,6 +182,13 @@ def main():
         pq.write_table(pa.Table.from_pylist(out), path)
         calls = sum(sum(m["role"] == "tool" for m in r["messages"]) for r in out)
         print(f"{path}: {len(out)} conversations, {calls} calculator calls ({dropped} rows dropped: an annotation the calculator does not reproduce)")
+        if args.rl_out:
+            rl_dir = os.path.expanduser(args.rl_out)
+            os.makedirs(rl_dir, exist_ok=True)
+            rl = rl_prompts(rows, split, args.calls_in_content)
+            path = os.path.join(rl_dir, f"{split}.parquet")
+            pq.write_table(pa.Table.from_pylist(rl), path)
+            print(f"{path}: {len(rl)} RL prompts")
 
 
 if __name__ == "__main__":
