@@ -16,8 +16,9 @@ pub struct PlotArgs {
     pub runs: Vec<PathBuf>,
     /// Metrics to chart, comma-separated verl names (default: critic/score/mean, the
     /// val-core mean (acc or reward), the validation format rate
-    /// (val-aux/<source>/format/mean@N) if logged, response_length/mean,
-    /// actor/entropy, actor/kl_loss or actor/ppo_kl, timing_s/step).
+    /// (val-aux/<source>/format/mean@N) if logged, agent/tool_call_ratio,
+    /// response_length/mean, actor/entropy, actor/kl_loss or actor/ppo_kl, an SFT run's
+    /// train/loss and val/loss, timing_s/step).
     #[arg(long, value_delimiter = ',', value_name = "A,B,...")]
     pub metrics: Vec<String>,
     /// PNG to write (default: beside the first run, `<run>.png`, or `metrics.png` in a log

@@ -69,7 +69,8 @@ fn close_names(names: &[String]) -> String {
 
 /// The default panel, in order; a line lists alternatives (first present wins).
 const DEFAULT_PANEL: &str = "critic/score/mean, val-core/*/*/mean@*, val-aux/*/format/mean@* (else *format*), \
-                             response_length/mean, actor/entropy, actor/kl_loss|actor/ppo_kl, timing_s/step";
+                             agent/tool_call_ratio, response_length/mean, actor/entropy, actor/kl_loss|actor/ppo_kl, \
+                             train/loss, val/loss, timing_s/step";
 
 /// Every metric name of any run.
 fn all_keys(runs: &[Run]) -> BTreeSet<&str> {
@@ -88,8 +89,8 @@ fn run_list(runs: &[Run]) -> String {
 /// The default panel's metrics that these runs have: score mean, validation score (every
 /// `val-core/<source>/<var>/mean@N`: the core variable, `acc` or `reward`), a validation format
 /// rate if one is logged (`val-aux/<source>/format/mean@N`, else a `val-*` key naming
-/// `format`), response length, entropy, KL (`actor/kl_loss`, else
-/// `actor/ppo_kl`), seconds per step.
+/// `format`), the tool agent's call share, response length, entropy, KL (`actor/kl_loss`, else
+/// `actor/ppo_kl`), an SFT run's `train/loss` and `val/loss`, seconds per step.
 pub fn default_metrics(runs: &[Run]) -> Vec<String> {
     let keys = all_keys(runs);
     let mut out: Vec<String> = Vec::new();
@@ -135,9 +136,12 @@ pub fn default_metrics(runs: &[Run]) -> Vec<String> {
             out.push(k.to_string());
         }
     };
+    first(&["agent/tool_call_ratio"]);
     first(&["response_length/mean"]);
     first(&["actor/entropy"]);
     first(&["actor/kl_loss", "actor/ppo_kl"]);
+    first(&["train/loss"]);
+    first(&["val/loss"]);
     first(&["timing_s/step"]);
     out
 }
@@ -565,6 +569,39 @@ mod tests {
             "timing_s/step",
         ];
         assert_eq!(choose_metrics(&[run], None).unwrap(), strings(&want));
+    }
+
+    /// `main_ppo sft`'s metric names and a tool-agent run's call share, by hand from the
+    /// panel's rules (grad_norm and lr are not in it).
+    #[test]
+    fn default_panel_charts_sft_runs_and_tool_calls() {
+        let run = |keys: &[&str]| Run {
+            name: "r".into(),
+            source: PathBuf::from("r.jsonl"),
+            files: vec![PathBuf::from("r.jsonl")],
+            series: keys
+                .iter()
+                .map(|k| (k.to_string(), vec![(1, 0.5)]))
+                .collect(),
+        };
+        let sft = run(&["train/loss", "train/grad_norm", "train/lr", "val/loss"]);
+        assert_eq!(
+            default_metrics(&[sft]),
+            strings(&["train/loss", "val/loss"])
+        );
+        let agent = run(&[
+            "timing_s/step",
+            "agent/tool_call_ratio",
+            "critic/score/mean",
+        ]);
+        assert_eq!(
+            default_metrics(&[agent]),
+            strings(&[
+                "critic/score/mean",
+                "agent/tool_call_ratio",
+                "timing_s/step"
+            ])
+        );
     }
 
     #[test]

@@ -93,11 +93,20 @@ impl RolloutWorker {
                     .map(|(e, &i)| turn_stats(e, ds.agents[i]))
                     .collect(),
             );
+            // One line per step for the sanity check (the first conversation that differs, and
+            // how many did): a template that cannot render the calls differs on every row;
+            // the share is the step's agent/tokenization_mismatch_ratio.
+            let mismatched: Vec<(&str, usize)> = eps
+                .iter()
+                .zip(&rows)
+                .filter_map(|(e, &i)| Some((e.sanity_mismatch.as_deref()?, i)))
+                .collect();
+            if let Some(&(m, i)) = mismatched.first() {
+                let s = &ds.samples[i];
+                tracing::warn!("{} of {} conversations: the multi-turn token ids differ from the conversation tokenised at once (first: {}, row {}: {m}); check the chat template (actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode)", mismatched.len(), eps.len(), s.file, s.row);
+            }
             for (e, &i) in eps.iter().zip(&rows) {
                 let s = &ds.samples[i];
-                if let Some(m) = &e.sanity_mismatch {
-                    tracing::warn!("{}, row {}: the multi-turn token ids differ from the conversation tokenised at once ({m}); check the chat template (actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode)", s.file, s.row);
-                }
                 if let Some(err) = &e.error {
                     tracing::warn!(
                         "{}, row {}: the conversation ended early: {err}",
