@@ -95,6 +95,23 @@ def families():
         ),
         # Qwen2: q/k/v biases, tied embeddings.
         "qwen2": transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=10000.0),
+        # Seed-OSS: Llama's layer with q/k/v biases (attention_bias) and an o_proj bias of its
+        # own (attention_out_bias, on here; false in the published models), an explicit
+        # head_dim unlike hidden/heads, untied; its dropouts (0.1 as in the class defaults)
+        # act only in train mode, and the reference runs in eval mode.
+        "seed_oss": transformers.SeedOssConfig(
+            **common,
+            head_dim=16,
+            attention_bias=True,
+            attention_out_bias=True,
+            attention_dropout=0.1,
+            residual_dropout=0.1,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
+        ),
+        # MiMo: Qwen2's model (q/k/v biases, untied) plus two multi-token-prediction layers
+        # (num_nextn_predict_layers) that its forward never runs; see `mimo_mtp_layers`.
+        "mimo": mimo_config(common),
         # Qwen3: per-head q/k RMSNorm, an explicit head_dim unlike hidden/heads, no biases.
         "qwen3": transformers.Qwen3Config(
             **common, head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0
@@ -217,7 +234,44 @@ def families():
     }
 
 
+def mimo_config(common):
+    """MiMo's config: a Qwen2 config (MiMoConfig subclasses Qwen2Config) with
+    `num_nextn_predict_layers`. MiMo's modeling code is remote code in the hub's
+    XiaomiMiMo/MiMo-7B-* folders (modeling_mimo.py, not part of transformers, and the hub is
+    not reachable here), so the checkpoint is a transformers Qwen2 model with MiMo's MTP
+    modules attached under the names and shapes MiMo's checkpoints use (`mimo_mtp_layers`),
+    and config.json names MiMoForCausalLM / mimo (`make`)."""
+    cfg = transformers.Qwen2Config(**common, tie_word_embeddings=False, rope_theta=640000.0)
+    cfg.num_nextn_predict_layers = 2
+    return cfg
+
+
+def mimo_mtp_layers(cfg):
+    """MiMo's multi-token-prediction layers as its remote code builds them (MiMoMTPLayers of
+    modeling_mimo.py, XiaomiMiMo/MiMo-7B-RL): RMSNorms `token_layernorm` (of the next token's
+    embedding) and `hidden_layernorm` (of the main model's hidden state), `input_proj`
+    [hidden, 2·hidden] without bias over their concatenation, a Qwen2 decoder layer
+    (`input_layernorm`, `self_attn` with q/k/v biases, `post_attention_layernorm`, `mlp`) and
+    `final_layernorm`. MiMoModel keeps them in `mtp_layers` and its forward (Qwen2Model's)
+    never calls them: only their tensors matter here."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm
+
+    def one():
+        layer = torch.nn.Module()
+        h = cfg.hidden_size
+        for n in ("token_layernorm", "hidden_layernorm", "input_layernorm",
+                  "post_attention_layernorm", "final_layernorm"):
+            setattr(layer, n, Qwen2RMSNorm(h, eps=cfg.rms_norm_eps))
+        layer.input_proj = torch.nn.Linear(2 * h, h, bias=False)
+        layer.self_attn = Qwen2Attention(cfg, layer_idx=0)
+        layer.mlp = Qwen2MLP(cfg)
+        return layer
+
+    return torch.nn.ModuleList([one() for _ in range(cfg.num_nextn_predict_layers)])
+
+
 MODEL_CLASS = {
+    "SeedOssConfig": transformers.SeedOssForCausalLM,
     "Qwen3_5TextConfig": transformers.Qwen3_5ForCausalLM,
     "Qwen3_5MoeTextConfig": transformers.Qwen3_5MoeForCausalLM,
     "Qwen3NextConfig": transformers.Qwen3NextForCausalLM,
@@ -271,11 +325,21 @@ def make(name, cfg):
         # transformers' own loop over experts (its grouped_mm kernels take no float64).
         cfg._experts_implementation = "eager"
     torch.manual_seed(1234)
-    model = MODEL_CLASS[type(cfg).__name__](cfg).to(torch.float64).eval()
+    model = MODEL_CLASS[type(cfg).__name__](cfg)
+    mtp = getattr(cfg, "num_nextn_predict_layers", 0)
+    if mtp:
+        model.model.mtp_layers = mimo_mtp_layers(cfg)
+    model = model.to(torch.float64).eval()
     spread(model, 99)
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    if mtp:
+        # MiMo's names for the checkpoint (its config class is Qwen2's plus this key).
+        c = json.loads((out / "config.json").read_text())
+        c.update(architectures=["MiMoForCausalLM"], model_type="mimo", num_nextn_predict_layers=mtp)
+        (out / "config.json").write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
+        cfg.architectures = ["MiMoForCausalLM"]
     if getattr(cfg, "num_experts", None):
         # The same weights as transformers 5 holds them (experts fused per layer).
         model.save_pretrained(out / "fused", safe_serialization=True, save_original_format=False)

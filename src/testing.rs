@@ -10,9 +10,11 @@ use tokenizers::{AddedToken, Tokenizer};
 /// Qwen2-style ChatML template (system turn defaulted, generation prompt on request).
 /// Every decoder family, for tests that check a property of each (tiny models from
 /// `ModelArgs::tiny`).
-pub const DECODER_ARCHS: [crate::model::Arch; 5] = [
+pub const DECODER_ARCHS: [crate::model::Arch; 7] = [
     crate::model::Arch::Llama,
     crate::model::Arch::Qwen2,
+    crate::model::Arch::SeedOss,
+    crate::model::Arch::MiMo,
     crate::model::Arch::Qwen3,
     crate::model::Arch::Gemma3,
     crate::model::Arch::Qwen3Moe,

@@ -1,5 +1,5 @@
 //! The architecture hyper-parameters of an HF `config.json` (Llama family: Llama 2/3, SmolLM2,
-//! Mistral-style GQA; Qwen2/Qwen2.5; Qwen3; Qwen3-MoE; Gemma 3 text), in the layout of transformers 4 (`rope_theta`,
+//! Mistral-style GQA, Seed-OSS; Qwen2/Qwen2.5, MiMo; Qwen3; Qwen3-MoE; Gemma 3 text), in the layout of transformers 4 (`rope_theta`,
 //! `rope_scaling`) or 5 (`rope_parameters`), and the rotary frequencies they define
 //! (transformers' `modeling_rope_utils`: default and llama3).
 
@@ -14,6 +14,15 @@ pub enum Arch {
     Llama,
     /// `Qwen2ForCausalLM`: biases on the q/k/v projections.
     Qwen2,
+    /// `SeedOssForCausalLM` (transformers' `seed_oss`, ByteDance Seed-OSS): Llama's layer with
+    /// q/k/v biases from `attention_bias` (default true) and an o_proj bias from
+    /// `attention_out_bias` (default false), each on its own; an explicit `head_dim`.
+    SeedOss,
+    /// `MiMoForCausalLM` (Xiaomi MiMo, remote code `modeling_mimo.py` of the hub's
+    /// XiaomiMiMo/MiMo-7B-*): Qwen2's model, whose forward it inherits unchanged, plus
+    /// `num_nextn_predict_layers` multi-token-prediction layers `model.mtp_layers.N.*` that the
+    /// forward never runs. Those are read and kept (saved back as read), not trained.
+    MiMo,
     /// `Qwen3ForCausalLM`: an RMSNorm over each head of q and of k before RoPE (`q_norm`,
     /// `k_norm`, weight `[head_dim]`), an explicit `head_dim`, biases only with `attention_bias`.
     Qwen3,
@@ -106,6 +115,8 @@ impl Arch {
         match self {
             Arch::Llama => ("LlamaForCausalLM", "llama"),
             Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
+            Arch::SeedOss => ("SeedOssForCausalLM", "seed_oss"),
+            Arch::MiMo => ("MiMoForCausalLM", "mimo"),
             Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
             Arch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
             Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
@@ -119,7 +130,7 @@ impl Arch {
 /// The `architectures` (`config.json`) this implementation loads, and the block layout each
 /// follows: causal LMs, and the token- and sequence-classification models critics and reward
 /// models are (their backbone plus a `score` head).
-pub const ARCHITECTURES: [(&str, Arch); 28] = [
+pub const ARCHITECTURES: [(&str, Arch); 32] = [
     ("LlamaForCausalLM", Arch::Llama),
     ("LlamaForTokenClassification", Arch::Llama),
     ("LlamaForSequenceClassification", Arch::Llama),
@@ -129,6 +140,10 @@ pub const ARCHITECTURES: [(&str, Arch); 28] = [
     ("Qwen2ForCausalLM", Arch::Qwen2),
     ("Qwen2ForTokenClassification", Arch::Qwen2),
     ("Qwen2ForSequenceClassification", Arch::Qwen2),
+    ("SeedOssForCausalLM", Arch::SeedOss),
+    ("SeedOssForTokenClassification", Arch::SeedOss),
+    ("SeedOssForSequenceClassification", Arch::SeedOss),
+    ("MiMoForCausalLM", Arch::MiMo),
     ("Qwen3ForCausalLM", Arch::Qwen3),
     ("Qwen3ForTokenClassification", Arch::Qwen3),
     ("Qwen3ForSequenceClassification", Arch::Qwen3),
@@ -151,10 +166,12 @@ pub const ARCHITECTURES: [(&str, Arch); 28] = [
 ];
 
 /// `model_type`s read when a config has no `architectures`.
-const MODEL_TYPES: [(&str, Arch); 11] = [
+const MODEL_TYPES: [(&str, Arch); 13] = [
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Qwen2),
+    ("seed_oss", Arch::SeedOss),
+    ("mimo", Arch::MiMo),
     ("qwen3", Arch::Qwen3),
     ("qwen3_moe", Arch::Qwen3Moe),
     ("gemma3_text", Arch::Gemma3),
@@ -298,10 +315,11 @@ pub struct ModelArgs {
     #[serde(default)]
     pub rope_scaling: Option<RopeScaling>,
     pub tie_word_embeddings: bool,
-    /// Biases on q/k/v (Qwen2 always; Llama and Qwen3 when `attention_bias`).
+    /// Biases on q/k/v (Qwen2 and MiMo always; Llama, Qwen3 and Seed-OSS when
+    /// `attention_bias`).
     pub qkv_bias: bool,
-    /// A bias on the attention's output projection (Llama and Qwen3 when `attention_bias`;
-    /// never in Qwen2).
+    /// A bias on the attention's output projection (Llama and Qwen3 when `attention_bias`,
+    /// Seed-OSS when `attention_out_bias`; never in Qwen2 or MiMo).
     #[serde(default)]
     pub o_bias: bool,
     pub max_position_embeddings: usize,
@@ -334,6 +352,54 @@ pub struct ModelArgs {
     /// The Gated DeltaNet layers' sizes (Qwen3.5), `None` for models without such layers.
     #[serde(default)]
     pub linear_attn: Option<LinearAttnArgs>,
+    /// MiMo's multi-token-prediction layers (`num_nextn_predict_layers`): their weights
+    /// (`model.mtp_layers.N.*`, see [`mtp_layer_tensors`]) are loaded, frozen and saved back;
+    /// the model's forward does not run them (as MiMo's own forward does not).
+    #[serde(default)]
+    pub mtp_layers: usize,
+    /// Dropout in training mode, read so that training can refuse it rather than leave it out
+    /// (the model here has none): `attention_dropout` on the attention probabilities (every
+    /// family's attention in transformers) and Seed-OSS's `residual_dropout` on the attention's
+    /// and the MLP's outputs. 0 in inference, where transformers applies neither.
+    #[serde(default)]
+    pub attention_dropout: f64,
+    #[serde(default)]
+    pub residual_dropout: f64,
+}
+
+/// Where MiMo's multi-token-prediction layers are named: kept as read, never trained here.
+pub const MTP_PREFIX: &str = "model.mtp_layers.";
+
+/// The tensors of one MiMo multi-token-prediction layer (`model.mtp_layers.N.` + name) and
+/// their shapes for `(hidden, q width, kv width, intermediate)`: RMSNorms of the previous
+/// hidden state and of the next token's embedding, `input_proj` `[hidden, 2·hidden]` over
+/// their concatenation, then a Qwen2 decoder layer (q/k/v biases, no o_proj bias) and a final
+/// RMSNorm (MiMo's `MiMoMTPLayers`).
+pub fn mtp_layer_tensors(
+    hidden: usize,
+    q: usize,
+    kv: usize,
+    inter: usize,
+) -> Vec<(&'static str, Vec<usize>)> {
+    let h = hidden;
+    vec![
+        ("token_layernorm.weight", vec![h]),
+        ("hidden_layernorm.weight", vec![h]),
+        ("input_proj.weight", vec![h, 2 * h]),
+        ("input_layernorm.weight", vec![h]),
+        ("self_attn.q_proj.weight", vec![q, h]),
+        ("self_attn.q_proj.bias", vec![q]),
+        ("self_attn.k_proj.weight", vec![kv, h]),
+        ("self_attn.k_proj.bias", vec![kv]),
+        ("self_attn.v_proj.weight", vec![kv, h]),
+        ("self_attn.v_proj.bias", vec![kv]),
+        ("self_attn.o_proj.weight", vec![h, q]),
+        ("post_attention_layernorm.weight", vec![h]),
+        ("mlp.gate_proj.weight", vec![inter, h]),
+        ("mlp.up_proj.weight", vec![inter, h]),
+        ("mlp.down_proj.weight", vec![h, inter]),
+        ("final_layernorm.weight", vec![h]),
+    ]
 }
 
 /// Qwen3.5's Gated DeltaNet (transformers' `Qwen3_5GatedDeltaNet`): `in_proj_qkv` gives q, k
@@ -586,6 +652,19 @@ impl MoeArgs {
     /// Whether layer `i` has experts (else the dense MLP).
     pub fn sparse(&self, i: usize) -> bool {
         !self.mlp_only_layers.contains(&i) && (i + 1).is_multiple_of(self.decoder_sparse_step)
+    }
+}
+
+/// A dropout probability of config.json (0 when absent or null): a number in [0, 1).
+fn dropout(v: &Value, key: &str) -> Result<f64, String> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(0.0),
+        Some(x) => x
+            .as_f64()
+            .filter(|p| (0.0..1.0).contains(p))
+            .ok_or_else(|| {
+                format!("config.json: {key} must be a probability in [0, 1), found {x}")
+            }),
     }
 }
 
@@ -856,11 +935,16 @@ fn read_windows(
         ),
         Some(x) => return Err(format!("config.json: layer_types must be a list, found {x}")),
     };
-    let qwen = matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe);
+    let qwen = matches!(
+        arch,
+        Arch::Qwen2 | Arch::MiMo | Arch::Qwen3 | Arch::Qwen3Moe
+    );
     let use_window = v.get("use_sliding_window").and_then(Value::as_bool);
     let kinds = match (arch, listed) {
         // Qwen: `use_sliding_window` decides; `layer_types` as transformers derives it.
         (_, _) if qwen && use_window != Some(true) => Vec::new(),
+        // Seed-OSS's attention has no window (transformers reads no `sliding_window` there).
+        (Arch::SeedOss, _) => Vec::new(),
         (_, Some(l)) => l,
         (Arch::Gemma3, None) => {
             let pattern = v
@@ -993,10 +1077,21 @@ impl ModelArgs {
             }
             _ => v,
         };
-        let attention_bias = v
-            .get("attention_bias")
-            .and_then(Value::as_bool)
-            .unwrap_or(false);
+        let flag = |key: &str, default: bool| -> Result<bool, String> {
+            match v.get(key) {
+                None | Some(Value::Null) => Ok(default),
+                Some(Value::Bool(b)) => Ok(*b),
+                Some(x) => Err(format!(
+                    "config.json: {key} must be true or false, found {x}"
+                )),
+            }
+        };
+        // Seed-OSS: q/k/v biases by default, the output projection's bias its own key.
+        let seed_oss = arch == Arch::SeedOss;
+        let attention_bias = flag("attention_bias", seed_oss)?;
+        let attention_out_bias = flag("attention_out_bias", false)?;
+        // Qwen2 and MiMo always have q/k/v biases and never an o_proj bias.
+        let qwen2 = matches!(arch, Arch::Qwen2 | Arch::MiMo);
         let gemma = arch == Arch::Gemma3;
         let ((rope_theta, rope_scaling), rope_local_theta) = if gemma {
             read_gemma_rope(v)?
@@ -1040,8 +1135,11 @@ impl ModelArgs {
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
-            qkv_bias: arch == Arch::Qwen2 || attention_bias,
-            o_bias: arch != Arch::Qwen2 && attention_bias,
+            qkv_bias: qwen2 || attention_bias,
+            o_bias: match arch {
+                Arch::SeedOss => attention_out_bias,
+                _ => !qwen2 && attention_bias,
+            },
             max_position_embeddings: v
                 .get("max_position_embeddings")
                 .and_then(Value::as_u64)
@@ -1076,6 +1174,20 @@ impl ModelArgs {
             linear_attn: match arch.hybrid() {
                 true => Some(LinearAttnArgs::from_hf(v, arch == Arch::Qwen3Next)?),
                 false => None,
+            },
+            attention_dropout: dropout(v, "attention_dropout")?,
+            residual_dropout: match arch {
+                Arch::SeedOss => dropout(v, "residual_dropout")?,
+                _ => 0.0,
+            },
+            mtp_layers: match arch {
+                Arch::MiMo => match v.get("num_nextn_predict_layers") {
+                    None | Some(Value::Null) => 0,
+                    Some(x) => x.as_u64().ok_or_else(|| {
+                        format!("config.json: num_nextn_predict_layers must be a non-negative integer, found {x}")
+                    })? as usize,
+                },
+                _ => 0,
             },
         })
     }
@@ -1217,7 +1329,7 @@ impl ModelArgs {
             "rope_scaling": rope_scaling,
             "rope_parameters": self.rope_parameters(),
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.qkv_bias && self.arch != Arch::Qwen2,
+            "attention_bias": self.qkv_bias && !matches!(self.arch, Arch::Qwen2 | Arch::MiMo),
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu",
             "torch_dtype": "float32",
@@ -1232,7 +1344,10 @@ impl ModelArgs {
         if let Some(w) = self.sliding_window {
             out["sliding_window"] = serde_json::json!(w);
             out["layer_types"] = serde_json::json!(kinds);
-            if matches!(self.arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe) {
+            if matches!(
+                self.arch,
+                Arch::Qwen2 | Arch::MiMo | Arch::Qwen3 | Arch::Qwen3Moe
+            ) {
                 out["use_sliding_window"] = serde_json::json!(true);
                 let first = kinds.iter().position(|k| *k == "sliding_attention");
                 out["max_window_layers"] = serde_json::json!(first.unwrap_or(kinds.len()));
@@ -1281,6 +1396,15 @@ impl ModelArgs {
             o.insert("partial_rotary_factor".into(), factor.into());
             out["rope_parameters"]["partial_rotary_factor"] = factor.into();
         }
+        out["attention_dropout"] = self.attention_dropout.into();
+        match self.arch {
+            Arch::SeedOss => {
+                out["attention_out_bias"] = self.o_bias.into();
+                out["residual_dropout"] = self.residual_dropout.into();
+            }
+            Arch::MiMo => out["num_nextn_predict_layers"] = self.mtp_layers.into(),
+            _ => {}
+        }
         if self.arch.gemma() {
             let o = out.as_object_mut().expect("an object");
             o.remove("hidden_act");
@@ -1320,8 +1444,8 @@ impl ModelArgs {
             rope_theta: 10000.0,
             rope_scaling: None,
             tie_word_embeddings: matches!(arch, Arch::Llama | Arch::Gemma3),
-            qkv_bias: arch == Arch::Qwen2,
-            o_bias: false,
+            qkv_bias: matches!(arch, Arch::Qwen2 | Arch::MiMo | Arch::SeedOss),
+            o_bias: arch == Arch::SeedOss,
             max_position_embeddings: 512,
             num_labels: None,
             query_pre_attn_scalar: (arch == Arch::Gemma3).then_some(12.0),
@@ -1357,6 +1481,9 @@ impl ModelArgs {
                 value_head_dim: 6,
                 conv_kernel: 4,
             }),
+            mtp_layers: usize::from(arch == Arch::MiMo),
+            attention_dropout: 0.0,
+            residual_dropout: 0.0,
         }
     }
 }

@@ -21,6 +21,35 @@ use super::layer::Seg;
 use super::lm_head::{HeadOut, HeadStats};
 use super::proj::{mix64, Proj};
 
+/// MiMo's multi-token-prediction layers (`model.mtp_layers.N.*`): read through `m` so that
+/// they are variables of the model's map, with the shapes MiMo's checkpoints have (a missing
+/// or misshapen one is refused by name when loading), and saved back with the model. The
+/// forward never runs them (MiMo's forward does not either), and the trainer leaves them out
+/// of what it updates.
+fn read_mtp_layers(m: &VarBuilder, args: &ModelArgs) -> Result<()> {
+    let (q, kv) = (
+        args.num_attention_heads * args.head_dim,
+        args.num_key_value_heads * args.head_dim,
+    );
+    for i in 0..args.mtp_layers {
+        let l = m.pp(format!("mtp_layers.{i}"));
+        let tensors =
+            super::config::mtp_layer_tensors(args.hidden_size, q, kv, args.intermediate_size);
+        for (name, shape) in tensors {
+            let init = match (name.ends_with("norm.weight"), name.ends_with(".bias")) {
+                (true, _) => Init::Const(1.0),
+                (_, true) => Init::Const(0.0),
+                _ => Init::Randn {
+                    mean: 0.0,
+                    stdev: 0.02,
+                },
+            };
+            l.get_with_hints(shape, name, init)?;
+        }
+    }
+    Ok(())
+}
+
 /// The transformer with an optional LM head (`None` for a critic / reward backbone).
 pub struct CausalLm {
     pub args: ModelArgs,
@@ -211,6 +240,7 @@ impl CausalLm {
         }
         let final_one = Init::Const(1.0 - args.arch.norm_offset());
         let norm = m.get_with_hints(h, "norm.weight", final_one)?;
+        read_mtp_layers(&m, args)?;
         let lm_head = if with_lm_head && !args.tie_word_embeddings {
             Some(vb.get_with_hints(
                 (args.vocab_size, h),

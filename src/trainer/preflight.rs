@@ -55,6 +55,7 @@ pub fn model_context(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
                     path,
                 )?;
                 lora_rank(group, m, &args)?;
+                train_dropout(group, path, &args)?;
                 // The actor's tokenizer must not reach past its embedding rows.
                 let tok = super::setup::tokenizer_override(cfg).unwrap_or(path);
                 if group == "actor_rollout_ref.model" && has_local_config(path) {
@@ -86,6 +87,28 @@ pub fn model_context(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
         }
     }
     teachers(cfg, plan)
+}
+
+/// A model that trains must not ask for dropout: verl's update runs it in train mode, where
+/// transformers applies `attention_dropout` (and Seed-OSS's `residual_dropout`), while its
+/// log-prob passes run in eval mode without; the model here has no dropout, so its updates
+/// would not be verl's. Refused naming the key and how to train without it (the same setting
+/// in verl gives the same computation). transformers' SeedOssConfig defaults both to 0.1.
+pub(crate) fn train_dropout(group: &str, path: &str, args: &ModelArgs) -> Result<(), ConfigError> {
+    for (key, p) in [
+        ("attention_dropout", args.attention_dropout),
+        ("residual_dropout", args.residual_dropout),
+    ] {
+        if p > 0.0 {
+            return Err(ConfigError::Value {
+                key: format!("{group}.path"),
+                message: format!(
+                    "{path}: config.json sets {key} {p}: verl trains with it (its update runs the model in train mode), and main_ppo's model has no dropout; set {group}.override_config.{key}=0.0 to train without it (verl then computes the same)"
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Distillation's teachers, as [`model_context`] checks the actor: a local teacher's

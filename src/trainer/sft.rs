@@ -180,6 +180,8 @@ impl SftTrainer {
             &device,
             true,
         )?;
+        // verl's SFT engine trains in train mode too: a model asking for dropout is refused.
+        super::preflight::train_dropout("model", &m.path, &loaded.model.args)?;
         loaded.model.set_exec(Exec {
             recompute: m.enable_gradient_checkpointing,
             composed: false,

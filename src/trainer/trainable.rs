@@ -110,10 +110,14 @@ pub(super) fn is_backbone(name: &str) -> bool {
     name.starts_with("model.") || name.starts_with("lm_head.")
 }
 
-/// The variables the optimizer updates: every variable of the model; with LoRA only the
-/// adapters and the heads (the frozen base keeps no gradient and no optimizer state).
+/// The variables the optimizer updates: every variable of the model but MiMo's
+/// multi-token-prediction layers (`model.mtp_layers.*`: kept as read and saved back, since
+/// main_ppo does not train them with verl's MTP loss, and no other loss reaches them); with
+/// LoRA only the adapters and the heads (the frozen base keeps no gradient and no optimizer
+/// state).
 pub fn trainable_variables(varmap: &VarMap, lora: Option<&LoraState>) -> HashMap<String, Var> {
-    let all = varmap.data().lock().expect("varmap lock").clone();
+    let mut all = varmap.data().lock().expect("varmap lock").clone();
+    all.retain(|k, _| !k.starts_with(crate::model::config::MTP_PREFIX));
     match lora {
         None => all,
         Some(l) => {

@@ -87,10 +87,12 @@ fn greedy_matches(name: &str, dtype: DType, tol: f64, gap: f64) {
         None,
     )
     .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let mut worst = 0f64;
     for (i, want) in steps.iter().enumerate() {
         for (t, w) in want.as_array().unwrap().iter().enumerate() {
             let tok = w["token"].as_u64().unwrap() as u32;
             let lp = w["logprob"].as_f64().unwrap();
+            worst = worst.max((f64::from(out.log_probs[i][t]) - lp).abs());
             assert!(
                 (f64::from(out.log_probs[i][t]) - lp).abs() <= tol,
                 "{name} {dtype:?} row {i} step {t}: log-prob {} vs transformers {lp}",
@@ -106,6 +108,7 @@ fn greedy_matches(name: &str, dtype: DType, tol: f64, gap: f64) {
             }
         }
     }
+    eprintln!("{name} {dtype:?}: greedy log-probs within {worst:.1e} of transformers'");
 }
 
 /// The token log-probs of the reference's training sequences `[rows][len − 1]` and the loss,
@@ -206,6 +209,7 @@ fn training_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
     let grads =
         candle_core::safetensors::load(dir(name).join("grads.safetensors"), &Device::Cpu).unwrap();
     let mut loaded = load(name, dtype);
+    let (mut worst_lp, mut worst_grad) = (0f64, 0f64);
     for e in EXEC_PATHS {
         for packed in [false, true] {
             loaded.model.set_exec(e);
@@ -213,6 +217,7 @@ fn training_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
             let (loss, lps) = loss_and_logprobs(&loaded.model, &r, packed);
             for (i, (got, want)) in lps.iter().zip(&want_lp).enumerate() {
                 for (t, (g, w)) in got.iter().zip(want).enumerate() {
+                    worst_lp = worst_lp.max((g - w).abs());
                     let ok = (g - w).abs() <= tol * w.abs().max(1.0);
                     assert!(ok, "{case}: row {i} token {t}: {g} vs {w}");
                 }
@@ -240,24 +245,34 @@ fn training_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
                     .unwrap();
                 let want: Vec<f64> = grads[pname].flatten_all().unwrap().to_vec1().unwrap();
                 let (worst, scale) = crate::testing::worst_of(&got, &want);
+                worst_grad = worst_grad.max(worst / scale);
                 assert!(
                     worst <= rel * scale,
                     "{case}: ∂L/∂{pname} off by {worst:.3e} (largest entry {scale:.3e})"
                 );
             }
+            // MiMo's multi-token-prediction layers: variables the forward never reaches
+            // (PyTorch gives them no gradient either).
+            let mtp = crate::model::config::MTP_PREFIX;
+            for (pname, var) in vars.iter().filter(|(n, _)| n.starts_with(mtp)) {
+                assert!(g.get(var.as_tensor()).is_none(), "{case}: ∂L/∂{pname}");
+            }
             assert_eq!(
-                vars.len(),
+                vars.keys().filter(|n| !n.starts_with(mtp)).count(),
                 r["parameters"].as_array().unwrap().len(),
                 "{case}: variables {:?}",
                 vars.keys().collect::<Vec<_>>()
             );
         }
     }
+    eprintln!("{name} {dtype:?}: log-probs within {worst_lp:.1e}, gradients within {worst_grad:.1e} of scale of PyTorch's");
 }
 
-const FAMILIES: [&str; 13] = [
+const FAMILIES: [&str; 15] = [
     "llama",
     "qwen2",
+    "seed_oss",
+    "mimo",
     "qwen3",
     "qwen3_tied_bias",
     "qwen3_window",
@@ -310,6 +325,200 @@ fn training_forward_and_gradients_equal_pytorch_in_f32() {
         };
         training_matches(name, DType::F32, 1e-4, rel);
     }
+}
+
+/// The tensor names and values of the safetensors weights of HF folder `dir` (one file).
+fn file_tensors(dir: &Path) -> std::collections::BTreeMap<String, Vec<f64>> {
+    candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| {
+            let v = t.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+            (n, v.to_vec1().unwrap())
+        })
+        .collect()
+}
+
+/// Seed-OSS and MiMo saved back as HF folders (as checkpoints and the HF export write them)
+/// hold every tensor transformers wrote, names and values bit for bit, MiMo's
+/// multi-token-prediction layers (`model.mtp_layers.{0,1}.*`, 32 tensors) included; their
+/// config names the family (MiMoForCausalLM with `num_nextn_predict_layers`, Seed-OSS with
+/// its two bias keys) and reads back as the same arguments, and the folder loads again as the
+/// same variables.
+#[test]
+fn seed_oss_and_mimo_save_back_every_tensor() {
+    for (name, arch, mtp) in [
+        ("seed_oss", "SeedOssForCausalLM", 0),
+        ("mimo", "MiMoForCausalLM", 32),
+    ] {
+        let loaded = load(name, DType::F64);
+        let tmp = tempfile::tempdir().unwrap();
+        crate::weights::hf::save_dir(
+            &loaded.varmap,
+            &loaded.model.args,
+            tmp.path(),
+            &[],
+            None,
+            None,
+        )
+        .unwrap();
+        let (want, got) = (file_tensors(&dir(name)), file_tensors(tmp.path()));
+        assert_eq!(
+            want.keys().collect::<Vec<_>>(),
+            got.keys().collect::<Vec<_>>(),
+            "{name}"
+        );
+        assert!(want == got, "{name}: a saved value differs");
+        let kept = got
+            .keys()
+            .filter(|n| n.starts_with(crate::model::config::MTP_PREFIX))
+            .count();
+        assert_eq!(kept, mtp, "{name}");
+        let cfg: Value =
+            serde_json::from_str(&std::fs::read_to_string(tmp.path().join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(cfg["architectures"][0], arch);
+        let args = crate::model::ModelArgs::from_hf(&cfg).unwrap();
+        assert_eq!(args, loaded.model.args, "{name}");
+        let again = crate::weights::hf::load_dir(
+            tmp.path(),
+            &Default::default(),
+            DType::F64,
+            &Device::Cpu,
+            true,
+        )
+        .unwrap();
+        assert_same_variables(&loaded.varmap, &again.varmap, name);
+    }
+}
+
+/// MiMo's forward is Qwen2's: the same weights read as a `Qwen2ForCausalLM` (the
+/// multi-token-prediction tensors left out) give bit-identical log-probs; read with MiMo's
+/// tensors under Qwen2's name, the unread MTP layers are refused naming the first of them
+/// rather than dropped from what would be saved.
+#[test]
+fn mimo_runs_as_qwen2_and_its_mtp_layers_are_never_dropped() {
+    let mimo = load("mimo", DType::F64);
+    assert_eq!(mimo.model.args.mtp_layers, 2);
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir("mimo").join("config.json")).unwrap())
+            .unwrap();
+    cfg["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
+    cfg["model_type"] = serde_json::json!("qwen2");
+    std::fs::write(tmp.path().join("config.json"), cfg.to_string()).unwrap();
+    std::fs::copy(
+        dir("mimo").join("model.safetensors"),
+        tmp.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let read = |p: &Path| {
+        crate::weights::hf::load_dir(p, &Default::default(), DType::F64, &Device::Cpu, true)
+    };
+    let e = read(tmp.path()).err().expect("refused").to_string();
+    assert!(
+        e.contains("model.mtp_layers.0.") && e.contains("32 layer tensor(s)"),
+        "{e}"
+    );
+    let main: std::collections::HashMap<String, Tensor> =
+        candle_core::safetensors::load(dir("mimo").join("model.safetensors"), &Device::Cpu)
+            .unwrap()
+            .into_iter()
+            .filter(|(n, _)| !n.starts_with(crate::model::config::MTP_PREFIX))
+            .collect();
+    candle_core::safetensors::save(&main, tmp.path().join("model.safetensors")).unwrap();
+    let qwen2 = read(tmp.path()).unwrap();
+    let r = reference("mimo");
+    for packed in [false, true] {
+        let (_, a) = loss_and_logprobs(&mimo.model, &r, packed);
+        let (_, b) = loss_and_logprobs(&qwen2.model, &r, packed);
+        assert!(a == b, "packed {packed}");
+    }
+}
+
+/// MiMo's multi-token-prediction layers are not among the variables the trainer's optimizer
+/// updates (verl's MTP loss is not implemented here, and no other loss reaches them): after an
+/// AdamW step with weight decay on the training loss every other variable moved and each MTP
+/// tensor is bit for bit as read.
+#[test]
+fn mimo_mtp_layers_are_left_out_of_the_update() {
+    let loaded = load("mimo", DType::F64);
+    let mtp = crate::model::config::MTP_PREFIX;
+    let vars = crate::trainer::trainable::trainable_variables(&loaded.varmap, None);
+    let all = loaded.varmap.data().lock().unwrap().len();
+    assert!(vars.keys().all(|n| !n.starts_with(mtp)));
+    assert_eq!(vars.len(), all - 32);
+    let before = file_tensors(&dir("mimo"));
+    let opt = crate::config::OptimConfig {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let mut adamw = crate::trainer::optim::AdamW::new(vars, &opt).unwrap();
+    let (loss, _) = loss_and_logprobs(&loaded.model, &reference("mimo"), false);
+    adamw.step(&loss.backward().unwrap(), opt.lr).unwrap();
+    for (name, var) in loaded.varmap.data().lock().unwrap().iter() {
+        let now: Vec<f64> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(now == before[name], name.starts_with(mtp), "{name}");
+    }
+}
+
+/// Seed-OSS's dropouts (0.1 each in its config, transformers' SeedOssConfig defaults) are read; a run
+/// that would train such a model is refused naming the actor's path, the config key and the
+/// `override_config` that turns it off, one key after the other; with both at 0 it is
+/// accepted. Inference reads the same config without complaint (the parity tests above).
+#[test]
+fn seed_oss_dropout_is_refused_for_training_by_key() {
+    let check = |overrides: serde_json::Value| {
+        let args =
+            crate::weights::hf::read_config(&dir("seed_oss"), overrides.as_object().unwrap())
+                .unwrap();
+        crate::trainer::preflight::train_dropout("actor_rollout_ref.model", "seed_oss", &args)
+            .map_err(|e| e.to_string())
+    };
+    let e = check(serde_json::json!({})).unwrap_err();
+    assert!(
+        e.contains("actor_rollout_ref.model.path")
+            && e.contains("attention_dropout 0.1")
+            && e.contains("actor_rollout_ref.model.override_config.attention_dropout=0.0"),
+        "{e}"
+    );
+    let e = check(serde_json::json!({"attention_dropout": 0.0})).unwrap_err();
+    assert!(e.contains("residual_dropout 0.1"), "{e}");
+    check(serde_json::json!({"attention_dropout": 0.0, "residual_dropout": 0.0})).unwrap();
+}
+
+/// Seed-OSS's biases as transformers' `SeedOssConfig` defaults them: q/k/v biases unless
+/// `attention_bias` is false, an o_proj bias only with `attention_out_bias`, each on its own
+/// (Llama's `attention_bias` sets both); a bias key that is not a flag is refused by name.
+#[test]
+fn seed_oss_bias_keys_are_read_on_their_own() {
+    let cfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir("seed_oss").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let read = |edit: &dyn Fn(&mut serde_json::Map<String, Value>)| {
+        let mut c = cfg.clone();
+        edit(c.as_object_mut().unwrap());
+        crate::model::ModelArgs::from_hf(&c).map(|a| (a.qkv_bias, a.o_bias))
+    };
+    assert_eq!(read(&|_| {}), Ok((true, true)));
+    let defaults = read(&|c| {
+        c.remove("attention_bias");
+        c.remove("attention_out_bias");
+    });
+    assert_eq!(defaults, Ok((true, false)));
+    assert_eq!(
+        read(&|c| {
+            c.insert("attention_bias".into(), false.into());
+        }),
+        Ok((false, true))
+    );
+    let e = read(&|c| {
+        c.insert("attention_out_bias".into(), "yes".into());
+    })
+    .unwrap_err();
+    assert!(e.contains("attention_out_bias"), "{e}");
 }
 
 /// A Qwen3 checkpoint read under another layout leaves its q/k norms unread: refused, naming

@@ -339,6 +339,9 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         rotary_dim,
         attn_output_gate: arch.hybrid(),
         linear_attn,
+        mtp_layers: 0,
+        attention_dropout: 0.0,
+        residual_dropout: 0.0,
     })
 }
 

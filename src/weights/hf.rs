@@ -10,6 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use serde_json::Value;
 
+use crate::model::config::MTP_PREFIX;
 use crate::model::deberta::{DebertaConfig, DebertaV2Classifier};
 use crate::model::{CausalLm, ModelArgs, ModelError};
 
@@ -223,11 +224,13 @@ pub fn build(
         (Err(e), None) => Err(ModelError::Candle(e)),
         (Ok(model), None) => {
             // A layer tensor the model did not read would be weights silently left out of
-            // the computation (e.g. q/k norms under a layout without them).
+            // the computation (e.g. q/k norms under a layout without them), or, for MiMo's
+            // multi-token-prediction layers, out of what is saved back.
             let used = varmap.data().lock().expect("varmap lock");
+            let layer = |n: &str| n.starts_with("model.layers.") || n.starts_with(MTP_PREFIX);
             let mut unread: Vec<&String> = tensors
                 .keys()
-                .filter(|n| n.starts_with("model.layers.") && !used.contains_key(*n))
+                .filter(|n| layer(n) && !used.contains_key(*n))
                 .filter(|n| !n.ends_with("rotary_emb.inv_freq"))
                 .collect();
             unread.sort();

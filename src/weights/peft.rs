@@ -795,14 +795,18 @@ pub(crate) mod tests {
     }
 
     /// With B = 0 the adapted model's logits equal the base model's bit for bit (the adapter
-    /// adds exact zeros), for Llama and Qwen2 (biased q/k/v), through the hand-written layers and
-    /// through the composition.
+    /// adds exact zeros), for Llama, Qwen2 (biased q/k/v), Seed-OSS (biased q/k/v and o) and
+    /// MiMo (Qwen2's layer, its multi-token-prediction layers beside), through the hand-written
+    /// layers and through the composition.
     #[test]
     fn zero_b_gives_the_base_logits_exactly() {
         for (arch, composed) in [
             (Arch::Llama, false),
             (Arch::Qwen2, false),
+            (Arch::SeedOss, false),
+            (Arch::MiMo, false),
             (Arch::Llama, true),
+            (Arch::SeedOss, true),
         ] {
             let args = ModelArgs::tiny(arch, 30);
             let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
@@ -821,7 +825,14 @@ pub(crate) mod tests {
     /// disabled-adapter view equals the base model exactly.
     #[test]
     fn merged_equals_unmerged_and_disabled_equals_base() {
-        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3] {
+        for arch in [
+            Arch::Llama,
+            Arch::Qwen2,
+            Arch::SeedOss,
+            Arch::MiMo,
+            Arch::Qwen3,
+            Arch::Gemma3,
+        ] {
             let args = ModelArgs::tiny(arch, 30);
             let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
             let base = logits(&m);
@@ -851,7 +862,9 @@ pub(crate) mod tests {
         for (arch, recompute) in [
             (Arch::Llama, false),
             (Arch::Qwen2, false),
+            (Arch::SeedOss, false),
             (Arch::Llama, true),
+            (Arch::SeedOss, true),
         ] {
             let args = ModelArgs::tiny(arch, 30);
             let (vm, mut m) = crate::testing::tiny_model(&args, DType::F64, 0.3);
