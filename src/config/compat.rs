@@ -56,7 +56,7 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("actor_rollout_ref.model.fused_kernel_options", DIST),
     ("actor_rollout_ref.model.tiled_mlp", DIST),
     ("actor_rollout_ref.model.mtp", DIST),
-    ("actor_rollout_ref.model.mtp.enable", Unsupported { default: "false", why: "multi-token-prediction (MTP) heads are not implemented" }),
+    ("actor_rollout_ref.model.mtp.enable", Unsupported { default: "false", why: "verl then trains the model's multi-token-prediction layers with an extra loss (mtp_loss_scaling_factor times their next-next-token cross-entropy, Megatron's MTP) and may draft with them in the rollout; main_ppo implements neither: it loads a MiMo checkpoint's MTP layers, keeps them frozen and saves them back unchanged (set mtp.enable=false to train the main model alone)" }),
     ("critic.model.lora", DIST),
     ("critic.model.hf_config_path", DIST),
     ("critic.model.use_shm", DIST),

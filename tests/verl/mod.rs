@@ -27,9 +27,12 @@ pub(super) fn model_dir(root: &Path, family: &str) -> PathBuf {
     }
     std::fs::create_dir_all(&dir).unwrap();
     let config = match family {
-        "qwen2" | "qwen3" | "qwen3_moe" | "qwen3_5" | "qwen3_next" | "llama" | "mistral" => {
+        "qwen2" | "qwen3" | "qwen3_moe" | "qwen3_5" | "qwen3_next" | "llama" | "mistral"
+        | "seed_oss" | "mimo" => {
             let arch = match family {
                 "qwen2" => Arch::Qwen2,
+                "seed_oss" => Arch::SeedOss,
+                "mimo" => Arch::MiMo,
                 "qwen3" => Arch::Qwen3,
                 "qwen3_moe" => Arch::Qwen3Moe,
                 "qwen3_5" => Arch::Qwen3_5,
