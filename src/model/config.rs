@@ -365,6 +365,15 @@ pub struct ModelArgs {
     pub attention_dropout: f64,
     #[serde(default)]
     pub residual_dropout: f64,
+    /// `auto_map` of a checkpoint whose modeling code is its own (MiMo's `modeling_mimo.py`,
+    /// loaded by transformers with `trust_remote_code`), written back so a saved folder loads
+    /// the same way.
+    #[serde(default)]
+    pub auto_map: Option<Value>,
+    /// The Python files `auto_map` names, file name → text, as read beside `config.json`
+    /// (`weights::hf::read_config`) and written beside the saved one.
+    #[serde(default)]
+    pub remote_code: std::collections::BTreeMap<String, String>,
 }
 
 /// Where MiMo's multi-token-prediction layers are named: kept as read, never trained here.
@@ -1175,6 +1184,8 @@ impl ModelArgs {
                 true => Some(LinearAttnArgs::from_hf(v, arch == Arch::Qwen3Next)?),
                 false => None,
             },
+            auto_map: v.get("auto_map").filter(|m| m.is_object()).cloned(),
+            remote_code: Default::default(),
             attention_dropout: dropout(v, "attention_dropout")?,
             residual_dropout: match arch {
                 Arch::SeedOss => dropout(v, "residual_dropout")?,
@@ -1397,6 +1408,9 @@ impl ModelArgs {
             out["rope_parameters"]["partial_rotary_factor"] = factor.into();
         }
         out["attention_dropout"] = self.attention_dropout.into();
+        if let Some(m) = &self.auto_map {
+            out["auto_map"] = m.clone();
+        }
         match self.arch {
             Arch::SeedOss => {
                 out["attention_out_bias"] = self.o_bias.into();
@@ -1484,6 +1498,8 @@ impl ModelArgs {
             mtp_layers: usize::from(arch == Arch::MiMo),
             attention_dropout: 0.0,
             residual_dropout: 0.0,
+            auto_map: None,
+            remote_code: Default::default(),
         }
     }
 }

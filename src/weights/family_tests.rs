@@ -392,6 +392,69 @@ fn seed_oss_and_mimo_save_back_every_tensor() {
     }
 }
 
+/// A MiMo folder as the hub publishes it (`auto_map` naming its own `configuration_mimo.py`
+/// and `modeling_mimo.py`, for transformers' `trust_remote_code`) is saved back with the same
+/// `auto_map` and those files' text, so the saved folder loads in transformers as the original
+/// does; an entry naming another repository (`org/repo--module.Class`) is written back as it
+/// is, with no file.
+#[test]
+fn a_mimo_folder_keeps_its_remote_code_when_saved() {
+    let src = tempfile::tempdir().unwrap();
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir("mimo").join("config.json")).unwrap())
+            .unwrap();
+    cfg["auto_map"] = serde_json::json!({
+        "AutoConfig": "configuration_mimo.MiMoConfig",
+        "AutoModel": "modeling_mimo.MiMoModel",
+        "AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM",
+        "AutoTokenizer": ["XiaomiMiMo/MiMo-7B-RL--tokenization.Tok", null],
+    });
+    std::fs::write(src.path().join("config.json"), cfg.to_string()).unwrap();
+    std::fs::copy(
+        dir("mimo").join("model.safetensors"),
+        src.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let code = [
+        ("configuration_mimo.py", "class MiMoConfig: pass\n"),
+        ("modeling_mimo.py", "class MiMoForCausalLM: pass\n"),
+    ];
+    for (f, text) in code {
+        std::fs::write(src.path().join(f), text).unwrap();
+    }
+    let loaded = crate::weights::hf::load_dir(
+        src.path(),
+        &Default::default(),
+        DType::F64,
+        &Device::Cpu,
+        true,
+    )
+    .unwrap();
+    let out = tempfile::tempdir().unwrap();
+    crate::weights::hf::save_dir(
+        &loaded.varmap,
+        &loaded.model.args,
+        out.path(),
+        &[],
+        None,
+        None,
+    )
+    .unwrap();
+    let saved: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(saved["auto_map"], cfg["auto_map"]);
+    for (f, text) in code {
+        assert_eq!(
+            std::fs::read_to_string(out.path().join(f)).unwrap(),
+            text,
+            "{f}"
+        );
+    }
+    assert!(!out.path().join("tokenization.py").exists());
+    assert_eq!(file_tensors(out.path()), file_tensors(&dir("mimo")));
+}
+
 /// MiMo's forward is Qwen2's: the same weights read as a `Qwen2ForCausalLM` (the
 /// multi-token-prediction tensors left out) give bit-identical log-probs; read with MiMo's
 /// tensors under Qwen2's name, the unread MTP layers are refused naming the first of them

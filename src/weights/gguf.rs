@@ -342,6 +342,8 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         mtp_layers: 0,
         attention_dropout: 0.0,
         residual_dropout: 0.0,
+        auto_map: None,
+        remote_code: Default::default(),
     })
 }
 

@@ -40,7 +40,40 @@ pub fn read_config(
             obj.insert(k.clone(), val.clone());
         }
     }
-    ModelArgs::from_hf(&v).map_err(|m| ModelError::file(&path, m))
+    let mut args = ModelArgs::from_hf(&v).map_err(|m| ModelError::file(&path, m))?;
+    args.remote_code = remote_code(dir, args.auto_map.as_ref())?;
+    Ok(args)
+}
+
+/// The Python files of `dir` that `auto_map` names (`"modeling_mimo.MiMoForCausalLM"` →
+/// `modeling_mimo.py`), file name → text; entries naming another repository
+/// (`"org/repo--module.Class"`) and files not in `dir` are left to transformers.
+fn remote_code(
+    dir: &Path,
+    auto_map: Option<&Value>,
+) -> Result<BTreeMap<String, String>, ModelError> {
+    let mut out = BTreeMap::new();
+    let Some(map) = auto_map.and_then(Value::as_object) else {
+        return Ok(out);
+    };
+    let names = map.values().flat_map(|v| match v {
+        Value::Array(a) => a.iter().filter_map(Value::as_str).collect::<Vec<_>>(),
+        v => v.as_str().into_iter().collect(),
+    });
+    for class in names.filter(|c| !c.contains("--")) {
+        let Some((module, _)) = class.rsplit_once('.') else {
+            continue;
+        };
+        let file = format!("{module}.py");
+        let path = dir.join(&file);
+        if module.contains(['/', '\\']) || !path.is_file() || out.contains_key(&file) {
+            continue;
+        }
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| ModelError::file(&path, e.to_string()))?;
+        out.insert(file, text);
+    }
+    Ok(out)
 }
 
 /// `config.json` of `dir` as written, for choosing how to run the checkpoint.
@@ -495,6 +528,11 @@ pub fn save_dir(
         let v = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
         std::fs::write(&idx, serde_json::to_string_pretty(&v).expect("json"))
             .map_err(|e| io(&idx, e))?;
+    }
+    // The modeling code `auto_map` names (MiMo's), for transformers' `trust_remote_code`.
+    for (file, text) in &args.remote_code {
+        let p = dir.join(file);
+        std::fs::write(&p, text).map_err(|e| io(&p, e))?;
     }
     if let Some(src) = tokenizer_dir {
         for f in TOKENIZER_FILES {
