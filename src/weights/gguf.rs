@@ -612,54 +612,137 @@ fn read_moe(c: &Content, path: &Path, arch: &str, layers: usize) -> Result<MoeAr
     })
 }
 
+/// The families a row of [`NAMES`] or [`LAYER_NAMES`] holds for.
+#[derive(Clone, Copy)]
+enum Only {
+    All,
+    /// Gemma 3 (its norms around the attention and the MLP).
+    Gemma,
+    /// Every family but Gemma.
+    NotGemma,
+    /// The families with a layer of experts (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next).
+    Moe,
+}
+
+impl Only {
+    fn holds(self, arch: Arch) -> bool {
+        match self {
+            Only::All => true,
+            Only::Gemma => arch.gemma(),
+            Only::NotGemma => !arch.gemma(),
+            Only::Moe => matches!(arch, Arch::Qwen3Moe | Arch::Qwen3_5Moe | Arch::Qwen3Next),
+        }
+    }
+}
+
+/// llama.cpp's name and transformers' name of each tensor outside the layers.
+const NAMES: [(&str, &str); 3] = [
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+];
+
+/// llama.cpp's name (after `blk.N.`) and transformers' name (after `model.layers.N.`) of each
+/// layer tensor, and the families the pair holds for: read one way by [`hf_name`], the other by
+/// [`gguf_name`] (the GGUF writer). For one family each name appears at most once on each side.
+/// `{}` stands for an expert's index: GGUF stacks a layer's experts per projection
+/// (`[experts, out, in]`), transformers names each expert's matrix.
+const LAYER_NAMES: [(&str, &str, Only); 23] = [
+    ("attn_norm.weight", "input_layernorm.weight", Only::All),
+    // The pre-MLP norm: Gemma's `pre_feedforward_layernorm`, Llama's
+    // `post_attention_layernorm`.
+    (
+        "ffn_norm.weight",
+        "pre_feedforward_layernorm.weight",
+        Only::Gemma,
+    ),
+    (
+        "ffn_norm.weight",
+        "post_attention_layernorm.weight",
+        Only::NotGemma,
+    ),
+    (
+        "post_attention_norm.weight",
+        "post_attention_layernorm.weight",
+        Only::Gemma,
+    ),
+    (
+        "post_ffw_norm.weight",
+        "post_feedforward_layernorm.weight",
+        Only::Gemma,
+    ),
+    ("attn_q.weight", "self_attn.q_proj.weight", Only::All),
+    ("attn_k.weight", "self_attn.k_proj.weight", Only::All),
+    ("attn_v.weight", "self_attn.v_proj.weight", Only::All),
+    ("attn_q.bias", "self_attn.q_proj.bias", Only::All),
+    ("attn_k.bias", "self_attn.k_proj.bias", Only::All),
+    ("attn_v.bias", "self_attn.v_proj.bias", Only::All),
+    ("attn_output.weight", "self_attn.o_proj.weight", Only::All),
+    ("attn_output.bias", "self_attn.o_proj.bias", Only::All),
+    // Qwen3's per-head q/k norms.
+    ("attn_q_norm.weight", "self_attn.q_norm.weight", Only::All),
+    ("attn_k_norm.weight", "self_attn.k_norm.weight", Only::All),
+    ("ffn_gate.weight", "mlp.gate_proj.weight", Only::All),
+    ("ffn_up.weight", "mlp.up_proj.weight", Only::All),
+    ("ffn_down.weight", "mlp.down_proj.weight", Only::All),
+    // A layer of experts: the router, and each projection of every expert stacked.
+    ("ffn_gate_inp.weight", "mlp.gate.weight", Only::Moe),
+    (
+        "ffn_gate_exps.weight",
+        "mlp.experts.{}.gate_proj.weight",
+        Only::Moe,
+    ),
+    // Gate and up of every expert in one stack `[experts, 2·inter, in]`, gate rows first
+    // (read only: see `load`).
+    (
+        "ffn_gate_up_exps.weight",
+        "mlp.experts.{}.gate_up",
+        Only::Moe,
+    ),
+    (
+        "ffn_up_exps.weight",
+        "mlp.experts.{}.up_proj.weight",
+        Only::Moe,
+    ),
+    (
+        "ffn_down_exps.weight",
+        "mlp.experts.{}.down_proj.weight",
+        Only::Moe,
+    ),
+];
+
 /// HF name of a GGUF tensor of an `arch` model.
 fn hf_name(gguf: &str, arch: Arch) -> Option<String> {
-    let direct = match gguf {
-        "token_embd.weight" => Some("model.embed_tokens.weight"),
-        "output_norm.weight" => Some("model.norm.weight"),
-        "output.weight" => Some("lm_head.weight"),
-        _ => None,
-    };
-    if let Some(d) = direct {
-        return Some(d.to_string());
+    if let Some((_, hf)) = NAMES.iter().find(|(g, _)| *g == gguf) {
+        return Some(hf.to_string());
     }
     let rest = gguf.strip_prefix("blk.")?;
     let (n, part) = rest.split_once('.')?;
-    let moe = matches!(arch, Arch::Qwen3Moe | Arch::Qwen3_5Moe | Arch::Qwen3Next);
-    let hf = match part {
-        "attn_norm.weight" => "input_layernorm.weight",
-        // The pre-MLP norm: Gemma's `pre_feedforward_layernorm`, Llama's
-        // `post_attention_layernorm`.
-        "ffn_norm.weight" if arch.gemma() => "pre_feedforward_layernorm.weight",
-        "ffn_norm.weight" => "post_attention_layernorm.weight",
-        "post_attention_norm.weight" if arch.gemma() => "post_attention_layernorm.weight",
-        "post_ffw_norm.weight" if arch.gemma() => "post_feedforward_layernorm.weight",
-        "attn_q.weight" => "self_attn.q_proj.weight",
-        "attn_k.weight" => "self_attn.k_proj.weight",
-        "attn_v.weight" => "self_attn.v_proj.weight",
-        "attn_q.bias" => "self_attn.q_proj.bias",
-        "attn_k.bias" => "self_attn.k_proj.bias",
-        "attn_v.bias" => "self_attn.v_proj.bias",
-        "attn_output.weight" => "self_attn.o_proj.weight",
-        "attn_output.bias" => "self_attn.o_proj.bias",
-        // Qwen3's per-head q/k norms (llama.cpp's `attn_q_norm`, `attn_k_norm`).
-        "attn_q_norm.weight" => "self_attn.q_norm.weight",
-        "attn_k_norm.weight" => "self_attn.k_norm.weight",
-        "ffn_gate.weight" => "mlp.gate_proj.weight",
-        "ffn_up.weight" => "mlp.up_proj.weight",
-        "ffn_down.weight" => "mlp.down_proj.weight",
-        // A layer of experts: the router, and each projection of every expert stacked
-        // (`{}` stands for the expert's index, see `load`).
-        "ffn_gate_inp.weight" if moe => "mlp.gate.weight",
-        "ffn_gate_exps.weight" if moe => "mlp.experts.{}.gate_proj.weight",
-        // Gate and up of every expert in one stack `[experts, 2·inter, in]`, gate rows first.
-        "ffn_gate_up_exps.weight" if moe => "mlp.experts.{}.gate_up",
-        "ffn_up_exps.weight" if moe => "mlp.experts.{}.up_proj.weight",
-        "ffn_down_exps.weight" if moe => "mlp.experts.{}.down_proj.weight",
-        _ if arch.hybrid() => super::gguf_hybrid::layer_name(part)?,
-        _ => return None,
+    let hf = match LAYER_NAMES
+        .iter()
+        .find(|(g, _, only)| *g == part && only.holds(arch))
+    {
+        Some((_, hf, _)) => *hf,
+        None if arch.hybrid() => super::gguf_hybrid::layer_name(part)?,
+        None => return None,
     };
     Some(format!("model.layers.{n}.{hf}"))
+}
+
+/// GGUF name of a transformers tensor of an `arch` model (the inverse of [`hf_name`]); an
+/// expert's matrix is named with `{}` for its index (`model.layers.0.mlp.experts.{}.up_proj.weight`
+/// → `blk.0.ffn_up_exps.weight`). `None`: llama.cpp has no place for it in this family.
+pub(crate) fn gguf_name(hf: &str, arch: Arch) -> Option<String> {
+    if let Some((g, _)) = NAMES.iter().find(|(_, h)| *h == hf) {
+        return Some(g.to_string());
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (n, part) = rest.split_once('.')?;
+    n.parse::<usize>().ok()?;
+    let (g, _, _) = LAYER_NAMES
+        .iter()
+        .find(|(_, h, only)| *h == part && only.holds(arch))?;
+    Some(format!("blk.{n}.{g}"))
 }
 
 /// llama.cpp stores Llama Q/K rows permuted (`[heads, 2, d/2] → [heads, d/2, 2]`); this is the
@@ -893,7 +976,8 @@ pub(crate) fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrappe
             PreTokenizerWrapper::Digits(Digits::new(true)),
             PreTokenizerWrapper::ByteLevel(byte_level),
         ])),
-        "" | "default" | "gpt2" => PreTokenizerWrapper::ByteLevel(byte_level),
+        // GPT-2's own split (llama.cpp names it `gpt-2`).
+        "" | "default" | "gpt2" | "gpt-2" => PreTokenizerWrapper::ByteLevel(byte_level),
         "qwen2" | "qwen35" => {
             // Qwen's split (its tokenizer.json's `Split` pattern, isolated pieces), then bytes
             // to characters without GPT-2's own split.
@@ -906,7 +990,7 @@ pub(crate) fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrappe
             ]))
         }
         other => {
-            return Err(ModelError::file(path, format!("GGUF pre-tokenizer `{other}` is not supported (smollm, gpt2, qwen2, qwen35 are); use an HF directory with tokenizer.json")))
+            return Err(ModelError::file(path, format!("GGUF pre-tokenizer `{other}` is not supported (smollm, gpt-2, qwen2, qwen35 are); use an HF directory with tokenizer.json")))
         }
     })
 }

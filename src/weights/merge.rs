@@ -6,7 +6,8 @@
 //! `adapter_config.json` sets rank, alpha and targets) on the base model loaded in f32, and
 //! folded into the weights they adapt, `W + s·B·A` (the projection merge of
 //! [`crate::model::CausalLm::merged`]); the result is written by [`hf::save_dir`], the writer
-//! of full checkpoints, so a merged LoRA checkpoint has a full checkpoint's layout.
+//! of full checkpoints, so a merged LoRA checkpoint has a full checkpoint's layout, or as one
+//! GGUF file for llama.cpp ([`save_gguf`], [`super::gguf_write`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -15,6 +16,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 use serde_json::Value;
 
+use super::gguf_write::{self, GgufType};
 use super::{hf, peft};
 use crate::data::TokenizerBundle;
 use crate::model::{ModelArgs, ModelError};
@@ -433,4 +435,27 @@ pub fn save(merged: &Merged, dir: &Path) -> Result<(), ModelError> {
             .map_err(|e| ModelError::file(dir, e.to_string()))?;
     }
     Ok(())
+}
+
+/// Writes `merged` as one GGUF file of `ty` tensors at `file` (llama.cpp's layout, checked by
+/// reading its metadata back before a byte is written: [`gguf_write::build`]); `name` is its
+/// `general.name`, `target` the file errors name (where `file` will be renamed to). Returns
+/// the tensors by type, for the summary.
+pub fn save_gguf(
+    merged: &Merged,
+    ty: GgufType,
+    name: &str,
+    file: &Path,
+    target: &Path,
+) -> Result<String, ModelError> {
+    let model = gguf_write::build(
+        &merged.varmap,
+        &merged.args,
+        &merged.tokenizer,
+        name,
+        ty,
+        target,
+    )?;
+    model.write_file(file)?;
+    Ok(gguf_write::type_counts(&model))
 }

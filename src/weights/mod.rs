@@ -5,12 +5,14 @@
 //!
 //! - `hf`: HF directories, load and save,
 //! - `hub`: hub ids resolved in the HF cache, downloaded when allowed,
-//! - `gguf`: llama.cpp files,
+//! - `gguf`: llama.cpp files, read,
+//! - `gguf_write`: llama.cpp files, written (`main_ppo merge --gguf`),
 //! - `peft`: which projections get adapters, attaching them, PEFT's adapter folder,
 //! - `merge`: a checkpoint or base + adapters written as one HF model (`main_ppo merge`).
 
 pub mod gguf;
 mod gguf_hybrid;
+pub mod gguf_write;
 pub mod hf;
 pub mod hub;
 pub mod merge;
@@ -24,6 +26,8 @@ use crate::model::{ModelArgs, ModelError};
 pub(crate) mod deberta_tests;
 #[cfg(test)]
 mod family_tests;
+#[cfg(test)]
+mod gguf_write_tests;
 #[cfg(test)]
 pub(crate) mod merge_tests;
 #[cfg(test)]

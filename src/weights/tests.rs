@@ -31,7 +31,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
 }
 
 /// Left-padded batch: (input ids, key mask, positions) for prompts of different lengths.
-fn left_pad(prompts: &[Vec<u32>], pad: u32) -> (Tensor, Tensor, Tensor) {
+pub(super) fn left_pad(prompts: &[Vec<u32>], pad: u32) -> (Tensor, Tensor, Tensor) {
     let w = prompts.iter().map(Vec::len).max().unwrap();
     let mut i = Vec::new();
     let mut m = Vec::new();
