@@ -1,19 +1,24 @@
 //! `main_ppo merge` (verl's `python -m verl.model_merger merge --backend fsdp --local_dir DIR
 //! --target_dir OUT`): a checkpoint (LoRA or full), a LoRA adapter folder with its base model,
-//! or a model, written as one HF model folder ([`crate::weights::merge`]).
+//! or a model, written as one HF model folder ([`crate::weights::merge`]), or with `--gguf
+//! f32|f16|bf16` as one GGUF file for llama.cpp, Ollama and LM Studio
+//! ([`crate::weights::gguf_write`]): `--target_dir out/` writes `out/model-<type>.gguf`,
+//! `--target_dir out/name.gguf` that file.
 //!
 //! The target is never one of the inputs: it may not be, lie inside or contain the checkpoint,
 //! the adapter or the base model; an existing non-empty target is replaced only with
 //! `--force`. The model is written into a hidden folder beside the target, made before anything
 //! is loaded (a target that cannot be written is refused at once), and renamed into place, so an
 //! interrupted merge leaves no half-written model under the target's name; what a killed merge
-//! left beside the target is cleaned by the next merge into it.
+//! left beside the target is cleaned by the next merge into it. A GGUF file is written the same
+//! way: a hidden file beside it, renamed over it when complete.
 
 use std::path::{Component, Path, PathBuf};
 
 use clap::Args;
 
 use crate::config::ConfigError;
+use crate::weights::gguf_write::GgufType;
 use crate::weights::merge::{self, Source};
 
 #[derive(Debug, Args)]
@@ -24,14 +29,21 @@ pub struct MergeArgs {
     #[arg(long = "local_dir", visible_alias = "local-dir", value_name = "DIR")]
     pub local_dir: PathBuf,
     /// The HF model folder to write: new or empty (an existing one only with --force); not
-    /// inside the inputs.
+    /// inside the inputs. With --gguf: the folder to write model-<TYPE>.gguf into, or the
+    /// .gguf file itself (an existing file is replaced only with --force).
     #[arg(long = "target_dir", visible_alias = "target-dir", value_name = "DIR")]
     pub target_dir: PathBuf,
+    /// Write one GGUF file (llama.cpp, Ollama, LM Studio) instead of an HF folder, its
+    /// matrices in TYPE: f32, f16 or bf16 (norms and biases stay f32, as llama.cpp's
+    /// converter keeps them); the tokenizer and chat template go inside. Families: llama
+    /// (SmolLM2), qwen2, qwen3, qwen3moe, gemma3.
+    #[arg(long, value_name = "TYPE")]
+    pub gguf: Option<String>,
     /// The base model of LoRA adapters (an HF folder, a .gguf file or a hub id); default: the
     /// adapter's adapter_config.json `base_model_name_or_path`.
     #[arg(long, value_name = "MODEL", visible_alias = "hf_model_path")]
     pub base: Option<String>,
-    /// Replace an existing non-empty --target_dir.
+    /// Replace an existing non-empty --target_dir (or, with --gguf, an existing file).
     #[arg(long)]
     pub force: bool,
     /// verl's checkpoint backend: `fsdp` (this program's checkpoint layout) only.
@@ -57,8 +69,23 @@ pub fn run(args: &MergeArgs) -> anyhow::Result<()> {
         )
         .into());
     }
+    let gguf = match args.gguf.as_deref() {
+        None => None,
+        Some(t) => Some(GgufType::parse(t).ok_or_else(|| {
+            usage(
+                "--gguf",
+                format!(
+                    "`{t}` is not a GGUF tensor type this program writes: {} (quantise the file further with llama.cpp's llama-quantize)",
+                    GgufType::NAMES.join(", ")
+                ),
+            )
+        })?),
+    };
     let source = merge::resolve(&args.local_dir, args.base.as_deref())
         .map_err(|r| usage(r.flag, r.error.to_string()))?;
+    if let Some(ty) = gguf {
+        return run_gguf(args, &source, ty);
+    }
     // First what killed merges into the target left (a target moved aside is put back, and
     // then checked as any other).
     clean_leftovers(&args.target_dir);
@@ -71,6 +98,76 @@ pub fn run(args: &MergeArgs) -> anyhow::Result<()> {
     println!("merged: {}", merged.summary);
     println!("wrote {}", args.target_dir.display());
     Ok(())
+}
+
+/// `merge --gguf`: the GGUF file `--target_dir` names (a `.gguf` path, or
+/// `model-<type>.gguf` inside the folder it names), checked as a folder target is, written
+/// into a hidden file beside it and renamed over it.
+fn run_gguf(args: &MergeArgs, source: &Source, ty: GgufType) -> anyhow::Result<()> {
+    let target = gguf_target(&args.target_dir, ty);
+    clean_leftovers(&target);
+    check_target_file(&target, &inputs(args, source), args.force)?;
+    let partial = Partial::create_file(&target)?;
+    let merged = merge::merge(source)?;
+    let name = model_name(&args.local_dir);
+    let mut counts = String::new();
+    partial.commit(|file| {
+        counts = merge::save_gguf(&merged, ty, &name, file, &target)?;
+        Ok(())
+    })?;
+    println!("merged: {}", merged.summary);
+    println!(
+        "wrote {} (GGUF {}, general.name `{name}`; tensors: {counts})",
+        target.display(),
+        ty.name()
+    );
+    Ok(())
+}
+
+/// The file a `--gguf` merge writes: `target` itself when it ends in `.gguf`, else
+/// `model-<type>.gguf` inside it.
+pub fn gguf_target(target: &Path, ty: GgufType) -> PathBuf {
+    if target
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        target.to_path_buf()
+    } else {
+        target.join(format!("model-{}.gguf", ty.name()))
+    }
+}
+
+/// `general.name` of a merged model: the last folder of `local_dir` that is not a
+/// checkpoint's inner folder (`actor`, `critic`, `huggingface`, `lora_adapter`), with the
+/// folder above a `global_step_N` (`ckpt-global_step_N`); a `.gguf` file's stem.
+fn model_name(local_dir: &Path) -> String {
+    let abs = std::path::absolute(local_dir).unwrap_or_else(|_| local_dir.to_path_buf());
+    let mut parts: Vec<String> = abs
+        .components()
+        .filter_map(|c| match c {
+            Component::Normal(s) => Some(s.to_string_lossy().into_owned()),
+            _ => None,
+        })
+        .collect();
+    while parts.len() > 1
+        && matches!(
+            parts.last().map(String::as_str),
+            Some("actor" | "critic" | "huggingface" | "lora_adapter" | "." | "")
+        )
+    {
+        parts.pop();
+    }
+    let Some(last) = parts.pop() else {
+        return "model".into();
+    };
+    let last = last
+        .strip_suffix(".gguf")
+        .map(str::to_string)
+        .unwrap_or(last);
+    match parts.last() {
+        Some(parent) if last.starts_with("global_step_") => format!("{parent}-{last}"),
+        _ => last,
+    }
 }
 
 /// The folders and files `source` reads (each with the flag that led to it).
@@ -139,27 +236,7 @@ fn check_target(
             format!("{}: name the folder to write", target.display()),
         ));
     }
-    let t = real(target);
-    for (what, input) in inputs {
-        let i = real(input);
-        let relation = if t == i {
-            "is"
-        } else if t.starts_with(&i) {
-            "lies inside"
-        } else if i.starts_with(&t) {
-            "contains"
-        } else {
-            continue;
-        };
-        return Err(usage(
-            key,
-            format!(
-                "{} {relation} {} ({what}): writing there would change what is being merged; choose a folder outside it",
-                target.display(),
-                input.display()
-            ),
-        ));
-    }
+    check_apart(target, inputs)?;
     if target.is_file() {
         return Err(usage(
             key,
@@ -183,7 +260,65 @@ fn check_target(
     Ok(())
 }
 
-/// The hidden folder a merge writes into, `.<target name>.merging-<pid>` beside the target,
+/// Refuses `target` when it is, lies inside or contains one of `inputs`.
+fn check_apart(target: &Path, inputs: &[(&'static str, PathBuf)]) -> Result<(), ConfigError> {
+    let key = "--target_dir";
+    let t = real(target);
+    for (what, input) in inputs {
+        let i = real(input);
+        let relation = if t == i {
+            "is"
+        } else if t.starts_with(&i) {
+            "lies inside"
+        } else if i.starts_with(&t) {
+            "contains"
+        } else {
+            continue;
+        };
+        return Err(usage(
+            key,
+            format!(
+                "{} {relation} {} ({what}): writing there would change what is being merged; choose a folder outside it",
+                target.display(),
+                input.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses the GGUF file `target` when it is, lies inside or contains one of `inputs`, is a
+/// folder, or exists and `force` is off.
+fn check_target_file(
+    target: &Path,
+    inputs: &[(&'static str, PathBuf)],
+    force: bool,
+) -> Result<(), ConfigError> {
+    let key = "--target_dir";
+    check_apart(target, inputs)?;
+    if target.is_dir() {
+        return Err(usage(
+            key,
+            format!(
+                "{} is a folder; name the .gguf file to write, or a folder without it",
+                target.display()
+            ),
+        ));
+    }
+    if target.exists() && !force {
+        return Err(usage(
+            key,
+            format!(
+                "{} exists: choose a new file, or pass --force to replace it",
+                target.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The hidden folder (or, for a GGUF file, the hidden file) a merge writes into,
+/// `.<target name>.merging-<pid>` beside the target,
 /// renamed into place by [`Partial::commit`]; dropped uncommitted (an error, a panic), it is
 /// removed. A merge killed before it finished leaves its folder (and, killed between the two
 /// renames of a replacement, the replaced target as `.<name>.replaced-<pid>`): the next merge
@@ -193,6 +328,8 @@ struct Partial {
     parent: PathBuf,
     name: String,
     dir: PathBuf,
+    /// A hidden file (a GGUF merge's), not a folder.
+    file: bool,
     committed: bool,
 }
 
@@ -240,6 +377,43 @@ impl Partial {
             parent,
             name,
             dir,
+            file: false,
+            committed: false,
+        })
+    }
+
+    /// Creates the hidden file `.<name>.merging-<pid>` beside the GGUF file `target` (and the
+    /// folders above it); a place that cannot be written is refused naming `--target_dir`,
+    /// the target and the OS error.
+    fn create_file(target: &Path) -> Result<Self, ConfigError> {
+        let parent = match target.parent().filter(|p| !p.as_os_str().is_empty()) {
+            Some(p) => p.to_path_buf(),
+            None => PathBuf::from("."),
+        };
+        let refuse = |e: std::io::Error| {
+            usage(
+                "--target_dir",
+                format!(
+                    "{}: cannot write in {}: {e}",
+                    target.display(),
+                    parent.display()
+                ),
+            )
+        };
+        std::fs::create_dir_all(&parent).map_err(refuse)?;
+        let name = target
+            .file_name()
+            .expect("a GGUF target names a file")
+            .to_string_lossy()
+            .into_owned();
+        let file = parent.join(format!(".{name}.merging-{}", std::process::id()));
+        std::fs::File::create(&file).map_err(refuse)?;
+        Ok(Partial {
+            target: target.to_path_buf(),
+            parent,
+            name,
+            dir: file,
+            file: true,
             committed: false,
         })
     }
@@ -256,6 +430,12 @@ impl Partial {
             anyhow::anyhow!("writing the merged model to {}: {e}", target.display())
         };
         write(&self.dir).map_err(|e| failed(&e))?;
+        if self.file {
+            // One rename puts the complete file in place, over an old one.
+            std::fs::rename(&self.dir, &target).map_err(|e| failed(&e))?;
+            self.committed = true;
+            return Ok(());
+        }
         let old = self
             .parent
             .join(format!(".{}.replaced-{}", self.name, std::process::id()));
@@ -280,7 +460,10 @@ impl Partial {
 impl Drop for Partial {
     fn drop(&mut self) {
         if !self.committed {
-            let _ = std::fs::remove_dir_all(&self.dir);
+            let _ = match self.file {
+                true => std::fs::remove_file(&self.dir),
+                false => std::fs::remove_dir_all(&self.dir),
+            };
         }
     }
 }
@@ -340,7 +523,11 @@ fn clean_leftovers(target: &Path) {
             }
             continue;
         }
-        match std::fs::remove_dir_all(&path) {
+        let removed = match path.is_dir() {
+            true => std::fs::remove_dir_all(&path),
+            false => std::fs::remove_file(&path),
+        };
+        match removed {
             Ok(()) => tracing::info!(
                 "removed {}, left by a merge (process {pid}) that did not finish",
                 path.display()

@@ -15,6 +15,7 @@ fn args(local_dir: &Path, target_dir: &Path) -> MergeArgs {
         base: None,
         force: false,
         backend: "fsdp".into(),
+        gguf: None,
     }
 }
 
@@ -119,6 +120,126 @@ fn merge_writes_a_model_that_generates_as_base_plus_adapter() {
         assert!(d <= 1e-5, "log-probs differ by {d}");
         assert_ne!(a.0, p.0, "the adapters change the text");
     }
+}
+
+/// `merge --gguf f32` of a LoRA checkpoint writes `<target_dir>/model-f32.gguf`, from which
+/// `generate` gives the greedy tokens of base + adapter (4 prompts, 24 tokens, f32, log-probs
+/// within 1e-5); `--target_dir <file>.gguf` writes that file; an existing file is refused
+/// without `--force` and replaced with it; no hidden file is left beside the target.
+#[test]
+fn merge_writes_a_gguf_file_that_generates_as_base_plus_adapter() {
+    let root = tempfile::tempdir().unwrap();
+    let (base, actor) = lora_checkpoint(root.path());
+    let step = actor.parent().unwrap().to_path_buf();
+    let out = root.path().join("exported");
+    let mut a = args(&step, &out);
+    a.gguf = Some("F32".into());
+    run(&a).unwrap();
+    let file = out.join("model-f32.gguf");
+    assert_eq!(names(&out), ["model-f32.gguf"]);
+    let adapted = greedy(
+        root.path(),
+        &[
+            format!("actor_rollout_ref.model.path={}", base.display()),
+            format!(
+                "actor_rollout_ref.model.lora_adapter_path={}",
+                actor.join("lora_adapter").display()
+            ),
+        ],
+    );
+    let merged = greedy(
+        root.path(),
+        &[format!("actor_rollout_ref.model.path={}", file.display())],
+    );
+    for (a, m) in adapted.iter().zip(&merged) {
+        assert_eq!(a.0, m.0, "greedy text");
+        let d =
+            a.1.iter()
+                .zip(&m.1)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f64::max);
+        assert!(d <= 1e-5, "log-probs differ by {d}");
+    }
+    // Again: refused without --force, replaced with it.
+    let e = refused(&a);
+    assert!(
+        e.starts_with("--target_dir")
+            && e.contains("model-f32.gguf exists")
+            && e.contains("--force"),
+        "{e}"
+    );
+    a.force = true;
+    run(&a).unwrap();
+    // A named file, in bf16.
+    let named = root.path().join("named/tiny.gguf");
+    let mut b = args(&step, &named);
+    b.gguf = Some("bf16".into());
+    run(&b).unwrap();
+    let (_, c) = crate::weights::gguf::open(&named).unwrap();
+    assert_eq!(c.metadata["general.file_type"].to_u32().unwrap(), 32);
+    assert_eq!(
+        c.metadata["general.name"].to_string().unwrap(),
+        "ckpt-global_step_1"
+    );
+    for dir in [&out, &root.path().join("named")] {
+        assert!(
+            !names(dir).iter().any(|n| n.starts_with('.')),
+            "{:?}",
+            names(dir)
+        );
+    }
+}
+
+/// `--gguf` refusals, each naming the flag and the value or path, before anything is loaded
+/// (the adapter's weights are garbage here, so that an error about them would mean the merge
+/// had started): a type the writer does not write, a target under a file, a target that is a
+/// folder named `.gguf`, and the input `.gguf` file itself (also with `--force`).
+#[test]
+fn merge_refuses_bad_gguf_types_and_targets_before_loading() {
+    let root = tempfile::tempdir().unwrap();
+    let (base, actor) = lora_checkpoint(root.path());
+    std::fs::write(
+        actor.join("lora_adapter/adapter_model.safetensors"),
+        b"garbage",
+    )
+    .unwrap();
+    let step = actor.parent().unwrap().to_path_buf();
+    let mut a = args(&step, &root.path().join("out"));
+    a.gguf = Some("q4_0".into());
+    let e = refused(&a);
+    assert!(
+        e.starts_with("--gguf") && e.contains("`q4_0`") && e.contains("f32, f16, bf16"),
+        "{e}"
+    );
+    let file = root.path().join("a_file");
+    std::fs::write(&file, "x").unwrap();
+    let under = file.join("out.gguf");
+    let mut a = args(&step, &under);
+    a.gguf = Some("f16".into());
+    let e = refused(&a);
+    assert!(
+        e.starts_with("--target_dir")
+            && e.contains(&format!("{}: cannot write in", under.display()))
+            && !e.contains("merging-"),
+        "{e}"
+    );
+    let folder = root.path().join("dir.gguf");
+    std::fs::create_dir(&folder).unwrap();
+    let mut a = args(&step, &folder);
+    a.gguf = Some("f16".into());
+    let e = refused(&a);
+    assert!(e.contains("dir.gguf is a folder"), "{e}");
+    // A GGUF model given as the input cannot be its own target.
+    let input = root.path().join("in.gguf");
+    let mut a = args(&base, &input);
+    a.gguf = Some("f32".into());
+    run(&a).unwrap();
+    let mut a = args(&input, &input);
+    a.gguf = Some("f32".into());
+    a.force = true;
+    let e = refused(&a);
+    assert!(e.starts_with("--target_dir") && e.contains(" is "), "{e}");
+    assert!(!names(root.path()).iter().any(|n| n.starts_with('.')));
 }
 
 /// A model folder is copied as a model (same logits bit for bit); an adapter folder given
