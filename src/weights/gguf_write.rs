@@ -410,9 +410,9 @@ fn model_metadata(args: &ModelArgs, arch: &str, name: &str, ty: GgufType) -> Vec
     m
 }
 
-/// The hyper-parameters the file's metadata reads back as must be the model's (but what a
-/// GGUF never carries: a classification head's labels, the router's auxiliary loss weight);
-/// otherwise the fields that differ are named.
+/// The hyper-parameters the file's metadata reads back as must be the model's, its floats as
+/// f32 (but what a GGUF never carries: a classification head's labels, the router's auxiliary
+/// loss weight); otherwise the fields that differ are named.
 fn check_args(
     model: &GgufModel,
     args: &ModelArgs,
@@ -423,6 +423,15 @@ fn check_args(
     want.num_labels = None;
     if let Some(m) = want.moe.as_mut() {
         m.router_aux_loss_coef = None;
+    }
+    // Floats are f32 in the metadata (as the converter writes them), read back as their
+    // shortest decimal: an eps saved as 9.999999747378752e-6 is llama.cpp's 1e-5.
+    let f32_decimal = |x: f64| (x as f32).to_string().parse::<f64>().unwrap_or(x);
+    want.rms_norm_eps = f32_decimal(want.rms_norm_eps);
+    want.rope_theta = f32_decimal(want.rope_theta);
+    want.rope_local_theta = want.rope_local_theta.map(f32_decimal);
+    if let Some(crate::model::config::RopeScaling::Linear { factor }) = want.rope_scaling.as_mut() {
+        *factor = f32_decimal(*factor);
     }
     let got = gguf::read_args(&model.content(), target)?;
     if got == want {

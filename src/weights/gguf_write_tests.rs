@@ -201,7 +201,7 @@ fn a_model_written_as_gguf_reads_back_with_its_logits_and_tokenizer() {
 }
 
 /// The metadata and tensor types as llama.cpp's converter writes a Llama model in f16: the
-/// `llama.*` hyper-parameters, `general.file_type` 1, matrices F16 and norms F32, no
+/// `llama.*` hyper-parameters (an eps of 9.999999747378752e-6 written as the f32 1e-5), `general.file_type` 1, matrices F16 and norms F32, no
 /// `output.weight` for tied embeddings, the byte-level tokenizer as `gpt2` with its
 /// pre-tokenizer, token types (the three added tokens CONTROL) and special ids.
 #[test]
@@ -209,7 +209,10 @@ fn a_gguf_file_carries_the_converters_keys_and_types() {
     use candle_core::quantized::GgmlDType;
     let dir = tempfile::tempdir().unwrap();
     let tok = bundle(&dir.path().join("tok"));
-    let args = family_args(Arch::Llama);
+    let mut args = family_args(Arch::Llama);
+    // 1e-5 through f32, as a config.json written from f32 says it (the f32 HF copy of SmolLM2
+    // says 9.999999747378752e-6): the f32 the metadata holds, which reads back as 1e-5.
+    args.rms_norm_eps = f64::from(1e-5f32);
     let vm = random_model(&args);
     let path = dir.path().join("m.gguf");
     write(&vm, &args, &tok, GgufType::F16, &path);
@@ -242,7 +245,7 @@ fn a_gguf_file_carries_the_converters_keys_and_types() {
         c.metadata["llama.attention.layer_norm_rms_epsilon"]
             .to_f32()
             .unwrap(),
-        1e-6
+        1e-5
     );
     assert_eq!(s("tokenizer.ggml.model"), "gpt2");
     // The test tokenizer has no merges: the first name tried reproduces it.

@@ -42,7 +42,7 @@ pub enum Source {
         /// whole beside the adapters (PEFT's `modules_to_save`).
         critic: bool,
     },
-    /// A whole model, copied as an HF model: an HF folder (a full checkpoint's
+    /// A whole model, written again (as an HF model or a GGUF file): an HF folder (a full checkpoint's
     /// `huggingface/`) or a `.gguf` file.
     Model { path: PathBuf, critic: bool },
 }
@@ -400,7 +400,7 @@ fn copy_model(path: &Path, critic: bool) -> Result<Merged, ModelError> {
     }
     let tensors = loaded.varmap.data().lock().expect("varmap lock").len();
     let summary = format!(
-        "the model {shown} ({tensors} tensors{}) copied as an HF model",
+        "the whole model {shown} ({tensors} tensors{})",
         if heads.is_empty() {
             String::new()
         } else {
