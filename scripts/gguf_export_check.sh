@@ -19,6 +19,9 @@
 # Usage: scripts/gguf_export_check.sh [--venv-only] [TYPE (f32|f16|bf16; default f16)] [N (default 4)]
 #   MAIN_PPO_BIN: a built main_ppo to use (default: target/release/main_ppo, built here)
 #   MAIN_PPO_SMOLLM2_HF: the HF folder to merge (default ~/.cache/main_ppo/models/SmolLM2-135M-Instruct-f32-hf)
+#   MAIN_PPO_GGUF_SOURCE: merge this instead (anything `main_ppo merge --local_dir` reads: a
+#     checkpoint's global_step_N/, LoRA adapters, ...), with MAIN_PPO_GGUF_BASE as its --base
+#     when set (e.g. the tool quickstart's RL checkpoint, LoRA on the SFT checkpoint)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=0.3.36
@@ -62,7 +65,11 @@ else
   bin="${CARGO_TARGET_DIR:-target}/release/main_ppo"
 fi
 hf="${MAIN_PPO_SMOLLM2_HF:-$HOME/.cache/main_ppo/models/SmolLM2-135M-Instruct-f32-hf}"
-if [ -f "$hf/config.json" ]; then
+base=()
+if [ -n "${MAIN_PPO_GGUF_SOURCE:-}" ]; then
+  source_model="$MAIN_PPO_GGUF_SOURCE"
+  if [ -n "${MAIN_PPO_GGUF_BASE:-}" ]; then base=(--base "$MAIN_PPO_GGUF_BASE"); fi
+elif [ -f "$hf/config.json" ]; then
   source_model="$hf"
 else
   source_model="$(scripts/fetch_smollm2.sh)"
@@ -70,7 +77,7 @@ fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 echo "source: $source_model" >&2
-"$bin" merge --local_dir "$source_model" --target_dir "$work/out" --gguf "$type" >&2
+"$bin" merge --local_dir "$source_model" "${base[@]}" --target_dir "$work/out" --gguf "$type" >&2
 gguf="$work/out/model-$type.gguf"
 # main_ppo's greedy responses on the file it wrote (its chat template, f32 products).
 "$bin" generate --input data/gsm8k/test.parquet --output "$work/ours.jsonl" \
