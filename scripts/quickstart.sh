@@ -19,7 +19,7 @@ config="${QUICKSTART_CONFIG:-configs/gsm8k_grpo_smollm2_quickstart.yaml}"
 name="$(basename "$config" .yaml)"
 model="$(scripts/fetch_smollm2.sh)"
 cargo build --release --locked --quiet
-bin=target/release/main_ppo
+bin="${CARGO_TARGET_DIR:-target}/release/main_ppo"
 paths=("actor_rollout_ref.model.path=$model")
 if grep -q '^critic:' "$config"; then
   paths+=("critic.model.path=$model")

@@ -28,7 +28,7 @@ sft_config=configs/gsm8k_tool_sft_smollm2.yaml
 rl_config=configs/gsm8k_tool_grpo_smollm2.yaml
 model="$(scripts/fetch_smollm2.sh)"
 cargo build --release --locked --quiet
-bin=target/release/main_ppo
+bin="${CARGO_TARGET_DIR:-target}/release/main_ppo"
 out=main_ppo_tool_quickstart
 mkdir -p "$out"
 say() { echo "[tool quickstart $(date -u +%H:%M:%S)] $*"; }
