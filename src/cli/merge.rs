@@ -333,31 +333,41 @@ struct Partial {
     committed: bool,
 }
 
+/// `--target_dir`'s place cannot be written: the target, the folder and the OS error.
+fn cannot_write(target: &Path, parent: &Path, e: std::io::Error) -> ConfigError {
+    usage(
+        "--target_dir",
+        format!(
+            "{}: cannot write in {}: {e}",
+            target.display(),
+            parent.display()
+        ),
+    )
+}
+
 impl Partial {
-    /// Creates the hidden folder beside `target` (and the folders above it); a place that
-    /// cannot be written is refused naming `--target_dir`, the target and the OS error.
-    fn create(target: &Path) -> Result<Self, ConfigError> {
+    /// The folder `target` goes in (made, with the folders above it), the target's name, and
+    /// the hidden `.<name>.merging-<pid>` beside it that a merge writes first.
+    fn beside(target: &Path) -> Result<(PathBuf, String, PathBuf), ConfigError> {
         let parent = match target.parent().filter(|p| !p.as_os_str().is_empty()) {
             Some(p) => p.to_path_buf(),
             None => PathBuf::from("."),
         };
-        let refuse = |e: std::io::Error| {
-            usage(
-                "--target_dir",
-                format!(
-                    "{}: cannot write in {}: {e}",
-                    target.display(),
-                    parent.display()
-                ),
-            )
-        };
-        std::fs::create_dir_all(&parent).map_err(refuse)?;
+        std::fs::create_dir_all(&parent).map_err(|e| cannot_write(target, &parent, e))?;
         let name = target
             .file_name()
-            .expect("check_target names a folder")
+            .expect("check_target names a file or folder")
             .to_string_lossy()
             .into_owned();
-        let dir = parent.join(format!(".{name}.merging-{}", std::process::id()));
+        let hidden = parent.join(format!(".{name}.merging-{}", std::process::id()));
+        Ok((parent, name, hidden))
+    }
+
+    /// Creates the hidden folder beside `target` (and the folders above it); a place that
+    /// cannot be written is refused naming `--target_dir`, the target and the OS error.
+    fn create(target: &Path) -> Result<Self, ConfigError> {
+        let (parent, name, dir) = Self::beside(target)?;
+        let refuse = |e| cannot_write(target, &parent, e);
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir(&dir).map_err(refuse)?;
         // Replacing a folder renames it aside: that needs the folder itself writable too.
@@ -386,27 +396,8 @@ impl Partial {
     /// folders above it); a place that cannot be written is refused naming `--target_dir`,
     /// the target and the OS error.
     fn create_file(target: &Path) -> Result<Self, ConfigError> {
-        let parent = match target.parent().filter(|p| !p.as_os_str().is_empty()) {
-            Some(p) => p.to_path_buf(),
-            None => PathBuf::from("."),
-        };
-        let refuse = |e: std::io::Error| {
-            usage(
-                "--target_dir",
-                format!(
-                    "{}: cannot write in {}: {e}",
-                    target.display(),
-                    parent.display()
-                ),
-            )
-        };
-        std::fs::create_dir_all(&parent).map_err(refuse)?;
-        let name = target
-            .file_name()
-            .expect("a GGUF target names a file")
-            .to_string_lossy()
-            .into_owned();
-        let file = parent.join(format!(".{name}.merging-{}", std::process::id()));
+        let (parent, name, file) = Self::beside(target)?;
+        let refuse = |e| cannot_write(target, &parent, e);
         std::fs::File::create(&file).map_err(refuse)?;
         Ok(Partial {
             target: target.to_path_buf(),

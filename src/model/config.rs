@@ -576,6 +576,41 @@ fn router_aux_loss_coef(v: &Value) -> Result<Option<f64>, String> {
 }
 
 impl MoeArgs {
+    /// The mixture's keys of an HF `config.json` (the inverse of `from_hf`).
+    fn write_hf(&self, o: &mut serde_json::Map<String, Value>) {
+        o.insert("num_experts".into(), serde_json::json!(self.num_experts));
+        o.insert(
+            "num_experts_per_tok".into(),
+            serde_json::json!(self.num_experts_per_tok),
+        );
+        o.insert(
+            "norm_topk_prob".into(),
+            serde_json::json!(self.norm_topk_prob),
+        );
+        o.insert(
+            "moe_intermediate_size".into(),
+            serde_json::json!(self.moe_intermediate_size),
+        );
+        o.insert(
+            "decoder_sparse_step".into(),
+            serde_json::json!(self.decoder_sparse_step),
+        );
+        o.insert(
+            "mlp_only_layers".into(),
+            serde_json::json!(self.mlp_only_layers),
+        );
+        o.insert(
+            "output_router_logits".into(),
+            serde_json::json!(self.router_aux_loss_coef.is_some()),
+        );
+        if let Some(c) = self.router_aux_loss_coef {
+            o.insert("router_aux_loss_coef".into(), serde_json::json!(c));
+        }
+        if let Some(w) = self.shared_expert_intermediate_size {
+            o.insert("shared_expert_intermediate_size".into(), w.into());
+        }
+    }
+
     /// Reads the experts' keys of a Qwen3-MoE config (`num_experts`, or transformers 5's
     /// `num_local_experts`).
     fn from_hf(v: &Value, layers: usize, arch: Arch) -> Result<Self, String> {
@@ -1064,43 +1099,63 @@ fn refuse_unsupported(v: &Value, arch: Arch) -> Result<(), String> {
     Ok(())
 }
 
+/// The settings of the language model: a multimodal Qwen3.5 checkpoint keeps them in
+/// `text_config` (with tied embeddings possibly said only at the top level); others at the top.
+fn text_settings(v: &Value, arch: Arch) -> std::borrow::Cow<'_, Value> {
+    match v.get("text_config").filter(|t| t.is_object()) {
+        Some(t) if arch.hybrid() => {
+            let mut t = t.clone();
+            if t.get("tie_word_embeddings").is_none() {
+                if let Some(tie) = v.get("tie_word_embeddings") {
+                    t["tie_word_embeddings"] = tie.clone();
+                }
+            }
+            std::borrow::Cow::Owned(t)
+        }
+        _ => std::borrow::Cow::Borrowed(v),
+    }
+}
+
+/// `(q/k/v bias, o_proj bias)`: Qwen2 and MiMo always have q/k/v biases and never an o_proj
+/// bias; Seed-OSS has q/k/v biases by default (`attention_bias`) and the output projection's
+/// its own key (`attention_out_bias`); the others take both from `attention_bias`.
+fn read_biases(v: &Value, arch: Arch) -> Result<(bool, bool), String> {
+    let flag = |key: &str, default: bool| -> Result<bool, String> {
+        match v.get(key) {
+            None | Some(Value::Null) => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(x) => Err(format!(
+                "config.json: {key} must be true or false, found {x}"
+            )),
+        }
+    };
+    let attention_bias = flag("attention_bias", arch == Arch::SeedOss)?;
+    Ok(match arch {
+        Arch::Qwen2 | Arch::MiMo => (true, false),
+        Arch::SeedOss => (attention_bias, flag("attention_out_bias", false)?),
+        _ => (attention_bias, attention_bias),
+    })
+}
+
+/// MiMo's `num_nextn_predict_layers` (absent or null: none).
+fn read_mtp_layers(v: &Value) -> Result<usize, String> {
+    match v.get("num_nextn_predict_layers") {
+        None | Some(Value::Null) => Ok(0),
+        Some(x) => x.as_u64().map(|n| n as usize).ok_or_else(|| {
+            format!(
+                "config.json: num_nextn_predict_layers must be a non-negative integer, found {x}"
+            )
+        }),
+    }
+}
+
 impl ModelArgs {
     /// Reads an HF `config.json` value (after `override_config` entries were applied).
     pub fn from_hf(v: &Value) -> Result<Self, String> {
         let arch = arch_of(v)?;
-        // A multimodal Qwen3.5 checkpoint: its language model's settings are `text_config`.
-        let text;
-        let v = match v.get("text_config").filter(|t| t.is_object()) {
-            Some(t) if arch.hybrid() => {
-                text = {
-                    let mut t = t.clone();
-                    // Tied embeddings may be said only at the top level.
-                    if t.get("tie_word_embeddings").is_none() {
-                        if let Some(tie) = v.get("tie_word_embeddings") {
-                            t["tie_word_embeddings"] = tie.clone();
-                        }
-                    }
-                    t
-                };
-                &text
-            }
-            _ => v,
-        };
-        let flag = |key: &str, default: bool| -> Result<bool, String> {
-            match v.get(key) {
-                None | Some(Value::Null) => Ok(default),
-                Some(Value::Bool(b)) => Ok(*b),
-                Some(x) => Err(format!(
-                    "config.json: {key} must be true or false, found {x}"
-                )),
-            }
-        };
-        // Seed-OSS: q/k/v biases by default, the output projection's bias its own key.
-        let seed_oss = arch == Arch::SeedOss;
-        let attention_bias = flag("attention_bias", seed_oss)?;
-        let attention_out_bias = flag("attention_out_bias", false)?;
-        // Qwen2 and MiMo always have q/k/v biases and never an o_proj bias.
-        let qwen2 = matches!(arch, Arch::Qwen2 | Arch::MiMo);
+        let text = text_settings(v, arch);
+        let v = text.as_ref();
+        let (qkv_bias, o_bias) = read_biases(v, arch)?;
         let gemma = arch == Arch::Gemma3;
         let ((rope_theta, rope_scaling), rope_local_theta) = if gemma {
             read_gemma_rope(v)?
@@ -1144,11 +1199,8 @@ impl ModelArgs {
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
-            qkv_bias: qwen2 || attention_bias,
-            o_bias: match arch {
-                Arch::SeedOss => attention_out_bias,
-                _ => !qwen2 && attention_bias,
-            },
+            qkv_bias,
+            o_bias,
             max_position_embeddings: v
                 .get("max_position_embeddings")
                 .and_then(Value::as_u64)
@@ -1192,12 +1244,7 @@ impl ModelArgs {
                 _ => 0.0,
             },
             mtp_layers: match arch {
-                Arch::MiMo => match v.get("num_nextn_predict_layers") {
-                    None | Some(Value::Null) => 0,
-                    Some(x) => x.as_u64().ok_or_else(|| {
-                        format!("config.json: num_nextn_predict_layers must be a non-negative integer, found {x}")
-                    })? as usize,
-                },
+                Arch::MiMo => read_mtp_layers(v)?,
                 _ => 0,
             },
         })
@@ -1365,35 +1412,7 @@ impl ModelArgs {
             }
         }
         if let Some(m) = &self.moe {
-            let o = out.as_object_mut().expect("an object");
-            o.insert("num_experts".into(), serde_json::json!(m.num_experts));
-            o.insert(
-                "num_experts_per_tok".into(),
-                serde_json::json!(m.num_experts_per_tok),
-            );
-            o.insert("norm_topk_prob".into(), serde_json::json!(m.norm_topk_prob));
-            o.insert(
-                "moe_intermediate_size".into(),
-                serde_json::json!(m.moe_intermediate_size),
-            );
-            o.insert(
-                "decoder_sparse_step".into(),
-                serde_json::json!(m.decoder_sparse_step),
-            );
-            o.insert(
-                "mlp_only_layers".into(),
-                serde_json::json!(m.mlp_only_layers),
-            );
-            o.insert(
-                "output_router_logits".into(),
-                serde_json::json!(m.router_aux_loss_coef.is_some()),
-            );
-            if let Some(c) = m.router_aux_loss_coef {
-                o.insert("router_aux_loss_coef".into(), serde_json::json!(c));
-            }
-            if let Some(w) = m.shared_expert_intermediate_size {
-                o.insert("shared_expert_intermediate_size".into(), w.into());
-            }
+            m.write_hf(out.as_object_mut().expect("an object"));
         }
         if let Some(l) = &self.linear_attn {
             let o = out.as_object_mut().expect("an object");
@@ -1420,27 +1439,31 @@ impl ModelArgs {
             _ => {}
         }
         if self.arch.gemma() {
-            let o = out.as_object_mut().expect("an object");
-            o.remove("hidden_act");
-            o.insert("hidden_activation".into(), "gelu_pytorch_tanh".into());
-            o.insert("layer_types".into(), serde_json::json!(kinds));
-            // transformers' config class takes an integer here.
-            let scalar = match self.query_pre_attn_scalar {
-                Some(x) if x.fract() == 0.0 && x >= 0.0 => serde_json::json!(x as u64),
-                x => serde_json::json!(x),
-            };
-            o.insert("query_pre_attn_scalar".into(), scalar);
-            let local = self.rope_local_theta.unwrap_or(self.rope_theta);
-            o.insert("rope_local_base_freq".into(), serde_json::json!(local));
-            o.insert(
-                "rope_parameters".into(),
-                serde_json::json!({
-                    "full_attention": self.rope_parameters(),
-                    "sliding_attention": {"rope_type": "default", "rope_theta": local},
-                }),
-            );
+            self.write_gemma_hf(out.as_object_mut().expect("an object"), &kinds);
         }
         out
+    }
+
+    /// Gemma 3's own keys: its activation, layer types, score scale, and the two RoPE bases.
+    fn write_gemma_hf(&self, o: &mut serde_json::Map<String, Value>, kinds: &[&str]) {
+        o.remove("hidden_act");
+        o.insert("hidden_activation".into(), "gelu_pytorch_tanh".into());
+        o.insert("layer_types".into(), serde_json::json!(kinds));
+        // transformers' config class takes an integer here.
+        let scalar = match self.query_pre_attn_scalar {
+            Some(x) if x.fract() == 0.0 && x >= 0.0 => serde_json::json!(x as u64),
+            x => serde_json::json!(x),
+        };
+        o.insert("query_pre_attn_scalar".into(), scalar);
+        let local = self.rope_local_theta.unwrap_or(self.rope_theta);
+        o.insert("rope_local_base_freq".into(), serde_json::json!(local));
+        o.insert(
+            "rope_parameters".into(),
+            serde_json::json!({
+                "full_attention": self.rope_parameters(),
+                "sliding_attention": {"rope_type": "default", "rope_theta": local},
+            }),
+        );
     }
 
     /// A tiny configuration for tests.
