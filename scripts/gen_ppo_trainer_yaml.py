@@ -49,6 +49,7 @@ STRUCTS = {
     "algorithm.kl_ctrl": "KlCtrlConfig",
     "algorithm.filter_groups": "FilterGroupsConfig",
     "algorithm.rollout_correction": "RolloutCorrectionConfig",
+    "algorithm.pf_ppo": "PfPpoConfig",
     "distillation": "DistillationConfig",
     "distillation.distillation_loss": "DistillationLossConfig",
     "distillation.teacher_models.teacher_model": "TeacherModelConfig",

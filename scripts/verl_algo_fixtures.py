@@ -143,11 +143,50 @@ def main():
     out["gdpo_components"] = comps
     out["gdpo_index"] = [0, 0, 1, 1, 1]
     out["otb"] = otb_cases()
+    out["pf_ppo"] = pf_ppo_cases()
     OUT.write_text(json.dumps(out, indent=1) + "\n")
     print(
         f"wrote {OUT}: {len(out['agg'])} agg, {len(out['policy'])} policy, {len(out['value'])} value, "
         f"{len(out['otb']['cases'])} optimal-token-baseline, {len(out['otb']['variance_proxy'])} variance-proxy cases"
     )
+
+
+def pf_ppo_cases():
+    """PF-PPO's resampling weights: verl's `compute_pf_ppo_reweight_data` on a DataProto whose
+    float32 `token_level_scores` sum to ties at the maximum and the minimum, a zero and scores
+    spread over several tokens. The weights are what verl hands `torch.multinomial` (caught
+    here; the draws themselves come from torch's generator and are not compared)."""
+    from verl import DataProto
+
+    scores = torch.tensor(
+        [
+            [0.0, 0.0, 1.0, 0.0],
+            [0.0, 0.0, 0.0, -2.0],
+            [0.0, 0.0, 0.0, 0.0],
+            [0.25, 0.25, 0.5, 0.0],
+            [0.0, 0.5, 0.0, 0.0],
+            [-1.5, 0.0, -0.5, 0.0],
+            [0.1, 0.2, 0.0, 0.0],
+        ],
+        dtype=torch.float32,
+    )
+    caught = []
+    real = torch.multinomial
+
+    def catch(weights, n, replacement=False, **kw):
+        caught.append(weights.double().tolist())
+        return real(weights, n, replacement=replacement, **kw)
+
+    torch.multinomial = catch
+    cases = []
+    try:
+        for method, pw in [("pow", 2.0), ("pow", 1.5), ("pow", 0.0), ("max_min", 2.0), ("max_random", 2.0)]:
+            data = DataProto.from_dict(tensors={"token_level_scores": scores.clone()})
+            ca.compute_pf_ppo_reweight_data(data, method, pw)
+            cases.append(dict(method=method, weight_pow=pw, weights=caught.pop()))
+    finally:
+        torch.multinomial = real
+    return {"token_level_scores": scores.double().tolist(), "cases": cases}
 
 
 def otb_cases():

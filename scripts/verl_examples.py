@@ -194,6 +194,14 @@ def expect(entry, configs):
     critic_model = st.get("critic.model.path") or DEFAULT_MODEL
     if critic_on and family(critic_model) not in SUPPORTED_FAMILIES and not unset(critic_model):
         refuse("critic.model.path", f"model family {family(critic_model)}")
+    for role, on in (("actor_rollout_ref.actor", True), ("critic", critic_on)):
+        # verl refuses a role that trains without a micro-batch size or token budgets too (the
+        # critic's use_dynamic_bsz follows the actor's; b178a3c's PF-PPO line loses its
+        # arguments to a comment after a backslash)
+        if on and unset(st.get(f"{role}.ppo_micro_batch_size_per_gpu")) and \
+                unset(st.get(f"{role}.ppo_micro_batch_size")) and not truthy(
+                st.get(f"{role}.use_dynamic_bsz", st.get("actor_rollout_ref.actor.use_dynamic_bsz"))):
+            refuse(f"{role}.ppo_micro_batch_size_per_gpu", "no micro-batch size (verl refuses it too)")
     if adv not in ESTIMATORS:
         refuse("algorithm.adv_estimator", f"advantage estimator {adv}")
     if adv in ("optimal_token_baseline", "tir_optimal_token_baseline"):
@@ -203,6 +211,9 @@ def expect(entry, configs):
             refuse("actor_rollout_ref.actor.calculate_sum_pi_squared", f"{adv} without calculate_sum_pi_squared")
         if truthy(st.get("algorithm.rollout_correction.bypass_mode")):
             refuse("algorithm.rollout_correction.bypass_mode", f"{adv} in bypass mode")
+    if truthy(st.get("algorithm.use_pf_ppo")) and adv != "gae":
+        # verl resamples after GAE only; here the pairing is refused rather than ignored
+        refuse("algorithm.use_pf_ppo", f"PF-PPO with {adv}")
     loss = st.get("actor_rollout_ref.actor.policy_loss.loss_mode")
     if loss is not None and str(loss) not in LOSSES:
         refuse("actor_rollout_ref.actor.policy_loss.loss_mode", f"policy loss {loss}")
@@ -215,7 +226,6 @@ def expect(entry, configs):
     feature_flags = {
         # verl trains the MTP layers with an extra loss: not implemented (MiMo's are kept frozen)
         "actor_rollout_ref.model.mtp.enable": "multi-token prediction",
-        "algorithm.use_pf_ppo": "priority-filtered PPO",
     }
     for key, what in feature_flags.items():
         if truthy(st.get(key)):

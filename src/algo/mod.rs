@@ -7,7 +7,8 @@
 //! - [`value`]: the clipped value loss and entropy,
 //! - [`kl`]: KL estimators, KL in the reward, KL controllers, KL loss,
 //! - [`filter`]: DAPO's group filter (which groups carry a signal),
-//! - [`distill`]: on-policy distillation's loss against a teacher's log-probs.
+//! - [`distill`]: on-policy distillation's loss against a teacher's log-probs,
+//! - [`pf_ppo`]: PF-PPO's score weights and resampling of the step's responses.
 //!
 //! Tensors are `[batch, response_len]` unless noted; masks are 0/1 in the values' dtype.
 //! Estimators need no gradient and run as one pass over host memory; losses are tensor
@@ -19,6 +20,7 @@ pub mod distill;
 pub mod filter;
 pub mod kl;
 pub mod masked;
+pub mod pf_ppo;
 pub mod policy;
 pub mod rollout_corr;
 pub mod value;

@@ -4,7 +4,8 @@
 //! autograd, the clipped value loss), written to `tests/fixtures/algo_verl_1dda039.json` by
 //! `scripts/verl_algo_fixtures.py`. The inputs hold a row without a valid token. f64, 1e-9.
 //! Also gdpo and the optimal token baselines (`compute_optimal_token_baseline_advantage`,
-//! `compute_multi_turn_optimal_token_baseline_advantage`) on inputs of their own.
+//! `compute_multi_turn_optimal_token_baseline_advantage`) on inputs of their own, and PF-PPO's
+//! resampling weights (`compute_pf_ppo_reweight_data`, float32 in verl: 1e-6 relative).
 
 use candle_core::{DType, Device, Tensor, Var};
 use serde_json::Value;
@@ -352,4 +353,31 @@ fn optimal_token_baselines_name_calculate_sum_pi_squared() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("sum_pi_squared (2, 2)"), "{e}");
+}
+
+/// PF-PPO's weights for each method against the ones verl hands `torch.multinomial` (float32
+/// there, so 1e-6 relative; `1 + 1e-8` is 1 in float32).
+#[test]
+fn pf_ppo_weights_equal_verl() {
+    let f = fixture();
+    let pf = &f["pf_ppo"];
+    let rows: Vec<Vec<f64>> = serde_json::from_value(pf["token_level_scores"].clone()).unwrap();
+    let scores: Vec<f64> = rows.iter().map(|r| r.iter().sum()).collect();
+    let kept = vec![true; scores.len()];
+    let cases = pf["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 5);
+    for case in cases {
+        let method: crate::config::PfPpoReweight =
+            serde_yaml_ng::from_str(case["method"].as_str().unwrap()).unwrap();
+        let pow = num(&case["weight_pow"]);
+        let got = pf_ppo::weights(&scores, &kept, method, pow);
+        let want: Vec<f64> = serde_json::from_value(case["weights"].clone()).unwrap();
+        assert_eq!(got.len(), want.len());
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-6 * w.abs().max(1e-8),
+                "{method:?} pow {pow}, row {i}: {g}, verl {w}"
+            );
+        }
+    }
 }

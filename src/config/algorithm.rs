@@ -217,7 +217,39 @@ pub struct AlgorithmConfig {
     pub filter_groups: FilterGroupsConfig,
     /// Importance weights and rejection between the rollout's log-probs and the trainer's.
     pub rollout_correction: RolloutCorrectionConfig,
+    /// PF-PPO: after GAE, train on the step's responses drawn again in proportion to a weight
+    /// of their scores (`algo::pf_ppo`); `adv_estimator=gae` only.
+    pub use_pf_ppo: bool,
+    /// PF-PPO's weights.
+    pub pf_ppo: PfPpoConfig,
 }
+
+/// `algorithm.pf_ppo.reweight_method`: each response's resampling weight from its score s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PfPpoReweight {
+    /// |s|^weight_pow.
+    Pow,
+    /// 1 for the batch's highest and lowest scores, 0 for the rest.
+    MaxMin,
+    /// 0.4 for the highest score, 0.1 for the rest.
+    MaxRandom,
+}
+
+/// `algorithm.pf_ppo` (verl: a free dict read with `reweight_method` and `weight_pow`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PfPpoConfig {
+    /// pow | max_min | max_random.
+    pub reweight_method: PfPpoReweight,
+    /// The exponent of `pow`.
+    pub weight_pow: f64,
+}
+
+defaults!(PfPpoConfig {
+    reweight_method: PfPpoReweight::Pow,
+    weight_pow: 2.0,
+});
 
 /// A threshold given as a number or as a string (`"0.5_5.0"`, `"0.5_2.0,0.1"`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -302,4 +334,6 @@ defaults!(AlgorithmConfig {
     gdpo_reward_weights: None,
     filter_groups: FilterGroupsConfig::default(),
     rollout_correction: RolloutCorrectionConfig::default(),
+    use_pf_ppo: false,
+    pf_ppo: PfPpoConfig::default(),
 });

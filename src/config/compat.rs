@@ -192,9 +192,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("reward.reward_model.rollout", DIST),
     ("reward.sandbox_fusion.url", Unsupported { default: "null", why: "sandbox-fusion code execution is not implemented" }),
     ("reward.sandbox_fusion", DIST),
-    // algorithm extensions not implemented
-    ("algorithm.use_pf_ppo", Unsupported { default: "false", why: "priority-filtered PPO reweighting is not implemented" }),
-    ("algorithm.pf_ppo", DIST),
     // verl 0.7's rollout-correction keys (gone at 1dda039, which reads both rejection bounds
     // from rollout_rs_threshold)
     ("algorithm.rollout_correction.rollout_rs_threshold_lower", Unsupported { default: "null", why: "verl 0.7's separate lower rejection bound: write both bounds in rollout_rs_threshold as \"lower_upper\" (verl 1dda039)" }),

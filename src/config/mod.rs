@@ -38,8 +38,8 @@ use serde::{Deserialize, Serialize};
 
 pub use actor::{ActorConfig, LossAggMode, PolicyLossMode};
 pub use algorithm::{
-    AdvEstimator, AlgorithmConfig, FilterGroupsConfig, KlCtrlType, KlKind, KlPenalty,
-    RolloutCorrectionConfig, Threshold,
+    AdvEstimator, AlgorithmConfig, FilterGroupsConfig, KlCtrlType, KlKind, KlPenalty, PfPpoConfig,
+    PfPpoReweight, RolloutCorrectionConfig, Threshold,
 };
 pub use critic::CriticConfig;
 pub use data::{DataConfig, Truncation};

@@ -161,6 +161,8 @@ pub struct Seeds {
     pub critic: u64,
     /// A fresh critic value head's initial weights (`trainer.seed`).
     pub value_head: u64,
+    /// PF-PPO's draws, with the step mixed in (`trainer.seed`).
+    pub pf_ppo: u64,
 }
 
 /// Sampling temperatures (0 = greedy).
@@ -184,6 +186,7 @@ fn seeds_and_temperatures(cfg: &Config) -> (Seeds, Temperatures) {
         actor: cfg.actor_rollout_ref.actor.data_loader_seed,
         critic: cfg.critic.data_loader_seed,
         value_head: cfg.trainer.seed,
+        pf_ppo: cfg.trainer.seed,
     };
     let temperatures = Temperatures {
         rollout: r.temperature,
@@ -714,6 +717,7 @@ fn algorithm_rules(f: &mut Findings, cfg: &Config, n: usize) {
         ));
     }
     gdpo_rules(errors, algo);
+    pf_ppo_rules(errors, algo);
     if matches!(
         algo.adv_estimator,
         AdvEstimator::Grpo
@@ -787,6 +791,30 @@ fn gdpo_rules(errors: &mut Vec<String>, algo: &crate::config::AlgorithmConfig) {
         errors.push(format!(
             "`algorithm.gdpo_reward_keys` / `gdpo_reward_weights` are read only by `algorithm.adv_estimator=gdpo` (it is {})",
             algo.adv_estimator.as_str()
+        ));
+    }
+}
+
+/// `algorithm.use_pf_ppo`: verl resamples after GAE only and passes over the key for every
+/// other estimator; here that pairing is refused rather than ignored. `weight_pow` must give
+/// finite weights.
+fn pf_ppo_rules(errors: &mut Vec<String>, algo: &crate::config::AlgorithmConfig) {
+    if !algo.use_pf_ppo {
+        return;
+    }
+    if algo.adv_estimator != AdvEstimator::Gae {
+        errors.push(format!(
+            "`algorithm.use_pf_ppo=True` resamples the batch after GAE only (verl applies it with `algorithm.adv_estimator=gae` and ignores it otherwise); `algorithm.adv_estimator` is {}: set use_pf_ppo=False or adv_estimator=gae",
+            algo.adv_estimator.as_str()
+        ));
+    }
+    let p = &algo.pf_ppo;
+    if p.reweight_method == crate::config::PfPpoReweight::Pow
+        && !(p.weight_pow.is_finite() && p.weight_pow >= 0.0)
+    {
+        errors.push(format!(
+            "`algorithm.pf_ppo.weight_pow` ({}) must be a finite number >= 0",
+            p.weight_pow
         ));
     }
 }

@@ -861,6 +861,7 @@ fn seeds_and_temperatures_are_part_of_the_plan() {
             actor: 13,
             critic: 17,
             value_head: 7,
+            pf_ppo: 7,
         }
     );
     assert_eq!(
@@ -1078,6 +1079,35 @@ fn gdpo_reward_keys_rules() {
     let e = rule_error(&[keys]);
     assert!(
         e.contains("read only by `algorithm.adv_estimator=gdpo`"),
+        "{e}"
+    );
+}
+
+/// PF-PPO: verl's keys read (method, exponent) with GAE; with another estimator (which verl
+/// would pass over) refused naming both keys; an unknown method names its key; a negative or
+/// non-finite exponent is refused.
+#[test]
+fn pf_ppo_rules() {
+    let on = "algorithm.use_pf_ppo=True";
+    let method = "algorithm.pf_ppo.reweight_method=max_random";
+    assert!(resolved(&[on, method]).is_ok());
+    let c = cfg(&[on, method]);
+    assert!(c.algorithm.use_pf_ppo);
+    assert_eq!(
+        c.algorithm.pf_ppo.reweight_method,
+        crate::config::PfPpoReweight::MaxRandom
+    );
+    assert_eq!(c.algorithm.pf_ppo.weight_pow, 2.0);
+    let e = rule_error(&[on, "algorithm.adv_estimator=grpo"]);
+    assert!(
+        e.contains("algorithm.use_pf_ppo") && e.contains("adv_estimator` is grpo"),
+        "{e}"
+    );
+    let e = rule_error(&[on, "algorithm.pf_ppo.weight_pow=-1"]);
+    assert!(e.contains("algorithm.pf_ppo.weight_pow"), "{e}");
+    let e = err(&[on, "algorithm.pf_ppo.reweight_method=softmax"]);
+    assert!(
+        e.contains("reweight_method") && e.contains("max_min"),
         "{e}"
     );
 }

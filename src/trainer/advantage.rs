@@ -13,8 +13,34 @@ use candle_core::{Device, Tensor};
 
 use super::batch::{pad_rows, Column, Ragged, StepBatch};
 use crate::algo::{advantages, apply_kl_penalty, HostInputs, KlController, Mat};
-use crate::config::{AdvEstimator, AlgorithmConfig};
+use crate::config::{AdvEstimator, AlgorithmConfig, PfPpoConfig};
 use crate::metrics::Metrics;
+
+/// PF-PPO (`algorithm.use_pf_ppo`, after GAE): `batch.len()` rows drawn with replacement from
+/// `batch`, each with its weight from the sum of its `token_level_scores` (f32, as verl sums
+/// them), every column travelling with its row; the rows' order is the draws' (verl's, which
+/// balances the batch before). Rows left out of the update are never drawn; a batch of only
+/// such rows stays as it is.
+pub fn pf_ppo_resample(
+    cfg: &PfPpoConfig,
+    batch: &StepBatch,
+    seed: u64,
+    step: u64,
+) -> candle_core::Result<StepBatch> {
+    let scores: Vec<f64> = batch
+        .column(Column::TokenLevelScores)?
+        .iter()
+        .map(|row| f64::from(row.iter().sum::<f32>()))
+        .collect();
+    let kept: Vec<bool> = batch.excluded.iter().map(|&e| !e).collect();
+    let weights = crate::algo::pf_ppo::weights(&scores, &kept, cfg.reweight_method, cfg.weight_pow);
+    Ok(
+        match crate::algo::pf_ppo::resample(&weights, batch.len(), seed, step) {
+            Some(rows) => batch.select(&rows),
+            None => batch.clone(),
+        },
+    )
+}
 
 /// Fills `token_level_rewards`, `advantages` and `returns`; returns the KL-in-reward metrics
 /// and those of `correct`, which runs between the KL penalty and the estimator (verl's place

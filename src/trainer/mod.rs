@@ -465,7 +465,7 @@ impl Trainer {
         if self.cfg.trainer.balance_batch {
             m.extend(self.balance(&mut batch));
         }
-        m.extend(t.time("adv", || self.compute_advantages(&mut batch))?);
+        m.extend(t.time("adv", || self.compute_advantages(&mut batch, step))?);
         self.update_models(&mut batch, step, old, &mut t, &mut m)?;
         if old == OldLogProbs::FromUpdate {
             m.extend(self.rollout_diagnostics_after_update(&mut batch)?);

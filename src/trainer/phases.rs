@@ -449,8 +449,14 @@ impl Trainer {
     }
 
     /// The `adv` phase: token-level rewards, rollout correction (when the old log-probs are
-    /// known by now, outside bypass mode), advantages and returns.
-    pub(super) fn compute_advantages(&mut self, batch: &mut StepBatch) -> Result<Metrics> {
+    /// known by now, outside bypass mode), advantages and returns; then, with
+    /// `algorithm.use_pf_ppo`, the batch drawn again from its rows (verl's place for it, inside
+    /// `compute_advantage`).
+    pub(super) fn compute_advantages(
+        &mut self,
+        batch: &mut StepBatch,
+        step: u64,
+    ) -> Result<Metrics> {
         let corr = self
             .plan
             .rollout_correction
@@ -460,12 +466,12 @@ impl Trainer {
             Some(c) => super::rollout_corr::apply_with_diagnostics(&c.correction, b),
             None => Ok(Metrics::new()),
         };
-        Ok(advantage::compute(
-            &self.cfg.algorithm,
-            &mut self.kl_ctrl,
-            batch,
-            &mut correct,
-        )?)
+        let m = advantage::compute(&self.cfg.algorithm, &mut self.kl_ctrl, batch, &mut correct)?;
+        if self.cfg.algorithm.use_pf_ppo {
+            let seed = self.plan.seeds.pf_ppo;
+            *batch = advantage::pf_ppo_resample(&self.cfg.algorithm.pf_ppo, batch, seed, step)?;
+        }
+        Ok(m)
     }
 
     /// The rollout-correction diagnostics of a step whose old log-probs came from the update

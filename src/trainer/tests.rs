@@ -60,6 +60,16 @@ fn natives() -> NativeRegistry {
     )
     .unwrap();
     n.register(
+        "length",
+        |inp: &ScoreInput, _: &Map<String, serde_json::Value>| {
+            Ok(ScoreResult {
+                score: inp.solution_str.chars().count() as f64,
+                extra: Map::new(),
+            })
+        },
+    )
+    .unwrap();
+    n.register(
         "even_length",
         |inp: &ScoreInput, _: &Map<String, serde_json::Value>| {
             Ok(ScoreResult {
@@ -465,6 +475,82 @@ fn optimizer_files(dir: &Path) -> Vec<Vec<u8>> {
     .filter(|f| critic || f.starts_with("actor/"))
     .map(|f| std::fs::read(dir.join(f)).unwrap())
     .collect()
+}
+
+/// PF-PPO with `max_min` (verl's weights: 1 + 1e-8 for the batch's highest and lowest score,
+/// 1e-8 for the rest): after the `adv` phase the batch has as many rows as before, every one a
+/// copy of a generated row with the highest or lowest score (the odds of another being drawn
+/// are ~1e-7 here), its advantages, returns, values and old log-probs travelling with it; and
+/// a run with it stopped after step 2 and resumed ends as the uninterrupted one (the draws are
+/// a function of the seed and the step).
+#[test]
+fn pf_ppo_trains_on_the_rows_it_draws_and_resumes_exactly() {
+    let fx = fixture();
+    let args = [
+        "algorithm.adv_estimator=gae",
+        "algorithm.use_pf_ppo=True",
+        "algorithm.pf_ppo.reweight_method=max_min",
+        "reward.sources=[{name: l, type: native, function: length}]",
+    ];
+    let mut t = trainer(&fx, &args, None);
+    let (prompts, _) = t.next_prompts().unwrap();
+    let mut batch = t.generate(&prompts).unwrap();
+    t.compute_rewards(&mut batch).unwrap();
+    t.actor.compute_log_prob(&mut batch).unwrap();
+    t.critic
+        .as_ref()
+        .unwrap()
+        .compute_values(&mut batch)
+        .unwrap();
+    let mut plain = batch.clone();
+    let mut alg = t.cfg.algorithm.clone();
+    alg.use_pf_ppo = false;
+    super::advantage::compute(&alg, &mut t.kl_ctrl.clone(), &mut plain, &mut |_| {
+        Ok(Metrics::new())
+    })
+    .unwrap();
+    t.compute_advantages(&mut batch, 1).unwrap();
+    assert_eq!(batch.len(), plain.len());
+    let score = |b: &batch::StepBatch, r: usize| -> f32 {
+        b.column(batch::Column::TokenLevelScores).unwrap()[r]
+            .iter()
+            .sum()
+    };
+    let scores: Vec<f32> = (0..plain.len()).map(|r| score(&plain, r)).collect();
+    let max = scores.iter().cloned().fold(f32::MIN, f32::max);
+    let min = scores.iter().cloned().fold(f32::MAX, f32::min);
+    assert!(max > min, "the fixture's scores do not differ: {scores:?}");
+    let cols = [
+        batch::Column::Advantages,
+        batch::Column::Returns,
+        batch::Column::Values,
+        batch::Column::OldLogProbs,
+    ];
+    let mut drawn = std::collections::BTreeSet::new();
+    for r in 0..batch.len() {
+        let s = score(&batch, r);
+        assert!(
+            s == max || s == min,
+            "row {r} drawn with score {s} ({min}..{max})"
+        );
+        let src = (0..plain.len())
+            .find(|&q| {
+                plain.responses[q] == batch.responses[r]
+                    && plain.prompts[q] == batch.prompts[r]
+                    && cols
+                        .iter()
+                        .all(|&c| plain.column(c).unwrap()[q] == batch.column(c).unwrap()[r])
+            })
+            .unwrap_or_else(|| panic!("row {r} is no generated row with its columns"));
+        drawn.insert(src);
+    }
+    assert!(drawn.len() >= 2, "a single row drawn {} times", batch.len());
+    let resume: Vec<&str> = args
+        .iter()
+        .copied()
+        .chain(["trainer.total_training_steps=4", "trainer.save_freq=2"])
+        .collect();
+    assert_resume_bit_exact(&fx, &resume);
 }
 
 #[test]
@@ -1019,7 +1105,7 @@ fn on_policy_update_ignores_old_log_probs_and_reports_its_entropy() {
     batch.update_order = Some(crate::trainer::micro::balanced_order(&seqlens));
     t.compute_rewards(&mut batch).unwrap();
     t.actor.compute_log_prob(&mut batch).unwrap();
-    t.compute_advantages(&mut batch).unwrap();
+    t.compute_advantages(&mut batch, 1).unwrap();
     // Old log-probs far from the policy: a real ratio would clip and show a KL.
     let off: batch::Ragged = batch
         .column(batch::Column::OldLogProbs)
@@ -1074,8 +1160,8 @@ fn on_policy_update_fills_the_old_log_probs_it_replaces() {
     a.compute_rewards(&mut ba).unwrap();
     let mut bb = ba.clone();
     a.actor.compute_log_prob(&mut ba).unwrap();
-    a.compute_advantages(&mut ba).unwrap();
-    b.compute_advantages(&mut bb).unwrap();
+    a.compute_advantages(&mut ba, 1).unwrap();
+    b.compute_advantages(&mut bb, 1).unwrap();
     let ma = a.actor.update(&ba, 1).unwrap();
     let mb = b.actor.update_filling_old_log_prob(&mut bb, 1).unwrap();
     for c in [batch::Column::OldLogProbs, batch::Column::Entropys] {
@@ -1309,7 +1395,7 @@ fn optimal_token_baseline_trains_on_sum_pi_squared() {
                 "{est}: Σπ² {s}, π {pi}"
             );
         }
-        t.compute_advantages(&mut batch).unwrap();
+        t.compute_advantages(&mut batch, 1).unwrap();
         let before = weights(&t.actor.trainable.varmap);
         assert_eq!(t.fit().unwrap(), FitOutcome::Finished { steps: 2 }, "{est}");
         let m = &t.history[1].1;
@@ -1876,7 +1962,7 @@ fn a_moe_actor_adds_the_router_loss_its_config_asks_for() {
     let mut batch = a.generate(&prompts).unwrap();
     a.compute_rewards(&mut batch).unwrap();
     a.actor.compute_log_prob(&mut batch).unwrap();
-    a.compute_advantages(&mut batch).unwrap();
+    a.compute_advantages(&mut batch, 1).unwrap();
     // The model's router loss on each micro-batch the update will form (one mini-batch, in
     // order), from the same forward the update runs.
     let tr = &a.actor.trainable;

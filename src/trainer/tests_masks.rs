@@ -84,7 +84,7 @@ fn inputs(t: &mut Trainer, b: &mut StepBatch) {
 
 /// The rest of the step: advantages, then the critic and actor updates (metrics of all three).
 fn update(t: &mut Trainer, b: &mut StepBatch) -> Metrics {
-    let mut m = t.compute_advantages(b).unwrap();
+    let mut m = t.compute_advantages(b, 1).unwrap();
     let (mut timings, mut um) = (Timings::default(), Metrics::new());
     t.update_models(b, 1, OldLogProbs::Pass, &mut timings, &mut um)
         .unwrap();

@@ -165,7 +165,8 @@ fn swapped(entry: &Value, root: &Path) -> Vec<String> {
     out
 }
 
-/// What went wrong with one line, if anything.
+/// What went wrong with one line, if anything: a line expected to pass must, a refused one must
+/// end in one error (a single line, or the list of broken rules) naming one of its keys.
 fn judge(entry: &Value, ok: bool, stderr: &str) -> Option<String> {
     let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
     let last = stderr
@@ -188,9 +189,20 @@ fn judge(entry: &Value, ok: bool, stderr: &str) -> Option<String> {
                     "passed; expected a refusal naming one of {keys:?} ({reason})"
                 ));
             }
-            if errors.len() != 1 || !last.starts_with("error:") {
-                return Some(format!("not one error line at the end: {stderr}"));
-            }
+            // One error line at the end, or the rule violations' list: `error: invalid
+            // configuration:` and one `  - ` line per broken rule, each naming its key.
+            let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+            let list_at = lines
+                .iter()
+                .rposition(|l| *l == "error: invalid configuration:")
+                .filter(|&i| {
+                    i + 1 < lines.len() && lines[i + 1..].iter().all(|l| l.starts_with("  - "))
+                });
+            let last = match list_at {
+                Some(i) if errors.len() == 1 => lines[i..].join(" "),
+                _ if errors.len() == 1 && last.starts_with("error:") => last.to_string(),
+                _ => return Some(format!("not one error line at the end: {stderr}")),
+            };
             if !keys.iter().any(|k| last.contains(k)) {
                 return Some(format!(
                     "the error names none of {keys:?} ({reason}): {last}"
