@@ -9,6 +9,9 @@ instruction, `reward_model.ground_truth`, and `extra_info.tools_kwargs.calc_gsm8
 create_kwargs.ground_truth` (what the tool's instances are created with). `--agent-loop` adds
 `agent_name: tool_agent` as the 1dda039 script does; without it rows carry no agent_name (the
 b178a3c script), and `rollout.multi_turn.enable=True` sends them through the tool loop.
+`extra_info.interaction_kwargs` names verl's GSM8K interaction (`name: gsm8k`, which verl's
+script leaves out), so the rows also serve `multi_turn.interaction_config_path=
+configs/interaction_config/gsm8k_interaction_config.yaml`.
 
 `--tools-in-system` is for models whose chat template does not render `tools` (SmolLM2,
 Gemma 3; main_ppo warns about them at start): the system message then also lists the tools'
@@ -84,7 +87,9 @@ def convert(row, split, idx, agent_loop, system):
             "question": question_raw,
             "need_tools_kwargs": True,
             "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": solution}}},
-            "interaction_kwargs": {"query": question_raw + " " + INSTRUCTION, "ground_truth": solution},
+            # verl's script leaves out `name`, which its agent loop requires once an interaction
+            # config is set; with it the rows work with configs/interaction_config/.
+            "interaction_kwargs": {"name": "gsm8k", "query": question_raw + " " + INSTRUCTION, "ground_truth": solution},
         },
     }
     if agent_loop:

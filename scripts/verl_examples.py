@@ -218,8 +218,6 @@ def expect(entry, configs):
     if loss is not None and str(loss) not in LOSSES:
         refuse("actor_rollout_ref.actor.policy_loss.loss_mode", f"policy loss {loss}")
     if truthy(st.get("actor_rollout_ref.rollout.multi_turn.enable")):
-        if not unset(st.get("actor_rollout_ref.rollout.multi_turn.interaction_config_path")):
-            refuse("actor_rollout_ref.rollout.multi_turn.interaction_config_path", "interaction agents")
         fmt = st.get("actor_rollout_ref.rollout.multi_turn.format")
         if fmt is not None and str(fmt) not in ("hermes", "llama3_json"):
             refuse("actor_rollout_ref.rollout.multi_turn.format", f"tool-call format {fmt}")

@@ -74,9 +74,11 @@ impl DataSummary {
             bundle.template(cfg.actor_rollout_ref.model.custom_chat_template.as_deref())?;
         // As training reads them (the raw rows above are only counted).
         // The tools are started (and stopped) too: a tool config that does not load fails here.
+        // So are the interactions.
         let runner = setup::tool_runner(cfg).map_err(super::lift)?;
-        let rendering = setup::agent_rendering(cfg, runner.as_ref());
-        drop(runner);
+        let interactions = setup::interaction_runner(cfg).map_err(super::lift)?;
+        let rendering = setup::agent_rendering(cfg, runner.as_ref(), interactions.as_ref());
+        drop((runner, interactions));
         let (train, val) = setup::datasets(cfg, plan, &bundle, &template, with_val, &rendering)
             .map_err(super::lift)?;
         let tool_rows = |d: &crate::data::PromptDataset| {

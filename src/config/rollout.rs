@@ -173,7 +173,9 @@ pub struct MultiTurnConfig {
     pub max_tool_response_length: usize,
     /// Which part of an overlong tool text is kept: left (its end), middle (both ends) or right (its start).
     pub tool_response_truncate_side: TruncateSide,
-    /// verl's interaction agents (a simulated user); must stay null here.
+    /// YAML of verl's interaction agents (`interaction:` list of `{name, class_name, config}`):
+    /// a scripted user answering each model turn without tool calls; rows name theirs in
+    /// `extra_info.interaction_kwargs.name`.
     pub interaction_config_path: Option<String>,
     /// Accepted for verl's configs; verl's agent loop does not read it either: the training ids
     /// are always the ones generated.
@@ -295,9 +297,6 @@ impl MultiTurnConfig {
     pub fn check(&self, agent: &AgentConfig) -> Vec<String> {
         let key = "actor_rollout_ref.rollout";
         let mut errors = Vec::new();
-        if let Some(p) = &self.interaction_config_path {
-            errors.push(format!("`{key}.multi_turn.interaction_config_path` ({p}): interaction agents (a simulated user answering the model) are not implemented; leave it null"));
-        }
         if let Some(n) = self.num_repeat_rollouts {
             errors.push(format!("`{key}.multi_turn.num_repeat_rollouts` ({n}): repeated conversation rollouts are not implemented; leave it null"));
         }

@@ -1631,6 +1631,7 @@ fn a_yaml_alias_bomb_is_refused_in_words() {
         &crate::reward::tools::ToolSource {
             tool_config_path: Some(tools),
             function_tool_path: None,
+            interaction_config_path: None,
         },
         Default::default(),
     )

@@ -47,6 +47,9 @@ pub struct AgentRendering {
     pub default: AgentLoopName,
     /// The tools' OpenAI schemas, the template's `tools` for tool-agent rows.
     pub tools: Vec<Value>,
+    /// The interactions' names (`multi_turn.interaction_config_path`); every tool-agent row
+    /// must name one in `extra_info.interaction_kwargs.name` when there are any.
+    pub interactions: Vec<String>,
 }
 
 impl AgentRendering {
@@ -70,6 +73,35 @@ impl AgentRendering {
                 ))
             }),
             Some(other) => Err(err(format!("expected a string, found {other}"))),
+        }
+    }
+
+    /// A tool-agent row of a run with interactions names one of them in
+    /// `extra_info.interaction_kwargs.name` (verl stops the run at such a row's rollout).
+    pub fn check_interaction(&self, s: &Sample) -> Result<(), DataError> {
+        if self.interactions.is_empty() {
+            return Ok(());
+        }
+        let err = |message: String| DataError::Row {
+            file: s.file.clone(),
+            row: s.row,
+            column: "extra_info.interaction_kwargs".into(),
+            message,
+        };
+        let known = self.interactions.join(", ");
+        match s.extra_info.get("interaction_kwargs") {
+            Some(Value::Object(k)) => match k.get("name") {
+                Some(Value::String(n)) if self.interactions.contains(n) => Ok(()),
+                Some(Value::String(n)) => Err(err(format!(
+                    "names the interaction `{n}`, which the interaction config does not define (it defines: {known})"
+                ))),
+                _ => Err(err(format!(
+                    "has no `name` string; it must name the interaction this row talks to (one of: {known})"
+                ))),
+            },
+            _ => Err(err(format!(
+                "is missing: with actor_rollout_ref.rollout.multi_turn.interaction_config_path set, every tool-agent row needs `extra_info.interaction_kwargs` with the interaction's `name` (one of: {known}) and what it reads (the GSM8K interaction: `ground_truth`)"
+            ))),
         }
     }
 }
@@ -183,6 +215,9 @@ impl PromptDataset {
                 Some(a) => a.agent_of(s)?,
                 None => AgentLoopName::SingleTurnAgent,
             };
+            if let (Some(a), AgentLoopName::ToolAgent) = (&opts.agents, agent) {
+                a.check_interaction(s)?;
+            }
             agents.push(agent);
             let kwargs = match agent {
                 AgentLoopName::ToolAgent => &with_tools,
@@ -302,5 +337,62 @@ mod tests {
         );
         assert!(truncate(&ids, 4, Truncation::Error).is_none());
         assert_eq!(truncate(&ids, 10, Truncation::Error).unwrap(), ids);
+    }
+}
+
+#[cfg(test)]
+mod interaction_tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn sample(extra_info: Value) -> Sample {
+        Sample {
+            file: "train.jsonl".into(),
+            row: 3,
+            data_source: "openai/gsm8k".into(),
+            prompt: vec![json!({"role": "user", "content": "q"})],
+            ground_truth: json!("7"),
+            extra_info,
+            ability: None,
+            raw: json!({}),
+        }
+    }
+
+    /// With interactions configured, a tool-agent row must name one of them in
+    /// `extra_info.interaction_kwargs.name`; each way of not doing so is an error naming the
+    /// file, row and column and what is configured. Without interactions nothing is asked.
+    #[test]
+    fn rows_must_name_a_configured_interaction() {
+        let mut r = AgentRendering {
+            multi_turn: true,
+            default: AgentLoopName::ToolAgent,
+            tools: Vec::new(),
+            interactions: vec!["gsm8k".into()],
+        };
+        let ok = json!({"interaction_kwargs": {"name": "gsm8k", "ground_truth": "7"}});
+        assert!(r.check_interaction(&sample(ok)).is_ok());
+        for (extra, says) in [
+            (json!({}), "is missing"),
+            (
+                json!({"interaction_kwargs": {"ground_truth": "7"}}),
+                "has no `name`",
+            ),
+            (
+                json!({"interaction_kwargs": {"name": "quiz"}}),
+                "`quiz`, which the interaction config does not define (it defines: gsm8k)",
+            ),
+        ] {
+            let e = r.check_interaction(&sample(extra)).unwrap_err().to_string();
+            assert!(
+                e.contains("train.jsonl")
+                    && e.contains('3')
+                    && e.contains("extra_info.interaction_kwargs")
+                    && e.contains(says),
+                "{e}"
+            );
+        }
+        r.interactions.clear();
+        assert!(r.check_interaction(&sample(json!({}))).is_ok());
     }
 }

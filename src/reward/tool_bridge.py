@@ -7,6 +7,9 @@
 # A call follows verl's ToolAgentLoop._call_tool: an unknown name, arguments that are not JSON or
 # not a JSON object become a message for the model (reward 0.0); a function tool is called with the arguments; a
 # BaseTool gets create / execute / release; an exception becomes "Error executing tool ...".
+# An interaction turn follows verl b178a3c's ToolAgentLoop: the interaction named by the row's
+# `interaction_kwargs` is started on the conversation's first such turn, then answers each
+# model turn without tool calls with (end?, the user's text, the turn's score, metrics).
 import asyncio
 import importlib
 import importlib.util
@@ -27,6 +30,7 @@ import types
 import typing
 import urllib.error
 import urllib.request
+import uuid
 from uuid import uuid4
 
 # The parent watch (orphan_watch.py) and descriptors, _requests, _proto (bridge_base.py) run before this.
@@ -876,6 +880,160 @@ def _define_shipped_tools():
 
 
 # ---------------------------------------------------------------------------------------------
+# Interactions: a scripted user (verl b178a3c's `verl.interactions`; gone from verl 1dda039).
+# ---------------------------------------------------------------------------------------------
+
+
+class BaseInteraction:
+    """Stand-in for verl's `verl.interactions.base.BaseInteraction` when verl does not provide
+    it: the config and name, and verl's defaults for each coroutine a subclass overrides."""
+
+    def __init__(self, config):
+        self.config = config
+        self.name = config.get("name", "interaction_agent")
+
+    async def start_interaction(self, instance_id=None, **kwargs):
+        return uuid.uuid4().hex if instance_id is None else instance_id
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        return False, "Your current result seems acceptable.", 0.8, {}
+
+    async def calculate_score(self):
+        return 0.0
+
+    async def finalize_interaction(self):
+        return None
+
+
+def _interaction_base():
+    """verl's interaction base class when verl has it, else the stand-in above (entered under
+    verl's module name so that user files importing it load)."""
+    try:
+        return importlib.import_module("verl.interactions.base").BaseInteraction
+    except Exception:  # noqa: BLE001 - verl 1dda039 and later, or no verl
+        pass
+    BaseInteraction.__module__ = "verl.interactions.base"
+    for name in ("verl", "verl.interactions"):
+        if name not in sys.modules or not hasattr(sys.modules[name], "__path__"):
+            _module(name, package=True)
+    _module("verl.interactions.base", BaseInteraction=BaseInteraction)
+    return BaseInteraction
+
+
+def _define_shipped_interactions():
+    """The shipped interaction classes by class_name (verl's GSM8K interaction always resolves
+    to this one)."""
+    Base = _interaction_base()
+    gsm8k = sys.modules["verl.utils.reward_score.gsm8k"]
+
+    class Gsm8kInteraction(Base):
+        """A GSM8K user: the latest assistant message is scored strictly against the row's
+        ground truth (`interaction_kwargs.ground_truth`); a score of 1.0 ends the conversation
+        with "Your response is correct!", any other asks the model to reflect and try again."""
+
+        def __init__(self, config):
+            super().__init__(config)
+            self._instance_dict = {}
+
+        async def start_interaction(self, instance_id=None, ground_truth=None, **kwargs):
+            if instance_id is None:
+                instance_id = uuid.uuid4().hex
+            self._instance_dict[instance_id] = {"response": "", "ground_truth": ground_truth, "reward": 0.0}
+            return instance_id
+
+        async def generate_response(self, instance_id, messages, **kwargs):
+            content = ""
+            for m in reversed(messages):
+                if m.get("role") == "assistant":
+                    content = m.get("content")
+                    break
+            self._instance_dict[instance_id]["response"] = content
+            reward = await self.calculate_score(instance_id)
+            if reward == 1.0:
+                return True, "Your response is correct!", reward, {}
+            return False, "Your response is incorrect! You need to reflect on your answer and try again.", reward, {}
+
+        async def calculate_score(self, instance_id, **kwargs):
+            state = self._instance_dict[instance_id]
+            return gsm8k.compute_score(state["response"], state["ground_truth"], method="strict", format_score=0.0, score=1.0)
+
+        async def finalize_interaction(self, instance_id, **kwargs):
+            self._instance_dict.pop(instance_id, None)
+
+    Gsm8kInteraction.__module__ = "main_ppo.interactions"
+    if "main_ppo" not in sys.modules:
+        _module("main_ppo", package=True)
+    _module("main_ppo.interactions", Gsm8kInteraction=Gsm8kInteraction)
+    if "verl.interactions.gsm8k_interaction" not in sys.modules:
+        _module("verl.interactions.gsm8k_interaction", Gsm8kInteraction=Gsm8kInteraction)
+    return {
+        "verl.interactions.gsm8k_interaction.Gsm8kInteraction": Gsm8kInteraction,
+        "main_ppo.interactions.Gsm8kInteraction": Gsm8kInteraction,
+    }
+
+
+def load_interactions(msg, shipped):
+    """Instantiates the configured interactions as verl's registry does (the name from the
+    entry, else the class name without `Interaction`, lower-cased; `config` gets the name);
+    returns {name: interaction}."""
+    config_path = msg.get("interaction_config_path")
+    dirs = [os.path.dirname(os.path.abspath(config_path))] if config_path else []
+    sys.path.extend(d for d in dirs if d not in sys.path)
+    out = {}
+    for i, entry in enumerate(msg.get("interactions") or []):
+        where = f"{config_path}: interaction[{i}] ({entry.get('class_name')})"
+        name = entry["name"]
+        if name in out:
+            raise LoadError(where, ValueError(f"the interaction name '{name}' is used twice; each interaction needs its own name"))
+        try:
+            cls = tool_class(entry["class_name"], shipped, dirs)
+            config = dict(entry.get("config") or {})
+            config["name"] = name
+            out[name] = cls(config=config)
+        except Exception as exc:  # noqa: BLE001
+            raise LoadError(where, exc) from exc
+    return out
+
+
+async def run_interaction(interactions, msg):
+    """One interaction turn: (text, reward, metrics, error, end of the conversation). An
+    exception, or an answer that is not (bool, text, number or None, dict), ends the
+    conversation with the error named."""
+    name, instance = msg.get("name", ""), msg.get("instance")
+    kwargs = msg.get("kwargs") or {}
+    if name not in interactions:
+        return "", None, {}, f"no interaction named '{name}' (configured: {list(interactions)})", True
+    it = interactions[name]
+    try:
+        if msg.get("first"):
+            await it.start_interaction(instance, **kwargs)
+        answer = await it.generate_response(instance, msg.get("messages") or [], **kwargs)
+        end, text, reward, metrics = answer
+        reward = None if reward is None else float(reward)
+    except Exception as exc:  # noqa: BLE001 - the conversation ends, the error is reported
+        traceback.print_exc()
+        return "", None, {}, f"interaction '{name}' raised {type(exc).__name__}: {exc}", True
+    return ("" if text is None else str(text)), reward, (metrics if isinstance(metrics, dict) else {}), None, bool(end)
+
+
+async def finalize_interaction(interactions, msg):
+    """Ends an instance (verl's agent loop never does; its GSM8K interaction would keep every
+    conversation's state). A finalize_interaction without parameters is called without the id."""
+    it = interactions.get(msg.get("name", ""))
+    if it is None:
+        return None
+    try:
+        params = inspect.signature(it.finalize_interaction).parameters
+        if params:
+            await it.finalize_interaction(msg.get("instance"))
+        else:
+            await it.finalize_interaction()
+    except Exception as exc:  # noqa: BLE001
+        return f"interaction '{msg.get('name')}': finalize_interaction raised {type(exc).__name__}: {exc}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
 # Loading the configured tools and running calls.
 # ---------------------------------------------------------------------------------------------
 
@@ -1038,7 +1196,7 @@ def call_reply(req_id, name, result, limit):
 
 
 def main():
-    tools, limit = None, 1 << 20
+    tools, limit, interactions = None, 1 << 20, {}
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     for line in _requests:
@@ -1049,12 +1207,13 @@ def main():
                 if not _real_verl_usable():
                     _install_verl_shims()
                 shipped = _define_shipped_tools()
+                interactions = load_interactions(msg, _define_shipped_interactions()) if msg.get("interactions") else {}
                 # null: no limit (multi_turn.max_tool_output_bytes null or 0, as verl reads limits)
                 limit = msg.get("max_output_bytes", limit)
                 limit = None if limit is None else int(limit)
                 tools = load_tools(msg, shipped)
                 schemas = [schema_of(t) for t in tools.values()]
-                send_line(encode({"ok": True, "schemas": schemas, "names": list(tools)}))
+                send_line(encode({"ok": True, "schemas": schemas, "names": list(tools), "interactions": list(interactions)}))
             except BaseException as exc:  # noqa: BLE001 - reported to main_ppo
                 where = exc.where if isinstance(exc, LoadError) else None
                 cause = exc.exc if isinstance(exc, LoadError) else exc
@@ -1068,6 +1227,18 @@ def main():
             kwargs = msg.get("create_kwargs") or {}
             result = loop.run_until_complete(run_call(tools or {}, fn_cls, name, msg.get("arguments"), kwargs))
             send_line(call_reply(req_id, name, result, limit))
+        elif op == "interact":
+            req_id = msg["id"]
+            send_line(encode({"id": req_id, "accepted": True}))
+            text, reward, metrics, error, end = loop.run_until_complete(run_interaction(interactions, msg))
+            if limit is not None and len(text.encode("utf-8", errors="replace")) > limit:
+                text, error, end = "", f"interaction '{msg.get('name')}' answered with over {limit} bytes", True
+            send_line(encode({"id": req_id, "text": text, "reward": reward, "metrics": metrics, "error": error, "terminate": end}))
+        elif op == "finalize":
+            req_id = msg["id"]
+            send_line(encode({"id": req_id, "accepted": True}))
+            error = loop.run_until_complete(finalize_interaction(interactions, msg))
+            send_line(encode({"id": req_id, "text": "", "reward": None, "metrics": {}, "error": error, "terminate": True}))
         elif op == "quit":
             return  # main_ppo ends the process group once this worker has exited
     _orphaned()  # the requests ended without `quit`: main_ppo is gone

@@ -42,13 +42,17 @@ pub const DEFAULT_MAX_OUTPUT_BYTES: usize = 1 << 20;
 /// How often a waiting worker thread checks whether the pool is being dropped.
 const POLL: Duration = Duration::from_millis(50);
 
-/// Where the tools are declared (verl's `tool_config_path` and `function_tool_path`).
+/// Where the tools are declared (verl's `tool_config_path` and `function_tool_path`), or the
+/// interactions (`interaction_config_path`; a pool of its own, of one worker, so that each
+/// conversation's interaction state stays in one process).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ToolSource {
     /// A YAML file with a top-level `tools:` list of `{class_name, config, tool_schema}`.
     pub tool_config_path: Option<PathBuf>,
     /// A Python file whose `@function_tool` functions become tools.
     pub function_tool_path: Option<PathBuf>,
+    /// A YAML file with a top-level `interaction:` list of `{name, class_name, config}`.
+    pub interaction_config_path: Option<PathBuf>,
 }
 
 /// Pool settings.
@@ -117,6 +121,8 @@ pub enum ToolSetting {
     ToolConfigPath,
     /// [`ToolSource::function_tool_path`]: the file or one of its functions.
     FunctionToolPath,
+    /// [`ToolSource::interaction_config_path`]: the file, an entry, an interaction class.
+    InteractionConfigPath,
     /// [`ToolPoolSettings::python`]: the interpreter.
     Python,
 }
@@ -218,18 +224,115 @@ fn read_tool_config(path: &Path) -> Result<Vec<Value>, ToolError> {
         .collect()
 }
 
-/// The `load` message: the checked tool entries and where everything came from.
+fn interaction_error(msg: String) -> ToolError {
+    ToolError::Config {
+        setting: ToolSetting::InteractionConfigPath,
+        message: msg,
+    }
+}
+
+/// One entry of the interaction config's `interaction:` list: its class, config and name (the
+/// entry's `name`, else the class's name without a trailing `Interaction`, lower-cased, as
+/// verl's registry names it).
+fn interaction_entry(path: &Path, i: usize, entry: &Value) -> Result<Value, ToolError> {
+    let at = format!("{}: interaction[{i}]", path.display());
+    let obj = entry
+        .as_object()
+        .ok_or_else(|| interaction_error(format!("{at} is not a mapping")))?;
+    let class_name = match obj.get("class_name") {
+        Some(Value::String(s)) if !s.trim().is_empty() => s.trim().to_string(),
+        _ => {
+            return Err(interaction_error(format!(
+                "{at} has no `class_name` string (the interaction's Python class, e.g. verl.interactions.gsm8k_interaction.Gsm8kInteraction)"
+            )))
+        }
+    };
+    let config = match obj.get("config") {
+        None | Some(Value::Null) => Value::Object(Map::new()),
+        Some(c @ Value::Object(_)) => c.clone(),
+        Some(_) => {
+            return Err(interaction_error(format!(
+                "{at} ({class_name}): `config` must be a mapping"
+            )))
+        }
+    };
+    let name = match obj.get("name") {
+        None | Some(Value::Null) => {
+            let simple = class_name.rsplit('.').next().unwrap_or(&class_name);
+            simple
+                .strip_suffix("Interaction")
+                .unwrap_or(simple)
+                .to_lowercase()
+        }
+        Some(Value::String(n)) if !n.is_empty() => n.clone(),
+        Some(_) => {
+            return Err(interaction_error(format!(
+                "{at} ({class_name}): `name` must be a non-empty string"
+            )))
+        }
+    };
+    Ok(json!({"name": name, "class_name": class_name, "config": config}))
+}
+
+/// The `interaction:` entries of verl's interaction config file at `path`, names unique.
+pub fn read_interaction_config(path: &Path) -> Result<Vec<Value>, ToolError> {
+    let shown = path.display();
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        interaction_error(format!("cannot read the interaction config {shown}: {e}"))
+    })?;
+    let doc: Value = serde_yaml_ng::from_str(&text).map_err(|e| {
+        let e = crate::config::overrides::yaml_message(&e);
+        interaction_error(format!(
+            "the interaction config {shown} is not valid YAML: {e}"
+        ))
+    })?;
+    let Some(Value::Array(list)) = doc.get("interaction") else {
+        return Err(interaction_error(format!(
+            "{shown}: no top-level `interaction:` list"
+        )));
+    };
+    let entries: Vec<Value> = list
+        .iter()
+        .enumerate()
+        .map(|(i, e)| interaction_entry(path, i, e))
+        .collect::<Result<_, _>>()?;
+    for (i, e) in entries.iter().enumerate() {
+        if entries[..i].iter().any(|o| o["name"] == e["name"]) {
+            return Err(interaction_error(format!(
+                "{shown}: interaction[{i}]: the name {} is used twice; each interaction needs its own name",
+                e["name"]
+            )));
+        }
+    }
+    Ok(entries)
+}
+
+/// The names of the interactions in `entries` ([`read_interaction_config`]).
+pub fn interaction_names(entries: &[Value]) -> Vec<String> {
+    entries
+        .iter()
+        .filter_map(|e| e["name"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// The `load` message: the checked tool and interaction entries and where everything came from.
 fn load_message(src: &ToolSource, s: &ToolPoolSettings) -> Result<Value, ToolError> {
     let tools = match &src.tool_config_path {
         Some(p) => read_tool_config(p)?,
+        None => Vec::new(),
+    };
+    let interactions = match &src.interaction_config_path {
+        Some(p) => read_interaction_config(p)?,
         None => Vec::new(),
     };
     let shown = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
     Ok(json!({
         "op": "load",
         "tools": tools,
+        "interactions": interactions,
         "tool_config_path": shown(&src.tool_config_path),
         "function_tool_path": shown(&src.function_tool_path),
+        "interaction_config_path": shown(&src.interaction_config_path),
         "max_output_bytes": s.max_output_bytes,
     }))
 }
@@ -263,6 +366,10 @@ fn spawn_worker(
             // The function tools' file, or the tool config (an entry, or the shims before it).
             let setting = match place {
                 Some(w) if w.starts_with("function_tool_path ") => ToolSetting::FunctionToolPath,
+                Some(w) if w.contains(": interaction[") => ToolSetting::InteractionConfigPath,
+                _ if !load["interaction_config_path"].is_null() => {
+                    ToolSetting::InteractionConfigPath
+                }
                 _ if load["tool_config_path"].is_null() => ToolSetting::FunctionToolPath,
                 _ => ToolSetting::ToolConfigPath,
             };
@@ -448,6 +555,7 @@ fn failed(call: &ToolCall, why: Failure) -> ToolOutcome {
         text: format!("Error executing tool '{name}': {short}"),
         reward: None,
         error: Some(error),
+        terminate: call.interaction.is_some(),
     }
 }
 
@@ -480,6 +588,9 @@ fn outcome(call: &ToolCall, m: &Value, warned: &AtomicBool) -> ToolOutcome {
         key: call.key,
         text: m["text"].as_str().unwrap_or("").to_string(),
         reward,
+        // An interaction that failed ends its conversation whatever it said.
+        terminate: call.interaction.is_some()
+            && (m["terminate"] != json!(false) || error.is_some()),
         error,
     }
 }
@@ -527,7 +638,19 @@ impl Slot {
         } else {
             call.create_kwargs.clone()
         };
-        let request = json!({"op": "call", "id": id, "name": call.name, "arguments": call.arguments, "create_kwargs": kwargs});
+        let request = match &call.interaction {
+            None => {
+                json!({"op": "call", "id": id, "name": call.name, "arguments": call.arguments, "create_kwargs": kwargs})
+            }
+            Some(t) => match &t.messages {
+                Some(messages) => {
+                    json!({"op": "interact", "id": id, "name": call.name, "instance": t.instance, "messages": messages, "kwargs": t.kwargs, "first": t.first})
+                }
+                None => {
+                    json!({"op": "finalize", "id": id, "name": call.name, "instance": t.instance})
+                }
+            },
+        };
         match self.exchange(&request, id, shared) {
             Ok(reply) => outcome(call, &reply, &shared.warned_non_finite),
             Err(why) => {

@@ -30,6 +30,7 @@ fn source(config: Option<&Path>, functions: Option<&Path>) -> ToolSource {
     ToolSource {
         tool_config_path: config.map(Path::to_path_buf),
         function_tool_path: functions.map(Path::to_path_buf),
+        interaction_config_path: None,
     }
 }
 
@@ -39,6 +40,7 @@ fn call(key: u64, name: &str, arguments: &str, create_kwargs: Value) -> ToolCall
         name: name.into(),
         arguments: arguments.into(),
         create_kwargs,
+        interaction: None,
     }
 }
 
@@ -859,4 +861,204 @@ fn bad_tool_configs_name_the_file_and_the_entry() {
         e.contains("does not describe parameter `y`") && e.contains("fns.py"),
         "{e}"
     );
+}
+
+fn interaction_pool(config: &Path) -> Result<ToolPool, ToolError> {
+    let src = ToolSource {
+        interaction_config_path: Some(config.to_path_buf()),
+        ..ToolSource::default()
+    };
+    ToolPool::start(&src, settings(1, 30.0))
+}
+
+fn interact(
+    key: u64,
+    name: &str,
+    instance: &str,
+    said: Option<&str>,
+    kwargs: Value,
+    first: bool,
+) -> ToolCall {
+    ToolCall {
+        key,
+        name: name.into(),
+        arguments: String::new(),
+        create_kwargs: Value::Null,
+        interaction: Some(crate::rollout::agent::InteractionTurn {
+            instance: instance.into(),
+            kwargs,
+            messages: said.map(|s| {
+                vec![
+                    json!({"role": "user", "content": "Natalia sold clips ..."}),
+                    json!({"role": "assistant", "content": s}),
+                ]
+            }),
+            first,
+        }),
+    }
+}
+
+/// verl's GSM8K interaction (b178a3c's `verl.interactions.gsm8k_interaction`, which the
+/// bridge ships): the last assistant message scored strictly against the row's ground truth,
+/// 1.0 ends the conversation with "Your response is correct!", anything else (a wrong number,
+/// no `#### `) scores 0.0 and asks again; each instance keeps its own ground truth; the name
+/// comes from the config entry. A user class (a file next to the config, subclassing verl's
+/// base class as the bridge provides it) takes the name derived from its class, gets its
+/// config with the name, counts its turns per instance, is finalized with the instance id;
+/// an exception ends the conversation with the error named.
+#[test]
+fn interactions_answer_as_verls_gsm8k_interaction_and_user_classes() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        dir.path(),
+        "counting.py",
+        r#"
+from verl.interactions.base import BaseInteraction
+
+class CountingInteraction(BaseInteraction):
+    def __init__(self, config):
+        super().__init__(config)
+        self.turns, self.done = {}, []
+
+    async def start_interaction(self, instance_id=None, **kwargs):
+        self.turns[instance_id] = 0
+        return instance_id
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        if kwargs.get("explode"):
+            raise RuntimeError("exploded")
+        self.turns[instance_id] += 1
+        n = self.turns[instance_id]
+        return n >= 2, f"{self.name} turn {n} of {kwargs['who']} ({self.config['greeting']}, done {self.done})", 0.25 * n, {}
+
+    async def finalize_interaction(self, instance_id):
+        self.done.append(instance_id)
+"#,
+    );
+    let cfg = write(
+        dir.path(),
+        "interactions.yaml",
+        "interaction:\n  - name: gsm8k\n    class_name: verl.interactions.gsm8k_interaction.Gsm8kInteraction\n    config: {}\n  - class_name: counting.CountingInteraction\n    config: {greeting: hi}\n",
+    );
+    let entries = read_interaction_config(&cfg).unwrap();
+    assert_eq!(interaction_names(&entries), ["gsm8k", "counting"]);
+    let pool = interaction_pool(&cfg).unwrap();
+    let gt = |g: &str| json!({"name": "gsm8k", "query": "q", "ground_truth": g});
+    let outs = run_all(
+        &pool,
+        vec![
+            interact(
+                1,
+                "gsm8k",
+                "a",
+                Some("so 48 + 24 = 72\n#### 72"),
+                gt("72"),
+                true,
+            ),
+            interact(2, "gsm8k", "b", Some("#### 71"), gt("72"), true),
+            interact(3, "gsm8k", "b", Some("the answer is 72"), gt("72"), false),
+            interact(4, "gsm8k", "c", Some("#### 1,000"), gt("1000"), true),
+        ],
+    );
+    let got: Vec<(&str, Option<f64>, bool)> = outs
+        .iter()
+        .map(|o| (o.text.as_str(), o.reward, o.terminate))
+        .collect();
+    let wrong = "Your response is incorrect! You need to reflect on your answer and try again.";
+    assert_eq!(
+        got,
+        [
+            ("Your response is correct!", Some(1.0), true),
+            (wrong, Some(0.0), false),
+            (wrong, Some(0.0), false),
+            ("Your response is correct!", Some(1.0), true),
+        ]
+    );
+    assert!(outs.iter().all(|o| o.error.is_none()));
+    let who = |w: &str| json!({"name": "counting", "who": w});
+    let outs = run_all(
+        &pool,
+        vec![
+            interact(1, "counting", "x", Some("."), who("x"), true),
+            interact(2, "counting", "y", Some("."), who("y"), true),
+            interact(3, "counting", "x", Some("."), who("x"), false),
+            interact(4, "counting", "x", None, who("x"), false),
+            interact(5, "counting", "y", Some("."), who("y"), false),
+        ],
+    );
+    assert_eq!(
+        (outs[0].text.as_str(), outs[0].reward, outs[0].terminate),
+        ("counting turn 1 of x (hi, done [])", Some(0.25), false)
+    );
+    assert_eq!(outs[1].text, "counting turn 1 of y (hi, done [])");
+    assert_eq!((outs[2].reward, outs[2].terminate), (Some(0.5), true));
+    assert!(outs[3].error.is_none(), "{:?}", outs[3].error);
+    assert_eq!(outs[4].text, "counting turn 2 of y (hi, done ['x'])");
+    let boom = run_one(
+        &pool,
+        interact(
+            9,
+            "counting",
+            "z",
+            Some("."),
+            json!({"name": "counting", "who": "z", "explode": true}),
+            true,
+        ),
+    );
+    assert!(boom.terminate);
+    assert!(
+        boom.error
+            .as_deref()
+            .unwrap()
+            .contains("interaction 'counting' raised RuntimeError: exploded"),
+        "{boom:?}"
+    );
+}
+
+/// A bad interaction config is refused at start-up naming the file and the entry: no list, an
+/// entry without class_name, a name used twice (given or derived), a class that does not
+/// import.
+#[test]
+fn bad_interaction_configs_name_the_file_and_the_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let shown = dir.path().join("i.yaml").display().to_string();
+    let err = |yaml: &str| {
+        let cfg = write(dir.path(), "i.yaml", yaml);
+        interaction_pool(&cfg).unwrap_err().to_string()
+    };
+    let e = err("tools: []\n");
+    assert!(
+        e.contains(&format!("{shown}: no top-level `interaction:` list")),
+        "{e}"
+    );
+    let e = err("interaction:\n  - name: a\n");
+    assert!(
+        e.contains(&format!("{shown}: interaction[0] has no `class_name`")),
+        "{e}"
+    );
+    let e = err(
+        "interaction:\n  - class_name: x.Gsm8kInteraction\n  - name: gsm8k\n    class_name: y.Z\n",
+    );
+    assert!(
+        e.contains("interaction[1]: the name \"gsm8k\" is used twice"),
+        "{e}"
+    );
+    let e = err("interaction:\n  - name: q\n    class_name: no_such_module.QuizInteraction\n");
+    assert!(
+        e.contains(&format!(
+            "{shown}: interaction[0] (no_such_module.QuizInteraction)"
+        )) && e.contains("ModuleNotFoundError"),
+        "{e}"
+    );
+    let cfg = write(
+        dir.path(),
+        "i.yaml",
+        "interaction:\n  - name: q\n    class_name: no_such_module.QuizInteraction\n",
+    );
+    match interaction_pool(&cfg).unwrap_err() {
+        ToolError::Config { setting, .. } => {
+            assert_eq!(setting, ToolSetting::InteractionConfigPath)
+        }
+        other => panic!("{other:?}"),
+    }
 }

@@ -3,21 +3,47 @@
 //! tool-role turns rendered by the chat template, until a turn calls no tool or a limit ends
 //! the conversation. Every token stays an id from generation to the loss: generated tokens are
 //! kept exactly and carry mask 1, the template and tool tokens appended between turns carry 0.
+//!
+//! Interactions (verl b178a3c's `multi_turn.interaction_config_path`, gone from 1dda039): a
+//! model turn without tool calls goes to the interaction the row's
+//! `extra_info.interaction_kwargs.name` names, a scripted user whose answer becomes a user turn
+//! (mask 0) and whose score is appended to the row's `turn_scores`; its answer may end the
+//! conversation, in which case the user turn still ends the response (as verl appends it before
+//! stopping). The interaction runs in a Python worker of its own, so that its per-conversation
+//! state stays in one process.
 
 use std::sync::mpsc::Sender;
 
 use serde_json::Value;
 
-/// One tool call to run (what the agent loop hands to a [`ToolRunner`]).
+/// One tool call to run (what the agent loop hands to a [`ToolRunner`]), or one turn of an
+/// interaction.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ToolCall {
     /// The caller's tag, returned with the outcome.
     pub key: u64,
+    /// The tool's name (an interaction turn: the interaction's).
     pub name: String,
     /// The arguments as the model wrote them (JSON text, not yet checked).
     pub arguments: String,
     /// The row's `tools_kwargs[name].create_kwargs` (`{}` when absent).
     pub create_kwargs: Value,
+    /// `Some`: an interaction turn (or the end of its instance) instead of a tool call.
+    pub interaction: Option<InteractionTurn>,
+}
+
+/// What an interaction needs for one turn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InteractionTurn {
+    /// The conversation's instance id (unique within the run).
+    pub instance: String,
+    /// The row's `extra_info.interaction_kwargs` (`name` among them), passed to the
+    /// interaction's `start_interaction` and `generate_response` as keyword arguments.
+    pub kwargs: Value,
+    /// The conversation so far; `None`: the conversation is over (`finalize_interaction`).
+    pub messages: Option<Vec<Value>>,
+    /// The conversation's first turn with the interaction: its instance starts first.
+    pub first: bool,
 }
 
 /// What a tool call gave back.
@@ -31,6 +57,9 @@ pub struct ToolOutcome {
     pub reward: Option<f64>,
     /// Why the call failed (timeout, crash, exception, output too large), for metrics and logs.
     pub error: Option<String>,
+    /// An interaction's answer ends the conversation (always so when the interaction failed);
+    /// `false` for tool calls.
+    pub terminate: bool,
 }
 
 /// Runs tool calls out of the trainer's process.
@@ -94,7 +123,11 @@ pub struct AgentContext {
     /// `data.apply_chat_template_kwargs` with the tools' schemas as `tools`.
     pub template_kwargs: Map<String, Value>,
     pub runner: Arc<dyn ToolRunner>,
+    /// The interactions (`multi_turn.interaction_config_path`), in a worker of their own.
+    pub interactions: Option<Arc<dyn ToolRunner>>,
     pub settings: AgentSettings,
+    /// The next interaction instance's number.
+    next_instance: std::sync::atomic::AtomicU64,
     /// Tokens the template writes after a model turn's end-of-turn token (ChatML's newline
     /// after `<|im_end|>`): generation stops at the end-of-turn token, so they are inserted,
     /// with mask 0, before a tool turn (verl's Continuous Token boundary rule).
@@ -127,11 +160,28 @@ impl AgentContext {
             template,
             template_kwargs,
             runner,
+            interactions: None,
             settings,
+            next_instance: std::sync::atomic::AtomicU64::new(0),
             turn_tail: Vec::new(),
         };
         ctx.turn_tail = ctx.find_turn_tail()?;
         Ok(ctx)
+    }
+
+    /// The same context with `runner` answering the model turns without tool calls of rows
+    /// that name an interaction.
+    pub fn with_interactions(mut self, runner: Arc<dyn ToolRunner>) -> Self {
+        self.interactions = Some(runner);
+        self
+    }
+
+    /// A fresh interaction instance id.
+    fn instance_id(&self) -> String {
+        let n = self
+            .next_instance
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        format!("main_ppo-interaction-{}-{n}", std::process::id())
     }
 
     /// The tokens after an assistant message's content in the template's rendering (e.g.
@@ -187,13 +237,7 @@ impl AgentContext {
         conversation: &[Value],
         tool_msgs: &[Value],
     ) -> Result<Vec<u32>, String> {
-        let mut ids = Vec::new();
-        if let (Some(t), Some((&first, rest))) = (last_token, self.turn_tail.split_first()) {
-            if t == first {
-                ids.extend_from_slice(rest);
-            }
-        }
-        let mut opening = synthetic_opening();
+        let mut ids = self.tail_after(last_token);
         let calls: Vec<Value> = tool_msgs
             .iter()
             .enumerate()
@@ -203,10 +247,39 @@ impl AgentContext {
                        "function": {"name": m.get("name").cloned().unwrap_or(json!("continuous_token_tool")), "arguments": {}}})
             })
             .collect();
+        let mut opening = synthetic_opening();
         opening.push(json!({"role": "assistant", "content": "", "reasoning_content": "reasoning", "tool_calls": calls}));
         ids.extend(self.delta(&opening, tool_msgs, false)?);
         ids.extend(self.delta(conversation, &[], true)?);
         Ok(ids)
+    }
+
+    /// The tokens of an interaction's user turn after a model turn: the end-of-turn tail when
+    /// generation stopped before it, the user message rendered after a stand-in conversation,
+    /// and the generation prompt (verl renders the message alone, system prompt removed, with
+    /// the generation prompt).
+    fn user_turn_ids(
+        &self,
+        last_token: Option<u32>,
+        conversation: &[Value],
+        user: &Value,
+    ) -> Result<Vec<u32>, String> {
+        let mut ids = self.tail_after(last_token);
+        let mut opening = synthetic_opening();
+        opening
+            .push(json!({"role": "assistant", "content": "continuous token synthetic assistant"}));
+        ids.extend(self.delta(&opening, std::slice::from_ref(user), false)?);
+        ids.extend(self.delta(conversation, &[], true)?);
+        Ok(ids)
+    }
+
+    /// The rest of the template's end-of-turn tail when a turn ended with its first token
+    /// (generation stops there).
+    fn tail_after(&self, last_token: Option<u32>) -> Vec<u32> {
+        match (last_token, self.turn_tail.split_first()) {
+            (Some(t), Some((&first, rest))) if t == first => rest.to_vec(),
+            _ => Vec::new(),
+        }
     }
 }
 
@@ -239,6 +312,8 @@ pub struct Conversation {
     pub tools_kwargs: Value,
     /// `false`: a single-turn row (one generation, no tools).
     pub tool_agent: bool,
+    /// `extra_info.interaction_kwargs` when the run has interactions (its `name` names one).
+    pub interaction: Option<Value>,
 }
 
 /// How one row's conversation went.
@@ -264,8 +339,14 @@ pub struct Episode {
     /// Where the ids built turn by turn differ from the whole conversation tokenised at once
     /// (`tokenization_sanity_check_mode`).
     pub sanity_mismatch: Option<String>,
-    /// Why the conversation ended early (a template that cannot render a tool turn).
+    /// Why the conversation ended early (a template that cannot render a tool turn, a failed
+    /// interaction).
     pub error: Option<String>,
+    /// Each interaction turn's score (verl's `turn_scores`).
+    pub turn_scores: Vec<f64>,
+    /// Interaction turns that failed (an exception, a lost worker): each ended its
+    /// conversation.
+    pub interaction_errors: usize,
 }
 
 impl Episode {
@@ -287,6 +368,14 @@ struct RowState {
     /// The outcomes of the calls in flight (None until each arrives).
     pending: Vec<Option<ToolOutcome>>,
     asked_at: Option<Instant>,
+    /// The call in flight is an interaction turn.
+    interacting: bool,
+    /// The row's interaction instance, once started.
+    instance: Option<String>,
+    /// A user turn that ended the conversation: appended after the response (mask 0), and
+    /// whether it was cut by the length budget.
+    tail: Vec<u32>,
+    tail_cut: bool,
 }
 
 /// The tool agent loop over one generation call's rows, driven by the scheduler
@@ -330,6 +419,10 @@ impl<'a> ToolAgent<'a> {
                 last_token: None,
                 pending: Vec::new(),
                 asked_at: None,
+                interacting: false,
+                instance: None,
+                tail: Vec::new(),
+                tail_cut: false,
             })
             .collect();
         Self {
@@ -343,14 +436,21 @@ impl<'a> ToolAgent<'a> {
         }
     }
 
-    /// Every row's episode, its mask the length of `out`'s response.
-    pub fn finish(mut self, out: &Rollout) -> Vec<Episode> {
+    /// Every row's episode, its mask the length of `out`'s response. A user turn that ended a
+    /// conversation is appended to its response here (log-prob 0, mask 0), and every
+    /// interaction instance is ended.
+    pub fn finish(mut self, out: &mut Rollout) -> Vec<Episode> {
         for (r, st) in self.rows.iter_mut().enumerate() {
             st.ep.mask.resize(out.responses[r].len(), 1);
             if !st.conv.tool_agent {
                 st.ep.assistant_turns = 1;
             }
+            let tail = std::mem::take(&mut st.tail);
+            st.ep.mask.extend(std::iter::repeat_n(0, tail.len()));
+            out.log_probs[r].extend(std::iter::repeat_n(0.0, tail.len()));
+            out.responses[r].extend(tail);
         }
+        self.finalize_instances();
         let ctx = self.ctx;
         let prompts = std::mem::take(&mut self.prompts);
         self.rows
@@ -359,15 +459,139 @@ impl<'a> ToolAgent<'a> {
             .map(|(r, mut st)| {
                 // A conversation cut by the length budget ends mid-text, where tokenising the
                 // rendered text at once may split differently: only finished ones are compared.
-                let finished = out.stop[r] == super::StopReason::Eos;
+                let finished = out.stop[r] == super::StopReason::Eos && !st.tail_cut;
                 if st.conv.tool_agent && finished && ctx.settings.sanity != SanityCheckMode::Disable
                 {
-                    st.ep.sanity_mismatch =
-                        sanity(ctx, &st.ep.messages, &prompts[r], &out.responses[r]);
+                    // A user turn that ended the conversation ends with the generation prompt.
+                    let user_last = st.instance.is_some()
+                        && st.ep.messages.last().is_some_and(|m| m["role"] == "user");
+                    st.ep.sanity_mismatch = sanity(
+                        ctx,
+                        &st.ep.messages,
+                        &prompts[r],
+                        &out.responses[r],
+                        user_last,
+                    );
                 }
                 st.ep
             })
             .collect()
+    }
+
+    /// Ends every started interaction instance (fire and forget: the answer is not awaited).
+    fn finalize_instances(&self) {
+        let Some(runner) = &self.ctx.interactions else {
+            return;
+        };
+        let (tx, _rx) = channel();
+        for (r, st) in self.rows.iter().enumerate() {
+            let (Some(instance), Some(kwargs)) = (&st.instance, &st.conv.interaction) else {
+                continue;
+            };
+            runner.submit(
+                ToolCall {
+                    key: key(r, 0),
+                    name: interaction_name(kwargs),
+                    arguments: String::new(),
+                    create_kwargs: Value::Null,
+                    interaction: Some(InteractionTurn {
+                        instance: instance.clone(),
+                        kwargs: kwargs.clone(),
+                        messages: None,
+                        first: false,
+                    }),
+                },
+                tx.clone(),
+            );
+        }
+    }
+
+    /// Hands row `row`'s model turn `turn` (no tool calls) to its interaction; `false` when
+    /// the row has none.
+    fn ask_interaction(&mut self, row: usize, turn: &[u32]) -> bool {
+        let Some(runner) = self.ctx.interactions.clone() else {
+            return false;
+        };
+        let text = self
+            .ctx
+            .tokenizer
+            .tokenizer
+            .decode(turn, true)
+            .unwrap_or_default();
+        let st = &mut self.rows[row];
+        let Some(kwargs) = st.conv.interaction.clone() else {
+            return false;
+        };
+        // verl shows the interaction the turn decoded without special tokens.
+        let mut messages = st.ep.messages.clone();
+        if let Some(last) = messages.last_mut() {
+            last["content"] = Value::String(text);
+        }
+        let first = st.instance.is_none();
+        let instance = st
+            .instance
+            .get_or_insert_with(|| self.ctx.instance_id())
+            .clone();
+        st.interacting = true;
+        st.pending = vec![None];
+        st.asked_at = Some(Instant::now());
+        runner.submit(
+            ToolCall {
+                key: key(row, 0),
+                name: interaction_name(&kwargs),
+                arguments: String::new(),
+                create_kwargs: Value::Null,
+                interaction: Some(InteractionTurn {
+                    instance,
+                    kwargs,
+                    messages: Some(messages),
+                    first,
+                }),
+            },
+            self.tx.clone(),
+        );
+        true
+    }
+
+    /// The interaction has answered row `r`: its user turn's tokens, or `None` when the
+    /// conversation ends (the interaction said so, the budget, a failure). A user turn that
+    /// ends the conversation is kept as the row's tail.
+    fn user_turn(&mut self, r: usize, outcome: Option<ToolOutcome>) -> Option<Vec<u32>> {
+        let st = &mut self.rows[r];
+        st.interacting = false;
+        st.asked_at = None;
+        st.ep.user_turns += 1;
+        let o = outcome?;
+        if let Some(e) = o.error {
+            tracing::warn!(target: "main_ppo::reward", "the conversation of row {r} ends: {e}");
+            st.ep.interaction_errors += 1;
+            st.ep.error = Some(e);
+            return None;
+        }
+        if let Some(score) = o.reward {
+            st.ep.turn_scores.push(score);
+        }
+        let user = json!({"role": "user", "content": o.text});
+        st.ep.messages.push(user.clone());
+        let ids = match self
+            .ctx
+            .user_turn_ids(st.last_token, &st.ep.messages, &user)
+        {
+            Ok(ids) => ids,
+            Err(e) => {
+                st.ep.error = Some(e);
+                return None;
+            }
+        };
+        let room = self.budget.saturating_sub(st.resp_len);
+        if o.terminate || ids.len() >= room {
+            st.tail_cut = ids.len() > room;
+            st.tail = ids[..ids.len().min(room)].to_vec();
+            return None;
+        }
+        st.ep.mask.extend(std::iter::repeat_n(0, ids.len()));
+        st.turn_start = st.resp_len + ids.len();
+        Some(ids)
     }
 
     fn content_text(&self, turn: &[u32]) -> String {
@@ -404,6 +628,10 @@ impl<'a> ToolAgent<'a> {
     /// All outcomes of row `r` are in: its tool turn's tokens, or `None` when the
     /// conversation ends (the budget, or a template failure).
     fn continuation(&mut self, r: usize) -> Option<Vec<u32>> {
+        if self.rows[r].interacting {
+            let outcome = self.rows[r].pending.drain(..).flatten().next();
+            return self.user_turn(r, outcome);
+        }
         let s = &self.ctx.settings;
         let st = &mut self.rows[r];
         let outcomes: Vec<ToolOutcome> = st.pending.drain(..).flatten().collect();
@@ -481,6 +709,7 @@ impl<'a> ToolAgent<'a> {
                     error: Some(text.clone()),
                     text,
                     reward: None,
+                    terminate: true,
                 },
                 done,
             );
@@ -515,11 +744,14 @@ impl Turns for ToolAgent<'_> {
             || s.max_assistant_turns
                 .is_some_and(|m| st.ep.assistant_turns >= m)
             || s.max_user_turns.is_some_and(|m| st.ep.user_turns >= m);
-        if over || calls.is_empty() {
+        if over {
             return false;
         }
         st.resp_len = resp.len();
         st.last_token = resp.last().copied();
+        if calls.is_empty() {
+            return self.ask_interaction(row, &turn);
+        }
         st.pending = vec![None; calls.len()];
         st.asked_at = Some(Instant::now());
         for (i, c) in calls.into_iter().enumerate() {
@@ -536,6 +768,7 @@ impl Turns for ToolAgent<'_> {
                     name: c.name,
                     arguments: c.arguments,
                     create_kwargs,
+                    interaction: None,
                 },
                 self.tx.clone(),
             );
@@ -569,8 +802,9 @@ fn sanity(
     messages: &[Value],
     prompt: &[u32],
     response: &[u32],
+    generation_prompt: bool,
 ) -> Option<String> {
-    let full = match ctx.render_ids(messages, false) {
+    let full = match ctx.render_ids(messages, generation_prompt) {
         Ok(ids) => ids,
         Err(e) => return Some(e),
     };
@@ -617,6 +851,11 @@ fn sanity(
     ))
 }
 
+/// The interaction a row's `interaction_kwargs` names (checked when the data is read).
+fn interaction_name(kwargs: &Value) -> String {
+    kwargs["name"].as_str().unwrap_or_default().to_string()
+}
+
 /// The runner of a run that names no tools: every call is answered as verl answers a call to
 /// a tool it does not have.
 pub struct NoTools;
@@ -632,6 +871,7 @@ impl ToolRunner for NoTools {
             error: Some(text.clone()),
             text,
             reward: Some(0.0),
+            terminate: call.interaction.is_some(),
         });
     }
 }

@@ -428,8 +428,9 @@ pub fn generate_agent_rows(
     let owned: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
     let mut agent = agent::ToolAgent::new(ctx, convs, owned, p.max_new_tokens, p.eos_ids.clone());
     let streams = sampler.rows().starting_at(first_row);
-    let (out, _) = scheduler::generate_turns(model, &prompts, p, streams, None, Some(&mut agent))?;
-    let episodes = agent.finish(&out);
+    let (mut out, _) =
+        scheduler::generate_turns(model, &prompts, p, streams, None, Some(&mut agent))?;
+    let episodes = agent.finish(&mut out);
     Ok((out, episodes))
 }
 

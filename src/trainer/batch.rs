@@ -147,6 +147,12 @@ pub struct TurnStats {
     pub tool_errors: usize,
     pub malformed_calls: usize,
     pub tool_rewards: Vec<f64>,
+    /// The interaction's score of each user turn (verl's `turn_scores`).
+    #[serde(default)]
+    pub turn_scores: Vec<f64>,
+    /// Interaction turns that failed (each ended its conversation).
+    #[serde(default)]
+    pub interaction_errors: usize,
     /// Response tokens the model generated (mask 1).
     pub model_tokens: usize,
     /// The turn-by-turn ids differ from the conversation tokenised at once.

@@ -65,7 +65,8 @@ impl Trainer {
 
 /// A tool-agent row's conversation in a dump: `turns`, the response cut where the model's
 /// tokens and the appended ones alternate (`{"role": "assistant" | "tool", "text"}`, special
-/// tokens kept so the template's markers show), `num_turns` and `tool_calls`.
+/// tokens kept so the template's markers show; an interaction's user turn is such an appended
+/// span too), `num_turns`, `tool_calls` and the interaction's `turn_scores` when it spoke.
 pub(super) fn add_turns(
     o: &mut serde_json::Map<String, Value>,
     tok: &TokenizerBundle,
@@ -92,6 +93,9 @@ pub(super) fn add_turns(
     o.insert("turns".into(), Value::Array(turns));
     o.insert("num_turns".into(), json!(t.num_turns));
     o.insert("tool_calls".into(), json!(t.tool_calls));
+    if !t.turn_scores.is_empty() {
+        o.insert("turn_scores".into(), json!(t.turn_scores));
+    }
 }
 
 /// Writes `{dir}/{step}.jsonl`.

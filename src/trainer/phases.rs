@@ -161,14 +161,15 @@ pub(super) fn rollout_rows(
 }
 
 /// verl's additions to a multi-turn row's `extra_info` (from the agent loop's
-/// `tool_extra_fields` and `__num_turns__`): `turn_scores` (empty: no interaction agents
-/// here), `tool_rewards` and `num_turns`. An `extra_info` that is not a mapping becomes one.
+/// `tool_extra_fields` and `__num_turns__`): `turn_scores` (the interaction's score of each
+/// user turn), `tool_rewards` and `num_turns`. An `extra_info` that is not a mapping becomes
+/// one.
 pub(super) fn add_turns_to_requests(reqs: &mut [ScoreRequest], turns: &[TurnStats]) {
     for (r, t) in reqs.iter_mut().zip(turns) {
         if !r.extra_info.is_object() {
             r.extra_info = serde_json::Value::Object(Default::default());
         }
-        r.extra_info["turn_scores"] = serde_json::json!([]);
+        r.extra_info["turn_scores"] = serde_json::json!(t.turn_scores);
         r.extra_info["tool_rewards"] = serde_json::json!(t.tool_rewards);
         r.extra_info["num_turns"] = serde_json::json!(t.num_turns);
     }
@@ -185,6 +186,7 @@ fn conversation(ds: &PromptDataset, i: usize) -> Conversation {
             .cloned()
             .unwrap_or_else(|| serde_json::json!({})),
         tool_agent: ds.agents[i] == AgentLoopName::ToolAgent,
+        interaction: s.extra_info.get("interaction_kwargs").cloned(),
     }
 }
 
@@ -197,6 +199,8 @@ pub(super) fn turn_stats(e: &Episode, agent: AgentLoopName) -> TurnStats {
         tool_errors: e.tool_errors,
         malformed_calls: e.malformed_calls,
         tool_rewards: e.tool_rewards.clone(),
+        turn_scores: e.turn_scores.clone(),
+        interaction_errors: e.interaction_errors,
         model_tokens: e.mask.iter().filter(|&&m| m == 1).count(),
         sanity_mismatch: e.sanity_mismatch.is_some(),
         tool_seconds: e.tool_seconds,

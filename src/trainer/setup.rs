@@ -599,14 +599,81 @@ pub struct Policy {
     pub agent: Option<Arc<AgentContext>>,
 }
 
-/// How rows choose their agent loop (`multi_turn.enable`, `agent.default_agent_loop`) and the
-/// tools tool-agent prompts show.
-pub fn agent_rendering(cfg: &Config, runner: &dyn ToolRunner) -> AgentRendering {
+/// How rows choose their agent loop (`multi_turn.enable`, `agent.default_agent_loop`), the
+/// tools tool-agent prompts show and the interactions their rows must name.
+pub fn agent_rendering(
+    cfg: &Config,
+    runner: &dyn ToolRunner,
+    interactions: Option<&Interactions>,
+) -> AgentRendering {
     AgentRendering {
         multi_turn: cfg.actor_rollout_ref.rollout.multi_turn.enable,
         default: cfg.actor_rollout_ref.rollout.agent.default_agent_loop,
         tools: runner.schemas(),
+        interactions: interactions.map(|i| i.names.clone()).unwrap_or_default(),
     }
+}
+
+/// The interactions of `multi_turn.interaction_config_path`, running in their worker.
+pub struct Interactions {
+    pub runner: Arc<dyn ToolRunner>,
+    pub names: Vec<String>,
+}
+
+/// The tool pool's start-up error as the trainer reports it: a usage error naming the key for
+/// what the configuration or its files got wrong (as config check reports it, exit 2).
+fn tool_start_error(e: ToolError, what: &str) -> TrainerError {
+    match e {
+        ToolError::Config { setting, message } => {
+            let key = match setting {
+                ToolSetting::ToolConfigPath => {
+                    "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+                }
+                ToolSetting::FunctionToolPath => {
+                    "actor_rollout_ref.rollout.multi_turn.function_tool_path"
+                }
+                ToolSetting::InteractionConfigPath => {
+                    "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
+                }
+                ToolSetting::Python => "reward.python",
+            };
+            TrainerError::Config(ConfigError::Value {
+                key: key.into(),
+                message,
+            })
+        }
+        ToolError::Failed(m) => TrainerError::Other(format!(
+            "starting the {what} of actor_rollout_ref.rollout.multi_turn: {m}"
+        )),
+    }
+}
+
+/// The interactions `rollout.multi_turn.interaction_config_path` names, started in one Python
+/// worker (their state per conversation lives in it; `reward.python`'s interpreter, the tools'
+/// time limit per turn); `None` when the key is null.
+pub fn interaction_runner(cfg: &Config) -> Result<Option<Interactions>> {
+    let mt = &cfg.actor_rollout_ref.rollout.multi_turn;
+    let Some(path) = mt.interaction_config_path.as_deref() else {
+        return Ok(None);
+    };
+    let path: std::path::PathBuf = crate::util::expand_home(path).into();
+    let entries = crate::reward::tools::read_interaction_config(&path)
+        .map_err(|e| tool_start_error(e, "interactions"))?;
+    let src = ToolSource {
+        interaction_config_path: Some(path),
+        ..ToolSource::default()
+    };
+    let settings = ToolPoolSettings {
+        python: cfg.reward.python.clone(),
+        num_workers: 1,
+        timeout: std::time::Duration::from_secs_f64(mt.tool_timeout_s),
+        max_output_bytes: mt.tool_output_limit(),
+    };
+    let pool = ToolPool::start(&src, settings).map_err(|e| tool_start_error(e, "interactions"))?;
+    Ok(Some(Interactions {
+        runner: Arc::new(pool),
+        names: crate::reward::tools::interaction_names(&entries),
+    }))
 }
 
 /// A warning when the chat template does not show the tools to the model: it is then told
@@ -646,6 +713,7 @@ pub fn tool_runner(cfg: &Config) -> Result<Arc<dyn ToolRunner>> {
             .function_tool_path
             .as_deref()
             .map(|p| crate::util::expand_home(p).into()),
+        interaction_config_path: None,
     };
     let settings = ToolPoolSettings {
         python: cfg.reward.python.clone(),
@@ -653,27 +721,7 @@ pub fn tool_runner(cfg: &Config) -> Result<Arc<dyn ToolRunner>> {
         timeout: std::time::Duration::from_secs_f64(mt.tool_timeout_s),
         max_output_bytes: mt.tool_output_limit(),
     };
-    let pool = ToolPool::start(&src, settings).map_err(|e| match e {
-        // A usage error naming the key, as config check reports it (exit 2).
-        ToolError::Config { setting, message } => {
-            let key = match setting {
-                ToolSetting::ToolConfigPath => {
-                    "actor_rollout_ref.rollout.multi_turn.tool_config_path"
-                }
-                ToolSetting::FunctionToolPath => {
-                    "actor_rollout_ref.rollout.multi_turn.function_tool_path"
-                }
-                ToolSetting::Python => "reward.python",
-            };
-            TrainerError::Config(ConfigError::Value {
-                key: key.into(),
-                message,
-            })
-        }
-        ToolError::Failed(m) => TrainerError::Other(format!(
-            "starting the tools of actor_rollout_ref.rollout.multi_turn: {m}"
-        )),
-    })?;
+    let pool = ToolPool::start(&src, settings).map_err(|e| tool_start_error(e, "tools"))?;
     Ok(Arc::new(pool))
 }
 
@@ -688,7 +736,8 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
     fits_context(plan, "actor_rollout_ref.model.path", &m.path, context)?;
     let template = Arc::new(tok.template(m.custom_chat_template.as_deref())?);
     let runner = tool_runner(cfg)?;
-    let rendering = agent_rendering(cfg, runner.as_ref());
+    let interactions = interaction_runner(cfg)?;
+    let rendering = agent_rendering(cfg, runner.as_ref(), interactions.as_ref());
     let (train, val) = datasets(
         cfg,
         plan,
@@ -700,7 +749,7 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
     let tool_rows = |d: &PromptDataset| d.agents.contains(&AgentLoopName::ToolAgent);
     let agent = if tool_rows(&train) || val.as_ref().is_some_and(tool_rows) {
         let mt = &cfg.actor_rollout_ref.rollout.multi_turn;
-        let ctx = AgentContext::new(
+        let mut ctx = AgentContext::new(
             Arc::new(tok.clone()),
             template,
             cfg.data.apply_chat_template_kwargs.clone(),
@@ -708,6 +757,9 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
             AgentSettings::new(mt),
         )
         .map_err(|e| TrainerError::Other(format!("the tool agent loop (rows with agent_name tool_agent, or actor_rollout_ref.rollout.multi_turn.enable): {e}")))?;
+        if let Some(i) = interactions {
+            ctx = ctx.with_interactions(i.runner);
+        }
         Some(Arc::new(ctx))
     } else {
         None
@@ -1024,6 +1076,7 @@ mod tests {
                     name: "big".into(),
                     arguments: format!("{{\"n\": {n}}}"),
                     create_kwargs: serde_json::json!({}),
+                    interaction: None,
                 },
                 tx,
             );

@@ -298,6 +298,18 @@ pub fn agent_metrics(m: &mut Metrics, turns: &[TurnStats]) {
             rewards.iter().sum::<f64>() / rewards.len() as f64,
         );
     }
+    // Interactions: the mean score of their user turns, and turns that failed (each ended its
+    // conversation); only when some row talked to one.
+    let scores: Vec<f64> = tool
+        .iter()
+        .flat_map(|t| t.turn_scores.iter().copied())
+        .collect();
+    let failed: usize = tool.iter().map(|t| t.interaction_errors).sum();
+    if !scores.is_empty() || failed > 0 {
+        let mean = scores.iter().sum::<f64>() / scores.len().max(1) as f64;
+        m.insert("agent/interaction_score/mean".into(), mean);
+        m.insert("agent/interaction_errors".into(), failed as f64);
+    }
     let model: Vec<f64> = tool.iter().map(|t| t.model_tokens as f64).collect();
     add_stats(m, "agent/model_response_length", &model);
     let mismatched = tool.iter().filter(|t| t.sanity_mismatch).count();
@@ -381,8 +393,8 @@ mod tests {
     }
 
     /// The agent metrics by hand: two tool-agent rows (one calling twice with one error, one
-    /// unparsable block and rewards 1 and 0, waiting 0.5 s; one not calling) and a single-turn
-    /// row. Ratios count tool-agent rows only; turns and tool time count every row (verl's
+    /// unparsable block and rewards 1 and 0, waiting 0.5 s, interaction scores 0, 1, 1; one not
+    /// calling, its interaction failing) and a single-turn row. Ratios count tool-agent rows only; turns and tool time count every row (verl's
     /// per-sample timing).
     #[test]
     fn agent_metrics_by_hand() {
@@ -398,11 +410,14 @@ mod tests {
                 sanity_mismatch: true,
                 tool_seconds: 0.5,
                 spans: vec![10],
+                turn_scores: vec![0.0, 1.0, 1.0],
+                interaction_errors: 0,
             },
             TurnStats {
                 num_turns: 2,
                 tool_agent: true,
                 model_tokens: 4,
+                interaction_errors: 1,
                 ..Default::default()
             },
             TurnStats {
@@ -429,6 +444,8 @@ mod tests {
             ("agent/model_response_length/max", 10.0),
             ("agent/model_response_length/min", 4.0),
             ("agent/tokenization_mismatch_ratio", 0.5),
+            ("agent/interaction_score/mean", 2.0 / 3.0),
+            ("agent/interaction_errors", 1.0),
         ];
         for (k, v) in want {
             let got = m.get(k).unwrap_or_else(|| panic!("no {k}"));

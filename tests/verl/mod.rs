@@ -477,3 +477,141 @@ fn verls_config_folder_trains_like_the_built_in_defaults() {
         "only the keys the user set are reported, whatever the base"
     );
 }
+
+/// verl b178a3c's example lines with interactions (`run_qwen2.5-3b_gsm8k_multiturn_4xgpu.sh`
+/// and its `_server` variant: the GSM8K tool, verl's GSM8K interaction, `max_user_turns=1`)
+/// train two steps as written, with the model, data, output and the example config folder
+/// swapped, their tool and interaction configs (this repository's copies of verl's) at the
+/// relative paths the lines name, and the batch, response length, step count, GPU count and
+/// loggers shrunk at the end. The data are GSM8K rows with verl's `tools_kwargs` and
+/// `interaction_kwargs` (with the `name` verl's agent loop requires). Every conversation whose
+/// first turn ended without a tool call got the interaction's verdict as a user turn (the
+/// model is never right here: "Your response is incorrect! ...", cut where the response
+/// length ends), scored 0 in `turn_scores`, and then one more model turn at most
+/// (max_user_turns=1). The model is a tiny Llama with the byte tokenizer, or
+/// SmolLM2-135M-Instruct when MAIN_PPO_INTERACTION_SMOLLM2 is set as well as MAIN_PPO_SMOLLM2.
+#[test]
+fn verls_interaction_lines_train_two_steps() {
+    let root = tempfile::tempdir().unwrap();
+    write_example_configs(root.path());
+    // SmolLM2 takes ~18 CPU-minutes for the two lines: asked for on its own, not in CI.
+    let model = match std::env::var_os("MAIN_PPO_INTERACTION_SMOLLM2").and(super::smollm2()) {
+        Some(p) => p,
+        None => {
+            let m = root.path().join("model");
+            super::tiny_model_dir(&m);
+            m
+        }
+    };
+    let data = root.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let rows = main_ppo::data::read_rows(&super::data_dir().join("train.parquet")).unwrap();
+    let rows: Vec<Value> = rows[..8]
+        .iter()
+        .map(|r| {
+            let mut r = r.clone();
+            let gt = r["reward_model"]["ground_truth"].clone();
+            let q = r["prompt"][0]["content"].clone();
+            r["extra_info"]["tools_kwargs"] =
+                serde_json::json!({"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": gt}}});
+            r["extra_info"]["interaction_kwargs"] =
+                serde_json::json!({"name": "gsm8k", "query": q, "ground_truth": gt});
+            r
+        })
+        .collect();
+    for f in ["train.jsonl", "test.jsonl"] {
+        super::write_jsonl(&data.join(f), &rows);
+    }
+    let lines: Vec<Value> = std::fs::read_to_string(fixtures().join("b178a3c.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| {
+            e["argv"].to_string().contains("interaction_config_path") && e["expect"] == "pass"
+        })
+        .collect();
+    assert_eq!(lines.len(), 2, "the two interaction lines that pass");
+    for entry in &lines {
+        let name = entry["script"].as_str().unwrap();
+        let run = tempfile::tempdir_in(root.path()).unwrap();
+        for (to, from) in [
+            (
+                "examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml",
+                "configs/tool_config/gsm8k_tool_config.yaml",
+            ),
+            (
+                "examples/sglang_multiturn/config/interaction_config/gsm8k_interaction_config.yaml",
+                "configs/interaction_config/gsm8k_interaction_config.yaml",
+            ),
+        ] {
+            let to = run.path().join(to);
+            std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+            std::fs::copy(super::repo().join(from), to).unwrap();
+        }
+        let dumps = run.path().join("rollouts");
+        let mut args: Vec<String> = swapped(entry, root.path())
+            .into_iter()
+            .map(|a| match a.split_once('=') {
+                Some(("actor_rollout_ref.model.path", _)) => {
+                    format!("actor_rollout_ref.model.path={}", model.display())
+                }
+                _ => a,
+            })
+            .collect();
+        args.extend(
+            [
+                "data.train_batch_size=4",
+                "actor_rollout_ref.rollout.n=2",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+                "data.max_response_length=192",
+                "trainer.total_training_steps=2",
+                "trainer.n_gpus_per_node=1",
+                "trainer.test_freq=-1",
+                "trainer.val_before_train=False",
+                "trainer.logger=[console]",
+            ]
+            .map(String::from),
+        );
+        args.push(format!("trainer.rollout_data_dir={}", dumps.display()));
+        let out = super::bin_in(run.path()).args(&args).output().unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{name}: {stderr}");
+        let step2 = stdout
+            .lines()
+            .find(|l| l.starts_with("step:2 "))
+            .unwrap_or_else(|| panic!("{name}: {stdout}"));
+        assert!(step2.contains("num_turns/mean:"), "{name}: {step2}");
+        let mut asked = 0;
+        for step in [1, 2] {
+            let text_ = std::fs::read_to_string(dumps.join(format!("{step}.jsonl"))).unwrap();
+            for row in text_
+                .lines()
+                .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            {
+                let turns = row["turns"].as_array().unwrap();
+                let first_called = row["tool_calls"].as_u64().unwrap() > 0;
+                let first_ended = turns[0]["text"].as_str().unwrap().ends_with("<|im_end|>");
+                let verdict = turns.iter().any(|t| {
+                    t["text"]
+                        .as_str()
+                        .unwrap()
+                        .contains("user\nYour response is incorrect!")
+                });
+                if first_ended && !first_called {
+                    asked += 1;
+                    assert!(verdict, "{name}: {row}");
+                    assert_eq!(
+                        row["turn_scores"],
+                        serde_json::json!([0.0]),
+                        "{name}: {row}"
+                    );
+                    assert!(row["num_turns"].as_u64().unwrap() <= 4, "{name}: {row}");
+                }
+            }
+        }
+        assert!(asked > 0, "{name}: no conversation reached the interaction");
+    }
+}
