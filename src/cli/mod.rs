@@ -366,7 +366,7 @@ fn train_on(
 /// A flag set by the first Ctrl-C or SIGTERM (the trainer finishes its step, saves and exits
 /// 0; a hub download while the models load stops at once, see `weights::hub::request_stop`);
 /// a second signal exits at once with status 130.
-fn stop_on_signals() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+pub(crate) fn stop_on_signals() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, OnceLock};
     static FLAG: OnceLock<Arc<AtomicBool>> = OnceLock::new();

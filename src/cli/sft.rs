@@ -62,8 +62,21 @@ pub fn run(args: &ConfigArgs) -> anyhow::Result<()> {
         t.total_steps,
         t.plan.default_local_dir.display()
     );
-    t.fit()?;
-    tracing::info!("sft finished after {} steps", t.global_step);
+    t.stop_on(super::stop_on_signals());
+    match t.fit()? {
+        crate::trainer::sft::SftOutcome::Finished { steps } => {
+            tracing::info!("sft finished after {steps} steps")
+        }
+        crate::trainer::sft::SftOutcome::Interrupted { steps, checkpoint } => tracing::info!(
+            "sft interrupted after step {steps}{}",
+            checkpoint
+                .map(|c| format!(
+                    "; resume with the same command (checkpoint {})",
+                    c.display()
+                ))
+                .unwrap_or_default()
+        ),
+    }
     Ok(())
 }
 

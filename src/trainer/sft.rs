@@ -164,6 +164,22 @@ pub struct SftTrainer {
     total_tokens: u64,
     tracker: Option<Tracker>,
     tracker_runs: std::collections::BTreeMap<String, String>,
+    /// Set by Ctrl-C / SIGTERM: the run ends after the current step, saved.
+    stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    /// The step of the newest checkpoint this run wrote.
+    last_saved: Option<u64>,
+}
+
+/// How [`SftTrainer::fit`] ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SftOutcome {
+    /// Every step ran.
+    Finished { steps: u64 },
+    /// Stopped by a signal after `steps`; `checkpoint` holds them (none before the first step).
+    Interrupted {
+        steps: u64,
+        checkpoint: Option<PathBuf>,
+    },
 }
 
 impl SftTrainer {
@@ -255,6 +271,8 @@ impl SftTrainer {
             total_tokens: 0,
             tracker: None,
             tracker_runs: Default::default(),
+            stop: None,
+            last_saved: None,
         };
         t.resume()?;
         if with_tracker {
@@ -341,8 +359,20 @@ impl SftTrainer {
         Ok(Some(crate::metrics::mean(&losses)))
     }
 
-    /// Trains until `total_steps`, validating and saving as configured.
-    pub fn fit(&mut self) -> Result<()> {
+    /// The flag a signal sets to end the run after the current step (with a checkpoint).
+    pub fn stop_on(&mut self, flag: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+        self.stop = Some(flag);
+    }
+
+    fn stop_requested(&self) -> bool {
+        self.stop
+            .as_ref()
+            .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst))
+    }
+
+    /// Trains until `total_steps`, validating and saving as configured; a stop request ends the
+    /// run after the step under way, saving it unless it was just saved (as RL's trainer does).
+    pub fn fit(&mut self) -> Result<SftOutcome> {
         let save = self
             .cfg
             .trainer
@@ -368,11 +398,26 @@ impl SftTrainer {
             if last || save.is_some_and(|f| step.is_multiple_of(f)) {
                 self.save_checkpoint()?;
             }
+            if !last && self.stop_requested() {
+                let checkpoint = match self.last_saved == Some(step) {
+                    true => crate::checkpoint::step_dir(&self.plan.default_local_dir, step),
+                    false => self.save_checkpoint()?,
+                };
+                if let Some(t) = &mut self.tracker {
+                    t.finish();
+                }
+                return Ok(SftOutcome::Interrupted {
+                    steps: step,
+                    checkpoint: Some(checkpoint),
+                });
+            }
         }
         if let Some(t) = &mut self.tracker {
             t.finish();
         }
-        Ok(())
+        Ok(SftOutcome::Finished {
+            steps: self.global_step,
+        })
     }
 
     fn lora_base(&self) -> Result<Option<String>> {
@@ -410,6 +455,7 @@ impl SftTrainer {
         })?;
         checkpoint::prune_steps(&root, self.cfg.trainer.max_ckpt_to_keep)?;
         tracing::info!("checkpoint saved: {}", dir.display());
+        self.last_saved = Some(self.global_step);
         Ok(dir)
     }
 

@@ -351,6 +351,52 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
     assert!(losses[2] < losses[0] || losses[3] < losses[1], "{losses:?}");
 }
 
+/// Ctrl-C / SIGTERM (the stop flag) ends `fit` after the step under way with a checkpoint of
+/// it, even with periodic saving off; a second `fit` resumes there and ends with the weights of
+/// an uninterrupted run. A stop at a step saved anyway (save_freq=1) names that checkpoint.
+#[test]
+fn a_stop_request_saves_the_step_and_the_run_resumes_from_it() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let tmp = tempfile::tempdir().unwrap();
+    let no_saves = ["trainer.save_freq=-1"];
+    let mut full = trainer(&tmp.path().join("a"), &no_saves);
+    assert_eq!(full.fit().unwrap(), SftOutcome::Finished { steps: 4 });
+
+    let out = tmp.path().join("b");
+    let mut first = trainer(&out, &no_saves);
+    let flag = Arc::new(AtomicBool::new(true));
+    first.stop_on(flag.clone());
+    let saved = crate::checkpoint::step_dir(&out, 1);
+    assert_eq!(
+        first.fit().unwrap(),
+        SftOutcome::Interrupted {
+            steps: 1,
+            checkpoint: Some(saved.clone())
+        }
+    );
+    assert!(saved.join("trainer_state.json").is_file());
+    drop(first);
+    let mut second = trainer(&out, &no_saves);
+    assert_eq!(second.global_step, 1);
+    assert_eq!(second.fit().unwrap(), SftOutcome::Finished { steps: 4 });
+    assert_eq!(weights_of(&full), weights_of(&second));
+
+    // Saving every step: the stop reuses the step's own checkpoint.
+    let out = tmp.path().join("c");
+    let mut every = trainer(&out, &["trainer.save_freq=1"]);
+    every.stop_on(flag.clone());
+    let got = every.fit().unwrap();
+    assert_eq!(
+        got,
+        SftOutcome::Interrupted {
+            steps: 1,
+            checkpoint: Some(crate::checkpoint::step_dir(&out, 1))
+        }
+    );
+    flag.store(false, Ordering::SeqCst);
+}
+
 /// With LoRA only the adapters train and are saved in PEFT's folder; `hf_model` in
 /// checkpoint.save_contents adds the merged model, which `merge`'s resolver reads as a
 /// checkpoint; validation reports `val/loss` at the last step.
