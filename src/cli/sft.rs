@@ -54,7 +54,35 @@ pub fn run(args: &ConfigArgs) -> anyhow::Result<()> {
     }
     let plan = resolve_sft(&loaded.config)?;
     check_paths(&loaded.config, &plan)?;
-    let mut t = crate::trainer::sft::SftTrainer::new(loaded.config, plan, true)?;
+    let comm = crate::dist::from_env(std::time::Duration::from_secs(600))?;
+    if comm.world_size() > 1 {
+        tracing::info!(
+            "data parallel: rank {} of {} ({} backend, local rank {})",
+            comm.rank(),
+            comm.world_size(),
+            comm.backend(),
+            comm.local_rank()
+        );
+    }
+    let result = train_on(loaded.config, plan, comm.clone());
+    if let Err(e) = &result {
+        if comm.world_size() > 1 {
+            // As for RL: no orderly shutdown with ranks waiting on this one; the launcher ends
+            // them once this process exits with its error.
+            eprintln!("{}error: {e:#}", crate::dist::rank_prefix(comm.as_ref()));
+            std::mem::forget(comm);
+        }
+    }
+    result
+}
+
+fn train_on(
+    cfg: crate::config::SftConfig,
+    plan: SftPlan,
+    comm: crate::dist::Comm,
+) -> anyhow::Result<()> {
+    let mut t =
+        crate::trainer::sft::SftTrainer::on_ranks(cfg, plan, true, comm).map_err(super::lift)?;
     tracing::info!(
         "sft: steps {}..{} of {}, checkpoints in {}",
         t.global_step + 1,

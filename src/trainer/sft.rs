@@ -168,6 +168,9 @@ pub struct SftTrainer {
     stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
     /// The step of the newest checkpoint this run wrote.
     last_saved: Option<u64>,
+    /// The data-parallel ranks (one process unless launched by MPI or torchrun): each
+    /// computes its share of every step's conversations, the gradients are summed over all.
+    comm: crate::dist::Comm,
 }
 
 /// How [`SftTrainer::fit`] ended.
@@ -184,8 +187,30 @@ pub enum SftOutcome {
 
 impl SftTrainer {
     /// Loads the model (with adapters), the datasets and the trackers, and resumes from a
-    /// checkpoint as `trainer.resume_mode` says.
+    /// checkpoint as `trainer.resume_mode` says; one process.
     pub fn new(cfg: SftConfig, plan: SftPlan, with_tracker: bool) -> Result<Self> {
+        Self::on_ranks(cfg, plan, with_tracker, crate::dist::single())
+    }
+
+    /// [`SftTrainer::new`] as one of `comm`'s data-parallel ranks: every rank reads the same
+    /// batches and trains on its share of their conversations (`data.train_batch_size` must
+    /// divide evenly); rank 0 alone logs to the trackers and writes checkpoints.
+    pub fn on_ranks(
+        cfg: SftConfig,
+        plan: SftPlan,
+        with_tracker: bool,
+        comm: crate::dist::Comm,
+    ) -> Result<Self> {
+        let world = comm.world_size();
+        if !cfg.data.train_batch_size.is_multiple_of(world) {
+            return Err(TrainerError::Config(crate::config::ConfigError::Value {
+                key: "data.train_batch_size".into(),
+                message: format!(
+                    "{} conversations per step must be divisible by the number of processes ({world}): each rank takes whole conversations",
+                    cfg.data.train_batch_size
+                ),
+            }));
+        }
         let device = candle_core::Device::Cpu;
         let m = &cfg.model;
         let (mut loaded, tok) = crate::weights::load_model_and_tokenizer(
@@ -242,7 +267,7 @@ impl SftTrainer {
         let args = loaded.model.args.clone();
         let mut optim = cfg.optim.clone();
         optim.total_training_steps = Some(total_steps);
-        let model = Trainable::new(
+        let mut model = Trainable::new(
             loaded.model,
             loaded.varmap,
             lora,
@@ -251,6 +276,7 @@ impl SftTrainer {
             total_steps,
             settings,
         )?;
+        model.set_comm(comm.clone());
         tracing::info!(
             "sft: {} training conversations ({} truncated), {} validation; {steps_per_epoch} steps per epoch, {total_steps} steps",
             train.len(),
@@ -273,9 +299,10 @@ impl SftTrainer {
             tracker_runs: Default::default(),
             stop: None,
             last_saved: None,
+            comm,
         };
         t.resume()?;
-        if with_tracker {
+        if with_tracker && t.comm.rank() == 0 {
             t.tracker = Some(t.open_tracker()?);
         }
         Ok(t)
@@ -364,10 +391,13 @@ impl SftTrainer {
         self.stop = Some(flag);
     }
 
-    fn stop_requested(&self) -> bool {
-        self.stop
+    /// A stop was asked for on some rank (every rank agrees, so all stop after the same step).
+    fn stop_requested(&self) -> Result<bool> {
+        let here = self
+            .stop
             .as_ref()
-            .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst))
+            .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst));
+        Ok(crate::dist::any(self.comm.as_ref(), here)?)
     }
 
     /// Trains until `total_steps`, validating and saving as configured; a stop request ends the
@@ -398,7 +428,7 @@ impl SftTrainer {
             if last || save.is_some_and(|f| step.is_multiple_of(f)) {
                 self.save_checkpoint()?;
             }
-            if !last && self.stop_requested() {
+            if !last && self.stop_requested()? {
                 let checkpoint = match self.last_saved == Some(step) {
                     true => crate::checkpoint::step_dir(&self.plan.default_local_dir, step),
                     false => self.save_checkpoint()?,
@@ -429,9 +459,22 @@ impl SftTrainer {
         }
     }
 
-    /// Writes `global_step_N/` (verl's SFT layout) and prunes to `trainer.max_ckpt_to_keep`.
+    /// Writes `global_step_N/` (verl's SFT layout) and prunes to `trainer.max_ckpt_to_keep`:
+    /// rank 0 writes (every rank holds the same weights and state), the others wait for it.
     pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
         let root = self.plan.default_local_dir.clone();
+        if self.comm.rank() != 0 {
+            self.comm.barrier()?;
+            self.last_saved = Some(self.global_step);
+            return Ok(checkpoint::step_dir(&root, self.global_step));
+        }
+        let dir = self.write_checkpoint(&root);
+        self.comm.barrier()?;
+        dir
+    }
+
+    fn write_checkpoint(&mut self, root: &Path) -> Result<PathBuf> {
+        let root = root.to_path_buf();
         let state = SftState {
             global_step: self.global_step,
             loader: self.loader.cursor(),
@@ -478,7 +521,13 @@ impl SftTrainer {
     /// Restores the checkpoint `trainer.resume_mode` selects, if any.
     fn resume(&mut self) -> Result<()> {
         let root = self.plan.default_local_dir.clone();
-        checkpoint::recover(&root)?;
+        // A save cut short is finished (or dropped) by rank 0 alone, before any rank looks.
+        let recovered = match self.comm.rank() {
+            0 => checkpoint::recover(&root),
+            _ => Ok(()),
+        };
+        self.comm.barrier()?;
+        recovered?;
         let t = self.cfg.trainer.clone();
         let Some((step, dir)) =
             checkpoint::find_resume(&root, t.resume_mode, t.resume_from_path.as_deref())?

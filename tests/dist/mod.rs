@@ -812,3 +812,70 @@ fn walk_find(root: &Path, name: &str) -> Option<std::path::PathBuf> {
     }
     None
 }
+
+/// `main_ppo sft` on two ranks against one process: each rank trains on half of every step's
+/// conversations and the gradients are summed, so the logged loss, gradient norm and learning
+/// rate agree to 1e-6 over three steps (the loss of steps 2 and 3 is computed with the weights
+/// the ranks updated), rank 0 alone writes the checkpoint, and a batch the ranks cannot share
+/// evenly is refused naming `data.train_batch_size`.
+#[test]
+fn sft_on_two_ranks_equals_one_process() {
+    if mpirun(2).is_none() {
+        return;
+    }
+    let conversations: Vec<serde_json::Value> = (0..8)
+        .map(|i| {
+            serde_json::json!({"messages": [
+                {"role": "user", "content": format!("What is {i} + {i}?")},
+                {"role": "assistant", "content": format!("{i} + {i} = {}\n#### {}", 2 * i, 2 * i)}]})
+        })
+        .collect();
+    let args = |dir: &Path, bsz: usize| -> Vec<String> {
+        setup(dir);
+        main_ppo::testing::write_jsonl(&dir.join("sft.jsonl"), &conversations).unwrap();
+        [
+            "sft".to_string(),
+            format!("data.train_files={}", dir.join("sft.jsonl").display()),
+            format!("model.path={}", dir.join("model").display()),
+            format!("data.train_batch_size={bsz}"),
+            "data.micro_batch_size_per_gpu=1".into(),
+            "data.max_length=128".into(),
+            "optim.lr=1e-3".into(),
+            "trainer.total_training_steps=3".into(),
+            "trainer.logger=[file]".into(),
+            "trainer.project_name=verl_examples".into(),
+            "trainer.experiment_name=gsm8k".into(),
+            format!("trainer.default_local_dir={}", dir.join("ckpt").display()),
+        ]
+        .to_vec()
+    };
+    let mut runs = Vec::new();
+    for np in [0, 2] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = train(dir.path(), np, &args(dir.path(), 4));
+        let said = text(&out);
+        assert!(out.status.success(), "np={np}: {said}");
+        if np == 2 {
+            assert!(said.contains("data parallel: rank 1 of 2"), "{said}");
+        }
+        assert!(dir
+            .path()
+            .join("ckpt/global_step_3/huggingface/model.safetensors")
+            .is_file());
+        runs.push((metrics(dir.path()), dir));
+    }
+    let (one, two) = (&runs[0].0, &runs[1].0);
+    assert_eq!(one.len(), 3, "three steps logged once (rank 0)");
+    assert!(one[2]["train/loss"].as_f64().unwrap() > 0.0);
+    assert_same_metrics(two, one, 1e-6, "sft: 2 ranks vs one process");
+
+    let dir = tempfile::tempdir().unwrap();
+    let out = train(dir.path(), 2, &args(dir.path(), 3));
+    assert!(!out.status.success());
+    let said = text(&out);
+    assert!(
+        said.contains("data.train_batch_size")
+            && said.contains("divisible by the number of processes (2)"),
+        "{said}"
+    );
+}
