@@ -300,7 +300,16 @@ fn train(args: &ConfigArgs, natives: &crate::reward::NativeRegistry) -> anyhow::
         return Ok(());
     }
     let timeout = loaded.config.actor_rollout_ref.nccl_timeout;
-    let comm = crate::dist::from_env(std::time::Duration::from_secs(timeout.max(1)))?;
+    on_launched_ranks(timeout, |comm| train_on(loaded, natives, comm))
+}
+
+/// Runs `f` as this process's data-parallel rank of the launcher that started it (one process
+/// when none did); `timeout_s`: how long a rank waits for its peers in one collective.
+pub(crate) fn on_launched_ranks(
+    timeout_s: u64,
+    f: impl FnOnce(crate::dist::Comm) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let comm = crate::dist::from_env(std::time::Duration::from_secs(timeout_s.max(1)))?;
     if comm.world_size() > 1 {
         tracing::info!(
             "data parallel: rank {} of {} ({} backend, local rank {})",
@@ -310,7 +319,7 @@ fn train(args: &ConfigArgs, natives: &crate::reward::NativeRegistry) -> anyhow::
             comm.local_rank()
         );
     }
-    let result = train_on(loaded, natives, comm.clone());
+    let result = f(comm.clone());
     if let Err(e) = &result {
         if comm.world_size() > 1 {
             // No orderly shutdown (MPI_Finalize would wait for ranks that wait for this one):

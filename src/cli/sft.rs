@@ -54,26 +54,8 @@ pub fn run(args: &ConfigArgs) -> anyhow::Result<()> {
     }
     let plan = resolve_sft(&loaded.config)?;
     check_paths(&loaded.config, &plan)?;
-    let comm = crate::dist::from_env(std::time::Duration::from_secs(600))?;
-    if comm.world_size() > 1 {
-        tracing::info!(
-            "data parallel: rank {} of {} ({} backend, local rank {})",
-            comm.rank(),
-            comm.world_size(),
-            comm.backend(),
-            comm.local_rank()
-        );
-    }
-    let result = train_on(loaded.config, plan, comm.clone());
-    if let Err(e) = &result {
-        if comm.world_size() > 1 {
-            // As for RL: no orderly shutdown with ranks waiting on this one; the launcher ends
-            // them once this process exits with its error.
-            eprintln!("{}error: {e:#}", crate::dist::rank_prefix(comm.as_ref()));
-            std::mem::forget(comm);
-        }
-    }
-    result
+    // verl's SFT config has no collective timeout; RL's default (actor_rollout_ref.nccl_timeout).
+    super::on_launched_ranks(600, |comm| train_on(loaded.config, plan, comm))
 }
 
 fn train_on(

@@ -488,21 +488,13 @@ impl<'a> ToolAgent<'a> {
             let (Some(instance), Some(kwargs)) = (&st.instance, &st.conv.interaction) else {
                 continue;
             };
-            runner.submit(
-                ToolCall {
-                    key: key(r, 0),
-                    name: interaction_name(kwargs),
-                    arguments: String::new(),
-                    create_kwargs: Value::Null,
-                    interaction: Some(InteractionTurn {
-                        instance: instance.clone(),
-                        kwargs: kwargs.clone(),
-                        messages: None,
-                        first: false,
-                    }),
-                },
-                tx.clone(),
-            );
+            let turn = InteractionTurn {
+                instance: instance.clone(),
+                kwargs: kwargs.clone(),
+                messages: None,
+                first: false,
+            };
+            runner.submit(turn.into_call(key(r, 0)), tx.clone());
         }
     }
 
@@ -535,21 +527,13 @@ impl<'a> ToolAgent<'a> {
         st.interacting = true;
         st.pending = vec![None];
         st.asked_at = Some(Instant::now());
-        runner.submit(
-            ToolCall {
-                key: key(row, 0),
-                name: interaction_name(&kwargs),
-                arguments: String::new(),
-                create_kwargs: Value::Null,
-                interaction: Some(InteractionTurn {
-                    instance,
-                    kwargs,
-                    messages: Some(messages),
-                    first,
-                }),
-            },
-            self.tx.clone(),
-        );
+        let turn = InteractionTurn {
+            instance,
+            kwargs,
+            messages: Some(messages),
+            first,
+        };
+        runner.submit(turn.into_call(key(row, 0)), self.tx.clone());
         true
     }
 
@@ -851,9 +835,18 @@ fn sanity(
     ))
 }
 
-/// The interaction a row's `interaction_kwargs` names (checked when the data is read).
-fn interaction_name(kwargs: &Value) -> String {
-    kwargs["name"].as_str().unwrap_or_default().to_string()
+impl InteractionTurn {
+    /// The request for this turn, tagged `key`, to the interaction the row's
+    /// `interaction_kwargs.name` names (checked when the data is read).
+    fn into_call(self, key: u64) -> ToolCall {
+        ToolCall {
+            key,
+            name: self.kwargs["name"].as_str().unwrap_or_default().to_string(),
+            arguments: String::new(),
+            create_kwargs: Value::Null,
+            interaction: Some(self),
+        }
+    }
 }
 
 /// The runner of a run that names no tools: every call is answered as verl answers a call to

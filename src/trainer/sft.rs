@@ -463,14 +463,12 @@ impl SftTrainer {
     /// rank 0 writes (every rank holds the same weights and state), the others wait for it.
     pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
         let root = self.plan.default_local_dir.clone();
-        if self.comm.rank() != 0 {
-            self.comm.barrier()?;
-            self.last_saved = Some(self.global_step);
-            return Ok(checkpoint::step_dir(&root, self.global_step));
-        }
-        let dir = self.write_checkpoint(&root);
-        self.comm.barrier()?;
-        dir
+        let comm = self.comm.clone();
+        let dir = super::state::save_on_rank0(comm.as_ref(), &root, self.global_step, || {
+            self.write_checkpoint(&root)
+        })?;
+        self.last_saved = Some(self.global_step);
+        Ok(dir)
     }
 
     fn write_checkpoint(&mut self, root: &Path) -> Result<PathBuf> {
@@ -498,7 +496,6 @@ impl SftTrainer {
         })?;
         checkpoint::prune_steps(&root, self.cfg.trainer.max_ckpt_to_keep)?;
         tracing::info!("checkpoint saved: {}", dir.display());
-        self.last_saved = Some(self.global_step);
         Ok(dir)
     }
 

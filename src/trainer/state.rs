@@ -85,6 +85,24 @@ pub fn base_fingerprint(
 /// The tracker run ids saved in the checkpoint `trainer.resume_mode` will resume from (read
 /// before the trackers start; nothing when there is none or it cannot be read, which the
 /// resume itself then reports).
+/// The checkpoint of `step` under `root` as data-parallel ranks save one: rank 0 runs `write`
+/// (every rank holds the same weights, optimizer moments and counters), the others wait for
+/// it, so no rank runs ahead of a checkpoint it might resume from.
+pub(super) fn save_on_rank0(
+    comm: &dyn crate::dist::Collective,
+    root: &Path,
+    step: u64,
+    write: impl FnOnce() -> Result<PathBuf>,
+) -> Result<PathBuf> {
+    if comm.rank() != 0 {
+        comm.barrier()?;
+        return Ok(checkpoint::step_dir(root, step));
+    }
+    let dir = write();
+    comm.barrier()?;
+    dir
+}
+
 pub fn saved_tracker_runs(cfg: &crate::config::Config, root: &Path) -> BTreeMap<String, String> {
     let t = &cfg.trainer;
     // A save cut short after its commit record is finished first (rank 0 only calls this):
@@ -125,16 +143,12 @@ impl Trainer {
     /// Writes `global_step_N/` for the current step and prunes old ones.
     pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
         let root = self.plan.default_local_dir.clone();
-        // Rank 0 writes (every rank holds the same weights, optimizer moments and counters);
-        // the others wait, so no rank runs ahead of a checkpoint it might resume from.
-        if self.comm.rank() != 0 {
-            self.comm.barrier()?;
-            self.last_saved = Some(self.global_step);
-            return Ok(checkpoint::step_dir(&root, self.global_step));
-        }
-        let dir = self.write_checkpoint(&root);
-        self.comm.barrier()?;
-        dir
+        let comm = self.comm.clone();
+        let dir = save_on_rank0(comm.as_ref(), &root, self.global_step, || {
+            self.write_checkpoint(&root)
+        })?;
+        self.last_saved = Some(self.global_step);
+        Ok(dir)
     }
 
     fn write_checkpoint(&mut self, root: &Path) -> Result<PathBuf> {
