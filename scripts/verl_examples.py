@@ -155,7 +155,7 @@ ESTIMATORS = {"gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "rein
               "reinforce_plus_plus_baseline", "remax", "opo", "grpo_passk", "gpg", "gdpo",
               "optimal_token_baseline", "tir_optimal_token_baseline"}
 LOSSES = {"vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "sapo", "cispo", "geo_mean", "dppo_tv", "dppo_kl", "dro"}
-REWARD_MANAGERS = {"naive", "remote", "batch", "dapo", "gdpo"}
+REWARD_MANAGERS = {"naive", "remote", "batch", "dapo", "gdpo", "prime"}
 
 # Keys a few example lines set that verl's own config does not define at that commit (verl
 # refuses those lines too): (commit, key).
@@ -234,10 +234,14 @@ def expect(entry, configs):
         ("data.datagen.path", "custom Python data generator"),
         ("sandbox_fusion.url", "sandbox fusion"),
         ("reward.sandbox_fusion.url", "sandbox fusion"),
+        ("reward_model.sandbox_fusion.url", "sandbox fusion"),
         ("actor_rollout_ref.rollout.quantization", "quantized rollouts"),
     ]:
         if not unset(st.get(key)):
             refuse(key, what)
+            if key.endswith("sandbox_fusion.url"):
+                # the legacy spellings are read as reward.sandbox_fusion.url, which the error names
+                refuse("reward.sandbox_fusion.url", what)
     if truthy(st.get("algorithm.filter_groups.enable")):
         if truthy(st.get("algorithm.use_kl_in_reward")):
             refuse("algorithm.filter_groups.enable", "DAPO group filtering with the KL in the reward")

@@ -216,6 +216,7 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("reward_model.reward_kwargs", MovedTo("reward.reward_kwargs")),
     ("reward_model.reward_loop_source", MovedTo("reward.reward_manager.source")),
     ("reward_model.reward_loop_module_path", Unsupported { default: "null", why: "Python reward-manager classes are not supported; use reward.sources or reward.custom_reward_function" }),
+    ("reward_model.sandbox_fusion.url", MovedTo("reward.sandbox_fusion.url")),
     ("reward_model", DIST),
     ("sandbox_fusion.url", MovedTo("reward.sandbox_fusion.url")),
     ("sandbox_fusion", DIST),

@@ -40,6 +40,11 @@ pub enum RewardManagerName {
     /// `trainer.experiment_name` in every call (the components gdpo reads are the dict's keys,
     /// as with naive).
     Gdpo,
+    /// verl's PRIME manager: `compute_score(data_source, solution_str, ground_truth,
+    /// extra_info)` called by position; a number, or a sequence whose first item is the score;
+    /// a failed or timed-out call scores 0 (`reward.on_error` and `reward.timeout_s` default to
+    /// zero and 300 s with it, as verl's manager scores them).
+    Prime,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -47,7 +52,7 @@ pub enum RewardManagerName {
 pub struct RewardManagerConfig {
     /// register (a built-in manager by name); verl's importlib (a Python class) is not supported.
     pub source: String,
-    /// naive | batch | dapo | gdpo.
+    /// naive | batch | dapo | gdpo | prime.
     pub name: RewardManagerName,
 }
 
@@ -220,6 +225,9 @@ pub struct RewardPlan {
     pub sources: Vec<CheckedSource>,
     /// `reward_manager.name=batch`: Python functions receive lists.
     pub batch: bool,
+    /// `reward_manager.name=prime`: Python functions are called by position and may return a
+    /// sequence led by the score.
+    pub positional: bool,
     /// `reward_manager.name=dapo` with `overlong_buffer_cfg.enable`.
     pub overlong: Option<Overlong>,
     /// Python interpreter, worker count and per-call time limit of the Python sources.
@@ -233,10 +241,11 @@ impl RewardConfig {
     /// The checked reward stage, or every rule `reward.*` breaks (each naming its key).
     pub fn plan(&self) -> Result<RewardPlan, Vec<String>> {
         let mut errors = Vec::new();
-        if !(self.timeout_s > 0.0 && self.timeout_s.is_finite()) {
+        let prime = self.reward_manager.name == RewardManagerName::Prime;
+        let timeout_s = self.timeout_s.unwrap_or(if prime { 300.0 } else { 60.0 });
+        if !(timeout_s > 0.0 && timeout_s.is_finite()) {
             errors.push(format!(
-                "`reward.timeout_s` ({}) must be a positive number of seconds",
-                self.timeout_s
+                "`reward.timeout_s` ({timeout_s}) must be a positive number of seconds"
             ));
         }
         if self.num_workers == 0 {
@@ -283,11 +292,15 @@ impl RewardConfig {
         Ok(RewardPlan {
             sources,
             batch,
+            positional: prime,
             overlong,
             python: self.python.clone(),
             num_workers: self.num_workers,
-            timeout_s: self.timeout_s,
-            on_error: self.on_error,
+            timeout_s,
+            on_error: self.on_error.unwrap_or(match prime {
+                true => OnError::Zero,
+                false => OnError::Raise,
+            }),
         })
     }
 
@@ -542,10 +555,12 @@ pub struct RewardConfig {
     pub sources: Vec<RewardSource>,
     /// Python interpreter of the reward workers.
     pub python: String,
-    /// Seconds one reward call may take before its worker is killed and replaced.
-    pub timeout_s: f64,
-    /// raise | zero | skip: what a failed or timed-out reward call does.
-    pub on_error: OnError,
+    /// Seconds one reward call may take before its worker is killed and replaced; null: 60
+    /// (300 with `reward_manager.name=prime`, verl's PRIME limit).
+    pub timeout_s: Option<f64>,
+    /// raise | zero | skip: what a failed or timed-out reward call does; null: raise (zero with
+    /// `reward_manager.name=prime`, which scores failures 0 as verl's PRIME manager does).
+    pub on_error: Option<OnError>,
     /// Live reward weights over HTTP.
     pub control: RewardControlConfig,
 }
@@ -558,7 +573,7 @@ defaults!(RewardConfig {
     reward_kwargs: FreeMap::new(),
     sources: Vec::new(),
     python: "python3".into(),
-    timeout_s: 60.0,
-    on_error: OnError::Raise,
+    timeout_s: None,
+    on_error: None,
     control: RewardControlConfig::default(),
 });

@@ -54,10 +54,24 @@ def load_function(path, name):
 class Binding:
     """How each request item becomes keyword arguments of the user's function."""
 
-    def __init__(self, fn, name, kwargs, batch):
+    def __init__(self, fn, name, kwargs, batch, positional=False):
         self.fn, self.name, self.kwargs, self.batch = fn, name, dict(kwargs), batch
+        self.positional = positional
         self.is_async = inspect.iscoroutinefunction(fn)
         sig = inspect.signature(fn)
+        if positional:
+            # verl's PRIME manager: fn(data_source, solution_str, ground_truth, extra_info)
+            # by position, the reward kwargs by keyword.
+            try:
+                sig.bind(*VERL, **self.kwargs)
+            except TypeError as exc:
+                raise TypeError(
+                    f"{name}: the prime reward manager calls it with four positional arguments "
+                    f"(data_source, solution_str, ground_truth, extra_info) and the configured reward kwargs: {exc}"
+                ) from None
+            self.plan, self.var_kw = [], False
+            self.params = list(VERL) + list(self.kwargs)
+            return
         params = list(sig.parameters.values())
         self.var_kw = any(p.kind == p.VAR_KEYWORD for p in params)
         self.plan = []  # (parameter name, source)
@@ -93,10 +107,35 @@ class Binding:
                 raise TypeError(f"{name}: the configured reward kwarg `{k}` is not a parameter of the function")
         self.params = [n for n, _ in self.plan] + list(self.kwargs)
 
+    def call(self, item):
+        """The function's result for one request item (a coroutine for an async function)."""
+        if self.positional:
+            return self.fn(*(item[k] for k in VERL), **self.kwargs)
+        return self.fn(**self.call_args(item))
+
+    def result(self, value):
+        """The score reply for what the function returned."""
+        if self.positional:
+            value = prime_value(self.name, value)
+        return convert(self.name, value)
+
     def call_args(self, item):
         args = {n: item[src] for n, src in self.plan}
         args.update(self.kwargs)  # the configuration wins over call-time values
         return args
+
+
+def prime_value(name, result):
+    """What verl's PRIME manager reads from a result: a number or a bool as it is, otherwise its
+    first item (a tuple or list of score and details)."""
+    if isinstance(result, dict):
+        raise TypeError(f"{name} returned a dict; the prime reward manager reads a number, a bool, or a sequence whose first item is the score")
+    if isinstance(result, (bool, int, float)) or result is None:
+        return result
+    try:
+        return result[0]
+    except Exception:  # noqa: BLE001 - numbers of other types (numpy scalars) pass through
+        return result
 
 
 def convert(name, result):
@@ -155,7 +194,7 @@ def main():
         if op == "load":
             try:
                 fn = load_function(msg["path"], msg["name"])
-                binding = Binding(fn, msg["name"], msg.get("kwargs") or {}, msg.get("batch", False))
+                binding = Binding(fn, msg["name"], msg.get("kwargs") or {}, msg.get("batch", False), msg.get("positional", False))
                 send({"ok": True, "params": binding.params, "async": binding.is_async})
             except BaseException as exc:  # noqa: BLE001 - reported to main_ppo
                 send({"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
@@ -185,7 +224,7 @@ def main():
             elif binding.is_async:
                 async def one(i, it):
                     try:
-                        send({"id": req_id, "index": i, **convert(binding.name, await binding.fn(**binding.call_args(it)))})
+                        send({"id": req_id, "index": i, **binding.result(await binding.call(it))})
                     except Exception as exc:  # noqa: BLE001
                         send(error_reply(req_id, i, exc))
 
@@ -196,7 +235,7 @@ def main():
             else:
                 for i, it in enumerate(items):
                     try:
-                        send({"id": req_id, "index": i, **convert(binding.name, binding.fn(**binding.call_args(it)))})
+                        send({"id": req_id, "index": i, **binding.result(binding.call(it))})
                     except Exception as exc:  # noqa: BLE001
                         send(error_reply(req_id, i, exc))
         elif op == "quit":

@@ -38,7 +38,7 @@ impl Source {
     /// Starts what `s` runs: Python workers, a registered function, a loaded reward model.
     fn build(
         s: &CheckedSource,
-        batch: bool,
+        (batch, positional): (bool, bool),
         settings: &PoolSettings,
         native: &NativeRegistry,
         ctx: &ModelContext,
@@ -57,6 +57,7 @@ impl Source {
                     name: function.clone(),
                     kwargs: kwargs.clone(),
                     batch,
+                    positional,
                 };
                 Kind::Python(Box::new(PythonPool::start(func, settings.clone())?))
             }
@@ -88,32 +89,45 @@ impl Source {
     }
 
     /// Calls this source on every request (`timeouts` counts the calls that ran out of time).
+    /// Each item's result; an error for the whole call when a built-in scorer has no rule for
+    /// an item's data source (the configuration's to fix, whatever `reward.on_error` says).
     fn call(
         &mut self,
         items: &[ScoreRequest],
         timeouts: &mut usize,
-    ) -> Vec<Result<ScoreResult, CallError>> {
+    ) -> Result<Vec<Result<ScoreResult, CallError>>, RewardError> {
         let exception = |e: RewardError| CallError::Exception {
             message: e.to_string(),
             traceback: String::new(),
         };
-        match &mut self.kind {
+        Ok(match &mut self.kind {
             Kind::Python(pool) => {
                 let before = pool.stats.timeouts;
                 let r = pool.score(items);
                 *timeouts += pool.stats.timeouts - before;
                 r
             }
-            Kind::Builtin(b) => items
-                .iter()
-                .map(|it| b.score(&it.input()).map_err(exception))
-                .collect(),
+            Kind::Builtin(b) => {
+                let mut out = Vec::with_capacity(items.len());
+                for it in items {
+                    out.push(match b.score(&it.input()) {
+                        Err(RewardError::Config(m)) => {
+                            return Err(RewardError::Config(format!(
+                                "reward source `{}` ({}): {m}",
+                                self.name, self.label
+                            )))
+                        }
+                        r => r.map_err(exception),
+                    });
+                }
+                out
+            }
             Kind::Native(f, kw) => items
                 .iter()
                 .map(|it| f.score(&it.input(), kw).map_err(exception))
                 .collect(),
             Kind::Model(m) => m.score(items),
-        }
+        })
     }
 }
 
@@ -208,7 +222,7 @@ impl RewardManager {
         };
         let mut sources = Vec::new();
         for s in &plan.sources {
-            let built = Source::build(s, plan.batch, &settings, native, ctx);
+            let built = Source::build(s, (plan.batch, plan.positional), &settings, native, ctx);
             // A listed source's failure names its place in `reward.sources`.
             sources.push(match (built, s.index) {
                 (Err(e), Some(i)) => {
@@ -391,7 +405,7 @@ impl RewardManager {
             (0..items.len()).map(|_| SampleReward::default()).collect();
         let single = self.sources.len() == 1;
         for src in &mut self.sources {
-            let results = src.call(items, &mut self.stats.timeouts);
+            let results = src.call(items, &mut self.stats.timeouts)?;
             for (i, (r, sample)) in results.into_iter().zip(out.iter_mut()).enumerate() {
                 match r {
                     Ok(res) if res.score.is_finite() => sample.add_score(&src.name, res, single),

@@ -148,6 +148,87 @@ fn on_error_raise_zero_skip() {
     assert!(out[1].skipped && !out[0].skipped);
 }
 
+/// verl's PRIME manager (`reward_manager.name=prime`): the function is called by position
+/// (its parameters may have any names), the reward kwargs by keyword; a number or bool is the
+/// score, a tuple or list gives its first item; a failure (an exception, a dict, an unreadable
+/// result) scores 0 by default, counted as an error, where naive raises; `reward.on_error` set
+/// by hand still decides; the plan's time limit is verl's 300 s unless set.
+#[test]
+fn prime_calls_by_position_reads_sequences_and_scores_failures_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let py = dir.path().join("r.py");
+    std::fs::write(
+        &py,
+        "def score(task, completion, reference, info, bonus=0.0):\n    n = int(completion)\n    if n == 0:\n        raise ValueError('zero')\n    if n == 1:\n        return {'score': 1.0}\n    if n == 2:\n        return (0.5 + bonus, {'detail': task})\n    if n == 3:\n        return [float(reference == '3')]\n    return n > 3\n",
+    )
+    .unwrap();
+    let base = |extra: &[&str]| {
+        let mut o = vec![
+            format!("reward.custom_reward_function.path={}", py.display()),
+            "reward.custom_reward_function.name=score".into(),
+            "+reward.custom_reward_function.reward_kwargs.bonus=0.25".into(),
+            "reward.reward_manager.name=prime".into(),
+            "reward.num_workers=1".into(),
+        ];
+        o.extend(extra.iter().map(|s| s.to_string()));
+        cfg(&o)
+    };
+    let c = base(&[]);
+    let plan = c.plan().unwrap();
+    assert!(plan.positional);
+    assert_eq!((plan.on_error, plan.timeout_s), (OnError::Zero, 300.0));
+    let mut m = manager(&c, &NativeRegistry::new()).unwrap();
+    let items = [
+        item("0", "0"),
+        item("1", "1"),
+        item("2", "2"),
+        item("3", "3"),
+        item("9", "9"),
+    ];
+    let out = m.score(&items, &[1; 5]).unwrap();
+    assert_eq!(
+        out.iter().map(|s| s.score).collect::<Vec<_>>(),
+        vec![Some(0.0), Some(0.0), Some(0.75), Some(1.0), Some(1.0)]
+    );
+    assert!(out[0].error.as_deref().unwrap().contains("ValueError"));
+    assert!(out[1].error.as_deref().unwrap().contains("returned a dict"));
+    assert_eq!(m.stats.errors, 2);
+    // Set by hand, the failure policy is the user's; naive keeps raising and 60 s.
+    let c = base(&["reward.on_error=raise", "reward.timeout_s=5"]);
+    let plan = c.plan().unwrap();
+    assert_eq!((plan.on_error, plan.timeout_s), (OnError::Raise, 5.0));
+    let naive = cfg(&["reward.num_workers=1".into()]).plan().unwrap();
+    assert_eq!(
+        (naive.on_error, naive.timeout_s, naive.positional),
+        (OnError::Raise, 60.0, false)
+    );
+}
+
+/// A data source the built-in scorers have no rule for stops the scoring whatever
+/// `reward.on_error` says (prime's zero default included): scoring every such row 0 or leaving
+/// it out would train on a reward that does not exist.
+#[test]
+fn an_unscorable_data_source_is_an_error_under_every_policy() {
+    for extra in [
+        "reward.on_error=zero",
+        "reward.on_error=skip",
+        "reward.reward_manager.name=prime",
+    ] {
+        let c = cfg(&[extra.into()]);
+        let mut m = manager(&c, &NativeRegistry::new()).unwrap();
+        let mut code = item("```python\nprint(1)\n```", "{}");
+        code.data_source = "codecontests".into();
+        let e = m
+            .score(&[item("#### 1", "1"), code], &[1, 1])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("codecontests") && e.contains("reward.custom_reward_function.path"),
+            "{extra}: {e}"
+        );
+    }
+}
+
 #[test]
 fn dapo_overlong_penalty() {
     let c = cfg(&[

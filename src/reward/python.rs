@@ -76,6 +76,9 @@ pub struct PythonFunction {
     pub kwargs: Map<String, Value>,
     /// verl's batch signature: lists in, a list of scores out.
     pub batch: bool,
+    /// verl's PRIME manager's call: the four arguments by position (the reward kwargs by
+    /// keyword), and a result that is a number or a sequence whose first item is the score.
+    pub positional: bool,
 }
 
 /// Pool settings.
@@ -384,7 +387,7 @@ impl Worker {
             next_id: 0,
             is_async: false,
         };
-        let load = json!({"op": "load", "path": func.path, "name": func.name, "kwargs": func.kwargs, "batch": func.batch});
+        let load = json!({"op": "load", "path": func.path, "name": func.name, "kwargs": func.kwargs, "batch": func.batch, "positional": func.positional});
         w.send(&load).map_err(|e| {
             RewardError::Config(format!("the Python worker exited at start-up: {e}"))
         })?;

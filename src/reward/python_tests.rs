@@ -27,6 +27,7 @@ fn pool(
             name: name.into(),
             kwargs,
             batch,
+            positional: false,
         },
         PoolSettings {
             python: "python3".into(),
@@ -328,6 +329,7 @@ fn start_up_failures_carry_the_cause() {
             name: "f".into(),
             kwargs: Map::new(),
             batch: false,
+            positional: false,
         },
         PoolSettings {
             python: "/no/such/python".into(),

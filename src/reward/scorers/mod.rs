@@ -163,14 +163,16 @@ impl Builtin {
             "math_dapo" | "math" | "math_dapo_reasoning" => Builtin::MathDapo { strict_box_verify: false },
             s if s.starts_with("aime") => Builtin::MathDapo { strict_box_verify: false },
             s if s.starts_with("searchR1_") && KNOWN_SOURCES.contains(&s) => Builtin::SearchR1 { format_score: 0.0, score: 1.0 },
+            // A source no scorer here reads is the configuration's to fix, whatever
+            // `reward.on_error` says (a failure policy would score every such row 0 or drop it).
             s if PYTHON_ONLY.contains(&s) => {
-                return Err(RewardError::Score(format!(
+                return Err(RewardError::Config(format!(
                     "data_source `{s}`: verl scores it with a Python-only scorer (sympy / math-verify / code sandbox) that is not built in; \
                      point reward.custom_reward_function.path at a Python function for it"
                 )))
             }
             other => {
-                return Err(RewardError::Score(format!(
+                return Err(RewardError::Config(format!(
                     "no built-in reward for data_source `{other}` (matched exactly, case-sensitive); known: {}, or any source starting with `aime`. \
                      Set reward.custom_reward_function.path or reward.sources for other data",
                     KNOWN_SOURCES.join(", ")
