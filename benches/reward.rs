@@ -67,6 +67,7 @@ fn bench(c: &mut Criterion) {
                 name: "compute_score".into(),
                 kwargs: Map::new(),
                 batch: false,
+                positional: false,
             },
             PoolSettings {
                 python: "python3".into(),
