@@ -41,13 +41,22 @@ VOCAB = 96
 def exact_f64():
     """Keeps transformers' float32 upcasts in float64 (see the module docstring)."""
     to, flt, arange, softmax = torch.Tensor.to, torch.Tensor.float, torch.arange, torch.nn.functional.softmax
+    typ = torch.Tensor.type
 
     def to64(self, *args, **kw):
-        if self.dtype == torch.float64:
+        # float64 tensors, and integer ones (yarn's `arange(...).to(dtype=float)`), asked to
+        # become float32 become float64.
+        if self.dtype == torch.float64 or not self.dtype.is_floating_point:
             args = tuple(torch.float64 if a is torch.float32 else a for a in args)
             if kw.get("dtype") is torch.float32:
                 kw["dtype"] = torch.float64
         return to(self, *args, **kw)
+
+    def type64(self, dtype=None, *args, **kw):
+        # DeepSeek-V3's router: `hidden_states.type(torch.float32)`.
+        if dtype is torch.float32 and self.dtype == torch.float64:
+            return self
+        return typ(self, dtype, *args, **kw) if dtype is not None else typ(self)
 
     def float64(self, *args, **kw):
         return self if self.dtype == torch.float64 else flt(self, *args, **kw)
@@ -61,6 +70,7 @@ def exact_f64():
         return softmax(x, *args, dtype=dtype, **kw)
 
     torch.Tensor.to = to64
+    torch.Tensor.type = type64
     torch.Tensor.float = float64
     torch.arange = arange64
     torch.nn.functional.softmax = softmax64
@@ -231,7 +241,69 @@ def families():
             mlp_only_layers=[1],
             tie_word_embeddings=True,
         ),
+        # DeepSeek-V3: multi-head latent attention with a low-rank q (q_a_proj, q_a_layernorm,
+        # q_b_proj), yarn RoPE (mscale unlike mscale_all_dim, so both the cos/sin factor and
+        # the softmax scale's adjustment act) on interleaved rope dimensions; a dense first
+        # layer (first_k_dense_replace) then experts with sigmoid scores, a score-correction
+        # bias (random here) choosing among 2 of 4 groups, top-3 renormalised and scaled,
+        # plus two shared experts; untied.
+        "deepseek_v3": deepseek_config(
+            common,
+            q_lora_rank=16,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            rope_interleave=True,
+            attention_bias=False,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            },
+        ),
+        # DeepSeek-V3 with a plain q_proj (q_lora_rank null, as Moonlight), one group, top-3
+        # unnormalised, plain RoPE on half-split rope dimensions, attention biases
+        # (q_a/kv_a/o_proj), tied embeddings.
+        "deepseek_v3_qnull": deepseek_config(
+            common,
+            q_lora_rank=None,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.5,
+            rope_interleave=False,
+            attention_bias=True,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        ),
     }
+
+
+def deepseek_config(common, **kw):
+    """A tiny DeepSeek-V3 config: 4 heads of 8 no-rope + 4 rope query/key values and 6 value
+    values, a 12-wide kv latent; 3 layers, the first dense, then 8 routed experts of width 8
+    (top 3) and two shared experts (one MLP of width 16)."""
+    return transformers.DeepseekV3Config(
+        **{**common, "num_hidden_layers": 3, "num_key_value_heads": 4},
+        kv_lora_rank=12,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=8,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        num_mtp_layers=0,
+        **kw,
+    )
 
 
 def mimo_config(common):
@@ -281,6 +353,7 @@ MODEL_CLASS = {
     "Qwen3MoeConfig": transformers.Qwen3MoeForCausalLM,
     "MistralConfig": transformers.MistralForCausalLM,
     "Gemma3TextConfig": transformers.Gemma3ForCausalLM,
+    "DeepseekV3Config": transformers.DeepseekV3ForCausalLM,
 }
 
 
@@ -318,10 +391,14 @@ def spread(model, seed):
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
             else:
                 p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+        for n, b in model.named_buffers():
+            # DeepSeek-V3's score-correction bias (a buffer saved with the weights, 0 at init).
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=g, dtype=torch.float64))
 
 
 def make(name, cfg):
-    if getattr(cfg, "num_experts", None):
+    if getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None):
         # transformers' own loop over experts (its grouped_mm kernels take no float64).
         cfg._experts_implementation = "eager"
     torch.manual_seed(1234)
@@ -340,7 +417,7 @@ def make(name, cfg):
         c.update(architectures=["MiMoForCausalLM"], model_type="mimo", num_nextn_predict_layers=mtp)
         (out / "config.json").write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
         cfg.architectures = ["MiMoForCausalLM"]
-    if getattr(cfg, "num_experts", None):
+    if getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None):
         # The same weights as transformers 5 holds them (experts fused per layer).
         model.save_pretrained(out / "fused", safe_serialization=True, save_original_format=False)
     # Greedy continuations by full forwards.

@@ -16,6 +16,7 @@ use super::attention::{attention, attention_composed, Keys};
 use super::config::ModelArgs;
 use super::delta::{DeltaNet, DeltaState};
 use super::layer::{spans, Seg};
+use super::mla::Mla;
 use super::ops::sigmoid;
 pub(crate) use super::ops::{rms_norm, upcast};
 pub(crate) use super::proj::{apply, linear, mixed_matmul};
@@ -206,13 +207,14 @@ impl KvCache {
             None => true,
         };
         if grow {
-            let (b, h, _, d) = k.dims4()?;
+            // (A latent attention layer keeps latents and rope keys of other widths.)
+            let ((b, h, _, dk), (_, hv, _, dv)) = (k.dims4()?, v.dims4()?);
             let cap = match self.reserve >= need {
                 true => self.reserve,
                 false => (2 * need).max(need + 64),
             };
-            let kb = Tensor::zeros((b, h, cap, d), k.dtype(), k.device())?;
-            let vb = Tensor::zeros((b, h, cap, d), v.dtype(), v.device())?;
+            let kb = Tensor::zeros((b, h, cap, dk), k.dtype(), k.device())?;
+            let vb = Tensor::zeros((b, hv, cap, dv), v.dtype(), v.device())?;
             if let Some((ok, ov)) = slot.take() {
                 kb.slice_set(&ok.narrow(2, 0, past)?.contiguous()?, 2, 0)?;
                 vb.slice_set(&ov.narrow(2, 0, past)?.contiguous()?, 2, 0)?;
@@ -285,6 +287,20 @@ pub(crate) struct Experts {
     pub(crate) dense: bool,
     /// The shared expert of Qwen3-Next / Qwen3.5-MoE.
     pub(crate) shared: Option<Shared>,
+    /// DeepSeek-V3's routing and shared experts, `None` for the softmax router.
+    pub(crate) deepseek: Option<Box<DeepseekMoe>>,
+}
+
+/// DeepSeek-V3's side of a layer of experts ([`super::config::DeepseekRouting`]).
+#[derive(Clone)]
+pub(crate) struct DeepseekMoe {
+    /// `mlp.gate.e_score_correction_bias` `[experts]`, detached: it only chooses experts.
+    pub(crate) bias: Tensor,
+    pub(crate) n_group: usize,
+    pub(crate) topk_group: usize,
+    pub(crate) scale: f64,
+    /// `mlp.shared_experts`: one gated MLP on every token, added without a gate.
+    pub(crate) shared: Gated,
 }
 
 /// A shared expert: `mlp.shared_expert` (a gated MLP on every token) scaled by
@@ -330,6 +346,8 @@ pub(crate) enum Mixer {
     Attention(Attention),
     /// Qwen3.5's Gated DeltaNet (`linear_attn.*`).
     Delta(DeltaNet),
+    /// DeepSeek-V3's multi-head latent attention (`self_attn.*`).
+    Mla(Mla),
 }
 
 #[derive(Clone)]
@@ -371,6 +389,17 @@ impl Block {
             Mixer::Delta(_) => candle_core::bail!(
                 "a Gated DeltaNet layer reached a path that serves attention layers only"
             ),
+            Mixer::Mla(_) => candle_core::bail!(
+                "a latent attention layer reached a path that serves q/k/v attention layers only"
+            ),
+        }
+    }
+
+    /// The layer's latent attention, `None` for other layers.
+    pub(crate) fn mla(&self) -> Option<&Mla> {
+        match &self.mixer {
+            Mixer::Mla(m) => Some(m),
+            _ => None,
         }
     }
 
@@ -378,7 +407,7 @@ impl Block {
     pub(crate) fn delta(&self) -> Option<&DeltaNet> {
         match &self.mixer {
             Mixer::Delta(d) => Some(d),
-            Mixer::Attention(_) => None,
+            Mixer::Attention(_) | Mixer::Mla(_) => None,
         }
     }
 
@@ -401,6 +430,11 @@ impl Block {
                 ("self_attn.o_proj".into(), &mut a.o),
             ],
             Mixer::Delta(d) => d
+                .projs_mut()
+                .into_iter()
+                .map(|(n, p)| (n.to_string(), p))
+                .collect(),
+            Mixer::Mla(m) => m
                 .projs_mut()
                 .into_iter()
                 .map(|(n, p)| (n.to_string(), p))
@@ -428,6 +462,13 @@ impl Block {
                         ("mlp.shared_expert_gate".into(), &mut s.gate),
                     ]);
                 }
+                if let Some(d) = &mut x.deepseek {
+                    all.extend([
+                        ("mlp.shared_experts.gate_proj".into(), &mut d.shared.gate),
+                        ("mlp.shared_experts.up_proj".into(), &mut d.shared.up),
+                        ("mlp.shared_experts.down_proj".into(), &mut d.shared.down),
+                    ]);
+                }
             }
         }
         all
@@ -438,6 +479,7 @@ impl Block {
         let mut all = match &self.mixer {
             Mixer::Attention(a) => vec![&a.q, &a.k, &a.v, &a.o],
             Mixer::Delta(d) => d.projs(),
+            Mixer::Mla(m) => m.projs(),
         };
         match &self.mlp {
             Mlp::Dense(g) => all.extend([&g.gate, &g.up, &g.down]),
@@ -447,6 +489,9 @@ impl Block {
                 }
                 if let Some(s) = &x.shared {
                     all.extend([&s.mlp.gate, &s.mlp.up, &s.mlp.down, &s.gate]);
+                }
+                if let Some(d) = &x.deepseek {
+                    all.extend([&d.shared.gate, &d.shared.up, &d.shared.down]);
                 }
             }
         }
@@ -485,6 +530,9 @@ impl Block {
         {
             n.extend([q, k]);
         }
+        if let Some(m) = self.mla() {
+            n.extend(m.norms());
+        }
         if let Some((a, m)) = &self.sandwich {
             n.extend([a, m]);
         }
@@ -522,6 +570,7 @@ impl Block {
                 a.qk_norm = a.qk_norm.as_ref().map(|(q, k)| (q.detach(), k.detach()));
             }
             Mixer::Delta(d) => d.freeze_plain(),
+            Mixer::Mla(m) => m.freeze_norms(),
         }
         self.sandwich = self
             .sandwich
@@ -558,6 +607,7 @@ impl Block {
                     qk_norm: a.qk_norm.as_ref().map(|(q, k)| (q.detach(), k.detach())),
                 }),
                 Mixer::Delta(d) => Mixer::Delta(d.map(&lin)),
+                Mixer::Mla(m) => Mixer::Mla(m.map(&lin)),
             },
             mlp: match &self.mlp {
                 Mlp::Dense(g) => Mlp::Dense(g.map(&lin)),
@@ -570,6 +620,12 @@ impl Block {
                     shared: x.shared.as_ref().map(|s| Shared {
                         mlp: s.mlp.map(&lin),
                         gate: lin(&s.gate),
+                    }),
+                    deepseek: x.deepseek.as_ref().map(|d| {
+                        Box::new(DeepseekMoe {
+                            shared: d.shared.map(&lin),
+                            ..(**d).clone()
+                        })
                     }),
                 }),
             },
@@ -616,6 +672,7 @@ pub(crate) fn block_forward_routed(
     let mixed = match &l.mixer {
         Mixer::Attention(at) => self_attention(a, l, at, &h, (cos, sin), keys, cache)?,
         Mixer::Delta(d) => delta_mix(a, d, &h, rows, cache, l.mixed)?,
+        Mixer::Mla(m) => latent_attention(a, l, m, &h, (cos, sin), keys, cache)?,
     };
     let mixed = match &l.sandwich {
         Some((post, _)) => norm(&mixed, post, a)?,
@@ -704,6 +761,33 @@ fn self_attention(
     apply(&at.o, &attn, l.mixed)
 }
 
+/// The latent attention of layer `l` on its normed input `h` `[b, t, hidden]`, through
+/// `o_proj`; with a cache, the new positions' latents and rope keys are appended to it (as a
+/// layer's keys and values) and every cached one is attended.
+fn latent_attention(
+    a: &ModelArgs,
+    l: &Block,
+    m: &Mla,
+    h: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
+    keys: &Keys,
+    cache: Option<(&mut KvCache, usize)>,
+) -> Result<Tensor> {
+    let Some(ma) = a.mla.as_ref() else {
+        candle_core::bail!("a latent attention layer in a model without its settings")
+    };
+    let Keys::Bias(bias) = keys else {
+        candle_core::bail!("latent attention reads packed sequences through a bias only")
+    };
+    // q [b, nh, t, n + r], latent [b, 1, t, c], k_rot [b, 1, t, r]
+    let (q, latent, k_rot) = m.compress(a, ma, h, (cos, sin), l.mixed)?;
+    let (latent, k_rot) = match cache {
+        Some((c, i)) => c.append(i, &latent, &k_rot)?,
+        None => (latent, k_rot),
+    };
+    m.attend(a, ma, &q, &latent, &k_rot, bias, l.mixed)
+}
+
 /// A Gated DeltaNet layer's mixer on its normed input `h` `[b, t, hidden]`: packed sequences
 /// one by one (each from a zero state), a padded batch at once with padding zeroed; with a
 /// cache, its state continues and is replaced.
@@ -775,6 +859,9 @@ fn gated(g: &Gated, h: &Tensor, gelu: bool, mixed: bool) -> Result<Tensor> {
 /// (softmax in f32 or f64, renormalised over the chosen when `norm_topk_prob`), the weights
 /// with their gradient to the router and to `x`; and the router's logits `[n, experts]`.
 pub(crate) fn route(e: &Experts, x: &Tensor) -> Result<(Vec<u32>, Tensor, Tensor)> {
+    if let Some(d) = &e.deepseek {
+        return route_groups(e.top_k, e.norm_topk_prob, d, &e.router, x);
+    }
     let (n, _) = x.dims2()?;
     let k = e.top_k;
     let logits = base_matmul(x, &e.router)?; // [n, experts]
@@ -798,6 +885,58 @@ pub(crate) fn route(e: &Experts, x: &Tensor) -> Result<(Vec<u32>, Tensor, Tensor
     } else {
         top
     };
+    Ok((chosen, top.to_dtype(x.dtype())?, logits))
+}
+
+/// DeepSeek-V3's router on `x` `[n, hidden]` (transformers' `DeepseekV3TopkRouter`, see
+/// [`super::config::DeepseekRouting`]): the chosen experts `[n, top_k]`, their weights
+/// `[n, top_k]` in `x`'s dtype with their gradient (scores `sigmoid(x·Wᵣᵀ)` in f32 or wider,
+/// gathered, renormalised when `norm`, scaled), and the router's logits `[n, experts]`. The
+/// choice reads the scores plus the correction bias and is a constant of the graph; equal
+/// values go to the lower index.
+pub(crate) fn route_groups(
+    k: usize,
+    norm: bool,
+    d: &DeepseekMoe,
+    router: &Tensor,
+    x: &Tensor,
+) -> Result<(Vec<u32>, Tensor, Tensor)> {
+    let (n, _) = x.dims2()?;
+    let logits = upcast(x)?.matmul(&upcast(router)?.t()?)?; // [n, experts]
+    let scores = sigmoid(&logits)?; // [n, experts]
+    let s: Vec<f64> = scores.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+    let bias: Vec<f64> = d.bias.to_dtype(DType::F64)?.to_vec1()?;
+    let experts = bias.len();
+    let per = experts / d.n_group;
+    let best_first = |v: &[f64], a: usize, b: usize| v[b].total_cmp(&v[a]).then(a.cmp(&b));
+    let mut chosen = Vec::with_capacity(n * k);
+    for row in s.chunks(experts) {
+        let biased: Vec<f64> = row.iter().zip(&bias).map(|(a, b)| a + b).collect();
+        // Each group's worth: the sum of its two best biased scores.
+        let worth: Vec<f64> = biased
+            .chunks(per)
+            .map(|g| {
+                let mut g = g.to_vec();
+                g.sort_by(|a, b| b.total_cmp(a));
+                g[0] + g[1]
+            })
+            .collect();
+        let mut groups: Vec<usize> = (0..d.n_group).collect();
+        groups.sort_by(|&a, &b| best_first(&worth, a, b));
+        let mut open: Vec<usize> = groups[..d.topk_group]
+            .iter()
+            .flat_map(|&g| g * per..(g + 1) * per)
+            .collect();
+        open.sort_by(|&a, &b| best_first(&biased, a, b));
+        chosen.extend(open[..k].iter().map(|&e| e as u32));
+    }
+    let idx = Tensor::from_vec(chosen.clone(), (n, k), x.device())?;
+    let top = scores.contiguous()?.gather(&idx, 1)?; // [n, k]
+    let top = match norm {
+        true => top.broadcast_div(&(top.sum_keepdim(1)? + 1e-20)?)?,
+        false => top,
+    };
+    let top = (top * d.scale)?;
     Ok((chosen, top.to_dtype(x.dtype())?, logits))
 }
 
@@ -839,8 +978,18 @@ pub(crate) fn experts_grouped(
         out = out.index_add(&tok, &ye.broadcast_mul(&we)?, 0)?;
     }
     let out = out.reshape((b, t, hs))?;
-    match &e.shared {
-        Some(s) => out + s.forward(h, mixed)?,
+    shared_experts(e, h, out, mixed)
+}
+
+/// `out` `[b, t, hidden]` plus the shared experts' output on `h`: Qwen's gated shared
+/// expert, or DeepSeek's ungated shared experts.
+fn shared_experts(e: &Experts, h: &Tensor, out: Tensor, mixed: bool) -> Result<Tensor> {
+    let out = match &e.shared {
+        Some(s) => (out + s.forward(h, mixed)?)?,
+        None => out,
+    };
+    match &e.deepseek {
+        Some(d) => out + gated(&d.shared, h, false, mixed)?,
         None => Ok(out),
     }
 }
@@ -879,8 +1028,5 @@ pub(crate) fn experts_dense(
         out = (out + ye.broadcast_mul(&dense.narrow(1, i, 1)?)?)?;
     }
     let out = out.reshape((b, t, hs))?;
-    match &e.shared {
-        Some(s) => out + s.forward(h, mixed)?,
-        None => Ok(out),
-    }
+    shared_experts(e, h, out, mixed)
 }

@@ -1,10 +1,15 @@
 //! The architecture hyper-parameters of an HF `config.json` (Llama family: Llama 2/3, SmolLM2,
-//! Mistral-style GQA, Seed-OSS; Qwen2/Qwen2.5, MiMo; Qwen3; Qwen3-MoE; Gemma 3 text), in the layout of transformers 4 (`rope_theta`,
+//! Mistral-style GQA, Seed-OSS; Qwen2/Qwen2.5, MiMo; Qwen3; Qwen3-MoE; Gemma 3 text; DeepSeek-V3,
+//! whose own keys `config_deepseek.rs` reads), in the layout of transformers 4 (`rope_theta`,
 //! `rope_scaling`) or 5 (`rope_parameters`), and the rotary frequencies they define
-//! (transformers' `modeling_rope_utils`: default and llama3).
+//! (transformers' `modeling_rope_utils`: default, llama3, linear, and yarn for DeepSeek-V3).
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+
+#[path = "config_deepseek.rs"]
+mod deepseek;
+pub use deepseek::{DeepseekRouting, MlaArgs};
 
 /// Which block layout the weights follow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -50,6 +55,11 @@ pub enum Arch {
     /// projections grouped per key head (`in_proj_qkvz`, `in_proj_ba`), and Qwen3-MoE's
     /// experts (`decoder_sparse_step`, `mlp_only_layers`, `norm_topk_prob`) with a shared expert.
     Qwen3Next,
+    /// `DeepseekV3ForCausalLM` (transformers' `deepseek_v3`; DeepSeek-V3, Kimi-K2, Moonlight):
+    /// multi-head latent attention ([`MlaArgs`]) and, after `first_k_dense_replace` dense
+    /// layers, experts with DeepSeek's group-limited sigmoid routing and shared experts
+    /// ([`DeepseekRouting`]).
+    DeepseekV3,
 }
 
 /// Which keys a layer's queries attend to.
@@ -123,6 +133,7 @@ impl Arch {
             Arch::Qwen3_5 => ("Qwen3_5ForCausalLM", "qwen3_5_text"),
             Arch::Qwen3_5Moe => ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
             Arch::Qwen3Next => ("Qwen3NextForCausalLM", "qwen3_next"),
+            Arch::DeepseekV3 => ("DeepseekV3ForCausalLM", "deepseek_v3"),
         }
     }
 }
@@ -130,7 +141,7 @@ impl Arch {
 /// The `architectures` (`config.json`) this implementation loads, and the block layout each
 /// follows: causal LMs, and the token- and sequence-classification models critics and reward
 /// models are (their backbone plus a `score` head).
-pub const ARCHITECTURES: [(&str, Arch); 32] = [
+pub const ARCHITECTURES: [(&str, Arch); 35] = [
     ("LlamaForCausalLM", Arch::Llama),
     ("LlamaForTokenClassification", Arch::Llama),
     ("LlamaForSequenceClassification", Arch::Llama),
@@ -163,10 +174,13 @@ pub const ARCHITECTURES: [(&str, Arch); 32] = [
     ("Qwen3NextForCausalLM", Arch::Qwen3Next),
     ("Qwen3NextForTokenClassification", Arch::Qwen3Next),
     ("Qwen3NextForSequenceClassification", Arch::Qwen3Next),
+    ("DeepseekV3ForCausalLM", Arch::DeepseekV3),
+    ("DeepseekV3ForTokenClassification", Arch::DeepseekV3),
+    ("DeepseekV3ForSequenceClassification", Arch::DeepseekV3),
 ];
 
 /// `model_type`s read when a config has no `architectures`.
-const MODEL_TYPES: [(&str, Arch); 13] = [
+const MODEL_TYPES: [(&str, Arch); 14] = [
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Qwen2),
@@ -180,6 +194,7 @@ const MODEL_TYPES: [(&str, Arch); 13] = [
     ("qwen3_5_moe_text", Arch::Qwen3_5Moe),
     ("qwen3_5_moe", Arch::Qwen3_5Moe),
     ("qwen3_next", Arch::Qwen3Next),
+    ("deepseek_v3", Arch::DeepseekV3),
 ];
 
 /// The block layout of a config: from `architectures` (every entry must be one this
@@ -281,8 +296,9 @@ pub fn reward_arch_of(v: &Value) -> Result<RewardArch, String> {
     arch_of(v).map(RewardArch::Causal)
 }
 
-/// RoPE frequency scaling (`rope_type` other than `default`): Llama 3.x's and linear (Gemma 3's
-/// global layers); other types are refused when the config is read.
+/// RoPE frequency scaling (`rope_type` other than `default`): Llama 3.x's, linear (Gemma 3's
+/// global layers) and yarn (DeepSeek-V3 only, `config_deepseek.rs`); other types are refused
+/// when the config is read.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "rope_type", rename_all = "lowercase")]
 pub enum RopeScaling {
@@ -297,6 +313,22 @@ pub enum RopeScaling {
     },
     /// Every frequency divided by `factor` (positions interpolated linearly).
     Linear { factor: f64 },
+    /// YaRN (transformers' `_compute_yarn_parameters`, formulas in `config_deepseek.rs`):
+    /// frequencies between plain and divided by `factor` along a ramp over the dimensions,
+    /// and the cos/sin tables multiplied by an attention factor.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: u64,
+        beta_fast: f64,
+        beta_slow: f64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mscale: Option<f64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mscale_all_dim: Option<f64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        attention_factor: Option<f64>,
+        truncate: bool,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -374,10 +406,21 @@ pub struct ModelArgs {
     /// (`weights::hf::read_config`) and written beside the saved one.
     #[serde(default)]
     pub remote_code: std::collections::BTreeMap<String, String>,
+    /// DeepSeek-V3's multi-head latent attention (`head_dim` is then its rope width, as
+    /// transformers sets it); `None`: the attention of `q_proj`/`k_proj`/`v_proj`.
+    #[serde(default)]
+    pub mla: Option<MlaArgs>,
 }
 
 /// Where MiMo's multi-token-prediction layers are named: kept as read, never trained here.
 pub const MTP_PREFIX: &str = "model.mtp_layers.";
+
+/// Checkpoint tensors read, kept and saved back as read but never trained: MiMo's
+/// multi-token-prediction layers, and DeepSeek-V3's score-correction biases (a buffer in
+/// transformers, which no loss reaches: they only choose experts).
+pub fn kept_as_read(name: &str) -> bool {
+    name.starts_with(MTP_PREFIX) || name.ends_with(".mlp.gate.e_score_correction_bias")
+}
 
 /// The tensors of one MiMo multi-token-prediction layer (`model.mtp_layers.N.` + name) and
 /// their shapes for `(hidden, q width, kv width, intermediate)`: RMSNorms of the previous
@@ -549,6 +592,9 @@ pub struct MoeArgs {
     /// `[1, hidden]`, added to the experts' sum.
     #[serde(default)]
     pub shared_expert_intermediate_size: Option<usize>,
+    /// DeepSeek-V3's routing and shared experts; `None`: the softmax router.
+    #[serde(default)]
+    pub deepseek: Option<DeepseekRouting>,
 }
 
 /// `router_aux_loss_coef` where a Qwen3-MoE config's `output_router_logits` is true
@@ -578,6 +624,9 @@ fn router_aux_loss_coef(v: &Value) -> Result<Option<f64>, String> {
 impl MoeArgs {
     /// The mixture's keys of an HF `config.json` (the inverse of `from_hf`).
     fn write_hf(&self, o: &mut serde_json::Map<String, Value>) {
+        if let Some(d) = &self.deepseek {
+            return deepseek::write_moe_hf(self, d, o);
+        }
         o.insert("num_experts".into(), serde_json::json!(self.num_experts));
         o.insert(
             "num_experts_per_tok".into(),
@@ -648,6 +697,7 @@ impl MoeArgs {
                 mlp_only_layers: Vec::new(),
                 router_aux_loss_coef: router_aux_loss_coef(v)?,
                 shared_expert_intermediate_size: shared,
+                deepseek: None,
             });
         }
         let step = v
@@ -685,6 +735,7 @@ impl MoeArgs {
             mlp_only_layers: only,
             router_aux_loss_coef: router_aux_loss_coef(v)?,
             shared_expert_intermediate_size: shared,
+            deepseek: None,
         })
     }
 
@@ -734,6 +785,7 @@ fn json_number(key: &str, x: &Value) -> Result<f64, String> {
 /// written for both versions); where they disagree on a value the file is refused rather than
 /// one silently winning.
 fn read_rope(v: &Value) -> Result<Rope, String> {
+    let max_positions = v.get("max_position_embeddings").and_then(Value::as_u64);
     let params = match v.get("rope_parameters") {
         None | Some(Value::Null) => None,
         Some(Value::Object(o)) => {
@@ -835,6 +887,9 @@ fn read_rope(v: &Value) -> Result<Rope, String> {
     let Some(((kind, kind_key), fields, name)) = chosen else {
         return Ok((theta, None));
     };
+    if kind == "yarn" {
+        return Ok((theta, Some(deepseek::yarn_of(fields, name, max_positions)?)));
+    }
     let scaling = rope_scaling_of(fields, name, (&kind, &kind_key))?;
     Ok((theta, scaling))
 }
@@ -889,7 +944,7 @@ fn rope_scaling_of(
         }
         other => {
             return Err(format!(
-                "config.json: {kind_key} {other:?} is not supported (supported: \"default\", \"llama3\", \"linear\"); it changes the rotary frequencies, so the model cannot run without it"
+                "config.json: {kind_key} {other:?} is not supported (supported: \"default\", \"llama3\", \"linear\", and \"yarn\" for DeepseekV3); it changes the rotary frequencies, so the model cannot run without it"
             ))
         }
     })
@@ -1163,18 +1218,32 @@ impl ModelArgs {
             (read_rope(v)?, None)
         };
         refuse_unsupported(v, arch)?;
+        let deepseek = arch == Arch::DeepseekV3;
+        if matches!(rope_scaling, Some(RopeScaling::Yarn { .. })) && !deepseek {
+            return Err("config.json: rope_type \"yarn\" (rope_parameters or rope_scaling) is supported for DeepseekV3 only (not with other families' attention)".into());
+        }
+        let mla = deepseek.then(|| MlaArgs::from_hf(v)).transpose()?;
         let hidden_size = get_usize(v, "hidden_size")?;
         let heads = get_usize(v, "num_attention_heads")?;
-        let kv = v
-            .get("num_key_value_heads")
-            .and_then(Value::as_u64)
-            .map(|x| x as usize)
-            .unwrap_or(heads);
-        let head_dim = v
-            .get("head_dim")
-            .and_then(Value::as_u64)
-            .map(|x| x as usize)
-            .unwrap_or(hidden_size / heads.max(1));
+        // Latent attention expands its keys and values for every head: num_key_value_heads
+        // names nothing there.
+        let kv = match deepseek {
+            true => heads,
+            false => v
+                .get("num_key_value_heads")
+                .and_then(Value::as_u64)
+                .map(|x| x as usize)
+                .unwrap_or(heads),
+        };
+        // DeepSeek's rotary tables span its rope values (transformers sets head_dim so).
+        let head_dim = match &mla {
+            Some(m) => m.qk_rope_head_dim,
+            None => v
+                .get("head_dim")
+                .and_then(Value::as_u64)
+                .map(|x| x as usize)
+                .unwrap_or(hidden_size / heads.max(1)),
+        };
         let layers = get_usize(v, "num_hidden_layers")?;
         let windows = read_windows(v, arch, layers)?;
         if heads == 0 || kv == 0 || heads % kv != 0 {
@@ -1225,6 +1294,7 @@ impl ModelArgs {
                 Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen3_5Moe => {
                     Some(MoeArgs::from_hf(v, layers, arch)?)
                 }
+                Arch::DeepseekV3 => Some(deepseek::moe_from_hf(v, layers)?),
                 _ => None,
             },
             rotary_dim: match arch.hybrid() {
@@ -1247,6 +1317,7 @@ impl ModelArgs {
                 Arch::MiMo => read_mtp_layers(v)?,
                 _ => 0,
             },
+            mla,
         })
     }
 
@@ -1294,6 +1365,35 @@ impl ModelArgs {
                 })
                 .collect(),
             Some(RopeScaling::Linear { factor }) => plain.map(|f| f / factor).collect(),
+            Some(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: context,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            }) => deepseek::yarn_inv_freq(
+                rd,
+                self.rope_theta,
+                factor,
+                context as f64,
+                (beta_fast, beta_slow),
+                truncate,
+            ),
+        }
+    }
+
+    /// The factor on the rotary cos/sin tables: yarn's attention factor, else 1.
+    pub fn rope_table_scale(&self) -> f64 {
+        match self.rope_scaling {
+            Some(RopeScaling::Yarn {
+                factor,
+                mscale,
+                mscale_all_dim,
+                attention_factor,
+                ..
+            }) => deepseek::yarn_attention_factor(factor, mscale, mscale_all_dim, attention_factor),
+            _ => 1.0,
         }
     }
 
@@ -1332,8 +1432,13 @@ impl ModelArgs {
         }
     }
 
-    /// The factor on attention scores: `query_pre_attn_scalar^-½`, else `head_dim^-½`.
+    /// The factor on attention scores: `query_pre_attn_scalar^-½`, DeepSeek's
+    /// `(nope + rope)^-½` (times yarn's `mscale_all_dim` adjustment), else `head_dim^-½`.
     pub fn attn_scale(&self) -> f64 {
+        if let Some(m) = &self.mla {
+            let plain = 1.0 / (m.qk_head_dim() as f64).sqrt();
+            return plain * deepseek::softmax_mscale(self.rope_scaling.as_ref());
+        }
         1.0 / self
             .query_pre_attn_scalar
             .unwrap_or(self.head_dim as f64)
@@ -1430,6 +1535,9 @@ impl ModelArgs {
         if let Some(m) = &self.auto_map {
             out["auto_map"] = m.clone();
         }
+        if let Some(m) = &self.mla {
+            m.write_hf(out.as_object_mut().expect("an object"));
+        }
         match self.arch {
             Arch::SeedOss => {
                 out["attention_out_bias"] = self.o_bias.into();
@@ -1468,7 +1576,7 @@ impl ModelArgs {
 
     /// A tiny configuration for tests.
     pub fn tiny(arch: Arch, vocab_size: usize) -> Self {
-        Self {
+        let a = Self {
             arch,
             vocab_size,
             hidden_size: 32,
@@ -1506,6 +1614,7 @@ impl ModelArgs {
                     },
                     router_aux_loss_coef: None,
                     shared_expert_intermediate_size: (arch != Arch::Qwen3Moe).then_some(12),
+                    deepseek: None,
                 }
             }),
             rotary_dim: arch.hybrid().then_some(4),
@@ -1523,6 +1632,11 @@ impl ModelArgs {
             residual_dropout: 0.0,
             auto_map: None,
             remote_code: Default::default(),
+            mla: None,
+        };
+        match arch {
+            Arch::DeepseekV3 => deepseek::tiny(a),
+            _ => a,
         }
     }
 }

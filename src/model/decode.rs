@@ -45,8 +45,10 @@ pub trait Decoder {
 /// models decode in f64; f32 models in f32, with bf16 products ([`CausalLm::bf16_matmuls`])
 /// keeping keys and values in bf16 too (half the bytes read per step, as vLLM's bf16 cache).
 /// Whether [`with_packed`] serves `model`.
+/// DeepSeek-V3's latent attention and routing are not packed here: they decode through the
+/// composition, whose cache keeps each position's latent and rope key.
 pub fn serves(model: &CausalLm) -> bool {
-    crate::kernels::supported(model.device(), model.dtype())
+    crate::kernels::supported(model.device(), model.dtype()) && model.args.mla.is_none()
 }
 
 pub fn with_packed<D: Decoder>(model: &CausalLm, d: D) -> Option<Result<D::Out>> {
@@ -736,6 +738,9 @@ impl<T: Elem> Packed<T> {
                         candle_core::bail!("a Gated DeltaNet layer without linear_attn settings")
                     };
                     Mixed::Delta(DeltaMats::new(d, la, bf16)?)
+                }
+                Mixer::Mla(_) => {
+                    candle_core::bail!("latent attention layers decode through the composition")
                 }
             };
             let (gate_up, down, experts) = match &b.mlp {

@@ -32,6 +32,7 @@ pub mod grad_sink;
 pub mod heads;
 mod layer;
 pub mod lm_head;
+mod mla;
 mod ops;
 pub mod proj;
 mod recompute;

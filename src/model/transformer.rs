@@ -13,8 +13,8 @@ use candle_nn::{Init, Linear, VarBuilder};
 
 use super::attention::Keys as AttnKeys;
 use super::block::{
-    block_forward_routed, linear, norm, upcast, Attention, Block, Experts, Gated, KvCache, Mask,
-    Mixer, Mlp, Rows, Shared,
+    block_forward_routed, linear, norm, upcast, Attention, Block, DeepseekMoe, Experts, Gated,
+    KvCache, Mask, Mixer, Mlp, Rows, Shared,
 };
 use super::config::{LayerKind, ModelArgs};
 use super::layer::Seg;
@@ -143,10 +143,11 @@ impl LayerPath {
 
 /// Whether the hand-written layer serves layer `l`: attention layers (every family's, Qwen3.5's
 /// gated ones with partial rotary embeddings included) with a dense MLP or a layer of experts
-/// computed per expert (with or without a shared expert). Gated DeltaNet layers and experts
-/// computed densely (the reference, [`Exec::dense_experts`]) run as the composition.
+/// computed per expert (with or without a shared expert). Gated DeltaNet layers, DeepSeek-V3's
+/// latent attention and routing, and experts computed densely (the reference,
+/// [`Exec::dense_experts`]) run as the composition.
 pub(super) fn hand_written(l: &Block) -> bool {
-    l.attention().is_ok() && l.experts().is_none_or(|x| !x.dense)
+    l.attention().is_ok() && l.experts().is_none_or(|x| !x.dense && x.deepseek.is_none())
 }
 
 /// PEFT's `lora_dropout` for a model's training forwards: each forward that builds a graph
@@ -202,39 +203,16 @@ impl CausalLm {
                 local_rope: args.local_rope() && args.layer_kind(i) == LayerKind::Sliding,
                 mixed: false,
                 blocked: false,
-                mixer: match (&args.linear_attn, args.is_linear(i)) {
-                    (Some(la), true) => {
+                mixer: match (&args.linear_attn, args.is_linear(i), &args.mla) {
+                    (Some(la), true, _) => {
                         Mixer::Delta(super::delta::DeltaNet::new(&l.pp("linear_attn"), args, la)?)
                     }
+                    (_, _, Some(ma)) => Mixer::Mla(super::mla::Mla::new(&a, args, ma)?),
                     _ => Mixer::Attention(attention_weights(&a, args, one)?),
                 },
                 mlp: match args.moe.as_ref().filter(|m| m.sparse(i)) {
                     None => Mlp::Dense(gated(&p, h, args.intermediate_size)?),
-                    Some(moe) => Mlp::Experts(Experts {
-                        router: p.get_with_hints(
-                            (moe.num_experts, h),
-                            "gate.weight",
-                            Init::Randn {
-                                mean: 0.0,
-                                stdev: 0.02,
-                            },
-                        )?,
-                        experts: (0..moe.num_experts)
-                            .map(|e| {
-                                gated(&p.pp(format!("experts.{e}")), h, moe.moe_intermediate_size)
-                            })
-                            .collect::<Result<_>>()?,
-                        top_k: moe.num_experts_per_tok,
-                        norm_topk_prob: moe.norm_topk_prob,
-                        dense: false,
-                        shared: match moe.shared_expert_intermediate_size {
-                            Some(w) => Some(Shared {
-                                mlp: gated(&p.pp("shared_expert"), h, w)?,
-                                gate: linear(&p, h, 1, false, "shared_expert_gate")?,
-                            }),
-                            None => None,
-                        },
-                    }),
+                    Some(moe) => Mlp::Experts(experts(&p, h, moe)?),
                 },
             });
         }
@@ -398,7 +376,8 @@ impl CausalLm {
         let (mixed, blocked) = (self.mixed_products(), self.blocked_attention());
         for l in self.layers.iter_mut() {
             l.mixed = mixed;
-            l.blocked = blocked;
+            // Latent attention runs as its own composition over a bias.
+            l.blocked = blocked && l.mla().is_none();
             if let Mlp::Experts(e) = &mut l.mlp {
                 e.dense = exec.dense_experts;
             }
@@ -596,7 +575,7 @@ impl CausalLm {
     /// Whether attention without a cache runs as the blocked op of `attention.rs` (off the
     /// CPU, unless forced to the plain composition).
     fn blocked_attention(&self) -> bool {
-        !self.exec.composed && !self.device.is_cpu()
+        !self.exec.composed && !self.device.is_cpu() && self.args.mla.is_none()
     }
 
     /// The MLP of layer `layer` alone on `h` `[batch, seq, hidden]` (its input after the
@@ -1130,7 +1109,8 @@ impl CausalLm {
             .to_dtype(DType::U32)?
             .flatten_all()?
             .to_vec1()?;
-        // inv: [rotary width / 2], RoPE scaling applied
+        // inv: [rotary width / 2], RoPE scaling applied; yarn's factor on the tables (else 1).
+        let scale = self.args.rope_table_scale();
         let mut cos = Vec::with_capacity(b * t * hd);
         let mut sin = Vec::with_capacity(b * t * hd);
         for &p in &pos {
@@ -1138,8 +1118,8 @@ impl CausalLm {
                 let _ = rep;
                 for f in inv {
                     let a = p as f64 * f;
-                    cos.push(a.cos());
-                    sin.push(a.sin());
+                    cos.push(a.cos() * scale);
+                    sin.push(a.sin() * scale);
                 }
             }
         }
@@ -1200,9 +1180,14 @@ impl CausalLm {
             .unsqueeze(2)?
             .broadcast_mul(&freq)?; // [b, t, hd]
         let shape = (b, 1, t, hd);
+        let scale = self.args.rope_table_scale();
         Ok((
-            angle.cos()?.to_dtype(self.dtype)?.reshape(shape)?,
-            angle.sin()?.to_dtype(self.dtype)?.reshape(shape)?,
+            (angle.cos()? * scale)?
+                .to_dtype(self.dtype)?
+                .reshape(shape)?,
+            (angle.sin()? * scale)?
+                .to_dtype(self.dtype)?
+                .reshape(shape)?,
         ))
     }
 
@@ -1244,6 +1229,54 @@ enum Keys<'a> {
     Mask(&'a Tensor),
     /// Packed sequences, some perhaps continuing a shared prefix.
     Packed(Arc<[Seg]>),
+}
+
+/// A layer's experts (`mlp.*`): the router `gate.weight`, `experts.N`, and the shared
+/// expert(s) of the family (Qwen's gated `shared_expert`, DeepSeek's `shared_experts` and
+/// its `gate.e_score_correction_bias`, read as a variable so that it is saved back, and kept
+/// detached in the layer, which only chooses with it).
+fn experts(p: &VarBuilder, h: usize, moe: &super::config::MoeArgs) -> Result<Experts> {
+    let small = Init::Randn {
+        mean: 0.0,
+        stdev: 0.02,
+    };
+    let deepseek = match &moe.deepseek {
+        Some(d) => Some(Box::new(DeepseekMoe {
+            bias: p
+                .get_with_hints(
+                    moe.num_experts,
+                    "gate.e_score_correction_bias",
+                    Init::Const(0.0),
+                )?
+                .detach(),
+            n_group: d.n_group,
+            topk_group: d.topk_group,
+            scale: d.routed_scaling_factor,
+            shared: gated(
+                &p.pp("shared_experts"),
+                h,
+                d.n_shared_experts * moe.moe_intermediate_size,
+            )?,
+        })),
+        None => None,
+    };
+    Ok(Experts {
+        router: p.get_with_hints((moe.num_experts, h), "gate.weight", small)?,
+        experts: (0..moe.num_experts)
+            .map(|e| gated(&p.pp(format!("experts.{e}")), h, moe.moe_intermediate_size))
+            .collect::<Result<_>>()?,
+        top_k: moe.num_experts_per_tok,
+        norm_topk_prob: moe.norm_topk_prob,
+        dense: false,
+        shared: match moe.shared_expert_intermediate_size {
+            Some(w) => Some(Shared {
+                mlp: gated(&p.pp("shared_expert"), h, w)?,
+                gate: linear(p, h, 1, false, "shared_expert_gate")?,
+            }),
+            None => None,
+        },
+        deepseek,
+    })
 }
 
 /// A layer's `self_attn` weights (`q_proj` twice as wide with an output gate).

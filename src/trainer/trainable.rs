@@ -112,12 +112,13 @@ pub(super) fn is_backbone(name: &str) -> bool {
 
 /// The variables the optimizer updates: every variable of the model but MiMo's
 /// multi-token-prediction layers (`model.mtp_layers.*`: kept as read and saved back, since
-/// main_ppo does not train them with verl's MTP loss, and no other loss reaches them); with
+/// main_ppo does not train them with verl's MTP loss, and no other loss reaches them) and
+/// DeepSeek-V3's score-correction biases (not parameters in transformers either); with
 /// LoRA only the adapters and the heads (the frozen base keeps no gradient and no optimizer
 /// state).
 pub fn trainable_variables(varmap: &VarMap, lora: Option<&LoraState>) -> HashMap<String, Var> {
     let mut all = varmap.data().lock().expect("varmap lock").clone();
-    all.retain(|k, _| !k.starts_with(crate::model::config::MTP_PREFIX));
+    all.retain(|k, _| !crate::model::config::kept_as_read(k));
     match lora {
         None => all,
         Some(l) => {

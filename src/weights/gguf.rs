@@ -238,6 +238,17 @@ const GGUF_ARCHS: [(&str, Arch); 8] = [
     ("qwen3next", Arch::Qwen3Next),
 ];
 
+/// llama.cpp's name for DeepSeek-V2/V3's layout (also Kimi-K2's and Moonlight's GGUF files).
+const DEEPSEEK2: &str = "deepseek2";
+
+/// Why a `deepseek2` GGUF file is not read: llama.cpp stores latent attention its own way
+/// (`kv_b_proj` split into per-head `attn_k_b`/`attn_v_b`, quantised experts stacked per
+/// layer, rope values permuted), none of which this reader undoes; the HF folder of the same
+/// model loads (`DeepseekV3ForCausalLM`).
+pub fn deepseek2_refusal() -> String {
+    format!("GGUF architecture `{DEEPSEEK2}` (DeepSeek-V2/V3, Kimi-K2, Moonlight as llama.cpp writes them) is not read here: load the model's HF folder (DeepseekV3ForCausalLM, config.json + safetensors) instead")
+}
+
 /// The `general.architecture` llama.cpp writes for `arch`.
 pub fn gguf_arch_name(arch: Arch) -> Option<&'static str> {
     GGUF_ARCHS.iter().find(|(_, a)| *a == arch).map(|(n, _)| *n)
@@ -250,6 +261,9 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         .to_string()
         .map_err(|e| ModelError::file(path, e.to_string()))?
         .clone();
+    if arch_name == DEEPSEEK2 {
+        return Err(ModelError::file(path, deepseek2_refusal()));
+    }
     let Some(&(_, arch)) = GGUF_ARCHS.iter().find(|(n, _)| *n == arch_name) else {
         let names: Vec<&str> = GGUF_ARCHS.iter().map(|(n, _)| *n).collect();
         return Err(ModelError::file(
@@ -342,6 +356,7 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         mtp_layers: 0,
         attention_dropout: 0.0,
         residual_dropout: 0.0,
+        mla: None,
         auto_map: None,
         remote_code: Default::default(),
     })
@@ -609,6 +624,7 @@ fn read_moe(c: &Content, path: &Path, arch: &str, layers: usize) -> Result<MoeAr
             true => Some(meta_u(c, &k("expert_shared_feed_forward_length"), path)?),
             false => None,
         },
+        deepseek: None,
     })
 }
 

@@ -183,6 +183,12 @@ pub fn build(
 
 /// llama.cpp's `general.architecture` of a family the writer lays out.
 fn arch_name(args: &ModelArgs, target: &Path) -> Result<&'static str, ModelError> {
+    if args.arch == crate::model::Arch::DeepseekV3 {
+        return Err(ModelError::file(
+            target,
+            "a DeepseekV3 model (llama.cpp's `deepseek2`) is not written as GGUF by this program (its latent attention is laid out by llama.cpp's converter only): write an HF folder (without --gguf) and convert it with llama.cpp's convert_hf_to_gguf.py".into(),
+        ));
+    }
     let name = gguf::gguf_arch_name(args.arch);
     match name {
         Some(n) if WRITTEN.contains(&args.arch) => Ok(n),

@@ -141,6 +141,7 @@ pub fn projections_of(args: &ModelArgs) -> impl Iterator<Item = (String, usize, 
                 v.push((at("linear_attn.out_proj"), h, vd));
                 v
             }
+            _ if args.mla.is_some() => latent_projections(args, &at),
             _ => vec![
                 (at("self_attn.q_proj"), gate * q, h),
                 (at("self_attn.k_proj"), kv, h),
@@ -157,12 +158,46 @@ pub fn projections_of(args: &ModelArgs) -> impl Iterator<Item = (String, usize, 
                     v.extend(gated(at("mlp.shared_expert"), w));
                     v.push((at("mlp.shared_expert_gate"), 1, h));
                 }
+                if let Some(d) = &m.deepseek {
+                    let w = d.n_shared_experts * m.moe_intermediate_size;
+                    v.extend(gated(at("mlp.shared_experts"), w));
+                }
                 v
             }
             _ => gated(at("mlp"), args.intermediate_size).into(),
         };
         mixer.into_iter().chain(mlp)
     })
+}
+
+/// DeepSeek-V3's latent attention projections of one layer (module names through `at`), as
+/// `Mla::projs_mut` lists them.
+fn latent_projections(
+    args: &ModelArgs,
+    at: &dyn Fn(&str) -> String,
+) -> Vec<(String, usize, usize)> {
+    let Some(m) = &args.mla else {
+        return Vec::new();
+    };
+    let (h, nh) = (args.hidden_size, args.num_attention_heads);
+    let (c, r) = (m.kv_lora_rank, m.qk_rope_head_dim);
+    let mut v = match m.q_lora_rank {
+        None => vec![(at("self_attn.q_proj"), nh * m.qk_head_dim(), h)],
+        Some(rank) => vec![
+            (at("self_attn.q_a_proj"), rank, h),
+            (at("self_attn.q_b_proj"), nh * m.qk_head_dim(), rank),
+        ],
+    };
+    v.extend([
+        (at("self_attn.kv_a_proj_with_mqa"), c + r, h),
+        (
+            at("self_attn.kv_b_proj"),
+            nh * (m.qk_nope_head_dim + m.v_head_dim),
+            c,
+        ),
+        (at("self_attn.o_proj"), h, nh * m.v_head_dim),
+    ]);
+    v
 }
 
 /// Why adapters of rank `spec.rank` cannot go on the projections `spec` targets among
