@@ -87,7 +87,7 @@ def shims(d: Path):
 
 # Families the model code implements (config.json architectures).
 SUPPORTED_FAMILIES = {"qwen2", "llama", "mistral", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next",
-                      "seed_oss", "mimo"}
+                      "seed_oss", "mimo", "deepseek_v3"}
 
 # A model id's family, by its name (the first pattern found wins; VL before the base family).
 FAMILY_PATTERNS = [
@@ -98,6 +98,10 @@ FAMILY_PATTERNS = [
     ("qwen3-30b-a3b", "qwen3_moe"), ("qwen3-235b-a22b", "qwen3_moe"), ("qwen3-coder-30b", "qwen3_moe"),
     ("qwen3", "qwen3"), ("qwen1.5-moe", "qwen2_moe"),
     ("qwen2", "qwen2"), ("qwen30", "qwen3"), ("deepseek-llm", "llama"), ("deepseek-math", "llama"),
+    # DeepSeek-V4 is its own architecture (transformers' deepseek_v4), and Kimi-K2.5/K2.6 are
+    # vision-language models (kimi_k25) around a DeepSeek-V3 text model; Kimi-K2 is
+    # DeepseekV3ForCausalLM.
+    ("deepseek-v4", "deepseek_v4"), ("kimi-k2.5", "kimi_k25"), ("kimi-k2.6", "kimi_k25"),
     ("deepseek-v", "deepseek_v3"), ("dsv3", "deepseek_v3"), ("deepseek671b", "deepseek_v3"),
     ("moonlight", "deepseek_v3"), ("kimi", "deepseek_v3"), ("llama", "llama"),
     ("mistral", "mistral"), ("gemma", "gemma2"), ("gpt-oss", "gpt_oss"), ("gptoss", "gpt_oss"),
@@ -192,6 +196,8 @@ def expect(entry, configs):
     adv = str(st.get("algorithm.adv_estimator", "gae"))
     critic_on = truthy(st.get("critic.enable")) or (adv == "gae" and not st.get("critic.enable"))
     critic_model = st.get("critic.model.path") or DEFAULT_MODEL
+    if placeholder(str(critic_model)):
+        critic_model = entry["model"]
     if critic_on and family(critic_model) not in SUPPORTED_FAMILIES and not unset(critic_model):
         refuse("critic.model.path", f"model family {family(critic_model)}")
     for role, on in (("actor_rollout_ref.actor", True), ("critic", critic_on)):
@@ -302,8 +308,14 @@ def model_families(argv, model):
         k, _, v = a.partition("=")
         k = k.lstrip("+~")
         if MODEL_KEY.search(k) and k != "actor_rollout_ref.model.path":
-            out[k] = family(v)
+            # A placeholder (a shell variable the extraction left empty) means the line's model.
+            out[k] = family(model if placeholder(v) else v)
     return out
+
+
+def placeholder(v):
+    """A model path the script leaves to its user: empty, `model_path`, or `<...>`."""
+    return v in ("", "model_path") or "<" in v
 
 
 def model_of(entry_argv, script):
@@ -312,7 +324,7 @@ def model_of(entry_argv, script):
                if a.split("=", 1)[0].lstrip("+") == "actor_rollout_ref.model.path"), None)
     if mp is None:
         return DEFAULT_MODEL
-    if mp in ("", "model_path") or "<" in mp:
+    if placeholder(mp):
         return Path(script).stem  # a placeholder: the script's name says which model
     return mp
 

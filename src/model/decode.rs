@@ -292,11 +292,16 @@ impl<C: Copy> SeqCache<C> {
 }
 
 /// Key/value bytes one position takes over all layers, for elements of `elem_bytes` (any cache
-/// layout: the packed path's per-sequence caches and the composition's padded ones).
+/// layout: the packed path's per-sequence caches and the composition's padded ones; a latent
+/// attention model's compressed cache).
 pub fn kv_bytes_per_position(args: &ModelArgs, elem_bytes: usize) -> usize {
     let attention = (0..args.num_hidden_layers)
         .filter(|&i| !args.is_linear(i))
         .count();
+    if let Some(m) = &args.mla {
+        // Latent attention keeps one latent and one rope key per position and layer.
+        return attention * (m.kv_lora_rank + m.qk_rope_head_dim) * elem_bytes;
+    }
     2 * attention * args.num_key_value_heads * args.head_dim * elem_bytes
 }
 

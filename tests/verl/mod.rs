@@ -28,7 +28,7 @@ pub(super) fn model_dir(root: &Path, family: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     let config = match family {
         "qwen2" | "qwen3" | "qwen3_moe" | "qwen3_5" | "qwen3_next" | "llama" | "mistral"
-        | "seed_oss" | "mimo" => {
+        | "seed_oss" | "mimo" | "deepseek_v3" => {
             let arch = match family {
                 "qwen2" => Arch::Qwen2,
                 "seed_oss" => Arch::SeedOss,
@@ -37,6 +37,7 @@ pub(super) fn model_dir(root: &Path, family: &str) -> PathBuf {
                 "qwen3_moe" => Arch::Qwen3Moe,
                 "qwen3_5" => Arch::Qwen3_5,
                 "qwen3_next" => Arch::Qwen3Next,
+                "deepseek_v3" => Arch::DeepseekV3,
                 _ => Arch::Llama,
             };
             // Tiny, but with every projection at least 128 wide: the lines' LoRA ranks (up to
@@ -46,6 +47,11 @@ pub(super) fn model_dir(root: &Path, family: &str) -> PathBuf {
             args.rotary_dim = args.rotary_dim.map(|_| 16); // Qwen3.5's 0.25 of the head
             if let Some(m) = args.moe.as_mut() {
                 m.moe_intermediate_size = 128;
+            }
+            if let Some(m) = args.mla.as_mut() {
+                // DeepSeek-V3's latent attention: every low-rank side 128 wide too.
+                (m.q_lora_rank, m.kv_lora_rank) = (Some(128), 128);
+                (m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) = (64, 64, 64);
             }
             let mut c = args.to_hf();
             c["max_position_embeddings"] = (1usize << 20).into();
