@@ -673,6 +673,47 @@ fn a_qwen3_5_actor_and_critic_resume_bit_exact() {
     assert_eq!(ModelArgs::from_hf(&cfg).unwrap(), args);
 }
 
+/// A DeepSeek-V3 actor (latent attention, group-limited sigmoid routing, shared experts) and a
+/// critic of the same family (GAE, packed sequences, recomputation): stopped after step 2 and
+/// resumed, it ends with the weights, optimizer state and metrics of the uninterrupted run; its
+/// exported config reads back as the same layout, and the saved weights keep the score-correction
+/// biases as the model read them (not trained).
+#[test]
+fn a_deepseek_v3_actor_and_critic_resume_bit_exact() {
+    let args = ModelArgs::tiny(Arch::DeepseekV3, 259);
+    let fx = fixture_of(&args);
+    let extra: &[&str] = &[
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.shuffle=True",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=2",
+    ];
+    let (history, root) = assert_resume_bit_exact(&fx, extra);
+    assert!(history
+        .iter()
+        .all(|(_, m)| m.get("actor/pg_loss").is_some_and(|v| v.is_finite())));
+    let exported = crate::checkpoint::step_dir(&root, 4).join("actor/huggingface");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(exported.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        cfg["architectures"],
+        serde_json::json!(["DeepseekV3ForCausalLM"])
+    );
+    assert_eq!(ModelArgs::from_hf(&cfg).unwrap(), args);
+    let bias = "model.layers.1.mlp.gate.e_score_correction_bias";
+    let read = |dir: &std::path::Path| -> Vec<f32> {
+        let t =
+            candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+        t[bias].to_vec1().unwrap()
+    };
+    let (before, after) = (read(&fx.model), read(&exported));
+    assert!(before.iter().any(|&x| x != 0.0));
+    assert_eq!(before, after);
+}
+
 /// A model whose `vocab_size` is below its tokenizer's ids (the byte tokenizer's 259 on a
 /// 200-row model) is refused when the trainer loads it, naming the model, the tokenizer and
 /// both sizes, instead of at the first such token of a rollout.

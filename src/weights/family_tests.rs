@@ -1486,3 +1486,32 @@ fn deepseek_v3_decodes_from_its_compressed_cache() {
         assert!(d <= 1e-12, "row {r}: cached decoding off by {d}");
     }
 }
+
+/// A GGUF file of llama.cpp's `deepseek2` architecture (DeepSeek-V2/V3, Kimi-K2, Moonlight) is
+/// refused naming the file, the architecture and the HF folder to load instead.
+#[test]
+fn a_deepseek2_gguf_is_refused_by_name() {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("moonlight.gguf");
+    let arch = gguf_file::Value::String("deepseek2".into());
+    let embd = Tensor::zeros((4, 32), DType::F32, &Device::Cpu).unwrap();
+    let embd = QTensor::quantize(&embd, GgmlDType::F32).unwrap();
+    gguf_file::write(
+        &mut std::fs::File::create(&path).unwrap(),
+        &[("general.architecture", &arch)],
+        &[("token_embd.weight", &embd)],
+    )
+    .unwrap();
+    let e = crate::weights::gguf::load(&path, DType::F32, &Device::Cpu, true)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("moonlight.gguf")
+            && e.contains("`deepseek2`")
+            && e.contains("DeepseekV3ForCausalLM")
+            && e.contains("HF folder"),
+        "{e}"
+    );
+}

@@ -362,6 +362,17 @@ fn what_a_gguf_file_cannot_hold_is_refused_by_name() {
         e.contains("mlp_only_layers") && e.contains("`qwen3moe`"),
         "{e}"
     );
+
+    // DeepSeek-V3: llama.cpp's `deepseek2` layout is its converter's alone.
+    let deepseek = ModelArgs::tiny(Arch::DeepseekV3, 259);
+    let e = refused(&random_model(&deepseek), &deepseek, &tok, &path);
+    assert!(
+        e.contains("out.gguf")
+            && e.contains("DeepseekV3")
+            && e.contains("`deepseek2`")
+            && e.contains("HF folder"),
+        "{e}"
+    );
     assert!(!path.exists());
 }
 

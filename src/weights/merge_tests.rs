@@ -15,7 +15,12 @@ use crate::weights::{hf, merge, peft};
 /// `huggingface/` with config and tokenizer but no weights, `lora_adapter/` with rank-4
 /// adapters on every projection whose B is non-zero). Returns (base, actor folder).
 pub(crate) fn lora_checkpoint(root: &Path) -> (PathBuf, PathBuf) {
-    let args = ModelArgs::tiny(Arch::Qwen2, 259);
+    lora_checkpoint_of(root, Arch::Qwen2)
+}
+
+/// [`lora_checkpoint`] of `ModelArgs::tiny(arch)`.
+fn lora_checkpoint_of(root: &Path, arch: Arch) -> (PathBuf, PathBuf) {
+    let args = ModelArgs::tiny(arch, 259);
     let base = root.join("base");
     let (vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
     crate::testing::write_tokenizer_dir(&base).unwrap();
@@ -196,4 +201,33 @@ fn a_merged_lora_checkpoint_gives_base_plus_adapter_logits() {
         max_diff(&logits(&load(&base)), &adapted) > 1e-2,
         "the adapters matter"
     );
+}
+
+/// A DeepSeek-V3 LoRA checkpoint (adapters on the latent attention's five projections, the
+/// dense MLP, every expert and the shared experts) merged and saved loads as base + adapter
+/// (f32, 1e-5), and the merged folder keeps the base's score-correction bias bit for bit.
+#[test]
+fn a_merged_deepseek_v3_lora_checkpoint_keeps_its_correction_bias() {
+    let root = tempfile::tempdir().unwrap();
+    let (base, actor) = lora_checkpoint_of(root.path(), Arch::DeepseekV3);
+    let adapter = actor.join("lora_adapter");
+    let source = merge::resolve(&actor, None).unwrap();
+    let merged = merge::merge(&source).unwrap();
+    let args = ModelArgs::tiny(Arch::DeepseekV3, 259);
+    assert_eq!(merged.projections, peft::projections_of(&args).count());
+    let out = root.path().join("merged");
+    merge::save(&merged, &out).unwrap();
+    let adapted = logits(&with_adapter(&base, &adapter));
+    let d = max_diff(&logits(&load(&out)), &adapted);
+    assert!(d <= 1e-5, "merged vs base + adapter: {d}");
+    assert!(max_diff(&logits(&load(&base)), &adapted) > 1e-2);
+    let read = |dir: &Path| {
+        candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap()
+    };
+    let (b, m) = (read(&base), read(&out));
+    let bias = "model.layers.1.mlp.gate.e_score_correction_bias";
+    let v = |t: &candle_core::Tensor| t.to_vec1::<f32>().unwrap();
+    assert!(v(&b[bias]).iter().any(|&x| x != 0.0), "a random bias");
+    assert_eq!(v(&b[bias]), v(&m[bias]));
+    assert_eq!(b.len(), m.len());
 }
