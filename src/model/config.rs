@@ -1145,6 +1145,14 @@ fn refuse_unsupported(v: &Value, arch: Arch) -> Result<(), String> {
                 .into(),
         );
     }
+    // DeepSeek-V3's and Kimi-K2's hub weights are fp8 blocks with `weight_scale_inv` scales:
+    // read as plain numbers they would be wrong weights.
+    if let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) {
+        let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("?");
+        return Err(format!(
+            "config.json: quantization_config (quant_method {method:?}) is not supported: weights are read as unquantized bf16/f16/f32 tensors; dequantize the checkpoint first (for DeepSeek-V3's fp8 weights, its fp8_cast_bf16 conversion) and drop the key"
+        ));
+    }
     if v.get("mlp_bias").and_then(Value::as_bool) == Some(true) {
         return Err(
             "config.json: mlp_bias true is not supported (MLP projections without bias only)"

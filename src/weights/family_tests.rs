@@ -1365,9 +1365,10 @@ fn deepseek_v3_correction_bias_is_left_out_of_the_update() {
     }
 }
 
-/// A DeepSeek-V3 config.json with a key missing, a value out of range or a spacing this
-/// implementation does not follow is refused naming the key; a tensor whose shape the config
-/// contradicts is refused naming the tensor; yarn RoPE on another family is refused.
+/// A DeepSeek-V3 config.json with a key missing, a value out of range, a spacing this
+/// implementation does not follow or quantized (fp8) weights, which would read as wrong
+/// numbers, is refused naming the key; a tensor whose shape the config contradicts is refused
+/// naming the tensor; yarn RoPE on another family is refused.
 #[test]
 fn broken_deepseek_v3_settings_are_refused_by_key() {
     let cfg: Value = serde_json::from_str(
@@ -1393,6 +1394,12 @@ fn broken_deepseek_v3_settings_are_refused_by_key() {
     refused(&|c| c["moe_layer_freq"] = 2.into(), "moe_layer_freq");
     refused(&|c| c["q_lora_rank"] = 0.into(), "q_lora_rank");
     refused(&|c| c["qk_rope_head_dim"] = 3.into(), "qk_rope_head_dim");
+    // The hub's DeepSeek-V3 / Kimi-K2 weights are fp8 blocks.
+    let fp8 = serde_json::json!({"quant_method": "fp8", "weight_block_size": [128, 128]});
+    refused(
+        &|c| c["quantization_config"] = fp8.clone(),
+        "quantization_config",
+    );
     refused(
         &|c| {
             drop(
