@@ -394,10 +394,11 @@ impl CausalLm {
 
     /// Whether the op composition takes its products in bf16: off the CPU (cuBLAS), and on the
     /// CPU (its bf16 kernels) for the Gated DeltaNet hybrids, whose DeltaNet layers run as the
-    /// composition (their attention layers take bf16 products on the hand-written layer).
+    /// composition (their attention layers take bf16 products on the hand-written layer), and
+    /// for DeepSeek-V3, whose layers all run as the composition.
     fn mixed_products(&self) -> bool {
-        let cpu =
-            self.device.is_cpu() && !self.args.all_attention() && crate::kernels::bf16::available();
+        let composed = !self.args.all_attention() || self.args.mla.is_some();
+        let cpu = self.device.is_cpu() && composed && crate::kernels::bf16::available();
         self.exec.bf16 && self.dtype == DType::F32 && (!self.device.is_cpu() || cpu)
     }
 

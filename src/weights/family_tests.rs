@@ -1025,8 +1025,9 @@ fn a_saved_qwen3_5_config_reads_back() {
     }
 }
 
-/// verl's mixed precision on the CPU for the DeltaNet hybrids (their composition's products on
-/// the CPU's bf16 kernels), on tiny Qwen3.5 and Qwen3-Next models at initialisation-like scale
+/// verl's mixed precision on the CPU for the DeltaNet hybrids and DeepSeek-V3 (their
+/// composition's products on the CPU's bf16 kernels), on tiny Qwen3.5, Qwen3-Next and
+/// DeepSeek-V3 models at initialisation-like scale
 /// (weights N(0, 0.1²); the parity fixtures' larger weights are too ill-conditioned for bf16:
 /// PyTorch's own f32 gradients there are 3e-4 of scale off f64, and Qwen3-Next's router picks
 /// other experts): the loss within 1e-2 relative and every gradient within 5e-2 of its tensor's
@@ -1038,7 +1039,11 @@ fn hybrid_training_in_bf16_stays_near_f32() {
         return;
     }
     let r = reference("qwen3_5"); // its sequences and loss weights (vocabulary 96)
-    for arch in [crate::model::Arch::Qwen3_5, crate::model::Arch::Qwen3Next] {
+    for arch in [
+        crate::model::Arch::Qwen3_5,
+        crate::model::Arch::Qwen3Next,
+        crate::model::Arch::DeepseekV3,
+    ] {
         let args = crate::model::ModelArgs::tiny(arch, 96);
         let (varmap, mut model) = crate::testing::tiny_model(&args, DType::F32, 0.1);
         let mut run = |bf16: bool| {
