@@ -417,7 +417,8 @@ pub const MTP_PREFIX: &str = "model.mtp_layers.";
 
 /// Checkpoint tensors read, kept and saved back as read but never trained: MiMo's
 /// multi-token-prediction layers, and DeepSeek-V3's score-correction biases (a buffer in
-/// transformers, which no loss reaches: they only choose experts).
+/// transformers, which no loss reaches: they only choose experts). DeepSeek's own
+/// multi-token-prediction layers are told by their index ([`ModelArgs::kept_as_read`]).
 pub fn kept_as_read(name: &str) -> bool {
     name.starts_with(MTP_PREFIX) || name.ends_with(".mlp.gate.e_score_correction_bias")
 }
@@ -1327,6 +1328,25 @@ impl ModelArgs {
             },
             mla,
         })
+    }
+
+    /// [`kept_as_read`], and DeepSeek's multi-token-prediction layers
+    /// (`model.layers.{num_hidden_layers + j}.*`, [`MlaArgs::num_nextn_predict_layers`]).
+    pub fn kept_as_read(&self, name: &str) -> bool {
+        kept_as_read(name) || self.deepseek_mtp_layer(name)
+    }
+
+    /// Whether `name` is a tensor of one of DeepSeek's multi-token-prediction layers.
+    pub fn deepseek_mtp_layer(&self, name: &str) -> bool {
+        let Some(m) = &self.mla else {
+            return false;
+        };
+        let index = name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(i, _)| i.parse::<usize>().ok());
+        let l = self.num_hidden_layers;
+        index.is_some_and(|i| i >= l && i < l + m.num_nextn_predict_layers)
     }
 
     /// The values of each head that rotary embeddings turn (`head_dim` unless partial).

@@ -41,6 +41,12 @@ pub struct MlaArgs {
     /// The rope values of q and k come in interleaved pairs `(x0, x1), (x2, x3), …` (each pair
     /// turned by one frequency) rather than as two halves; transformers' default true.
     pub rope_interleave: bool,
+    /// DeepSeek's multi-token-prediction layers (`num_nextn_predict_layers`), stored after the
+    /// decoder layers as `model.layers.{num_hidden_layers + j}.*`: transformers' model has no
+    /// such modules (it drops their tensors on load); here tensors found there are kept as read
+    /// and saved back, never run or trained.
+    #[serde(default)]
+    pub num_nextn_predict_layers: usize,
 }
 
 impl MlaArgs {
@@ -62,6 +68,10 @@ impl MlaArgs {
             qk_nope_head_dim: get_usize(v, "qk_nope_head_dim")?,
             qk_rope_head_dim: get_usize(v, "qk_rope_head_dim")?,
             v_head_dim: get_usize(v, "v_head_dim")?,
+            num_nextn_predict_layers: match v.get("num_nextn_predict_layers") {
+                None | Some(Value::Null) => 0,
+                Some(x) => x.as_u64().ok_or_else(|| format!("config.json: num_nextn_predict_layers must be a non-negative integer, found {x}"))? as usize,
+            },
             rope_interleave: match v.get("rope_interleave") {
                 None | Some(Value::Null) => true,
                 Some(Value::Bool(b)) => *b,
@@ -91,6 +101,10 @@ impl MlaArgs {
         o.insert("qk_rope_head_dim".into(), self.qk_rope_head_dim.into());
         o.insert("v_head_dim".into(), self.v_head_dim.into());
         o.insert("rope_interleave".into(), self.rope_interleave.into());
+        o.insert(
+            "num_nextn_predict_layers".into(),
+            self.num_nextn_predict_layers.into(),
+        );
     }
 }
 
@@ -328,6 +342,7 @@ pub(super) fn tiny(a: super::ModelArgs) -> super::ModelArgs {
             qk_rope_head_dim: 4,
             v_head_dim: 6,
             rope_interleave: true,
+            num_nextn_predict_layers: 0,
         }),
         moe: Some(MoeArgs {
             num_experts: 8,

@@ -112,13 +112,18 @@ pub(super) fn is_backbone(name: &str) -> bool {
 
 /// The variables the optimizer updates: every variable of the model but MiMo's
 /// multi-token-prediction layers (`model.mtp_layers.*`: kept as read and saved back, since
-/// main_ppo does not train them with verl's MTP loss, and no other loss reaches them) and
-/// DeepSeek-V3's score-correction biases (not parameters in transformers either); with
+/// main_ppo does not train them with verl's MTP loss, and no other loss reaches them),
+/// DeepSeek-V3's score-correction biases (not parameters in transformers either) and its own
+/// multi-token-prediction layers (`ModelArgs::kept_as_read`); with
 /// LoRA only the adapters and the heads (the frozen base keeps no gradient and no optimizer
 /// state).
-pub fn trainable_variables(varmap: &VarMap, lora: Option<&LoraState>) -> HashMap<String, Var> {
+pub fn trainable_variables(
+    varmap: &VarMap,
+    lora: Option<&LoraState>,
+    args: &ModelArgs,
+) -> HashMap<String, Var> {
     let mut all = varmap.data().lock().expect("varmap lock").clone();
-    all.retain(|k, _| !crate::model::config::kept_as_read(k));
+    all.retain(|k, _| !args.kept_as_read(k));
     match lora {
         None => all,
         Some(l) => {
@@ -200,7 +205,7 @@ impl<N: Network> Trainable<N> {
         total_steps: u64,
         settings: UpdateSettings,
     ) -> candle_core::Result<Self> {
-        let vars = trainable_variables(&varmap, lora.as_ref());
+        let vars = trainable_variables(&varmap, lora.as_ref(), &args);
         Ok(Self {
             view: model.no_grad(),
             model,

@@ -258,7 +258,7 @@ fn training_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
             }
             // MiMo's multi-token-prediction layers and DeepSeek-V3's score-correction biases:
             // variables no gradient reaches (PyTorch has none for them either).
-            let kept = crate::model::config::kept_as_read;
+            let kept = |n: &str| loaded.model.args.kept_as_read(n);
             for (pname, var) in vars.iter().filter(|(n, _)| kept(n)) {
                 assert!(g.get(var.as_tensor()).is_none(), "{case}: ∂L/∂{pname}");
             }
@@ -514,7 +514,8 @@ fn mimo_runs_as_qwen2_and_its_mtp_layers_are_never_dropped() {
 fn mimo_mtp_layers_are_left_out_of_the_update() {
     let loaded = load("mimo", DType::F64);
     let mtp = crate::model::config::MTP_PREFIX;
-    let vars = crate::trainer::trainable::trainable_variables(&loaded.varmap, None);
+    let vars =
+        crate::trainer::trainable::trainable_variables(&loaded.varmap, None, &loaded.model.args);
     let all = loaded.varmap.data().lock().unwrap().len();
     assert!(vars.keys().all(|n| !n.starts_with(mtp)));
     assert_eq!(vars.len(), all - 32);
@@ -1332,7 +1333,8 @@ fn deepseek_v3_saves_back_every_tensor() {
 #[test]
 fn deepseek_v3_correction_bias_is_left_out_of_the_update() {
     let loaded = load("deepseek_v3", DType::F64);
-    let vars = crate::trainer::trainable::trainable_variables(&loaded.varmap, None);
+    let vars =
+        crate::trainer::trainable::trainable_variables(&loaded.varmap, None, &loaded.model.args);
     let all = loaded.varmap.data().lock().unwrap().len();
     assert!(vars.keys().all(|n| !n.ends_with("e_score_correction_bias")));
     assert_eq!(vars.len(), all - 2);
@@ -1526,4 +1528,84 @@ fn a_deepseek2_gguf_is_refused_by_name() {
             && e.contains("HF folder"),
         "{e}"
     );
+}
+
+/// A DeepSeek-V3 folder with a multi-token-prediction layer after its decoder layers (as the
+/// hub's DeepSeek-V3 and Kimi-K2 keep layer 61: `model.layers.3.*` here, a decoder layer plus
+/// `enorm`, `hnorm`, `eh_proj`, `shared_head.{norm,head}`, `embed_tokens`) and
+/// `num_nextn_predict_layers: 1` loads: its log-probs equal the folder without that layer bit for
+/// bit, the layer's tensors are variables left out of the update, and saving back writes every
+/// tensor as read with the key; with `num_nextn_predict_layers: 0` the same folder is refused
+/// naming the first unread tensor.
+#[test]
+fn deepseek_v3_mtp_layers_are_kept_as_read() {
+    let src = dir("deepseek_v3");
+    let mut tensors =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    let layer2: Vec<(String, Tensor)> = tensors
+        .iter()
+        .filter_map(|(n, t)| {
+            let rest = n.strip_prefix("model.layers.2.")?;
+            Some((format!("model.layers.3.{rest}"), (t * 0.5).unwrap()))
+        })
+        .collect();
+    tensors.extend(layer2);
+    let h = 32;
+    for (name, shape) in [
+        ("enorm.weight", vec![h]),
+        ("hnorm.weight", vec![h]),
+        ("eh_proj.weight", vec![h, 2 * h]),
+        ("shared_head.norm.weight", vec![h]),
+        ("shared_head.head.weight", vec![96, h]),
+        ("embed_tokens.weight", vec![96, h]),
+    ] {
+        let t = Tensor::randn(0f64, 0.3, shape, &Device::Cpu).unwrap();
+        tensors.insert(format!("model.layers.3.{name}"), t);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let folder = |nextn: u64| {
+        let d = tmp.path().join(format!("nextn{nextn}"));
+        std::fs::create_dir_all(&d).unwrap();
+        candle_core::safetensors::save(&tensors, d.join("model.safetensors")).unwrap();
+        std::fs::copy(
+            src.join("generation_config.json"),
+            d.join("generation_config.json"),
+        )
+        .unwrap();
+        let mut cfg: Value =
+            serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap())
+                .unwrap();
+        cfg["num_nextn_predict_layers"] = nextn.into();
+        std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+        d
+    };
+    let read = |d: &Path| {
+        crate::weights::hf::load_dir(d, &Default::default(), DType::F64, &Device::Cpu, true)
+    };
+    let e = read(&folder(0)).err().unwrap().to_string();
+    assert!(e.contains("`model.layers.3."), "{e}");
+    let with = read(&folder(1)).unwrap();
+    let plain = load("deepseek_v3", DType::F64);
+    let r = reference("deepseek_v3");
+    let (_, a) = loss_and_logprobs(&with.model, &r, false);
+    let (_, b) = loss_and_logprobs(&plain.model, &r, false);
+    assert_eq!(a, b);
+    let mtp = tensors
+        .keys()
+        .filter(|n| n.starts_with("model.layers.3."))
+        .count();
+    let all = with.varmap.data().lock().unwrap().len();
+    let vars = crate::trainer::trainable::trainable_variables(&with.varmap, None, &with.model.args);
+    assert_eq!(vars.len(), all - 2 - mtp);
+    assert!(vars.keys().all(|n| !n.starts_with("model.layers.3.")));
+    let out = tmp.path().join("saved");
+    crate::weights::hf::save_dir(&with.varmap, &with.model.args, &out, &[], None, None).unwrap();
+    let (want, got) = (file_tensors(&folder(1)), file_tensors(&out));
+    assert_eq!(want.len(), got.len());
+    assert!(want == got, "a saved value differs");
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["num_nextn_predict_layers"], 1);
+    let args = crate::model::ModelArgs::from_hf(&cfg).unwrap();
+    assert_eq!(args, with.model.args);
 }

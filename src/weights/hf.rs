@@ -256,6 +256,7 @@ pub fn build(
         (_, Some((_, problem))) => Err(problem),
         (Err(e), None) => Err(ModelError::Candle(e)),
         (Ok(model), None) => {
+            keep_deepseek_mtp_layers(args, tensors, &varmap, dtype, device)?;
             // A layer tensor the model did not read would be weights silently left out of
             // the computation (e.g. q/k norms under a layout without them), or, for MiMo's
             // multi-token-prediction layers, out of what is saved back.
@@ -281,6 +282,25 @@ pub fn build(
             Ok(Loaded { model, varmap })
         }
     }
+}
+
+/// DeepSeek's multi-token-prediction layers (`model.layers.{num_hidden_layers + j}.*` for `j`
+/// below `num_nextn_predict_layers`): variables of the model's map under their own names and
+/// shapes, so that they are saved back as read; the forward never runs them and the trainer
+/// leaves them out of its update (`ModelArgs::kept_as_read`). transformers drops them.
+fn keep_deepseek_mtp_layers(
+    args: &ModelArgs,
+    tensors: &HashMap<String, Tensor>,
+    varmap: &VarMap,
+    dtype: DType,
+    device: &Device,
+) -> Result<(), ModelError> {
+    let mut data = varmap.data().lock().expect("varmap lock");
+    for (name, t) in tensors.iter().filter(|(n, _)| args.deepseek_mtp_layer(n)) {
+        let var = candle_core::Var::from_tensor(&t.to_dtype(dtype)?.to_device(device)?)?;
+        data.insert(name.clone(), var);
+    }
+    Ok(())
 }
 
 /// The language model of a multimodal checkpoint (Qwen3.5's `Qwen3_5ForConditionalGeneration`,
