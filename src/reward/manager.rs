@@ -89,12 +89,14 @@ impl Source {
     }
 
     /// Calls this source on every request (`timeouts` counts the calls that ran out of time).
-    /// Each item's result; an error for the whole call when a built-in scorer has no rule for
-    /// an item's data source (the configuration's to fix, whatever `reward.on_error` says).
+    /// Each item's result. With `abort`, an error for the whole call when a built-in scorer has
+    /// no rule for an item's data source (the configuration's to fix, whatever
+    /// `reward.on_error` says); without (the `reward score` tool), that item's failure.
     fn call(
         &mut self,
         items: &[ScoreRequest],
         timeouts: &mut usize,
+        abort: bool,
     ) -> Result<Vec<Result<ScoreResult, CallError>>, RewardError> {
         let exception = |e: RewardError| CallError::Exception {
             message: e.to_string(),
@@ -111,7 +113,7 @@ impl Source {
                 let mut out = Vec::with_capacity(items.len());
                 for it in items {
                     out.push(match b.score(&it.input()) {
-                        Err(RewardError::Config(m)) => {
+                        Err(RewardError::Config(m)) if abort => {
                             return Err(RewardError::Config(format!(
                                 "reward source `{}` ({}): {m}",
                                 self.name, self.label
@@ -405,7 +407,8 @@ impl RewardManager {
             (0..items.len()).map(|_| SampleReward::default()).collect();
         let single = self.sources.len() == 1;
         for src in &mut self.sources {
-            let results = src.call(items, &mut self.stats.timeouts)?;
+            let abort = matches!(self.policy, FailurePolicy::Config(_));
+            let results = src.call(items, &mut self.stats.timeouts, abort)?;
             for (i, (r, sample)) in results.into_iter().zip(out.iter_mut()).enumerate() {
                 match r {
                     Ok(res) if res.score.is_finite() => sample.add_score(&src.name, res, single),
