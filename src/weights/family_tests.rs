@@ -358,45 +358,56 @@ fn seed_oss_and_mimo_save_back_every_tensor() {
         ("seed_oss", "SeedOssForCausalLM", 0),
         ("mimo", "MiMoForCausalLM", 32),
     ] {
-        let loaded = load(name, DType::F64);
-        let tmp = tempfile::tempdir().unwrap();
-        crate::weights::hf::save_dir(
-            &loaded.varmap,
-            &loaded.model.args,
-            tmp.path(),
-            &[],
-            None,
-            None,
-        )
-        .unwrap();
-        let (want, got) = (file_tensors(&dir(name)), file_tensors(tmp.path()));
-        assert_eq!(
-            want.keys().collect::<Vec<_>>(),
-            got.keys().collect::<Vec<_>>(),
-            "{name}"
-        );
-        assert!(want == got, "{name}: a saved value differs");
-        let kept = got
-            .keys()
-            .filter(|n| n.starts_with(crate::model::config::MTP_PREFIX))
-            .count();
-        assert_eq!(kept, mtp, "{name}");
-        let cfg: Value =
-            serde_json::from_str(&std::fs::read_to_string(tmp.path().join("config.json")).unwrap())
-                .unwrap();
-        assert_eq!(cfg["architectures"][0], arch);
-        let args = crate::model::ModelArgs::from_hf(&cfg).unwrap();
-        assert_eq!(args, loaded.model.args, "{name}");
-        let again = crate::weights::hf::load_dir(
-            tmp.path(),
-            &Default::default(),
-            DType::F64,
-            &Device::Cpu,
-            true,
-        )
-        .unwrap();
-        assert_same_variables(&loaded.varmap, &again.varmap, name);
+        let is_mtp = |n: &str| n.starts_with(crate::model::config::MTP_PREFIX);
+        assert_saves_back(name, arch, is_mtp, mtp);
     }
+}
+
+/// Fixture `name` loaded in f64 and saved as an HF folder: the same tensor names and values,
+/// bit for bit, `kept` of them matching `is_kept` (tensors read and written back untrained); the
+/// config names `arch` and reads back as the same arguments; the folder loads again as the same
+/// variables. Returns the arguments read back.
+fn assert_saves_back(
+    name: &str,
+    arch: &str,
+    is_kept: impl Fn(&str) -> bool,
+    kept: usize,
+) -> crate::model::ModelArgs {
+    let loaded = load(name, DType::F64);
+    let tmp = tempfile::tempdir().unwrap();
+    crate::weights::hf::save_dir(
+        &loaded.varmap,
+        &loaded.model.args,
+        tmp.path(),
+        &[],
+        None,
+        None,
+    )
+    .unwrap();
+    let (want, got) = (file_tensors(&dir(name)), file_tensors(tmp.path()));
+    assert_eq!(
+        want.keys().collect::<Vec<_>>(),
+        got.keys().collect::<Vec<_>>(),
+        "{name}"
+    );
+    assert!(want == got, "{name}: a saved value differs");
+    assert_eq!(got.keys().filter(|n| is_kept(n)).count(), kept, "{name}");
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(cfg["architectures"][0], arch, "{name}");
+    let args = crate::model::ModelArgs::from_hf(&cfg).unwrap();
+    assert_eq!(args, loaded.model.args, "{name}");
+    let again = crate::weights::hf::load_dir(
+        tmp.path(),
+        &Default::default(),
+        DType::F64,
+        &Device::Cpu,
+        true,
+    )
+    .unwrap();
+    assert_same_variables(&loaded.varmap, &again.varmap, name);
+    args
 }
 
 /// A MiMo folder as the hub publishes it (`auto_map` naming its own `configuration_mimo.py`
@@ -1285,45 +1296,9 @@ fn a_broken_hybrid_gguf_is_refused_by_name() {
 #[test]
 fn deepseek_v3_saves_back_every_tensor() {
     for name in ["deepseek_v3", "deepseek_v3_qnull"] {
-        let loaded = load(name, DType::F64);
-        let tmp = tempfile::tempdir().unwrap();
-        crate::weights::hf::save_dir(
-            &loaded.varmap,
-            &loaded.model.args,
-            tmp.path(),
-            &[],
-            None,
-            None,
-        )
-        .unwrap();
-        let (want, got) = (file_tensors(&dir(name)), file_tensors(tmp.path()));
-        assert_eq!(
-            want.keys().collect::<Vec<_>>(),
-            got.keys().collect::<Vec<_>>(),
-            "{name}"
-        );
-        assert!(want == got, "{name}: a saved value differs");
-        let kept = got
-            .keys()
-            .filter(|n| crate::model::config::kept_as_read(n))
-            .count();
-        assert_eq!(kept, 2, "{name}");
-        let cfg: Value =
-            serde_json::from_str(&std::fs::read_to_string(tmp.path().join("config.json")).unwrap())
-                .unwrap();
-        assert_eq!(cfg["architectures"][0], "DeepseekV3ForCausalLM");
-        let args = crate::model::ModelArgs::from_hf(&cfg).unwrap();
-        assert_eq!(args, loaded.model.args, "{name}");
+        let kept = |n: &str| crate::model::config::kept_as_read(n);
+        let args = assert_saves_back(name, "DeepseekV3ForCausalLM", kept, 2);
         assert!(args.mla.is_some() && args.moe.as_ref().unwrap().deepseek.is_some());
-        let again = crate::weights::hf::load_dir(
-            tmp.path(),
-            &Default::default(),
-            DType::F64,
-            &Device::Cpu,
-            true,
-        )
-        .unwrap();
-        assert_same_variables(&loaded.varmap, &again.varmap, name);
     }
 }
 
