@@ -649,28 +649,7 @@ fn a_moe_actor_with_the_router_loss_resumes_bit_exact() {
 /// back as the same Qwen3.5 layout.
 #[test]
 fn a_qwen3_5_actor_and_critic_resume_bit_exact() {
-    let args = ModelArgs::tiny(Arch::Qwen3_5, 259);
-    let fx = fixture_of(&args);
-    let extra: &[&str] = &[
-        "algorithm.adv_estimator=gae",
-        "actor_rollout_ref.actor.shuffle=True",
-        "actor_rollout_ref.model.use_remove_padding=True",
-        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
-        "trainer.total_training_steps=4",
-        "trainer.save_freq=2",
-    ];
-    let (history, root) = assert_resume_bit_exact(&fx, extra);
-    assert!(history
-        .iter()
-        .all(|(_, m)| m.get("actor/pg_loss").is_some_and(|v| v.is_finite())));
-    let saved = crate::checkpoint::step_dir(&root, 4).join("actor/huggingface/config.json");
-    let cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(saved).unwrap()).unwrap();
-    assert_eq!(
-        cfg["architectures"],
-        serde_json::json!(["Qwen3_5ForCausalLM"])
-    );
-    assert_eq!(ModelArgs::from_hf(&cfg).unwrap(), args);
+    actor_and_critic_resume_bit_exact(Arch::Qwen3_5, "Qwen3_5ForCausalLM");
 }
 
 /// A DeepSeek-V3 actor (latent attention, group-limited sigmoid routing, shared experts) and a
@@ -680,7 +659,25 @@ fn a_qwen3_5_actor_and_critic_resume_bit_exact() {
 /// biases as the model read them (not trained).
 #[test]
 fn a_deepseek_v3_actor_and_critic_resume_bit_exact() {
-    let args = ModelArgs::tiny(Arch::DeepseekV3, 259);
+    let (fx, exported) =
+        actor_and_critic_resume_bit_exact(Arch::DeepseekV3, "DeepseekV3ForCausalLM");
+    let bias = "model.layers.1.mlp.gate.e_score_correction_bias";
+    let read = |dir: &std::path::Path| -> Vec<f32> {
+        let t =
+            candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+        t[bias].to_vec1().unwrap()
+    };
+    let (before, after) = (read(&fx.model), read(&exported));
+    assert!(before.iter().any(|&x| x != 0.0));
+    assert_eq!(before, after);
+}
+
+/// An actor and a critic of the tiny `arch` (GAE, shuffled mini-batches, packed sequences,
+/// recomputation) stopped after step 2 and resumed end as the uninterrupted run, with finite
+/// policy losses; the step-4 actor's exported config names `hf_arch` and reads back as the same
+/// arguments. Returns the fixture and the exported actor folder.
+fn actor_and_critic_resume_bit_exact(arch: Arch, hf_arch: &str) -> (Fixture, PathBuf) {
+    let args = ModelArgs::tiny(arch, 259);
     let fx = fixture_of(&args);
     let extra: &[&str] = &[
         "algorithm.adv_estimator=gae",
@@ -698,20 +695,9 @@ fn a_deepseek_v3_actor_and_critic_resume_bit_exact() {
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(exported.join("config.json")).unwrap())
             .unwrap();
-    assert_eq!(
-        cfg["architectures"],
-        serde_json::json!(["DeepseekV3ForCausalLM"])
-    );
+    assert_eq!(cfg["architectures"], serde_json::json!([hf_arch]));
     assert_eq!(ModelArgs::from_hf(&cfg).unwrap(), args);
-    let bias = "model.layers.1.mlp.gate.e_score_correction_bias";
-    let read = |dir: &std::path::Path| -> Vec<f32> {
-        let t =
-            candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
-        t[bias].to_vec1().unwrap()
-    };
-    let (before, after) = (read(&fx.model), read(&exported));
-    assert!(before.iter().any(|&x| x != 0.0));
-    assert_eq!(before, after);
+    (fx, exported)
 }
 
 /// A model whose `vocab_size` is below its tokenizer's ids (the byte tokenizer's 259 on a
