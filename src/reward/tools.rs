@@ -200,28 +200,43 @@ fn tool_entry(path: &Path, i: usize, entry: &Value) -> Result<Value, ToolError> 
     Ok(json!({"class_name": class_name, "config": config, "tool_schema": schema}))
 }
 
-/// The `tools:` entries of verl's tool config file at `path`.
-fn read_tool_config(path: &Path) -> Result<Vec<Value>, ToolError> {
+/// The top-level list `key` of the YAML file at `path` (verl's tool or interaction config,
+/// `what`), each entry checked by `entry`; errors are `setting`'s and name the file.
+fn read_config_list(
+    path: &Path,
+    what: &str,
+    key: &str,
+    setting: ToolSetting,
+    entry: impl Fn(&Path, usize, &Value) -> Result<Value, ToolError>,
+) -> Result<Vec<Value>, ToolError> {
+    let err = |message: String| ToolError::Config { setting, message };
     let shown = path.display();
     let text = std::fs::read_to_string(path)
-        .map_err(|e| config_error(format!("cannot read the tool config {shown}: {e}")))?;
+        .map_err(|e| err(format!("cannot read the {what} {shown}: {e}")))?;
     let doc: Value = serde_yaml_ng::from_str(&text).map_err(|e| {
         let e = crate::config::overrides::yaml_message(&e);
-        config_error(format!("the tool config {shown} is not valid YAML: {e}"))
+        err(format!("the {what} {shown} is not valid YAML: {e}"))
     })?;
-    let list = match doc.get("tools") {
+    let list = match doc.get(key) {
         Some(Value::Array(list)) => list,
-        Some(_) => {
-            return Err(config_error(format!(
-                "{shown}: `tools` must be a list of tool entries"
-            )))
-        }
-        None => return Err(config_error(format!("{shown}: no top-level `tools:` list"))),
+        Some(_) => return Err(err(format!("{shown}: `{key}` must be a list of entries"))),
+        None => return Err(err(format!("{shown}: no top-level `{key}:` list"))),
     };
     list.iter()
         .enumerate()
-        .map(|(i, e)| tool_entry(path, i, e))
+        .map(|(i, e)| entry(path, i, e))
         .collect()
+}
+
+/// The `tools:` entries of verl's tool config file at `path`.
+fn read_tool_config(path: &Path) -> Result<Vec<Value>, ToolError> {
+    read_config_list(
+        path,
+        "tool config",
+        "tools",
+        ToolSetting::ToolConfigPath,
+        tool_entry,
+    )
 }
 
 fn interaction_error(msg: String) -> ToolError {
@@ -277,25 +292,13 @@ fn interaction_entry(path: &Path, i: usize, entry: &Value) -> Result<Value, Tool
 /// The `interaction:` entries of verl's interaction config file at `path`, names unique.
 pub fn read_interaction_config(path: &Path) -> Result<Vec<Value>, ToolError> {
     let shown = path.display();
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        interaction_error(format!("cannot read the interaction config {shown}: {e}"))
-    })?;
-    let doc: Value = serde_yaml_ng::from_str(&text).map_err(|e| {
-        let e = crate::config::overrides::yaml_message(&e);
-        interaction_error(format!(
-            "the interaction config {shown} is not valid YAML: {e}"
-        ))
-    })?;
-    let Some(Value::Array(list)) = doc.get("interaction") else {
-        return Err(interaction_error(format!(
-            "{shown}: no top-level `interaction:` list"
-        )));
-    };
-    let entries: Vec<Value> = list
-        .iter()
-        .enumerate()
-        .map(|(i, e)| interaction_entry(path, i, e))
-        .collect::<Result<_, _>>()?;
+    let entries = read_config_list(
+        path,
+        "interaction config",
+        "interaction",
+        ToolSetting::InteractionConfigPath,
+        interaction_entry,
+    )?;
     for (i, e) in entries.iter().enumerate() {
         if entries[..i].iter().any(|o| o["name"] == e["name"]) {
             return Err(interaction_error(format!(

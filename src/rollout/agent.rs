@@ -237,7 +237,6 @@ impl AgentContext {
         conversation: &[Value],
         tool_msgs: &[Value],
     ) -> Result<Vec<u32>, String> {
-        let mut ids = self.tail_after(last_token);
         let calls: Vec<Value> = tool_msgs
             .iter()
             .enumerate()
@@ -247,28 +246,42 @@ impl AgentContext {
                        "function": {"name": m.get("name").cloned().unwrap_or(json!("continuous_token_tool")), "arguments": {}}})
             })
             .collect();
-        let mut opening = synthetic_opening();
-        opening.push(json!({"role": "assistant", "content": "", "reasoning_content": "reasoning", "tool_calls": calls}));
-        ids.extend(self.delta(&opening, tool_msgs, false)?);
-        ids.extend(self.delta(conversation, &[], true)?);
-        Ok(ids)
+        let stand_in = json!({"role": "assistant", "content": "", "reasoning_content": "reasoning", "tool_calls": calls});
+        self.turn_ids(last_token, conversation, stand_in, tool_msgs)
     }
 
-    /// The tokens of an interaction's user turn after a model turn: the end-of-turn tail when
-    /// generation stopped before it, the user message rendered after a stand-in conversation,
-    /// and the generation prompt (verl renders the message alone, system prompt removed, with
-    /// the generation prompt).
+    /// The tokens of an interaction's user turn after a model turn, made as a tool turn's are
+    /// (verl renders the message alone, system prompt removed, with the generation prompt).
     fn user_turn_ids(
         &self,
         last_token: Option<u32>,
         conversation: &[Value],
         user: &Value,
     ) -> Result<Vec<u32>, String> {
+        let stand_in =
+            json!({"role": "assistant", "content": "continuous token synthetic assistant"});
+        self.turn_ids(
+            last_token,
+            conversation,
+            stand_in,
+            std::slice::from_ref(user),
+        )
+    }
+
+    /// The tokens of `msgs` appended after a model turn: the end-of-turn tail when generation
+    /// stopped before it, `msgs` rendered after a stand-in conversation ending in `stand_in`
+    /// (the assistant message they answer), and the generation prompt of `conversation`.
+    fn turn_ids(
+        &self,
+        last_token: Option<u32>,
+        conversation: &[Value],
+        stand_in: Value,
+        msgs: &[Value],
+    ) -> Result<Vec<u32>, String> {
         let mut ids = self.tail_after(last_token);
         let mut opening = synthetic_opening();
-        opening
-            .push(json!({"role": "assistant", "content": "continuous token synthetic assistant"}));
-        ids.extend(self.delta(&opening, std::slice::from_ref(user), false)?);
+        opening.push(stand_in);
+        ids.extend(self.delta(&opening, msgs, false)?);
         ids.extend(self.delta(conversation, &[], true)?);
         Ok(ids)
     }
@@ -462,9 +475,9 @@ impl<'a> ToolAgent<'a> {
                 let finished = out.stop[r] == super::StopReason::Eos && !st.tail_cut;
                 if st.conv.tool_agent && finished && ctx.settings.sanity != SanityCheckMode::Disable
                 {
-                    // A user turn that ended the conversation ends with the generation prompt.
-                    let user_last = st.instance.is_some()
-                        && st.ep.messages.last().is_some_and(|m| m["role"] == "user");
+                    // A user turn that ended the conversation ends with the generation prompt
+                    // (a finished conversation ends with a user message only then).
+                    let user_last = st.ep.messages.last().is_some_and(|m| m["role"] == "user");
                     st.ep.sanity_mismatch = sanity(
                         ctx,
                         &st.ep.messages,
