@@ -79,6 +79,35 @@ fn greedy(root: &Path, overrides: &[String]) -> Vec<(String, Vec<f64>)> {
         .collect()
 }
 
+/// [`greedy`] with the checkpoint's base model and its adapters (`lora_adapter_path`).
+fn greedy_base_plus_adapter(root: &Path, base: &Path, actor: &Path) -> Vec<(String, Vec<f64>)> {
+    greedy(
+        root,
+        &[
+            format!("actor_rollout_ref.model.path={}", base.display()),
+            format!(
+                "actor_rollout_ref.model.lora_adapter_path={}",
+                actor.join("lora_adapter").display()
+            ),
+        ],
+    )
+}
+
+/// The same greedy text for each of the 4 prompts, 24 log-probs each, within 1e-5.
+fn assert_same_greedy(want: &[(String, Vec<f64>)], got: &[(String, Vec<f64>)]) {
+    assert_eq!((want.len(), got.len()), (4, 4));
+    for (a, m) in want.iter().zip(got) {
+        assert_eq!(a.0, m.0, "greedy text");
+        assert_eq!((a.1.len(), m.1.len()), (24, 24));
+        let d =
+            a.1.iter()
+                .zip(&m.1)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f64::max);
+        assert!(d <= 1e-5, "log-probs differ by {d}");
+    }
+}
+
 /// `main_ppo merge --local_dir <checkpoint>/global_step_1 --target_dir OUT` writes an HF
 /// folder from which `generate` gives the greedy tokens of `generate` with the base model and
 /// `lora_adapter_path` (4 prompts, 24 tokens, f32 products), with log-probabilities within
@@ -90,16 +119,7 @@ fn merge_writes_a_model_that_generates_as_base_plus_adapter() {
     let out = root.path().join("exported/merged");
     run(&args(actor.parent().unwrap(), &out)).unwrap();
     assert_eq!(names(&root.path().join("exported")), ["merged"]);
-    let adapted = greedy(
-        root.path(),
-        &[
-            format!("actor_rollout_ref.model.path={}", base.display()),
-            format!(
-                "actor_rollout_ref.model.lora_adapter_path={}",
-                actor.join("lora_adapter").display()
-            ),
-        ],
-    );
+    let adapted = greedy_base_plus_adapter(root.path(), &base, &actor);
     let merged = greedy(
         root.path(),
         &[format!("actor_rollout_ref.model.path={}", out.display())],
@@ -108,17 +128,9 @@ fn merge_writes_a_model_that_generates_as_base_plus_adapter() {
         root.path(),
         &[format!("actor_rollout_ref.model.path={}", base.display())],
     );
-    assert_eq!(adapted.len(), 4);
-    for ((a, m), p) in adapted.iter().zip(&merged).zip(&plain) {
-        assert_eq!(a.0, m.0, "greedy text");
-        assert_eq!(a.1.len(), 24);
-        let d =
-            a.1.iter()
-                .zip(&m.1)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0.0, f64::max);
-        assert!(d <= 1e-5, "log-probs differ by {d}");
-        assert_ne!(a.0, p.0, "the adapters change the text");
+    assert_same_greedy(&adapted, &merged);
+    for ((a, _), (p, _)) in adapted.iter().zip(&plain) {
+        assert_ne!(a, p, "the adapters change the text");
     }
 }
 
@@ -137,29 +149,12 @@ fn merge_writes_a_gguf_file_that_generates_as_base_plus_adapter() {
     run(&a).unwrap();
     let file = out.join("model-f32.gguf");
     assert_eq!(names(&out), ["model-f32.gguf"]);
-    let adapted = greedy(
-        root.path(),
-        &[
-            format!("actor_rollout_ref.model.path={}", base.display()),
-            format!(
-                "actor_rollout_ref.model.lora_adapter_path={}",
-                actor.join("lora_adapter").display()
-            ),
-        ],
-    );
+    let adapted = greedy_base_plus_adapter(root.path(), &base, &actor);
     let merged = greedy(
         root.path(),
         &[format!("actor_rollout_ref.model.path={}", file.display())],
     );
-    for (a, m) in adapted.iter().zip(&merged) {
-        assert_eq!(a.0, m.0, "greedy text");
-        let d =
-            a.1.iter()
-                .zip(&m.1)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0.0, f64::max);
-        assert!(d <= 1e-5, "log-probs differ by {d}");
-    }
+    assert_same_greedy(&adapted, &merged);
     // Again: refused without --force, replaced with it.
     let e = refused(&a);
     assert!(

@@ -89,19 +89,6 @@ fn model_of(vm: &VarMap, args: &ModelArgs, round: impl Fn(&str, &Tensor) -> Tens
     m
 }
 
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap()
-}
-
 fn write(vm: &VarMap, args: &ModelArgs, tok: &TokenizerBundle, ty: GgufType, path: &Path) {
     gguf_write::build(vm, args, tok, "tiny", ty, path)
         .unwrap()
@@ -147,7 +134,7 @@ fn a_model_written_as_gguf_reads_back_with_its_logits_and_tokenizer() {
                     false => t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap(),
                 }
             });
-            let d = max_diff(&got, &logits(&rounded));
+            let d = crate::testing::max_abs_diff(&got, &logits(&rounded)) as f32;
             let tol = if arch == Arch::Gemma3 { 1e-5 } else { 0.0 };
             assert!(
                 d <= tol,
@@ -164,7 +151,7 @@ fn a_model_written_as_gguf_reads_back_with_its_logits_and_tokenizer() {
                 .unwrap()
                 .to_scalar::<f32>()
                 .unwrap();
-            let off = max_diff(&got, &exact) / scale;
+            let off = crate::testing::max_abs_diff(&got, &exact) as f32 / scale;
             let bound = match ty {
                 GgufType::F32 => tol,
                 GgufType::F16 => 2e-2,
@@ -376,28 +363,53 @@ fn what_a_gguf_file_cannot_hold_is_refused_by_name() {
     assert!(!path.exists());
 }
 
+/// A converter-written GGUF and the same model written again by this writer.
+struct Rewritten {
+    original: candle_core::quantized::gguf_file::Content,
+    written: candle_core::quantized::gguf_file::Content,
+    loaded: super::hf::Loaded,
+    tok: TokenizerBundle,
+    path: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+/// The GGUF file `var` names loaded and written again as `ty`; `None` (said) when `var` is
+/// unset (`fetch` writes the file).
+fn rewritten(var: &str, fetch: &str, ty: GgufType) -> Option<Rewritten> {
+    let Some(orig) = std::env::var_os(var) else {
+        eprintln!("{var} is not set ({fetch}): skipped");
+        return None;
+    };
+    let orig = std::path::PathBuf::from(orig);
+    let (loaded, original) = gguf::load(&orig, DType::F32, &Device::Cpu, true).unwrap();
+    let tok = gguf::tokenizer(&original, &orig).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rewritten.gguf");
+    write(&loaded.varmap, &loaded.model.args, &tok, ty, &path);
+    let (_, written) = gguf::open(&path).unwrap();
+    Some(Rewritten {
+        original,
+        written,
+        loaded,
+        tok,
+        path,
+        _dir: dir,
+    })
+}
+
 /// SmolLM2-135M-Instruct's GGUF (MAIN_PPO_SMOLLM2, written by llama.cpp's converter) loaded and
 /// written again in f32 carries the same tokenizer metadata: tokens, token types, merges,
 /// pre-tokenizer, special ids, chat template, and the same hyper-parameter keys.
 #[test]
 fn smollm2_written_again_keeps_the_converters_tokenizer_metadata() {
-    let Some(orig) = std::env::var_os("MAIN_PPO_SMOLLM2") else {
-        eprintln!("MAIN_PPO_SMOLLM2 is not set (scripts/fetch_smollm2.sh): skipped");
+    let Some(r) = rewritten(
+        "MAIN_PPO_SMOLLM2",
+        "scripts/fetch_smollm2.sh",
+        GgufType::F32,
+    ) else {
         return;
     };
-    let orig = std::path::PathBuf::from(orig);
-    let (loaded, c) = gguf::load(&orig, DType::F32, &Device::Cpu, true).unwrap();
-    let tok = gguf::tokenizer(&c, &orig).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("smollm2-f32.gguf");
-    write(
-        &loaded.varmap,
-        &loaded.model.args,
-        &tok,
-        GgufType::F32,
-        &path,
-    );
-    let (_, w) = gguf::open(&path).unwrap();
+    let (c, w) = (&r.original, &r.written);
     for key in [
         "tokenizer.ggml.model",
         "tokenizer.ggml.pre",
@@ -446,23 +458,10 @@ fn smollm2_written_again_keeps_the_converters_tokenizer_metadata() {
 /// and flags; the file reads back as the same model and tokenizer.
 #[test]
 fn gemma3_written_again_keeps_its_vocabulary() {
-    let Some(orig) = std::env::var_os("MAIN_PPO_GEMMA3") else {
-        eprintln!("MAIN_PPO_GEMMA3 is not set (scripts/fetch_gemma3.sh): skipped");
+    let Some(r) = rewritten("MAIN_PPO_GEMMA3", "scripts/fetch_gemma3.sh", GgufType::F16) else {
         return;
     };
-    let orig = std::path::PathBuf::from(orig);
-    let (loaded, c) = gguf::load(&orig, DType::F32, &Device::Cpu, true).unwrap();
-    let tok = gguf::tokenizer(&c, &orig).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("gemma3-f16.gguf");
-    write(
-        &loaded.varmap,
-        &loaded.model.args,
-        &tok,
-        GgufType::F16,
-        &path,
-    );
-    let (_, w) = gguf::open(&path).unwrap();
+    let (c, w) = (&r.original, &r.written);
     for key in [
         "tokenizer.ggml.model",
         "tokenizer.ggml.pre",
@@ -530,14 +529,14 @@ fn gemma3_written_again_keeps_its_vocabulary() {
         respelled += 1;
     }
     eprintln!("{respelled} runs of spaces respelled");
-    let (back, wc) = gguf::load(&path, DType::F32, &Device::Cpu, true).unwrap();
-    assert_eq!(back.model.args, loaded.model.args);
-    let back_tok = gguf::tokenizer(&wc, &path).unwrap();
+    let (back, wc) = gguf::load(&r.path, DType::F32, &Device::Cpu, true).unwrap();
+    assert_eq!(back.model.args, r.loaded.model.args);
+    let back_tok = gguf::tokenizer(&wc, &r.path).unwrap();
     for text in [
         "Hello world,   three spaces\n\n\tand <start_of_turn>user\nhi<end_of_turn>",
         "ünïcödé 12345 中文",
     ] {
         let ids = |t: &TokenizerBundle| t.tokenizer.encode(text, false).unwrap().get_ids().to_vec();
-        assert_eq!(ids(&back_tok), ids(&tok), "{text:?}");
+        assert_eq!(ids(&back_tok), ids(&r.tok), "{text:?}");
     }
 }
