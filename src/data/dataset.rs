@@ -385,9 +385,7 @@ mod interaction_tests {
         ] {
             let e = r.check_interaction(&sample(extra)).unwrap_err().to_string();
             assert!(
-                e.contains("train.jsonl")
-                    && e.contains('3')
-                    && e.contains("extra_info.interaction_kwargs")
+                e.starts_with("train.jsonl, row 3, column `extra_info.interaction_kwargs`: ")
                     && e.contains(says),
                 "{e}"
             );
