@@ -283,6 +283,88 @@ def families():
             tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
         ),
+        # GLM-4.5: grouped-query attention with q/k/v biases (none on o_proj), per-head q/k
+        # RMSNorms (use_qk_norm), rotary embeddings over the first half of each head
+        # (partial_rotary_factor's default 0.5) in two halves; a dense first layer, then
+        # DeepSeek-V3's experts: sigmoid scores with a random correction bias, the best of 2
+        # groups, top-3 of 8 renormalised and scaled, one shared expert; untied.
+        "glm4_moe": transformers.Glm4MoeConfig(
+            **{**common, "num_hidden_layers": 3},
+            head_dim=8,
+            attention_bias=True,
+            use_qk_norm=True,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=8,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=1.5,
+            first_k_dense_replace=1,
+            num_mtp_layers=0,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        # GLM-4.5 without q/k norms or biases, rotary over a quarter of 16-value heads, two
+        # dense layers before the experts, top-2 of 4 unnormalised in one group, two shared
+        # experts, tied embeddings.
+        "glm4_moe_plain": transformers.Glm4MoeConfig(
+            **{**common, "num_hidden_layers": 3},
+            head_dim=16,
+            attention_bias=False,
+            use_qk_norm=False,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=12,
+            n_shared_experts=2,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            first_k_dense_replace=2,
+            num_mtp_layers=0,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        ),
+        # GPT-OSS: q/k/v/o biases, a learned sink logit per head in every softmax,
+        # sliding-window layers (4 positions) alternating with full ones (transformers'
+        # default layer_types), yarn RoPE (factor 32, untruncated, as the published models);
+        # every layer a mixture of 4 experts (top 2, softmax over the chosen logits) with a
+        # router bias, biased experts and the clamped SwiGLU, its limit low enough (1.0) that
+        # the clamps act; untied.
+        "gpt_oss": transformers.GptOssConfig(
+            **{**common, "num_hidden_layers": 3, "intermediate_size": 12},
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            swiglu_limit=1.0,
+            attention_bias=True,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        # GPT-OSS without biases, plain RoPE, a full layer first then a 3-position sliding
+        # one, top-3 of 6 experts, the published clamp (7.0), tied embeddings.
+        "gpt_oss_plain": transformers.GptOssConfig(
+            **{**common, "intermediate_size": 10},
+            head_dim=16,
+            num_local_experts=6,
+            num_experts_per_tok=3,
+            sliding_window=3,
+            layer_types=["full_attention", "sliding_attention"],
+            attention_bias=False,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
     }
 
 
@@ -354,6 +436,8 @@ MODEL_CLASS = {
     "MistralConfig": transformers.MistralForCausalLM,
     "Gemma3TextConfig": transformers.Gemma3ForCausalLM,
     "DeepseekV3Config": transformers.DeepseekV3ForCausalLM,
+    "Glm4MoeConfig": transformers.Glm4MoeForCausalLM,
+    "GptOssConfig": transformers.GptOssForCausalLM,
 }
 
 
@@ -403,7 +487,8 @@ def make(name, cfg):
         cfg._experts_implementation = "eager"
     torch.manual_seed(1234)
     model = MODEL_CLASS[type(cfg).__name__](cfg)
-    mtp = getattr(cfg, "num_nextn_predict_layers", 0)
+    # MiMo's (GLM-4.5 and DeepSeek-V3 name theirs alike; their references have none).
+    mtp = getattr(cfg, "num_nextn_predict_layers", 0) if type(cfg).__name__ == "Qwen2Config" else 0
     if mtp:
         model.model.mtp_layers = mimo_mtp_layers(cfg)
     model = model.to(torch.float64).eval()
@@ -417,8 +502,10 @@ def make(name, cfg):
         c.update(architectures=["MiMoForCausalLM"], model_type="mimo", num_nextn_predict_layers=mtp)
         (out / "config.json").write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
         cfg.architectures = ["MiMoForCausalLM"]
-    if getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None):
-        # The same weights as transformers 5 holds them (experts fused per layer).
+    gpt_oss = type(cfg).__name__ == "GptOssConfig"
+    if (getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None)) and not gpt_oss:
+        # The same weights as transformers 5 holds them (experts fused per layer; GPT-OSS's
+        # checkpoints are fused already).
         model.save_pretrained(out / "fused", safe_serialization=True, save_original_format=False)
     # Greedy continuations by full forwards.
     prompts = rows(7, 3, 2, 7)
@@ -450,7 +537,8 @@ def make(name, cfg):
         loss = loss + (tl * torch.tensor(c, dtype=torch.float64)).sum()
     loss.backward()
     grads = {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters() if p.grad is not None}
-    grads = per_expert(grads)
+    if not gpt_oss:
+        grads = per_expert(grads)
     save_file(grads, str(out / "grads.safetensors"))
     ref = {
         "family": name,

@@ -289,6 +289,10 @@ pub(crate) struct Experts {
     pub(crate) shared: Option<Shared>,
     /// DeepSeek-V3's routing and shared experts, `None` for the softmax router.
     pub(crate) deepseek: Option<Box<DeepseekMoe>>,
+    /// GPT-OSS's router bias `mlp.router.bias` `[experts]`, added to the router's logits.
+    pub(crate) router_bias: Option<Tensor>,
+    /// GPT-OSS's clamped SwiGLU `(alpha, limit)` in the experts; `None`: SiLU-gated.
+    pub(crate) swiglu: Option<(f64, f64)>,
 }
 
 /// DeepSeek-V3's side of a layer of experts ([`super::config::DeepseekRouting`]).
@@ -338,6 +342,9 @@ pub(crate) struct Attention {
     /// Qwen3's RMSNorm over each head of q and of k before RoPE (`self_attn.q_norm`,
     /// `self_attn.k_norm`, `[head_dim]` each).
     pub(crate) qk_norm: Option<(Tensor, Tensor)>,
+    /// GPT-OSS's sink logits `self_attn.sinks` `[heads]`: one more entry of each head's
+    /// softmax, whose probability is dropped ([`super::attention::attention_with_sinks`]).
+    pub(crate) sinks: Option<Tensor>,
 }
 
 /// What mixes a layer's tokens.
@@ -546,8 +553,12 @@ impl Block {
         if let Some(d) = self.delta() {
             w.extend(d.plain());
         }
+        if let Mixer::Attention(Attention { sinks: Some(s), .. }) = &self.mixer {
+            w.push(s);
+        }
         if let Some(x) = self.experts() {
             w.push(&x.router);
+            w.extend(&x.router_bias);
         }
         w
     }
@@ -568,6 +579,7 @@ impl Block {
         match &mut self.mixer {
             Mixer::Attention(a) => {
                 a.qk_norm = a.qk_norm.as_ref().map(|(q, k)| (q.detach(), k.detach()));
+                a.sinks = a.sinks.as_ref().map(Tensor::detach);
             }
             Mixer::Delta(d) => d.freeze_plain(),
             Mixer::Mla(m) => m.freeze_norms(),
@@ -578,6 +590,7 @@ impl Block {
             .map(|(a, m)| (a.detach(), m.detach()));
         if let Mlp::Experts(x) = &mut self.mlp {
             x.router = x.router.detach();
+            x.router_bias = x.router_bias.as_ref().map(Tensor::detach);
         }
         for (_, p) in self.projs_mut() {
             p.base = Linear::new(p.base.weight().detach(), p.base.bias().map(Tensor::detach));
@@ -605,6 +618,7 @@ impl Block {
                     v: lin(&a.v),
                     o: lin(&a.o),
                     qk_norm: a.qk_norm.as_ref().map(|(q, k)| (q.detach(), k.detach())),
+                    sinks: a.sinks.as_ref().map(Tensor::detach),
                 }),
                 Mixer::Delta(d) => Mixer::Delta(d.map(&lin)),
                 Mixer::Mla(m) => Mixer::Mla(m.map(&lin)),
@@ -627,6 +641,8 @@ impl Block {
                             ..(**d).clone()
                         })
                     }),
+                    router_bias: x.router_bias.as_ref().map(Tensor::detach),
+                    swiglu: x.swiglu,
                 }),
             },
         }
@@ -746,10 +762,13 @@ fn self_attention(
     // [b, nh, t, hd]; grouped queries share their KV head without a copy of K/V. The blocked
     // op also serves a prefill (many queries over a cache), never a one-token decode step.
     let blocked = l.blocked && (!cached || t > 1);
-    let attn = match keys {
-        keys if blocked => attention(&q, &k, &v, keys.clone(), a.attn_scale())?,
-        Keys::Bias(bias) => attention_composed(&q, &k, &v, bias, a.attn_scale())?,
-        Keys::Packed { .. } => candle_core::bail!(
+    let attn = match (keys, &at.sinks) {
+        (Keys::Bias(bias), Some(sinks)) => {
+            super::attention::attention_with_sinks(&q, &k, &v, bias, a.attn_scale(), sinks)?
+        }
+        (keys, None) if blocked => attention(&q, &k, &v, keys.clone(), a.attn_scale())?,
+        (Keys::Bias(bias), None) => attention_composed(&q, &k, &v, bias, a.attn_scale())?,
+        (Keys::Packed { .. }, _) => candle_core::bail!(
             "packed sequences reach the composition's attention only through the blocked op"
         ),
     };
@@ -865,6 +884,10 @@ pub(crate) fn route(e: &Experts, x: &Tensor) -> Result<(Vec<u32>, Tensor, Tensor
     let (n, _) = x.dims2()?;
     let k = e.top_k;
     let logits = base_matmul(x, &e.router)?; // [n, experts]
+    let logits = match &e.router_bias {
+        Some(b) => logits.broadcast_add(b)?,
+        None => logits,
+    };
     let probs = candle_nn::ops::softmax(&upcast(&logits)?, D::Minus1)?; // [n, experts]
     let p: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
     let experts = e.experts.len();
@@ -973,12 +996,24 @@ pub(crate) fn experts_grouped(
         let tok = Tensor::from_vec(tok, m, x.device())?;
         let slot = Tensor::from_vec(slot, m, x.device())?;
         let xe = x.index_select(&tok, 0)?.unsqueeze(0)?; // [1, m, hidden]
-        let ye = gated(g, &xe, false, mixed)?.squeeze(0)?; // [m, hidden]
+        let ye = expert(e, g, &xe, mixed)?.squeeze(0)?; // [m, hidden]
         let we = weights.index_select(&slot, 0)?.unsqueeze(1)?; // [m, 1]
         out = out.index_add(&tok, &ye.broadcast_mul(&we)?, 0)?;
     }
     let out = out.reshape((b, t, hs))?;
     shared_experts(e, h, out, mixed)
+}
+
+/// One expert `g` of `e` on `x` `[1, m, hidden]`: the SiLU-gated MLP, or GPT-OSS's clamped
+/// SwiGLU ([`super::config::ClampedSwiglu`]; its biases are the projections').
+fn expert(e: &Experts, g: &Gated, x: &Tensor, mixed: bool) -> Result<Tensor> {
+    let Some((alpha, limit)) = e.swiglu else {
+        return gated(g, x, false, mixed);
+    };
+    let gate = apply(&g.gate, x, mixed)?.minimum(limit)?;
+    let up = apply(&g.up, x, mixed)?.clamp(-limit, limit)?;
+    let glu = (&gate * sigmoid(&(&gate * alpha)?)?)?;
+    apply(&g.down, &((up + 1.0)? * glu)?, mixed)
 }
 
 /// `out` `[b, t, hidden]` plus the shared experts' output on `h`: Qwen's gated shared
@@ -1024,7 +1059,7 @@ pub(crate) fn experts_dense(
         .reshape((n, experts))?;
     let mut out = x.zeros_like()?;
     for (i, g) in e.experts.iter().enumerate() {
-        let ye = gated(g, &x.unsqueeze(0)?, false, mixed)?.squeeze(0)?; // [n, hidden]
+        let ye = expert(e, g, &x.unsqueeze(0)?, mixed)?.squeeze(0)?; // [n, hidden]
         out = (out + ye.broadcast_mul(&dense.narrow(1, i, 1)?)?)?;
     }
     let out = out.reshape((b, t, hs))?;

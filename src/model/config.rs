@@ -1,6 +1,6 @@
 //! The architecture hyper-parameters of an HF `config.json` (Llama family: Llama 2/3, SmolLM2,
 //! Mistral-style GQA, Seed-OSS; Qwen2/Qwen2.5, MiMo; Qwen3; Qwen3-MoE; Gemma 3 text; DeepSeek-V3,
-//! whose own keys `config_deepseek.rs` reads), in the layout of transformers 4 (`rope_theta`,
+//! whose own keys `config_deepseek.rs` reads, and GLM-4.5, whose experts are DeepSeek's; GPT-OSS), in the layout of transformers 4 (`rope_theta`,
 //! `rope_scaling`) or 5 (`rope_parameters`), and the rotary frequencies they define
 //! (transformers' `modeling_rope_utils`: default, llama3, linear, and yarn for DeepSeek-V3).
 
@@ -60,6 +60,23 @@ pub enum Arch {
     /// layers, experts with DeepSeek's group-limited sigmoid routing and shared experts
     /// ([`DeepseekRouting`]).
     DeepseekV3,
+    /// `Glm4MoeForCausalLM` (transformers' `glm4_moe`; GLM-4.5, GLM-4.5-Air, GLM-4.6): grouped
+    /// query attention with q/k/v biases from `attention_bias` (never on o_proj), per-head q/k
+    /// RMSNorms when `use_qk_norm`, rotary embeddings over the first `partial_rotary_factor`
+    /// (default 0.5) of each head in two halves; after `first_k_dense_replace` dense layers,
+    /// DeepSeek-V3's experts, routing and shared experts ([`DeepseekRouting`]). Its
+    /// multi-token-prediction layers (`model.layers.{num_hidden_layers + j}`) are kept as
+    /// read, as DeepSeek's are.
+    Glm4Moe,
+    /// `GptOssForCausalLM` (transformers' `gpt_oss`; gpt-oss-20b/120b in bf16): grouped-query
+    /// attention with q/k/v/o biases (`attention_bias`, default true) and a learned sink
+    /// logit per head (`self_attn.sinks`) that joins every softmax's denominator; sliding-window
+    /// layers alternating with full ones (`layer_types`, sliding first by default); yarn RoPE;
+    /// every layer a mixture of experts with a biased router (softmax over the chosen logits)
+    /// and biased experts under a clamped SwiGLU ([`ClampedSwiglu`]), stored fused
+    /// (`mlp.experts.gate_up_proj` `[experts, hidden, 2·inter]` with gate and up columns
+    /// interleaved, `mlp.experts.down_proj` `[experts, inter, hidden]`, and their biases).
+    GptOss,
 }
 
 /// Which keys a layer's queries attend to.
@@ -101,6 +118,11 @@ impl Arch {
         )
     }
 
+    /// Whether rotary embeddings may turn only part of each head (`partial_rotary_factor`).
+    pub fn partial_rotary(self) -> bool {
+        self.hybrid() || self == Arch::Glm4Moe
+    }
+
     /// The Gated DeltaNet / gated-attention hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next).
     pub fn hybrid(self) -> bool {
         matches!(self, Arch::Qwen3_5 | Arch::Qwen3_5Moe | Arch::Qwen3Next)
@@ -134,14 +156,21 @@ impl Arch {
             Arch::Qwen3_5Moe => ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
             Arch::Qwen3Next => ("Qwen3NextForCausalLM", "qwen3_next"),
             Arch::DeepseekV3 => ("DeepseekV3ForCausalLM", "deepseek_v3"),
+            Arch::Glm4Moe => ("Glm4MoeForCausalLM", "glm4_moe"),
+            Arch::GptOss => ("GptOssForCausalLM", "gpt_oss"),
         }
+    }
+
+    /// Whether each attention head has a learned sink logit in its softmax (GPT-OSS).
+    pub fn sinks(self) -> bool {
+        self == Arch::GptOss
     }
 }
 
 /// The `architectures` (`config.json`) this implementation loads, and the block layout each
 /// follows: causal LMs, and the token- and sequence-classification models critics and reward
 /// models are (their backbone plus a `score` head).
-pub const ARCHITECTURES: [(&str, Arch); 35] = [
+pub const ARCHITECTURES: [(&str, Arch); 39] = [
     ("LlamaForCausalLM", Arch::Llama),
     ("LlamaForTokenClassification", Arch::Llama),
     ("LlamaForSequenceClassification", Arch::Llama),
@@ -177,10 +206,14 @@ pub const ARCHITECTURES: [(&str, Arch); 35] = [
     ("DeepseekV3ForCausalLM", Arch::DeepseekV3),
     ("DeepseekV3ForTokenClassification", Arch::DeepseekV3),
     ("DeepseekV3ForSequenceClassification", Arch::DeepseekV3),
+    ("Glm4MoeForCausalLM", Arch::Glm4Moe),
+    ("GptOssForCausalLM", Arch::GptOss),
+    ("GptOssForTokenClassification", Arch::GptOss),
+    ("GptOssForSequenceClassification", Arch::GptOss),
 ];
 
 /// `model_type`s read when a config has no `architectures`.
-const MODEL_TYPES: [(&str, Arch); 14] = [
+const MODEL_TYPES: [(&str, Arch); 16] = [
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Qwen2),
@@ -195,6 +228,8 @@ const MODEL_TYPES: [(&str, Arch); 14] = [
     ("qwen3_5_moe", Arch::Qwen3_5Moe),
     ("qwen3_next", Arch::Qwen3Next),
     ("deepseek_v3", Arch::DeepseekV3),
+    ("glm4_moe", Arch::Glm4Moe),
+    ("gpt_oss", Arch::GptOss),
 ];
 
 /// The block layout of a config: from `architectures` (every entry must be one this
@@ -410,6 +445,15 @@ pub struct ModelArgs {
     /// transformers sets it); `None`: the attention of `q_proj`/`k_proj`/`v_proj`.
     #[serde(default)]
     pub mla: Option<MlaArgs>,
+    /// Per-head q/k RMSNorms in a family where they are optional (GLM-4.5's `use_qk_norm`);
+    /// the families that always have them say so through [`Arch::qk_norm`].
+    #[serde(default)]
+    pub use_qk_norm: bool,
+    /// GLM-4.5's multi-token-prediction layers (`num_nextn_predict_layers`, stored as
+    /// `model.layers.{num_hidden_layers + j}.*`), kept as read like DeepSeek's
+    /// ([`MlaArgs::num_nextn_predict_layers`]).
+    #[serde(default)]
+    pub trailing_mtp_layers: usize,
 }
 
 /// Where MiMo's multi-token-prediction layers are named: kept as read, never trained here.
@@ -546,10 +590,10 @@ fn read_hybrid_layers(v: &Value, layers: usize) -> Result<Vec<LayerKind>, String
     Ok(kinds)
 }
 
-/// The rotary width of a Qwen3.5 head: `head_dim · partial_rotary_factor` (transformers'
-/// default 0.25), from `rope_parameters` or the top level; an even number of values up to the
-/// head's.
-fn read_rotary_dim(v: &Value, head_dim: usize) -> Result<usize, String> {
+/// The rotary width of a Qwen3.5 or GLM-4.5 head: `head_dim · partial_rotary_factor`
+/// (transformers' default `default`: 0.25 for Qwen3.5, 0.5 for GLM-4.5), from `rope_parameters`
+/// or the top level; an even number of values up to the head's.
+fn read_rotary_dim(v: &Value, head_dim: usize, default: f64) -> Result<usize, String> {
     let nested = v.pointer("/rope_parameters/partial_rotary_factor");
     let top = v.get("partial_rotary_factor");
     let pick = |x: Option<&Value>| x.filter(|x| !x.is_null()).cloned();
@@ -560,7 +604,7 @@ fn read_rotary_dim(v: &Value, head_dim: usize) -> Result<usize, String> {
         (Some(a), _) | (None, Some(a)) => a
             .as_f64()
             .ok_or_else(|| format!("config.json: partial_rotary_factor must be a number, found {a}"))?,
-        (None, None) => 0.25,
+        (None, None) => default,
     };
     let dim = (head_dim as f64 * factor) as usize;
     if !(factor > 0.0 && factor <= 1.0) || dim == 0 || !dim.is_multiple_of(2) {
@@ -596,6 +640,23 @@ pub struct MoeArgs {
     /// DeepSeek-V3's routing and shared experts; `None`: the softmax router.
     #[serde(default)]
     pub deepseek: Option<DeepseekRouting>,
+    /// GPT-OSS's experts ([`ClampedSwiglu`]): a router bias, biased experts, the clamped
+    /// SwiGLU and the fused interleaved layout; `None`: bias-free SiLU-gated experts.
+    #[serde(default)]
+    pub swiglu: Option<ClampedSwiglu>,
+}
+
+/// GPT-OSS's experts (transformers' `GptOssMLP`): router logits `x·Wᵣᵀ + bᵣ`, the top
+/// `num_experts_per_tok` of them, their softmax as weights (the full softmax renormalised over
+/// the chosen, the same numbers); each expert `down(act(gate, up)) + b_down` on
+/// `gate = x·W_gᵀ + b_g`, `up = x·W_uᵀ + b_u` with
+/// `act = (clamp(up, −limit, limit) + 1) · g·σ(alpha·g)`, `g = min(gate, limit)`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ClampedSwiglu {
+    /// `swiglu_alpha` (1.702).
+    pub alpha: f64,
+    /// `swiglu_limit` (7.0).
+    pub limit: f64,
 }
 
 /// `router_aux_loss_coef` where a Qwen3-MoE config's `output_router_logits` is true
@@ -627,6 +688,23 @@ impl MoeArgs {
     fn write_hf(&self, o: &mut serde_json::Map<String, Value>) {
         if let Some(d) = &self.deepseek {
             return deepseek::write_moe_hf(self, d, o);
+        }
+        if let Some(c) = &self.swiglu {
+            o.insert("num_local_experts".into(), self.num_experts.into());
+            o.insert(
+                "num_experts_per_tok".into(),
+                self.num_experts_per_tok.into(),
+            );
+            o.insert("swiglu_alpha".into(), c.alpha.into());
+            o.insert("swiglu_limit".into(), c.limit.into());
+            o.insert(
+                "output_router_logits".into(),
+                self.router_aux_loss_coef.is_some().into(),
+            );
+            if let Some(c) = self.router_aux_loss_coef {
+                o.insert("router_aux_loss_coef".into(), c.into());
+            }
+            return;
         }
         o.insert("num_experts".into(), serde_json::json!(self.num_experts));
         o.insert(
@@ -684,7 +762,7 @@ impl MoeArgs {
             ));
         }
         let shared = match arch {
-            Arch::Qwen3Moe => None,
+            Arch::Qwen3Moe | Arch::GptOss => None,
             _ => Some(get_usize(v, "shared_expert_intermediate_size")?),
         };
         if arch == Arch::Qwen3_5Moe {
@@ -699,6 +777,37 @@ impl MoeArgs {
                 router_aux_loss_coef: router_aux_loss_coef(v)?,
                 shared_expert_intermediate_size: shared,
                 deepseek: None,
+                swiglu: None,
+            });
+        }
+        if arch == Arch::GptOss {
+            // Experts on every layer, of width intermediate_size; the weights are the softmax
+            // of the chosen logits, i.e. renormalised.
+            let number = |key: &str, default: f64| -> Result<f64, String> {
+                match v.get(key) {
+                    None | Some(Value::Null) => Ok(default),
+                    Some(x) => x
+                        .as_f64()
+                        .filter(|a| a.is_finite() && *a > 0.0)
+                        .ok_or_else(|| {
+                            format!("config.json: {key} must be a positive number, found {x}")
+                        }),
+                }
+            };
+            return Ok(Self {
+                num_experts,
+                num_experts_per_tok: k,
+                norm_topk_prob: true,
+                moe_intermediate_size: get_usize(v, "intermediate_size")?,
+                decoder_sparse_step: 1,
+                mlp_only_layers: Vec::new(),
+                router_aux_loss_coef: router_aux_loss_coef(v)?,
+                shared_expert_intermediate_size: None,
+                deepseek: None,
+                swiglu: Some(ClampedSwiglu {
+                    alpha: number("swiglu_alpha", 1.702)?,
+                    limit: number("swiglu_limit", 7.0)?,
+                }),
             });
         }
         let step = v
@@ -737,6 +846,7 @@ impl MoeArgs {
             router_aux_loss_coef: router_aux_loss_coef(v)?,
             shared_expert_intermediate_size: shared,
             deepseek: None,
+            swiglu: None,
         })
     }
 
@@ -1046,6 +1156,13 @@ fn read_windows(
         // Seed-OSS's attention has no window (transformers reads no `sliding_window` there).
         (Arch::SeedOss, _) => Vec::new(),
         (_, Some(l)) => l,
+        // GPT-OSS: sliding and full layers alternate, sliding first.
+        (Arch::GptOss, None) => (0..layers)
+            .map(|i| match i % 2 {
+                0 => LayerKind::Sliding,
+                _ => LayerKind::Full,
+            })
+            .collect(),
         (Arch::Gemma3, None) => {
             let pattern = v
                 .get("sliding_window_pattern")
@@ -1098,7 +1215,7 @@ fn read_windows(
 fn refuse_unsupported(v: &Value, arch: Arch) -> Result<(), String> {
     // Qwen3.5 reads its partial rotary factor ([`read_rotary_dim`]).
     let partial_rotary_keys = match arch {
-        _ if arch.hybrid() => &[][..],
+        _ if arch.partial_rotary() => &[][..],
         _ => &[
             "partial_rotary_factor",
             "rope_parameters.partial_rotary_factor",
@@ -1151,7 +1268,7 @@ fn refuse_unsupported(v: &Value, arch: Arch) -> Result<(), String> {
     if let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) {
         let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("?");
         return Err(format!(
-            "config.json: quantization_config (quant_method {method:?}) is not supported: weights are read as unquantized bf16/f16/f32 tensors; dequantize the checkpoint first (for DeepSeek-V3's fp8 weights, its fp8_cast_bf16 conversion) and drop the key"
+            "config.json: quantization_config (quant_method {method:?}) is not supported: weights are read as unquantized bf16/f16/f32 tensors; dequantize the checkpoint first (for DeepSeek-V3's fp8 weights, its fp8_cast_bf16 conversion; for gpt-oss's mxfp4 experts, a bf16 export such as the one verl's gpt-oss example names) and drop the key"
         ));
     }
     if v.get("mlp_bias").and_then(Value::as_bool) == Some(true) {
@@ -1184,24 +1301,46 @@ fn text_settings(v: &Value, arch: Arch) -> std::borrow::Cow<'_, Value> {
 /// bias; Seed-OSS has q/k/v biases by default (`attention_bias`) and the output projection's
 /// its own key (`attention_out_bias`); the others take both from `attention_bias`.
 fn read_biases(v: &Value, arch: Arch) -> Result<(bool, bool), String> {
-    let flag = |key: &str, default: bool| -> Result<bool, String> {
-        match v.get(key) {
-            None | Some(Value::Null) => Ok(default),
-            Some(Value::Bool(b)) => Ok(*b),
-            Some(x) => Err(format!(
-                "config.json: {key} must be true or false, found {x}"
-            )),
-        }
-    };
-    let attention_bias = flag("attention_bias", arch == Arch::SeedOss)?;
+    let attention_bias = flag(
+        v,
+        "attention_bias",
+        matches!(arch, Arch::SeedOss | Arch::GptOss),
+    )?;
     Ok(match arch {
         Arch::Qwen2 | Arch::MiMo => (true, false),
-        Arch::SeedOss => (attention_bias, flag("attention_out_bias", false)?),
+        Arch::SeedOss => (attention_bias, flag(v, "attention_out_bias", false)?),
+        Arch::Glm4Moe => (attention_bias, false),
         _ => (attention_bias, attention_bias),
     })
 }
 
-/// MiMo's `num_nextn_predict_layers` (absent or null: none).
+/// The RoPE settings of `arch`: Gemma 3's two bases, or one base and scaling; yarn only where
+/// the family's attention follows it (DeepSeek-V3, GPT-OSS).
+fn read_family_rope(v: &Value, arch: Arch) -> Result<(Rope, Option<f64>), String> {
+    let rope = match arch {
+        Arch::Gemma3 => read_gemma_rope(v)?,
+        _ => (read_rope(v)?, None),
+    };
+    if matches!(rope.0 .1, Some(RopeScaling::Yarn { .. }))
+        && !matches!(arch, Arch::DeepseekV3 | Arch::GptOss)
+    {
+        return Err("config.json: rope_type \"yarn\" (rope_parameters or rope_scaling) is supported for DeepseekV3 and GptOss only (not with other families' attention)".into());
+    }
+    Ok(rope)
+}
+
+/// A true/false key of config.json (`default` when absent or null).
+fn flag(v: &Value, key: &str, default: bool) -> Result<bool, String> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(x) => Err(format!(
+            "config.json: {key} must be true or false, found {x}"
+        )),
+    }
+}
+
+/// MiMo's and GLM-4.5's `num_nextn_predict_layers` (absent or null: none).
 fn read_mtp_layers(v: &Value) -> Result<usize, String> {
     match v.get("num_nextn_predict_layers") {
         None | Some(Value::Null) => Ok(0),
@@ -1221,16 +1360,9 @@ impl ModelArgs {
         let v = text.as_ref();
         let (qkv_bias, o_bias) = read_biases(v, arch)?;
         let gemma = arch == Arch::Gemma3;
-        let ((rope_theta, rope_scaling), rope_local_theta) = if gemma {
-            read_gemma_rope(v)?
-        } else {
-            (read_rope(v)?, None)
-        };
+        let ((rope_theta, rope_scaling), rope_local_theta) = read_family_rope(v, arch)?;
         refuse_unsupported(v, arch)?;
         let deepseek = arch == Arch::DeepseekV3;
-        if matches!(rope_scaling, Some(RopeScaling::Yarn { .. })) && !deepseek {
-            return Err("config.json: rope_type \"yarn\" (rope_parameters or rope_scaling) is supported for DeepseekV3 only (not with other families' attention)".into());
-        }
         let mla = deepseek.then(|| MlaArgs::from_hf(v)).transpose()?;
         let hidden_size = get_usize(v, "hidden_size")?;
         let heads = get_usize(v, "num_attention_heads")?;
@@ -1300,15 +1432,16 @@ impl ModelArgs {
             layer_types: windows.1,
             rope_local_theta,
             moe: match arch {
-                Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen3_5Moe => {
+                Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen3_5Moe | Arch::GptOss => {
                     Some(MoeArgs::from_hf(v, layers, arch)?)
                 }
-                Arch::DeepseekV3 => Some(deepseek::moe_from_hf(v, layers)?),
+                Arch::DeepseekV3 | Arch::Glm4Moe => Some(deepseek::moe_from_hf(v, layers)?),
                 _ => None,
             },
-            rotary_dim: match arch.hybrid() {
-                true => Some(read_rotary_dim(v, head_dim)?),
-                false => None,
+            rotary_dim: match arch {
+                Arch::Glm4Moe => Some(read_rotary_dim(v, head_dim, 0.5)?),
+                _ if arch.hybrid() => Some(read_rotary_dim(v, head_dim, 0.25)?),
+                _ => None,
             },
             attn_output_gate: arch.hybrid(),
             linear_attn: match arch.hybrid() {
@@ -1327,6 +1460,12 @@ impl ModelArgs {
                 _ => 0,
             },
             mla,
+            // GLM-4.5's optional q/k norms and its multi-token-prediction layers.
+            use_qk_norm: arch == Arch::Glm4Moe && flag(v, "use_qk_norm", false)?,
+            trailing_mtp_layers: (arch == Arch::Glm4Moe)
+                .then(|| read_mtp_layers(v))
+                .transpose()?
+                .unwrap_or(0),
         })
     }
 
@@ -1336,17 +1475,39 @@ impl ModelArgs {
         kept_as_read(name) || self.deepseek_mtp_layer(name)
     }
 
-    /// Whether `name` is a tensor of one of DeepSeek's multi-token-prediction layers.
+    /// Whether `name` is a tensor of one of DeepSeek's or GLM-4.5's multi-token-prediction
+    /// layers.
     pub fn deepseek_mtp_layer(&self, name: &str) -> bool {
-        let Some(m) = &self.mla else {
-            return false;
+        let extra = match &self.mla {
+            Some(m) => m.num_nextn_predict_layers,
+            None => self.trailing_mtp_layers,
         };
+        if extra == 0 {
+            return false;
+        }
         let index = name
             .strip_prefix("model.layers.")
             .and_then(|r| r.split_once('.'))
             .and_then(|(i, _)| i.parse::<usize>().ok());
         let l = self.num_hidden_layers;
-        index.is_some_and(|i| i >= l && i < l + m.num_nextn_predict_layers)
+        index.is_some_and(|i| i >= l && i < l + extra)
+    }
+
+    /// Whether each head of q and k goes through an RMSNorm before RoPE.
+    pub fn qk_norm(&self) -> bool {
+        self.arch.qk_norm() || self.use_qk_norm
+    }
+
+    /// Whether the experts are GPT-OSS's ([`ClampedSwiglu`]): biased, stored fused and
+    /// interleaved, out of PEFT's reach.
+    pub fn gpt_oss_experts(&self) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.swiglu.is_some())
+    }
+
+    /// Whether the experts route as DeepSeek-V3's (group-limited sigmoid top-k with shared
+    /// experts: DeepSeek-V3 and GLM-4.5), which only the op composition computes.
+    pub fn deepseek_routing(&self) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.deepseek.is_some())
     }
 
     /// The values of each head that rotary embeddings turn (`head_dim` unless partial).
@@ -1572,6 +1733,18 @@ impl ModelArgs {
                 out["residual_dropout"] = self.residual_dropout.into();
             }
             Arch::MiMo => out["num_nextn_predict_layers"] = self.mtp_layers.into(),
+            Arch::GptOss => {
+                // transformers would alternate the layers where the list is absent.
+                out["layer_types"] = serde_json::json!(kinds);
+                out["sliding_window"] = serde_json::json!(self.sliding_window);
+            }
+            Arch::Glm4Moe => {
+                out["use_qk_norm"] = self.use_qk_norm.into();
+                out["num_nextn_predict_layers"] = self.trailing_mtp_layers.into();
+                let factor = self.rotary_dim() as f64 / self.head_dim as f64;
+                out["partial_rotary_factor"] = factor.into();
+                out["rope_parameters"]["partial_rotary_factor"] = factor.into();
+            }
             _ => {}
         }
         if self.arch.gemma() {
@@ -1643,6 +1816,7 @@ impl ModelArgs {
                     router_aux_loss_coef: None,
                     shared_expert_intermediate_size: (arch != Arch::Qwen3Moe).then_some(12),
                     deepseek: None,
+                    swiglu: None,
                 }
             }),
             rotary_dim: arch.hybrid().then_some(4),
@@ -1661,10 +1835,43 @@ impl ModelArgs {
             auto_map: None,
             remote_code: Default::default(),
             mla: None,
+            use_qk_norm: false,
+            trailing_mtp_layers: 0,
         };
         match arch {
             Arch::DeepseekV3 => deepseek::tiny(a),
+            Arch::Glm4Moe => deepseek::tiny_glm(a),
+            Arch::GptOss => Self::tiny_gpt_oss(a),
             _ => a,
+        }
+    }
+
+    /// [`Self::tiny`]'s GPT-OSS: biased attention with sinks, a 4-position sliding layer then a
+    /// full one, four biased experts of width 12 (top 2) under a clamp of 1.5.
+    fn tiny_gpt_oss(a: Self) -> Self {
+        Self {
+            intermediate_size: 12,
+            tie_word_embeddings: false,
+            qkv_bias: true,
+            o_bias: true,
+            sliding_window: Some(4),
+            layer_types: vec![LayerKind::Sliding, LayerKind::Full],
+            moe: Some(MoeArgs {
+                num_experts: 4,
+                num_experts_per_tok: 2,
+                norm_topk_prob: true,
+                moe_intermediate_size: 12,
+                decoder_sparse_step: 1,
+                mlp_only_layers: Vec::new(),
+                router_aux_loss_coef: None,
+                shared_expert_intermediate_size: None,
+                deepseek: None,
+                swiglu: Some(ClampedSwiglu {
+                    alpha: 1.702,
+                    limit: 1.5,
+                }),
+            }),
+            ..a
         }
     }
 }

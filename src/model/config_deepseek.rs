@@ -170,6 +170,7 @@ pub(super) fn moe_from_hf(v: &Value, layers: usize) -> Result<MoeArgs, String> {
         mlp_only_layers: (0..first.min(layers)).collect(),
         router_aux_loss_coef: None,
         shared_expert_intermediate_size: None,
+        swiglu: None,
         deepseek: Some(DeepseekRouting {
             n_group,
             topk_group,
@@ -353,10 +354,45 @@ pub(super) fn tiny(a: super::ModelArgs) -> super::ModelArgs {
             mlp_only_layers: (0..first).collect(),
             router_aux_loss_coef: None,
             shared_expert_intermediate_size: None,
+            swiglu: None,
             deepseek: Some(DeepseekRouting {
                 n_group: 4,
                 topk_group: 2,
                 routed_scaling_factor: 2.5,
+                n_shared_experts: 1,
+                first_k_dense_replace: first,
+            }),
+        }),
+        ..a
+    }
+}
+
+/// [`super::ModelArgs::tiny`]'s GLM-4.5: grouped-query attention (4 heads of 8 over 2 KV
+/// heads) with q/k/v biases, q/k norms and rotary embeddings over half of each head; layer 0
+/// dense, layer 1 eight experts in two groups (top 3 of the best group, renormalised, scaled
+/// 1.5) with one shared expert.
+pub(super) fn tiny_glm(a: super::ModelArgs) -> super::ModelArgs {
+    let first = 1;
+    super::ModelArgs {
+        tie_word_embeddings: false,
+        qkv_bias: true,
+        o_bias: false,
+        use_qk_norm: true,
+        rotary_dim: Some(a.head_dim / 2),
+        moe: Some(MoeArgs {
+            num_experts: 8,
+            num_experts_per_tok: 3,
+            norm_topk_prob: true,
+            moe_intermediate_size: 8,
+            decoder_sparse_step: 1,
+            mlp_only_layers: (0..first).collect(),
+            router_aux_loss_coef: None,
+            shared_expert_intermediate_size: None,
+            swiglu: None,
+            deepseek: Some(DeepseekRouting {
+                n_group: 2,
+                topk_group: 1,
+                routed_scaling_factor: 1.5,
                 n_shared_experts: 1,
                 first_k_dense_replace: first,
             }),

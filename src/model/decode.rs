@@ -45,10 +45,14 @@ pub trait Decoder {
 /// models decode in f64; f32 models in f32, with bf16 products ([`CausalLm::bf16_matmuls`])
 /// keeping keys and values in bf16 too (half the bytes read per step, as vLLM's bf16 cache).
 /// Whether [`with_packed`] serves `model`.
-/// DeepSeek-V3's latent attention and routing are not packed here: they decode through the
-/// composition, whose cache keeps each position's latent and rope key.
+/// DeepSeek-V3's latent attention, DeepSeek's routing (DeepSeek-V3, GLM-4.5) and GPT-OSS's
+/// sinks and experts are not packed here: they decode through the composition, whose cache keeps each position's keys
+/// and values (DeepSeek-V3: its latent and rope key).
 pub fn serves(model: &CausalLm) -> bool {
-    crate::kernels::supported(model.device(), model.dtype()) && model.args.mla.is_none()
+    crate::kernels::supported(model.device(), model.dtype())
+        && model.args.mla.is_none()
+        && !model.args.deepseek_routing()
+        && !model.args.arch.sinks()
 }
 
 pub fn with_packed<D: Decoder>(model: &CausalLm, d: D) -> Option<Result<D::Out>> {

@@ -472,9 +472,9 @@ fn rope_settings_are_checked_by_name() {
     );
     let e =
         err(&|v| v["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0}));
-    // Yarn is read for DeepSeek-V3 only.
+    // Yarn is read for DeepSeek-V3 and GPT-OSS only.
     assert!(
-        e.contains("rope_type \"yarn\"") && e.contains("DeepseekV3 only"),
+        e.contains("rope_type \"yarn\"") && e.contains("DeepseekV3 and GptOss only"),
         "{e}"
     );
     let e = err(&|v| v["rope_scaling"] = serde_json::json!({"type": "linear", "factor": 2.0}));

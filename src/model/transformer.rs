@@ -147,7 +147,10 @@ impl LayerPath {
 /// latent attention and routing, and experts computed densely (the reference,
 /// [`Exec::dense_experts`]) run as the composition.
 pub(super) fn hand_written(l: &Block) -> bool {
-    l.attention().is_ok() && l.experts().is_none_or(|x| !x.dense && x.deepseek.is_none())
+    let plain_experts = |x: &super::block::Experts| {
+        !x.dense && x.deepseek.is_none() && x.router_bias.is_none() && x.swiglu.is_none()
+    };
+    l.attention().is_ok_and(|a| a.sinks.is_none()) && l.experts().is_none_or(plain_experts)
 }
 
 /// PEFT's `lora_dropout` for a model's training forwards: each forward that builds a graph
@@ -376,8 +379,9 @@ impl CausalLm {
         let (mixed, blocked) = (self.mixed_products(), self.blocked_attention());
         for l in self.layers.iter_mut() {
             l.mixed = mixed;
-            // Latent attention runs as its own composition over a bias.
-            l.blocked = blocked && l.mla().is_none();
+            // Latent attention and attention with sinks run as their own composition over a
+            // bias.
+            l.blocked = blocked && l.mla().is_none() && !self.args.arch.sinks();
             if let Mlp::Experts(e) = &mut l.mlp {
                 e.dense = exec.dense_experts;
             }
@@ -395,9 +399,13 @@ impl CausalLm {
     /// Whether the op composition takes its products in bf16: off the CPU (cuBLAS), and on the
     /// CPU (its bf16 kernels) for the Gated DeltaNet hybrids, whose DeltaNet layers run as the
     /// composition (their attention layers take bf16 products on the hand-written layer), and
-    /// for DeepSeek-V3, whose layers all run as the composition.
+    /// for DeepSeek-V3, GLM-4.5 and GPT-OSS, whose latent attention, sinks or experts run as the
+    /// composition.
     fn mixed_products(&self) -> bool {
-        let composed = !self.args.all_attention() || self.args.mla.is_some();
+        let composed = !self.args.all_attention()
+            || self.args.mla.is_some()
+            || self.args.deepseek_routing()
+            || self.args.arch.sinks();
         let cpu = self.device.is_cpu() && composed && crate::kernels::bf16::available();
         self.exec.bf16 && self.dtype == DType::F32 && (!self.device.is_cpu() || cpu)
     }
@@ -1261,10 +1269,23 @@ fn experts(p: &VarBuilder, h: usize, moe: &super::config::MoeArgs) -> Result<Exp
         })),
         None => None,
     };
+    // GPT-OSS names its router `router` and biases it and its experts.
+    let (router, biased) = match moe.swiglu {
+        Some(_) => ("router", true),
+        None => ("gate", false),
+    };
     Ok(Experts {
-        router: p.get_with_hints((moe.num_experts, h), "gate.weight", small)?,
+        router: p.get_with_hints((moe.num_experts, h), &format!("{router}.weight"), small)?,
+        router_bias: match biased {
+            true => Some(p.get_with_hints(moe.num_experts, "router.bias", small)?),
+            false => None,
+        },
+        swiglu: moe.swiglu.map(|c| (c.alpha, c.limit)),
         experts: (0..moe.num_experts)
-            .map(|e| gated(&p.pp(format!("experts.{e}")), h, moe.moe_intermediate_size))
+            .map(|e| {
+                let vb = p.pp(format!("experts.{e}"));
+                gated_biased(&vb, h, moe.moe_intermediate_size, biased)
+            })
             .collect::<Result<_>>()?,
         top_k: moe.num_experts_per_tok,
         norm_topk_prob: moe.norm_topk_prob,
@@ -1286,13 +1307,17 @@ fn attention_weights(a: &VarBuilder, args: &ModelArgs, one: Init) -> Result<Atte
     let (nh, nkv) = (args.num_attention_heads, args.num_key_value_heads);
     let q_width = nh * hd * if args.attn_output_gate { 2 } else { 1 };
     Ok(Attention {
-        qk_norm: if args.arch.qk_norm() {
+        qk_norm: if args.qk_norm() {
             Some((
                 a.get_with_hints(hd, "q_norm.weight", one)?,
                 a.get_with_hints(hd, "k_norm.weight", one)?,
             ))
         } else {
             None
+        },
+        sinks: match args.arch.sinks() {
+            true => Some(a.get_with_hints(nh, "sinks", Init::Const(0.0))?),
+            false => None,
         },
         q: linear(a, h, q_width, args.qkv_bias, "q_proj")?,
         k: linear(a, h, nkv * hd, args.qkv_bias, "k_proj")?,
@@ -1303,10 +1328,15 @@ fn attention_weights(a: &VarBuilder, args: &ModelArgs, one: Init) -> Result<Atte
 
 /// A gated MLP of width `inter` under `vb` (`gate_proj`, `up_proj`, `down_proj`).
 fn gated(vb: &VarBuilder, h: usize, inter: usize) -> Result<Gated> {
+    gated_biased(vb, h, inter, false)
+}
+
+/// [`gated`], each projection with a bias when `bias` (GPT-OSS's experts).
+fn gated_biased(vb: &VarBuilder, h: usize, inter: usize, bias: bool) -> Result<Gated> {
     Ok(Gated {
-        gate: linear(vb, h, inter, false, "gate_proj")?,
-        up: linear(vb, h, inter, false, "up_proj")?,
-        down: linear(vb, inter, h, false, "down_proj")?,
+        gate: linear(vb, h, inter, bias, "gate_proj")?,
+        up: linear(vb, h, inter, bias, "up_proj")?,
+        down: linear(vb, inter, h, bias, "down_proj")?,
     })
 }
 

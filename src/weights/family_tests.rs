@@ -228,14 +228,20 @@ fn training_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
             assert!(ok, "{case}: loss {l} vs {wl}");
             let g = loss.backward().unwrap();
             let vars = loaded.varmap.data().lock().unwrap();
+            // GPT-OSS's experts: the gradients under the checkpoint's fused names.
+            let fused = fused_expert_grads(&vars, &g, &loaded.model.args);
             for pname in r["parameters"].as_array().unwrap() {
                 let pname = pname.as_str().unwrap();
-                // Tied embeddings: PyTorch reports the shared tensor once, as the embedding.
-                let var = vars
-                    .get(pname)
-                    .unwrap_or_else(|| panic!("{case}: no variable `{pname}`"));
                 let want: Vec<f64> = grads[pname].flatten_all().unwrap().to_vec1().unwrap();
-                let Some(got) = g.get(var.as_tensor()) else {
+                // Tied embeddings: PyTorch reports the shared tensor once, as the embedding.
+                let got = match fused.get(pname) {
+                    Some(t) => Some(t),
+                    None => vars
+                        .get(pname)
+                        .map(|v| g.get(v.as_tensor()))
+                        .unwrap_or_else(|| panic!("{case}: no variable `{pname}`")),
+                };
+                let Some(got) = got else {
                     // An expert no token was routed to: PyTorch's fused expert tensors give it
                     // a gradient of zeros, candle none.
                     let zero = want.iter().all(|&w| w == 0.0);
@@ -262,8 +268,9 @@ fn training_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
             for (pname, var) in vars.iter().filter(|(n, _)| kept(n)) {
                 assert!(g.get(var.as_tensor()).is_none(), "{case}: ∂L/∂{pname}");
             }
+            let per_expert = |n: &str| !fused.is_empty() && n.contains(".mlp.experts.");
             assert_eq!(
-                vars.keys().filter(|n| !kept(n)).count(),
+                vars.keys().filter(|n| !kept(n) && !per_expert(n)).count() + fused.len(),
                 r["parameters"].as_array().unwrap().len(),
                 "{case}: variables {:?}",
                 vars.keys().collect::<Vec<_>>()
@@ -273,7 +280,31 @@ fn training_matches(name: &str, dtype: DType, tol: f64, rel: f64) {
     eprintln!("{name} {dtype:?}: log-probs within {worst_lp:.1e}, gradients within {worst_grad:.1e} of scale of PyTorch's");
 }
 
-const FAMILIES: [&str; 17] = [
+/// GPT-OSS's expert gradients assembled into its checkpoint's fused tensors (an expert no
+/// token reached contributes zeros, as PyTorch's fused parameters get); empty for other
+/// families.
+fn fused_expert_grads(
+    vars: &std::collections::HashMap<String, candle_core::Var>,
+    g: &candle_core::backprop::GradStore,
+    args: &crate::model::ModelArgs,
+) -> std::collections::BTreeMap<String, Tensor> {
+    if !args.gpt_oss_experts() {
+        return Default::default();
+    }
+    let mut named: std::collections::BTreeMap<String, Tensor> = vars
+        .iter()
+        .filter(|(n, _)| n.contains(".mlp.experts."))
+        .map(|(n, v)| {
+            let t = v.as_tensor();
+            let grad = g.get(t).cloned().unwrap_or_else(|| t.zeros_like().unwrap());
+            (n.clone(), grad)
+        })
+        .collect();
+    crate::weights::hf::fuse_gpt_oss_experts(&mut named, args).unwrap();
+    named
+}
+
+const FAMILIES: [&str; 21] = [
     "llama",
     "qwen2",
     "seed_oss",
@@ -291,6 +322,10 @@ const FAMILIES: [&str; 17] = [
     "qwen3_next",
     "deepseek_v3",
     "deepseek_v3_qnull",
+    "glm4_moe",
+    "glm4_moe_plain",
+    "gpt_oss",
+    "gpt_oss_plain",
 ];
 
 /// f64: transformers' greedy tokens and log-probs within 1e-6.
@@ -640,17 +675,17 @@ fn an_unsupported_architecture_is_refused_by_name() {
     let mut cfg: Value =
         serde_json::from_str(&std::fs::read_to_string(dir("qwen3").join("config.json")).unwrap())
             .unwrap();
-    cfg["architectures"] = serde_json::json!(["GptOssForCausalLM"]);
+    cfg["architectures"] = serde_json::json!(["Gemma2ForCausalLM"]);
     let e = crate::model::ModelArgs::from_hf(&cfg).unwrap_err();
     assert!(
-        e.contains("`GptOssForCausalLM` is not supported") && e.contains("Qwen3ForCausalLM"),
+        e.contains("`Gemma2ForCausalLM` is not supported") && e.contains("Qwen3ForCausalLM"),
         "{e}"
     );
     cfg.as_object_mut().unwrap().remove("architectures");
-    cfg["model_type"] = serde_json::json!("gpt_oss");
+    cfg["model_type"] = serde_json::json!("gemma2");
     let e = crate::model::ModelArgs::from_hf(&cfg).unwrap_err();
     assert!(
-        e.contains("\"gpt_oss\"") && e.contains("LlamaForCausalLM"),
+        e.contains("\"gemma2\"") && e.contains("LlamaForCausalLM"),
         "{e}"
     );
 }
@@ -686,6 +721,7 @@ fn fused_and_per_expert_layouts_load_alike() {
             "model.layers.2.mlp.experts.3.down_proj.weight",
         ),
         ("deepseek_v3", "model.layers.2.mlp.experts.7.up_proj.weight"),
+        ("glm4_moe", "model.layers.2.mlp.experts.7.up_proj.weight"),
     ] {
         let per_expert = load(name, DType::F64);
         let fused = crate::weights::hf::load_dir(
@@ -1302,6 +1338,140 @@ fn deepseek_v3_saves_back_every_tensor() {
     }
 }
 
+/// GLM-4.5 saves back every tensor as read (its score-correction buffers included), under
+/// Glm4MoeForCausalLM, and its config reads back as the same arguments (optional q/k norms,
+/// partial rotary width, DeepSeek's routing).
+#[test]
+fn glm4_moe_saves_back_every_tensor() {
+    for (name, qk_norm, rotary) in [("glm4_moe", true, 4), ("glm4_moe_plain", false, 4)] {
+        let kept = |n: &str| crate::model::config::kept_as_read(n);
+        let sparse = if name == "glm4_moe" { 2 } else { 1 };
+        let args = assert_saves_back(name, "Glm4MoeForCausalLM", kept, sparse);
+        assert!(args.mla.is_none() && args.deepseek_routing(), "{name}");
+        assert_eq!(
+            (args.qk_norm(), args.rotary_dim()),
+            (qk_norm, rotary),
+            "{name}"
+        );
+    }
+}
+
+/// A GLM-4.5 config.json with a broken key is refused naming it: a rotary fraction giving an
+/// odd width, `use_qk_norm` that is not a boolean, a missing routing key; q/k norm tensors
+/// present while `use_qk_norm` is false are refused as unread layer tensors.
+#[test]
+fn broken_glm4_moe_settings_are_refused_by_key() {
+    let cfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir("glm4_moe").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let refused = |edit: &dyn Fn(&mut Value), key: &str| {
+        let mut c = cfg.clone();
+        edit(&mut c);
+        let e = crate::model::ModelArgs::from_hf(&c).unwrap_err();
+        assert!(e.contains(key), "{key}: {e}");
+    };
+    refused(
+        &|c| c["rope_parameters"]["partial_rotary_factor"] = 0.375.into(),
+        "partial_rotary_factor",
+    );
+    refused(&|c| c["use_qk_norm"] = "yes".into(), "use_qk_norm");
+    refused(
+        &|c| drop(c.as_object_mut().unwrap().remove("n_group")),
+        "n_group",
+    );
+    refused(&|c| c["topk_group"] = 3.into(), "topk_group");
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["model.safetensors", "generation_config.json"] {
+        std::fs::copy(dir("glm4_moe").join(f), tmp.path().join(f)).unwrap();
+    }
+    let mut c = cfg.clone();
+    c["use_qk_norm"] = false.into();
+    std::fs::write(tmp.path().join("config.json"), c.to_string()).unwrap();
+    let e = crate::weights::hf::load_dir(
+        tmp.path(),
+        &Default::default(),
+        DType::F64,
+        &Device::Cpu,
+        true,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("norm.weight") && e.contains("Glm4Moe"), "{e}");
+}
+
+/// GPT-OSS saves back every tensor as read: its experts in the fused, interleaved layout of
+/// its checkpoints (`mlp.experts.gate_up_proj` `[experts, hidden, 2·inter]` and the rest, which
+/// the model holds per expert), the router's bias and the sinks; the config reads back as the
+/// same arguments (layer types, yarn, clamp).
+#[test]
+fn gpt_oss_saves_back_every_tensor_in_its_fused_layout() {
+    for name in ["gpt_oss", "gpt_oss_plain"] {
+        let args = assert_saves_back(name, "GptOssForCausalLM", |_| false, 0);
+        assert!(args.arch.sinks() && args.moe.as_ref().unwrap().swiglu.is_some());
+        let saved = file_tensors(&dir(name));
+        assert!(saved.contains_key("model.layers.1.mlp.experts.gate_up_proj"));
+        assert!(!saved.keys().any(|k| k.contains(".experts.0.")));
+    }
+}
+
+/// A GPT-OSS config.json or folder with a broken setting is refused naming it: a clamp that is
+/// not a positive number, a layer list of another length, fused expert tensors of another
+/// layout (the tensor named), an MXFP4 `quantization_config`.
+#[test]
+fn broken_gpt_oss_settings_are_refused_by_key() {
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir("gpt_oss").join("config.json")).unwrap())
+            .unwrap();
+    let refused = |edit: &dyn Fn(&mut Value), key: &str| {
+        let mut c = cfg.clone();
+        edit(&mut c);
+        let e = crate::model::ModelArgs::from_hf(&c).unwrap_err();
+        assert!(e.contains(key), "{key}: {e}");
+    };
+    refused(&|c| c["swiglu_limit"] = (-1.0).into(), "swiglu_limit");
+    refused(
+        &|c| c["layer_types"] = serde_json::json!(["full_attention"]),
+        "layer_types",
+    );
+    let mxfp4 = serde_json::json!({"quant_method": "mxfp4"});
+    refused(
+        &|c| c["quantization_config"] = mxfp4.clone(),
+        "quantization_config",
+    );
+    // Without layer_types, transformers' default: sliding, full, sliding.
+    let mut c = cfg.clone();
+    c.as_object_mut().unwrap().remove("layer_types");
+    let args = crate::model::ModelArgs::from_hf(&c).unwrap();
+    let kinds: Vec<_> = (0..3).map(|i| args.layer_kind(i)).collect();
+    use crate::model::config::LayerKind::{Full, Sliding};
+    assert_eq!(kinds, [Sliding, Full, Sliding]);
+    // The experts' down projection stored per-expert-transposed: refused naming the tensor.
+    let tmp = tempfile::tempdir().unwrap();
+    let mut tensors =
+        candle_core::safetensors::load(dir("gpt_oss").join("model.safetensors"), &Device::Cpu)
+            .unwrap();
+    let name = "model.layers.1.mlp.experts.down_proj_bias";
+    let b = tensors[name].unsqueeze(2).unwrap();
+    tensors.insert(name.into(), b);
+    candle_core::safetensors::save(&tensors, tmp.path().join("model.safetensors")).unwrap();
+    for f in ["config.json", "generation_config.json"] {
+        std::fs::copy(dir("gpt_oss").join(f), tmp.path().join(f)).unwrap();
+    }
+    let e = crate::weights::hf::load_dir(
+        tmp.path(),
+        &Default::default(),
+        DType::F64,
+        &Device::Cpu,
+        true,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains(name) && e.contains("GPT-OSS"), "{e}");
+}
+
 /// DeepSeek-V3's score-correction biases are not among the variables the optimizer updates
 /// (transformers keeps them as buffers): an AdamW step with weight decay leaves them as read
 /// while the router, the latent attention's projections and norms and the shared experts move.
@@ -1476,45 +1646,57 @@ fn deepseek_v3_decodes_from_its_compressed_cache() {
     }
 }
 
-/// A GGUF file of llama.cpp's `deepseek2` architecture (DeepSeek-V2/V3, Kimi-K2, Moonlight) is
-/// refused naming the file, the architecture and the HF folder to load instead.
+/// A GGUF file of llama.cpp's `deepseek2` (DeepSeek-V2/V3, Kimi-K2, Moonlight) or `glm4moe`
+/// (GLM-4.5) architecture is refused naming the file, the architecture and the HF folder to
+/// load instead.
 #[test]
-fn a_deepseek2_gguf_is_refused_by_name() {
+fn deepseek2_and_glm4moe_ggufs_are_refused_by_name() {
     use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join("moonlight.gguf");
-    let arch = gguf_file::Value::String("deepseek2".into());
-    let embd = Tensor::zeros((4, 32), DType::F32, &Device::Cpu).unwrap();
-    let embd = QTensor::quantize(&embd, GgmlDType::F32).unwrap();
-    gguf_file::write(
-        &mut std::fs::File::create(&path).unwrap(),
-        &[("general.architecture", &arch)],
-        &[("token_embd.weight", &embd)],
-    )
-    .unwrap();
-    let e = crate::weights::gguf::load(&path, DType::F32, &Device::Cpu, true)
-        .map(|_| ())
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("moonlight.gguf")
-            && e.contains("`deepseek2`")
-            && e.contains("DeepseekV3ForCausalLM")
-            && e.contains("HF folder"),
-        "{e}"
-    );
+    for (name, hf) in [
+        ("deepseek2", "DeepseekV3ForCausalLM"),
+        ("glm4moe", "Glm4MoeForCausalLM"),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("model.gguf");
+        let arch = gguf_file::Value::String(name.into());
+        let embd = Tensor::zeros((4, 32), DType::F32, &Device::Cpu).unwrap();
+        let embd = QTensor::quantize(&embd, GgmlDType::F32).unwrap();
+        gguf_file::write(
+            &mut std::fs::File::create(&path).unwrap(),
+            &[("general.architecture", &arch)],
+            &[("token_embd.weight", &embd)],
+        )
+        .unwrap();
+        let e = crate::weights::gguf::load(&path, DType::F32, &Device::Cpu, true)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model.gguf")
+                && e.contains(&format!("`{name}`"))
+                && e.contains(hf)
+                && e.contains("HF folder"),
+            "{e}"
+        );
+    }
 }
 
-/// A DeepSeek-V3 folder with a multi-token-prediction layer after its decoder layers (as the
-/// hub's DeepSeek-V3 and Kimi-K2 keep layer 61: `model.layers.3.*` here, a decoder layer plus
+/// A DeepSeek-V3 or GLM-4.5 folder with a multi-token-prediction layer after its decoder layers
+/// (as the hub's DeepSeek-V3 and Kimi-K2 keep layer 61 and GLM-4.5 layer 92: `model.layers.3.*` here, a decoder layer plus
 /// `enorm`, `hnorm`, `eh_proj`, `shared_head.{norm,head}`, `embed_tokens`) and
 /// `num_nextn_predict_layers: 1` loads: its log-probs equal the folder without that layer bit for
 /// bit, the layer's tensors are variables left out of the update, and saving back writes every
 /// tensor as read with the key; with `num_nextn_predict_layers: 0` the same folder is refused
 /// naming the first unread tensor.
 #[test]
-fn deepseek_v3_mtp_layers_are_kept_as_read() {
-    let src = dir("deepseek_v3");
+fn deepseek_v3_and_glm4_moe_mtp_layers_are_kept_as_read() {
+    for name in ["deepseek_v3", "glm4_moe"] {
+        mtp_layer_kept_as_read(name);
+    }
+}
+
+fn mtp_layer_kept_as_read(family: &str) {
+    let src = dir(family);
     let mut tensors =
         candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
     let layer2: Vec<(String, Tensor)> = tensors
@@ -1558,13 +1740,13 @@ fn deepseek_v3_mtp_layers_are_kept_as_read() {
         crate::weights::hf::load_dir(d, &Default::default(), DType::F64, &Device::Cpu, true)
     };
     let e = read(&folder(0)).err().unwrap().to_string();
-    assert!(e.contains("`model.layers.3."), "{e}");
+    assert!(e.contains("`model.layers.3."), "{family}: {e}");
     let with = read(&folder(1)).unwrap();
-    let plain = load("deepseek_v3", DType::F64);
-    let r = reference("deepseek_v3");
+    let plain = load(family, DType::F64);
+    let r = reference(family);
     let (_, a) = loss_and_logprobs(&with.model, &r, false);
     let (_, b) = loss_and_logprobs(&plain.model, &r, false);
-    assert_eq!(a, b);
+    assert_eq!(a, b, "{family}");
     let mtp = tensors
         .keys()
         .filter(|n| n.starts_with("model.layers.3."))

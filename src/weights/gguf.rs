@@ -238,15 +238,30 @@ const GGUF_ARCHS: [(&str, Arch); 8] = [
     ("qwen3next", Arch::Qwen3Next),
 ];
 
-/// llama.cpp's name for DeepSeek-V2/V3's layout (also Kimi-K2's and Moonlight's GGUF files).
-const DEEPSEEK2: &str = "deepseek2";
+/// llama.cpp's architectures whose files this reader refuses although the family loads from its
+/// HF folder: `deepseek2` (DeepSeek-V2/V3, Kimi-K2, Moonlight), where llama.cpp stores latent
+/// attention its own way (`kv_b_proj` split into per-head `attn_k_b`/`attn_v_b`, rope values
+/// permuted), `glm4moe` (GLM-4.5) and `gpt-oss` (its experts in MXFP4); all stack their
+/// experts per layer (`ffn_*_exps`), mostly quantised, which this reader does not undo.
+const HF_ONLY: [(&str, &str); 3] = [
+    (
+        "deepseek2",
+        "DeepSeek-V2/V3, Kimi-K2, Moonlight as llama.cpp writes them; DeepseekV3ForCausalLM",
+    ),
+    (
+        "glm4moe",
+        "GLM-4.5 as llama.cpp writes it; Glm4MoeForCausalLM",
+    ),
+    (
+        "gpt-oss",
+        "gpt-oss as llama.cpp writes it; GptOssForCausalLM, in bf16",
+    ),
+];
 
-/// Why a `deepseek2` GGUF file is not read: llama.cpp stores latent attention its own way
-/// (`kv_b_proj` split into per-head `attn_k_b`/`attn_v_b`, quantised experts stacked per
-/// layer, rope values permuted), none of which this reader undoes; the HF folder of the same
-/// model loads (`DeepseekV3ForCausalLM`).
-pub fn deepseek2_refusal() -> String {
-    format!("GGUF architecture `{DEEPSEEK2}` (DeepSeek-V2/V3, Kimi-K2, Moonlight as llama.cpp writes them) is not read here: load the model's HF folder (DeepseekV3ForCausalLM, config.json + safetensors) instead")
+/// Why a GGUF file of an [`HF_ONLY`] architecture is not read, `None` for the others.
+pub fn hf_only_refusal(arch_name: &str) -> Option<String> {
+    let (name, what) = HF_ONLY.iter().find(|(n, _)| *n == arch_name)?;
+    Some(format!("GGUF architecture `{name}` ({what}) is not read here: load the model's HF folder (config.json + safetensors) instead"))
 }
 
 /// The `general.architecture` llama.cpp writes for `arch`.
@@ -261,8 +276,8 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         .to_string()
         .map_err(|e| ModelError::file(path, e.to_string()))?
         .clone();
-    if arch_name == DEEPSEEK2 {
-        return Err(ModelError::file(path, deepseek2_refusal()));
+    if let Some(why) = hf_only_refusal(&arch_name) {
+        return Err(ModelError::file(path, why));
     }
     let Some(&(_, arch)) = GGUF_ARCHS.iter().find(|(n, _)| *n == arch_name) else {
         let names: Vec<&str> = GGUF_ARCHS.iter().map(|(n, _)| *n).collect();
@@ -359,6 +374,8 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         mla: None,
         auto_map: None,
         remote_code: Default::default(),
+        use_qk_norm: false,
+        trailing_mtp_layers: 0,
     })
 }
 
@@ -625,6 +642,7 @@ fn read_moe(c: &Content, path: &Path, arch: &str, layers: usize) -> Result<MoeAr
             false => None,
         },
         deepseek: None,
+        swiglu: None,
     })
 }
 

@@ -183,10 +183,16 @@ pub fn build(
 
 /// llama.cpp's `general.architecture` of a family the writer lays out.
 fn arch_name(args: &ModelArgs, target: &Path) -> Result<&'static str, ModelError> {
-    if args.arch == crate::model::Arch::DeepseekV3 {
+    let laid_out_elsewhere = match args.arch {
+        crate::model::Arch::DeepseekV3 => Some(("deepseek2", "latent attention and experts")),
+        crate::model::Arch::Glm4Moe => Some(("glm4moe", "experts")),
+        crate::model::Arch::GptOss => Some(("gpt-oss", "experts and attention sinks")),
+        _ => None,
+    };
+    if let Some((name, what)) = laid_out_elsewhere {
         return Err(ModelError::file(
             target,
-            "a DeepseekV3 model (llama.cpp's `deepseek2`) is not written as GGUF by this program (its latent attention is laid out by llama.cpp's converter only): write an HF folder (without --gguf) and convert it with llama.cpp's convert_hf_to_gguf.py".into(),
+            format!("a {:?} model (llama.cpp's `{name}`) is not written as GGUF by this program (its {what} are laid out by llama.cpp's converter only): write an HF folder (without --gguf) and convert it with llama.cpp's convert_hf_to_gguf.py", args.arch),
         ));
     }
     let name = gguf::gguf_arch_name(args.arch);

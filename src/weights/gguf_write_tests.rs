@@ -350,7 +350,7 @@ fn what_a_gguf_file_cannot_hold_is_refused_by_name() {
         "{e}"
     );
 
-    // DeepSeek-V3: llama.cpp's `deepseek2` layout is its converter's alone.
+    // DeepSeek-V3 and GLM-4.5: llama.cpp's `deepseek2` and `glm4moe` layouts are its converter's alone.
     let deepseek = ModelArgs::tiny(Arch::DeepseekV3, 259);
     let e = refused(&random_model(&deepseek), &deepseek, &tok, &path);
     assert!(
@@ -358,6 +358,12 @@ fn what_a_gguf_file_cannot_hold_is_refused_by_name() {
             && e.contains("DeepseekV3")
             && e.contains("`deepseek2`")
             && e.contains("HF folder"),
+        "{e}"
+    );
+    let glm = ModelArgs::tiny(Arch::Glm4Moe, 259);
+    let e = refused(&random_model(&glm), &glm, &tok, &path);
+    assert!(
+        e.contains("Glm4Moe") && e.contains("`glm4moe`") && e.contains("HF folder"),
         "{e}"
     );
     assert!(!path.exists());

@@ -236,7 +236,10 @@ pub fn build(
 ) -> Result<Loaded, ModelError> {
     let lifted = language_model_of(tensors, source);
     let tensors = lifted.as_ref().unwrap_or(tensors);
-    let split = split_fused_experts(tensors, source)?;
+    let split = match args.gpt_oss_experts() {
+        true => split_gpt_oss_experts(tensors, source)?,
+        false => split_fused_experts(tensors, source)?,
+    };
     let tensors = split.as_ref().unwrap_or(tensors);
     let varmap = VarMap::new();
     let vars = CheckpointVars {
@@ -395,6 +398,132 @@ fn split_fused_experts(
     Ok(Some(out))
 }
 
+/// The four fused tensors of GPT-OSS's experts, by suffix of `….mlp.experts.`.
+const GPT_OSS_FUSED: [&str; 4] = [
+    "gate_up_proj",
+    "gate_up_proj_bias",
+    "down_proj",
+    "down_proj_bias",
+];
+
+/// GPT-OSS's experts as its checkpoints store them (`mlp.experts.gate_up_proj` `[experts,
+/// hidden, 2·inter]` whose columns alternate gate, up, gate, up…; `gate_up_proj_bias`
+/// `[experts, 2·inter]` alike; `down_proj` `[experts, inter, hidden]`; `down_proj_bias`
+/// `[experts, hidden]`) cut into per-expert projections in nn.Linear's `[out, in]` layout,
+/// `mlp.experts.N.{gate,up,down}_proj.{weight,bias}`. [`fuse_gpt_oss_experts`] is the
+/// inverse. `None` when there are none.
+fn split_gpt_oss_experts(
+    tensors: &HashMap<String, Tensor>,
+    source: &Path,
+) -> Result<Option<HashMap<String, Tensor>>, ModelError> {
+    fn part(n: &str) -> Option<(&str, &str)> {
+        let (prefix, which) = n.rsplit_once(".mlp.experts.")?;
+        GPT_OSS_FUSED.contains(&which).then_some((prefix, which))
+    }
+    if !tensors.keys().any(|n| part(n).is_some()) {
+        return Ok(None);
+    }
+    let bad = |name: &str, m: String| ModelError::file(source, format!("`{name}`: {m}"));
+    let mut out = HashMap::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        let Some((prefix, which)) = part(name) else {
+            out.insert(name.clone(), t.clone());
+            continue;
+        };
+        let experts = t.dim(0).map_err(|_| bad(name, "a scalar".into()))?;
+        let key = |e: usize, p: &str, kind: &str| format!("{prefix}.mlp.experts.{e}.{p}.{kind}");
+        for e in 0..experts {
+            let x = t.get(e)?;
+            // (projection, tensor) pairs in nn.Linear's layout.
+            let parts: Vec<(String, Tensor)> = match (which, x.dims()) {
+                ("gate_up_proj", &[h, two]) if two % 2 == 0 => {
+                    let x = x.reshape((h, two / 2, 2))?; // [hidden, inter, (gate, up)]
+                    vec![
+                        (key(e, "gate_proj", "weight"), x.narrow(2, 0, 1)?.squeeze(2)?.t()?),
+                        (key(e, "up_proj", "weight"), x.narrow(2, 1, 1)?.squeeze(2)?.t()?),
+                    ]
+                }
+                ("gate_up_proj_bias", &[two]) if two % 2 == 0 => {
+                    let x = x.reshape((two / 2, 2))?;
+                    vec![
+                        (key(e, "gate_proj", "bias"), x.narrow(1, 0, 1)?.squeeze(1)?),
+                        (key(e, "up_proj", "bias"), x.narrow(1, 1, 1)?.squeeze(1)?),
+                    ]
+                }
+                ("down_proj", &[_, _]) => vec![(key(e, "down_proj", "weight"), x.t()?)],
+                ("down_proj_bias", &[_]) => vec![(key(e, "down_proj", "bias"), x)],
+                _ => {
+                    return Err(bad(
+                        name,
+                        format!(
+                            "{:?} is not GPT-OSS's layout ([experts, hidden, 2·inter], [experts, 2·inter], [experts, inter, hidden], [experts, hidden])",
+                            t.dims()
+                        ),
+                    ))
+                }
+            };
+            for (k, w) in parts {
+                if tensors.contains_key(&k) {
+                    return Err(bad(
+                        &k,
+                        format!("stored both per expert and fused in `{name}`"),
+                    ));
+                }
+                out.insert(k, w.contiguous()?);
+            }
+        }
+    }
+    Ok(Some(out))
+}
+
+/// The inverse of [`split_gpt_oss_experts`] on a model's named tensors: every layer's
+/// per-expert projections back into GPT-OSS's four fused tensors.
+pub(crate) fn fuse_gpt_oss_experts(
+    named: &mut BTreeMap<String, Tensor>,
+    args: &ModelArgs,
+) -> candle_core::Result<()> {
+    let Some(moe) = args.moe.as_ref().filter(|m| m.swiglu.is_some()) else {
+        return Ok(());
+    };
+    for layer in 0..args.num_hidden_layers {
+        let prefix = format!("model.layers.{layer}.mlp.experts");
+        let mut take = |e: usize, p: &str, kind: &str| {
+            let k = format!("{prefix}.{e}.{p}.{kind}");
+            named
+                .remove(&k)
+                .ok_or_else(|| candle_core::Error::Msg(format!("no variable `{k}` to save")))
+        };
+        let mut fused: [Vec<Tensor>; 4] = Default::default();
+        for e in 0..moe.num_experts {
+            let (gw, uw) = (
+                take(e, "gate_proj", "weight")?,
+                take(e, "up_proj", "weight")?,
+            );
+            let (gb, ub) = (take(e, "gate_proj", "bias")?, take(e, "up_proj", "bias")?);
+            let (dw, db) = (
+                take(e, "down_proj", "weight")?,
+                take(e, "down_proj", "bias")?,
+            );
+            let (inter, h) = gw.dims2()?;
+            // [inter, 2, hidden] → rows gate₀, up₀, gate₁, … → [hidden, 2·inter].
+            let gate_up = Tensor::stack(&[&gw, &uw], 1)?
+                .reshape((2 * inter, h))?
+                .t()?;
+            fused[0].push(gate_up);
+            fused[1].push(Tensor::stack(&[&gb, &ub], 1)?.reshape(2 * inter)?);
+            fused[2].push(dw.t()?);
+            fused[3].push(db);
+        }
+        for (which, parts) in GPT_OSS_FUSED.iter().zip(fused) {
+            named.insert(
+                format!("{prefix}.{which}"),
+                Tensor::stack(&parts, 0)?.contiguous()?,
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The variables of a model built from a checkpoint. A variable the model asks for must be
 /// one of `tensors` with the shape asked for; it becomes a trainable variable of `varmap`
 /// holding that tensor. Anything else is a problem recorded under the variable's name and
@@ -508,11 +637,12 @@ pub fn save_dir(
     )
     .map_err(|e| io(&gen, e))?;
     let data = varmap.data().lock().expect("varmap lock");
-    let named: BTreeMap<String, Tensor> = data
+    let mut named: BTreeMap<String, Tensor> = data
         .iter()
         .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
         .collect();
     drop(data);
+    fuse_gpt_oss_experts(&mut named, args)?;
     let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
     let mut shards: Vec<Vec<(String, Tensor)>> = vec![Vec::new()];
     let mut size = 0;

@@ -92,14 +92,25 @@ pub fn tensor_name(module: &str, which: &str) -> String {
     format!("base_model.model.{module}.{which}.weight")
 }
 
+/// Whether the projection `name` of a layer (`mlp.experts.3.up_proj`) is a module PEFT can
+/// adapt: not GPT-OSS's experts, which transformers holds as fused parameters rather than
+/// linear modules (PEFT's `target_modules` cannot name them).
+fn adaptable(args: &ModelArgs, name: &str) -> bool {
+    !(args.gpt_oss_experts() && name.starts_with("mlp.experts."))
+}
+
 /// The projections of `model` that can carry an adapter: HF module name and weight shape
 /// `(out, in)`, in [`attach`]'s order. Reads shapes only.
 pub fn projections(
     model: &mut CausalLm,
 ) -> std::result::Result<Vec<(String, usize, usize)>, ModelError> {
     let mut all = Vec::new();
+    let args = model.args.clone();
     for (i, block) in model.blocks_mut().iter_mut().enumerate() {
         for (name, p) in block.projs_mut() {
+            if !adaptable(&args, &name) {
+                continue;
+            }
             let (out, inp) = p.weight().dims2()?;
             all.push((format!("model.layers.{i}.{name}"), out, inp));
         }
@@ -150,6 +161,8 @@ pub fn projections_of(args: &ModelArgs) -> impl Iterator<Item = (String, usize, 
             ],
         };
         let mlp: Vec<(String, usize, usize)> = match &args.moe {
+            // GPT-OSS's experts: fused parameters, not modules ([`adaptable`]).
+            Some(m) if m.swiglu.is_some() => Vec::new(),
             Some(m) if m.sparse(i) => {
                 let mut v: Vec<_> = (0..m.num_experts)
                     .flat_map(|e| gated(at(&format!("mlp.experts.{e}")), m.moe_intermediate_size))
@@ -274,10 +287,11 @@ pub fn attach(
     let scale = spec.scale();
     let mut adapted = Vec::new();
     let mut data = adapters.data().lock().expect("varmap lock");
+    let args = model.args.clone();
     for (i, block) in model.blocks_mut().iter_mut().enumerate() {
         for (name, p) in block.projs_mut() {
             let module = format!("model.layers.{i}.{name}");
-            if !spec.targets(&module).map_err(bad)? {
+            if !adaptable(&args, &name) || !spec.targets(&module).map_err(bad)? {
                 continue;
             }
             let (out, inp) = p.weight().dims2()?;
@@ -841,6 +855,8 @@ pub(crate) mod tests {
             (Arch::SeedOss, false),
             (Arch::MiMo, false),
             (Arch::DeepseekV3, false),
+            (Arch::Glm4Moe, false),
+            (Arch::GptOss, false),
             (Arch::Llama, true),
             (Arch::SeedOss, true),
         ] {
@@ -869,6 +885,8 @@ pub(crate) mod tests {
             Arch::Qwen3,
             Arch::Gemma3,
             Arch::DeepseekV3,
+            Arch::Glm4Moe,
+            Arch::GptOss,
         ] {
             let args = ModelArgs::tiny(arch, 30);
             let (_vm, mut m) = crate::testing::tiny_model(&args, DType::F32, 0.3);
@@ -901,6 +919,8 @@ pub(crate) mod tests {
             (Arch::Qwen2, false),
             (Arch::SeedOss, false),
             (Arch::DeepseekV3, false),
+            (Arch::Glm4Moe, false),
+            (Arch::GptOss, false),
             (Arch::Llama, true),
             (Arch::SeedOss, true),
             (Arch::DeepseekV3, true),
@@ -936,9 +956,9 @@ pub(crate) mod tests {
             }
             let data: Vec<(String, Var)> = ad.data().lock().unwrap().clone().into_iter().collect();
             // A and B of every projection (DeepSeek-V3's: the latent attention's five, the
-            // dense MLP's, eight experts' and the shared experts').
+            // dense MLP's, eight experts' and the shared experts'; GPT-OSS's attention only).
             assert_eq!(data.len(), 2 * projections_of(&args).count());
-            assert!(data.len() >= 2 * 7 * 2);
+            assert!(data.len() >= 2 * 4 * 2);
             for (name, var) in &data {
                 // An expert no token was routed to has no gradient.
                 let Some(g) = grads.get(var.as_tensor()) else {
@@ -1219,7 +1239,7 @@ pub(crate) mod tests {
     #[test]
     fn projections_from_the_config_are_the_models() {
         let all = crate::testing::DECODER_ARCHS.into_iter();
-        let deepseek = [Arch::DeepseekV3];
+        let deepseek = [Arch::DeepseekV3, Arch::Glm4Moe, Arch::GptOss];
         for arch in all.chain(crate::testing::HYBRID_ARCHS).chain(deepseek) {
             let mut args = ModelArgs::tiny(arch, 30);
             args.head_dim = 4; // q_proj [16, 32]: not square (DeepSeek's rope width already)
