@@ -672,6 +672,18 @@ fn a_deepseek_v3_actor_and_critic_resume_bit_exact() {
     assert_eq!(before, after);
 }
 
+/// GLM-4.5 (DeepSeek's routing beside grouped-query attention) and GPT-OSS (sinks, sliding
+/// layers, biased clamped experts saved back fused) through the whole loop.
+#[test]
+fn glm4_moe_and_gpt_oss_actors_and_critics_resume_bit_exact() {
+    actor_and_critic_resume_bit_exact(Arch::Glm4Moe, "Glm4MoeForCausalLM");
+    let (_fx, exported) = actor_and_critic_resume_bit_exact(Arch::GptOss, "GptOssForCausalLM");
+    let t =
+        candle_core::safetensors::load(exported.join("model.safetensors"), &Device::Cpu).unwrap();
+    assert!(t.contains_key("model.layers.0.mlp.experts.gate_up_proj"));
+    assert!(t.contains_key("model.layers.1.self_attn.sinks"));
+}
+
 /// An actor and a critic of the tiny `arch` (GAE, shuffled mini-batches, packed sequences,
 /// recomputation) stopped after step 2 and resumed end as the uninterrupted run, with finite
 /// policy losses; the step-4 actor's exported config names `hf_arch` and reads back as the same

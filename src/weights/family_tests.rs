@@ -1091,8 +1091,15 @@ fn hybrid_training_in_bf16_stays_near_f32() {
         crate::model::Arch::Qwen3_5,
         crate::model::Arch::Qwen3Next,
         crate::model::Arch::DeepseekV3,
+        crate::model::Arch::GptOss,
     ] {
-        let args = crate::model::ModelArgs::tiny(arch, 96);
+        let mut args = crate::model::ModelArgs::tiny(arch, 96);
+        if let Some(c) = args.moe.as_mut().and_then(|m| m.swiglu.as_mut()) {
+            // GPT-OSS's published clamp: the tiny model's lower one acts on a few values, and a
+            // value on the other side of it in bf16 flips its gradient to zero (the f32 and bf16
+            // gradients then differ by design, not by rounding).
+            c.limit = 7.0;
+        }
         let (varmap, mut model) = crate::testing::tiny_model(&args, DType::F32, 0.1);
         let mut run = |bf16: bool| {
             model.set_exec(Exec {

@@ -170,11 +170,14 @@ fn no_config(dir: &Path) -> ModelError {
 }
 
 /// Copies `tensors` into the model's variables; every variable must be found with its shape.
+/// GPT-OSS's fused experts (as [`save_dir`] writes them) are read per expert.
 pub fn assign(
     varmap: &VarMap,
     tensors: &HashMap<String, Tensor>,
     source: &Path,
 ) -> Result<(), ModelError> {
+    let split = split_gpt_oss_experts(tensors, source)?;
+    let tensors = split.as_ref().unwrap_or(tensors);
     let data = varmap.data().lock().expect("varmap lock");
     // In name order, so the first problem reported is always the same one.
     let sorted: BTreeMap<&String, &candle_core::Var> = data.iter().collect();
