@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STRUCTS = {
     "": "Config",
     "data": "DataConfig",
+    "data.sampler": "SamplerConfig",
     "actor_rollout_ref": "ActorRolloutRefConfig",
     "actor_rollout_ref.model": "ModelConfig",
     "actor_rollout_ref.model.fsdp_config": "FsdpConfig",

@@ -236,7 +236,6 @@ def expect(entry, configs):
             refuse(key, what)
     for key, what in [
         ("data.custom_cls.path", "custom Python dataset class"),
-        ("data.sampler.class_path", "custom Python sampler"),
         ("data.datagen.path", "custom Python data generator"),
         ("sandbox_fusion.url", "sandbox fusion"),
         ("reward.sandbox_fusion.url", "sandbox fusion"),
@@ -248,6 +247,19 @@ def expect(entry, configs):
             if key.endswith("sandbox_fusion.url"):
                 # the legacy spellings are read as reward.sandbox_fusion.url, which the error names
                 refuse("reward.sandbox_fusion.url", what)
+    # A custom sampler class runs in a Python worker. The lines' `pkg://tests.utils.dataset...`
+    # module is verl's own test file, importable from verl's repository root; the test
+    # (tests/verl/mod.rs) puts a stand-in module under that same import path on PYTHONPATH and
+    # leaves the line unchanged, so what is checked is the line as written (the import, the
+    # class, its length over the data) rather than a path swapped for another file.
+    sampler_path, sampler_name = st.get("data.sampler.class_path"), st.get("data.sampler.class_name")
+    if not unset(sampler_path):
+        if unset(sampler_name):
+            refuse("data.sampler.class_name", "a sampler module without its class")
+        if str(st.get("data.dataloader_num_workers", 8)) != "0":
+            refuse("data.dataloader_num_workers", "loader workers with a custom sampler (verl asserts 0)")
+    elif not unset(sampler_name):
+        refuse("data.sampler.class_name", "a sampler class without its module")
     if truthy(st.get("algorithm.filter_groups.enable")):
         if truthy(st.get("algorithm.use_kl_in_reward")):
             refuse("algorithm.filter_groups.enable", "DAPO group filtering with the KL in the reward")

@@ -11,6 +11,8 @@ mod dist;
 mod docs;
 /// The hybrid model families through the CLI (chat fixtures of transformers, their GGUF).
 mod families;
+/// verl's custom sampler class (`data.sampler`): training in its order, its update, resume.
+mod sampler;
 /// `main_ppo sft`: verl's SFT example command lines.
 mod sft;
 /// The remote trackers (wandb, MLflow, ...) through their SDKs.

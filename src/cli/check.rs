@@ -27,6 +27,30 @@ pub struct DataSummary {
     /// tokenised; and the names of the tools they may call.
     pub tool_rows: Option<(usize, Option<usize>)>,
     pub tools: Vec<String>,
+    /// The custom sampler (`data.sampler.class_path`), built over the training prompts as
+    /// training builds it: its name, `len(sampler)` and whether it is a curriculum sampler.
+    pub sampler: Option<SamplerSummary>,
+}
+
+/// A custom sampler as `config check` reports it: its name, `len(sampler)`, whether it is a
+/// curriculum sampler.
+pub type SamplerSummary = (String, usize, bool);
+
+/// Builds the custom sampler over `train` as training does (its class imported, its
+/// constructor run; nothing drawn) and ends its worker; the rows an epoch has for the step count.
+fn check_sampler(
+    cfg: &Config,
+    train: &[crate::data::Sample],
+) -> anyhow::Result<(Option<SamplerSummary>, usize)> {
+    use crate::data::IndexSampler;
+    let built = crate::trainer::sampler::build(cfg, train).map_err(super::lift)?;
+    Ok(match built {
+        Some(s) => (
+            Some((s.name().to_string(), s.len(), s.curriculum())),
+            s.len(),
+        ),
+        None => (None, train.len()),
+    })
 }
 
 impl DataSummary {
@@ -49,7 +73,8 @@ impl DataSummary {
         let tok_dir = PathBuf::from(expand_home(tok_dir));
         let is_gguf = tok_dir.is_file() && tok_dir.extension().is_some_and(|e| e == "gguf");
         if !is_gguf && !tok_dir.join("tokenizer.json").is_file() {
-            setup::total_steps(cfg, plan, train.len())?;
+            let (sampler, epoch_rows) = check_sampler(cfg, &train)?;
+            setup::total_steps(cfg, plan, epoch_rows)?;
             return Ok(Self {
                 train_rows: train.len(),
                 val_rows: val.map(|v| v.len()),
@@ -60,6 +85,7 @@ impl DataSummary {
                 )),
                 tool_rows: None,
                 tools: Vec::new(),
+                sampler,
             });
         }
         let bundle = if is_gguf {
@@ -89,7 +115,8 @@ impl DataSummary {
         };
         let val_tool_rows = val.as_ref().map(tool_rows);
         let val_rows = val.map(|v| v.len());
-        setup::total_steps(cfg, plan, train.len())?;
+        let (sampler, epoch_rows) = check_sampler(cfg, &train.samples)?;
+        setup::total_steps(cfg, plan, epoch_rows)?;
         let tools = rendering
             .tools
             .iter()
@@ -107,6 +134,7 @@ impl DataSummary {
             tokenizer_note: None,
             tool_rows: Some((tool_rows(&train), val_tool_rows)),
             tools,
+            sampler,
         })
     }
 }
@@ -254,6 +282,17 @@ fn data_section(o: &mut String, cfg: &Config, plan: &Plan, data: &DataSummary) {
     }
     if let Some(note) = &data.tokenizer_note {
         let _ = writeln!(o, "  note: {note}");
+    }
+    if let Some((name, len, curriculum)) = &data.sampler {
+        let _ = writeln!(
+            o,
+            "  order: {name}, len(sampler) = {len}{}",
+            if *curriculum {
+                ", update(batch=...) after each step"
+            } else {
+                ""
+            }
+        );
     }
     let _ = writeln!(
         o,

@@ -164,8 +164,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     // data loader options of the Python implementation
     ("data.custom_cls.path", Unsupported { default: "null", why: "custom Python dataset classes cannot run here; convert the data to verl's parquet/JSONL format" }),
     ("data.custom_cls", DIST),
-    ("data.sampler.class_path", Unsupported { default: "null", why: "custom Python sampler classes cannot run here" }),
-    ("data.sampler", DIST),
     ("data.datagen.path", Unsupported { default: "null", why: "custom Python data generators cannot run here" }),
     ("data.datagen", DIST),
     ("data.use_shm", DIST),
@@ -174,7 +172,6 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("data.return_raw_input_ids", DIST),
     ("data.return_raw_chat", DIST),
     ("data.return_full_prompt", DIST),
-    ("data.dataloader_num_workers", DIST),
     ("data.image_patch_size", DIST),
     ("data.filter_overlong_prompts_workers", DIST),
     ("data.image_key", DIST),

@@ -68,6 +68,22 @@ pub struct DataConfig {
     pub truncation: Truncation,
     /// Extra variables for the chat template (e.g. enable_thinking).
     pub apply_chat_template_kwargs: FreeMap,
+    /// verl's loader worker processes. With a custom sampler (`data.sampler.class_path`) it must
+    /// be 0, as verl asserts (workers would draw batches before a curriculum sampler's update);
+    /// otherwise it has no effect here (the loader runs in the trainer's process).
+    pub dataloader_num_workers: usize,
+    /// A custom sampler class that orders the training data instead of data.shuffle.
+    pub sampler: SamplerConfig,
+}
+
+/// `data.sampler.*` (verl's custom sampler, `create_rl_sampler`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplerConfig {
+    /// The module of the sampler class: `pkg://package.module` (imported by name) or a Python file; null = data.shuffle orders the data.
+    pub class_path: Option<String>,
+    /// The sampler class (built as `cls(data_source=dataset, data_config=data)`, run in a Python worker on reward.python; see the data chapter).
+    pub class_name: Option<String>,
 }
 
 defaults!(DataConfig {
@@ -89,6 +105,8 @@ defaults!(DataConfig {
     filter_overlong_prompts: false,
     truncation: Truncation::Error,
     apply_chat_template_kwargs: FreeMap::new(),
+    dataloader_num_workers: 8,
+    sampler: SamplerConfig::default(),
 });
 
 /// The longest prompt + response budget accepted whatever the model (2^20 tokens, far beyond

@@ -348,6 +348,7 @@ pub fn resolve(cfg: &Config) -> Result<Plan, ConfigError> {
     let (need_reference, ref_log_prob_micro) = reference_rules(&mut f, cfg);
     algorithm_rules(&mut f, cfg, l.n);
     let (gen_batch_size, filter_groups) = filter_groups_rules(&mut f, cfg, &l);
+    sampler_rules(&mut f, cfg);
     let rollout_correction = rollout_corr_rules(&mut f, cfg);
     let (need_critic, critic, critic_forward_micro) = critic_rules(&mut f.errors, cfg, &l);
     let reward = reward_rules(&mut f.errors, cfg);
@@ -815,6 +816,31 @@ fn pf_ppo_rules(errors: &mut Vec<String>, algo: &crate::config::AlgorithmConfig)
         errors.push(format!(
             "`algorithm.pf_ppo.weight_pow` ({}) must be a finite number >= 0",
             p.weight_pow
+        ));
+    }
+}
+
+/// `data.sampler`: a class needs its module and its name, and verl's rule that the loader has no
+/// worker processes (they would draw batches before a curriculum sampler's update could shape
+/// them). A class given without its module is refused too (verl ignores it silently).
+fn sampler_rules(f: &mut Findings, cfg: &Config) {
+    let s = &cfg.data.sampler;
+    let path = s.class_path.as_deref().filter(|p| !p.is_empty());
+    let name = s.class_name.as_deref().filter(|n| !n.is_empty());
+    match (path, name) {
+        (None, None) => return,
+        (Some(p), None) => f.errors.push(format!(
+            "`data.sampler.class_path` ({p}) needs `data.sampler.class_name`, the sampler class in it"
+        )),
+        (None, Some(n)) => f.errors.push(format!(
+            "`data.sampler.class_name` ({n}) is set without `data.sampler.class_path` (pkg://module or a file holding the class): verl would ignore it and shuffle; set the path, or drop the name"
+        )),
+        (Some(_), Some(_)) => {}
+    }
+    if path.is_some() && cfg.data.dataloader_num_workers != 0 {
+        f.errors.push(format!(
+            "`data.dataloader_num_workers` ({}) must be 0 with a custom sampler (`data.sampler.class_path`), as verl requires: loader workers would draw batches before a curriculum sampler's update could reorder them",
+            cfg.data.dataloader_num_workers
         ));
     }
 }

@@ -1642,3 +1642,33 @@ fn a_yaml_alias_bomb_is_refused_in_words() {
         "{e}"
     );
 }
+
+/// `data.sampler`: a module needs its class and the other way round, and verl's rule that a
+/// custom sampler runs without loader workers (its default is 8).
+#[test]
+fn rule_custom_sampler() {
+    let p = "data.sampler.class_path=pkg://my.samplers";
+    assert!(resolved(&[
+        p,
+        "data.sampler.class_name=S",
+        "data.dataloader_num_workers=0"
+    ])
+    .is_ok());
+    let e = rule_error(&[p, "data.sampler.class_name=S"]);
+    assert!(
+        e.contains("`data.dataloader_num_workers` (8) must be 0 with a custom sampler"),
+        "{e}"
+    );
+    let e = rule_error(&[p, "data.dataloader_num_workers=0"]);
+    assert!(
+        e.contains("`data.sampler.class_path` (pkg://my.samplers) needs `data.sampler.class_name`"),
+        "{e}"
+    );
+    let e = rule_error(&["data.sampler.class_name=S"]);
+    assert!(
+        e.contains("`data.sampler.class_name` (S) is set without `data.sampler.class_path`"),
+        "{e}"
+    );
+    // Without a sampler the worker count has no effect.
+    assert!(resolved(&["data.dataloader_num_workers=4"]).is_ok());
+}

@@ -5,7 +5,8 @@
 //! - `template`: the model's Jinja chat template (HF `apply_chat_template` semantics),
 //! - `tokenizer`: tokenizer, chat template and special tokens of an HF model directory,
 //! - `dataset`: rendering, tokenising, sample limits, overlong filtering and truncation,
-//! - `loader`: the seeded, resumable batch order and left-padded collation,
+//! - `loader`: the seeded, resumable batch order and left-padded collation, or the order of a
+//!   custom sampler ([`IndexSampler`], verl's `data.sampler`; its Python worker is `reward::sampler`),
 //! - `numpy_rng`: NumPy's seeded `choice`, for verl's exact `*_max_samples` subsets.
 //!
 //! verl: `verl/utils/dataset/rl_dataset.py` (`RLHFDataset`), `examples/data_preprocess/gsm8k.py`.
@@ -20,7 +21,7 @@ pub mod template;
 pub mod tokenizer;
 
 pub use dataset::{AgentRendering, DatasetOptions, PromptDataset};
-pub use loader::{collate, BatchLoader, LoaderCursor, PromptBatch};
+pub use loader::{collate, BatchLoader, IndexSampler, LoaderCursor, PromptBatch, SamplerCursor};
 pub use read::read_rows;
 pub use sample::Sample;
 pub use template::ChatTemplate;

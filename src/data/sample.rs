@@ -135,6 +135,31 @@ impl Sample {
         })
     }
 
+    /// The row as verl's `RLHFDataset.__getitem__` gives it to a custom sampler (`dataset[i]`):
+    /// every column of the file, `extra_info` ({} when missing or null), `raw_prompt` (the chat
+    /// messages of `prompt_key`), and `index`, `tools_kwargs`, `interaction_kwargs` from
+    /// `extra_info` (0, {}, {} when absent). verl's `dummy_tensor` (a torch tensor holding 0) is
+    /// left out.
+    pub fn dataset_item(&self, prompt_key: &str) -> Value {
+        let mut item = self.raw.as_object().cloned().unwrap_or_default();
+        let info = &self.extra_info;
+        let or = |key: &str, default: Value| info.get(key).cloned().unwrap_or(default);
+        item.insert("extra_info".into(), info.clone());
+        if let Some(p) = item.get(prompt_key).cloned() {
+            item.insert("raw_prompt".into(), p);
+        }
+        item.insert("index".into(), or("index", Value::from(0)));
+        item.insert(
+            "tools_kwargs".into(),
+            or("tools_kwargs", Value::Object(Default::default())),
+        );
+        item.insert(
+            "interaction_kwargs".into(),
+            or("interaction_kwargs", Value::Object(Default::default())),
+        );
+        Value::Object(item)
+    }
+
     /// The answer the reward checks: top-level `ground_truth` (rows for the reward alone) or
     /// `reward_model.ground_truth`, refused by column where missing or mistyped (not needed for
     /// prompts alone: `Null` then).
@@ -289,6 +314,36 @@ mod tests {
             e.contains("f.jsonl, row 2, column `q`") && e.contains("data.prompt_key"),
             "{e}"
         );
+    }
+
+    /// The item a custom sampler reads: verl's `__getitem__` columns added to the row (values
+    /// from `RLHFDataset.__getitem__` at b178a3c, worked by hand for this row).
+    #[test]
+    fn dataset_item_has_verls_added_columns() {
+        let s = Sample::from_row("f", 0, gsm8k_row(), "prompt", "data_source").unwrap();
+        let item = s.dataset_item("prompt");
+        assert_eq!(
+            item["raw_prompt"],
+            json!([{"role": "user", "content": "1+1?"}])
+        );
+        assert_eq!(item["index"], json!(0));
+        assert_eq!(
+            (&item["tools_kwargs"], &item["interaction_kwargs"]),
+            (&json!({}), &json!({}))
+        );
+        assert_eq!(item["reward_model"]["ground_truth"], json!("2"));
+        let mut row = gsm8k_row();
+        row["extra_info"] = json!({"index": 41, "tools_kwargs": {"calc": {"x": 1}}});
+        let s = Sample::from_row("f", 0, row, "prompt", "data_source").unwrap();
+        let item = s.dataset_item("prompt");
+        assert_eq!(
+            (item["index"].clone(), item["tools_kwargs"].clone()),
+            (json!(41), json!({"calc": {"x": 1}}))
+        );
+        let mut row = gsm8k_row();
+        row["extra_info"] = Value::Null;
+        let s = Sample::from_row("f", 0, row, "prompt", "data_source").unwrap();
+        assert_eq!(s.dataset_item("prompt")["extra_info"], json!({}));
     }
 
     #[test]

@@ -3,7 +3,9 @@
 //! - `pystr`: the Python string semantics the scorers need,
 //! - `scorers`: verl's built-in rule scorers and the `default` data_source dispatch,
 //! - `native`: Rust reward functions registered by name,
-//! - `tools`: the multi-turn agent loop's tools, run in sandboxed Python workers.
+//! - `tools`: the multi-turn agent loop's tools, run in sandboxed Python workers,
+//! - `sampler`: verl's custom data sampler class (`data.sampler`), run in a Python worker beside
+//!   the others and handed to the loader by the trainer.
 
 pub mod manager;
 pub mod model_source;
@@ -12,6 +14,7 @@ pub mod pair_source;
 pub mod placement;
 pub mod pystr;
 pub mod python;
+pub mod sampler;
 pub mod scorers;
 pub mod tools;
 

@@ -19,7 +19,6 @@ use super::batch::{Column, StepBatch};
 use super::{Result, Trainer, TrainerError};
 use crate::algo::filter::{filter, Precision};
 use crate::config::FilterPlan;
-use crate::data::BatchLoader;
 use crate::metrics::{Metrics, Timings};
 use crate::rollout::Sampler;
 
@@ -134,8 +133,7 @@ impl Trainer {
                 }
             }
             if self.loader.next_epoch() >= self.cfg.trainer.total_epochs as u64 {
-                self.loader =
-                    BatchLoader::resume(self.train.len(), self.plan.gen_batch_size, cursor);
+                self.loader.rewind(cursor);
                 self.rollout.sampler = Sampler::restore(sampler);
                 let gen_batches = counts.gen_batches;
                 return Ok(Err(Exhausted { kept, gen_batches }));

@@ -5,6 +5,7 @@
 //!         ─► ref log-probs (use_kl_loss | use_kl_in_reward) ─► teacher log-probs (distillation)
 //!         ─► values (critic, gae)
 //!         ─► KL in reward ─► advantages ─► critic update ─► actor update (after critic_warmup)
+//!         ─► custom sampler's update (data.sampler, curriculum)
 //!         ─► validation (test_freq, last) ─► checkpoint (save_freq, last) ─► metrics
 //! ```
 //!
@@ -16,7 +17,8 @@
 //!
 //! Parts: `batch` (a step's rows and their tensors), `actor` (policy and reference log-probs,
 //! policy update), `critic` (values, value update), `update` (the mini/micro-batch schedule),
-//! `optim` (AdamW, LR schedules), `state` (checkpoint save and resume), `validate`
+//! `optim` (AdamW, LR schedules), `sampler` (verl's custom sampler: building it, the step's data
+//! its `update` gets), `state` (checkpoint save and resume), `validate`
 //! (validation metrics), `step_metrics` (verl's data metrics).
 
 pub mod actor;
@@ -30,6 +32,7 @@ pub mod optim;
 mod phases;
 pub mod preflight;
 pub mod rollout_corr;
+pub mod sampler;
 pub mod setup;
 pub mod sft;
 mod state;
@@ -209,6 +212,7 @@ impl Trainer {
             val,
             total_steps,
             agent,
+            sampler,
         } = setup::policy(&cfg, &plan, &device)?;
         for ds in std::iter::once(&train).chain(val.as_ref()) {
             let rows = ds.samples.iter().map(|s| {
@@ -239,12 +243,14 @@ impl Trainer {
         }
         let r = &cfg.actor_rollout_ref.rollout;
         let params = SamplingParams::train(r, plan.response_length, &tokenizer.eos_token_ids);
-        let loader = BatchLoader::new(
+        let loader = sampler::loader(
+            &cfg,
             train.len(),
             plan.gen_batch_size,
-            cfg.data.shuffle,
             plan.seeds.data,
-        );
+            sampler,
+            opts.comm.world_size(),
+        )?;
         let mut t = Trainer {
             rollout: RolloutWorker::new(
                 params,
@@ -322,8 +328,7 @@ impl Trainer {
                 Err(e @ TrainerError::Stopped { .. }) => {
                     // Nothing of the step is kept: its prompts and sampler go back, so the
                     // checkpoint is the previous step's and a resumed run repeats this one.
-                    self.loader =
-                        BatchLoader::resume(self.train.len(), self.plan.gen_batch_size, cursor);
+                    self.loader.rewind(cursor);
                     self.rollout.sampler = crate::rollout::Sampler::restore(sampler);
                     tracing::warn!("{e}: the step is abandoned (a resumed run repeats it)");
                     return self.interrupted();
@@ -471,6 +476,7 @@ impl Trainer {
             m.extend(self.rollout_diagnostics_after_update(&mut batch)?);
         }
         self.global_step = step;
+        self.update_sampler(&batch, step)?;
         if let (Some(dir), 0) = (self.cfg.trainer.rollout_data_dir.clone(), self.comm.rank()) {
             self.dump_rollouts(&dir, &batch)?;
         }

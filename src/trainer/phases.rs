@@ -298,7 +298,7 @@ impl Trainer {
         let epoch = self.loader.cursor().epoch;
         let prompts = self
             .loader
-            .next_batch()
+            .try_next_batch()?
             .ok_or_else(|| TrainerError::Other("the training data holds no full batch".into()))?;
         Ok((prompts, epoch.max(self.loader.cursor().epoch)))
     }

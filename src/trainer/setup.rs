@@ -597,6 +597,8 @@ pub struct Policy {
     pub total_steps: u64,
     /// The tool agent loop, when some row runs it.
     pub agent: Option<Arc<AgentContext>>,
+    /// The custom sampler of `data.sampler.class_path`, built over `train`.
+    pub sampler: Option<crate::reward::sampler::PySampler>,
 }
 
 /// How rows choose their agent loop (`multi_turn.enable`, `agent.default_agent_loop`), the
@@ -764,7 +766,12 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
     } else {
         None
     };
-    let total_steps = total_steps(cfg, plan, train.len())?;
+    // An epoch is `len(sampler)` indices with a custom sampler (verl's len(train_dataloader)).
+    let sampler = super::sampler::build(cfg, &train.samples)?;
+    let epoch_rows = sampler
+        .as_ref()
+        .map_or(train.len(), crate::data::IndexSampler::len);
+    let total_steps = total_steps(cfg, plan, epoch_rows)?;
     let a = &cfg.actor_rollout_ref.actor;
     let inputs = Layout::of(tok.pad_token_id, m).sharing(a.use_prefix_grouper);
     let mut actor = Actor::new(loaded, a, plan, total_steps, inputs, lora)?;
@@ -776,6 +783,7 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
         val,
         total_steps,
         agent,
+        sampler,
     })
 }
 

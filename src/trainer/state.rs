@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use super::{Result, Trainer, TrainerError};
 use crate::algo::KlController;
 use crate::checkpoint;
-use crate::data::{BatchLoader, LoaderCursor};
+use crate::data::{LoaderCursor, SamplerCursor};
 use crate::reward::model_source::RunningStats;
 use crate::rollout::{Sampler, SamplerState};
 
@@ -44,6 +44,9 @@ pub struct TrainerState {
     /// same base. Absent in checkpoints of earlier versions.
     #[serde(default)]
     pub lora_bases: BTreeMap<String, String>,
+    /// The custom sampler's position and state (`data.sampler.class_path`); absent without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_sampler: Option<SamplerCursor>,
 }
 
 /// What identifies the base weights under LoRA adapters: CRC-32C over every base tensor's f32
@@ -166,6 +169,7 @@ impl Trainer {
             reward_model_stats: self.reward.model_stats(),
             tracker_runs: self.tracker_runs(),
             lora_bases: self.lora_bases()?,
+            data_sampler: self.loader.sampler_cursor()?,
         };
         let config_yaml = serde_yaml_ng::to_string(&self.cfg).map_err(other)?;
         let dir = checkpoint::save_atomic(&root, self.global_step, |dir: &Path| -> Result<()> {
@@ -281,8 +285,9 @@ impl Trainer {
         }
         // A position past the end of an epoch cannot come from a run over this data: the file
         // was edited or damaged (the loader would serve an empty order).
+        // (A custom sampler's epoch is as long as its iterator: no such bound.)
         let per_epoch = self.train.len() / self.plan.gen_batch_size.max(1);
-        if state.loader.batches_served as usize > per_epoch {
+        if !self.loader.has_sampler() && state.loader.batches_served as usize > per_epoch {
             return Err(other(format!(
                 "{}: loader.batches_served = {} is past the end of an epoch ({} prompts in batches of {} make {per_epoch}): the file was edited or is damaged",
                 state_path.display(),
@@ -320,7 +325,14 @@ impl Trainer {
             }
             _ => {}
         }
-        self.loader = BatchLoader::resume(self.train.len(), self.plan.gen_batch_size, state.loader);
+        if state.data_sampler.is_some() && !self.loader.has_sampler() {
+            return Err(other(format!(
+                "{}: the checkpoint's data order came from a custom sampler (data.sampler.class_path), which this run does not set: set the same data.sampler.class_path and class_name to continue its order, or start a new run (trainer.resume_mode=disable)",
+                state_path.display()
+            )));
+        }
+        self.loader
+            .restore(state.loader, state.data_sampler.as_ref())?;
         self.rollout.sampler = Sampler::restore(state.sampler);
         self.kl_ctrl = state.kl_ctrl;
         // Weights of sources that still exist; a source added since keeps its configured weight.

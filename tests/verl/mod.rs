@@ -288,6 +288,7 @@ fn verl_example_command_lines_pass_or_are_refused_in_one_named_line() {
     // Most lines log to wandb (verl's default `trainer.logger`), whose SDK `config check`
     // imports: stand-ins, as a user running them has the SDK installed.
     let sdks = super::stub_sdks(root.path());
+    verl_test_sampler_module(&sdks);
     let mut jobs = Vec::new();
     for commit in ["b178a3c", "1dda039"] {
         let folder = verl_folder_for(commit);
@@ -380,6 +381,26 @@ fn verl_example_command_lines_pass_or_are_refused_in_one_named_line() {
         jobs.len(),
         failures.join("\n")
     );
+}
+
+/// The module two lines name as their sampler (`data.sampler.class_path=pkg://tests.utils.
+/// dataset.test_create_rl_sampler_on_cpu`, `class_name=RandomCurriculumSampler`) is verl's own
+/// test file, importable where those scripts run (verl's repository root). Under the same
+/// import path, a stand-in with the same class: a random permutation per epoch and an `update`
+/// that does nothing, written with `random` instead of torch's RandomSampler (no torch here).
+/// The lines stay as written: `config check` imports the module by that name and builds the
+/// class over the training data.
+fn verl_test_sampler_module(python_path: &Path) {
+    let dir = python_path.join("tests/utils/dataset");
+    std::fs::create_dir_all(&dir).unwrap();
+    for pkg in ["tests", "tests/utils", "tests/utils/dataset"] {
+        std::fs::write(python_path.join(pkg).join("__init__.py"), "").unwrap();
+    }
+    std::fs::write(
+        dir.join("test_create_rl_sampler_on_cpu.py"),
+        "import random\n\n\nclass RandomCurriculumSampler:\n    def __init__(self, data_source, data_config):\n        self.data_source = data_source\n        self.rng = random.Random(1)\n\n    def __iter__(self):\n        order = list(range(len(self.data_source)))\n        self.rng.shuffle(order)\n        return iter(order)\n\n    def __len__(self):\n        return len(self.data_source)\n\n    def update(self, batch):\n        return\n",
+    )
+    .unwrap();
 }
 
 /// verl's config folder (`verl/trainer/config` of the PyPI wheel 0.9.1, the release nearest
