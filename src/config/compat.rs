@@ -226,6 +226,8 @@ pub const TABLE: &[(&str, Compat)] = &[
     ("actor_rollout_ref.actor.fsdp_config.dtype", MovedTo("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype")),
     ("actor_rollout_ref.ref.fsdp_config.dtype", MovedTo("actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype")),
     ("critic.fsdp.dtype", MovedTo("critic.model.fsdp_config.mixed_precision.param_dtype")),
+    ("critic.fsdp.model_dtype", MovedTo("critic.model.fsdp_config.model_dtype")),
+    ("critic.fsdp_config.model_dtype", MovedTo("critic.model.fsdp_config.model_dtype")),
     ("critic.fsdp.mixed_precision.param_dtype", MovedTo("critic.model.fsdp_config.mixed_precision.param_dtype")),
     ("critic.model.fsdp_config.dtype", MovedTo("critic.model.fsdp_config.mixed_precision.param_dtype")),
 ];
@@ -240,10 +242,9 @@ pub const ROLES: [&str; 3] = ["actor_rollout_ref.actor", "actor_rollout_ref.ref"
 /// (`engines.rs`); keys that would change the update are refused unless at verl's default.
 pub const ROLE_TABLE: &[(&str, Compat)] = &[
     ("fsdp_config", DIST),
-    ("fsdp_config.model_dtype", Unsupported { default: "fp32", why: "weights and optimizer state are kept in fp32 here; fsdp_config.mixed_precision.param_dtype=bf16 gives bf16 products" }),
     ("fsdp_config.qat.enable", Unsupported { default: "false", why: "quantization-aware training is not implemented" }),
     ("fsdp", DIST),
-    ("fsdp.model_dtype", Unsupported { default: "fp32", why: "weights and optimizer state are kept in fp32 here; fsdp_config.mixed_precision.param_dtype=bf16 gives bf16 products" }),
+    ("fsdp.model_dtype", Unsupported { default: "fp32", why: "the weights' dtype is read from the role's fsdp_config.model_dtype" }),
     ("fsdp.qat.enable", Unsupported { default: "false", why: "quantization-aware training is not implemented" }),
     ("megatron", DIST),
     ("megatron.qat.enable", Unsupported { default: "false", why: "quantization-aware training is not implemented" }),

@@ -68,17 +68,31 @@ defaults!(MixedPrecision {
     param_dtype: Precision::Fp32,
 });
 
-/// The part of verl's `fsdp_config` that applies to one process: mixed precision.
+/// The part of verl's `fsdp_config` that applies to one process: the weights' dtype and the
+/// products' precision.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FsdpConfig {
+    /// The dtype the weights are loaded, kept and updated in (verl's `model_dtype`): fp32 (default), or bf16: weights, gradients and AdamW's moments in bf16, as torch.optim.AdamW keeps the state of bf16 parameters; products bf16 with f32 sums.
+    pub model_dtype: Precision,
     /// Mixed precision of the model's products.
     pub mixed_precision: MixedPrecision,
 }
 
 defaults!(FsdpConfig {
+    model_dtype: Precision::Fp32,
     mixed_precision: MixedPrecision::default(),
 });
+
+impl FsdpConfig {
+    /// The candle dtype of the weights `model_dtype` asks for.
+    pub fn weights_dtype(&self) -> candle_core::DType {
+        match self.model_dtype {
+            Precision::Fp32 => candle_core::DType::F32,
+            Precision::Bf16 => candle_core::DType::BF16,
+        }
+    }
+}
 
 impl ModelConfig {
     /// Whether the model trains LoRA adapters (verl: lora_rank > 0 or a lora_adapter_path).

@@ -296,6 +296,14 @@ fn rl_path(path: &[String]) -> Vec<String> {
 /// How a key outside the typed SFT tree is treated: `Some(compat)` when verl has it.
 fn sft_compat(path: &[String]) -> Option<Compat> {
     let key = tree::join(path);
+    // The RL trainer holds bf16 weights where a role's fsdp_config.model_dtype asks; the SFT
+    // trainer keeps its weights in fp32.
+    if key == "engine.model_dtype" {
+        return Some(Compat::Unsupported {
+            default: "fp32",
+            why: "SFT keeps the weights and optimizer state in fp32 (the RL trainer reads a role's fsdp_config.model_dtype)",
+        });
+    }
     if SFT_NO_EFFECT
         .iter()
         .any(|p| key == *p || key.starts_with(&format!("{p}.")))

@@ -271,7 +271,7 @@ fn engine_keys_that_change_the_update_are_mapped_or_refused() {
         ("optim.lr_warmup_init=1e-7", "optim.lr_warmup_init"),
         ("optim.lr_decay_steps=10", "optim.lr_decay_steps"),
         ("optim.exp_avg_dtype=bf16", "optim.exp_avg_dtype"),
-        ("fsdp_config.model_dtype=bf16", "fsdp_config.model_dtype"),
+        ("fsdp.model_dtype=bf16", "fsdp.model_dtype"),
         ("load_weight=False", "load_weight"),
         ("router_replay.mode=R3", "router_replay.mode"),
         (

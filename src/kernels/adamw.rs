@@ -109,6 +109,74 @@ unsafe fn adamw_chunk_avx2(
     adamw_chunk(p, m, v, g, rule)
 }
 
+/// torch.optim.AdamW's step on a bf16 parameter with bf16 moments (the state torch creates for
+/// a bf16 parameter, as verl's FSDP engine keeps it under `model_dtype=bf16`): each tensor
+/// operation of torch's single-tensor step (the foreach step makes the same operations) is
+/// computed in f32 and its result rounded to bf16, in torch's order, with torch's constants
+/// (Python floats, cast to f32 where the kernel reads them):
+///
+/// ```text
+/// g ← bf16(g·clip)            only when clipping scales (torch multiplies the bf16 grads)
+/// g ← bf16(g + l2·p)          torch's Adam (coupled decay) only
+/// p ← bf16(p·(1 − lr·wd))
+/// m ← bf16(fma(w1, g − m, m))                    lerp_(g, 1 − β1) (w1 < ½)
+/// v ← bf16(v·β2);  v ← bf16(fma(w2·g, g, v))      mul_(β2).addcmul_(g, g, 1 − β2)
+/// d ← bf16(bf16(bf16(√v) / √(1 − β2ᵗ)) + ε)       sqrt(), / , add_(ε)
+/// p ← bf16(p + (−lr/(1 − β1ᵗ))·m / d)             addcdiv_
+/// ```
+///
+/// Values travel as bf16 bit patterns (`u16`) for the moments and as f32 holding bf16 values
+/// for the parameter and gradient.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWBf16Rule {
+    pub decay: f32,
+    pub w1: f32,
+    pub b2: f32,
+    pub w2: f32,
+    pub sqrt_bc2: f32,
+    pub eps: f32,
+    pub neg_step_size: f32,
+    pub grad_scale: f32,
+    pub l2: f32,
+}
+
+impl AdamWBf16Rule {
+    /// The step over one parameter's values.
+    pub fn apply(&self, p: &mut [f32], m: &mut [u16], v: &mut [u16], g: &[f32]) {
+        use super::bf16::round_bf16 as r;
+        let f = |b: u16| f32::from_bits((b as u32) << 16);
+        let bits = super::bf16::bf16_bits;
+        for k in 0..p.len().min(m.len()).min(v.len()).min(g.len()) {
+            let mut gk = g[k];
+            if self.grad_scale != 1.0 {
+                gk = r(gk * self.grad_scale);
+            }
+            if self.l2 != 0.0 {
+                gk = r(gk + self.l2 * p[k]);
+            }
+            let mut pk = p[k];
+            if self.decay != 1.0 {
+                pk = r(pk * self.decay);
+            }
+            let mk = f(m[k]);
+            // torch's vectorised lerp: fma(w, end − start, start) for a weight below ½,
+            // fma(w − 1, end − start, end) otherwise.
+            let (coeff, base) = match self.w1.abs() < 0.5 {
+                true => (self.w1, mk),
+                false => (self.w1 - 1.0, gk),
+            };
+            let mk = r(coeff.mul_add(gk - mk, base));
+            let vk = r(f(v[k]) * self.b2);
+            // torch's vectorised addcmul: fma(value·t1, t2, self).
+            let vk = r((self.w2 * gk).mul_add(gk, vk));
+            let d = r(r(r(vk.sqrt()) / self.sqrt_bc2) + self.eps);
+            p[k] = r(pk + self.neg_step_size * mk / d);
+            m[k] = bits(mk);
+            v[k] = bits(vk);
+        }
+    }
+}
+
 /// An optimizer step as an in-place op on a CPU f32 parameter's storage, with the gradient as
 /// the second operand: `step(parameter, gradient)` runs on the two slices (moments and rule
 /// captured by the closure).

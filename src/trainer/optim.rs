@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{LrSchedulerType, MomentFormat, OptimConfig, OptimizerChoice};
 use crate::kernels::adam_lowbit::{BlockMoment, Codec, TorchAoRule};
-use crate::kernels::adamw::{AdamWRule, InPlace};
+use crate::kernels::adamw::{AdamWBf16Rule, AdamWRule, InPlace};
 
 /// The learning rate of each training step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -106,6 +106,20 @@ pub fn clip_grad_norm(
 /// Gradients on a GPU are reduced there into one f64 scalar, read back once (one
 /// synchronisation per step, not one per parameter).
 pub fn grad_norm(vars: &[(String, Var)], grads: &GradStore) -> candle_core::Result<f64> {
+    let present: Vec<&Tensor> = vars
+        .iter()
+        .filter_map(|(_, v)| grads.get(v.as_tensor()))
+        .collect();
+    if !present.is_empty() && present.iter().all(|g| g.dtype() == DType::BF16) {
+        // torch's clip_grad_norm_ on bf16 gradients: each tensor's norm comes back as a bf16
+        // value, and the norm of those norms too.
+        let mut sq = 0f64;
+        for g in present {
+            let n = round_bf16(sum_of_squares(g)?.sqrt());
+            sq += n * n;
+        }
+        return Ok(round_bf16(sq.sqrt()));
+    }
     let mut sq = 0f64;
     let mut on_device: Option<Tensor> = None;
     for (_, v) in vars {
@@ -125,6 +139,20 @@ pub fn grad_norm(vars: &[(String, Var)], grads: &GradStore) -> candle_core::Resu
         sq += s.to_scalar::<f64>()?;
     }
     Ok(sq.sqrt())
+}
+
+/// `x` rounded to the nearest bf16 value.
+fn round_bf16(x: f64) -> f64 {
+    f64::from(crate::kernels::bf16::round_bf16(x as f32))
+}
+
+/// [`clip_coef`] as torch computes it for bf16 gradients: `max_norm / (norm + 1e-6)` in bf16
+/// arithmetic (each operation rounded to bf16), at most 1.
+pub fn clip_coef_bf16(norm: f64, max_norm: f64) -> f64 {
+    if clip_coef(norm, max_norm) == 1.0 {
+        return 1.0;
+    }
+    round_bf16(max_norm / round_bf16(norm + 1e-6)).min(1.0)
 }
 
 /// The factor gradient clipping multiplies every gradient by: `max_norm / (norm + 1e-6)` when
@@ -192,6 +220,8 @@ fn codec(f: MomentFormat) -> Option<Codec> {
 enum Moment {
     Zero,
     Host(Vec<f32>),
+    /// bf16 bit patterns: torch's AdamW state of a bf16 parameter (`model_dtype=bf16`).
+    HostBf16(Vec<u16>),
     Blocks(BlockMoment),
     Device(Tensor),
 }
@@ -214,8 +244,15 @@ impl Moment {
         }
         Ok(match Self::on_device(p, choice) {
             true => Moment::Device(Tensor::zeros(p.shape(), DType::F32, p.device())?),
+            false if Self::bf16_state(p, choice) => Moment::HostBf16(vec![0u16; n]),
             false => Moment::Host(vec![0f32; n]),
         })
+    }
+
+    /// Whether `p`'s moments are bf16, as torch's AdamW keeps them for a bf16 parameter (its
+    /// `zeros_like(p)`); torchao's classes keep their own formats.
+    fn bf16_state(p: &Tensor, choice: &OptimizerChoice) -> bool {
+        p.dtype() == DType::BF16 && !choice.torchao_form
     }
 
     /// The codec of a parameter of `n` values under `choice`, when its moments are quantised.
@@ -251,6 +288,10 @@ impl Moment {
         match self {
             Moment::Zero => Ok(vec![0f32; n]),
             Moment::Host(v) => Ok(v.clone()),
+            Moment::HostBf16(v) => Ok(v
+                .iter()
+                .map(|&b| f32::from_bits((b as u32) << 16))
+                .collect()),
             Moment::Blocks(b) => Ok(b.to_f32()),
             Moment::Device(t) => t.flatten_all()?.to_vec1(),
         }
@@ -270,6 +311,10 @@ impl Moment {
         match self {
             Moment::Zero => unreachable!("allocated above"),
             Moment::Host(v) => *v = t.flatten_all()?.to_vec1()?,
+            Moment::HostBf16(v) => {
+                let x: Vec<f32> = t.flatten_all()?.to_vec1()?;
+                *v = x.into_iter().map(crate::kernels::bf16::bf16_bits).collect();
+            }
             Moment::Blocks(b) => b.set_f32(&t.flatten_all()?.to_vec1::<f32>()?),
             Moment::Device(d) => *d = t.to_device(d.device())?.reshape(d.shape())?.contiguous()?,
         }
@@ -283,6 +328,7 @@ impl Moment {
         match self {
             Moment::Zero => None,
             Moment::Host(v) => Some(v.len()),
+            Moment::HostBf16(v) => Some(v.len()),
             Moment::Blocks(b) => Some(b.len()),
             Moment::Device(t) => Some(t.elem_count()),
         }
@@ -292,7 +338,8 @@ impl Moment {
 /// The element-wise rule of one step.
 #[derive(Clone, Copy)]
 enum Rule {
-    Torch(AdamWRule),
+    /// torch's rule in f32, and the same step as torch takes it on a bf16 parameter.
+    Torch(AdamWRule, AdamWBf16Rule),
     TorchAo(TorchAoRule),
 }
 
@@ -315,7 +362,8 @@ impl Rule {
             );
         }
         match (self, m, v) {
-            (Rule::Torch(r), Moment::Host(m), Moment::Host(v)) => r.apply(p, m, v, g),
+            (Rule::Torch(r, _), Moment::Host(m), Moment::Host(v)) => r.apply(p, m, v, g),
+            (Rule::Torch(_, r), Moment::HostBf16(m), Moment::HostBf16(v)) => r.apply(p, m, v, g),
             (Rule::TorchAo(r), Moment::Host(m), Moment::Host(v)) => r.apply(p, m, v, g),
             (Rule::TorchAo(r), Moment::Blocks(m), Moment::Blocks(v)) => r.apply_blocks(p, m, v, g),
             _ => candle_core::bail!("optimizer: moments kept in a form the update does not read"),
@@ -386,6 +434,7 @@ impl AdamW {
             .map(|m| match m {
                 Moment::Zero => 0,
                 Moment::Host(v) => v.len() * 4,
+                Moment::HostBf16(v) => v.len() * 2,
                 Moment::Blocks(b) => b.codes.len() + b.scale.len() * 4,
                 Moment::Device(t) => t.elem_count() * 4,
             })
@@ -394,6 +443,17 @@ impl AdamW {
 
     pub fn vars(&self) -> &[(String, Var)] {
         &self.vars
+    }
+
+    /// The factor clipping multiplies the gradients by for a gradient norm `norm` ([`grad_norm`]):
+    /// in bf16 arithmetic when every parameter is bf16 (torch's, on bf16 gradients), else
+    /// [`clip_coef`].
+    pub fn clip_scale(&self, norm: f64, max_norm: f64) -> f64 {
+        let bf16 = |(_, v): &(String, Var)| v.as_tensor().dtype() == DType::BF16;
+        match !self.vars.is_empty() && self.vars.iter().all(bf16) {
+            true => clip_coef_bf16(norm, max_norm),
+            false => clip_coef(norm, max_norm),
+        }
     }
 
     /// One update with learning rate `lr`. Parameters without a gradient are left alone.
@@ -425,7 +485,7 @@ impl AdamW {
             self.m[i].allocate(var, &choice, true)?;
             self.v[i].allocate(var, &choice, false)?;
             #[cfg(feature = "cuda")]
-            if let (Moment::Device(m), Moment::Device(v), Rule::Torch(r)) =
+            if let (Moment::Device(m), Moment::Device(v), Rule::Torch(r, _)) =
                 (&self.m[i], &self.v[i], rule)
             {
                 crate::kernels::cuda::adamw_in_place(p, m, v, g, r)?;
@@ -487,20 +547,33 @@ impl AdamW {
                 grad_scale: grad_scale as f32,
             });
         }
-        Rule::Torch(AdamWRule {
-            b1: b1 as f32,
-            b2: b2 as f32,
-            eps: self.eps as f32,
-            step_size: (lr / (1.0 - b1.powi(t))) as f32,
-            sqrt_bc2: (1.0 - b2.powi(t)).sqrt() as f32,
-            decay: if decoupled {
-                (1.0 - lr * wd) as f32
-            } else {
-                1.0
+        let decay = if decoupled { 1.0 - lr * wd } else { 1.0 };
+        let l2 = if decoupled { 0.0 } else { wd as f32 };
+        let (step_size, sqrt_bc2) = (lr / (1.0 - b1.powi(t)), (1.0 - b2.powi(t)).sqrt());
+        Rule::Torch(
+            AdamWRule {
+                b1: b1 as f32,
+                b2: b2 as f32,
+                eps: self.eps as f32,
+                step_size: step_size as f32,
+                sqrt_bc2: sqrt_bc2 as f32,
+                decay: decay as f32,
+                grad_scale: grad_scale as f32,
+                l2,
             },
-            grad_scale: grad_scale as f32,
-            l2: if decoupled { 0.0 } else { wd as f32 },
-        })
+            // Each constant as torch's kernels read its Python float: rounded to f32 once.
+            AdamWBf16Rule {
+                decay: decay as f32,
+                w1: (1.0 - b1) as f32,
+                b2: b2 as f32,
+                w2: (1.0 - b2) as f32,
+                sqrt_bc2: sqrt_bc2 as f32,
+                eps: self.eps as f32,
+                neg_step_size: -step_size as f32,
+                grad_scale: grad_scale as f32,
+                l2,
+            },
+        )
     }
 
     /// Writes the moments (`<dir>/optim.safetensors`: `m.<name>` and `v.<name>` in f32, or for

@@ -731,7 +731,8 @@ pub fn tool_runner(cfg: &Config) -> Result<Arc<dyn ToolRunner>> {
 /// prompt plus response fit its context, and reads the datasets with its tokenizer.
 pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
     let m = &cfg.actor_rollout_ref.model;
-    let (mut loaded, tok) = load_policy(cfg, device)?;
+    let dtype = cfg.actor_rollout_ref.actor.fsdp_config.weights_dtype();
+    let (mut loaded, tok) = load_policy_as(cfg, device, dtype)?;
     let key = "actor_rollout_ref.model";
     let lora = attach_lora(&mut loaded, m, key, cfg.trainer.seed, "CAUSAL_LM")?;
     let context = loaded.model.args.max_position_embeddings;
@@ -879,7 +880,8 @@ pub fn reference(
             Some(Reference::from_base(actor, micro, inputs))
         }
         (true, Some(micro)) => {
-            let (l, _) = load_policy(cfg, device)?;
+            let dtype = cfg.actor_rollout_ref.reference.fsdp_config.weights_dtype();
+            let (l, _) = load_policy_as(cfg, device, dtype)?;
             Some(Reference::new(l, micro, plan.temperatures.log_prob, inputs))
         }
         _ => None,
@@ -927,7 +929,7 @@ pub fn load_critic(cfg: &Config, device: &Device, tok: &TokenizerBundle) -> Resu
         &c.path,
         tokenizer,
         &c.override_config,
-        DType::F32,
+        c.fsdp_config.weights_dtype(),
         device,
         false,
     )?;

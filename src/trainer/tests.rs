@@ -179,10 +179,9 @@ fn weights(vm: &candle_nn::VarMap) -> Vec<(String, Vec<f32>)> {
     let mut v: Vec<(String, Vec<f32>)> = data
         .iter()
         .map(|(k, v)| {
-            (
-                k.clone(),
-                v.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
-            )
+            // bf16 weights (model_dtype=bf16) read exactly as f32.
+            let t = v.as_tensor().to_dtype(DType::F32).unwrap();
+            (k.clone(), t.flatten_all().unwrap().to_vec1().unwrap())
         })
         .collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
@@ -2050,3 +2049,6 @@ mod masks;
 
 #[path = "tests_optim_lowbit.rs"]
 mod optim_lowbit;
+
+#[path = "tests_bf16_params.rs"]
+mod bf16_params;

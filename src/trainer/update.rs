@@ -21,7 +21,7 @@ use candle_core::Tensor;
 
 use super::batch::StepBatch;
 use super::micro::MicroInputs;
-use super::optim::{clip_coef, grad_norm};
+use super::optim::grad_norm;
 use super::trainable::{Network, Trainable, UpdateSettings};
 use crate::algo::AggNorm;
 use crate::config::{MicroBatching, UpdatePlan};
@@ -318,7 +318,11 @@ impl<N: Network> Trainable<N> {
                 let norm = grad_norm(optimizer.vars(), &grads)?;
                 norms.push(norm);
                 if norm.is_finite() {
-                    optimizer.step_scaled(&grads, lr, clip_coef(norm, plan.grad_clip))?;
+                    optimizer.step_scaled(
+                        &grads,
+                        lr,
+                        optimizer.clip_scale(norm, plan.grad_clip),
+                    )?;
                 } else {
                     skipped += 1;
                     tracing::warn!(
