@@ -278,8 +278,8 @@ def expect(entry, configs):
     for key, v in st.items():
         if key.endswith("router_replay.mode") and str(v) != "disabled":
             refuse(key, "MoE routing replay")
-        if key.endswith("fsdp_config.model_dtype") and str(v).lower() not in ("fp32", "float32"):
-            refuse(key, "bf16 weights")
+        if key.endswith("fsdp_config.model_dtype") and str(v).lower() not in ("fp32", "float32", "bf16", "bfloat16"):
+            refuse(key, "fp16 weights")
         if key.endswith(("override_transformer_config.normalization",
                          "override_transformer_config.swiglu")):
             refuse(key, "Megatron model definition")

@@ -508,7 +508,8 @@ fn verls_config_folder_trains_like_the_built_in_defaults() {
 }
 
 /// verl b178a3c's example lines with interactions (`run_qwen2.5-3b_gsm8k_multiturn_4xgpu.sh`
-/// and its `_server` variant: the GSM8K tool, verl's GSM8K interaction, `max_user_turns=1`)
+/// and its `_server` variant: the GSM8K tool, verl's GSM8K interaction, `max_user_turns=1`;
+/// `run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh`, with bf16 weights: `model_dtype`)
 /// train two steps as written, with the model, data, output and the example config folder
 /// swapped, their tool and interaction configs (this repository's copies of verl's) at the
 /// relative paths the lines name, and the batch, response length, step count, GPU count and
@@ -516,8 +517,8 @@ fn verls_config_folder_trains_like_the_built_in_defaults() {
 /// `interaction_kwargs` (with the `name` verl's agent loop requires). Every conversation whose
 /// first turn ended without a tool call got the interaction's verdict as a user turn (the
 /// model is never right here: "Your response is incorrect! ...", cut where the response
-/// length ends), scored 0 in `turn_scores`, and then one more model turn at most
-/// (max_user_turns=1). The model is a tiny Llama with the byte tokenizer, or
+/// length ends), scored 0 in `turn_scores`, and then one more model turn at most, for at most
+/// the line's `max_user_turns` verdicts where its command line sets one. The model is a tiny Llama with the byte tokenizer, or
 /// SmolLM2-135M-Instruct when MAIN_PPO_INTERACTION_SMOLLM2 is set as well as MAIN_PPO_SMOLLM2.
 #[test]
 fn verls_interaction_lines_train_two_steps() {
@@ -559,7 +560,7 @@ fn verls_interaction_lines_train_two_steps() {
             e["argv"].to_string().contains("interaction_config_path") && e["expect"] == "pass"
         })
         .collect();
-    assert_eq!(lines.len(), 2, "the two interaction lines that pass");
+    assert_eq!(lines.len(), 3, "the three interaction lines that pass");
     for entry in &lines {
         let name = entry["script"].as_str().unwrap();
         let run = tempfile::tempdir_in(root.path()).unwrap();
@@ -577,6 +578,12 @@ fn verls_interaction_lines_train_two_steps() {
             std::fs::create_dir_all(to.parent().unwrap()).unwrap();
             std::fs::copy(super::repo().join(from), to).unwrap();
         }
+        let max_user_turns: usize = entry["argv"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find_map(|a| a.as_str()?.split_once("multi_turn.max_user_turns="))
+            .map_or(usize::MAX, |(_, n)| n.parse().unwrap());
         let dumps = run.path().join("rollouts");
         let mut args: Vec<String> = swapped(entry, root.path())
             .into_iter()
@@ -623,21 +630,29 @@ fn verls_interaction_lines_train_two_steps() {
                 let turns = row["turns"].as_array().unwrap();
                 let first_called = row["tool_calls"].as_u64().unwrap() > 0;
                 let first_ended = turns[0]["text"].as_str().unwrap().ends_with("<|im_end|>");
+                // The interaction's verdict as a user turn, perhaps cut where the response
+                // length ends.
+                const VERDICT: &str =
+                    "Your response is incorrect! You need to reflect on your answer and try again.";
                 let verdict = turns.iter().any(|t| {
-                    t["text"]
-                        .as_str()
-                        .unwrap()
-                        .contains("user\nYour response is incorrect!")
+                    let text = t["text"].as_str().unwrap();
+                    let said = text.split_once("user\n").map(|(_, x)| x);
+                    let said = said.map(|x| x.split("<|im_end|>").next().unwrap());
+                    said.is_some_and(|x| !x.is_empty() && VERDICT.starts_with(x))
                 });
                 if first_ended && !first_called {
                     asked += 1;
                     assert!(verdict, "{name}: {row}");
-                    assert_eq!(
-                        row["turn_scores"],
-                        serde_json::json!([0.0]),
+                    // One verdict per user turn, each 0, at most the line's max_user_turns;
+                    // a model turn after each (num_turns = model + user turns + 1).
+                    let scores = row["turn_scores"].as_array().unwrap();
+                    assert!(
+                        !scores.is_empty() && scores.len() <= max_user_turns,
                         "{name}: {row}"
                     );
-                    assert!(row["num_turns"].as_u64().unwrap() <= 4, "{name}: {row}");
+                    assert!(scores.iter().all(|x| x == 0.0), "{name}: {row}");
+                    let most = 2 * scores.len() as u64 + 2;
+                    assert!(row["num_turns"].as_u64().unwrap() <= most, "{name}: {row}");
                 }
             }
         }
