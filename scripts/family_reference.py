@@ -161,6 +161,39 @@ def families():
             decoder_sparse_step=2,
             tie_word_embeddings=True,
         ),
+        # Qwen2-MoE (Qwen1.5-MoE): q/k/v biases (qkv_bias), 8 experts top-2 unnormalised, a
+        # shared expert behind a sigmoid gate, a dense layer between sparse ones, untied.
+        "qwen2_moe": transformers.Qwen2MoeConfig(
+            **{**common, "num_hidden_layers": 3},
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            qkv_bias=True,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        # Qwen2-MoE without biases, its own sliding-window pattern (every other layer below
+        # max_window_layers, the first sliding), 4 experts top-3 renormalised on every second
+        # layer, tied embeddings.
+        "qwen2_moe_window": transformers.Qwen2MoeConfig(
+            **{**common, "num_hidden_layers": 3},
+            num_experts=4,
+            num_experts_per_tok=3,
+            moe_intermediate_size=12,
+            shared_expert_intermediate_size=20,
+            decoder_sparse_step=2,
+            norm_topk_prob=True,
+            qkv_bias=False,
+            use_sliding_window=True,
+            sliding_window=4,
+            max_window_layers=2,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
         # Gemma 3 (text): (1 + w) norms, sandwich norms, GELU-tanh, scaled embeddings,
         # query_pre_attn_scalar, sliding layers with their own RoPE base, linear RoPE scaling on
         # the full layer, tied embeddings.
@@ -352,6 +385,18 @@ def families():
                 "original_max_position_embeddings": 64,
             },
         ),
+        # GPT-OSS as published: its experts stored as MXFP4 codes and scales (`mxfp4_experts`),
+        # with a width of 32 (one scale group per row).
+        "gpt_oss_mxfp4": transformers.GptOssConfig(
+            **{**common, "num_hidden_layers": 2, "intermediate_size": 32},
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            attention_bias=True,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+        ),
         # GPT-OSS without biases, plain RoPE, a full layer first then a 3-position sliding
         # one, top-3 of 6 experts, the published clamp (7.0), tied embeddings.
         "gpt_oss_plain": transformers.GptOssConfig(
@@ -433,6 +478,7 @@ MODEL_CLASS = {
     "Qwen2Config": transformers.Qwen2ForCausalLM,
     "Qwen3Config": transformers.Qwen3ForCausalLM,
     "Qwen3MoeConfig": transformers.Qwen3MoeForCausalLM,
+    "Qwen2MoeConfig": transformers.Qwen2MoeForCausalLM,
     "MistralConfig": transformers.MistralForCausalLM,
     "Gemma3TextConfig": transformers.Gemma3ForCausalLM,
     "DeepseekV3Config": transformers.DeepseekV3ForCausalLM,
@@ -481,6 +527,30 @@ def spread(model, seed):
                 b.copy_(0.3 * torch.randn(b.shape, generator=g, dtype=torch.float64))
 
 
+def mxfp4_experts(model):
+    """GPT-OSS's experts as its published checkpoints hold them: random MXFP4 codes (two 4-bit
+    E2M1 values per byte) and per-32-value power-of-two scales (`2^(s - 127)`, s in 118..124),
+    dequantized into the model by transformers' own `convert_moe_packed_tensors` (exact in
+    float64: codes times powers of two). Returns the blocks and scales, for the checkpoint."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(31)
+    packed = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            ex = layer.mlp.experts
+            for proj, (rows, cols) in (("gate_up_proj", (ex.gate_up_proj.shape[2], ex.gate_up_proj.shape[1])),
+                                       ("down_proj", (ex.down_proj.shape[2], ex.down_proj.shape[1]))):
+                e = ex.gate_up_proj.shape[0]
+                blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+                scales = torch.randint(118, 125, (e, rows, cols // 32), generator=g, dtype=torch.uint8)
+                w = convert_moe_packed_tensors(blocks, scales, dtype=torch.float64)
+                getattr(ex, proj).copy_(w)
+                packed[f"model.layers.{i}.mlp.experts.{proj}_blocks"] = blocks
+                packed[f"model.layers.{i}.mlp.experts.{proj}_scales"] = scales
+    return packed
+
+
 def make(name, cfg):
     if getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None):
         # transformers' own loop over experts (its grouped_mm kernels take no float64).
@@ -493,6 +563,7 @@ def make(name, cfg):
         model.model.mtp_layers = mimo_mtp_layers(cfg)
     model = model.to(torch.float64).eval()
     spread(model, 99)
+    packed = mxfp4_experts(model) if name.endswith("mxfp4") else None
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -554,6 +625,17 @@ def make(name, cfg):
         "parameters": sorted(grads),
     }
     (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+    if packed:
+        # The checkpoint as published: the experts' weights as MXFP4 blocks and scales.
+        from safetensors.torch import load_file
+        tensors = {k: v for k, v in load_file(str(out / "model.safetensors")).items()
+                   if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+        tensors.update(packed)
+        save_file(tensors, str(out / "model.safetensors"))
+        c = json.loads((out / "config.json").read_text())
+        c["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+        (out / "config.json").write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
     print(f"{name}: {len(grads)} parameters, loss {float(loss.detach()):.6f} -> {out}")
     if type(cfg).__name__ == "Qwen3_5TextConfig" and name == "qwen3_5":
         multimodal(model, cfg, out)

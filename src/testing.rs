@@ -10,7 +10,7 @@ use tokenizers::{AddedToken, Tokenizer};
 /// Qwen2-style ChatML template (system turn defaulted, generation prompt on request).
 /// Every decoder family, for tests that check a property of each (tiny models from
 /// `ModelArgs::tiny`).
-pub const DECODER_ARCHS: [crate::model::Arch; 7] = [
+pub const DECODER_ARCHS: [crate::model::Arch; 8] = [
     crate::model::Arch::Llama,
     crate::model::Arch::Qwen2,
     crate::model::Arch::SeedOss,
@@ -18,6 +18,7 @@ pub const DECODER_ARCHS: [crate::model::Arch; 7] = [
     crate::model::Arch::Qwen3,
     crate::model::Arch::Gemma3,
     crate::model::Arch::Qwen3Moe,
+    crate::model::Arch::Qwen2Moe,
 ];
 
 /// `n` pseudo-random values in [-1, 1) from `seed` (splitmix), for reproducible test inputs.

@@ -35,6 +35,11 @@ pub enum Arch {
     /// (`mlp.gate` router `[experts, hidden]`, `mlp.experts.N.{gate,up,down}_proj`) in place of
     /// the dense MLP ([`MoeArgs`]).
     Qwen3Moe,
+    /// `Qwen2MoeForCausalLM` (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention with q/k/v
+    /// biases from `qkv_bias` (default true), and Qwen3-MoE's experts (`decoder_sparse_step`,
+    /// `mlp_only_layers`, `norm_topk_prob`, default false) with a shared expert behind a sigmoid
+    /// gate on every sparse layer ([`MoeArgs`]).
+    Qwen2Moe,
     /// `Gemma3ForCausalLM` (text): q/k norms as Qwen3; every RMSNorm scales by `1 + w`; norms
     /// after the attention and around the MLP (`post_attention_layernorm`,
     /// `pre_feedforward_layernorm`, `post_feedforward_layernorm`); a GELU (tanh) gated MLP;
@@ -151,6 +156,7 @@ impl Arch {
             Arch::MiMo => ("MiMoForCausalLM", "mimo"),
             Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
             Arch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
+            Arch::Qwen2Moe => ("Qwen2MoeForCausalLM", "qwen2_moe"),
             Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
             Arch::Qwen3_5 => ("Qwen3_5ForCausalLM", "qwen3_5_text"),
             Arch::Qwen3_5Moe => ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
@@ -170,7 +176,7 @@ impl Arch {
 /// The `architectures` (`config.json`) this implementation loads, and the block layout each
 /// follows: causal LMs, and the token- and sequence-classification models critics and reward
 /// models are (their backbone plus a `score` head).
-pub const ARCHITECTURES: [(&str, Arch); 39] = [
+pub const ARCHITECTURES: [(&str, Arch); 42] = [
     ("LlamaForCausalLM", Arch::Llama),
     ("LlamaForTokenClassification", Arch::Llama),
     ("LlamaForSequenceClassification", Arch::Llama),
@@ -190,6 +196,9 @@ pub const ARCHITECTURES: [(&str, Arch); 39] = [
     ("Qwen3MoeForCausalLM", Arch::Qwen3Moe),
     ("Qwen3MoeForTokenClassification", Arch::Qwen3Moe),
     ("Qwen3MoeForSequenceClassification", Arch::Qwen3Moe),
+    ("Qwen2MoeForCausalLM", Arch::Qwen2Moe),
+    ("Qwen2MoeForTokenClassification", Arch::Qwen2Moe),
+    ("Qwen2MoeForSequenceClassification", Arch::Qwen2Moe),
     ("Gemma3ForCausalLM", Arch::Gemma3),
     ("Gemma3TextForTokenClassification", Arch::Gemma3),
     ("Gemma3TextForSequenceClassification", Arch::Gemma3),
@@ -213,7 +222,7 @@ pub const ARCHITECTURES: [(&str, Arch); 39] = [
 ];
 
 /// `model_type`s read when a config has no `architectures`.
-const MODEL_TYPES: [(&str, Arch); 16] = [
+const MODEL_TYPES: [(&str, Arch); 17] = [
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Qwen2),
@@ -221,6 +230,7 @@ const MODEL_TYPES: [(&str, Arch); 16] = [
     ("mimo", Arch::MiMo),
     ("qwen3", Arch::Qwen3),
     ("qwen3_moe", Arch::Qwen3Moe),
+    ("qwen2_moe", Arch::Qwen2Moe),
     ("gemma3_text", Arch::Gemma3),
     ("qwen3_5_text", Arch::Qwen3_5),
     ("qwen3_5", Arch::Qwen3_5),
@@ -1120,8 +1130,15 @@ fn read_windows(
     if arch.hybrid() {
         return Ok((None, read_hybrid_layers(v, layers)?));
     }
+    let qwen = matches!(
+        arch,
+        Arch::Qwen2 | Arch::MiMo | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe
+    );
+    let use_window = v.get("use_sliding_window").and_then(Value::as_bool);
     let window = match v.get("sliding_window") {
         None | Some(Value::Null) => None,
+        // transformers' Qwen2-MoE writes 0 where use_sliding_window is off.
+        Some(_) if qwen && use_window != Some(true) => None,
         Some(x) => match x.as_u64() {
             Some(w) if w > 0 => Some(w as usize),
             _ => {
@@ -1145,11 +1162,6 @@ fn read_windows(
         ),
         Some(x) => return Err(format!("config.json: layer_types must be a list, found {x}")),
     };
-    let qwen = matches!(
-        arch,
-        Arch::Qwen2 | Arch::MiMo | Arch::Qwen3 | Arch::Qwen3Moe
-    );
-    let use_window = v.get("use_sliding_window").and_then(Value::as_bool);
     let kinds = match (arch, listed) {
         // Qwen: `use_sliding_window` decides; `layer_types` as transformers derives it.
         (_, _) if qwen && use_window != Some(true) => Vec::new(),
@@ -1163,6 +1175,19 @@ fn read_windows(
                 _ => LayerKind::Full,
             })
             .collect(),
+        // Qwen2-MoE: every other layer below max_window_layers, the first one sliding.
+        (Arch::Qwen2Moe, None) => {
+            let below = v
+                .get("max_window_layers")
+                .and_then(Value::as_u64)
+                .unwrap_or(28) as usize;
+            (0..layers)
+                .map(|i| match i % 2 == 0 && i < below {
+                    true => LayerKind::Sliding,
+                    false => LayerKind::Full,
+                })
+                .collect()
+        }
         (Arch::Gemma3, None) => {
             let pattern = v
                 .get("sliding_window_pattern")
@@ -1267,9 +1292,13 @@ fn refuse_unsupported(v: &Value, arch: Arch) -> Result<(), String> {
     // read as plain numbers they would be wrong weights.
     if let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) {
         let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("?");
-        return Err(format!(
-            "config.json: quantization_config (quant_method {method:?}) is not supported: weights are read as unquantized bf16/f16/f32 tensors; dequantize the checkpoint first (for DeepSeek-V3's fp8 weights, its fp8_cast_bf16 conversion; for gpt-oss's mxfp4 experts, a bf16 export such as the one verl's gpt-oss example names) and drop the key"
+        // GPT-OSS's published experts: MXFP4 blocks and scales, dequantized as they are read
+        // (`weights::hf`); every other tensor of those checkpoints is bf16.
+        if !(arch == Arch::GptOss && method == "mxfp4") {
+            return Err(format!(
+            "config.json: quantization_config (quant_method {method:?}) is not supported: weights are read as unquantized bf16/f16/f32 tensors; dequantize the checkpoint first (for DeepSeek-V3's fp8 weights, its fp8_cast_bf16 conversion; GPT-OSS's mxfp4 experts are read) and drop the key"
         ));
+        }
     }
     if v.get("mlp_bias").and_then(Value::as_bool) == Some(true) {
         return Err(
@@ -1310,6 +1339,7 @@ fn read_biases(v: &Value, arch: Arch) -> Result<(bool, bool), String> {
         Arch::Qwen2 | Arch::MiMo => (true, false),
         Arch::SeedOss => (attention_bias, flag(v, "attention_out_bias", false)?),
         Arch::Glm4Moe => (attention_bias, false),
+        Arch::Qwen2Moe => (flag(v, "qkv_bias", true)?, false),
         _ => (attention_bias, attention_bias),
     })
 }
@@ -1432,9 +1462,11 @@ impl ModelArgs {
             layer_types: windows.1,
             rope_local_theta,
             moe: match arch {
-                Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen3_5Moe | Arch::GptOss => {
-                    Some(MoeArgs::from_hf(v, layers, arch)?)
-                }
+                Arch::Qwen3Moe
+                | Arch::Qwen2Moe
+                | Arch::Qwen3Next
+                | Arch::Qwen3_5Moe
+                | Arch::GptOss => Some(MoeArgs::from_hf(v, layers, arch)?),
                 Arch::DeepseekV3 | Arch::Glm4Moe => Some(deepseek::moe_from_hf(v, layers)?),
                 _ => None,
             },
@@ -1681,7 +1713,7 @@ impl ModelArgs {
             "rope_scaling": rope_scaling,
             "rope_parameters": self.rope_parameters(),
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.qkv_bias && !matches!(self.arch, Arch::Qwen2 | Arch::MiMo),
+            "attention_bias": self.qkv_bias && !matches!(self.arch, Arch::Qwen2 | Arch::MiMo | Arch::Qwen2Moe),
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu",
             "torch_dtype": "float32",
@@ -1698,7 +1730,7 @@ impl ModelArgs {
             out["layer_types"] = serde_json::json!(kinds);
             if matches!(
                 self.arch,
-                Arch::Qwen2 | Arch::MiMo | Arch::Qwen3 | Arch::Qwen3Moe
+                Arch::Qwen2 | Arch::MiMo | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe
             ) {
                 out["use_sliding_window"] = serde_json::json!(true);
                 let first = kinds.iter().position(|k| *k == "sliding_attention");
@@ -1733,6 +1765,7 @@ impl ModelArgs {
                 out["residual_dropout"] = self.residual_dropout.into();
             }
             Arch::MiMo => out["num_nextn_predict_layers"] = self.mtp_layers.into(),
+            Arch::Qwen2Moe => out["qkv_bias"] = self.qkv_bias.into(),
             Arch::GptOss => {
                 // transformers would alternate the layers where the list is absent.
                 out["layer_types"] = serde_json::json!(kinds);
@@ -1790,7 +1823,10 @@ impl ModelArgs {
             rope_theta: 10000.0,
             rope_scaling: None,
             tie_word_embeddings: matches!(arch, Arch::Llama | Arch::Gemma3),
-            qkv_bias: matches!(arch, Arch::Qwen2 | Arch::MiMo | Arch::SeedOss),
+            qkv_bias: matches!(
+                arch,
+                Arch::Qwen2 | Arch::MiMo | Arch::SeedOss | Arch::Qwen2Moe
+            ),
             o_bias: arch == Arch::SeedOss,
             max_position_embeddings: 512,
             num_labels: None,
@@ -1802,22 +1838,24 @@ impl ModelArgs {
                 _ => Vec::new(),
             },
             rope_local_theta: (arch == Arch::Gemma3).then_some(1000.0),
-            moe: matches!(arch, Arch::Qwen3Moe | Arch::Qwen3_5Moe | Arch::Qwen3Next).then(|| {
-                MoeArgs {
-                    num_experts: 8,
-                    num_experts_per_tok: 2,
-                    norm_topk_prob: true,
-                    moe_intermediate_size: 16,
-                    decoder_sparse_step: 1,
-                    mlp_only_layers: match arch {
-                        Arch::Qwen3_5Moe => Vec::new(),
-                        _ => vec![1],
-                    },
-                    router_aux_loss_coef: None,
-                    shared_expert_intermediate_size: (arch != Arch::Qwen3Moe).then_some(12),
-                    deepseek: None,
-                    swiglu: None,
-                }
+            moe: matches!(
+                arch,
+                Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Qwen3_5Moe | Arch::Qwen3Next
+            )
+            .then(|| MoeArgs {
+                num_experts: 8,
+                num_experts_per_tok: 2,
+                norm_topk_prob: true,
+                moe_intermediate_size: 16,
+                decoder_sparse_step: 1,
+                mlp_only_layers: match arch {
+                    Arch::Qwen3_5Moe => Vec::new(),
+                    _ => vec![1],
+                },
+                router_aux_loss_coef: None,
+                shared_expert_intermediate_size: (arch != Arch::Qwen3Moe).then_some(12),
+                deepseek: None,
+                swiglu: None,
             }),
             rotary_dim: arch.hybrid().then_some(4),
             attn_output_gate: arch.hybrid(),

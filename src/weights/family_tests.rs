@@ -304,7 +304,7 @@ fn fused_expert_grads(
     named
 }
 
-const FAMILIES: [&str; 21] = [
+const FAMILIES: [&str; 24] = [
     "llama",
     "qwen2",
     "seed_oss",
@@ -316,6 +316,8 @@ const FAMILIES: [&str; 21] = [
     "gemma3",
     "qwen3_moe",
     "qwen3_moe_step2",
+    "qwen2_moe",
+    "qwen2_moe_window",
     "qwen3_5",
     "qwen3_5_tied",
     "qwen3_5_moe",
@@ -326,6 +328,7 @@ const FAMILIES: [&str; 21] = [
     "glm4_moe_plain",
     "gpt_oss",
     "gpt_oss_plain",
+    "gpt_oss_mxfp4",
 ];
 
 /// f64: transformers' greedy tokens and log-probs within 1e-6.
@@ -715,6 +718,7 @@ fn a_saved_gemma3_config_reads_back_and_keeps_integers() {
 fn fused_and_per_expert_layouts_load_alike() {
     for (name, probe) in [
         ("qwen3_moe", "model.layers.2.mlp.experts.7.up_proj.weight"),
+        ("qwen2_moe", "model.layers.2.mlp.experts.7.up_proj.weight"),
         ("qwen3_5_moe", "model.layers.3.mlp.experts.7.up_proj.weight"),
         (
             "qwen3_next",
@@ -1423,9 +1427,59 @@ fn gpt_oss_saves_back_every_tensor_in_its_fused_layout() {
     }
 }
 
+/// A GPT-OSS checkpoint as published (experts as MXFP4 blocks and scales, `quantization_config`
+/// `mxfp4`; its parity with transformers is `gpt_oss_mxfp4` in [`FAMILIES`]) is saved back
+/// dequantized: the fused experts in the model's dtype, no blocks, scales or
+/// `quantization_config`, and that folder loads as the same variables. Blocks without their
+/// scales are refused naming both.
+#[test]
+fn a_gpt_oss_mxfp4_checkpoint_loads_and_saves_dequantized() {
+    let loaded = load("gpt_oss_mxfp4", DType::F64);
+    let tmp = tempfile::tempdir().unwrap();
+    let args = &loaded.model.args;
+    crate::weights::hf::save_dir(&loaded.varmap, args, tmp.path(), &[], None, None).unwrap();
+    let saved = file_tensors(tmp.path());
+    assert!(saved.contains_key("model.layers.1.mlp.experts.gate_up_proj"));
+    assert!(!saved
+        .keys()
+        .any(|k| k.ends_with("_blocks") || k.ends_with("_scales")));
+    let cfg = std::fs::read_to_string(tmp.path().join("config.json")).unwrap();
+    assert!(!cfg.contains("quantization_config"), "{cfg}");
+    let again = crate::weights::hf::load_dir(
+        tmp.path(),
+        &Default::default(),
+        DType::F64,
+        &Device::Cpu,
+        true,
+    )
+    .unwrap();
+    assert_same_variables(&loaded.varmap, &again.varmap, "gpt_oss_mxfp4");
+    // Blocks without scales.
+    let src = dir("gpt_oss_mxfp4");
+    let mut tensors =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    tensors.remove("model.layers.0.mlp.experts.down_proj_scales");
+    let broken = tmp.path().join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    candle_core::safetensors::save(&tensors, broken.join("model.safetensors")).unwrap();
+    for f in ["config.json", "generation_config.json"] {
+        std::fs::copy(src.join(f), broken.join(f)).unwrap();
+    }
+    let e =
+        crate::weights::hf::load_dir(&broken, &Default::default(), DType::F64, &Device::Cpu, true)
+            .err()
+            .unwrap()
+            .to_string();
+    assert!(
+        e.contains("down_proj_blocks") && e.contains("down_proj_scales"),
+        "{e}"
+    );
+}
+
 /// A GPT-OSS config.json or folder with a broken setting is refused naming it: a clamp that is
 /// not a positive number, a layer list of another length, fused expert tensors of another
-/// layout (the tensor named), an MXFP4 `quantization_config`.
+/// layout (the tensor named), a `quantization_config` other than MXFP4 (and MXFP4 on another
+/// family).
 #[test]
 fn broken_gpt_oss_settings_are_refused_by_key() {
     let cfg: Value =
@@ -1442,10 +1496,20 @@ fn broken_gpt_oss_settings_are_refused_by_key() {
         &|c| c["layer_types"] = serde_json::json!(["full_attention"]),
         "layer_types",
     );
-    let mxfp4 = serde_json::json!({"quant_method": "mxfp4"});
+    let fp8 = serde_json::json!({"quant_method": "fp8"});
     refused(
-        &|c| c["quantization_config"] = mxfp4.clone(),
+        &|c| c["quantization_config"] = fp8.clone(),
         "quantization_config",
+    );
+    // MXFP4 is GPT-OSS's own: another family naming it is refused.
+    let mut qwen = cfg.clone();
+    qwen["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
+    qwen["quantization_config"] = serde_json::json!({"quant_method": "mxfp4"});
+    qwen["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 1e4});
+    let e = crate::model::ModelArgs::from_hf(&qwen).unwrap_err();
+    assert!(
+        e.contains("quantization_config") && e.contains("mxfp4"),
+        "{e}"
     );
     // Without layer_types, transformers' default: sliding, full, sliding.
     let mut c = cfg.clone();
@@ -1662,6 +1726,7 @@ fn deepseek2_and_glm4moe_ggufs_are_refused_by_name() {
     for (name, hf) in [
         ("deepseek2", "DeepseekV3ForCausalLM"),
         ("glm4moe", "Glm4MoeForCausalLM"),
+        ("qwen2moe", "Qwen2MoeForCausalLM"),
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let path = tmp.path().join("model.gguf");

@@ -241,9 +241,9 @@ const GGUF_ARCHS: [(&str, Arch); 8] = [
 /// llama.cpp's architectures whose files this reader refuses although the family loads from its
 /// HF folder: `deepseek2` (DeepSeek-V2/V3, Kimi-K2, Moonlight), where llama.cpp stores latent
 /// attention its own way (`kv_b_proj` split into per-head `attn_k_b`/`attn_v_b`, rope values
-/// permuted), `glm4moe` (GLM-4.5) and `gpt-oss` (its experts in MXFP4); all stack their
+/// permuted), `glm4moe` (GLM-4.5), `gpt-oss` (its experts in MXFP4) and `qwen2moe`; all stack their
 /// experts per layer (`ffn_*_exps`), mostly quantised, which this reader does not undo.
-const HF_ONLY: [(&str, &str); 3] = [
+const HF_ONLY: [(&str, &str); 4] = [
     (
         "deepseek2",
         "DeepSeek-V2/V3, Kimi-K2, Moonlight as llama.cpp writes them; DeepseekV3ForCausalLM",
@@ -255,6 +255,10 @@ const HF_ONLY: [(&str, &str); 3] = [
     (
         "gpt-oss",
         "gpt-oss as llama.cpp writes it; GptOssForCausalLM, in bf16",
+    ),
+    (
+        "qwen2moe",
+        "Qwen1.5-MoE / Qwen2-MoE as llama.cpp writes them; Qwen2MoeForCausalLM",
     ),
 ];
 

@@ -187,6 +187,7 @@ fn arch_name(args: &ModelArgs, target: &Path) -> Result<&'static str, ModelError
         crate::model::Arch::DeepseekV3 => Some(("deepseek2", "latent attention and experts")),
         crate::model::Arch::Glm4Moe => Some(("glm4moe", "experts")),
         crate::model::Arch::GptOss => Some(("gpt-oss", "experts and attention sinks")),
+        crate::model::Arch::Qwen2Moe => Some(("qwen2moe", "experts and shared experts")),
         _ => None,
     };
     if let Some((name, what)) = laid_out_elsewhere {

@@ -419,6 +419,8 @@ fn split_gpt_oss_experts(
     tensors: &HashMap<String, Tensor>,
     source: &Path,
 ) -> Result<Option<HashMap<String, Tensor>>, ModelError> {
+    let dequantized = dequantize_mxfp4_experts(tensors, source)?;
+    let tensors = dequantized.as_ref().unwrap_or(tensors);
     fn part(n: &str) -> Option<(&str, &str)> {
         let (prefix, which) = n.rsplit_once(".mlp.experts.")?;
         GPT_OSS_FUSED.contains(&which).then_some((prefix, which))
@@ -475,6 +477,84 @@ fn split_gpt_oss_experts(
                 out.insert(k, w.contiguous()?);
             }
         }
+    }
+    Ok(Some(out))
+}
+
+/// The values of MXFP4's 4-bit codes (E2M1: sign, two exponent bits, one mantissa bit).
+const FP4: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// GPT-OSS's experts as its published checkpoints store them (`quantization_config`
+/// `quant_method: mxfp4`): `mlp.experts.{gate_up,down}_proj_blocks` `[experts, rows, groups,
+/// 16]` bytes, two 4-bit codes each (low nibble first), and `…_scales` `[experts, rows, groups]`
+/// with each group's power of two (`2^(s − 127)`), dequantized as transformers dequantizes
+/// them (`convert_moe_packed_tensors`): value `FP4[code] · 2^(s − 127)` in f32 (exact: a code
+/// times a power of two), rows × 32 values per group, then transposed to the fused layout
+/// `[experts, in, out]`. `None` when there are no such tensors.
+fn dequantize_mxfp4_experts(
+    tensors: &HashMap<String, Tensor>,
+    source: &Path,
+) -> Result<Option<HashMap<String, Tensor>>, ModelError> {
+    if !tensors.keys().any(|n| n.ends_with("_blocks")) {
+        return Ok(None);
+    }
+    let bad = |name: &str, m: String| ModelError::file(source, format!("`{name}`: {m}"));
+    let mut out = HashMap::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        if name.ends_with("_scales") && tensors.contains_key(&name.replace("_scales", "_blocks")) {
+            continue;
+        }
+        let Some(stem) = name.strip_suffix("_blocks") else {
+            out.insert(name.clone(), t.clone());
+            continue;
+        };
+        let scales_name = format!("{stem}_scales");
+        let scales = tensors.get(&scales_name).ok_or_else(|| {
+            bad(
+                name,
+                format!("MXFP4 blocks without their scales `{scales_name}`"),
+            )
+        })?;
+        let (e, rows, groups, bytes) = t.dims4().map_err(|_| {
+            bad(
+                name,
+                format!(
+                    "MXFP4 blocks are [experts, rows, groups, 16], found {:?}",
+                    t.dims()
+                ),
+            )
+        })?;
+        if t.dtype() != DType::U8
+            || scales.dtype() != DType::U8
+            || scales.dims() != [e, rows, groups]
+        {
+            return Err(bad(
+                name,
+                format!(
+                    "MXFP4 blocks {:?} {:?} and scales {:?} {:?}: u8, scales [experts, rows, groups]",
+                    t.dims(),
+                    t.dtype(),
+                    scales.dims(),
+                    scales.dtype()
+                ),
+            ));
+        }
+        let (codes, exps): (Vec<u8>, Vec<u8>) = (
+            t.flatten_all()?.to_vec1()?,
+            scales.flatten_all()?.to_vec1()?,
+        );
+        let mut values = vec![0f32; codes.len() * 2];
+        for (g, (row, &s)) in codes.chunks(bytes).zip(&exps).enumerate() {
+            let scale = 2f32.powi(i32::from(s) - 127);
+            for (j, &b) in row.iter().enumerate() {
+                values[g * 2 * bytes + 2 * j] = FP4[usize::from(b & 0x0f)] * scale;
+                values[g * 2 * bytes + 2 * j + 1] = FP4[usize::from(b >> 4)] * scale;
+            }
+        }
+        let w = Tensor::from_vec(values, (e, rows, groups * bytes * 2), &Device::Cpu)?;
+        out.insert(stem.to_string(), w.transpose(1, 2)?.contiguous()?);
     }
     Ok(Some(out))
 }
