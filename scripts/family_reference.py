@@ -209,6 +209,31 @@ def families():
             },
             tie_word_embeddings=True,
         ),
+        # Gemma 2: Gemma 3's layer without q/k norms, one RoPE base, sliding layers alternating
+        # with full ones (transformers' default), soft-capped scores and logits with caps low
+        # enough (5 and 3) that the tanh acts on the tiny model, tied embeddings.
+        "gemma2": transformers.Gemma2Config(
+            **{**common, "num_hidden_layers": 3},
+            head_dim=16,
+            query_pre_attn_scalar=12,
+            sliding_window=4,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        # Gemma 2 without soft-capping, a full layer first, untied.
+        "gemma2_nocap": transformers.Gemma2Config(
+            **common,
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            sliding_window=3,
+            layer_types=["full_attention", "sliding_attention"],
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
         # Qwen3.5 (text): three Gated DeltaNet layers then a gated full-attention layer
         # (transformers' default layer_types), partial rotary 0.25, two value heads per key
         # head, untied.
@@ -481,6 +506,7 @@ MODEL_CLASS = {
     "Qwen2MoeConfig": transformers.Qwen2MoeForCausalLM,
     "MistralConfig": transformers.MistralForCausalLM,
     "Gemma3TextConfig": transformers.Gemma3ForCausalLM,
+    "Gemma2Config": transformers.Gemma2ForCausalLM,
     "DeepseekV3Config": transformers.DeepseekV3ForCausalLM,
     "Glm4MoeConfig": transformers.Glm4MoeForCausalLM,
     "GptOssConfig": transformers.GptOssForCausalLM,

@@ -87,7 +87,7 @@ def shims(d: Path):
 
 # Families the model code implements (config.json architectures).
 SUPPORTED_FAMILIES = {"qwen2", "llama", "mistral", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next",
-                      "seed_oss", "mimo", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen2_moe"}
+                      "seed_oss", "mimo", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen2_moe", "gemma2"}
 
 # A model id's family, by its name (the first pattern found wins; VL before the base family).
 FAMILY_PATTERNS = [

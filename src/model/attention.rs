@@ -84,17 +84,19 @@ pub(crate) fn attention_composed(
         .reshape((b, nh, t, hd))
 }
 
-/// [`attention_composed`] with GPT-OSS's sink logits `sinks` `[nh]`: each head's scores get
-/// one more column holding its sink, the softmax runs over keys and sink, and the sink's
-/// probability is dropped, so a head may attend to less than a whole position:
-/// `p_j = exp(s_j) / (exp(sink) + Σ_i exp(s_i))`. `[b, nh, t, hd]`.
-pub(crate) fn attention_with_sinks(
+/// [`attention_composed`] with GPT-OSS's sink logits `sinks` `[nh]` and Gemma 2's soft-capping
+/// `softcap`. Soft-capping turns each scaled score `s` into `c·tanh(s/c)` before the mask is
+/// added. With sinks each head's scores get one more column holding its sink, the softmax runs
+/// over keys and sink, and the sink's probability is dropped, so a head may attend to less than
+/// a whole position: `p_j = exp(s_j) / (exp(sink) + Σ_i exp(s_i))`. `[b, nh, t, hd]`.
+pub(crate) fn attention_special(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     bias: &Tensor,
     scale: f64,
-    sinks: &Tensor,
+    sinks: Option<&Tensor>,
+    softcap: Option<f64>,
 ) -> Result<Tensor> {
     let (b, nh, t, hd) = q.dims4()?;
     let (nkv, s) = (k.dim(1)?, k.dim(2)?);
@@ -102,16 +104,23 @@ pub(crate) fn attention_with_sinks(
     let dtype = q.dtype();
     let qg = q.contiguous()?.reshape((b, nkv, rep * t, hd))?;
     let scores = (qg.matmul(&k.t()?)? * scale)?; // [b, nkv, rep·t, s]
+    let scores = match softcap {
+        Some(c) => ((scores / c)?.tanh()? * c)?,
+        None => scores,
+    };
     let scores = upcast(&scores.reshape((b, nh, t, s))?.broadcast_add(bias)?)?; // [b, nh, t, s]
-    let sink = sinks
-        .to_dtype(scores.dtype())?
-        .reshape((1, nh, 1, 1))?
-        .broadcast_as((b, nh, t, 1))?; // [b, nh, t, 1]
-    let all = Tensor::cat(&[&scores, &sink], 3)?; // [b, nh, t, s + 1]
-    let probs = candle_nn::ops::softmax(&all, D::Minus1)?
-        .narrow(3, 0, s)?
-        .to_dtype(dtype)?
-        .contiguous()?;
+    let probs = match sinks {
+        Some(sinks) => {
+            let sink = sinks
+                .to_dtype(scores.dtype())?
+                .reshape((1, nh, 1, 1))?
+                .broadcast_as((b, nh, t, 1))?; // [b, nh, t, 1]
+            let all = Tensor::cat(&[&scores, &sink], 3)?; // [b, nh, t, s + 1]
+            candle_nn::ops::softmax(&all, D::Minus1)?.narrow(3, 0, s)?
+        }
+        None => candle_nn::ops::softmax(&scores, D::Minus1)?,
+    };
+    let probs = probs.to_dtype(dtype)?.contiguous()?;
     probs
         .reshape((b, nkv, rep * t, s))?
         .matmul(&v.contiguous()?)? // [b, nkv, rep·t, hd]

@@ -343,8 +343,10 @@ pub(crate) struct Attention {
     /// `self_attn.k_norm`, `[head_dim]` each).
     pub(crate) qk_norm: Option<(Tensor, Tensor)>,
     /// GPT-OSS's sink logits `self_attn.sinks` `[heads]`: one more entry of each head's
-    /// softmax, whose probability is dropped ([`super::attention::attention_with_sinks`]).
+    /// softmax, whose probability is dropped ([`super::attention::attention_special`]).
     pub(crate) sinks: Option<Tensor>,
+    /// Gemma 2's `attn_logit_softcapping`: scores become `c·tanh(s/c)` before the mask.
+    pub(crate) softcap: Option<f64>,
 }
 
 /// What mixes a layer's tokens.
@@ -619,6 +621,7 @@ impl Block {
                     o: lin(&a.o),
                     qk_norm: a.qk_norm.as_ref().map(|(q, k)| (q.detach(), k.detach())),
                     sinks: a.sinks.as_ref().map(Tensor::detach),
+                    softcap: a.softcap,
                 }),
                 Mixer::Delta(d) => Mixer::Delta(d.map(&lin)),
                 Mixer::Mla(m) => Mixer::Mla(m.map(&lin)),
@@ -762,13 +765,15 @@ fn self_attention(
     // [b, nh, t, hd]; grouped queries share their KV head without a copy of K/V. The blocked
     // op also serves a prefill (many queries over a cache), never a one-token decode step.
     let blocked = l.blocked && (!cached || t > 1);
-    let attn = match (keys, &at.sinks) {
-        (Keys::Bias(bias), Some(sinks)) => {
-            super::attention::attention_with_sinks(&q, &k, &v, bias, a.attn_scale(), sinks)?
+    let special = at.sinks.is_some() || at.softcap.is_some();
+    let attn = match keys {
+        Keys::Bias(bias) if special => {
+            let (sinks, cap) = (at.sinks.as_ref(), at.softcap);
+            super::attention::attention_special(&q, &k, &v, bias, a.attn_scale(), sinks, cap)?
         }
-        (keys, None) if blocked => attention(&q, &k, &v, keys.clone(), a.attn_scale())?,
-        (Keys::Bias(bias), None) => attention_composed(&q, &k, &v, bias, a.attn_scale())?,
-        (Keys::Packed { .. }, _) => candle_core::bail!(
+        keys if blocked && !special => attention(&q, &k, &v, keys.clone(), a.attn_scale())?,
+        Keys::Bias(bias) => attention_composed(&q, &k, &v, bias, a.attn_scale())?,
+        Keys::Packed { .. } => candle_core::bail!(
             "packed sequences reach the composition's attention only through the blocked op"
         ),
     };

@@ -46,6 +46,11 @@ pub enum Arch {
     /// embeddings times √hidden; scores scaled by `query_pre_attn_scalar^-½`; sliding-window
     /// layers with their own RoPE base between global ones (`layer_types`).
     Gemma3,
+    /// `Gemma2ForCausalLM`: Gemma 3's layer without q/k norms, one RoPE base for every layer,
+    /// sliding and full layers alternating (sliding first), and soft-capped scores
+    /// (`attn_logit_softcapping`: `c·tanh(s/c)` before the mask) and logits
+    /// (`final_logit_softcapping`).
+    Gemma2,
     /// `Qwen3_5ForCausalLM` (and the text part of `Qwen3_5ForConditionalGeneration`): three of
     /// every four layers Gated DeltaNet (`linear_attn`, [`LinearAttnArgs`]), the others full
     /// attention with a sigmoid output gate read from a doubled `q_proj`, q/k norms and rotary
@@ -135,7 +140,7 @@ impl Arch {
 
     /// Gemma's layer: `(1 + w)` norms, sandwich norms, GELU (tanh) MLP, scaled embeddings.
     pub fn gemma(self) -> bool {
-        matches!(self, Arch::Gemma3)
+        matches!(self, Arch::Gemma3 | Arch::Gemma2)
     }
 
     /// What RMSNorm weights add to their scale: 1 for Gemma (`x̂·(1 + w)`), else 0.
@@ -158,6 +163,7 @@ impl Arch {
             Arch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
             Arch::Qwen2Moe => ("Qwen2MoeForCausalLM", "qwen2_moe"),
             Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
+            Arch::Gemma2 => ("Gemma2ForCausalLM", "gemma2"),
             Arch::Qwen3_5 => ("Qwen3_5ForCausalLM", "qwen3_5_text"),
             Arch::Qwen3_5Moe => ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
             Arch::Qwen3Next => ("Qwen3NextForCausalLM", "qwen3_next"),
@@ -176,7 +182,7 @@ impl Arch {
 /// The `architectures` (`config.json`) this implementation loads, and the block layout each
 /// follows: causal LMs, and the token- and sequence-classification models critics and reward
 /// models are (their backbone plus a `score` head).
-pub const ARCHITECTURES: [(&str, Arch); 42] = [
+pub const ARCHITECTURES: [(&str, Arch); 45] = [
     ("LlamaForCausalLM", Arch::Llama),
     ("LlamaForTokenClassification", Arch::Llama),
     ("LlamaForSequenceClassification", Arch::Llama),
@@ -202,6 +208,9 @@ pub const ARCHITECTURES: [(&str, Arch); 42] = [
     ("Gemma3ForCausalLM", Arch::Gemma3),
     ("Gemma3TextForTokenClassification", Arch::Gemma3),
     ("Gemma3TextForSequenceClassification", Arch::Gemma3),
+    ("Gemma2ForCausalLM", Arch::Gemma2),
+    ("Gemma2ForTokenClassification", Arch::Gemma2),
+    ("Gemma2ForSequenceClassification", Arch::Gemma2),
     ("Qwen3_5ForCausalLM", Arch::Qwen3_5),
     ("Qwen3_5ForConditionalGeneration", Arch::Qwen3_5),
     ("Qwen3_5ForTokenClassification", Arch::Qwen3_5),
@@ -222,7 +231,7 @@ pub const ARCHITECTURES: [(&str, Arch); 42] = [
 ];
 
 /// `model_type`s read when a config has no `architectures`.
-const MODEL_TYPES: [(&str, Arch); 17] = [
+const MODEL_TYPES: [(&str, Arch); 18] = [
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Qwen2),
@@ -232,6 +241,7 @@ const MODEL_TYPES: [(&str, Arch); 17] = [
     ("qwen3_moe", Arch::Qwen3Moe),
     ("qwen2_moe", Arch::Qwen2Moe),
     ("gemma3_text", Arch::Gemma3),
+    ("gemma2", Arch::Gemma2),
     ("qwen3_5_text", Arch::Qwen3_5),
     ("qwen3_5", Arch::Qwen3_5),
     ("qwen3_5_moe_text", Arch::Qwen3_5Moe),
@@ -464,6 +474,12 @@ pub struct ModelArgs {
     /// ([`MlaArgs::num_nextn_predict_layers`]).
     #[serde(default)]
     pub trailing_mtp_layers: usize,
+    /// Gemma 2's soft-capping: attention scores become `c·tanh(s/c)` before the mask
+    /// (`attn_logit_softcapping`), the LM head's logits likewise (`final_logit_softcapping`).
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f64>,
 }
 
 /// Where MiMo's multi-token-prediction layers are named: kept as read, never trained here.
@@ -1188,6 +1204,13 @@ fn read_windows(
                 })
                 .collect()
         }
+        // Gemma 2: sliding and full layers alternate, sliding first.
+        (Arch::Gemma2, None) => (0..layers)
+            .map(|i| match i % 2 {
+                0 => LayerKind::Sliding,
+                _ => LayerKind::Full,
+            })
+            .collect(),
         (Arch::Gemma3, None) => {
             let pattern = v
                 .get("sliding_window_pattern")
@@ -1273,7 +1296,7 @@ fn refuse_unsupported(v: &Value, arch: Arch) -> Result<(), String> {
         }
     }
     for key in ["final_logit_softcapping", "attn_logit_softcapping"] {
-        if let Some(x) = v.get(key).filter(|x| !x.is_null()) {
+        if let Some(x) = v.get(key).filter(|x| !x.is_null() && arch != Arch::Gemma2) {
             return Err(format!(
                 "config.json: {key} ({x}) is not supported (logits without tanh soft-capping only)"
             ));
@@ -1359,6 +1382,22 @@ fn read_family_rope(v: &Value, arch: Arch) -> Result<(Rope, Option<f64>), String
     Ok(rope)
 }
 
+/// Gemma 2's soft-capping value `key` (absent or null: none); other families refuse the key
+/// ([`refuse_unsupported`]).
+fn softcap(v: &Value, arch: Arch, key: &str) -> Result<Option<f64>, String> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(_) if arch != Arch::Gemma2 => Ok(None),
+        Some(x) => x
+            .as_f64()
+            .filter(|c| c.is_finite() && *c > 0.0)
+            .map(Some)
+            .ok_or_else(|| {
+                format!("config.json: {key} must be a positive number or null, found {x}")
+            }),
+    }
+}
+
 /// A true/false key of config.json (`default` when absent or null).
 fn flag(v: &Value, key: &str, default: bool) -> Result<bool, String> {
     match v.get(key) {
@@ -1389,7 +1428,7 @@ impl ModelArgs {
         let text = text_settings(v, arch);
         let v = text.as_ref();
         let (qkv_bias, o_bias) = read_biases(v, arch)?;
-        let gemma = arch == Arch::Gemma3;
+        let gemma = arch.gemma();
         let ((rope_theta, rope_scaling), rope_local_theta) = read_family_rope(v, arch)?;
         refuse_unsupported(v, arch)?;
         let deepseek = arch == Arch::DeepseekV3;
@@ -1494,6 +1533,8 @@ impl ModelArgs {
             mla,
             // GLM-4.5's optional q/k norms and its multi-token-prediction layers.
             use_qk_norm: arch == Arch::Glm4Moe && flag(v, "use_qk_norm", false)?,
+            attn_logit_softcapping: softcap(v, arch, "attn_logit_softcapping")?,
+            final_logit_softcapping: softcap(v, arch, "final_logit_softcapping")?,
             trailing_mtp_layers: (arch == Arch::Glm4Moe)
                 .then(|| read_mtp_layers(v))
                 .transpose()?
@@ -1780,10 +1821,33 @@ impl ModelArgs {
             }
             _ => {}
         }
-        if self.arch.gemma() {
+        if self.arch == Arch::Gemma3 {
             self.write_gemma_hf(out.as_object_mut().expect("an object"), &kinds);
         }
+        if self.arch == Arch::Gemma2 {
+            let o = out.as_object_mut().expect("an object");
+            o.remove("hidden_act");
+            o.insert("hidden_activation".into(), "gelu_pytorch_tanh".into());
+            o.insert("layer_types".into(), serde_json::json!(kinds));
+            o.insert("query_pre_attn_scalar".into(), self.integral_scalar());
+            o.insert(
+                "attn_logit_softcapping".into(),
+                serde_json::json!(self.attn_logit_softcapping),
+            );
+            o.insert(
+                "final_logit_softcapping".into(),
+                serde_json::json!(self.final_logit_softcapping),
+            );
+        }
         out
+    }
+
+    /// `query_pre_attn_scalar` as transformers' Gemma config classes take it: an integer.
+    fn integral_scalar(&self) -> Value {
+        match self.query_pre_attn_scalar {
+            Some(x) if x.fract() == 0.0 && x >= 0.0 => serde_json::json!(x as u64),
+            x => serde_json::json!(x),
+        }
     }
 
     /// Gemma 3's own keys: its activation, layer types, score scale, and the two RoPE bases.
@@ -1791,12 +1855,7 @@ impl ModelArgs {
         o.remove("hidden_act");
         o.insert("hidden_activation".into(), "gelu_pytorch_tanh".into());
         o.insert("layer_types".into(), serde_json::json!(kinds));
-        // transformers' config class takes an integer here.
-        let scalar = match self.query_pre_attn_scalar {
-            Some(x) if x.fract() == 0.0 && x >= 0.0 => serde_json::json!(x as u64),
-            x => serde_json::json!(x),
-        };
-        o.insert("query_pre_attn_scalar".into(), scalar);
+        o.insert("query_pre_attn_scalar".into(), self.integral_scalar());
         let local = self.rope_local_theta.unwrap_or(self.rope_theta);
         o.insert("rope_local_base_freq".into(), serde_json::json!(local));
         o.insert(
@@ -1822,7 +1881,7 @@ impl ModelArgs {
             rms_norm_eps: 1e-6,
             rope_theta: 10000.0,
             rope_scaling: None,
-            tie_word_embeddings: matches!(arch, Arch::Llama | Arch::Gemma3),
+            tie_word_embeddings: matches!(arch, Arch::Llama | Arch::Gemma3 | Arch::Gemma2),
             qkv_bias: matches!(
                 arch,
                 Arch::Qwen2 | Arch::MiMo | Arch::SeedOss | Arch::Qwen2Moe
@@ -1830,10 +1889,10 @@ impl ModelArgs {
             o_bias: arch == Arch::SeedOss,
             max_position_embeddings: 512,
             num_labels: None,
-            query_pre_attn_scalar: (arch == Arch::Gemma3).then_some(12.0),
-            sliding_window: (arch == Arch::Gemma3).then_some(4),
+            query_pre_attn_scalar: arch.gemma().then_some(12.0),
+            sliding_window: arch.gemma().then_some(4),
             layer_types: match arch {
-                Arch::Gemma3 => vec![LayerKind::Sliding, LayerKind::Full],
+                Arch::Gemma3 | Arch::Gemma2 => vec![LayerKind::Sliding, LayerKind::Full],
                 _ if arch.hybrid() => vec![LayerKind::Linear, LayerKind::Full],
                 _ => Vec::new(),
             },
@@ -1875,6 +1934,8 @@ impl ModelArgs {
             mla: None,
             use_qk_norm: false,
             trailing_mtp_layers: 0,
+            attn_logit_softcapping: (arch == Arch::Gemma2).then_some(5.0),
+            final_logit_softcapping: (arch == Arch::Gemma2).then_some(3.0),
         };
         match arch {
             Arch::DeepseekV3 => deepseek::tiny(a),

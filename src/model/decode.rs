@@ -53,6 +53,8 @@ pub fn serves(model: &CausalLm) -> bool {
         && model.args.mla.is_none()
         && !model.args.deepseek_routing()
         && !model.args.arch.sinks()
+        && model.args.attn_logit_softcapping.is_none()
+        && model.args.final_logit_softcapping.is_none()
 }
 
 pub fn with_packed<D: Decoder>(model: &CausalLm, d: D) -> Option<Result<D::Out>> {

@@ -150,7 +150,8 @@ pub(super) fn hand_written(l: &Block) -> bool {
     let plain_experts = |x: &super::block::Experts| {
         !x.dense && x.deepseek.is_none() && x.router_bias.is_none() && x.swiglu.is_none()
     };
-    l.attention().is_ok_and(|a| a.sinks.is_none()) && l.experts().is_none_or(plain_experts)
+    let plain_attention = |a: &super::block::Attention| a.sinks.is_none() && a.softcap.is_none();
+    l.attention().is_ok_and(plain_attention) && l.experts().is_none_or(plain_experts)
 }
 
 /// PEFT's `lora_dropout` for a model's training forwards: each forward that builds a graph
@@ -381,7 +382,10 @@ impl CausalLm {
             l.mixed = mixed;
             // Latent attention and attention with sinks run as their own composition over a
             // bias.
-            l.blocked = blocked && l.mla().is_none() && !self.args.arch.sinks();
+            l.blocked = blocked
+                && l.mla().is_none()
+                && !self.args.arch.sinks()
+                && self.args.attn_logit_softcapping.is_none();
             if let Mlp::Experts(e) = &mut l.mlp {
                 e.dense = exec.dense_experts;
             }
@@ -405,17 +409,23 @@ impl CausalLm {
         let composed = !self.args.all_attention()
             || self.args.mla.is_some()
             || self.args.deepseek_routing()
-            || self.args.arch.sinks();
+            || self.args.arch.sinks()
+            || self.args.attn_logit_softcapping.is_some();
         let cpu = self.device.is_cpu() && composed && crate::kernels::bf16::available();
         self.exec.bf16 && self.dtype == DType::F32 && (!self.device.is_cpu() || cpu)
     }
 
     /// `x·Wᵀ` for the LM head's output projection `w` `[vocab, hidden]` on `x` `[n, hidden]`:
     /// bf16 operands when the composition runs mixed precision (see [`Exec::bf16`]).
+    /// Gemma 2's `final_logit_softcapping` `c` turns the logits into `c·tanh(z/c)`.
     fn head_matmul(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        match self.mixed_products() {
-            true => super::proj::bf16_matmul(x, w),
-            false => x.matmul(&w.t()?),
+        let z = match self.mixed_products() {
+            true => super::proj::bf16_matmul(x, w)?,
+            false => x.matmul(&w.t()?)?,
+        };
+        match self.args.final_logit_softcapping {
+            Some(c) => (z / c)?.tanh()? * c,
+            None => Ok(z),
         }
     }
 
@@ -951,7 +961,8 @@ impl CausalLm {
     ) -> Result<HeadOut> {
         let cpu = crate::kernels::supported(hidden.device(), hidden.dtype());
         let device = !hidden.device().is_cpu() && !self.exec.composed;
-        if !cpu && !device {
+        // The fused op knows no soft-capping: Gemma 2's logits go through the composition.
+        if (!cpu && !device) || self.args.final_logit_softcapping.is_some() {
             return self.token_stats_composed(hidden, targets, chunk, stats);
         }
         let (b, t, h) = hidden.dims3()?;
@@ -1315,6 +1326,7 @@ fn attention_weights(a: &VarBuilder, args: &ModelArgs, one: Init) -> Result<Atte
         } else {
             None
         },
+        softcap: args.attn_logit_softcapping,
         sinks: match args.arch.sinks() {
             true => Some(a.get_with_hints(nh, "sinks", Init::Const(0.0))?),
             false => None,

@@ -351,10 +351,10 @@ mod tests {
         assert!(e.contains(key) && e.contains("same tokenizer"), "{e}");
         let other = model("other", 4096);
         let config =
-            serde_json::json!({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"});
+            serde_json::json!({"architectures": ["FalconForCausalLM"], "model_type": "falcon"});
         std::fs::write(other.join("config.json"), config.to_string()).unwrap();
         let e = check(&other).unwrap_err();
-        assert!(e.contains(key) && e.contains("Gemma2ForCausalLM"), "{e}");
+        assert!(e.contains(key) && e.contains("FalconForCausalLM"), "{e}");
     }
 
     /// `config check` refuses a LoRA rank larger than the projections it adapts from the

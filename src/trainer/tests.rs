@@ -671,11 +671,13 @@ fn a_deepseek_v3_actor_and_critic_resume_bit_exact() {
     assert_eq!(before, after);
 }
 
-/// GLM-4.5 (DeepSeek's routing beside grouped-query attention) and GPT-OSS (sinks, sliding
-/// layers, biased clamped experts saved back fused) through the whole loop.
+/// GLM-4.5 (DeepSeek's routing beside grouped-query attention), Gemma 2 (soft-capped scores
+/// and logits) and GPT-OSS (sinks, sliding layers, biased clamped experts saved back fused)
+/// through the whole loop.
 #[test]
-fn glm4_moe_and_gpt_oss_actors_and_critics_resume_bit_exact() {
+fn glm4_moe_gemma2_and_gpt_oss_actors_and_critics_resume_bit_exact() {
     actor_and_critic_resume_bit_exact(Arch::Glm4Moe, "Glm4MoeForCausalLM");
+    actor_and_critic_resume_bit_exact(Arch::Gemma2, "Gemma2ForCausalLM");
     let (_fx, exported) = actor_and_critic_resume_bit_exact(Arch::GptOss, "GptOssForCausalLM");
     let t =
         candle_core::safetensors::load(exported.join("model.safetensors"), &Device::Cpu).unwrap();

@@ -304,7 +304,7 @@ fn fused_expert_grads(
     named
 }
 
-const FAMILIES: [&str; 24] = [
+const FAMILIES: [&str; 26] = [
     "llama",
     "qwen2",
     "seed_oss",
@@ -314,6 +314,8 @@ const FAMILIES: [&str; 24] = [
     "qwen3_window",
     "mistral_window",
     "gemma3",
+    "gemma2",
+    "gemma2_nocap",
     "qwen3_moe",
     "qwen3_moe_step2",
     "qwen2_moe",
@@ -678,17 +680,17 @@ fn an_unsupported_architecture_is_refused_by_name() {
     let mut cfg: Value =
         serde_json::from_str(&std::fs::read_to_string(dir("qwen3").join("config.json")).unwrap())
             .unwrap();
-    cfg["architectures"] = serde_json::json!(["Gemma2ForCausalLM"]);
+    cfg["architectures"] = serde_json::json!(["FalconForCausalLM"]);
     let e = crate::model::ModelArgs::from_hf(&cfg).unwrap_err();
     assert!(
-        e.contains("`Gemma2ForCausalLM` is not supported") && e.contains("Qwen3ForCausalLM"),
+        e.contains("`FalconForCausalLM` is not supported") && e.contains("Qwen3ForCausalLM"),
         "{e}"
     );
     cfg.as_object_mut().unwrap().remove("architectures");
-    cfg["model_type"] = serde_json::json!("gemma2");
+    cfg["model_type"] = serde_json::json!("falcon");
     let e = crate::model::ModelArgs::from_hf(&cfg).unwrap_err();
     assert!(
-        e.contains("\"gemma2\"") && e.contains("LlamaForCausalLM"),
+        e.contains("\"falcon\"") && e.contains("LlamaForCausalLM"),
         "{e}"
     );
 }
@@ -1349,6 +1351,27 @@ fn deepseek_v3_saves_back_every_tensor() {
     }
 }
 
+/// Gemma 2 saves back every tensor as read under Gemma2ForCausalLM, and its config (soft-caps,
+/// layer types, an integer `query_pre_attn_scalar` as transformers' strict class takes it)
+/// reads back as the same arguments; a soft-cap that is not a positive number is refused.
+#[test]
+fn gemma2_saves_back_every_tensor_and_its_caps() {
+    for name in ["gemma2", "gemma2_nocap"] {
+        let args = assert_saves_back(name, "Gemma2ForCausalLM", |_| false, 0);
+        assert_eq!(
+            args.final_logit_softcapping.is_some(),
+            name == "gemma2",
+            "{name}"
+        );
+    }
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir("gemma2").join("config.json")).unwrap())
+            .unwrap();
+    cfg["attn_logit_softcapping"] = (-1.0).into();
+    let e = crate::model::ModelArgs::from_hf(&cfg).unwrap_err();
+    assert!(e.contains("attn_logit_softcapping"), "{e}");
+}
+
 /// GLM-4.5 saves back every tensor as read (its score-correction buffers included), under
 /// Glm4MoeForCausalLM, and its config reads back as the same arguments (optional q/k norms,
 /// partial rotary width, DeepSeek's routing).
@@ -1727,6 +1750,7 @@ fn deepseek2_and_glm4moe_ggufs_are_refused_by_name() {
         ("deepseek2", "DeepseekV3ForCausalLM"),
         ("glm4moe", "Glm4MoeForCausalLM"),
         ("qwen2moe", "Qwen2MoeForCausalLM"),
+        ("gemma2", "Gemma2ForCausalLM"),
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let path = tmp.path().join("model.gguf");

@@ -241,9 +241,10 @@ const GGUF_ARCHS: [(&str, Arch); 8] = [
 /// llama.cpp's architectures whose files this reader refuses although the family loads from its
 /// HF folder: `deepseek2` (DeepSeek-V2/V3, Kimi-K2, Moonlight), where llama.cpp stores latent
 /// attention its own way (`kv_b_proj` split into per-head `attn_k_b`/`attn_v_b`, rope values
-/// permuted), `glm4moe` (GLM-4.5), `gpt-oss` (its experts in MXFP4) and `qwen2moe`; all stack their
-/// experts per layer (`ffn_*_exps`), mostly quantised, which this reader does not undo.
-const HF_ONLY: [(&str, &str); 4] = [
+/// permuted), `glm4moe` (GLM-4.5), `gpt-oss` (its experts in MXFP4) and `qwen2moe`, which
+/// stack their experts per layer (`ffn_*_exps`), mostly quantised, which this reader does not
+/// undo; and `gemma2`, whose soft-capping this reader does not read.
+const HF_ONLY: [(&str, &str); 5] = [
     (
         "deepseek2",
         "DeepSeek-V2/V3, Kimi-K2, Moonlight as llama.cpp writes them; DeepseekV3ForCausalLM",
@@ -259,6 +260,10 @@ const HF_ONLY: [(&str, &str); 4] = [
     (
         "qwen2moe",
         "Qwen1.5-MoE / Qwen2-MoE as llama.cpp writes them; Qwen2MoeForCausalLM",
+    ),
+    (
+        "gemma2",
+        "Gemma 2 as llama.cpp writes it; Gemma2ForCausalLM",
     ),
 ];
 
@@ -380,6 +385,8 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         remote_code: Default::default(),
         use_qk_norm: false,
         trailing_mtp_layers: 0,
+        attn_logit_softcapping: None,
+        final_logit_softcapping: None,
     })
 }
 

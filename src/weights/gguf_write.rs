@@ -188,6 +188,7 @@ fn arch_name(args: &ModelArgs, target: &Path) -> Result<&'static str, ModelError
         crate::model::Arch::Glm4Moe => Some(("glm4moe", "experts")),
         crate::model::Arch::GptOss => Some(("gpt-oss", "experts and attention sinks")),
         crate::model::Arch::Qwen2Moe => Some(("qwen2moe", "experts and shared experts")),
+        crate::model::Arch::Gemma2 => Some(("gemma2", "soft-capping settings")),
         _ => None,
     };
     if let Some((name, what)) = laid_out_elsewhere {

@@ -28,7 +28,7 @@ pub(super) fn model_dir(root: &Path, family: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     let config = match family {
         "qwen2" | "qwen3" | "qwen3_moe" | "qwen3_5" | "qwen3_next" | "llama" | "mistral"
-        | "seed_oss" | "mimo" | "deepseek_v3" | "glm4_moe" | "gpt_oss" | "qwen2_moe" => {
+        | "seed_oss" | "mimo" | "deepseek_v3" | "glm4_moe" | "gpt_oss" | "qwen2_moe" | "gemma2" => {
             let arch = match family {
                 "qwen2" => Arch::Qwen2,
                 "seed_oss" => Arch::SeedOss,
@@ -41,6 +41,7 @@ pub(super) fn model_dir(root: &Path, family: &str) -> PathBuf {
                 "glm4_moe" => Arch::Glm4Moe,
                 "gpt_oss" => Arch::GptOss,
                 "qwen2_moe" => Arch::Qwen2Moe,
+                "gemma2" => Arch::Gemma2,
                 _ => Arch::Llama,
             };
             // Tiny, but with every projection at least 128 wide: the lines' LoRA ranks (up to
