@@ -68,20 +68,7 @@ pub(crate) fn attention_composed(
     bias: &Tensor,
     scale: f64,
 ) -> Result<Tensor> {
-    let (b, nh, t, hd) = q.dims4()?;
-    let (nkv, s) = (k.dim(1)?, k.dim(2)?);
-    let rep = nh / nkv;
-    let dtype = q.dtype();
-    // The `rep` query heads of a KV head stacked along the query axis: [b, nkv, rep·t, hd].
-    let qg = q.contiguous()?.reshape((b, nkv, rep * t, hd))?;
-    let scores = (qg.matmul(&k.t()?)? * scale)?; // [b, nkv, rep·t, s]
-    let scores = scores.reshape((b, nh, t, s))?.broadcast_add(bias)?; // [b, nh, t, s]
-    let probs = candle_nn::ops::softmax(&upcast(&scores)?, D::Minus1)?;
-    let probs = probs.to_dtype(dtype)?;
-    probs
-        .reshape((b, nkv, rep * t, s))?
-        .matmul(&v.contiguous()?)? // [b, nkv, rep·t, hd]
-        .reshape((b, nh, t, hd))
+    attention_special(q, k, v, bias, scale, None, None)
 }
 
 /// [`attention_composed`] with GPT-OSS's sink logits `sinks` `[nh]` and Gemma 2's soft-capping
@@ -102,6 +89,7 @@ pub(crate) fn attention_special(
     let (nkv, s) = (k.dim(1)?, k.dim(2)?);
     let rep = nh / nkv;
     let dtype = q.dtype();
+    // The `rep` query heads of a KV head stacked along the query axis: [b, nkv, rep·t, hd].
     let qg = q.contiguous()?.reshape((b, nkv, rep * t, hd))?;
     let scores = (qg.matmul(&k.t()?)? * scale)?; // [b, nkv, rep·t, s]
     let scores = match softcap {

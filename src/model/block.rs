@@ -771,7 +771,7 @@ fn self_attention(
             let (sinks, cap) = (at.sinks.as_ref(), at.softcap);
             super::attention::attention_special(&q, &k, &v, bias, a.attn_scale(), sinks, cap)?
         }
-        keys if blocked && !special => attention(&q, &k, &v, keys.clone(), a.attn_scale())?,
+        keys if blocked => attention(&q, &k, &v, keys.clone(), a.attn_scale())?,
         Keys::Bias(bias) => attention_composed(&q, &k, &v, bias, a.attn_scale())?,
         Keys::Packed { .. } => candle_core::bail!(
             "packed sequences reach the composition's attention only through the blocked op"

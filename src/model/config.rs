@@ -809,17 +809,8 @@ impl MoeArgs {
         if arch == Arch::GptOss {
             // Experts on every layer, of width intermediate_size; the weights are the softmax
             // of the chosen logits, i.e. renormalised.
-            let number = |key: &str, default: f64| -> Result<f64, String> {
-                match v.get(key) {
-                    None | Some(Value::Null) => Ok(default),
-                    Some(x) => x
-                        .as_f64()
-                        .filter(|a| a.is_finite() && *a > 0.0)
-                        .ok_or_else(|| {
-                            format!("config.json: {key} must be a positive number, found {x}")
-                        }),
-                }
-            };
+            let number =
+                |key: &str, default: f64| Ok::<_, String>(positive(v, key)?.unwrap_or(default));
             return Ok(Self {
                 num_experts,
                 num_experts_per_tok: k,
@@ -1184,33 +1175,13 @@ fn read_windows(
         // Seed-OSS's attention has no window (transformers reads no `sliding_window` there).
         (Arch::SeedOss, _) => Vec::new(),
         (_, Some(l)) => l,
-        // GPT-OSS: sliding and full layers alternate, sliding first.
-        (Arch::GptOss, None) => (0..layers)
-            .map(|i| match i % 2 {
-                0 => LayerKind::Sliding,
-                _ => LayerKind::Full,
-            })
-            .collect(),
-        // Qwen2-MoE: every other layer below max_window_layers, the first one sliding.
+        // GPT-OSS and Gemma 2: sliding and full layers alternate, sliding first; Qwen2-MoE
+        // likewise below max_window_layers, full above.
+        (Arch::GptOss | Arch::Gemma2, None) => alternating(layers, layers),
         (Arch::Qwen2Moe, None) => {
-            let below = v
-                .get("max_window_layers")
-                .and_then(Value::as_u64)
-                .unwrap_or(28) as usize;
-            (0..layers)
-                .map(|i| match i % 2 == 0 && i < below {
-                    true => LayerKind::Sliding,
-                    false => LayerKind::Full,
-                })
-                .collect()
+            let below = v.get("max_window_layers").and_then(Value::as_u64);
+            alternating(layers, below.unwrap_or(28) as usize)
         }
-        // Gemma 2: sliding and full layers alternate, sliding first.
-        (Arch::Gemma2, None) => (0..layers)
-            .map(|i| match i % 2 {
-                0 => LayerKind::Sliding,
-                _ => LayerKind::Full,
-            })
-            .collect(),
         (Arch::Gemma3, None) => {
             let pattern = v
                 .get("sliding_window_pattern")
@@ -1256,6 +1227,16 @@ fn read_windows(
         kinds
     };
     Ok((window.filter(|_| !kinds.is_empty()), kinds))
+}
+
+/// `layers` layer kinds: sliding for the even layers below `below`, full for the others.
+fn alternating(layers: usize, below: usize) -> Vec<LayerKind> {
+    (0..layers)
+        .map(|i| match i % 2 == 0 && i < below {
+            true => LayerKind::Sliding,
+            false => LayerKind::Full,
+        })
+        .collect()
 }
 
 /// Keys that would change the computation in ways this implementation does not follow: refused
@@ -1385,16 +1366,22 @@ fn read_family_rope(v: &Value, arch: Arch) -> Result<(Rope, Option<f64>), String
 /// Gemma 2's soft-capping value `key` (absent or null: none); other families refuse the key
 /// ([`refuse_unsupported`]).
 fn softcap(v: &Value, arch: Arch, key: &str) -> Result<Option<f64>, String> {
+    match arch {
+        Arch::Gemma2 => positive(v, key),
+        _ => Ok(None),
+    }
+}
+
+/// A positive finite number of config.json (`None` when absent or null).
+fn positive(v: &Value, key: &str) -> Result<Option<f64>, String> {
     match v.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(_) if arch != Arch::Gemma2 => Ok(None),
-        Some(x) => x
-            .as_f64()
-            .filter(|c| c.is_finite() && *c > 0.0)
-            .map(Some)
-            .ok_or_else(|| {
-                format!("config.json: {key} must be a positive number or null, found {x}")
-            }),
+        Some(x) => match json_number(key, x)? {
+            c if c.is_finite() && c > 0.0 => Ok(Some(c)),
+            _ => Err(format!(
+                "config.json: {key} must be a positive number or null, found {x}"
+            )),
+        },
     }
 }
 
@@ -1575,6 +1562,21 @@ impl ModelArgs {
     /// interleaved, out of PEFT's reach.
     pub fn gpt_oss_experts(&self) -> bool {
         self.moe.as_ref().is_some_and(|m| m.swiglu.is_some())
+    }
+
+    /// Whether attention runs as its own composition over a bias: DeepSeek-V3's latent
+    /// attention, GPT-OSS's sinks, Gemma 2's soft-capped scores (never the blocked op).
+    pub fn special_attention(&self) -> bool {
+        self.mla.is_some() || self.arch.sinks() || self.attn_logit_softcapping.is_some()
+    }
+
+    /// Whether the model runs as the op composition alone, which the packed decode engine does
+    /// not serve: special attention ([`Self::special_attention`]), DeepSeek's routing, or
+    /// soft-capped logits.
+    pub fn composition_only(&self) -> bool {
+        self.special_attention()
+            || self.deepseek_routing()
+            || self.final_logit_softcapping.is_some()
     }
 
     /// Whether the experts route as DeepSeek-V3's (group-limited sigmoid top-k with shared

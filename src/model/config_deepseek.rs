@@ -329,7 +329,6 @@ pub(super) fn softmax_mscale(s: Option<&RopeScaling>) -> f64 {
 /// 16-wide q latent and a 12-wide kv latent; layer 0 dense, layer 1 eight experts in four
 /// groups (top 2 of the best 2 groups, renormalised, scaled 2.5) with one shared expert.
 pub(super) fn tiny(a: super::ModelArgs) -> super::ModelArgs {
-    let first = 1;
     super::ModelArgs {
         head_dim: 4,
         num_key_value_heads: a.num_attention_heads,
@@ -345,24 +344,7 @@ pub(super) fn tiny(a: super::ModelArgs) -> super::ModelArgs {
             rope_interleave: true,
             num_nextn_predict_layers: 0,
         }),
-        moe: Some(MoeArgs {
-            num_experts: 8,
-            num_experts_per_tok: 2,
-            norm_topk_prob: true,
-            moe_intermediate_size: 8,
-            decoder_sparse_step: 1,
-            mlp_only_layers: (0..first).collect(),
-            router_aux_loss_coef: None,
-            shared_expert_intermediate_size: None,
-            swiglu: None,
-            deepseek: Some(DeepseekRouting {
-                n_group: 4,
-                topk_group: 2,
-                routed_scaling_factor: 2.5,
-                n_shared_experts: 1,
-                first_k_dense_replace: first,
-            }),
-        }),
+        moe: Some(tiny_routing(2, (4, 2), 2.5)),
         ..a
     }
 }
@@ -372,31 +354,37 @@ pub(super) fn tiny(a: super::ModelArgs) -> super::ModelArgs {
 /// dense, layer 1 eight experts in two groups (top 3 of the best group, renormalised, scaled
 /// 1.5) with one shared expert.
 pub(super) fn tiny_glm(a: super::ModelArgs) -> super::ModelArgs {
-    let first = 1;
     super::ModelArgs {
         tie_word_embeddings: false,
         qkv_bias: true,
         o_bias: false,
         use_qk_norm: true,
         rotary_dim: Some(a.head_dim / 2),
-        moe: Some(MoeArgs {
-            num_experts: 8,
-            num_experts_per_tok: 3,
-            norm_topk_prob: true,
-            moe_intermediate_size: 8,
-            decoder_sparse_step: 1,
-            mlp_only_layers: (0..first).collect(),
-            router_aux_loss_coef: None,
-            shared_expert_intermediate_size: None,
-            swiglu: None,
-            deepseek: Some(DeepseekRouting {
-                n_group: 2,
-                topk_group: 1,
-                routed_scaling_factor: 1.5,
-                n_shared_experts: 1,
-                first_k_dense_replace: first,
-            }),
-        }),
+        moe: Some(tiny_routing(3, (2, 1), 1.5)),
         ..a
+    }
+}
+
+/// The tiny models' DeepSeek experts: layer 0 dense, then eight experts of width 8, top `k`
+/// renormalised in `(n_group, topk_group)` groups, scaled by `scale`, with one shared expert.
+fn tiny_routing(k: usize, (n_group, topk_group): (usize, usize), scale: f64) -> MoeArgs {
+    let first = 1;
+    MoeArgs {
+        num_experts: 8,
+        num_experts_per_tok: k,
+        norm_topk_prob: true,
+        moe_intermediate_size: 8,
+        decoder_sparse_step: 1,
+        mlp_only_layers: (0..first).collect(),
+        router_aux_loss_coef: None,
+        shared_expert_intermediate_size: None,
+        swiglu: None,
+        deepseek: Some(DeepseekRouting {
+            n_group,
+            topk_group,
+            routed_scaling_factor: scale,
+            n_shared_experts: 1,
+            first_k_dense_replace: first,
+        }),
     }
 }

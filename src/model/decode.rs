@@ -49,12 +49,7 @@ pub trait Decoder {
 /// sinks and experts are not packed here: they decode through the composition, whose cache keeps each position's keys
 /// and values (DeepSeek-V3: its latent and rope key).
 pub fn serves(model: &CausalLm) -> bool {
-    crate::kernels::supported(model.device(), model.dtype())
-        && model.args.mla.is_none()
-        && !model.args.deepseek_routing()
-        && !model.args.arch.sinks()
-        && model.args.attn_logit_softcapping.is_none()
-        && model.args.final_logit_softcapping.is_none()
+    crate::kernels::supported(model.device(), model.dtype()) && !model.args.composition_only()
 }
 
 pub fn with_packed<D: Decoder>(model: &CausalLm, d: D) -> Option<Result<D::Out>> {

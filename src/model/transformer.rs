@@ -380,12 +380,9 @@ impl CausalLm {
         let (mixed, blocked) = (self.mixed_products(), self.blocked_attention());
         for l in self.layers.iter_mut() {
             l.mixed = mixed;
-            // Latent attention and attention with sinks run as their own composition over a
-            // bias.
-            l.blocked = blocked
-                && l.mla().is_none()
-                && !self.args.arch.sinks()
-                && self.args.attn_logit_softcapping.is_none();
+            // Latent attention, sinks and soft-capped scores run as their own composition over
+            // a bias.
+            l.blocked = blocked && !self.args.special_attention();
             if let Mlp::Experts(e) = &mut l.mlp {
                 e.dense = exec.dense_experts;
             }
@@ -407,10 +404,8 @@ impl CausalLm {
     /// composition.
     fn mixed_products(&self) -> bool {
         let composed = !self.args.all_attention()
-            || self.args.mla.is_some()
-            || self.args.deepseek_routing()
-            || self.args.arch.sinks()
-            || self.args.attn_logit_softcapping.is_some();
+            || self.args.special_attention()
+            || self.args.deepseek_routing();
         let cpu = self.device.is_cpu() && composed && crate::kernels::bf16::available();
         self.exec.bf16 && self.dtype == DType::F32 && (!self.device.is_cpu() || cpu)
     }

@@ -59,6 +59,54 @@ fn load(name: &str, dtype: DType) -> crate::weights::hf::Loaded {
         .unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
+/// The fixture `name`'s config.json.
+fn config_of(name: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir(name).join("config.json")).unwrap()).unwrap()
+}
+
+/// A closure asserting that `cfg` with an edit applied is refused by `ModelArgs::from_hf`, the
+/// error naming the key given.
+fn refusal_of(cfg: &Value) -> impl Fn(&dyn Fn(&mut Value), &str) + '_ {
+    move |edit, key| {
+        let mut c = cfg.clone();
+        edit(&mut c);
+        let e = crate::model::ModelArgs::from_hf(&c).unwrap_err();
+        assert!(e.contains(key), "{key}: {e}");
+    }
+}
+
+/// The error of loading fixture `name` (f64) with its config.json replaced by `cfg` and, when
+/// given, its weights by `tensors`: a folder written under `under`.
+fn load_error(
+    name: &str,
+    under: &Path,
+    cfg: &Value,
+    tensors: Option<&std::collections::HashMap<String, Tensor>>,
+) -> String {
+    let to = under.join(format!("{name}-broken"));
+    std::fs::create_dir_all(&to).unwrap();
+    std::fs::copy(
+        dir(name).join("generation_config.json"),
+        to.join("generation_config.json"),
+    )
+    .unwrap();
+    match tensors {
+        Some(t) => candle_core::safetensors::save(t, to.join("model.safetensors")).unwrap(),
+        None => drop(
+            std::fs::copy(
+                dir(name).join("model.safetensors"),
+                to.join("model.safetensors"),
+            )
+            .unwrap(),
+        ),
+    }
+    std::fs::write(to.join("config.json"), cfg.to_string()).unwrap();
+    crate::weights::hf::load_dir(&to, &Default::default(), DType::F64, &Device::Cpu, true)
+        .err()
+        .unwrap()
+        .to_string()
+}
+
 /// Greedy continuations as transformers' full-forward argmax gives them: the same tokens and
 /// log-probs within `tol` (absolute). A step whose top-2 logit gap is below `gap` may pick the
 /// other token; the row is compared up to there.
@@ -1364,9 +1412,7 @@ fn gemma2_saves_back_every_tensor_and_its_caps() {
             "{name}"
         );
     }
-    let mut cfg: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir("gemma2").join("config.json")).unwrap())
-            .unwrap();
+    let mut cfg = config_of("gemma2");
     cfg["attn_logit_softcapping"] = (-1.0).into();
     let e = crate::model::ModelArgs::from_hf(&cfg).unwrap_err();
     assert!(e.contains("attn_logit_softcapping"), "{e}");
@@ -1395,16 +1441,8 @@ fn glm4_moe_saves_back_every_tensor() {
 /// present while `use_qk_norm` is false are refused as unread layer tensors.
 #[test]
 fn broken_glm4_moe_settings_are_refused_by_key() {
-    let cfg: Value = serde_json::from_str(
-        &std::fs::read_to_string(dir("glm4_moe").join("config.json")).unwrap(),
-    )
-    .unwrap();
-    let refused = |edit: &dyn Fn(&mut Value), key: &str| {
-        let mut c = cfg.clone();
-        edit(&mut c);
-        let e = crate::model::ModelArgs::from_hf(&c).unwrap_err();
-        assert!(e.contains(key), "{key}: {e}");
-    };
+    let cfg = config_of("glm4_moe");
+    let refused = refusal_of(&cfg);
     refused(
         &|c| c["rope_parameters"]["partial_rotary_factor"] = 0.375.into(),
         "partial_rotary_factor",
@@ -1416,22 +1454,9 @@ fn broken_glm4_moe_settings_are_refused_by_key() {
     );
     refused(&|c| c["topk_group"] = 3.into(), "topk_group");
     let tmp = tempfile::tempdir().unwrap();
-    for f in ["model.safetensors", "generation_config.json"] {
-        std::fs::copy(dir("glm4_moe").join(f), tmp.path().join(f)).unwrap();
-    }
     let mut c = cfg.clone();
     c["use_qk_norm"] = false.into();
-    std::fs::write(tmp.path().join("config.json"), c.to_string()).unwrap();
-    let e = crate::weights::hf::load_dir(
-        tmp.path(),
-        &Default::default(),
-        DType::F64,
-        &Device::Cpu,
-        true,
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let e = load_error("glm4_moe", tmp.path(), &c, None);
     assert!(e.contains("norm.weight") && e.contains("Glm4Moe"), "{e}");
 }
 
@@ -1482,17 +1507,12 @@ fn a_gpt_oss_mxfp4_checkpoint_loads_and_saves_dequantized() {
     let mut tensors =
         candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
     tensors.remove("model.layers.0.mlp.experts.down_proj_scales");
-    let broken = tmp.path().join("broken");
-    std::fs::create_dir_all(&broken).unwrap();
-    candle_core::safetensors::save(&tensors, broken.join("model.safetensors")).unwrap();
-    for f in ["config.json", "generation_config.json"] {
-        std::fs::copy(src.join(f), broken.join(f)).unwrap();
-    }
-    let e =
-        crate::weights::hf::load_dir(&broken, &Default::default(), DType::F64, &Device::Cpu, true)
-            .err()
-            .unwrap()
-            .to_string();
+    let e = load_error(
+        "gpt_oss_mxfp4",
+        tmp.path(),
+        &config_of("gpt_oss_mxfp4"),
+        Some(&tensors),
+    );
     assert!(
         e.contains("down_proj_blocks") && e.contains("down_proj_scales"),
         "{e}"
@@ -1505,15 +1525,8 @@ fn a_gpt_oss_mxfp4_checkpoint_loads_and_saves_dequantized() {
 /// family).
 #[test]
 fn broken_gpt_oss_settings_are_refused_by_key() {
-    let cfg: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir("gpt_oss").join("config.json")).unwrap())
-            .unwrap();
-    let refused = |edit: &dyn Fn(&mut Value), key: &str| {
-        let mut c = cfg.clone();
-        edit(&mut c);
-        let e = crate::model::ModelArgs::from_hf(&c).unwrap_err();
-        assert!(e.contains(key), "{key}: {e}");
-    };
+    let cfg = config_of("gpt_oss");
+    let refused = refusal_of(&cfg);
     refused(&|c| c["swiglu_limit"] = (-1.0).into(), "swiglu_limit");
     refused(
         &|c| c["layer_types"] = serde_json::json!(["full_attention"]),
@@ -1549,20 +1562,7 @@ fn broken_gpt_oss_settings_are_refused_by_key() {
     let name = "model.layers.1.mlp.experts.down_proj_bias";
     let b = tensors[name].unsqueeze(2).unwrap();
     tensors.insert(name.into(), b);
-    candle_core::safetensors::save(&tensors, tmp.path().join("model.safetensors")).unwrap();
-    for f in ["config.json", "generation_config.json"] {
-        std::fs::copy(dir("gpt_oss").join(f), tmp.path().join(f)).unwrap();
-    }
-    let e = crate::weights::hf::load_dir(
-        tmp.path(),
-        &Default::default(),
-        DType::F64,
-        &Device::Cpu,
-        true,
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let e = load_error("gpt_oss", tmp.path(), &cfg, Some(&tensors));
     assert!(e.contains(name) && e.contains("GPT-OSS"), "{e}");
 }
 
@@ -1617,16 +1617,8 @@ fn deepseek_v3_correction_bias_is_left_out_of_the_update() {
 /// naming the tensor; yarn RoPE on another family is refused.
 #[test]
 fn broken_deepseek_v3_settings_are_refused_by_key() {
-    let cfg: Value = serde_json::from_str(
-        &std::fs::read_to_string(dir("deepseek_v3").join("config.json")).unwrap(),
-    )
-    .unwrap();
-    let refused = |edit: &dyn Fn(&mut Value), key: &str| {
-        let mut c = cfg.clone();
-        edit(&mut c);
-        let e = crate::model::ModelArgs::from_hf(&c).unwrap_err();
-        assert!(e.contains(key), "{key}: {e}");
-    };
+    let cfg = config_of("deepseek_v3");
+    let refused = refusal_of(&cfg);
     for key in [
         "kv_lora_rank",
         "qk_rope_head_dim",
@@ -1663,22 +1655,9 @@ fn broken_deepseek_v3_settings_are_refused_by_key() {
     assert!(e.contains("yarn") && e.contains("DeepseekV3"), "{e}");
     // A latent width the tensors do not have: refused naming the tensor.
     let tmp = tempfile::tempdir().unwrap();
-    for f in ["model.safetensors", "generation_config.json"] {
-        std::fs::copy(dir("deepseek_v3").join(f), tmp.path().join(f)).unwrap();
-    }
     let mut c = cfg.clone();
     c["kv_lora_rank"] = 10.into();
-    std::fs::write(tmp.path().join("config.json"), c.to_string()).unwrap();
-    let e = crate::weights::hf::load_dir(
-        tmp.path(),
-        &Default::default(),
-        DType::F64,
-        &Device::Cpu,
-        true,
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let e = load_error("deepseek_v3", tmp.path(), &c, None);
     assert!(e.contains("model.layers.0.self_attn.kv_a_"), "{e}");
 }
 
@@ -1740,11 +1719,11 @@ fn deepseek_v3_decodes_from_its_compressed_cache() {
     }
 }
 
-/// A GGUF file of llama.cpp's `deepseek2` (DeepSeek-V2/V3, Kimi-K2, Moonlight) or `glm4moe`
-/// (GLM-4.5) architecture is refused naming the file, the architecture and the HF folder to
-/// load instead.
+/// A GGUF file of an architecture this reader leaves to the HF folder (llama.cpp's `deepseek2`:
+/// DeepSeek-V2/V3, Kimi-K2, Moonlight; `glm4moe`; `qwen2moe`; `gemma2`) is refused naming the
+/// file, the architecture and the HF folder to load instead.
 #[test]
-fn deepseek2_and_glm4moe_ggufs_are_refused_by_name() {
+fn hf_only_gguf_architectures_are_refused_by_name() {
     use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
     for (name, hf) in [
         ("deepseek2", "DeepseekV3ForCausalLM"),
