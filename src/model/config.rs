@@ -87,6 +87,13 @@ pub enum Arch {
     /// (`mlp.experts.gate_up_proj` `[experts, hidden, 2·inter]` with gate and up columns
     /// interleaved, `mlp.experts.down_proj` `[experts, inter, hidden]`, and their biases).
     GptOss,
+    /// `Qwen2_5_VLForConditionalGeneration` (transformers' `qwen2_5_vl`): Qwen2's layer (q/k/v
+    /// biases) under multimodal rotary positions ([`Mrope`]: each frequency turns with the
+    /// token's temporal, row or column position), and a vision tower ([`VisionArgs`],
+    /// `model::vision`) whose merged patch features replace the image placeholder tokens'
+    /// embeddings. The text settings may sit in `text_config` (transformers 5) or at the top
+    /// (the hub's checkpoints).
+    Qwen2_5Vl,
 }
 
 /// Which keys a layer's queries attend to.
@@ -111,6 +118,135 @@ impl LayerKind {
                 _ => LayerKind::Linear,
             })
             .collect()
+    }
+}
+
+/// Multimodal rotary positions (M-RoPE): a token has a temporal, a row and a column position
+/// (all three equal for text), and rotary frequency `j` turns with the axis
+/// [`Mrope::axis_of`] gives (`model::vision`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mrope {
+    /// How many of the `head_dim / 2` frequencies each axis takes: `[temporal, height, width]`.
+    pub section: Vec<usize>,
+    /// Qwen3-VL's layout: the axes' frequencies interleaved rather than consecutive.
+    pub interleaved: bool,
+}
+
+/// The vision tower of a vision-language model (`vision_config`), and the token ids of its
+/// placeholders.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VisionArgs {
+    pub depth: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_heads: usize,
+    pub in_channels: usize,
+    pub patch_size: usize,
+    pub temporal_patch_size: usize,
+    pub spatial_merge_size: usize,
+    /// The side of an attention window, in pixels.
+    pub window_size: usize,
+    /// The blocks that attend over whole frames; the others attend within windows.
+    pub fullatt_block_indexes: Vec<usize>,
+    /// The width of the merged features: the language model's hidden size.
+    pub out_hidden_size: usize,
+    /// The base of the tower's 2-D rotary frequencies.
+    pub rope_theta: f64,
+    pub image_token_id: u32,
+    pub video_token_id: u32,
+    pub vision_start_token_id: u32,
+    pub vision_end_token_id: u32,
+    /// `vision_config` as read, written back unchanged on save.
+    pub raw: Value,
+}
+
+impl VisionArgs {
+    /// Reads `vision_config` and the placeholder ids of a Qwen2.5-VL `config.json` value.
+    fn from_hf(top: &Value, text: &Value) -> Result<Self, String> {
+        let v = top
+            .get("vision_config")
+            .filter(|x| x.is_object())
+            .ok_or("config.json: a vision-language model needs a vision_config object")?;
+        let key = |k: &str| format!("vision_config.{k}");
+        let size = |k: &str, default: usize| -> Result<usize, String> {
+            match v.get(k) {
+                None | Some(Value::Null) => Ok(default),
+                Some(x) => match x.as_u64() {
+                    Some(n) if n > 0 => Ok(n as usize),
+                    _ => Err(format!(
+                        "config.json: {} must be a positive integer, found {x}",
+                        key(k)
+                    )),
+                },
+            }
+        };
+        let act = v
+            .get("hidden_act")
+            .and_then(Value::as_str)
+            .unwrap_or("silu");
+        if act != "silu" {
+            return Err(format!(
+                "config.json: {} {act:?} is not supported (Qwen2.5-VL's tower: \"silu\")",
+                key("hidden_act")
+            ));
+        }
+        let depth = size("depth", 32)?;
+        let fullatt: Vec<usize> = match v.get("fullatt_block_indexes") {
+            None | Some(Value::Null) => vec![7, 15, 23, 31],
+            Some(x) => x
+                .as_array()
+                .and_then(|a| a.iter().map(|i| i.as_u64().map(|i| i as usize)).collect())
+                .ok_or(format!(
+                    "config.json: {} must be a list of block indices, found {x}",
+                    key("fullatt_block_indexes")
+                ))?,
+        };
+        if let Some(i) = fullatt.iter().find(|&&i| i >= depth) {
+            return Err(format!(
+                "config.json: {} names block {i} of a tower of depth {depth}",
+                key("fullatt_block_indexes")
+            ));
+        }
+        let (hidden, heads) = (size("hidden_size", 3584)?, size("num_heads", 16)?);
+        if hidden % heads != 0 || (hidden / heads) % 4 != 0 {
+            return Err(format!(
+                "config.json: {} ({hidden}) over {} ({heads}) must give a head width divisible by 4 (its 2-D rotary embedding)",
+                key("hidden_size"),
+                key("num_heads")
+            ));
+        }
+        let theta = match v.get("rope_parameters").and_then(|p| p.get("rope_theta")) {
+            Some(x) => json_number(&key("rope_parameters.rope_theta"), x)?,
+            None => 10000.0,
+        };
+        let id = |k: &str, default: u32| -> Result<u32, String> {
+            match top.get(k).or_else(|| text.get(k)) {
+                None | Some(Value::Null) => Ok(default),
+                Some(x) => x
+                    .as_u64()
+                    .map(|n| n as u32)
+                    .ok_or(format!("config.json: {k} must be a token id, found {x}")),
+            }
+        };
+        Ok(Self {
+            depth,
+            hidden_size: hidden,
+            intermediate_size: size("intermediate_size", 3420)?,
+            num_heads: heads,
+            in_channels: size("in_channels", 3)?,
+            patch_size: size("patch_size", 14)?,
+            temporal_patch_size: size("temporal_patch_size", 2)?,
+            spatial_merge_size: size("spatial_merge_size", 2)?,
+            window_size: size("window_size", 112)?,
+            fullatt_block_indexes: fullatt,
+            out_hidden_size: size("out_hidden_size", 3584)?,
+            rope_theta: theta,
+            image_token_id: id("image_token_id", 151655)?,
+            video_token_id: id("video_token_id", 151656)?,
+            vision_start_token_id: id("vision_start_token_id", 151652)?,
+            vision_end_token_id: id("vision_end_token_id", 151653)?,
+            raw: v.clone(),
+        })
     }
 }
 
@@ -170,6 +306,7 @@ impl Arch {
             Arch::DeepseekV3 => ("DeepseekV3ForCausalLM", "deepseek_v3"),
             Arch::Glm4Moe => ("Glm4MoeForCausalLM", "glm4_moe"),
             Arch::GptOss => ("GptOssForCausalLM", "gpt_oss"),
+            Arch::Qwen2_5Vl => ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
         }
     }
 
@@ -177,12 +314,17 @@ impl Arch {
     pub fn sinks(self) -> bool {
         self == Arch::GptOss
     }
+
+    /// The vision-language layouts: a vision tower beside the language model.
+    pub fn vision(self) -> bool {
+        self == Arch::Qwen2_5Vl
+    }
 }
 
 /// The `architectures` (`config.json`) this implementation loads, and the block layout each
 /// follows: causal LMs, and the token- and sequence-classification models critics and reward
 /// models are (their backbone plus a `score` head).
-pub const ARCHITECTURES: [(&str, Arch); 45] = [
+pub const ARCHITECTURES: [(&str, Arch); 46] = [
     ("LlamaForCausalLM", Arch::Llama),
     ("LlamaForTokenClassification", Arch::Llama),
     ("LlamaForSequenceClassification", Arch::Llama),
@@ -228,10 +370,11 @@ pub const ARCHITECTURES: [(&str, Arch); 45] = [
     ("GptOssForCausalLM", Arch::GptOss),
     ("GptOssForTokenClassification", Arch::GptOss),
     ("GptOssForSequenceClassification", Arch::GptOss),
+    ("Qwen2_5_VLForConditionalGeneration", Arch::Qwen2_5Vl),
 ];
 
 /// `model_type`s read when a config has no `architectures`.
-const MODEL_TYPES: [(&str, Arch); 18] = [
+const MODEL_TYPES: [(&str, Arch); 19] = [
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Qwen2),
@@ -250,6 +393,7 @@ const MODEL_TYPES: [(&str, Arch); 18] = [
     ("deepseek_v3", Arch::DeepseekV3),
     ("glm4_moe", Arch::Glm4Moe),
     ("gpt_oss", Arch::GptOss),
+    ("qwen2_5_vl", Arch::Qwen2_5Vl),
 ];
 
 /// The block layout of a config: from `architectures` (every entry must be one this
@@ -480,6 +624,12 @@ pub struct ModelArgs {
     pub attn_logit_softcapping: Option<f64>,
     #[serde(default)]
     pub final_logit_softcapping: Option<f64>,
+    /// Multimodal rotary positions (vision-language models); `None`: one position per token.
+    #[serde(default)]
+    pub mrope: Option<Mrope>,
+    /// The vision tower of a vision-language model.
+    #[serde(default)]
+    pub vision: Option<VisionArgs>,
 }
 
 /// Where MiMo's multi-token-prediction layers are named: kept as read, never trained here.
@@ -1317,7 +1467,7 @@ fn refuse_unsupported(v: &Value, arch: Arch) -> Result<(), String> {
 /// `text_config` (with tied embeddings possibly said only at the top level); others at the top.
 fn text_settings(v: &Value, arch: Arch) -> std::borrow::Cow<'_, Value> {
     match v.get("text_config").filter(|t| t.is_object()) {
-        Some(t) if arch.hybrid() => {
+        Some(t) if arch.hybrid() || arch.vision() => {
             let mut t = t.clone();
             if t.get("tie_word_embeddings").is_none() {
                 if let Some(tie) = v.get("tie_word_embeddings") {
@@ -1340,7 +1490,7 @@ fn read_biases(v: &Value, arch: Arch) -> Result<(bool, bool), String> {
         matches!(arch, Arch::SeedOss | Arch::GptOss),
     )?;
     Ok(match arch {
-        Arch::Qwen2 | Arch::MiMo => (true, false),
+        Arch::Qwen2 | Arch::MiMo | Arch::Qwen2_5Vl => (true, false),
         Arch::SeedOss => (attention_bias, flag(v, "attention_out_bias", false)?),
         Arch::Glm4Moe => (attention_bias, false),
         Arch::Qwen2Moe => (flag(v, "qkv_bias", true)?, false),
@@ -1353,6 +1503,19 @@ fn read_biases(v: &Value, arch: Arch) -> Result<(bool, bool), String> {
 fn read_family_rope(v: &Value, arch: Arch) -> Result<(Rope, Option<f64>), String> {
     let rope = match arch {
         Arch::Gemma3 => read_gemma_rope(v)?,
+        // The hub's Qwen2.5-VL configs say `rope_scaling: {type: mrope, mrope_section}`: plain
+        // frequencies, split over the three position axes ([`read_mrope`]).
+        _ if arch.vision() => {
+            let mut plain = v.clone();
+            for key in ["rope_scaling", "rope_parameters"] {
+                for kind in ["type", "rope_type"] {
+                    if plain[key][kind] == "mrope" {
+                        plain[key][kind] = "default".into();
+                    }
+                }
+            }
+            (read_rope(&plain)?, None)
+        }
         _ => (read_rope(v)?, None),
     };
     if matches!(rope.0 .1, Some(RopeScaling::Yarn { .. }))
@@ -1361,6 +1524,41 @@ fn read_family_rope(v: &Value, arch: Arch) -> Result<(Rope, Option<f64>), String
         return Err("config.json: rope_type \"yarn\" (rope_parameters or rope_scaling) is supported for DeepseekV3 and GptOss only (not with other families' attention)".into());
     }
     Ok(rope)
+}
+
+/// The multimodal rotary sections of a vision-language model's text settings
+/// (`rope_parameters.mrope_section`, or the hub's `rope_scaling.mrope_section`), which must
+/// cover the rotary frequencies (`head_dim / 2`) exactly; `mrope_interleaved` as Qwen3-VL says.
+fn read_mrope(v: &Value, head_dim: usize) -> Result<Mrope, String> {
+    let found = ["rope_parameters", "rope_scaling"]
+        .iter()
+        .find_map(|k| v.get(k)?.get("mrope_section").map(|s| (*k, s)));
+    let Some((key, section)) = found else {
+        return Err("config.json: a vision-language model needs rope_parameters.mrope_section (how the rotary frequencies split over temporal, height and width positions)".into());
+    };
+    let section: Vec<usize> = section
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_u64)
+                .map(|x| x as usize)
+                .collect()
+        })
+        .filter(|s: &Vec<usize>| s.len() == 3)
+        .ok_or(format!(
+            "config.json: {key}.mrope_section must be three non-negative integers, found {section}"
+        ))?;
+    if section.iter().sum::<usize>() != head_dim / 2 {
+        return Err(format!(
+            "config.json: {key}.mrope_section {section:?} must sum to head_dim / 2 = {}",
+            head_dim / 2
+        ));
+    }
+    let interleaved = v[key]["mrope_interleaved"].as_bool().unwrap_or(false);
+    Ok(Mrope {
+        section,
+        interleaved,
+    })
 }
 
 /// Gemma 2's soft-capping value `key` (absent or null: none); other families refuse the key
@@ -1412,6 +1610,7 @@ impl ModelArgs {
     /// Reads an HF `config.json` value (after `override_config` entries were applied).
     pub fn from_hf(v: &Value) -> Result<Self, String> {
         let arch = arch_of(v)?;
+        let top = v;
         let text = text_settings(v, arch);
         let v = text.as_ref();
         let (qkv_bias, o_bias) = read_biases(v, arch)?;
@@ -1445,6 +1644,11 @@ impl ModelArgs {
         let windows = read_windows(v, arch, layers)?;
         if heads == 0 || kv == 0 || heads % kv != 0 {
             return Err(format!("config.json: num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv})"));
+        }
+        if let Some(out) = top["vision_config"]["out_hidden_size"].as_u64() {
+            if arch.vision() && out as usize != hidden_size {
+                return Err(format!("config.json: vision_config.out_hidden_size ({out}) must equal the language model's hidden_size ({hidden_size}): the tower's features replace token embeddings"));
+            }
         }
         Ok(Self {
             arch,
@@ -1526,6 +1730,11 @@ impl ModelArgs {
                 .then(|| read_mtp_layers(v))
                 .transpose()?
                 .unwrap_or(0),
+            mrope: arch.vision().then(|| read_mrope(v, head_dim)).transpose()?,
+            vision: arch
+                .vision()
+                .then(|| VisionArgs::from_hf(top, v))
+                .transpose()?,
         })
     }
 
@@ -1826,6 +2035,9 @@ impl ModelArgs {
         if self.arch == Arch::Gemma3 {
             self.write_gemma_hf(out.as_object_mut().expect("an object"), &kinds);
         }
+        if let (Some(v), Some(m)) = (&self.vision, &self.mrope) {
+            out = self.write_vision_hf(out, v, m);
+        }
         if self.arch == Arch::Gemma2 {
             let o = out.as_object_mut().expect("an object");
             o.remove("hidden_act");
@@ -1842,6 +2054,34 @@ impl ModelArgs {
             );
         }
         out
+    }
+
+    /// A vision-language config as transformers 5 writes it: the language model's settings
+    /// `text` in `text_config` (its `rope_parameters` with the M-RoPE sections), the tower's
+    /// `vision_config` as read, and the placeholder ids at the top.
+    fn write_vision_hf(&self, mut text: Value, v: &VisionArgs, m: &Mrope) -> Value {
+        let (arch, model_type) = self.arch.hf_names();
+        let o = text.as_object_mut().expect("an object");
+        for k in ["architectures", "rope_scaling", "rope_theta"] {
+            o.remove(k);
+        }
+        o.insert("model_type".into(), format!("{model_type}_text").into());
+        text["rope_parameters"]["mrope_section"] = serde_json::json!(m.section);
+        if m.interleaved {
+            text["rope_parameters"]["mrope_interleaved"] = true.into();
+        }
+        serde_json::json!({
+            "architectures": [arch],
+            "model_type": model_type,
+            "text_config": text,
+            "vision_config": v.raw,
+            "image_token_id": v.image_token_id,
+            "video_token_id": v.video_token_id,
+            "vision_start_token_id": v.vision_start_token_id,
+            "vision_end_token_id": v.vision_end_token_id,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": "float32",
+        })
     }
 
     /// `query_pre_attn_scalar` as transformers' Gemma config classes take it: an integer.
@@ -1938,6 +2178,8 @@ impl ModelArgs {
             trailing_mtp_layers: 0,
             attn_logit_softcapping: (arch == Arch::Gemma2).then_some(5.0),
             final_logit_softcapping: (arch == Arch::Gemma2).then_some(3.0),
+            mrope: None,
+            vision: None,
         };
         match arch {
             Arch::DeepseekV3 => deepseek::tiny(a),

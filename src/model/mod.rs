@@ -18,7 +18,8 @@
 //! - `transformer`: `CausalLm` (embedding → layers → norm → head) and its execution settings,
 //! - `heads`: the critic's value head and a reward model's score head,
 //! - `deberta`: an encoder reward model (DeBERTa-v2/v3 sequence classification), inference only,
-//! - `decode`: the no-grad decoding engine over ragged batches that rollout drives.
+//! - `decode`: the no-grad decoding engine over ragged batches that rollout drives,
+//! - `vision`: a vision-language model's vision tower and its multimodal rotary positions.
 
 mod attention;
 pub mod block;
@@ -37,6 +38,7 @@ mod ops;
 pub mod proj;
 mod recompute;
 pub mod transformer;
+pub mod vision;
 
 use std::path::Path;
 

@@ -20,6 +20,7 @@ use super::config::{LayerKind, ModelArgs};
 use super::layer::Seg;
 use super::lm_head::{HeadOut, HeadStats};
 use super::proj::{mix64, Proj};
+use super::vision::VisionTower;
 
 /// MiMo's multi-token-prediction layers (`model.mtp_layers.N.*`): read through `m` so that
 /// they are variables of the model's map, with the shapes MiMo's checkpoints have (a missing
@@ -68,6 +69,8 @@ pub struct CausalLm {
     /// The router's load-balancing loss of the latest forward that built a graph, for a
     /// Qwen3-MoE model whose config asks for it ([`CausalLm::take_router_aux_loss`]).
     router_aux: std::sync::Mutex<Option<Tensor>>,
+    /// A vision-language model's vision tower (`visual.*`).
+    vision: Option<VisionTower>,
 }
 
 /// How a model's forwards run, as opposed to what the model computes: every setting gives the
@@ -235,6 +238,10 @@ impl CausalLm {
         } else {
             None
         };
+        let vision = match &args.vision {
+            Some(v) => Some(VisionTower::new(v, vb.pp("visual"))?),
+            None => None,
+        };
         let mut m = Self {
             args: args.clone(),
             embed,
@@ -247,6 +254,7 @@ impl CausalLm {
             exec: Exec::default(),
             dropout: None,
             router_aux: Default::default(),
+            vision,
         };
         // The layers' per-device settings (blocked attention off the CPU) for the defaults.
         m.set_exec(Exec::default());
@@ -272,6 +280,7 @@ impl CausalLm {
             },
             dropout: None,
             router_aux: Default::default(),
+            vision: self.vision.as_ref().map(VisionTower::detached),
         }
     }
 
@@ -352,8 +361,34 @@ impl CausalLm {
         self.embed = self.embed.detach();
         self.norm = self.norm.detach();
         self.lm_head = self.lm_head.as_ref().map(Tensor::detach);
+        self.freeze_vision();
         for b in self.layers.iter_mut() {
             b.freeze_base();
+        }
+    }
+
+    /// Cuts the vision tower's weights from autograd, in place (verl's
+    /// `freeze_vision_tower`): image features still flow into the language model, but the
+    /// tower receives no gradient.
+    pub fn freeze_vision(&mut self) {
+        self.vision = self.vision.as_ref().map(VisionTower::detached);
+    }
+
+    /// The vision tower of a vision-language model.
+    pub fn vision(&self) -> Option<&VisionTower> {
+        self.vision.as_ref()
+    }
+
+    /// The merged vision features `[patches / m², hidden]` of images whose patches are
+    /// `pixels` `[patches, C·T·P·P]` and grids `grids` (`(t, h, w)` each), in order: what
+    /// replaces the image placeholder tokens' embeddings. An error for a model without a tower.
+    pub fn image_features(&self, pixels: &Tensor, grids: &[[usize; 3]]) -> Result<Tensor> {
+        match &self.vision {
+            Some(v) => v.forward(&pixels.to_device(&self.device)?, grids),
+            None => candle_core::bail!(
+                "images given to a {:?} model, which has no vision tower",
+                self.args.arch
+            ),
         }
     }
 
@@ -465,7 +500,51 @@ impl CausalLm {
         key_mask: &Tensor,
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
-        self.run(input_ids, position_ids, Keys::Mask(key_mask), cache, None)
+        self.run(
+            input_ids,
+            position_ids,
+            Keys::Mask(key_mask),
+            cache,
+            None,
+            None,
+        )
+    }
+
+    /// [`CausalLm::forward_hidden`] of a vision-language model with images: `position_ids`
+    /// `[3, batch, seq]` (temporal, row, column; [`super::vision::mrope_positions`]) or
+    /// `[batch, seq]` for text alone, and `images` the merged vision features
+    /// `[placeholders, hidden]` ([`CausalLm::image_features`]) that replace, in order, the
+    /// embeddings of the image placeholder tokens of `input_ids` (row by row). Gradients reach
+    /// the features, and through them the vision tower.
+    pub fn forward_hidden_images(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        key_mask: &Tensor,
+        images: Option<&Tensor>,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        self.run(
+            input_ids,
+            position_ids,
+            Keys::Mask(key_mask),
+            cache,
+            None,
+            images,
+        )
+    }
+
+    /// [`CausalLm::forward_hidden_packed`] with images: `position_ids` `[3, n]` (or `[n]`),
+    /// `images` as [`CausalLm::forward_hidden_images`] takes them.
+    pub fn forward_hidden_packed_images(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        segments: &[(usize, usize)],
+        images: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let segs: Vec<Seg> = segments.iter().copied().map(Seg::alone).collect();
+        self.run_packed_images(input_ids, position_ids, segs, images)
     }
 
     /// Final hidden states `[n, hidden]` of sequences packed end to end (verl's
@@ -543,8 +622,19 @@ impl CausalLm {
         position_ids: &Tensor,
         segs: Vec<Seg>,
     ) -> Result<Tensor> {
+        self.run_packed_images(input_ids, position_ids, segs, None)
+    }
+
+    /// [`CausalLm::run_packed`] with image features; `position_ids` `[n]` or `[3, n]`.
+    fn run_packed_images(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        segs: Vec<Seg>,
+        images: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let n = input_ids.dims1()?;
-        if position_ids.dims1()? != n {
+        if position_ids.dim(D::Minus1)? != n || position_ids.rank() > 2 {
             candle_core::bail!(
                 "packed forward: {n} token ids but position ids {:?}",
                 position_ids.dims()
@@ -553,12 +643,15 @@ impl CausalLm {
         if let Err(rule) = super::layer::check_segments(&segs, n) {
             candle_core::bail!("packed forward: {rule}");
         }
+        // [1, n], or [3, 1, n] for multimodal positions.
+        let positions = position_ids.unsqueeze(position_ids.rank() - 1)?;
         let h = self.run(
             &input_ids.unsqueeze(0)?,
-            &position_ids.unsqueeze(0)?,
+            &positions,
             Keys::Packed(segs.into()),
             None,
             None,
+            images,
         )?; // [1, n, h]
         h.squeeze(0)
     }
@@ -624,6 +717,7 @@ impl CausalLm {
             Keys::Mask(key_mask),
             None,
             Some(&mut all),
+            None,
         )?;
         all.push(last);
         Ok(all)
@@ -638,6 +732,7 @@ impl CausalLm {
         keys: Keys,
         mut cache: Option<&mut KvCache>,
         mut stages: Option<&mut Vec<Tensor>>,
+        images: Option<&Tensor>,
     ) -> Result<Tensor> {
         let (b, t) = input_ids.dims2()?;
         let past = cache.as_ref().map(|c| c.len()).unwrap_or(0);
@@ -657,7 +752,10 @@ impl CausalLm {
         let rows = self.rows(&keys, past, t)?;
         let masks = self.masks(keys, (b, t), past)?;
         let mut x = self.embed_ids(input_ids)?; // [b, t, hidden]
-                                                // A training forward with adapter dropout: this forward's number in the mask stream.
+        if let Some(f) = images {
+            x = self.place_images(input_ids, &x, f)?;
+        }
+        // A training forward with adapter dropout: this forward's number in the mask stream.
         let dropout = self.dropout.as_ref().filter(|_| {
             cache.is_none() && self.layers.iter().any(|l| l.trains() && l.has_adapters())
         });
@@ -769,6 +867,41 @@ impl CausalLm {
                 ),
             },
         })
+    }
+
+    /// `x` `[b, t, hidden]` with the rows at the image placeholder tokens of `input_ids`
+    /// replaced, in order, by `features` `[placeholders, hidden]` (one gather over the
+    /// embeddings and the features, so gradients reach both).
+    fn place_images(&self, input_ids: &Tensor, x: &Tensor, features: &Tensor) -> Result<Tensor> {
+        let Some(v) = &self.args.vision else {
+            candle_core::bail!("image features given to a model without a vision tower");
+        };
+        let (b, t, h) = x.dims3()?;
+        let ids: Vec<u32> = input_ids.flatten_all()?.to_vec1()?;
+        let (m, fh) = features.dims2()?;
+        let mut next = 0u32;
+        let select: Vec<u32> = (0..ids.len() as u32)
+            .map(|p| match ids[p as usize] == v.image_token_id {
+                true => {
+                    next += 1;
+                    (b * t) as u32 + next - 1
+                }
+                false => p,
+            })
+            .collect();
+        if next as usize != m || fh != h {
+            candle_core::bail!(
+                "{next} image placeholder tokens (id {}) but image features {:?} (expected [{next}, {h}])",
+                v.image_token_id,
+                features.dims()
+            );
+        }
+        let all = Tensor::cat(
+            &[&x.reshape((b * t, h))?, &features.to_dtype(x.dtype())?],
+            0,
+        )?;
+        all.index_select(&Tensor::new(select.as_slice(), x.device())?, 0)?
+            .reshape((b, t, h))
     }
 
     /// The embeddings of `input_ids` `[b, t]`: `[b, t, hidden]` (times √hidden for Gemma).
@@ -1115,6 +1248,9 @@ impl CausalLm {
     /// Computed in f64 and rounded once to the model's dtype (f32 tables in an f64 model put
     /// ~1e-7 relative noise into every layer).
     pub(super) fn rotary(&self, position_ids: &Tensor, inv: &[f64]) -> Result<(Tensor, Tensor)> {
+        if position_ids.rank() == 3 {
+            return self.rotary_mm(position_ids, inv);
+        }
         let (b, t) = position_ids.dims2()?;
         let hd = 2 * inv.len(); // the rotary width (head_dim unless partial)
         if !self.device.is_cpu() {
@@ -1146,6 +1282,43 @@ impl CausalLm {
             .to_dtype(self.dtype)?
             .to_device(&self.device)?;
         Ok((cos, sin))
+    }
+
+    /// Rotary tables `[b, 1, t, rotary width]` of multimodal positions `[3, b, t]`: frequency
+    /// `j` turns with the position on the axis [`super::config::Mrope::axis_of`] names.
+    fn rotary_mm(&self, position_ids: &Tensor, inv: &[f64]) -> Result<(Tensor, Tensor)> {
+        let (three, b, t) = position_ids.dims3()?;
+        let Some(mrope) = self.args.mrope.as_ref().filter(|_| three == 3) else {
+            candle_core::bail!(
+                "position ids {:?}: [3, batch, seq] positions need a model with multimodal rotary sections",
+                position_ids.dims()
+            );
+        };
+        let pos: Vec<u32> = position_ids
+            .to_dtype(DType::U32)?
+            .flatten_all()?
+            .to_vec1()?;
+        let axes: Vec<usize> = (0..inv.len()).map(|j| mrope.axis_of(j)).collect();
+        let hd = 2 * inv.len();
+        let scale = self.args.rope_table_scale();
+        let mut cos = Vec::with_capacity(b * t * hd);
+        let mut sin = Vec::with_capacity(b * t * hd);
+        for row in 0..b * t {
+            for _ in 0..2 {
+                for (f, &axis) in inv.iter().zip(&axes) {
+                    let a = pos[axis * b * t + row] as f64 * f;
+                    cos.push(a.cos() * scale);
+                    sin.push(a.sin() * scale);
+                }
+            }
+        }
+        let shape = (b, 1, t, hd);
+        let table = |v: Vec<f64>| -> Result<Tensor> {
+            Tensor::from_vec(v, shape, &Device::Cpu)?
+                .to_dtype(self.dtype)?
+                .to_device(&self.device)
+        };
+        Ok((table(cos)?, table(sin)?))
     }
 
     /// Additive attention bias `[batch, 1, seq, past + seq]` from the key mask `km`

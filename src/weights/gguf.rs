@@ -387,6 +387,8 @@ pub fn read_args(c: &Content, path: &Path) -> Result<ModelArgs, ModelError> {
         trailing_mtp_layers: 0,
         attn_logit_softcapping: None,
         final_logit_softcapping: None,
+        mrope: None,
+        vision: None,
     })
 }
 

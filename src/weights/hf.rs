@@ -237,7 +237,7 @@ pub fn build(
     device: &Device,
     with_lm_head: bool,
 ) -> Result<Loaded, ModelError> {
-    let lifted = language_model_of(tensors, source);
+    let lifted = language_model_of(tensors, source, args.vision.is_some());
     let tensors = lifted.as_ref().unwrap_or(tensors);
     let split = match args.gpt_oss_experts() {
         true => split_gpt_oss_experts(tensors, source)?,
@@ -267,7 +267,11 @@ pub fn build(
             // the computation (e.g. q/k norms under a layout without them), or, for MiMo's
             // multi-token-prediction layers, out of what is saved back.
             let used = varmap.data().lock().expect("varmap lock");
-            let layer = |n: &str| n.starts_with("model.layers.") || n.starts_with(MTP_PREFIX);
+            let layer = |n: &str| {
+                n.starts_with("model.layers.")
+                    || n.starts_with(MTP_PREFIX)
+                    || (args.vision.is_some() && n.starts_with(VISUAL))
+            };
             let mut unread: Vec<&String> = tensors
                 .keys()
                 .filter(|n| layer(n) && !used.contains_key(*n))
@@ -309,16 +313,26 @@ fn keep_deepseek_mtp_layers(
     Ok(())
 }
 
-/// The language model of a multimodal checkpoint (Qwen3.5's `Qwen3_5ForConditionalGeneration`,
-/// as the hub publishes Qwen3.5): `model.language_model.*` under the causal LM's names
-/// `model.*`, `lm_head.*` kept, the vision tower (`model.visual.*`) and multi-token-prediction
-/// head (`mtp.*`) left out with a note. `None` when the checkpoint has no such prefix.
+/// Where a vision-language model's vision tower is named (the hub's layout, which transformers
+/// reads and writes).
+pub const VISUAL: &str = "visual.";
+
+/// A multimodal checkpoint in transformers 5's in-memory layout (`model.language_model.*`,
+/// `model.visual.*`; Qwen3.5's `Qwen3_5ForConditionalGeneration` as the hub publishes it) under
+/// the hub's names: the language model as `model.*`, `lm_head.*` kept. With `vision` (a
+/// vision-language model) the tower becomes `visual.*`; without, the tower and the
+/// multi-token-prediction head (`mtp.*`) are left out with a note (text-only training).
+/// `None` when the checkpoint has no such prefix.
 fn language_model_of(
     tensors: &HashMap<String, Tensor>,
     source: &Path,
+    vision: bool,
 ) -> Option<HashMap<String, Tensor>> {
     const PREFIX: &str = "model.language_model.";
-    if !tensors.keys().any(|n| n.starts_with(PREFIX)) {
+    if !tensors
+        .keys()
+        .any(|n| n.starts_with(PREFIX) || n.starts_with("model.visual."))
+    {
         return None;
     }
     let mut out = HashMap::with_capacity(tensors.len());
@@ -326,6 +340,8 @@ fn language_model_of(
     for (n, t) in tensors {
         if let Some(rest) = n.strip_prefix(PREFIX) {
             out.insert(format!("model.{rest}"), t.clone());
+        } else if let Some(rest) = n.strip_prefix("model.visual.").filter(|_| vision) {
+            out.insert(format!("{VISUAL}{rest}"), t.clone());
         } else if n.starts_with("model.visual.") || n.starts_with("mtp.") {
             left += 1;
         } else {
@@ -685,12 +701,17 @@ impl candle_nn::var_builder::SimpleBackend for &CheckpointVars<'_> {
 }
 
 /// Token files copied next to saved weights.
-const TOKENIZER_FILES: [&str; 5] = [
+const TOKENIZER_FILES: [&str; 9] = [
     "tokenizer.json",
     "tokenizer_config.json",
     "chat_template.jinja",
     "special_tokens_map.json",
     "vocab.json",
+    // A vision-language model's processor: image and video preprocessing, its chat template.
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
 ];
 
 /// Writes an HF directory: `config.json`, weights (one `model.safetensors`, or shards of at most

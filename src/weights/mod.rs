@@ -34,6 +34,8 @@ pub(crate) mod merge_tests;
 mod props;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod vlm_tests;
 
 /// The HF model folder a local model path names: the folder itself, or the `huggingface/`
 /// folder of a checkpoint given as its step folder (`global_step_N/`: an SFT checkpoint, or an
