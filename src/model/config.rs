@@ -1526,6 +1526,44 @@ fn read_family_rope(v: &Value, arch: Arch) -> Result<(Rope, Option<f64>), String
     Ok(rope)
 }
 
+/// `(num_key_value_heads, head_dim)`. Latent attention (`mla`) expands its keys and values
+/// for every head, so num_key_value_heads names nothing there, and its rotary tables span its
+/// rope values (transformers sets head_dim so).
+fn read_kv_heads(
+    v: &Value,
+    mla: Option<&MlaArgs>,
+    hidden_size: usize,
+    heads: usize,
+) -> (usize, usize) {
+    let read = |k: &str| v.get(k).and_then(Value::as_u64).map(|x| x as usize);
+    match mla {
+        Some(m) => (heads, m.qk_rope_head_dim),
+        None => (
+            read("num_key_value_heads").unwrap_or(heads),
+            read("head_dim").unwrap_or(hidden_size / heads.max(1)),
+        ),
+    }
+}
+
+/// A vision-language model's rotary sections and vision tower (`None`s for other layouts):
+/// `top` the whole config, `text` its language model's settings.
+fn read_vision(
+    top: &Value,
+    text: &Value,
+    arch: Arch,
+    head_dim: usize,
+    hidden_size: usize,
+) -> Result<(Option<Mrope>, Option<VisionArgs>), String> {
+    if !arch.vision() {
+        return Ok((None, None));
+    }
+    let vision = VisionArgs::from_hf(top, text)?;
+    if vision.out_hidden_size != hidden_size {
+        return Err(format!("config.json: vision_config.out_hidden_size ({}) must equal the language model's hidden_size ({hidden_size}): the tower's features replace token embeddings", vision.out_hidden_size));
+    }
+    Ok((Some(read_mrope(text, head_dim)?), Some(vision)))
+}
+
 /// The multimodal rotary sections of a vision-language model's text settings
 /// (`rope_parameters.mrope_section`, or the hub's `rope_scaling.mrope_section`), which must
 /// cover the rotary frequencies (`head_dim / 2`) exactly; `mrope_interleaved` as Qwen3-VL says.
@@ -1621,35 +1659,13 @@ impl ModelArgs {
         let mla = deepseek.then(|| MlaArgs::from_hf(v)).transpose()?;
         let hidden_size = get_usize(v, "hidden_size")?;
         let heads = get_usize(v, "num_attention_heads")?;
-        // Latent attention expands its keys and values for every head: num_key_value_heads
-        // names nothing there.
-        let kv = match deepseek {
-            true => heads,
-            false => v
-                .get("num_key_value_heads")
-                .and_then(Value::as_u64)
-                .map(|x| x as usize)
-                .unwrap_or(heads),
-        };
-        // DeepSeek's rotary tables span its rope values (transformers sets head_dim so).
-        let head_dim = match &mla {
-            Some(m) => m.qk_rope_head_dim,
-            None => v
-                .get("head_dim")
-                .and_then(Value::as_u64)
-                .map(|x| x as usize)
-                .unwrap_or(hidden_size / heads.max(1)),
-        };
+        let (kv, head_dim) = read_kv_heads(v, mla.as_ref(), hidden_size, heads);
         let layers = get_usize(v, "num_hidden_layers")?;
         let windows = read_windows(v, arch, layers)?;
         if heads == 0 || kv == 0 || heads % kv != 0 {
             return Err(format!("config.json: num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv})"));
         }
-        if let Some(out) = top["vision_config"]["out_hidden_size"].as_u64() {
-            if arch.vision() && out as usize != hidden_size {
-                return Err(format!("config.json: vision_config.out_hidden_size ({out}) must equal the language model's hidden_size ({hidden_size}): the tower's features replace token embeddings"));
-            }
-        }
+        let (mrope, vision) = read_vision(top, v, arch, head_dim, hidden_size)?;
         Ok(Self {
             arch,
             vocab_size: get_usize(v, "vocab_size")?,
@@ -1730,11 +1746,8 @@ impl ModelArgs {
                 .then(|| read_mtp_layers(v))
                 .transpose()?
                 .unwrap_or(0),
-            mrope: arch.vision().then(|| read_mrope(v, head_dim)).transpose()?,
-            vision: arch
-                .vision()
-                .then(|| VisionArgs::from_hf(top, v))
-                .transpose()?,
+            mrope,
+            vision,
         })
     }
 

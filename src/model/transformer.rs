@@ -739,11 +739,7 @@ impl CausalLm {
         let a = &self.args;
         // Per layer kind (0: full, 1: sliding window): rotary tables [b, 1, t, head_dim] and
         // which keys each query sees.
-        let global = self.rotary(position_ids, &a.inv_freq())?;
-        let local = match self.layers.iter().position(|l| l.local_rope) {
-            Some(i) => Some(self.rotary(position_ids, &a.inv_freq_of(i))?),
-            None => None,
-        };
+        let (global, local) = self.rotary_tables(position_ids)?;
         // The real tokens of a padded forward (for the router's load-balancing loss).
         let keys_mask = match &keys {
             Keys::Mask(m) => Some((*m).clone()),
@@ -751,11 +747,8 @@ impl CausalLm {
         };
         let rows = self.rows(&keys, past, t)?;
         let masks = self.masks(keys, (b, t), past)?;
-        let mut x = self.embed_ids(input_ids)?; // [b, t, hidden]
-        if let Some(f) = images {
-            x = self.place_images(input_ids, &x, f)?;
-        }
-        // A training forward with adapter dropout: this forward's number in the mask stream.
+        let mut x = self.embed_inputs(input_ids, images)?; // [b, t, hidden]
+                                                           // A training forward with adapter dropout: this forward's number in the mask stream.
         let dropout = self.dropout.as_ref().filter(|_| {
             cache.is_none() && self.layers.iter().any(|l| l.trains() && l.has_adapters())
         });
@@ -867,6 +860,31 @@ impl CausalLm {
                 ),
             },
         })
+    }
+
+    /// The rotary tables of `position_ids` for full layers, and for sliding layers where
+    /// those have their own frequencies (Gemma 3's local layers).
+    #[allow(clippy::type_complexity)]
+    fn rotary_tables(
+        &self,
+        position_ids: &Tensor,
+    ) -> Result<((Tensor, Tensor), Option<(Tensor, Tensor)>)> {
+        let global = self.rotary(position_ids, &self.args.inv_freq())?;
+        let local = match self.layers.iter().position(|l| l.local_rope) {
+            Some(i) => Some(self.rotary(position_ids, &self.args.inv_freq_of(i))?),
+            None => None,
+        };
+        Ok((global, local))
+    }
+
+    /// The embeddings of `input_ids` `[b, t]`, with `images`' features over the image
+    /// placeholders where given: `[b, t, hidden]`.
+    fn embed_inputs(&self, input_ids: &Tensor, images: Option<&Tensor>) -> Result<Tensor> {
+        let x = self.embed_ids(input_ids)?;
+        match images {
+            Some(f) => self.place_images(input_ids, &x, f),
+            None => Ok(x),
+        }
     }
 
     /// `x` `[b, t, hidden]` with the rows at the image placeholder tokens of `input_ids`
