@@ -101,6 +101,7 @@ fn tool_run(
         Sampler::new(7).rows(),
         None,
         Some(&mut tools),
+        &[],
     )
     .unwrap();
     let secs = t.elapsed().as_secs_f64();
@@ -127,7 +128,7 @@ fn single_run(m: &CausalLm, prompts: &[&[u32]], p: &SamplingParams) -> Run {
     let mut q = p.clone();
     q.ignore_eos = true;
     let t = Instant::now();
-    let (out, _) = generate_turns(m, prompts, &q, Sampler::new(7).rows(), None, None).unwrap();
+    let (out, _) = generate_turns(m, prompts, &q, Sampler::new(7).rows(), None, None, &[]).unwrap();
     Run {
         secs: t.elapsed().as_secs_f64(),
         tokens: out.responses.iter().map(Vec::len).sum(),

@@ -468,3 +468,70 @@ impl Mrope {
         0
     }
 }
+
+/// One prompt's images as the processor gives them: `pixels` `[patches, C·T·P·P]` of every
+/// image in the prompt's placeholder order, `grids` their `(t, h, w)` in patches.
+#[derive(Debug, Clone)]
+pub struct Images {
+    pub pixels: Tensor,
+    pub grids: Vec<[usize; 3]>,
+}
+
+/// The merged features of the rows' images in row order (`[placeholders, hidden]`, what the
+/// forwards take), each distinct [`Images`] (by identity: a group's rows share one) encoded
+/// once; `None` when no row has images.
+pub fn row_features(
+    model: &super::CausalLm,
+    rows: &[Option<std::sync::Arc<Images>>],
+) -> Result<Option<Tensor>> {
+    let mut done: Vec<(*const Images, Tensor)> = Vec::new();
+    let mut parts = Vec::new();
+    for im in rows.iter().flatten() {
+        let key = std::sync::Arc::as_ptr(im);
+        let f = match done.iter().find(|(k, _)| *k == key) {
+            Some((_, f)) => f.clone(),
+            None => {
+                let f = model.image_features(&im.pixels, &im.grids)?;
+                done.push((key, f.clone()));
+                f
+            }
+        };
+        parts.push(f);
+    }
+    match parts.is_empty() {
+        true => Ok(None),
+        false => Ok(Some(Tensor::cat(&parts, 0)?)),
+    }
+}
+
+/// The 3-D rotary positions of a model's token rows `ids` (each unpadded, with its images or
+/// none) laid left-padded to `width` (padding at 0): `[3 · rows · width]` (axis-major), and
+/// each row's rotary delta. Errors name the row.
+pub fn padded_positions(
+    args: &super::ModelArgs,
+    ids: &[&[u32]],
+    images: &[Option<&Images>],
+    width: usize,
+) -> std::result::Result<(Vec<u32>, Vec<i64>), String> {
+    let v = args.vision.as_ref().ok_or_else(|| {
+        format!(
+            "images given to a {:?} model, which has no vision tower",
+            args.arch
+        )
+    })?;
+    let b = ids.len();
+    let mut pos = vec![0u32; 3 * b * width];
+    let mut deltas = Vec::with_capacity(b);
+    for (r, (row, im)) in ids.iter().zip(images).enumerate() {
+        let grids = im.map(|i| i.grids.as_slice()).unwrap_or(&[]);
+        let (p, delta) = mrope_positions(row, v.image_token_id, grids, v.spatial_merge_size)
+            .map_err(|e| format!("row {r}: {e}"))?;
+        let lead = width - row.len();
+        for (axis, a) in p.iter().enumerate() {
+            let at = axis * b * width + r * width + lead;
+            pos[at..at + row.len()].copy_from_slice(a);
+        }
+        deltas.push(delta);
+    }
+    Ok((pos, deltas))
+}

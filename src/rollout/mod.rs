@@ -11,6 +11,8 @@ pub mod agent;
 pub mod scheduler;
 pub mod tool_parser;
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -20,6 +22,7 @@ pub use scheduler::{generate_all, Limits};
 
 use crate::config::{RolloutConfig, SamplingConfig};
 use crate::kernels::elem::exp_f32;
+use crate::model::vision::{padded_positions, row_features, Images};
 use crate::model::{CausalLm, KvCache};
 
 /// How tokens are chosen.
@@ -429,7 +432,7 @@ pub fn generate_agent_rows(
     let mut agent = agent::ToolAgent::new(ctx, convs, owned, p.max_new_tokens, p.eos_ids.clone());
     let streams = sampler.rows().starting_at(first_row);
     let (mut out, _) =
-        scheduler::generate_turns(model, &prompts, p, streams, None, Some(&mut agent))?;
+        scheduler::generate_turns(model, &prompts, p, streams, None, Some(&mut agent), &[])?;
     let episodes = agent.finish(&mut out);
     Ok((out, episodes))
 }
@@ -449,10 +452,22 @@ pub fn generate(
 ) -> candle_core::Result<Rollout> {
     let streams = sampler.rows();
     let mut rngs: Vec<ChaCha8Rng> = (0..batch).map(|r| streams.rng(r)).collect();
-    generate_with(model, input_ids, attention_mask, batch, width, p, &mut rngs)
+    generate_with(
+        model,
+        input_ids,
+        attention_mask,
+        batch,
+        width,
+        p,
+        &mut rngs,
+        &[],
+    )
 }
 
-/// [`generate`] with one random stream per row.
+/// [`generate`] with one random stream per row, and each row's images (`images` empty: none;
+/// else one entry per row) encoded once per distinct [`Images`] and placed over its
+/// placeholders, with the rows' multimodal rotary positions.
+#[allow(clippy::too_many_arguments)]
 fn generate_with(
     model: &CausalLm,
     input_ids: &[u32],
@@ -461,6 +476,7 @@ fn generate_with(
     width: usize,
     p: &SamplingParams,
     rngs: &mut [ChaCha8Rng],
+    images: &[Option<Arc<Images>>],
 ) -> candle_core::Result<Rollout> {
     // Generation needs no gradient: a detached view keeps no activations alive.
     let model = &model.no_grad();
@@ -480,11 +496,26 @@ fn generate_with(
                 .count()
         })
         .collect();
-    let mut positions = Vec::with_capacity(batch * width);
-    for &len in &prompt_len {
-        positions.extend(std::iter::repeat_n(0u32, width - len));
-        positions.extend(0..len as u32);
-    }
+    let (positions, deltas, features) = match images.iter().any(Option::is_some) {
+        true => {
+            let rows: Vec<&[u32]> = (0..batch)
+                .map(|r| &input_ids[r * width + width - prompt_len[r]..(r + 1) * width])
+                .collect();
+            let ims: Vec<Option<&Images>> = images.iter().map(Option::as_deref).collect();
+            let (pos, deltas) = padded_positions(&model.args, &rows, &ims, width)
+                .map_err(candle_core::Error::Msg)?;
+            let pos = Tensor::from_vec(pos, (3, batch, width), &Device::Cpu)?.to_device(&dev)?;
+            (pos, deltas, row_features(model, images)?)
+        }
+        false => {
+            let mut positions = Vec::with_capacity(batch * width);
+            for &len in &prompt_len {
+                positions.extend(std::iter::repeat_n(0u32, width - len));
+                positions.extend(0..len as u32);
+            }
+            (u32s(positions, (batch, width))?, vec![0; batch], None)
+        }
+    };
     let mut masks: Vec<Vec<u32>> = (0..batch)
         .map(|r| {
             attention_mask[r * width..(r + 1) * width]
@@ -495,10 +526,11 @@ fn generate_with(
         .collect();
     // Room for every position at once: the cache never grows (a copy of the past) mid-call.
     let mut cache = KvCache::with_capacity(model.args.num_hidden_layers, width + p.max_new_tokens);
-    let hidden = model.forward_hidden(
+    let hidden = model.forward_hidden_images(
         &u32s(input_ids.to_vec(), (batch, width))?,
-        &u32s(positions, (batch, width))?,
+        &positions,
         &u32s(masks.concat(), (batch, width))?,
+        features.as_ref(),
         Some(&mut cache),
     )?;
     let mut last = hidden.narrow(1, width - 1, 1)?.squeeze(1)?.detach(); // [active, hidden]
@@ -533,9 +565,10 @@ fn generate_with(
         }
         active = still.iter().map(|&s| active[s]).collect();
         let n = active.len();
+        // After the prompt every position axis counts on alike, shifted by the row's delta.
         let pos: Vec<u32> = active
             .iter()
-            .map(|&r| (prompt_len[r] + step) as u32)
+            .map(|&r| ((prompt_len[r] + step) as i64 + deltas[r]) as u32)
             .collect();
         for &r in &active {
             masks[r].push(1);

@@ -18,6 +18,7 @@
 //! then the next wave.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use candle_core::Result;
 use indicatif::ProgressBar;
@@ -27,6 +28,7 @@ use rayon::prelude::*;
 use super::{generate_with, sample_row, Rollout, RowStreams, Sampler, SamplingParams, StopReason};
 use crate::kernels::elem::{Elem, KvElem};
 use crate::model::decode::{self, Decoder, Packed, SeqCache};
+use crate::model::vision::Images;
 use crate::model::{CausalLm, ModelArgs};
 
 /// How much generation may hold at once.
@@ -98,7 +100,7 @@ pub fn generate_with_streams(
     streams: RowStreams,
     progress: Option<&ProgressBar>,
 ) -> Result<(Rollout, Stats)> {
-    generate_turns(model, prompts, p, streams, progress, None)
+    generate_turns(model, prompts, p, streams, progress, None, &[])
 }
 
 /// Multi-turn generation: what happens between a row's turns (the agent loop implements it).
@@ -115,7 +117,9 @@ pub trait Turns {
     fn ready(&mut self, wait: bool) -> Vec<(usize, Option<Vec<u32>>)>;
 }
 
-/// [`generate_with_streams`], with the turns of a multi-turn rollout when `turns` is given.
+/// [`generate_with_streams`], with the turns of a multi-turn rollout when `turns` is given,
+/// and each prompt's images (`images` empty: none; else one entry per prompt). Prompts with
+/// images run on the tensor composition (the packed decode engine reads token ids only).
 pub fn generate_turns(
     model: &CausalLm,
     prompts: &[&[u32]],
@@ -123,15 +127,35 @@ pub fn generate_turns(
     streams: RowStreams,
     progress: Option<&ProgressBar>,
     turns: Option<&mut dyn Turns>,
+    images: &[Option<Arc<Images>>],
 ) -> Result<(Rollout, Stats)> {
     if let Some(i) = prompts.iter().position(|t| t.is_empty()) {
         candle_core::bail!("prompt {i} has no tokens: nothing to continue from");
     }
+    if !images.is_empty() && images.len() != prompts.len() {
+        candle_core::bail!(
+            "{} prompts but images for {} rows",
+            prompts.len(),
+            images.len()
+        );
+    }
+    if let Some(v) = &model.args.vision {
+        for (i, t) in prompts.iter().enumerate() {
+            let n = t.iter().filter(|&&x| x == v.image_token_id).count();
+            if n > 0 && images.get(i).is_none_or(Option::is_none) {
+                candle_core::bail!(
+                    "prompt {i} has {n} image placeholder tokens (id {}) but no images",
+                    v.image_token_id
+                );
+            }
+        }
+    }
+    let with_images = images.iter().any(Option::is_some);
     let mut out = Rollout::empty(prompts.len());
     if prompts.is_empty() || p.max_new_tokens == 0 {
         return Ok((out, Stats::default()));
     }
-    let stats = if decode::serves(model) {
+    let stats = if decode::serves(model) && !with_images {
         let continuous = Continuous {
             prompts,
             p,
@@ -148,8 +172,8 @@ pub fn generate_turns(
         }
     } else {
         match turns {
-            None => waves(model, prompts, p, &streams, progress, &mut out)?,
-            Some(t) => wave_turns(model, prompts, p, &streams, progress, &mut out, t)?,
+            None => waves(model, prompts, p, &streams, progress, &mut out, images)?,
+            Some(t) => wave_turns(model, (prompts, images), p, &streams, progress, &mut out, t)?,
         }
     };
     tracing::debug!(
@@ -404,9 +428,10 @@ fn waves(
     streams: &RowStreams,
     progress: Option<&ProgressBar>,
     out: &mut Rollout,
+    images: &[Option<Arc<Images>>],
 ) -> Result<Stats> {
     let mut rngs: Vec<ChaCha8Rng> = (0..prompts.len()).map(|r| streams.rng(r)).collect();
-    waves_with(model, prompts, p, &mut rngs, progress, out)
+    waves_with(model, (prompts, images), p, &mut rngs, progress, out)
 }
 
 /// Multi-turn generation through the tensor composition: round after round, every row still
@@ -415,7 +440,7 @@ fn waves(
 /// own random stream across rounds. Between rounds the rows wait for their tools.
 fn wave_turns(
     model: &CausalLm,
-    prompts: &[&[u32]],
+    (prompts, images): (&[&[u32]], &[Option<Arc<Images>>]),
     p: &SamplingParams,
     streams: &RowStreams,
     progress: Option<&ProgressBar>,
@@ -436,7 +461,11 @@ fn wave_turns(
         let refs: Vec<&[u32]> = ctx.iter().map(Vec::as_slice).collect();
         let mut sub: Vec<ChaCha8Rng> = live.iter().map(|&r| rngs[r].clone()).collect();
         let mut part = Rollout::empty(live.len());
-        let st = waves_with(model, &refs, &q, &mut sub, None, &mut part)?;
+        let ims: Vec<Option<Arc<Images>>> = match images.is_empty() {
+            true => Vec::new(),
+            false => live.iter().map(|&r| images[r].clone()).collect(),
+        };
+        let st = waves_with(model, (&refs, &ims), &q, &mut sub, None, &mut part)?;
         stats.steps += st.steps;
         stats.peak_seqs = stats.peak_seqs.max(st.peak_seqs);
         stats.peak_kv_bytes = stats.peak_kv_bytes.max(st.peak_kv_bytes);
@@ -488,7 +517,7 @@ fn wave_turns(
 /// [`waves`] with one random stream per prompt (`rngs[i]` draws for `prompts[i]`).
 fn waves_with(
     model: &CausalLm,
-    prompts: &[&[u32]],
+    (prompts, images): (&[&[u32]], &[Option<Arc<Images>>]),
     p: &SamplingParams,
     rngs: &mut [ChaCha8Rng],
     progress: Option<&ProgressBar>,
@@ -522,7 +551,12 @@ fn waves_with(
             mask.extend(std::iter::repeat_n(0u8, width - t.len()));
             mask.extend(std::iter::repeat_n(1u8, t.len()));
         }
-        let wave = generate_with(model, &ids, &mask, rows, width, p, &mut rngs[start..end])?;
+        let ims = match images.is_empty() {
+            true => &[][..],
+            false => &images[start..end],
+        };
+        let rngs = &mut rngs[start..end];
+        let wave = generate_with(model, &ids, &mask, rows, width, p, rngs, ims)?;
         for (k, row) in (start..end).enumerate() {
             out.responses[row] = wave.responses[k].clone();
             out.log_probs[row] = wave.log_probs[k].clone();
@@ -742,7 +776,7 @@ mod tests {
             let mut sampler = Sampler::new(9);
             let streams = sampler.rows();
             let mut out = Rollout::empty(ps.len());
-            let stats = waves(&m, &refs, &p, &streams, None, &mut out).unwrap();
+            let stats = waves(&m, &refs, &p, &streams, None, &mut out, &[]).unwrap();
             assert_eq!(stats.peak_seqs, 3);
             let (packed, _) = run(&m, &ps, &p, 9);
             assert_same(&out, &packed, 1e-9, &format!("waves greedy={greedy}"));
@@ -824,7 +858,7 @@ mod tests {
             max: 20,
         };
         let streams = Sampler::new(3).rows();
-        let (out, _) = generate_turns(&m, &refs, &p, streams, None, Some(&mut turns)).unwrap();
+        let (out, _) = generate_turns(&m, &refs, &p, streams, None, Some(&mut turns), &[]).unwrap();
         let mut continued = 0;
         for (r, resp) in out.responses.iter().enumerate() {
             let Some(cut) = resp.windows(3).position(|w| w == appended.as_slice()) else {
@@ -862,7 +896,7 @@ mod tests {
         let mut out2 = Rollout::empty(ps.len());
         wave_turns(
             &m,
-            &refs,
+            (&refs, &[]),
             &p,
             &Sampler::new(3).rows(),
             None,
@@ -894,7 +928,7 @@ mod tests {
         };
         let t0 = std::time::Instant::now();
         let streams = Sampler::new(3).rows();
-        let (out, _) = generate_turns(&m, &refs, &p, streams, None, Some(&mut turns)).unwrap();
+        let (out, _) = generate_turns(&m, &refs, &p, streams, None, Some(&mut turns), &[]).unwrap();
         let took = t0.elapsed().as_secs_f64();
         assert!(
             out.responses.iter().all(|r| r.contains(&3)),

@@ -639,3 +639,85 @@ fn broken_vision_settings_are_refused_by_key() {
     .to_string();
     assert!(e.contains("visual.blocks.3.norm1.weight"), "{e}");
 }
+
+/// The fixture's sequences as prompts with their images (a group of two rows sharing the first
+/// prompt's images, as a GRPO group does), generated greedily by the scheduler: transformers'
+/// tokens, log-probs within the rollout's f32 rounding, in one wave or one row per wave.
+#[test]
+fn greedy_generation_with_images_equals_transformers() {
+    use crate::model::vision::Images;
+    use crate::rollout::scheduler::generate_turns;
+    use crate::rollout::{Limits, Sampler, SamplingParams};
+    use std::sync::Arc;
+    for name in NAMES {
+        let r = reference(name);
+        let m = load(name, DType::F64).model;
+        let g = grids(&r);
+        let seqs = ids(&r["sequences"]);
+        let ims: Vec<Option<Arc<Images>>> = images_of(&r)
+            .iter()
+            .map(|w| {
+                (!w.is_empty()).then(|| {
+                    let px: Vec<Tensor> = w.iter().map(|&i| pixels(name, i)).collect();
+                    Arc::new(Images {
+                        pixels: Tensor::cat(&px, 0).unwrap(),
+                        grids: w.iter().map(|&i| g[i]).collect(),
+                    })
+                })
+            })
+            .collect();
+        // Rows: 0, 0 (same images), 1, 2.
+        let order = [0usize, 0, 1, 2];
+        let prompts: Vec<&[u32]> = order.iter().map(|&i| seqs[i].as_slice()).collect();
+        let images: Vec<Option<Arc<Images>>> = order.iter().map(|&i| ims[i].clone()).collect();
+        let n = r["greedy"][0].as_array().unwrap().len();
+        for max_num_seqs in [4, 1] {
+            let p = SamplingParams {
+                greedy: true,
+                temperature: 0.0,
+                top_k: None,
+                top_p: 1.0,
+                max_new_tokens: n,
+                eos_ids: vec![],
+                ignore_eos: true,
+                limits: Limits {
+                    max_num_seqs,
+                    ..Limits::default()
+                },
+            };
+            let streams = Sampler::new(0).rows();
+            let (out, _) = generate_turns(&m, &prompts, &p, streams, None, None, &images).unwrap();
+            for (row, &i) in order.iter().enumerate() {
+                for (t, w) in r["greedy"][i].as_array().unwrap().iter().enumerate() {
+                    assert_eq!(
+                        out.responses[row][t] as u64,
+                        w["token"].as_u64().unwrap(),
+                        "{name} row {row} step {t}"
+                    );
+                    let lp = w["logprob"].as_f64().unwrap();
+                    assert!(
+                        (f64::from(out.log_probs[row][t]) - lp).abs() <= 1e-6,
+                        "{name} row {row} step {t}"
+                    );
+                }
+            }
+        }
+        // A prompt whose placeholders have no images is refused naming the row.
+        let e = generate_turns(
+            &m,
+            &prompts[..1],
+            &SamplingParams {
+                max_new_tokens: 1,
+                ..SamplingParams::validation(&Default::default(), 1, &[])
+            },
+            Sampler::new(0).rows(),
+            None,
+            None,
+            &[None],
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("placeholder"), "{e}");
+    }
+}
