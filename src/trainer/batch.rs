@@ -132,9 +132,23 @@ pub struct StepBatch {
     /// How each row's conversation went, when the step ran the tool agent loop.
     #[serde(default)]
     pub turns: Option<Vec<TurnStats>>,
+    /// Each row's images and its prompt's 3-D rotary positions (vision-language models; empty
+    /// otherwise). Not sent between ranks: each rank attaches its own rows' from the dataset.
+    #[serde(skip)]
+    pub images: Vec<Option<RowImages>>,
     /// The per-token columns filled so far.
     #[serde(skip)]
     columns: BTreeMap<Column, Ragged>,
+}
+
+/// A row's images (shared by the rows of its group) with the 3-D rotary positions of its
+/// prompt and its rotary delta (a response token `j` sits at `prompt length + j + delta` on
+/// every axis).
+#[derive(Debug, Clone)]
+pub struct RowImages {
+    pub images: std::sync::Arc<crate::model::vision::Images>,
+    pub positions: std::sync::Arc<[Vec<u32>; 3]>,
+    pub delta: i64,
 }
 
 /// One row's conversation in the tool agent loop (metrics and the reward's `extra_info`).
@@ -310,6 +324,11 @@ impl StepBatch {
             out.excluded.extend(p.excluded);
             out.texts.extend(p.texts);
             out.rewards.extend(p.rewards);
+            match (out.images.is_empty(), p.images.is_empty()) {
+                (true, true) => {}
+                (false, false) => out.images.extend(p.images),
+                _ => return Err(wire_error("images on some ranks only")),
+            }
             match (&mut out.turns, p.turns) {
                 (Some(a), Some(b)) => a.extend(b),
                 (None, None) => {}
@@ -350,6 +369,7 @@ impl StepBatch {
             excluded: pick(&self.excluded, rows),
             texts: pick(&self.texts, rows),
             rewards: pick(&self.rewards, rows),
+            images: pick(&self.images, rows),
             reward_baselines: self.reward_baselines.as_deref().map(|b| pick(b, rows)),
             update_order: None,
             turns: self.turns.as_deref().map(|t| pick(t, rows)),

@@ -88,9 +88,101 @@ impl StepBatch {
                 "a prompt with no tokens reached the trainer (batch row {row})"
             )));
         }
-        if layout.packed {
-            return self.packed_inputs(rows, layout, device);
+        let images = self.images_of(rows, layout)?;
+        // Shared prompts run through the grouped forward, which takes no images.
+        let layout = match images.is_empty() {
+            true => layout,
+            false => layout.sharing(false),
+        };
+        let mut mi = match layout.packed {
+            true => self.packed_inputs(rows, layout, device)?,
+            false => self.padded_inputs(rows, layout, device)?,
+        };
+        if !images.is_empty() {
+            mi.position_ids = self.rope_positions(rows, &mi, device)?;
+            mi.images = images;
         }
+        Ok(mi)
+    }
+
+    /// The images of `rows` in order (empty when none has any); a prompt with image
+    /// placeholders (`layout.image_token`) and no images is refused naming the row.
+    fn images_of(
+        &self,
+        rows: &[usize],
+        layout: Layout,
+    ) -> Result<Vec<Option<std::sync::Arc<crate::model::vision::Images>>>> {
+        let of = |r: usize| self.images.get(r).and_then(Option::as_ref);
+        if let Some(id) = layout.image_token {
+            let bare = rows
+                .iter()
+                .find(|&&r| of(r).is_none() && self.prompts[r].contains(&id));
+            if let Some(&r) = bare {
+                candle_core::bail!(
+                    "batch row {r}: its prompt has image placeholder tokens (id {id}) but no images"
+                );
+            }
+        }
+        Ok(match rows.iter().any(|&r| of(r).is_some()) {
+            true => rows
+                .iter()
+                .map(|&r| of(r).map(|i| i.images.clone()))
+                .collect(),
+            false => Vec::new(),
+        })
+    }
+
+    /// The 3-D rotary positions of `mi`'s tokens (`[3, m, t]` padded, `[3, n]` packed): a
+    /// row's prompt at its images' positions, its response counting on from the prompt's
+    /// length plus the row's delta on every axis; rows without images at their 1-D positions.
+    fn rope_positions(&self, rows: &[usize], mi: &MicroInputs, device: &Device) -> Result<Tensor> {
+        let flat: Vec<u32> = mi.position_ids.flatten_all()?.to_vec1()?;
+        let mut pos = [flat.clone(), flat.clone(), flat];
+        // Each row's run of real tokens in the flat layout: (start, length).
+        let runs: Vec<(usize, usize)> = match &mi.tokens {
+            Tokens::Padded { key_mask, .. } => {
+                let t = key_mask.dim(1)?;
+                let mask: Vec<u32> = key_mask.flatten_all()?.to_vec1()?;
+                (0..rows.len())
+                    .map(|i| {
+                        let lead = mask[i * t..(i + 1) * t]
+                            .iter()
+                            .take_while(|&&m| m == 0)
+                            .count();
+                        let real = mask[i * t..(i + 1) * t].iter().filter(|&&m| m == 1).count();
+                        (i * t + lead, real)
+                    })
+                    .collect()
+            }
+            Tokens::Packed { segments, .. } => segments.clone(),
+        };
+        for (&row, &(start, len)) in rows.iter().zip(&runs) {
+            let Some(ri) = self.images.get(row).and_then(Option::as_ref) else {
+                continue;
+            };
+            let p = self.prompts[row].len();
+            for (axis, a) in pos.iter_mut().enumerate() {
+                for k in 0..len {
+                    a[start + k] = match k < p {
+                        true => ri.positions[axis][k],
+                        false => (k as i64 + ri.delta) as u32,
+                    };
+                }
+            }
+        }
+        let shape: Vec<usize> = std::iter::once(3)
+            .chain(mi.position_ids.dims().iter().copied())
+            .collect();
+        Tensor::from_vec(pos.concat(), shape, device)
+    }
+
+    /// [`StepBatch::inputs`] padded: prompts left-padded to the longest, responses right-padded.
+    fn padded_inputs(
+        &self,
+        rows: &[usize],
+        layout: Layout,
+        device: &Device,
+    ) -> Result<MicroInputs> {
         let pad_id = layout.pad_id;
         let m = rows.len();
         let p = rows
@@ -141,6 +233,7 @@ impl StepBatch {
             targets: Tensor::from_vec(targets, (m, r), device)?,
             response_mask: Tensor::from_vec(rmask, (m, r), device)?,
             response_width: r,
+            images: Vec::new(),
         })
     }
 
@@ -253,6 +346,7 @@ impl StepBatch {
             targets: Tensor::from_vec(targets, (m, r), device)?,
             response_mask: Tensor::from_vec(rmask, (m, r), device)?,
             response_width: r,
+            images: Vec::new(),
         })
     }
 }
@@ -268,6 +362,9 @@ pub struct Layout {
     /// Rows of a micro-batch with the same prompt share one copy of it
     /// (`actor.use_prefix_grouper`, where the model supports it; packed then).
     pub share_prefixes: bool,
+    /// A vision-language model's image placeholder token: a prompt holding it must come with
+    /// its images.
+    pub image_token: Option<u32>,
 }
 
 impl Layout {
@@ -277,6 +374,16 @@ impl Layout {
             pad_id,
             packed: model.use_remove_padding,
             share_prefixes: false,
+            image_token: None,
+        }
+    }
+
+    /// This layout for a model of `args`: a vision-language model's prompts with image
+    /// placeholders must come with their images.
+    pub fn for_model(self, args: &crate::model::ModelArgs) -> Layout {
+        Layout {
+            image_token: args.vision.as_ref().map(|v| v.image_token_id),
+            ..self
         }
     }
 
@@ -316,6 +423,9 @@ pub struct MicroInputs {
     /// `[m, r]` f32: 1 on response tokens that count in the loss.
     pub response_mask: Tensor,
     pub response_width: usize,
+    /// Each row's images (in row order; empty when no row has any): their features replace
+    /// the placeholders' embeddings, and `position_ids` are then 3-D (`[3, ..]`).
+    pub images: Vec<Option<std::sync::Arc<crate::model::vision::Images>>>,
 }
 
 /// The layout of [`MicroInputs`]' tokens.
@@ -353,8 +463,10 @@ impl MicroInputs {
                 key_mask,
                 prompt_width,
             } => {
+                let features = crate::model::vision::row_features(model, &self.images)?;
+                let (ids, pos) = (&self.input_ids, &self.position_ids);
                 let hidden =
-                    model.forward_hidden(&self.input_ids, &self.position_ids, key_mask, None)?; // [m, p + r − 1, h]
+                    model.forward_hidden_images(ids, pos, key_mask, features.as_ref(), None)?; // [m, p + r − 1, h]
                 hidden.narrow(1, prompt_width - 1, self.response_width)
             }
             Tokens::Packed {
@@ -364,9 +476,12 @@ impl MicroInputs {
                 ..
             } => {
                 let (ids, pos) = (&self.input_ids, &self.position_ids);
+                let features = crate::model::vision::row_features(model, &self.images)?;
                 let h = match continues {
                     Some(c) => model.forward_hidden_grouped(ids, pos, segments, c)?,
-                    None => model.forward_hidden_packed(ids, pos, segments)?,
+                    None => {
+                        model.forward_hidden_packed_images(ids, pos, segments, features.as_ref())?
+                    }
                 }; // [n, h]
                 h.index_select(at, 0)?.unsqueeze(0) // [1, k, h]
             }
@@ -484,6 +599,7 @@ mod tests {
         pad_id: 0,
         packed: false,
         share_prefixes: false,
+        image_token: None,
     };
 
     #[test]

@@ -774,7 +774,9 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
         .map_or(train.len(), crate::data::IndexSampler::len);
     let total_steps = total_steps(cfg, plan, epoch_rows)?;
     let a = &cfg.actor_rollout_ref.actor;
-    let inputs = Layout::of(tok.pad_token_id, m).sharing(a.use_prefix_grouper);
+    let inputs = Layout::of(tok.pad_token_id, m)
+        .sharing(a.use_prefix_grouper)
+        .for_model(&loaded.model.args);
     let mut actor = Actor::new(loaded, a, plan, total_steps, inputs, lora)?;
     actor.set_rollout_exec(exec(cfg, Role::Rollout));
     Ok(Policy {
@@ -803,7 +805,9 @@ pub fn critic(
     let lora = attach_lora(&mut l, m, "critic.model", seed, "TOKEN_CLS")?;
     let context = l.model.args.max_position_embeddings;
     fits_context(plan, "critic.model.path", &m.path, context)?;
-    let inputs = Layout::of(tok.pad_token_id, m).sharing(shared_prompts(cfg));
+    let inputs = Layout::of(tok.pad_token_id, m)
+        .sharing(shared_prompts(cfg))
+        .for_model(&l.model.args);
     Ok(Critic::new(
         l,
         &cfg.critic,
@@ -874,7 +878,9 @@ pub fn reference(
     device: &Device,
     pad: u32,
 ) -> Result<Option<Reference>> {
-    let inputs = Layout::of(pad, &cfg.actor_rollout_ref.model).sharing(shared_prompts(cfg));
+    let inputs = Layout::of(pad, &cfg.actor_rollout_ref.model)
+        .sharing(shared_prompts(cfg))
+        .for_model(&actor.trainable.model.args);
     let mut r = match (plan.need_reference, plan.ref_log_prob_micro) {
         (true, Some(micro)) if actor.trainable.lora.is_some() => {
             Some(Reference::from_base(actor, micro, inputs))

@@ -146,6 +146,7 @@ fn loss_and_gradients_equal_pytorch_in_f64_packed_and_padded() {
                     pad_id: 256,
                     packed,
                     share_prefixes: false,
+                    image_token: None,
                 },
                 shard: (0, 1),
             };

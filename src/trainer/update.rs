@@ -392,6 +392,7 @@ mod tests {
         pad_id: 0,
         packed: false,
         share_prefixes: false,
+        image_token: None,
     };
 
     fn settings(plan: UpdatePlan) -> UpdateSettings {

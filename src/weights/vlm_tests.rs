@@ -721,3 +721,96 @@ fn greedy_generation_with_images_equals_transformers() {
         assert!(e.contains("placeholder"), "{e}");
     }
 }
+
+/// The trainer's micro-batch inputs of rows with images (a prompt holding its images, the
+/// response after it), padded and packed, and with shared prompts asked for (which rows with
+/// images run without): the response tokens' log-probs equal transformers' at the same
+/// positions of the whole sequence, so the responses' 3-D positions (prompt length + index +
+/// delta) are transformers'.
+#[test]
+fn trainer_inputs_with_images_give_transformers_log_probs() {
+    use crate::trainer::batch::{RowImages, StepBatch};
+    use crate::trainer::micro::Layout;
+    use std::sync::Arc;
+    let name = "qwen2_5_vl";
+    let r = reference(name);
+    let m = load(name, DType::F64).model;
+    let v = m.args.vision.clone().unwrap();
+    let g = grids(&r);
+    let seqs = ids(&r["sequences"]);
+    let want = floats(&r["token_logprobs"]);
+    let cut = [30, 26, 5];
+    let mut images = Vec::new();
+    for (seq, which) in seqs.iter().zip(images_of(&r)) {
+        images.push((!which.is_empty()).then(|| {
+            let px: Vec<Tensor> = which.iter().map(|&i| pixels(name, i)).collect();
+            let grids: Vec<[usize; 3]> = which.iter().map(|&i| g[i]).collect();
+            let prompt = &seq[..cut[images.len()]];
+            let (pos, delta) =
+                mrope_positions(prompt, v.image_token_id, &grids, v.spatial_merge_size).unwrap();
+            RowImages {
+                images: Arc::new(crate::model::vision::Images {
+                    pixels: Tensor::cat(&px, 0).unwrap(),
+                    grids,
+                }),
+                positions: Arc::new(pos),
+                delta,
+            }
+        }));
+    }
+    // Rows: 0, 0 (a group), 1, 2.
+    let order = [0usize, 0, 1, 2];
+    let mut b = StepBatch::new(
+        order.iter().map(|&i| seqs[i][..cut[i]].to_vec()).collect(),
+        order.iter().map(|&i| seqs[i][cut[i]..].to_vec()).collect(),
+        order.to_vec(),
+        vec![0, 0, 1, 2],
+        vec![false; 4],
+    );
+    b.images = order.iter().map(|&i| images[i].clone()).collect();
+    let base = Layout {
+        pad_id: 0,
+        packed: false,
+        share_prefixes: false,
+        image_token: None,
+    }
+    .for_model(&m.args);
+    for layout in [
+        base,
+        Layout {
+            packed: true,
+            ..base
+        },
+        Layout {
+            packed: true,
+            ..base
+        }
+        .sharing(true),
+    ] {
+        let mi = b.inputs(&[0, 1, 2, 3], layout, &Device::Cpu).unwrap();
+        assert_eq!(mi.position_ids.dim(0).unwrap(), 3, "{layout:?}");
+        let h = mi.response_hidden(&m).unwrap();
+        let (lp, _) = m
+            .token_logprobs(&h, mi.response_targets(), 5, false)
+            .unwrap();
+        let lp: Vec<Vec<f64>> = mi.to_rows(&lp).unwrap().to_vec2().unwrap();
+        for (row, &i) in order.iter().enumerate() {
+            for j in 0..seqs[i].len() - cut[i] {
+                let w = want[i][cut[i] + j - 1];
+                assert!(
+                    (lp[row][j] - w).abs() <= 1e-12,
+                    "{layout:?} row {row} token {j}: {} vs {w}",
+                    lp[row][j]
+                );
+            }
+        }
+    }
+    // A row whose prompt holds placeholders but whose images are missing is refused by row.
+    b.images[2] = None;
+    let e = b
+        .inputs(&[0, 2], base, &Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("batch row 2") && e.contains("no images"), "{e}");
+}
