@@ -7,11 +7,15 @@
 //! - `dataset`: rendering, tokenising, sample limits, overlong filtering and truncation,
 //! - `loader`: the seeded, resumable batch order and left-padded collation, or the order of a
 //!   custom sampler ([`IndexSampler`], verl's `data.sampler`; its Python worker is `reward::sampler`),
-//! - `numpy_rng`: NumPy's seeded `choice`, for verl's exact `*_max_samples` subsets.
+//! - `numpy_rng`: NumPy's seeded `choice`, for verl's exact `*_max_samples` subsets,
+//! - `image`: images of vision-language prompts → `pixel_values` / `image_grid_thw` and the
+//!   expanded `<|image_pad|>` placeholders (transformers' Qwen2-VL image processor, bit-exact
+//!   but for JPEG decoding).
 //!
 //! verl: `verl/utils/dataset/rl_dataset.py` (`RLHFDataset`), `examples/data_preprocess/gsm8k.py`.
 
 pub mod dataset;
+pub mod image;
 pub mod loader;
 pub mod numpy_rng;
 pub mod read;
