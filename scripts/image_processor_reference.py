@@ -30,8 +30,29 @@ Writes tests/fixtures/image_processor/:
                                 synthetic image for many size pairs, checked equal under
                                 ATEN_CPU_CAPABILITY=default, avx2 and avx512 (torch's generic
                                 separable kernel and its AVX2 kernel)
+  verl/                         verl's image path: qwen-vl-utils 0.0.14's `fetch_image` (what
+                                `verl.utils.dataset.vision_utils.process_image` calls) on a Pillow
+                                image opened from the bytes, then the processor
+    images/*                    more small images, one per Pillow mode that qwen-vl-utils' `to_rgb`
+                                treats differently from transformers' `convert_to_rgb` (16-bit
+                                RGBA, 16-bit gray, palette with partial alpha, RGB / gray colour
+                                keys, GIF with a transparent index, lossless WebP with alpha), and
+                                a 301 x 407 image of sharp stripes for a strong reduction
+    qwen2_5_vl/, qwen3_vl/      preprocessor_config.json with the released models' pixel bounds
+    reference.json              per case (image, image_patch_size, per-image min/max_pixels,
+                                processor): Pillow's mode, fetch_image's size and SHA-256 (`[H, W,
+                                3]` u8), the `info["transparency"]` Pillow leaves on it (which
+                                transformers' convert_to_rgb applies), image_grid_thw and the SHA-256 of transformers'
+                                pixel_values (`[patches, C*T*P*P]` f32, little-endian)
+    fetched.safetensors         fetch_image's output of the patch-14 cases and of the JPEG
+                                (`fetched_<case>`, `[H, W, 3]` u8)
+    smart_resize.json           qwen-vl-utils' `smart_resize` on its edge cases (or the error)
+    pil_resize_sweep.json       SHA-256 of Pillow's `Image.resize` (default BICUBIC) of the sweep
+                                image (`[H, W, 3]`) for many size pairs, and of `to_rgb` on an RGBA
+                                image holding every (value, alpha) pair
 
-Run with the bench venv (torch 2.15, transformers 5.24, torchvision 0.29, pillow):
+Run with the bench venv (torch 2.15, transformers 5.24, torchvision 0.29, pillow 13,
+qwen-vl-utils 0.0.14 installed with `pip install --no-deps qwen-vl-utils==0.0.14`):
   ~/.cache/main_ppo/bench-venv/bin/python scripts/image_processor_reference.py
 CI does not run it; the Rust tests in src/data/image_tests.rs read the fixtures.
 """
@@ -244,6 +265,243 @@ def smart_cases():
     return rows
 
 
+def png_raw(w, h, color_type, depth, rows, trns=None, plte=None):
+    """A PNG written by hand (Pillow cannot write 16-bit RGBA): rows of raw big-endian samples."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    raw = b"".join(b"\0" + r for r in rows)
+    out = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, depth, color_type, 0, 0, 0))
+    if plte is not None:
+        out += chunk(b"PLTE", plte)
+    if trns is not None:
+        out += chunk(b"tRNS", trns)
+    return out + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+
+
+def write_verl_images(img_dir):
+    """The images of the verl-path cases beyond the processor's ten; their own RNG, so that the
+    processor fixtures do not change."""
+    from PIL import Image
+
+    rng = np.random.RandomState(20250607)
+    img_dir.mkdir(parents=True, exist_ok=True)
+    files = []
+
+    def put(name, data):
+        (img_dir / name).write_bytes(data)
+        files.append(name)
+
+    def smooth(h, w):
+        y, x = np.mgrid[0:h, 0:w]
+        return np.stack([(x * 255) // max(w - 1, 1), (y * 255) // max(h - 1, 1), (x * y) % 256], -1)
+
+    # 16-bit RGBA (Pillow: "RGBA" from the high bytes), every alpha level
+    h, w = 31, 41
+    v = (smooth(h, w) * 257 + rng.randint(0, 257, (h, w, 3))).astype(">u2")
+    a = rng.randint(0, 65536, (h, w, 1)).astype(">u2")
+    a[:4] = 0
+    a[-4:] = 65535
+    put("rgba16_31x41.png", png_raw(w, h, 6, 16, [r.tobytes() for r in np.concatenate([v, a], -1)]))
+    # 16-bit gray (Pillow: "I;16", clipped at 255 by convert("RGB")); half the values above 255
+    h, w = 29, 37
+    g = rng.randint(0, 512, (h, w)).astype(">u2")
+    put("gray16_29x37.png", png_raw(w, h, 0, 16, [r.tobytes() for r in g]))
+    # palette with partial alpha in tRNS (Pillow: "P", transparency as bytes, dropped)
+    h, w = 33, 26
+    plte = rng.randint(0, 256, (16, 3)).astype(np.uint8)
+    idx = rng.randint(0, 16, (h, w)).astype(np.uint8)
+    put("palette_alpha_33x26.png", png_raw(w, h, 3, 8, [r.tobytes() for r in idx],
+                                           trns=bytes(rng.randint(0, 256, 12).astype(np.uint8)),
+                                           plte=plte.tobytes()))
+    # RGB with a colour key and gray with a gray key (Pillow: "RGB" / "L", keys ignored)
+    rgb = (smooth(27, 35) // 32 * 32).astype(np.uint8)
+    b = io.BytesIO()
+    Image.fromarray(rgb).save(b, "PNG", transparency=tuple(int(c) for c in rgb[5, 7]))
+    put("rgb_key_27x35.png", b.getvalue())
+    gray = (rng.randint(0, 4, (30, 23)) * 60).astype(np.uint8)
+    b = io.BytesIO()
+    Image.fromarray(gray, "L").save(b, "PNG", transparency=60)
+    put("gray_key_30x23.png", b.getvalue())
+    # GIF with a transparent index that is used (Pillow: "P", its colour kept)
+    pal = Image.fromarray(smooth(25, 39).astype(np.uint8)).quantize(colors=8, dither=Image.Dither.NONE)
+    b = io.BytesIO()
+    pal.save(b, "GIF", transparency=int(np.asarray(pal)[3, 3]))
+    put("gif_trns_25x39.gif", b.getvalue())
+    # lossless WebP with alpha (Pillow: "RGBA")
+    rgba = np.dstack([smooth(34, 30), rng.randint(0, 256, (34, 30))]).astype(np.uint8)
+    b = io.BytesIO()
+    Image.fromarray(rgba, "RGBA").save(b, "WEBP", lossless=True)
+    put("rgba_lossless_34x30.webp", b.getvalue())
+    # sharp coloured stripes and rings (the bicubic overshoot gets clipped), 301 x 407
+    y, x = np.mgrid[0:301, 0:407]
+    st = np.stack([((x // 5) % 2) * 255, ((y // 7) % 2) * 255, (((x - 200) ** 2 + (y - 150) ** 2) // 900 % 2) * 255], -1)
+    b = io.BytesIO()
+    Image.fromarray(st.astype(np.uint8)).save(b, "PNG", optimize=True)
+    put("stripes_301x407.png", b.getvalue())
+    return files
+
+
+# verl-path cases: (file, image_patch_size, per-image min_pixels, max_pixels, processor); the
+# patch-14 cases go through the Qwen2.5-VL settings, patch 16 through Qwen3-VL's
+VERL_PROCESSORS = {
+    "qwen2_5_vl": {
+        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
+        "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+    },
+    "qwen3_vl": {
+        "size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16,
+        "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+    },
+}
+
+
+def verl_cases(base_files, extra_files):
+    cases = [(f"images/{f}", 14, None, None, "qwen2_5_vl") for f in base_files]
+    cases += [(f"verl/images/{f}", 14, None, None, "qwen2_5_vl") for f in extra_files if not f.startswith("stripes")]
+    cases += [
+        # strong reductions by the entry's own max_pixels: 5.4x, and 90 x 120 -> 28 x 56, which the
+        # processor enlarges again to its min_pixels
+        ("verl/images/stripes_301x407.png", 14, None, 6272, "qwen2_5_vl"),
+        ("images/rgba_90x120.png", 14, None, 3136, "qwen2_5_vl"),
+        ("images/photo_100x150.jpg", 14, None, 4704, "qwen2_5_vl"),
+        # the entry's own min_pixels: enlarged 3 x 2 -> 112 x 84
+        ("images/tiny_3x2.png", 14, 9000, None, "qwen2_5_vl"),
+        # Qwen3-VL: factor 32, then the processor enlarges to its 65536-pixel minimum
+        ("images/rgb_45x70.png", 16, None, None, "qwen3_vl"),
+        ("images/rgba_90x120.png", 16, None, None, "qwen3_vl"),
+        ("images/la_40x52.png", 16, None, None, "qwen3_vl"),
+        ("images/photo_100x150.jpg", 16, None, None, "qwen3_vl"),
+        ("verl/images/stripes_301x407.png", 16, None, 8192, "qwen3_vl"),
+    ]
+    return cases
+
+
+QVU_SMART_CASES = [
+    # (height, width, factor, min_pixels, max_pixels)
+    (45, 70, 28, 3136, 12845056), (42, 70, 28, 3136, 12845056), (14, 14, 28, 0, 12845056),
+    (1, 1, 28, 3136, 12845056), (3, 2, 28, 3136, 12845056), (1, 200, 28, 3136, 12845056),
+    (1, 201, 28, 3136, 12845056), (201, 1, 28, 3136, 12845056), (28, 5600, 28, 3136, 12845056),
+    (1, 150, 28, 0, 100), (150, 1, 28, 0, 100), (10, 10, 28, 3136, 3135), (1080, 1920, 28, 3136, 12845056),
+    (4000, 3000, 28, 3136, 12845056), (12000, 9000, 28, 3136, 12845056), (1080, 1920, 28, 3136, 1003520),
+    (301, 407, 28, 3136, 6272), (90, 120, 28, 3136, 3136), (100, 150, 28, 3136, 4704),
+    (3, 2, 28, 9000, 12845056), (1080, 1920, 32, 4096, 16777216), (100, 100, 32, 4096, 16777216),
+    (20000, 15000, 32, 4096, 16777216), (37, 61, 28, 3136, 12845056), (20, 300, 28, 3136, 12845056),
+    (2, 400, 28, 3136, 12845056), (28, 28, 28, 784, 784), (29, 29, 28, 784, 784), (100, 100, 28, 1, 1),
+]
+
+
+def qvu_smart_cases():
+    from qwen_vl_utils.vision_process import smart_resize
+
+    rows = []
+    for h, w, f, lo, hi in QVU_SMART_CASES:
+        try:
+            rh, rw = smart_resize(h, w, factor=f, min_pixels=lo, max_pixels=hi)
+            rows.append({"in": [h, w, f, lo, hi], "out": [rh, rw]})
+        except (ValueError, AssertionError) as e:
+            rows.append({"in": [h, w, f, lo, hi], "error": f"{type(e).__name__}: {e}"})
+    return rows
+
+
+PIL_SWEEP_EXTRA = [
+    # vertical pass first (height shrinks by more than twice the width's reduction), one axis,
+    # strong reductions, enlargements, the 1-pixel input
+    (300, 40, 28, 28), (300, 40, 28, 56), (97, 203, 28, 200), (1000, 999, 28, 996), (40, 300, 28, 28),
+    (64, 64, 64, 63), (64, 64, 63, 64), (1, 1, 3, 5), (5, 1, 1, 7), (2, 2, 1, 1), (407, 301, 84, 56),
+    (301, 407, 56, 84), (11, 13, 308, 112), (1200, 17, 28, 28), (17, 1200, 28, 28),
+]
+
+
+def pil_sweep():
+    from PIL import Image
+
+    rows = []
+    for ih, iw, oh, ow in SWEEP_SIZES + PIL_SWEEP_EXTRA:
+        im = Image.fromarray(np.ascontiguousarray(sweep_image(ih, iw).transpose(1, 2, 0)))
+        out = np.asarray(im.resize((ow, oh)))
+        assert out.shape == (oh, ow, 3)
+        rows.append([ih, iw, oh, ow, hashlib.sha256(out.tobytes()).hexdigest()])
+    return rows
+
+
+def paste_table():
+    """qwen-vl-utils' to_rgb of a 256 x 256 RGBA image holding every (value, alpha) pair: R = x,
+    G = 255 - x, B = (7x + y) mod 256, A = y."""
+    from PIL import Image
+    from qwen_vl_utils.vision_process import to_rgb
+
+    y, x = np.mgrid[0:256, 0:256]
+    rgba = np.stack([x, 255 - x, (7 * x + y) % 256, y], -1).astype(np.uint8)
+    out = np.asarray(to_rgb(Image.fromarray(rgba, "RGBA")))
+    return hashlib.sha256(out.tobytes()).hexdigest()
+
+
+def run_verl(base_files):
+    import torch
+    from PIL import Image
+    from safetensors.torch import save_file
+    from transformers import AutoImageProcessor
+    import qwen_vl_utils
+    from qwen_vl_utils import fetch_image
+
+    d = OUT / "verl"
+    extra = write_verl_images(d / "images")
+    procs = {}
+    for name, cfg in VERL_PROCESSORS.items():
+        (d / name).mkdir(parents=True, exist_ok=True)
+        (d / name / "preprocessor_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        procs[name] = AutoImageProcessor.from_pretrained(d / name)
+        assert type(procs[name]).__name__ == "Qwen2VLImageProcessor" and procs[name].backend == "torchvision"
+    rows, fetched = [], {}
+    for i, (path, patch, lo, hi, name) in enumerate(verl_cases(base_files, extra)):
+        pil = Image.open(io.BytesIO((OUT / path).read_bytes()))
+        ele = {"image": pil}
+        if lo is not None:
+            ele["min_pixels"] = lo
+        if hi is not None:
+            ele["max_pixels"] = hi
+        img = fetch_image(ele, image_patch_size=patch)
+        assert img.mode == "RGB"
+        arr = np.asarray(img)
+        if patch == 14 or path.endswith(".jpg"):
+            fetched[f"fetched_{i}"] = torch.from_numpy(arr.copy())
+        out = procs[name](images=[img], return_tensors="pt")
+        pv = out["pixel_values"]
+        assert pv.dtype == torch.float32
+        rows.append({
+            "file": path, "image_patch_size": patch, "min_pixels": lo, "max_pixels": hi,
+            "processor": name, "pillow_mode": pil.mode, "fetched": list(arr.shape[:2]),
+            # what transformers' convert_to_rgb then makes transparent (a tuple or a bare number)
+            "fetched_transparency": img.info.get("transparency"),
+            "fetched_sha256": hashlib.sha256(arr.tobytes()).hexdigest(),
+            "image_grid_thw": out["image_grid_thw"][0].tolist(),
+            "pixel_values_sha256": hashlib.sha256(pv.contiguous().numpy().tobytes()).hexdigest(),
+        })
+    save_file(fetched, d / "fetched.safetensors")
+    ref = {
+        "source": "qwen-vl-utils %s fetch_image, Pillow %s, then transformers %s (torchvision backend, CPU)"
+        % (qwen_vl_utils.__version__ if hasattr(qwen_vl_utils, "__version__") else "0.0.14",
+           Image.__version__, __import__("transformers").__version__),
+        "cases": rows,
+    }
+    (d / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+    (d / "smart_resize.json").write_text(json.dumps(qvu_smart_cases(), indent=1) + "\n")
+    sweep = {
+        "source": f"PIL.Image.resize (BICUBIC), Pillow {Image.__version__}",
+        "cases": pil_sweep(),
+        "to_rgb_rgba_table_sha256": paste_table(),
+    }
+    (d / "pil_resize_sweep.json").write_text(json.dumps(sweep, indent=1) + "\n")
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--sweep":
         print(json.dumps(sweep_hashes()))
@@ -281,6 +539,7 @@ def main():
         "cases": per_cap["default"],
     }
     (OUT / "resize_sweep.json").write_text(json.dumps(sweep, indent=1) + "\n")
+    run_verl(files)
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"wrote {OUT} ({total} bytes)")
 

@@ -645,3 +645,418 @@ fn placeholder_count_must_match_images() {
         "{fewer}"
     );
 }
+
+// ---- verl's image path: qwen-vl-utils' fetch_image, then the processor ----------------------
+//
+// `tests/fixtures/image_processor/verl/` (the script's `run_verl`): per case, Pillow's mode, the
+// size and SHA-256 of qwen-vl-utils 0.0.14's `fetch_image` output (and the image itself for the
+// patch-14 cases and the JPEG), and transformers' grid and pixel_values digest on that output.
+
+fn verl_dir() -> PathBuf {
+    fixtures().join("verl")
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// SHA-256 of `pixel_values` as the f32 little-endian bytes of transformers' tensor.
+fn pixel_values_sha256(batch: &ImageBatch) -> String {
+    let bytes: Vec<u8> = batch
+        .pixel_values
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    sha256_hex(&bytes)
+}
+
+/// `[H, W, 3]` u8 tensor → [`RgbImage`].
+fn hwc_image(t: &Tensor) -> RgbImage {
+    let (height, width, _) = t.dims3().unwrap();
+    RgbImage {
+        height,
+        width,
+        pixels: u8s(t),
+    }
+}
+
+/// Largest |Δ| between two pixel_values buffers of the same shape.
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// The colour transformers' `convert_to_rgb` makes transparent for the `info["transparency"]`
+/// Pillow left on the fetched image: a colour's low bytes, or a bare number `n` as `(n, 0, 0)`.
+fn transparency_key(v: &Value) -> Option<[u8; 3]> {
+    match v {
+        Value::Null => None,
+        Value::Array(c) => Some([0, 1, 2].map(|k| c[k].as_u64().unwrap() as u8)),
+        n => Some([n.as_u64().unwrap() as u8, 0, 0]),
+    }
+}
+
+/// JPEG through fetch_image: zune-jpeg's decoding (see [`JPEG_MAX_DECODE_DIFF`]) spread by
+/// Pillow's bicubic resize. Measured largest |Δ| of the fetched uint8 image per case, and of
+/// pixel_values (levels over 255·std).
+const JPEG_FETCH_BOUNDS: [(usize, u8, f32); 3] =
+    [(6, 7, 0.099_541), (19, 5, 0.071_101), (24, 7, 0.062_746)];
+
+/// The whole verl path, per case: our [`fetch_image`] against qwen-vl-utils + Pillow (every
+/// byte of the fetched image), then the processor on it against transformers (every float of
+/// pixel_values, by digest), the grid, and the processor on Pillow's own fetched image too.
+#[test]
+fn verl_path_matches_qwen_vl_utils_and_transformers() {
+    let reference = json(&verl_dir().join("reference.json"));
+    let fetched = tensors(&verl_dir().join("fetched.safetensors"));
+    let mut processors = HashMap::new();
+    for name in ["qwen2_5_vl", "qwen3_vl"] {
+        let cfg = ImageProcessorConfig::from_model_dir(&verl_dir().join(name)).unwrap();
+        processors.insert(name, cfg);
+    }
+    let mut report = Vec::new();
+    for (i, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
+        let file = case["file"].as_str().unwrap();
+        let bytes = std::fs::read(fixtures().join(file)).unwrap();
+        let patch = case["image_patch_size"].as_u64().unwrap() as usize;
+        let (lo, hi) = (case["min_pixels"].as_u64(), case["max_pixels"].as_u64());
+        let cfg = &processors[case["processor"].as_str().unwrap()];
+        let what = format!("case {i} ({file}, patch {patch}, min {lo:?}, max {hi:?})");
+
+        let (raw, key) = fetch_image_with_key(&bytes, patch, lo, hi).unwrap();
+        assert_eq!(
+            key,
+            transparency_key(&case["fetched_transparency"]),
+            "{what}: key"
+        );
+        let ours = fetch_image(&bytes, patch, lo, hi).unwrap();
+        let mut keyed = raw.clone();
+        if let Some(key) = key {
+            whiten_key(&mut keyed, key);
+        }
+        assert_eq!(
+            ours, keyed,
+            "{what}: fetch_image = fetch_image_with_key + key"
+        );
+        let size: Vec<usize> = serde_json::from_value(case["fetched"].clone()).unwrap();
+        assert_eq!([ours.height, ours.width], size[..], "{what}: fetched size");
+        let want_sha = case["fetched_sha256"].as_str().unwrap();
+        let pil = fetched.get(&format!("fetched_{i}")).map(hwc_image);
+        let fetch_diff = pil.as_ref().map(|p| {
+            (p.pixels.iter().zip(&raw.pixels))
+                .map(|(a, b)| a.abs_diff(*b))
+                .max()
+                .unwrap()
+        });
+
+        let batch = cfg.preprocess(std::slice::from_ref(&ours)).unwrap();
+        let grid: Vec<usize> = serde_json::from_value(case["image_grid_thw"].clone()).unwrap();
+        assert_eq!(batch.grid_thw[0][..], grid[..], "{what}: image_grid_thw");
+        let want_pv = case["pixel_values_sha256"].as_str().unwrap();
+        let mut pv_diff = 0f32;
+        if let Some(pil) = &pil {
+            // the processor on Pillow's fetched image: transformers' floats, bit for bit
+            assert_eq!(sha256_hex(&pil.pixels), want_sha, "{what}: fixture");
+            let mut pil = pil.clone();
+            if let Some(key) = key {
+                whiten_key(&mut pil, key);
+            }
+            let from_pil = cfg.preprocess(std::slice::from_ref(&pil)).unwrap();
+            assert_eq!(
+                pixel_values_sha256(&from_pil),
+                want_pv,
+                "{what}: from Pillow's image"
+            );
+            pv_diff = max_abs_diff(&batch.pixel_values, &from_pil.pixel_values);
+        }
+        report.push(format!(
+            "{what}: fetched Δ {fetch_diff:?}, pixel_values Δ {pv_diff}"
+        ));
+        match JPEG_FETCH_BOUNDS.iter().find(|b| b.0 == i) {
+            Some(&(_, fetch_bound, pv_bound)) => {
+                assert!(file.ends_with(".jpg"), "{what}");
+                let d = fetch_diff.unwrap();
+                assert!(d <= fetch_bound, "{what}: fetched differs by up to {d}");
+                assert!(
+                    pv_diff <= pv_bound,
+                    "{what}: pixel_values differ by {pv_diff}"
+                );
+            }
+            None => {
+                assert_eq!(sha256_hex(&raw.pixels), want_sha, "{what}: {fetch_diff:?}");
+                assert_eq!(pixel_values_sha256(&batch), want_pv, "{what}: pixel_values");
+            }
+        }
+    }
+    println!("{}", report.join("\n"));
+}
+
+/// The sweep image as `[H, W, 3]` (the script hands Pillow `sweep_image(h, w).transpose(1, 2, 0)`).
+fn sweep_rgb(h: usize, w: usize) -> RgbImage {
+    let chw = sweep_image(h, w);
+    let plane = h * w;
+    RgbImage {
+        height: h,
+        width: w,
+        pixels: (0..plane)
+            .flat_map(|k| [chw[k], chw[plane + k], chw[2 * plane + k]])
+            .collect(),
+    }
+}
+
+/// Pillow's `Image.resize` (BICUBIC) for the torchvision sweep's size pairs and more: the
+/// vertical pass first, one axis only, strong reductions, enlargements, 1-pixel inputs; matched
+/// by SHA-256 of the whole output.
+#[test]
+fn pil_resize_matches_pillow_for_many_sizes() {
+    let sweep = json(&verl_dir().join("pil_resize_sweep.json"));
+    for case in sweep["cases"].as_array().unwrap() {
+        let s: Vec<usize> = (0..4).map(|k| case[k].as_u64().unwrap() as usize).collect();
+        let out = resize_pil_bicubic(&sweep_rgb(s[0], s[1]), s[3], s[2]);
+        assert_eq!((out.height, out.width), (s[2], s[3]));
+        assert_eq!(sha256_hex(&out.pixels), case[4].as_str().unwrap(), "{s:?}");
+    }
+}
+
+#[test]
+fn pil_resize_edge_sizes_do_not_panic() {
+    let img = sweep_rgb(5, 7);
+    // the same size: Pillow's copy
+    assert_eq!(resize_pil_bicubic(&img, 7, 5), img);
+    let empty = resize_pil_bicubic(&img, 0, 3);
+    assert_eq!((empty.height, empty.width, empty.pixels.len()), (3, 0, 0));
+    // a buffer that does not match its sides: black, no panic
+    let bad = RgbImage {
+        height: 5,
+        width: 7,
+        pixels: vec![1; 10],
+    };
+    assert_eq!(resize_pil_bicubic(&bad, 4, 4).pixels, vec![0; 48]);
+}
+
+/// qwen-vl-utils' `smart_resize`: outputs (a side of 0 included) and its two refusals.
+#[test]
+fn fetch_smart_resize_matches_qwen_vl_utils() {
+    let cases = json(&verl_dir().join("smart_resize.json"));
+    for case in cases.as_array().unwrap() {
+        let i: Vec<u64> = serde_json::from_value(case["in"].clone()).unwrap();
+        let got = fetch_smart_resize(i[0] as usize, i[1] as usize, i[2] as usize, i[3], i[4]);
+        match case.get("out") {
+            Some(out) => {
+                let out: Vec<usize> = serde_json::from_value(out.clone()).unwrap();
+                assert_eq!(got, Ok((out[0], out[1])), "{i:?}");
+            }
+            None => {
+                let e = got.expect_err(&format!("{i:?} should be refused"));
+                let want = case["error"].as_str().unwrap();
+                let named = if want.starts_with("ValueError") {
+                    "absolute aspect ratio must be smaller than 200"
+                } else {
+                    "max_pixels of image must be greater than or equal to min_pixels"
+                };
+                assert!(e.contains(named), "{i:?}: {e} (Python: {want})");
+            }
+        }
+    }
+}
+
+/// qwen-vl-utils' `to_rgb` of an RGBA image holding every (value, alpha) pair, against Pillow's
+/// `paste` onto white; transformers' `alpha_composite` over white gives the same values.
+#[test]
+fn to_rgb_pastes_rgba_over_white_as_pillow() {
+    let sweep = json(&verl_dir().join("pil_resize_sweep.json"));
+    let mut pasted = Vec::with_capacity(256 * 256 * 3);
+    let mut differ = 0;
+    for y in 0..256usize {
+        for x in 0..256usize {
+            let px = [x as u8, 255 - x as u8, ((7 * x + y) % 256) as u8, y as u8];
+            let rgb = paste_over_white(px);
+            differ += usize::from(rgb != composite_over_white(px));
+            pasted.extend_from_slice(&rgb);
+        }
+    }
+    assert_eq!(
+        sha256_hex(&pasted),
+        sweep["to_rgb_rgba_table_sha256"].as_str().unwrap()
+    );
+    // the two blends' integer arithmetic agree over white, on every pair
+    assert_eq!(differ, 0);
+}
+
+/// A PNG with optional PLTE and tRNS chunks.
+fn png_keyed(
+    w: u32,
+    color: png::ColorType,
+    depth: png::BitDepth,
+    data: &[u8],
+    palette: Option<&[u8]>,
+    trns: &[u8],
+) -> Vec<u8> {
+    let mut out = Vec::new();
+    {
+        let mut enc = png::Encoder::new(&mut out, w, 1);
+        enc.set_color(color);
+        enc.set_depth(depth);
+        if let Some(p) = palette {
+            enc.set_palette(p.to_vec());
+        }
+        enc.set_trns(trns.to_vec());
+        enc.write_header().unwrap().write_image_data(data).unwrap();
+    }
+    out
+}
+
+/// Transparency keys, measured with Pillow 13 + transformers 5.24 on these images: Pillow
+/// compares a 2-bit gray key with the scaled samples (so nothing matches here), a 16-bit key by
+/// its low byte against the clipped / high-byte samples; after `convert("RGB")` a "1" or "I;16"
+/// key stays a number (`(n, 0, 0)`), a palette key becomes its colour.
+#[test]
+fn transparency_keys_follow_pillow() {
+    use png::{BitDepth as D, ColorType as C};
+    let gray2 = png_keyed(
+        8,
+        C::Grayscale,
+        D::Two,
+        &[0b0001_1011, 0b1110_0100],
+        None,
+        &[0, 1],
+    );
+    let got = decode_image(&gray2, true).unwrap().pixels;
+    let want: Vec<u8> = [0u8, 85, 170, 255, 255, 170, 85, 0]
+        .iter()
+        .flat_map(|&v| [v; 3])
+        .collect();
+    assert_eq!(got, want, "2-bit gray, key 1");
+    assert_eq!(TransparencyKeys::of(&gray2).fetched, Some([1, 1, 1]));
+
+    let g16: Vec<u8> = [0u16, 256, 300, 44, 45]
+        .iter()
+        .flat_map(|v| v.to_be_bytes())
+        .collect();
+    let gray16 = png_keyed(
+        5,
+        C::Grayscale,
+        D::Sixteen,
+        &g16,
+        None,
+        &300u16.to_be_bytes(),
+    );
+    let got = decode_image(&gray16, true).unwrap().pixels;
+    let want: Vec<u8> = [0u8, 255, 255, 255, 45]
+        .iter()
+        .flat_map(|&v| [v; 3])
+        .collect();
+    assert_eq!(got, want, "16-bit gray, key 300");
+    assert_eq!(TransparencyKeys::of(&gray16).fetched, Some([44, 0, 0]));
+
+    let px: Vec<u8> = [0x0140u16, 0x0202, 0x0303, 0x0301, 0x0402, 0x0503]
+        .iter()
+        .flat_map(|v| v.to_be_bytes())
+        .collect();
+    let rgb16 = png_keyed(2, C::Rgb, D::Sixteen, &px, None, &px[6..]);
+    assert_eq!(
+        decode_image(&rgb16, true).unwrap().pixels,
+        [255, 255, 255, 3, 4, 5]
+    );
+    assert_eq!(TransparencyKeys::of(&rgb16).fetched, Some([1, 2, 3]));
+
+    for (key, fetched) in [(0u8, [0, 0, 0]), (1, [255, 0, 0])] {
+        let bits = png_keyed(8, C::Grayscale, D::One, &[0b1011_0010], None, &[0, key]);
+        assert_eq!(
+            TransparencyKeys::of(&bits).fetched,
+            Some(fetched),
+            "1-bit {key}"
+        );
+    }
+
+    let plte = [10, 20, 30, 40, 50, 60, 70, 80, 90];
+    let idx = [0u8, 1, 2];
+    for (trns, fetched) in [
+        (&b"\xff\x00"[..], Some([40, 50, 60])),
+        (b"\xff\x00\n", Some([40, 50, 60])),
+        (b"\x00\x00", None),
+        (b"\xff\x80", None),
+    ] {
+        let p = png_keyed(3, C::Indexed, D::Eight, &idx, Some(&plte), trns);
+        assert_eq!(
+            TransparencyKeys::of(&p).fetched,
+            fetched,
+            "palette {trns:?}"
+        );
+    }
+}
+
+/// A GIF's first-frame key from its header blocks alone (an index no pixel uses still counts):
+/// the local colour table over the global one, a gray identity palette as gray.
+#[test]
+fn gif_keys_follow_pillow() {
+    let gif = |global: &[u8], local: Option<&[u8]>, gce_flags: u8, index: u8| {
+        let mut b = b"GIF89a\x01\x00\x01\x00".to_vec();
+        b.extend_from_slice(&[0x80 | 0x01, 0, 0]); // 4-entry global table
+        b.extend_from_slice(global);
+        b.extend_from_slice(&[0x21, 0xFE, 2, b'h', b'i', 0]); // a comment first
+        b.extend_from_slice(&[0x21, 0xF9, 4, gce_flags, 0, 0, index, 0]);
+        b.extend_from_slice(&[0x2C, 0, 0, 0, 0, 1, 0, 1, 0]);
+        match local {
+            Some(l) => {
+                b.push(0x80 | 0x01);
+                b.extend_from_slice(l);
+            }
+            None => b.push(0),
+        }
+        b.extend_from_slice(&[2, 2, 0x4C, 0x01, 0, 0x3B]);
+        b
+    };
+    let global = [10, 11, 12, 20, 21, 22, 30, 31, 32, 40, 41, 42];
+    let local = [50, 51, 52, 60, 61, 62, 70, 71, 72, 80, 81, 82];
+    let gray = [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3];
+    assert_eq!(gif_key(&gif(&global, None, 1, 3)), Some([40, 41, 42]));
+    assert_eq!(
+        gif_key(&gif(&global, Some(&local), 1, 2)),
+        Some([70, 71, 72])
+    );
+    assert_eq!(gif_key(&gif(&global, None, 0, 3)), None);
+    assert_eq!(gif_key(&gif(&gray, None, 1, 9)), Some([9, 9, 9]));
+    assert_eq!(gif_key(&gif(&global, None, 1, 9)), None);
+    assert_eq!(gif_key(b"GIF89a"), None);
+}
+
+/// fetch_image's refusals, each named as qwen-vl-utils or Pillow raises it, none a panic.
+#[test]
+fn fetch_image_errors_are_named() {
+    let rgb = |w: u32, h: u32| {
+        let data = vec![7u8; (3 * w * h) as usize];
+        png_bytes(w, h, png::ColorType::Rgb, png::BitDepth::Eight, &data)
+    };
+    let ok = rgb(45, 70);
+    let e = fetch_image(&ok, 0, None, None).unwrap_err();
+    assert!(e.contains("image_patch_size"), "{e}");
+    let e = fetch_image(&rgb(201, 1), 14, None, None).unwrap_err();
+    assert!(e.contains("absolute aspect ratio"), "{e}");
+    let e = fetch_image(&ok, 14, Some(5000), Some(4000)).unwrap_err();
+    assert!(e.contains("greater than or equal to min_pixels"), "{e}");
+    let e = fetch_image(&rgb(150, 1), 14, Some(0), Some(100)).unwrap_err();
+    assert!(e.contains("height and width must be > 0"), "{e}");
+    let e = fetch_image(&ok, 14, Some(0), Some(0)).unwrap_err();
+    assert!(e.contains("max_pixels is 0"), "{e}");
+    let e = fetch_image(b"not an image", 14, None, None).unwrap_err();
+    assert!(e.contains("not a PNG"), "{e}");
+    // the defaults: 4 · 28² ≤ pixels ≤ 16384 · 28²
+    let img = fetch_image(&ok, 14, None, None).unwrap();
+    assert_eq!((img.height, img.width), (56, 56));
+}
+
+/// When its smart_resize keeps the size, the processor passes the image on untouched, as
+/// torchvision's resize returns its input.
+#[test]
+fn processor_resize_is_skipped_at_the_same_size() {
+    let cfg = ImageProcessorConfig::from_model_dir(&verl_dir().join("qwen2_5_vl")).unwrap();
+    let img = sweep_rgb(56, 84);
+    assert_eq!(cfg.resize(&img).unwrap(), (img.to_chw(), 56, 84));
+}
