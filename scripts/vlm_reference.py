@@ -223,12 +223,198 @@ def make(name, cfg):
     print(f"{name}: {len(grads)} parameters, loss {float(loss.detach()):.6f} -> {out}")
 
 
+# `<name>/chat/`: the same architecture over the byte-level test tokenizer
+# (tests/fixtures/byte_tokenizer) with the vision tokens added (259 <|vision_start|>,
+# 260 <|vision_end|>, 261 <|image_pad|>, 262 <|video_pad|>), a ChatML template that writes
+# `<|vision_start|><|image_pad|><|vision_end|>` for each image item (as Qwen2.5-VL's does), a
+# preprocessor_config.json sized for the tiny tower (patch 4: factor 8, 64..4096 pixels), PNG
+# images, and what transformers' Qwen2_5_VLProcessor gives for chat prompts with those images
+# after qwen-vl-utils' fetch_image (verl's path, image_patch_size 4): input ids, pixel values,
+# grids, and greedy continuations by full forwards.
+TOKENIZER = OUT.parent / "byte_tokenizer"
+VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message.role != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}"
+    "{%- else %}{%- for part in message.content %}"
+    "{%- if part.type == 'image' or 'image' in part %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part.type == 'text' %}{{- part.text }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CHAT_IMAGES = [(32, 48), (45, 30), (24, 40)]  # (height, width); 45x30 is resized by fetch_image
+
+
+def chat_images(out):
+    from PIL import Image
+    g = torch.Generator().manual_seed(41)
+    paths = []
+    for i, (h, w) in enumerate(CHAT_IMAGES):
+        ys = torch.linspace(0, 1, h).unsqueeze(1)
+        xs = torch.linspace(0, 1, w).unsqueeze(0)
+        base = torch.stack([ys * xs, (1 - ys).expand(h, w), xs.expand(h, w)], dim=-1) * 200
+        noise = torch.randint(0, 55, (h, w, 3), generator=g)
+        px = (base + noise).clamp(0, 255).to(torch.uint8).numpy()
+        p = out / f"image_{i}.png"
+        Image.fromarray(px, "RGB").save(p)
+        paths.append(p)
+    return paths
+
+
+def chat(name, cfg):
+    import shutil
+    from PIL import Image
+    from qwen_vl_utils import fetch_image
+    from tokenizers import AddedToken, Tokenizer
+
+    out = OUT / name / "chat"
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VL_TOKENS])
+    tok.save(str(out / "tokenizer.json"))
+    tc = json.loads((TOKENIZER / "tokenizer_config.json").read_text())
+    tc["chat_template"] = CHAT_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=1) + "\n")
+    shutil.copy(TOKENIZER / "generation_config.json", out / "generation_config.json")
+    pre = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 4, "temporal_patch_size": 2,
+           "merge_size": 2, "min_pixels": 64, "max_pixels": 4096,
+           "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
+    (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=1) + "\n")
+    d = cfg.to_dict()
+    d["text_config"]["vocab_size"] = 263
+    d.update(image_token_id=261, video_token_id=262, vision_start_token_id=259, vision_end_token_id=260)
+    ccfg = transformers.Qwen2_5_VLConfig.from_dict(d)
+    torch.manual_seed(4321)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(ccfg).to(torch.float64).eval()
+    spread(model, 77)
+    model.save_pretrained(out, safe_serialization=True)
+    paths = chat_images(out)
+    processor = transformers.Qwen2_5_VLProcessor(
+        image_processor=transformers.Qwen2VLImageProcessor(**{k: v for k, v in pre.items() if k != "image_processor_type"}),
+        tokenizer=transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json")),
+        video_processor=transformers.Qwen2VLVideoProcessor(),
+        chat_template=CHAT_TEMPLATE,
+    )
+    prompts = [
+        ([{"role": "user", "content": "<image>What shape is this?"}], [0]),
+        ([{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Compare <image> and <image>."}], [1, 2]),
+        ([{"role": "user", "content": "No image here."}], []),
+    ]
+    answers = []
+    with torch.no_grad():
+        for messages, which in prompts:
+            # verl's _build_messages: string contents split at <image> into content items.
+            built = []
+            for m in messages:
+                if which:
+                    parts = []
+                    for k, piece in enumerate(m["content"].split("<image>")):
+                        if k:
+                            parts.append({"type": "image"})
+                        if piece:
+                            parts.append({"type": "text", "text": piece})
+                    built.append({"role": m["role"], "content": parts})
+                else:
+                    built.append(m)
+            with plain_torch():
+                text = processor.apply_chat_template(built, add_generation_prompt=True, tokenize=False)
+                images = [fetch_image({"image": Image.open(paths[i])}, image_patch_size=4) for i in which]
+                enc = processor(text=[text], images=images or None, return_tensors="pt")
+            assert not which or enc["pixel_values"].dtype == torch.float32
+            ids = enc["input_ids"][0].tolist()
+            kw = {"input_ids": enc["input_ids"]}
+            if which:
+                kw.update(pixel_values=enc["pixel_values"].to(torch.float64), image_grid_thw=enc["image_grid_thw"],
+                          mm_token_type_ids=(enc["input_ids"] == 261).to(torch.int32))
+            seq, steps = list(ids), []
+            for _ in range(6):
+                kw["input_ids"] = torch.tensor([seq])
+                if which:
+                    kw["mm_token_type_ids"] = (kw["input_ids"] == 261).to(torch.int32)
+                lp = torch.log_softmax(model(**kw).logits[0, -1], -1)
+                t = int(torch.argmax(lp))
+                top2 = torch.topk(lp, 2).values
+                steps.append({"token": t, "logprob": float(lp[t]), "gap": float(top2[0] - top2[1])})
+                seq.append(t)
+            answers.append({
+                "messages": messages,
+                "images": [paths[i].name for i in which],
+                "input_ids": ids,
+                "image_grid_thw": enc["image_grid_thw"].tolist() if which else [],
+                "greedy": steps,
+            })
+            if which:
+                save_file({"pixel_values": enc["pixel_values"].contiguous()}, str(out / f"pixel_values_{len(answers) - 1}.safetensors"))
+    ref = {"family": name, "transformers": transformers.__version__, "torch": torch.__version__, "answers": answers}
+    (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+    geo3k_layout(out, prompts, paths)
+    print(f"{name}/chat: {[len(a['input_ids']) for a in answers]} prompt tokens -> {out}")
+
+
+def geo3k_layout(out, prompts, paths):
+    """The chat prompts as rows of verl's geo3k parquet (examples/data_preprocess/geo3k.py):
+    `images` a list of {bytes, path} structs (as HF datasets writes image columns), the
+    prompt's `<image>` markers in the text, the reward and extra_info columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = []
+    for i, (messages, which) in enumerate(prompts):
+        rows.append({
+            "data_source": "hiyouga/geometry3k",
+            "prompt": messages,
+            "images": [{"bytes": paths[k].read_bytes(), "path": None} for k in which],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(i)},
+            "extra_info": {"split": "train", "index": i},
+        })
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    schema = pa.schema([
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(message)),
+        ("images", pa.list_(image)),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
+    ])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), out / "geo3k_layout.parquet")
+
+
+# torch as it is, before exact_f64() patches it: the processor must run in its own float32.
+ORIGINAL = {}
+
+
+class plain_torch:
+    """Within: torch's own casts (exact_f64 undone), as the processor runs in verl."""
+
+    def __enter__(self):
+        self.patched = {k: getattr(o, n) for k, (o, n, _) in ORIGINAL.items()}
+        for o, n, f in ORIGINAL.values():
+            setattr(o, n, f)
+
+    def __exit__(self, *exc):
+        for k, (o, n, _) in ORIGINAL.items():
+            setattr(o, n, self.patched[k])
+
+
 def main():
+    for o, n in [(torch.Tensor, "to"), (torch.Tensor, "type"), (torch.Tensor, "float"), (torch, "arange"),
+                 (torch.nn.functional, "softmax")]:
+        ORIGINAL[f"{o.__name__}.{n}"] = (o, n, getattr(o, n))
     exact_f64()
     want = sys.argv[1:]
     for name, cfg in checkpoints().items():
         if not want or name in want:
             make(name, cfg)
+        if not want or name in want or f"{name}/chat" in want:
+            chat(name, cfg)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ mod sft;
 mod trackers;
 /// verl's example command lines and config folder.
 mod verl;
+/// A vision-language model trained on geo3k-layout data.
+mod vlm;
 
 fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_main_ppo"));

@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::Args;
 use serde_json::Value;
 
-use crate::rollout::{generate_all, repeat_rows, Sampler, SamplingParams};
+use crate::rollout::{generate_dataset_rows, repeat_rows, Sampler, SamplingParams};
 use crate::trainer::setup;
 
 use super::ConfigArgs;
@@ -105,9 +105,8 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let prompts: Vec<&[u32]> = rows.iter().map(|&i| ds.prompt_ids[i].as_slice()).collect();
     let t1 = Instant::now();
-    let out = generate_all(&model.model, &prompts, &params, &mut sampler, Some(&bar))?;
+    let out = generate_dataset_rows(&model.model, &ds, &rows, &params, &mut sampler, &bar)?;
     let mut responses: Vec<Vec<String>> = vec![Vec::new(); ds.len()];
     let mut log_probs: Vec<Vec<Value>> = vec![Vec::new(); ds.len()];
     let mut lengths: Vec<Vec<Value>> = vec![Vec::new(); ds.len()];

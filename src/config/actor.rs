@@ -172,6 +172,9 @@ pub struct ActorConfig {
     /// packed whatever `model.use_remove_padding` says. Models with Gated DeltaNet layers,
     /// CUDA and half precision compute every response with its own prompt (logged).
     pub use_prefix_grouper: bool,
+    /// A vision-language model's vision tower receives no gradient and no update (its weights
+    /// are saved back as read); the language model trains on its features.
+    pub freeze_vision_tower: bool,
 }
 
 defaults!(ActorConfig {
@@ -203,6 +206,7 @@ defaults!(ActorConfig {
     grad_clip: 1.0,
     fsdp_config: FsdpConfig::default(),
     use_prefix_grouper: false,
+    freeze_vision_tower: false,
 });
 
 impl ActorConfig {

@@ -74,6 +74,20 @@ pub struct DataConfig {
     pub dataloader_num_workers: usize,
     /// A custom sampler class that orders the training data instead of data.shuffle.
     pub sampler: SamplerConfig,
+    /// Column holding each row's images (vision-language models): a list of encoded images
+    /// (`{"bytes": ..}` as verl's geo3k parquet stores them, `{"path": ..}`, `{"image": ..}`,
+    /// raw bytes or a path), one per `<image>` in the prompt, in order.
+    pub image_key: String,
+    /// Column holding each row's videos; a row with videos is refused (video input is not
+    /// supported).
+    pub video_key: String,
+    /// The vision tower's patch side in pixels (14 for Qwen2-VL and Qwen2.5-VL, 16 for
+    /// Qwen3-VL): with the 2×2 merge it gives the multiple image sides are resized to before
+    /// the processor runs (as verl's `process_image` asks qwen-vl-utils).
+    pub image_patch_size: usize,
+    /// Settings passed to the processor (`min_pixels`, `max_pixels`: the image area bounds
+    /// in pixels); other keys are refused.
+    pub mm_processor_kwargs: FreeMap,
 }
 
 /// `data.sampler.*` (verl's custom sampler, `create_rl_sampler`).
@@ -107,6 +121,10 @@ defaults!(DataConfig {
     apply_chat_template_kwargs: FreeMap::new(),
     dataloader_num_workers: 8,
     sampler: SamplerConfig::default(),
+    image_key: "images".into(),
+    video_key: "videos".into(),
+    image_patch_size: 14,
+    mm_processor_kwargs: FreeMap::new(),
 });
 
 /// The longest prompt + response budget accepted whatever the model (2^20 tokens, far beyond

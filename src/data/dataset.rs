@@ -2,12 +2,14 @@
 //! (verl's legacy `RLHFDataset` semantics; the newest verl only left-truncates).
 
 use std::path::Path;
+use std::sync::Arc;
 
 use serde_json::Value;
 
 use crate::config::fields::FreeMap;
 use crate::config::{AgentLoopName, DataConfig, Truncation};
 
+use super::image::ImageBatch;
 use super::numpy_rng::Pcg64;
 use super::read::read_rows;
 use super::sample::{Need, Sample};
@@ -36,6 +38,8 @@ pub struct DatasetOptions {
     /// Which agent loop each row runs, and the tools its template renders (`None`: every
     /// row single-turn, as before agent loops).
     pub agents: Option<AgentRendering>,
+    /// A vision-language model's images (`None`: a text model; a row with images is refused).
+    pub vision: Option<super::vision::VisionOptions>,
 }
 
 /// How rows choose their agent loop and what the tool agent's prompts show.
@@ -137,6 +141,7 @@ impl DatasetOptions {
             template_kwargs: cfg.apply_chat_template_kwargs.clone(),
             prompts_only: false,
             agents: None,
+            vision: None,
         }
     }
 }
@@ -193,6 +198,8 @@ pub struct PromptDataset {
     pub truncated: usize,
     /// The agent loop of each sample.
     pub agents: Vec<AgentLoopName>,
+    /// Each sample's processed images (vision-language models; empty otherwise).
+    pub images: super::vision::RowImageBatches,
 }
 
 impl PromptDataset {
@@ -206,6 +213,7 @@ impl PromptDataset {
         let mut texts = Vec::with_capacity(samples.len());
         let mut render_failed = vec![false; samples.len()];
         let mut agents = Vec::with_capacity(samples.len());
+        let mut images = Vec::with_capacity(samples.len());
         let mut with_tools = opts.template_kwargs.clone();
         if let Some(a) = opts.agents.as_ref().filter(|a| !a.tools.is_empty()) {
             with_tools.insert("tools".into(), Value::Array(a.tools.clone()));
@@ -223,8 +231,10 @@ impl PromptDataset {
                 AgentLoopName::ToolAgent => &with_tools,
                 AgentLoopName::SingleTurnAgent => &opts.template_kwargs,
             };
-            match template.render(&s.prompt, true, kwargs) {
-                Ok(t) => texts.push(t),
+            let (messages, batch) = row_images(s, opts)?;
+            images.push(batch);
+            match template.render(&messages, true, kwargs) {
+                Ok(t) => texts.push(expand(s, opts, t, images.last().expect("pushed"))?),
                 // verl's filter counts a prompt the template rejects as too long.
                 Err(_) if opts.filter_overlong => {
                     render_failed[i] = true;
@@ -249,14 +259,30 @@ impl PromptDataset {
             filtered_overlong: 0,
             truncated: 0,
             agents: Vec::new(),
+            images: Vec::new(),
         };
         let max = opts.max_prompt_length;
-        for (((s, ids), failed), agent) in
-            samples.into_iter().zip(ids).zip(render_failed).zip(agents)
+        for ((((s, ids), failed), agent), batch) in samples
+            .into_iter()
+            .zip(ids)
+            .zip(render_failed)
+            .zip(agents)
+            .zip(images)
         {
             if opts.filter_overlong && (failed || ids.len() > max) {
                 out.filtered_overlong += 1;
                 continue;
+            }
+            if batch.is_some() && ids.len() > max {
+                return Err(DataError::Row {
+                    file: s.file.clone(),
+                    row: s.row,
+                    column: opts.prompt_key.clone(),
+                    message: format!(
+                        "the prompt with its image tokens is {} tokens, longer than data.max_prompt_length ({max}); a prompt with images cannot be truncated (its image tokens must all stay): raise it, lower data.mm_processor_kwargs.max_pixels, or set data.filter_overlong_prompts=True",
+                        ids.len()
+                    ),
+                });
             }
             let ids = if ids.len() > max {
                 out.truncated += 1;
@@ -276,6 +302,10 @@ impl PromptDataset {
             out.samples.push(s);
             out.prompt_ids.push(ids);
             out.agents.push(agent);
+            out.images.push(batch);
+        }
+        if out.images.iter().all(Option::is_none) {
+            out.images.clear();
         }
         if out.samples.is_empty() {
             return Err(DataError::Other(format!(
@@ -292,6 +322,79 @@ impl PromptDataset {
 
     pub fn is_empty(&self) -> bool {
         self.samples.is_empty()
+    }
+}
+
+/// The messages of `s` to render and its processed images: with a vision-language model's
+/// options, its images (column `data.image_key`) fill the `<image>` markers; without, a row
+/// with images is refused (a text model would train on the prompt without them). Errors name
+/// the row and column.
+fn row_images(
+    s: &Sample,
+    opts: &DatasetOptions,
+) -> Result<(Vec<Value>, Option<Arc<ImageBatch>>), DataError> {
+    let err = |column: &str, message: String| DataError::Row {
+        file: s.file.clone(),
+        row: s.row,
+        column: column.to_string(),
+        message,
+    };
+    let Some(v) = &opts.vision else {
+        for key in ["images", "videos"] {
+            let has = s
+                .raw
+                .get(key)
+                .and_then(Value::as_array)
+                .is_some_and(|a| !a.is_empty());
+            if has
+                && s.prompt.iter().any(|m| {
+                    m.get("content")
+                        .and_then(Value::as_str)
+                        .is_some_and(|c| c.contains("<image>") || c.contains("<video>"))
+                })
+            {
+                return Err(err(key, "the row has images or videos but the model is a text model (no preprocessor_config.json in its folder): use a vision-language model, or drop the column".into()));
+            }
+        }
+        return Ok((s.prompt.clone(), None));
+    };
+    let videos = s
+        .raw
+        .get(&v.video_key)
+        .and_then(Value::as_array)
+        .is_some_and(|a| !a.is_empty());
+    if videos {
+        return Err(err(
+            &v.video_key,
+            "video input is not supported (images only)".into(),
+        ));
+    }
+    let entries =
+        super::vision::image_entries(&s.raw, &v.image_key).map_err(|m| err(&v.image_key, m))?;
+    let messages = super::vision::messages_with_images(&s.prompt, entries.len())
+        .map_err(|m| err(&opts.prompt_key, m))?;
+    if entries.is_empty() {
+        return Ok((messages, None));
+    }
+    let batch = v.process(&entries).map_err(|m| err(&v.image_key, m))?;
+    Ok((messages, Some(Arc::new(batch))))
+}
+
+/// `rendered` with the row's image placeholders expanded (unchanged without images).
+fn expand(
+    s: &Sample,
+    opts: &DatasetOptions,
+    rendered: String,
+    batch: &Option<Arc<ImageBatch>>,
+) -> Result<String, DataError> {
+    match (&opts.vision, batch) {
+        (Some(v), Some(b)) => v.expand(&rendered, b).map_err(|message| DataError::Row {
+            file: s.file.clone(),
+            row: s.row,
+            column: opts.prompt_key.clone(),
+            message: format!("the chat template's image placeholders: {message}"),
+        }),
+        _ => Ok(rendered),
     }
 }
 

@@ -10,7 +10,9 @@
 //! - `numpy_rng`: NumPy's seeded `choice`, for verl's exact `*_max_samples` subsets,
 //! - `image`: images of vision-language prompts → `pixel_values` / `image_grid_thw` and the
 //!   expanded `<|image_pad|>` placeholders (transformers' Qwen2-VL image processor, bit-exact
-//!   but for JPEG decoding).
+//!   but for JPEG decoding),
+//! - `vision`: a vision-language row's images (`data.image_key`) and its prompt's `<image>`
+//!   markers as the chat template's content items.
 //!
 //! verl: `verl/utils/dataset/rl_dataset.py` (`RLHFDataset`), `examples/data_preprocess/gsm8k.py`.
 
@@ -23,6 +25,7 @@ pub mod sample;
 pub mod sft;
 pub mod template;
 pub mod tokenizer;
+pub mod vision;
 
 pub use dataset::{AgentRendering, DatasetOptions, PromptDataset};
 pub use loader::{collate, BatchLoader, IndexSampler, LoaderCursor, PromptBatch, SamplerCursor};

@@ -20,6 +20,14 @@ pub struct SpecialTokens {
     pub unk: Option<String>,
 }
 
+/// The files of a vision-language model's processor, copied beside a saved tokenizer.
+const PROCESSOR_FILES: [&str; 4] = [
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
+];
+
 /// A tokenizer with its chat template and the ids generation needs.
 #[derive(Clone)]
 pub struct TokenizerBundle {
@@ -179,7 +187,8 @@ impl TokenizerBundle {
 
     /// Writes `tokenizer.json`, `tokenizer_config.json` (special tokens and the chat template)
     /// and `chat_template.jinja` into `dir`, so the folder loads with [`TokenizerBundle::from_dir`]
-    /// and with HF transformers (a GGUF model's tokenizer becomes an HF one this way).
+    /// and with HF transformers (a GGUF model's tokenizer becomes an HF one this way); a
+    /// vision-language model's processor files beside the tokenizer are copied along.
     pub fn save(&self, dir: &Path) -> Result<(), DataError> {
         let err = |p: &Path, e: String| DataError::File {
             file: p.display().to_string(),
@@ -215,7 +224,15 @@ impl TokenizerBundle {
             &path,
             serde_json::to_string_pretty(&Value::Object(cfg)).expect("json"),
         )
-        .map_err(|e| err(&path, e.to_string()))
+        .map_err(|e| err(&path, e.to_string()))?;
+        // A vision-language model's processor settings travel with its tokenizer.
+        for f in PROCESSOR_FILES {
+            let from = self.source.join(f);
+            if from.is_file() && self.source != dir {
+                std::fs::copy(&from, dir.join(f)).map_err(|e| err(&from, e.to_string()))?;
+            }
+        }
+        Ok(())
     }
 
     /// The chat template to use: `custom` (actor_rollout_ref.model.custom_chat_template) if

@@ -158,7 +158,15 @@ pub struct VisionArgs {
     pub vision_end_token_id: u32,
     /// `vision_config` as read, written back unchanged on save.
     pub raw: Value,
+    /// The tower is frozen (`actor.freeze_vision_tower`): its weights are kept as read, never
+    /// trained ([`ModelArgs::kept_as_read`]). Not a config.json setting.
+    #[serde(default)]
+    pub frozen: bool,
 }
+
+/// Where a vision-language model's vision tower is named (the hub's layout, which transformers
+/// reads and writes).
+pub const VISUAL: &str = "visual.";
 
 impl VisionArgs {
     /// Reads `vision_config` and the placeholder ids of a Qwen2.5-VL `config.json` value.
@@ -246,6 +254,7 @@ impl VisionArgs {
             vision_start_token_id: id("vision_start_token_id", 151652)?,
             vision_end_token_id: id("vision_end_token_id", 151653)?,
             raw: v.clone(),
+            frozen: false,
         })
     }
 }
@@ -1754,7 +1763,10 @@ impl ModelArgs {
     /// [`kept_as_read`], and DeepSeek's multi-token-prediction layers
     /// (`model.layers.{num_hidden_layers + j}.*`, [`MlaArgs::num_nextn_predict_layers`]).
     pub fn kept_as_read(&self, name: &str) -> bool {
-        kept_as_read(name) || self.deepseek_mtp_layer(name)
+        let frozen_tower = self.vision.as_ref().is_some_and(|v| v.frozen);
+        kept_as_read(name)
+            || self.deepseek_mtp_layer(name)
+            || (frozen_tower && name.starts_with(VISUAL))
     }
 
     /// Whether `name` is a tensor of one of DeepSeek's or GLM-4.5's multi-token-prediction

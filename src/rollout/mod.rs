@@ -405,7 +405,60 @@ pub fn generate_rows_from(
 ) -> candle_core::Result<Rollout> {
     let prompts = prompt_slices(ds, rows);
     let streams = sampler.rows().starting_at(first_row);
-    Ok(scheduler::generate_with_streams(model, &prompts, p, streams, None)?.0)
+    let images = dataset_images(ds, rows, model.device())?;
+    Ok(scheduler::generate_turns(model, &prompts, p, streams, None, None, &images)?.0)
+}
+
+/// Generates dataset rows `rows` of `ds` with their images through the scheduler, row `i`
+/// from stream `i` of `sampler`, ticking `progress` as rows finish (`main_ppo generate`).
+pub fn generate_dataset_rows(
+    model: &CausalLm,
+    ds: &crate::data::PromptDataset,
+    rows: &[usize],
+    p: &SamplingParams,
+    sampler: &mut Sampler,
+    progress: &indicatif::ProgressBar,
+) -> candle_core::Result<Rollout> {
+    let prompts = prompt_slices(ds, rows);
+    let images = dataset_images(ds, rows, model.device())?;
+    let streams = sampler.rows();
+    let turns = None;
+    let out =
+        scheduler::generate_turns(model, &prompts, p, streams, Some(progress), turns, &images)?;
+    Ok(out.0)
+}
+
+/// The images of dataset rows `rows` as the model takes them, on `device`: one shared value
+/// per dataset row (a group's rows encode it once); empty when the dataset has none.
+pub fn dataset_images(
+    ds: &crate::data::PromptDataset,
+    rows: &[usize],
+    device: &Device,
+) -> candle_core::Result<Vec<Option<Arc<Images>>>> {
+    if ds.images.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut made: std::collections::HashMap<usize, Arc<Images>> = Default::default();
+    let mut out = Vec::with_capacity(rows.len());
+    for &i in rows {
+        let Some(b) = ds.images.get(i).and_then(Option::as_ref) else {
+            out.push(None);
+            continue;
+        };
+        if let Some(im) = made.get(&i) {
+            out.push(Some(im.clone()));
+            continue;
+        }
+        let n = b.num_patches();
+        let pixels = Tensor::from_slice(&b.pixel_values, (n, b.patch_dim), device)?;
+        let im = Arc::new(Images {
+            pixels,
+            grids: b.grid_thw.clone(),
+        });
+        made.insert(i, im.clone());
+        out.push(Some(im));
+    }
+    Ok(out)
 }
 
 /// The prompt ids of dataset rows `rows`.
@@ -431,8 +484,9 @@ pub fn generate_agent_rows(
     let owned: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
     let mut agent = agent::ToolAgent::new(ctx, convs, owned, p.max_new_tokens, p.eos_ids.clone());
     let streams = sampler.rows().starting_at(first_row);
+    let images = dataset_images(ds, rows, model.device())?;
     let (mut out, _) =
-        scheduler::generate_turns(model, &prompts, p, streams, None, Some(&mut agent), &[])?;
+        scheduler::generate_turns(model, &prompts, p, streams, None, Some(&mut agent), &images)?;
     let episodes = agent.finish(&mut out);
     Ok((out, episodes))
 }

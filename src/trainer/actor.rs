@@ -183,6 +183,13 @@ impl Actor {
             inputs,
             shard: (0, 1),
         };
+        let mut loaded = loaded;
+        if cfg.freeze_vision_tower {
+            if let Some(v) = loaded.model.args.vision.as_mut() {
+                v.frozen = true;
+            }
+            loaded.model.freeze_vision();
+        }
         let args = loaded.model.args.clone();
         Ok(Self {
             trainable: Trainable::new(

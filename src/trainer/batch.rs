@@ -243,6 +243,54 @@ impl StepBatch {
         }
     }
 
+    /// Attaches each row's images from `ds` (rows are its `sample` indices) with its prompt's
+    /// 3-D rotary positions for a model of `args`, on `device`: nothing when `ds` has no
+    /// images. A group's rows share one copy.
+    pub fn attach_images(
+        &mut self,
+        ds: &crate::data::PromptDataset,
+        args: &crate::model::ModelArgs,
+        device: &Device,
+    ) -> Result<()> {
+        let images = crate::rollout::dataset_images(ds, &self.sample, device)?;
+        if images.is_empty() {
+            self.images.clear();
+            return Ok(());
+        }
+        let Some(v) = &args.vision else {
+            candle_core::bail!("the data has images but the model has no vision tower");
+        };
+        let mut made: std::collections::HashMap<usize, RowImages> = Default::default();
+        let mut out = Vec::with_capacity(images.len());
+        for (row, im) in images.into_iter().enumerate() {
+            let Some(im) = im else {
+                out.push(None);
+                continue;
+            };
+            let sample = self.sample[row];
+            if let Some(r) = made.get(&sample) {
+                out.push(Some(r.clone()));
+                continue;
+            }
+            let (positions, delta) = crate::model::vision::mrope_positions(
+                &self.prompts[row],
+                v.image_token_id,
+                &im.grids,
+                v.spatial_merge_size,
+            )
+            .map_err(|e| candle_core::Error::Msg(format!("batch row {row}: {e}")))?;
+            let r = RowImages {
+                images: im,
+                positions: std::sync::Arc::new(positions),
+                delta,
+            };
+            made.insert(sample, r.clone());
+            out.push(Some(r));
+        }
+        self.images = out;
+        Ok(())
+    }
+
     /// Takes the reward phase's output: each row's reward, `token_level_scores`, and the rows
     /// left out of the update.
     pub fn add_rewards(&mut self, scored: RewardBatch) -> Result<()> {
@@ -324,10 +372,11 @@ impl StepBatch {
             out.excluded.extend(p.excluded);
             out.texts.extend(p.texts);
             out.rewards.extend(p.rewards);
+            // Images do not travel between ranks: a batch gathered from several is given its
+            // rows' images again from the dataset (`attach_images`).
             match (out.images.is_empty(), p.images.is_empty()) {
-                (true, true) => {}
                 (false, false) => out.images.extend(p.images),
-                _ => return Err(wire_error("images on some ranks only")),
+                _ => out.images.clear(),
             }
             match (&mut out.turns, p.turns) {
                 (Some(a), Some(b)) => a.extend(b),

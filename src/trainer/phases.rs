@@ -78,6 +78,7 @@ impl RolloutWorker {
                 .collect(),
             out.stop.iter().map(|s| *s == StopReason::Length).collect(),
         );
+        batch.attach_images(ds, &model.args, model.device())?;
         if self.log_probs {
             batch.set(Column::RolloutLogProbs, out.log_probs)?;
         }
@@ -342,7 +343,10 @@ impl Trainer {
             .iter()
             .map(|b| StepBatch::from_bytes(b))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(StepBatch::concat(parts)?)
+        let mut all = StepBatch::concat(parts)?;
+        let view = self.actor.rollout_view();
+        all.attach_images(&self.train, &view.args, view.device())?;
+        Ok(all)
     }
 
     /// The `reward` phase: decodes, scores, places the scores on tokens and leaves out the

@@ -276,9 +276,11 @@ pub fn datasets(
     with_val: bool,
     agents: &AgentRendering,
 ) -> Result<(PromptDataset, Option<PromptDataset>)> {
+    let vision = vision_options(cfg, tok)?;
     let build = |files: &[String], opts: DatasetOptions| {
         let opts = DatasetOptions {
             agents: Some(agents.clone()),
+            vision: vision.clone(),
             ..opts
         };
         read_prompts(files, &opts, tok, template)
@@ -309,6 +311,68 @@ pub fn datasets(
     Ok((train, val))
 }
 
+/// How a vision-language model's datasets read their images: the model is one when the
+/// tokenizer's folder (the model's, unless `data.tokenizer` names another) holds a
+/// vision-language `config.json`; its `preprocessor_config.json` sets the processor, with
+/// `data.mm_processor_kwargs` (`min_pixels`, `max_pixels`) over it. `None` for text models.
+pub fn vision_options(
+    cfg: &Config,
+    tok: &TokenizerBundle,
+) -> Result<Option<crate::data::vision::VisionOptions>> {
+    let dir = &tok.source;
+    let Ok(text) = std::fs::read_to_string(dir.join("config.json")) else {
+        return Ok(None);
+    };
+    let vl = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| crate::model::config::arch_of(&v).ok())
+        .is_some_and(|a| a.vision());
+    if !vl {
+        return Ok(None);
+    }
+    let d = &cfg.data;
+    let mut processor = crate::data::image::ImageProcessorConfig::from_model_dir(dir)?;
+    for (k, v) in d.mm_processor_kwargs.iter() {
+        let n = v.as_u64().filter(|&n| n > 0);
+        match (k.as_str(), n) {
+            ("min_pixels", Some(n)) => processor.min_pixels = n,
+            ("max_pixels", Some(n)) => processor.max_pixels = n,
+            ("min_pixels" | "max_pixels", None) => {
+                return Err(TrainerError::Config(crate::config::ConfigError::Value {
+                    key: format!("data.mm_processor_kwargs.{k}"),
+                    message: format!("must be a positive integer (pixels), found {v:?}"),
+                }))
+            }
+            _ => {
+                return Err(TrainerError::Config(crate::config::ConfigError::Value {
+                    key: format!("data.mm_processor_kwargs.{k}"),
+                    message: "not a processor setting main_ppo reads (min_pixels, max_pixels)"
+                        .into(),
+                }))
+            }
+        }
+    }
+    processor.validate().map_err(|m| {
+        TrainerError::Config(crate::config::ConfigError::Value {
+            key: "data.mm_processor_kwargs".into(),
+            message: format!("{}: {m}", dir.join("preprocessor_config.json").display()),
+        })
+    })?;
+    if d.image_patch_size == 0 {
+        return Err(TrainerError::Config(crate::config::ConfigError::Value {
+            key: "data.image_patch_size".into(),
+            message: "must be positive".into(),
+        }));
+    }
+    Ok(Some(crate::data::vision::VisionOptions {
+        image_key: d.image_key.clone(),
+        video_key: d.video_key.clone(),
+        processor,
+        image_patch_size: d.image_patch_size,
+        base_dir: None,
+    }))
+}
+
 /// Prompts from `files`, read and tokenised as `opts` say.
 fn read_prompts(
     files: &[String],
@@ -332,6 +396,7 @@ pub fn generation_prompts(
 ) -> Result<PromptDataset> {
     let opts = DatasetOptions {
         prompts_only: true,
+        vision: vision_options(cfg, tok)?,
         ..DatasetOptions::val(&cfg.data, prompt_length)
     };
     read_prompts(&[path.display().to_string()], &opts, tok, template)
@@ -737,6 +802,12 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
     let lora = attach_lora(&mut loaded, m, key, cfg.trainer.seed, "CAUSAL_LM")?;
     let context = loaded.model.args.max_position_embeddings;
     fits_context(plan, "actor_rollout_ref.model.path", &m.path, context)?;
+    if loaded.model.args.vision.is_some() && plan.distillation.is_some() {
+        return Err(TrainerError::Config(crate::config::ConfigError::Value {
+            key: "distillation.enabled".into(),
+            message: "on-policy distillation of a vision-language student is not supported: the teachers would read the image placeholder tokens without the images".into(),
+        }));
+    }
     let template = Arc::new(tok.template(m.custom_chat_template.as_deref())?);
     let runner = tool_runner(cfg)?;
     let interactions = interaction_runner(cfg)?;

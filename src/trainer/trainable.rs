@@ -104,10 +104,12 @@ pub struct LoraState {
     pub saved_modules: HashMap<String, Tensor>,
 }
 
-/// Whether a variable of the model's own map belongs to the transformer (frozen under LoRA)
-/// rather than a head (the critic's value head `score.*` stays fully trainable).
+/// Whether a variable of the model's own map belongs to the transformer or its vision tower
+/// (frozen under LoRA) rather than a head (the critic's value head `score.*` stays fully trainable).
 pub(super) fn is_backbone(name: &str) -> bool {
-    name.starts_with("model.") || name.starts_with("lm_head.")
+    name.starts_with("model.")
+        || name.starts_with("lm_head.")
+        || name.starts_with(crate::model::config::VISUAL)
 }
 
 /// The variables the optimizer updates: every variable of the model but MiMo's

@@ -11,6 +11,7 @@ use candle_nn::{VarBuilder, VarMap};
 use serde_json::Value;
 
 use crate::model::config::MTP_PREFIX;
+use crate::model::config::VISUAL;
 use crate::model::deberta::{DebertaConfig, DebertaV2Classifier};
 use crate::model::{CausalLm, ModelArgs, ModelError};
 
@@ -312,10 +313,6 @@ fn keep_deepseek_mtp_layers(
     }
     Ok(())
 }
-
-/// Where a vision-language model's vision tower is named (the hub's layout, which transformers
-/// reads and writes).
-pub const VISUAL: &str = "visual.";
 
 /// A multimodal checkpoint in transformers 5's in-memory layout (`model.language_model.*`,
 /// `model.visual.*`; Qwen3.5's `Qwen3_5ForConditionalGeneration` as the hub publishes it) under

@@ -814,3 +814,203 @@ fn trainer_inputs_with_images_give_transformers_log_probs() {
         .to_string();
     assert!(e.contains("batch row 2") && e.contains("no images"), "{e}");
 }
+
+/// The chat fixture (`<name>/chat/`: the tiny model over the byte-level tokenizer with the
+/// vision tokens, a ChatML template writing each image item as
+/// `<|vision_start|><|image_pad|><|vision_end|>`, a preprocessor sized for the tower) read as
+/// verl's geo3k parquet (images as {bytes, path} structs, `<image>` markers in the prompt):
+/// the dataset's prompt ids and pixel values equal what transformers' Qwen2_5_VLProcessor
+/// gives after qwen-vl-utils' fetch_image (verl's path), and greedy generation from the
+/// dataset rows gives transformers' tokens.
+#[test]
+fn a_geo3k_layout_dataset_tokenizes_and_generates_like_transformers() {
+    use crate::config::DataConfig;
+    use crate::data::dataset::{load_samples, DatasetOptions, PromptDataset};
+    use crate::data::image::ImageProcessorConfig;
+    use crate::data::vision::VisionOptions;
+    use crate::data::TokenizerBundle;
+    use crate::rollout::{generate_rows, Limits, Sampler, SamplingParams};
+    let chat = dir("qwen2_5_vl").join("chat");
+    let r: Value =
+        serde_json::from_str(&std::fs::read_to_string(chat.join("reference.json")).unwrap())
+            .unwrap();
+    let tok = TokenizerBundle::from_dir(&chat).unwrap();
+    let template = tok.template(None).unwrap();
+    let opts = DatasetOptions {
+        vision: Some(VisionOptions {
+            image_key: "images".into(),
+            video_key: "videos".into(),
+            processor: ImageProcessorConfig::from_model_dir(&chat).unwrap(),
+            image_patch_size: 4,
+            base_dir: None,
+        }),
+        ..DatasetOptions::train(
+            &DataConfig {
+                shuffle: false,
+                ..DataConfig::default()
+            },
+            512,
+        )
+    };
+    let file = chat.join("geo3k_layout.parquet").display().to_string();
+    let samples = load_samples(&[file], &opts).unwrap();
+    let ds = PromptDataset::build(samples, &tok, &template, &opts).unwrap();
+    let answers = r["answers"].as_array().unwrap();
+    for (i, a) in answers.iter().enumerate() {
+        let want: Vec<u32> = a["input_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(ds.prompt_ids[i], want, "prompt {i}");
+        let grids = ids(&a["image_grid_thw"]);
+        match ds.images[i].as_ref() {
+            None => assert!(grids.is_empty(), "prompt {i}"),
+            Some(b) => {
+                let g: Vec<Vec<u32>> = b
+                    .grid_thw
+                    .iter()
+                    .map(|g| g.iter().map(|&x| x as u32).collect())
+                    .collect();
+                assert_eq!(g, grids, "prompt {i}");
+                let f = chat.join(format!("pixel_values_{i}.safetensors"));
+                let want = candle_core::safetensors::load(f, &Device::Cpu).unwrap();
+                let want: Vec<f32> = want["pixel_values"]
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                assert_eq!(b.pixel_values, want, "prompt {i}: pixel values");
+            }
+        }
+    }
+    let m =
+        crate::weights::hf::load_dir(&chat, &Default::default(), DType::F64, &Device::Cpu, true)
+            .unwrap()
+            .model;
+    let p = SamplingParams {
+        greedy: true,
+        temperature: 0.0,
+        top_k: None,
+        top_p: 1.0,
+        max_new_tokens: 6,
+        eos_ids: vec![],
+        ignore_eos: true,
+        limits: Limits::default(),
+    };
+    let out = generate_rows(&m, &ds, &[0, 1, 2, 0], &p, &mut Sampler::new(0)).unwrap();
+    for (row, i) in [0usize, 1, 2, 0].into_iter().enumerate() {
+        for (t, w) in answers[i]["greedy"].as_array().unwrap().iter().enumerate() {
+            assert_eq!(
+                out.responses[row][t] as u64,
+                w["token"].as_u64().unwrap(),
+                "row {row} step {t}"
+            );
+            let lp = w["logprob"].as_f64().unwrap();
+            assert!(
+                (f64::from(out.log_probs[row][t]) - lp).abs() <= 1e-6,
+                "row {row} step {t}"
+            );
+        }
+    }
+}
+
+/// Rows a vision-language dataset cannot use are refused naming the file, the row and the
+/// column: a missing image file (named), undecodable bytes, markers and images that disagree
+/// in number, a row with videos, a prompt whose image tokens pass the prompt budget; a text
+/// model refuses rows with images.
+#[test]
+fn bad_image_rows_are_refused_by_row_and_column() {
+    use crate::config::DataConfig;
+    use crate::data::dataset::{load_samples, DatasetOptions, PromptDataset};
+    use crate::data::image::ImageProcessorConfig;
+    use crate::data::vision::VisionOptions;
+    use crate::data::TokenizerBundle;
+    let chat = dir("qwen2_5_vl").join("chat");
+    let tok = TokenizerBundle::from_dir(&chat).unwrap();
+    let template = tok.template(None).unwrap();
+    let vision = VisionOptions {
+        image_key: "images".into(),
+        video_key: "videos".into(),
+        processor: ImageProcessorConfig::from_model_dir(&chat).unwrap(),
+        image_patch_size: 4,
+        base_dir: None,
+    };
+    let base = DatasetOptions::train(
+        &DataConfig {
+            shuffle: false,
+            ..DataConfig::default()
+        },
+        512,
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let png = chat.join("image_0.png").display().to_string();
+    let row = |content: &str, images: Value| {
+        serde_json::json!({
+            "data_source": "x", "prompt": [{"role": "user", "content": content}],
+            "images": images, "reward_model": {"ground_truth": "1"}
+        })
+    };
+    let build = |rows: Vec<Value>, opts: &DatasetOptions| -> String {
+        let f = tmp.path().join("rows.jsonl");
+        let text: Vec<String> = rows.iter().map(Value::to_string).collect();
+        std::fs::write(&f, text.join("\n")).unwrap();
+        let samples = load_samples(&[f.display().to_string()], opts).unwrap();
+        PromptDataset::build(samples, &tok, &template, opts)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    let good = row("<image>ok", serde_json::json!([{"path": png}]));
+    let with_vision = DatasetOptions {
+        vision: Some(vision),
+        ..base.clone()
+    };
+    for (bad, want) in [
+        (
+            row("<image>x", serde_json::json!([{"path": "/no/such.png"}])),
+            "image file /no/such.png not found",
+        ),
+        (
+            row("<image>x", serde_json::json!([{"bytes": "00ff00"}])),
+            "image 0",
+        ),
+        (
+            row("<image><image>x", serde_json::json!([{"path": png}])),
+            "2 <image> marker(s) but the row has 1",
+        ),
+        (
+            row("x", serde_json::json!([{"path": png}])),
+            "0 <image> marker(s) but the row has 1",
+        ),
+        (
+            row("<image>x", serde_json::json!([])),
+            "has an <image> marker but the row has no images",
+        ),
+    ] {
+        let e = build(vec![good.clone(), bad], &with_vision);
+        assert!(e.contains("row 1") && e.contains(want), "{want}: {e}");
+    }
+    let mut video = good.clone();
+    video["videos"] = serde_json::json!(["v.mp4"]);
+    let e = build(vec![video], &with_vision);
+    assert!(
+        e.contains("column `videos`") && e.contains("video input is not supported"),
+        "{e}"
+    );
+    let small = DatasetOptions {
+        max_prompt_length: 40,
+        ..with_vision.clone()
+    };
+    let e = build(vec![good.clone()], &small);
+    assert!(
+        e.contains("cannot be truncated") && e.contains("row 0"),
+        "{e}"
+    );
+    let e = build(vec![good], &base);
+    assert!(
+        e.contains("column `images`") && e.contains("text model"),
+        "{e}"
+    );
+}

@@ -109,6 +109,7 @@ fn settings(global_norm: bool, shard: (usize, usize)) -> UpdateSettings {
             pad_id: 0,
             packed: true,
             share_prefixes: false,
+            image_token: None,
         },
         shard,
     }
