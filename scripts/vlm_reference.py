@@ -84,11 +84,65 @@ def qwen2_5_vl(window=True):
     )
 
 
+def qwen3_vl():
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        # 8 rotary frequencies, interleaved: height at 1, 4 (and 7 outside its 2·3), width at
+        # 2, 5; temporal elsewhere.
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                         "mrope_interleaved": True},
+        attention_bias=False,
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=40,
+        num_heads=2,
+        in_channels=3,
+        patch_size=4,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        out_hidden_size=64,
+        hidden_act="gelu_pytorch_tanh",
+        # A 5x5 learned position grid, resampled (bilinear, corners aligned) to each image's.
+        num_position_embeddings=25,
+        # Features of blocks 0 and 1 added to the language model's first two layers' outputs.
+        deepstack_visual_indexes=[0, 1],
+    )
+    return transformers.Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VSTART,
+        vision_end_token_id=VEND,
+        tie_word_embeddings=False,
+    )
+
+
+MODEL_CLASS = {
+    "Qwen2_5_VLConfig": "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLConfig": "Qwen3VLForConditionalGeneration",
+}
+
+
 def checkpoints():
     return {
         # Window attention on blocks 0 and 2 (windows of 2x2 merged patches, partial ones at
         # the edges), full attention on block 1.
         "qwen2_5_vl": qwen2_5_vl(),
+        # LayerNorm blocks with GELU MLPs, learned position embeddings, DeepStack features,
+        # Qwen3's q/k norms and interleaved M-RoPE.
+        "qwen3_vl": qwen3_vl(),
     }
 
 
@@ -99,7 +153,8 @@ GRIDS = [(1, 8, 12), (1, 4, 4), (1, 6, 10)]
 
 def spread(model, seed):
     """Weights N(0, 0.3²) and norms 1 + N(0, 0.3²), so every path carries signal."""
-    norms = ("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight", "layernorm.weight")
+    norms = ("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight", "layernorm.weight",
+             "q_norm.weight", "k_norm.weight")
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed)
         for n, p in model.named_parameters():
@@ -147,7 +202,7 @@ def forward(model, ids, images, pixels):
 
 def make(name, cfg):
     torch.manual_seed(1234)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).to(torch.float64).eval()
+    model = getattr(transformers, MODEL_CLASS[type(cfg).__name__])(cfg).to(torch.float64).eval()
     spread(model, 99)
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
@@ -161,6 +216,10 @@ def make(name, cfg):
         for i, grid in enumerate(GRIDS):
             o = model.model.get_image_features(pixels[i], torch.tensor([grid]), return_dict=True)
             feats[f"image_{i}"] = o.pooler_output[0].contiguous()
+            # DeepStack: one feature per chosen block, split per image like the merged output.
+            for k, d in enumerate(getattr(o, "deepstack_features", None) or []):
+                d = d[0] if isinstance(d, (tuple, list)) else d
+                feats[f"image_{i}_deepstack_{k}"] = d.contiguous()
         save_file(feats, str(out / "vision.safetensors"))
     seqs = sequences(merge)
     # 3-D rotary positions as transformers computes them.
@@ -206,7 +265,7 @@ def make(name, cfg):
     save_file(grads, str(out / "grads.safetensors"))
     ref = {
         "family": name,
-        "architectures": cfg.architectures or ["Qwen2_5_VLForConditionalGeneration"],
+        "architectures": cfg.architectures or [MODEL_CLASS[type(cfg).__name__]],
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "grids": GRIDS,
@@ -413,7 +472,7 @@ def main():
     for name, cfg in checkpoints().items():
         if not want or name in want:
             make(name, cfg)
-        if not want or name in want or f"{name}/chat" in want:
+        if name == "qwen2_5_vl" and (not want or name in want or f"{name}/chat" in want):
             chat(name, cfg)
 
 

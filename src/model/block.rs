@@ -242,7 +242,7 @@ pub(crate) fn norm(x: &Tensor, w: &Tensor, a: &ModelArgs) -> Result<Tensor> {
 /// GELU with the tanh approximation, `½x(1 + tanh(√(2/π)(x + 0.044715 x³)))`, composed of ops
 /// with exact backward passes (candle's own `gelu` differentiates with six-digit constants,
 /// ~1e-6 relative off in f64).
-fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
+pub(super) fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
     let inner = ((x + ((x.sqr()? * x)? * 0.044_715)?)? * 0.797_884_560_802_865_4)?;
     (x * 0.5)? * (inner.tanh()? + 1.0)?
 }

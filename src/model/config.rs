@@ -94,6 +94,12 @@ pub enum Arch {
     /// embeddings. The text settings may sit in `text_config` (transformers 5) or at the top
     /// (the hub's checkpoints).
     Qwen2_5Vl,
+    /// `Qwen3VLForConditionalGeneration` (transformers' `qwen3_vl`): Qwen3's layer (q/k norms)
+    /// under interleaved multimodal rotary positions, a vision tower with learned position
+    /// embeddings and DeepStack features added to the image tokens' hidden states after the
+    /// first layers ([`VisionArgs`]). Its checkpoints name the language model
+    /// `model.language_model.*` and the tower `model.visual.*`.
+    Qwen3Vl,
 }
 
 /// Which keys a layer's queries attend to.
@@ -132,10 +138,19 @@ pub struct Mrope {
     pub interleaved: bool,
 }
 
+/// Which family's vision tower: Qwen2.5-VL's (RMSNorms, SiLU-gated MLPs, window attention) or
+/// Qwen3-VL's (LayerNorms, GELU-tanh MLPs, learned position embeddings, DeepStack).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum VisionStyle {
+    Qwen2_5,
+    Qwen3,
+}
+
 /// The vision tower of a vision-language model (`vision_config`), and the token ids of its
 /// placeholders.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VisionArgs {
+    pub style: VisionStyle,
     pub depth: usize,
     pub hidden_size: usize,
     pub intermediate_size: usize,
@@ -144,10 +159,16 @@ pub struct VisionArgs {
     pub patch_size: usize,
     pub temporal_patch_size: usize,
     pub spatial_merge_size: usize,
-    /// The side of an attention window, in pixels.
+    /// The side of an attention window, in pixels (Qwen2.5-VL).
     pub window_size: usize,
-    /// The blocks that attend over whole frames; the others attend within windows.
+    /// The blocks that attend over whole frames; the others attend within windows (Qwen2.5-VL;
+    /// Qwen3-VL's blocks all attend over whole frames).
     pub fullatt_block_indexes: Vec<usize>,
+    /// Qwen3-VL: the learned position grid's size (a square), and the blocks whose output,
+    /// merged by a merger of its own, is added to the language model's layer `k` output at the
+    /// image tokens (the `k`-th listed block feeds layer `k`).
+    pub num_position_embeddings: usize,
+    pub deepstack_visual_indexes: Vec<usize>,
     /// The width of the merged features: the language model's hidden size.
     pub out_hidden_size: usize,
     /// The base of the tower's 2-D rotary frequencies.
@@ -169,12 +190,18 @@ pub struct VisionArgs {
 pub const VISUAL: &str = "visual.";
 
 impl VisionArgs {
-    /// Reads `vision_config` and the placeholder ids of a Qwen2.5-VL `config.json` value.
-    fn from_hf(top: &Value, text: &Value) -> Result<Self, String> {
+    /// Reads `vision_config` and the placeholder ids of a vision-language `config.json` value
+    /// (`top`; `text` its language model's settings).
+    fn from_hf(top: &Value, text: &Value, arch: Arch) -> Result<Self, String> {
         let v = top
             .get("vision_config")
             .filter(|x| x.is_object())
             .ok_or("config.json: a vision-language model needs a vision_config object")?;
+        let style = match arch {
+            Arch::Qwen3Vl => VisionStyle::Qwen3,
+            _ => VisionStyle::Qwen2_5,
+        };
+        let qwen3 = style == VisionStyle::Qwen3;
         let key = |k: &str| format!("vision_config.{k}");
         let size = |k: &str, default: usize| -> Result<usize, String> {
             match v.get(k) {
@@ -188,34 +215,54 @@ impl VisionArgs {
                 },
             }
         };
-        let act = v
-            .get("hidden_act")
-            .and_then(Value::as_str)
-            .unwrap_or("silu");
-        if act != "silu" {
+        let (act, family) = match qwen3 {
+            true => ("gelu_pytorch_tanh", "Qwen3-VL"),
+            false => ("silu", "Qwen2.5-VL"),
+        };
+        let found = v.get("hidden_act").and_then(Value::as_str).unwrap_or(act);
+        if found != act {
             return Err(format!(
-                "config.json: {} {act:?} is not supported (Qwen2.5-VL's tower: \"silu\")",
+                "config.json: {} {found:?} is not supported ({family}'s tower: {act:?})",
                 key("hidden_act")
             ));
         }
-        let depth = size("depth", 32)?;
-        let fullatt: Vec<usize> = match v.get("fullatt_block_indexes") {
-            None | Some(Value::Null) => vec![7, 15, 23, 31],
-            Some(x) => x
-                .as_array()
-                .and_then(|a| a.iter().map(|i| i.as_u64().map(|i| i as usize)).collect())
-                .ok_or(format!(
-                    "config.json: {} must be a list of block indices, found {x}",
-                    key("fullatt_block_indexes")
-                ))?,
+        let depth = size("depth", if qwen3 { 27 } else { 32 })?;
+        let blocks = |k: &str, default: &[usize]| -> Result<Vec<usize>, String> {
+            let list: Vec<usize> = match v.get(k) {
+                None | Some(Value::Null) => default.to_vec(),
+                Some(x) => x
+                    .as_array()
+                    .and_then(|a| a.iter().map(|i| i.as_u64().map(|i| i as usize)).collect())
+                    .ok_or(format!(
+                        "config.json: {} must be a list of block indices, found {x}",
+                        key(k)
+                    ))?,
+            };
+            match list.iter().find(|&&i| i >= depth) {
+                Some(i) => Err(format!(
+                    "config.json: {} names block {i} of a tower of depth {depth}",
+                    key(k)
+                )),
+                None => Ok(list),
+            }
         };
-        if let Some(i) = fullatt.iter().find(|&&i| i >= depth) {
+        let fullatt = match qwen3 {
+            true => Vec::new(),
+            false => blocks("fullatt_block_indexes", &[7, 15, 23, 31])?,
+        };
+        let deepstack = match qwen3 {
+            true => blocks("deepstack_visual_indexes", &[8, 16, 24])?,
+            false => Vec::new(),
+        };
+        let positions = size("num_position_embeddings", 2304)?;
+        let side = (positions as f64).sqrt().round() as usize;
+        if qwen3 && side * side != positions {
             return Err(format!(
-                "config.json: {} names block {i} of a tower of depth {depth}",
-                key("fullatt_block_indexes")
+                "config.json: {} ({positions}) must be a square: the learned position grid",
+                key("num_position_embeddings")
             ));
         }
-        let (hidden, heads) = (size("hidden_size", 3584)?, size("num_heads", 16)?);
+        let (hidden, heads) = (size("hidden_size", if qwen3 { 1152 } else { 3584 })?, size("num_heads", 16)?);
         if hidden % heads != 0 || (hidden / heads) % 4 != 0 {
             return Err(format!(
                 "config.json: {} ({hidden}) over {} ({heads}) must give a head width divisible by 4 (its 2-D rotary embedding)",
@@ -237,16 +284,19 @@ impl VisionArgs {
             }
         };
         Ok(Self {
+            style,
             depth,
             hidden_size: hidden,
-            intermediate_size: size("intermediate_size", 3420)?,
+            intermediate_size: size("intermediate_size", if qwen3 { 4304 } else { 3420 })?,
             num_heads: heads,
             in_channels: size("in_channels", 3)?,
-            patch_size: size("patch_size", 14)?,
+            patch_size: size("patch_size", if qwen3 { 16 } else { 14 })?,
             temporal_patch_size: size("temporal_patch_size", 2)?,
             spatial_merge_size: size("spatial_merge_size", 2)?,
             window_size: size("window_size", 112)?,
             fullatt_block_indexes: fullatt,
+            num_position_embeddings: positions,
+            deepstack_visual_indexes: deepstack,
             out_hidden_size: size("out_hidden_size", 3584)?,
             rope_theta: theta,
             image_token_id: id("image_token_id", 151655)?,
@@ -266,6 +316,7 @@ impl Arch {
             self,
             Arch::Qwen3
                 | Arch::Qwen3Moe
+                | Arch::Qwen3Vl
                 | Arch::Gemma3
                 | Arch::Qwen3_5
                 | Arch::Qwen3_5Moe
@@ -316,6 +367,7 @@ impl Arch {
             Arch::Glm4Moe => ("Glm4MoeForCausalLM", "glm4_moe"),
             Arch::GptOss => ("GptOssForCausalLM", "gpt_oss"),
             Arch::Qwen2_5Vl => ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
+            Arch::Qwen3Vl => ("Qwen3VLForConditionalGeneration", "qwen3_vl"),
         }
     }
 
@@ -326,14 +378,14 @@ impl Arch {
 
     /// The vision-language layouts: a vision tower beside the language model.
     pub fn vision(self) -> bool {
-        self == Arch::Qwen2_5Vl
+        matches!(self, Arch::Qwen2_5Vl | Arch::Qwen3Vl)
     }
 }
 
 /// The `architectures` (`config.json`) this implementation loads, and the block layout each
 /// follows: causal LMs, and the token- and sequence-classification models critics and reward
 /// models are (their backbone plus a `score` head).
-pub const ARCHITECTURES: [(&str, Arch); 46] = [
+pub const ARCHITECTURES: [(&str, Arch); 47] = [
     ("LlamaForCausalLM", Arch::Llama),
     ("LlamaForTokenClassification", Arch::Llama),
     ("LlamaForSequenceClassification", Arch::Llama),
@@ -380,10 +432,11 @@ pub const ARCHITECTURES: [(&str, Arch); 46] = [
     ("GptOssForTokenClassification", Arch::GptOss),
     ("GptOssForSequenceClassification", Arch::GptOss),
     ("Qwen2_5_VLForConditionalGeneration", Arch::Qwen2_5Vl),
+    ("Qwen3VLForConditionalGeneration", Arch::Qwen3Vl),
 ];
 
 /// `model_type`s read when a config has no `architectures`.
-const MODEL_TYPES: [(&str, Arch); 19] = [
+const MODEL_TYPES: [(&str, Arch); 20] = [
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Qwen2),
@@ -403,6 +456,7 @@ const MODEL_TYPES: [(&str, Arch); 19] = [
     ("glm4_moe", Arch::Glm4Moe),
     ("gpt_oss", Arch::GptOss),
     ("qwen2_5_vl", Arch::Qwen2_5Vl),
+    ("qwen3_vl", Arch::Qwen3Vl),
 ];
 
 /// The block layout of a config: from `architectures` (every entry must be one this
@@ -1566,7 +1620,7 @@ fn read_vision(
     if !arch.vision() {
         return Ok((None, None));
     }
-    let vision = VisionArgs::from_hf(top, text)?;
+    let vision = VisionArgs::from_hf(top, text, arch)?;
     if vision.out_hidden_size != hidden_size {
         return Err(format!("config.json: vision_config.out_hidden_size ({}) must equal the language model's hidden_size ({hidden_size}): the tower's features replace token embeddings", vision.out_hidden_size));
     }

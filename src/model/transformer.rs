@@ -20,7 +20,7 @@ use super::config::{LayerKind, ModelArgs};
 use super::layer::Seg;
 use super::lm_head::{HeadOut, HeadStats};
 use super::proj::{mix64, Proj};
-use super::vision::VisionTower;
+use super::vision::{VisionFeatures, VisionTower};
 
 /// MiMo's multi-token-prediction layers (`model.mtp_layers.N.*`): read through `m` so that
 /// they are variables of the model's map, with the shapes MiMo's checkpoints have (a missing
@@ -379,10 +379,11 @@ impl CausalLm {
         self.vision.as_ref()
     }
 
-    /// The merged vision features `[patches / m², hidden]` of images whose patches are
-    /// `pixels` `[patches, C·T·P·P]` and grids `grids` (`(t, h, w)` each), in order: what
-    /// replaces the image placeholder tokens' embeddings. An error for a model without a tower.
-    pub fn image_features(&self, pixels: &Tensor, grids: &[[usize; 3]]) -> Result<Tensor> {
+    /// The vision features of images whose patches are `pixels` `[patches, C·T·P·P]` and
+    /// grids `grids` (`(t, h, w)` each), in order: the merged features `[patches / m², hidden]`
+    /// that replace the image placeholder tokens' embeddings, and Qwen3-VL's DeepStack
+    /// features. An error for a model without a tower.
+    pub fn image_features(&self, pixels: &Tensor, grids: &[[usize; 3]]) -> Result<VisionFeatures> {
         match &self.vision {
             Some(v) => v.forward(&pixels.to_device(&self.device)?, grids),
             None => candle_core::bail!(
@@ -521,7 +522,7 @@ impl CausalLm {
         input_ids: &Tensor,
         position_ids: &Tensor,
         key_mask: &Tensor,
-        images: Option<&Tensor>,
+        images: Option<&VisionFeatures>,
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
         self.run(
@@ -541,7 +542,7 @@ impl CausalLm {
         input_ids: &Tensor,
         position_ids: &Tensor,
         segments: &[(usize, usize)],
-        images: Option<&Tensor>,
+        images: Option<&VisionFeatures>,
     ) -> Result<Tensor> {
         let segs: Vec<Seg> = segments.iter().copied().map(Seg::alone).collect();
         self.run_packed_images(input_ids, position_ids, segs, images)
@@ -631,7 +632,7 @@ impl CausalLm {
         input_ids: &Tensor,
         position_ids: &Tensor,
         segs: Vec<Seg>,
-        images: Option<&Tensor>,
+        images: Option<&VisionFeatures>,
     ) -> Result<Tensor> {
         let n = input_ids.dims1()?;
         if position_ids.dim(D::Minus1)? != n || position_ids.rank() > 2 {
@@ -732,7 +733,7 @@ impl CausalLm {
         keys: Keys,
         mut cache: Option<&mut KvCache>,
         mut stages: Option<&mut Vec<Tensor>>,
-        images: Option<&Tensor>,
+        images: Option<&VisionFeatures>,
     ) -> Result<Tensor> {
         let (b, t) = input_ids.dims2()?;
         let past = cache.as_ref().map(|c| c.len()).unwrap_or(0);
@@ -833,6 +834,7 @@ impl CausalLm {
                     block_forward_routed(&self.args, layer, &x, cos, sin, &keys, &rows, slot, r)?
                 }
             };
+            x = self.add_deepstack(input_ids, x, images, i)?;
         }
         if let Some(st) = stages {
             st.push(x.clone());
@@ -879,18 +881,39 @@ impl CausalLm {
 
     /// The embeddings of `input_ids` `[b, t]`, with `images`' features over the image
     /// placeholders where given: `[b, t, hidden]`.
-    fn embed_inputs(&self, input_ids: &Tensor, images: Option<&Tensor>) -> Result<Tensor> {
+    fn embed_inputs(&self, input_ids: &Tensor, images: Option<&VisionFeatures>) -> Result<Tensor> {
         let x = self.embed_ids(input_ids)?;
         match images {
-            Some(f) => self.place_images(input_ids, &x, f),
+            Some(f) => self.place_images(input_ids, &x, &f.merged, false),
+            None => Ok(x),
+        }
+    }
+
+    /// `x` `[b, t, hidden]` after layer `layer` with Qwen3-VL's DeepStack feature of that layer
+    /// added at the image tokens (unchanged past the last feature or without images).
+    fn add_deepstack(
+        &self,
+        input_ids: &Tensor,
+        x: Tensor,
+        images: Option<&VisionFeatures>,
+        layer: usize,
+    ) -> Result<Tensor> {
+        match images.and_then(|f| f.deepstack.get(layer)) {
+            Some(d) => self.place_images(input_ids, &x, d, true),
             None => Ok(x),
         }
     }
 
     /// `x` `[b, t, hidden]` with the rows at the image placeholder tokens of `input_ids`
-    /// replaced, in order, by `features` `[placeholders, hidden]` (one gather over the
-    /// embeddings and the features, so gradients reach both).
-    fn place_images(&self, input_ids: &Tensor, x: &Tensor, features: &Tensor) -> Result<Tensor> {
+    /// replaced (or, with `add`, increased), in order, by `features` `[placeholders, hidden]`
+    /// (one gather over the rows and the features, so gradients reach both).
+    fn place_images(
+        &self,
+        input_ids: &Tensor,
+        x: &Tensor,
+        features: &Tensor,
+        add: bool,
+    ) -> Result<Tensor> {
         let Some(v) = &self.args.vision else {
             candle_core::bail!("image features given to a model without a vision tower");
         };
@@ -914,11 +937,16 @@ impl CausalLm {
                 features.dims()
             );
         }
-        let all = Tensor::cat(
-            &[&x.reshape((b * t, h))?, &features.to_dtype(x.dtype())?],
-            0,
-        )?;
-        all.index_select(&Tensor::new(select.as_slice(), x.device())?, 0)?
+        let features = features.to_dtype(x.dtype())?;
+        let select = Tensor::new(select.as_slice(), x.device())?;
+        if add {
+            // Text rows read a zero row, image rows their feature.
+            let zero = Tensor::zeros((b * t, h), x.dtype(), x.device())?;
+            let extra = Tensor::cat(&[&zero, &features], 0)?.index_select(&select, 0)?;
+            return x + extra.reshape((b, t, h))?;
+        }
+        let all = Tensor::cat(&[&x.reshape((b * t, h))?, &features], 0)?;
+        all.index_select(&select, 0)?
             .reshape((b, t, h))
     }
 

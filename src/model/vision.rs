@@ -1,32 +1,40 @@
-//! The vision tower of Qwen2.5-VL (`Qwen2_5_VisionTransformerPretrainedModel` in transformers'
-//! `models/qwen2_5_vl/modeling_qwen2_5_vl.py`), as a composition of candle ops with autograd,
-//! and the multimodal rotary positions of the language model (M-RoPE, `get_rope_index`).
+//! The vision towers of Qwen2.5-VL and Qwen3-VL (`Qwen2_5_VisionTransformerPretrainedModel`
+//! and `Qwen3VLVisionModel` in transformers' `models/qwen2_5_vl`, `models/qwen3_vl`), as
+//! compositions of candle ops with autograd, and the multimodal rotary positions of the language
+//! model (M-RoPE, `get_rope_index`).
 //!
 //! An image arrives as patches: `pixel_values` `[patches, C·T·P·P]` (channels, `T` temporal
 //! copies, `P×P` pixels), laid out by the processor block-major, each `m×m` block of patches
 //! (`m` = `spatial_merge_size`) contiguous, with its grid `(t, h, w)` in patches. The tower:
 //!
 //! ```text
-//! x = patches · W_patchᵀ                         (the Conv3d whose stride is its kernel)
-//! reorder the m×m blocks window by window        (windows of window_size pixels a side)
-//! for each block i:  x += attn(norm1(x)) over its windows, or whole frames when i is in
-//!                    fullatt_block_indexes;  x += mlp(norm2(x))
-//! merge each m×m block: y = W₂·gelu(W₁·rms(x)_block + b₁) + b₂   → [patches / m², out_hidden]
-//! undo the window order
+//! x = patches · W_patchᵀ (+ b)                   (the Conv3d whose stride is its kernel)
+//! Qwen3-VL: x += the learned position grid resampled to the image's (bilinear, corners aligned)
+//! Qwen2.5-VL: reorder the m×m blocks window by window (windows of window_size pixels a side)
+//! for each block i:  x += attn(norm1(x)) over its windows (Qwen2.5-VL, blocks not in
+//!                    fullatt_block_indexes) or whole frames;  x += mlp(norm2(x))
+//!                    Qwen3-VL: after the blocks of deepstack_visual_indexes, a DeepStack
+//!                    feature = merge(x) with its own merger
+//! merge each m×m block: y = W₂·gelu(W₁·norm(x)_block + b₁) + b₂   → [patches / m², out_hidden]
 //! ```
 //!
-//! Attention is bidirectional inside a window (or a frame), with 2-D rotary embeddings: the
-//! first half of each head's frequencies turn with the patch's row, the second with its column.
-//! The tower knows nothing of files or config: [`VisionArgs`] are read by `config`.
+//! Qwen2.5-VL: RMSNorms, SiLU-gated MLPs, the merger's norm before the blocks are joined.
+//! Qwen3-VL: LayerNorms with biases, GELU (tanh) MLPs, the DeepStack mergers' norm after. The
+//! language model adds each DeepStack feature to the image tokens' hidden states after its
+//! first layers ([`super::CausalLm`]). Attention is bidirectional inside a window (or a frame),
+//! with 2-D rotary embeddings: the first half of each head's frequencies turn with the patch's
+//! row, the second with its column. The tower knows nothing of files or config: [`VisionArgs`]
+//! are read by `config`.
 
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
 use super::attention::attention_composed;
-use super::config::{Mrope, VisionArgs};
+use super::block::gelu_tanh;
+use super::config::{Mrope, VisionArgs, VisionStyle};
 use super::ops::rms_norm;
 
-/// The RMSNorm epsilon of the tower's norms (fixed in transformers, not in the config).
+/// The epsilon of the towers' norms (fixed in transformers, not in the config).
 const EPS: f64 = 1e-6;
 
 /// One linear layer with a bias: `x·Wᵀ + b`.
@@ -61,16 +69,163 @@ impl Dense {
     }
 }
 
-/// One block: pre-norm attention and a SiLU-gated MLP, both with biases.
+/// A norm over the last axis: Qwen2.5-VL's RMSNorm or Qwen3-VL's LayerNorm with a bias.
+#[derive(Clone)]
+enum Norm {
+    Rms(Tensor),
+    Layer(Tensor, Tensor),
+}
+
+impl Norm {
+    fn new(vb: &VarBuilder, style: VisionStyle, width: usize, name: &str) -> Result<Self> {
+        let w = vb.get_with_hints(width, &format!("{name}.weight"), Init::Const(1.0))?;
+        Ok(match style {
+            VisionStyle::Qwen2_5 => Norm::Rms(w),
+            VisionStyle::Qwen3 => Norm::Layer(
+                w,
+                vb.get_with_hints(width, &format!("{name}.bias"), Init::Const(0.0))?,
+            ),
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Norm::Rms(w) => rms_norm(x, w, EPS),
+            Norm::Layer(w, b) => {
+                let mean = x.mean_keepdim(D::Minus1)?;
+                let c = x.broadcast_sub(&mean)?;
+                let inv = (c.sqr()?.mean_keepdim(D::Minus1)? + EPS)?.sqrt()?.recip()?;
+                c.broadcast_mul(&inv)?.broadcast_mul(w)?.broadcast_add(b)
+            }
+        }
+    }
+
+    fn detached(&self) -> Self {
+        match self {
+            Norm::Rms(w) => Norm::Rms(w.detach()),
+            Norm::Layer(w, b) => Norm::Layer(w.detach(), b.detach()),
+        }
+    }
+
+    fn weights(&self) -> Vec<&Tensor> {
+        match self {
+            Norm::Rms(w) => vec![w],
+            Norm::Layer(w, b) => vec![w, b],
+        }
+    }
+}
+
+/// A block's MLP: Qwen2.5-VL's SiLU-gated `down(silu(gate(x)) ⊙ up(x))` or Qwen3-VL's
+/// `fc2(gelu_tanh(fc1(x)))`, all with biases.
+#[derive(Clone)]
+enum VisionMlp {
+    Gated { gate: Dense, up: Dense, down: Dense },
+    Plain { fc1: Dense, fc2: Dense },
+}
+
+impl VisionMlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            VisionMlp::Gated { gate, up, down } => {
+                down.forward(&(gate.forward(x)?.silu()? * up.forward(x)?)?)
+            }
+            VisionMlp::Plain { fc1, fc2 } => fc2.forward(&gelu_tanh(&fc1.forward(x)?)?),
+        }
+    }
+
+    fn denses(&self) -> Vec<&Dense> {
+        match self {
+            VisionMlp::Gated { gate, up, down } => vec![gate, up, down],
+            VisionMlp::Plain { fc1, fc2 } => vec![fc1, fc2],
+        }
+    }
+
+    fn detached(&self) -> Self {
+        match self {
+            VisionMlp::Gated { gate, up, down } => VisionMlp::Gated {
+                gate: gate.detached(),
+                up: up.detached(),
+                down: down.detached(),
+            },
+            VisionMlp::Plain { fc1, fc2 } => VisionMlp::Plain {
+                fc1: fc1.detached(),
+                fc2: fc2.detached(),
+            },
+        }
+    }
+}
+
+/// One block: pre-norm attention and an MLP.
 #[derive(Clone)]
 struct VisionBlock {
-    norm1: Tensor,
-    norm2: Tensor,
+    norm1: Norm,
+    norm2: Norm,
     qkv: Dense,
     proj: Dense,
-    gate: Dense,
-    up: Dense,
-    down: Dense,
+    mlp: VisionMlp,
+}
+
+/// The patch merger: a norm (over each patch, or over the joined `m×m` block when
+/// `after_join`), then `fc2(gelu(fc1(·)))` on the joined block.
+#[derive(Clone)]
+struct Merger {
+    norm: Norm,
+    after_join: bool,
+    fc1: Dense,
+    fc2: Dense,
+}
+
+impl Merger {
+    fn new(vb: &VarBuilder, a: &VisionArgs, after_join: bool) -> Result<Self> {
+        let joined = a.hidden_size * a.spatial_merge_size * a.spatial_merge_size;
+        let (norm, fc1, fc2) = match a.style {
+            VisionStyle::Qwen2_5 => ("ln_q", "mlp.0", "mlp.2"),
+            VisionStyle::Qwen3 => ("norm", "linear_fc1", "linear_fc2"),
+        };
+        let width = if after_join { joined } else { a.hidden_size };
+        Ok(Self {
+            norm: Norm::new(vb, a.style, width, norm)?,
+            after_join,
+            fc1: Dense::new(vb, joined, joined, fc1)?,
+            fc2: Dense::new(vb, joined, a.out_hidden_size, fc2)?,
+        })
+    }
+
+    /// `x` `[n, hidden]` → `[n / m², out_hidden]`.
+    fn forward(&self, x: &Tensor, unit: usize) -> Result<Tensor> {
+        let (n, h) = x.dims2()?;
+        let joined = match self.after_join {
+            true => self.norm.forward(&x.reshape((n / unit, unit * h))?)?,
+            false => self.norm.forward(x)?.reshape((n / unit, unit * h))?,
+        };
+        self.fc2.forward(&gelu_erf(&self.fc1.forward(&joined)?)?)
+    }
+
+    fn detached(&self) -> Self {
+        Self {
+            norm: self.norm.detached(),
+            after_join: self.after_join,
+            fc1: self.fc1.detached(),
+            fc2: self.fc2.detached(),
+        }
+    }
+
+    fn weights(&self) -> Vec<&Tensor> {
+        let mut w = self.norm.weights();
+        for d in [&self.fc1, &self.fc2] {
+            w.extend([&d.w, &d.b]);
+        }
+        w
+    }
+}
+
+/// What a tower gives for images: the merged features that replace the placeholders'
+/// embeddings, and (Qwen3-VL) the DeepStack features added to the image tokens' hidden states
+/// after the language model's first layers, one per layer, each `[placeholders, hidden]`.
+#[derive(Debug, Clone)]
+pub struct VisionFeatures {
+    pub merged: Tensor,
+    pub deepstack: Vec<Tensor>,
 }
 
 /// The vision tower's weights (names as transformers' `visual.*`).
@@ -78,64 +233,90 @@ struct VisionBlock {
 pub struct VisionTower {
     pub args: VisionArgs,
     /// The patch embedding as a matrix `[hidden, C·T·P·P]` (the Conv3d's kernel flattened in
-    /// the patches' own order).
+    /// the patches' own order), and its bias (Qwen3-VL).
     patch: Tensor,
+    patch_bias: Option<Tensor>,
+    /// Qwen3-VL's learned position grid `[side², hidden]`.
+    pos_embed: Option<Tensor>,
     blocks: Vec<VisionBlock>,
-    ln_q: Tensor,
-    merge1: Dense,
-    merge2: Dense,
+    merger: Merger,
+    deepstack: Vec<Merger>,
 }
 
-/// Where each patch attends: consecutive segments `(start, len)` of the window-ordered
+/// Where each patch attends: consecutive segments `(start, len)` of the (window-ordered)
 /// sequence, for window blocks and for full (per-frame) blocks.
 struct Layout {
-    /// Merged-patch indices in window order (`[patches / m²]`).
-    window_index: Vec<u32>,
+    /// Merged-patch indices in window order (`[patches / m²]`); `None`: processor order.
+    window_index: Option<Vec<u32>>,
     windows: Vec<(usize, usize)>,
     frames: Vec<(usize, usize)>,
-    /// Each patch's (row, column) in its frame, in the processor's block-major order.
+    /// Each patch's (row, column) in its frame, in the processor's block-major order, and its
+    /// frame's grid (h, w).
     rows_cols: Vec<(u32, u32)>,
+    grid_of: Vec<(u32, u32)>,
 }
 
 impl VisionTower {
     /// Reads the tower from `vb` (at the checkpoint's `visual.` prefix).
     pub fn new(args: &VisionArgs, vb: VarBuilder) -> Result<Self> {
         let h = args.hidden_size;
-        let one = Init::Const(1.0);
         let randn = Init::Randn {
             mean: 0.0,
             stdev: 0.02,
         };
         let (c, t, p) = (args.in_channels, args.temporal_patch_size, args.patch_size);
-        let patch = vb
-            .pp("patch_embed.proj")
+        let pe = vb.pp("patch_embed.proj");
+        let patch = pe
             .get_with_hints((h, c, t, p, p), "weight", randn)?
             .reshape((h, c * t * p * p))?;
+        let qwen3 = args.style == VisionStyle::Qwen3;
+        let patch_bias = match qwen3 {
+            true => Some(pe.get_with_hints(h, "bias", Init::Const(0.0))?),
+            false => None,
+        };
+        let pos_embed = match qwen3 {
+            true => Some(vb.get_with_hints(
+                (args.num_position_embeddings, h),
+                "pos_embed.weight",
+                randn,
+            )?),
+            false => None,
+        };
         let mut blocks = Vec::with_capacity(args.depth);
         for i in 0..args.depth {
             let b = vb.pp(format!("blocks.{i}"));
-            let a = b.pp("attn");
-            let m = b.pp("mlp");
+            let (a, m) = (b.pp("attn"), b.pp("mlp"));
             let inter = args.intermediate_size;
+            let mlp = match args.style {
+                VisionStyle::Qwen2_5 => VisionMlp::Gated {
+                    gate: Dense::new(&m, h, inter, "gate_proj")?,
+                    up: Dense::new(&m, h, inter, "up_proj")?,
+                    down: Dense::new(&m, inter, h, "down_proj")?,
+                },
+                VisionStyle::Qwen3 => VisionMlp::Plain {
+                    fc1: Dense::new(&m, h, inter, "linear_fc1")?,
+                    fc2: Dense::new(&m, inter, h, "linear_fc2")?,
+                },
+            };
             blocks.push(VisionBlock {
-                norm1: b.get_with_hints(h, "norm1.weight", one)?,
-                norm2: b.get_with_hints(h, "norm2.weight", one)?,
+                norm1: Norm::new(&b, args.style, h, "norm1")?,
+                norm2: Norm::new(&b, args.style, h, "norm2")?,
                 qkv: Dense::new(&a, h, 3 * h, "qkv")?,
                 proj: Dense::new(&a, h, h, "proj")?,
-                gate: Dense::new(&m, h, inter, "gate_proj")?,
-                up: Dense::new(&m, h, inter, "up_proj")?,
-                down: Dense::new(&m, inter, h, "down_proj")?,
+                mlp,
             });
         }
-        let merged = h * args.spatial_merge_size * args.spatial_merge_size;
-        let mg = vb.pp("merger");
+        let deepstack = (0..args.deepstack_visual_indexes.len())
+            .map(|k| Merger::new(&vb.pp(format!("deepstack_merger_list.{k}")), args, true))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             args: args.clone(),
             patch,
+            patch_bias,
+            pos_embed,
             blocks,
-            ln_q: mg.get_with_hints(h, "ln_q.weight", one)?,
-            merge1: Dense::new(&mg, merged, merged, "mlp.0")?,
-            merge2: Dense::new(&mg, merged, args.out_hidden_size, "mlp.2")?,
+            merger: Merger::new(&vb.pp("merger"), args, false)?,
+            deepstack,
         })
     }
 
@@ -144,29 +325,27 @@ impl VisionTower {
         VisionTower {
             args: self.args.clone(),
             patch: self.patch.detach(),
+            patch_bias: self.patch_bias.as_ref().map(Tensor::detach),
+            pos_embed: self.pos_embed.as_ref().map(Tensor::detach),
             blocks: self
                 .blocks
                 .iter()
                 .map(|b| VisionBlock {
-                    norm1: b.norm1.detach(),
-                    norm2: b.norm2.detach(),
+                    norm1: b.norm1.detached(),
+                    norm2: b.norm2.detached(),
                     qkv: b.qkv.detached(),
                     proj: b.proj.detached(),
-                    gate: b.gate.detached(),
-                    up: b.up.detached(),
-                    down: b.down.detached(),
+                    mlp: b.mlp.detached(),
                 })
                 .collect(),
-            ln_q: self.ln_q.detach(),
-            merge1: self.merge1.detached(),
-            merge2: self.merge2.detached(),
+            merger: self.merger.detached(),
+            deepstack: self.deepstack.iter().map(Merger::detached).collect(),
         }
     }
 
-    /// The merged features of images: `pixels` `[patches, C·T·P·P]` of every image in order,
-    /// `grids` their `(t, h, w)` in patches. `[patches / m², out_hidden]`, image by image in
-    /// the placeholders' order.
-    pub fn forward(&self, pixels: &Tensor, grids: &[[usize; 3]]) -> Result<Tensor> {
+    /// The features of images: `pixels` `[patches, C·T·P·P]` of every image in order, `grids`
+    /// their `(t, h, w)` in patches; image by image in the placeholders' order.
+    pub fn forward(&self, pixels: &Tensor, grids: &[[usize; 3]]) -> Result<VisionFeatures> {
         let a = &self.args;
         let (n, d) = pixels.dims2()?;
         let want = a.in_channels * a.temporal_patch_size * a.patch_size * a.patch_size;
@@ -180,36 +359,83 @@ impl VisionTower {
         let layout = self.layout(grids)?;
         let unit = a.spatial_merge_size * a.spatial_merge_size;
         let dev = pixels.device();
-        let order = Tensor::new(layout.window_index.as_slice(), dev)?;
-        let x = pixels
-            .to_dtype(self.patch.dtype())?
-            .matmul(&self.patch.t()?)?; // [n, hidden]
-        let x = permute(&x, &order, unit)?;
+        let mut x = pixels.to_dtype(self.patch.dtype())?.matmul(&self.patch.t()?)?; // [n, hidden]
+        if let Some(b) = &self.patch_bias {
+            x = x.broadcast_add(b)?;
+        }
+        if let Some(table) = &self.pos_embed {
+            x = (x + self.position_embeddings(table, &layout, dev)?)?;
+        }
         let (cos, sin) = self.rotary(&layout.rows_cols, dev, x.dtype())?; // [n, 1, head_dim]
-        let (cos, sin) = (permute3(&cos, &order, unit)?, permute3(&sin, &order, unit)?);
+        let order = match &layout.window_index {
+            Some(w) => Some(Tensor::new(w.as_slice(), dev)?),
+            None => None,
+        };
+        let (x, cos, sin) = match &order {
+            Some(o) => (permute(&x, o, unit)?, permute3(&cos, o, unit)?, permute3(&sin, o, unit)?),
+            None => (x, cos, sin),
+        };
         let mut x = x;
+        let mut deepstack = Vec::with_capacity(self.deepstack.len());
         for (i, b) in self.blocks.iter().enumerate() {
-            let segs = match a.fullatt_block_indexes.contains(&i) {
-                true => &layout.frames,
-                false => &layout.windows,
+            let windowed = a.style == VisionStyle::Qwen2_5 && !a.fullatt_block_indexes.contains(&i);
+            let segs = match windowed {
+                true => &layout.windows,
+                false => &layout.frames,
             };
-            let h = rms_norm(&x, &b.norm1, EPS)?;
+            let h = b.norm1.forward(&x)?;
             x = (x + self.attention(b, &h, &cos, &sin, segs)?)?;
-            let h = rms_norm(&x, &b.norm2, EPS)?;
-            let mlp = b
-                .down
-                .forward(&(b.gate.forward(&h)?.silu()? * b.up.forward(&h)?)?)?;
-            x = (x + mlp)?;
+            x = (&x + b.mlp.forward(&b.norm2.forward(&x)?)?)?;
+            if let Some(k) = a.deepstack_visual_indexes.iter().position(|&l| l == i) {
+                deepstack.push(self.deepstack[k].forward(&x, unit)?);
+            }
         }
-        let h = rms_norm(&x, &self.ln_q, EPS)?.reshape((n / unit, unit * a.hidden_size))?;
-        let y = self.merge2.forward(&gelu_erf(&self.merge1.forward(&h)?)?)?; // [n/m², out]
-        let mut back = vec![0u32; layout.window_index.len()];
-        for (pos, &i) in layout.window_index.iter().enumerate() {
-            back[i as usize] = pos as u32;
-        }
-        y.index_select(&Tensor::new(back.as_slice(), dev)?, 0)
+        let merged = self.merger.forward(&x, unit)?; // [n / m², out]
+        let merged = match &layout.window_index {
+            Some(w) => {
+                let mut back = vec![0u32; w.len()];
+                for (pos, &i) in w.iter().enumerate() {
+                    back[i as usize] = pos as u32;
+                }
+                merged.index_select(&Tensor::new(back.as_slice(), dev)?, 0)?
+            }
+            None => merged,
+        };
+        Ok(VisionFeatures { merged, deepstack })
     }
 
+    /// Qwen3-VL's learned position grid `[side², hidden]` resampled to each frame's grid
+    /// (bilinear, corners aligned: row `r` of `h` samples the table at `r·(side − 1)/(h − 1)`),
+    /// per patch in the processor's order: `[n, hidden]`.
+    fn position_embeddings(&self, table: &Tensor, layout: &Layout, dev: &Device) -> Result<Tensor> {
+        let side = (self.args.num_position_embeddings as f64).sqrt().round() as usize;
+        let n = layout.rows_cols.len();
+        // Per patch four taps into the table and their weights.
+        let (mut idx, mut wts) = (Vec::with_capacity(4 * n), Vec::with_capacity(4 * n));
+        let taps = |i: u32, size: u32| -> [(u32, f64); 2] {
+            let src = i as f64 * (side - 1) as f64 / (size.max(2) - 1) as f64;
+            let f = src.floor();
+            let lo = (f as usize).min(side - 1) as u32;
+            let hi = (f as usize + 1).min(side - 1) as u32;
+            let d = src - f;
+            [(lo, 1.0 - d), (hi, d)]
+        };
+        for (&(r, c), &(h, w)) in layout.rows_cols.iter().zip(&layout.grid_of) {
+            for (ri, rw) in taps(r, h) {
+                for (ci, cw) in taps(c, w) {
+                    idx.push(ri * side as u32 + ci);
+                    wts.push(rw * cw);
+                }
+            }
+        }
+        let rows = table.index_select(&Tensor::new(idx.as_slice(), dev)?, 0)?; // [4n, hidden]
+        let w = Tensor::from_vec(wts, (4 * n, 1), &Device::Cpu)?
+            .to_dtype(table.dtype())?
+            .to_device(dev)?;
+        rows.broadcast_mul(&w)?
+            .reshape((n, 4, table.dim(1)?))?
+            .sum(1)
+    }
     /// Bidirectional attention of `h` `[n, hidden]` inside each segment, 2-D rotary embedded.
     fn attention(
         &self,
@@ -278,13 +504,13 @@ impl VisionTower {
         Ok((cos, sin))
     }
 
-    /// The window order and the attention segments of images with `grids`.
+    /// The window order (Qwen2.5-VL) and the attention segments of images with `grids`.
     fn layout(&self, grids: &[[usize; 3]]) -> Result<Layout> {
         let a = &self.args;
         let m = a.spatial_merge_size;
-        let unit = m * m;
+        let windowed = a.style == VisionStyle::Qwen2_5;
         let side = a.window_size / m / a.patch_size; // merged patches per window side
-        if side == 0 {
+        if windowed && side == 0 {
             candle_core::bail!(
                 "vision tower: window_size {} is smaller than one merged patch ({} pixels)",
                 a.window_size,
@@ -292,12 +518,13 @@ impl VisionTower {
             );
         }
         let mut out = Layout {
-            window_index: Vec::new(),
+            window_index: windowed.then(Vec::new),
             windows: Vec::new(),
             frames: Vec::new(),
             rows_cols: Vec::new(),
+            grid_of: Vec::new(),
         };
-        let (mut first_unit, mut start) = (0usize, 0usize);
+        let mut first_unit = 0usize;
         for &[t, h, w] in grids {
             if h % m != 0 || w % m != 0 || t == 0 {
                 candle_core::bail!(
@@ -306,19 +533,9 @@ impl VisionTower {
             }
             let (lh, lw) = (h / m, w / m);
             for f in 0..t {
-                let frame = first_unit + f * lh * lw;
-                for wr in (0..lh).step_by(side) {
-                    for wc in (0..lw).step_by(side) {
-                        let mut count = 0;
-                        for r in wr..(wr + side).min(lh) {
-                            for c in wc..(wc + side).min(lw) {
-                                out.window_index.push((frame + r * lw + c) as u32);
-                                count += unit;
-                            }
-                        }
-                        out.windows.push((start, count));
-                        start += count;
-                    }
+                if let Some(index) = out.window_index.as_mut() {
+                    let frame = first_unit + f * lh * lw;
+                    windows_of(frame, (lh, lw), side, m * m, index, &mut out.windows);
                 }
                 out.frames
                     .push((out.frames.last().map_or(0, |&(s, l)| s + l), h * w));
@@ -328,6 +545,7 @@ impl VisionTower {
                             for ic in 0..m {
                                 out.rows_cols
                                     .push(((br * m + ir) as u32, (bc * m + ic) as u32));
+                                out.grid_of.push((h as u32, w as u32));
                             }
                         }
                     }
@@ -340,17 +558,48 @@ impl VisionTower {
 
     /// Every weight of the tower (for tests and counting).
     pub fn weights(&self) -> Vec<&Tensor> {
-        let mut w = vec![&self.patch, &self.ln_q];
-        for d in [&self.merge1, &self.merge2] {
-            w.extend([&d.w, &d.b]);
+        let mut w = vec![&self.patch];
+        w.extend(self.patch_bias.iter().chain(&self.pos_embed));
+        w.extend(self.merger.weights());
+        for m in &self.deepstack {
+            w.extend(m.weights());
         }
         for b in &self.blocks {
-            w.extend([&b.norm1, &b.norm2]);
-            for d in [&b.qkv, &b.proj, &b.gate, &b.up, &b.down] {
+            w.extend(b.norm1.weights());
+            w.extend(b.norm2.weights());
+            for d in [&b.qkv, &b.proj].into_iter().chain(b.mlp.denses()) {
                 w.extend([&d.w, &d.b]);
             }
         }
         w
+    }
+}
+
+/// The windows of one frame of `(lh, lw)` merged patches (its first at `frame`), `side`
+/// merged patches a side, row by row (the last row and column of windows partial): their
+/// merged patches appended to `index` in window order, their `(start, len)` in patches to
+/// `windows`.
+fn windows_of(
+    frame: usize,
+    (lh, lw): (usize, usize),
+    side: usize,
+    unit: usize,
+    index: &mut Vec<u32>,
+    windows: &mut Vec<(usize, usize)>,
+) {
+    let mut start = windows.last().map_or(0, |&(s, l)| s + l);
+    for wr in (0..lh).step_by(side) {
+        for wc in (0..lw).step_by(side) {
+            let mut count = 0;
+            for r in wr..(wr + side).min(lh) {
+                for c in wc..(wc + side).min(lw) {
+                    index.push((frame + r * lw + c) as u32);
+                    count += unit;
+                }
+            }
+            windows.push((start, count));
+            start += count;
+        }
     }
 }
 
@@ -477,15 +726,15 @@ pub struct Images {
     pub grids: Vec<[usize; 3]>,
 }
 
-/// The merged features of the rows' images in row order (`[placeholders, hidden]`, what the
-/// forwards take), each distinct [`Images`] (by identity: a group's rows share one) encoded
-/// once; `None` when no row has images.
+/// The features of the rows' images in row order (what the forwards take), each distinct
+/// [`Images`] (by identity: a group's rows share one) encoded once; `None` when no row has
+/// images.
 pub fn row_features(
     model: &super::CausalLm,
     rows: &[Option<std::sync::Arc<Images>>],
-) -> Result<Option<Tensor>> {
-    let mut done: Vec<(*const Images, Tensor)> = Vec::new();
-    let mut parts = Vec::new();
+) -> Result<Option<VisionFeatures>> {
+    let mut done: Vec<(*const Images, VisionFeatures)> = Vec::new();
+    let mut parts: Vec<VisionFeatures> = Vec::new();
     for im in rows.iter().flatten() {
         let key = std::sync::Arc::as_ptr(im);
         let f = match done.iter().find(|(k, _)| *k == key) {
@@ -498,10 +747,18 @@ pub fn row_features(
         };
         parts.push(f);
     }
-    match parts.is_empty() {
-        true => Ok(None),
-        false => Ok(Some(Tensor::cat(&parts, 0)?)),
+    if parts.is_empty() {
+        return Ok(None);
     }
+    let merged: Vec<&Tensor> = parts.iter().map(|f| &f.merged).collect();
+    let layers = parts[0].deepstack.len();
+    let deepstack = (0..layers)
+        .map(|l| Tensor::cat(&parts.iter().map(|f| &f.deepstack[l]).collect::<Vec<_>>(), 0))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Some(VisionFeatures {
+        merged: Tensor::cat(&merged, 0)?,
+        deepstack,
+    }))
 }
 
 /// The 3-D rotary positions of a model's token rows `ids` (each unpadded, with its images or

@@ -314,6 +314,24 @@ fn keep_deepseek_mtp_layers(
     Ok(())
 }
 
+/// The names a model of `args` is saved under: Qwen3-VL's checkpoints (as the hub publishes
+/// them and transformers writes them, with no conversion back from the older layout) name the
+/// language model `model.language_model.*` and the tower `model.visual.*`; other families keep
+/// the names they are held under (the hub's `model.*`, `visual.*`).
+fn saved_names(named: BTreeMap<String, Tensor>, args: &ModelArgs) -> BTreeMap<String, Tensor> {
+    if args.arch != crate::model::Arch::Qwen3Vl {
+        return named;
+    }
+    named
+        .into_iter()
+        .map(|(n, t)| match (n.strip_prefix("model."), n.strip_prefix(VISUAL)) {
+            (Some(rest), _) => (format!("model.language_model.{rest}"), t),
+            (_, Some(rest)) => (format!("model.visual.{rest}"), t),
+            _ => (n, t),
+        })
+        .collect()
+}
+
 /// A multimodal checkpoint in transformers 5's in-memory layout (`model.language_model.*`,
 /// `model.visual.*`; Qwen3.5's `Qwen3_5ForConditionalGeneration` as the hub publishes it) under
 /// the hub's names: the language model as `model.*`, `lm_head.*` kept. With `vision` (a
@@ -744,6 +762,7 @@ pub fn save_dir(
         .collect();
     drop(data);
     fuse_gpt_oss_experts(&mut named, args)?;
+    let named = saved_names(named, args);
     let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
     let mut shards: Vec<Vec<(String, Tensor)>> = vec![Vec::new()];
     let mut size = 0;

@@ -16,7 +16,7 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
 use super::family_tests::{floats, ids};
-use crate::model::vision::mrope_positions;
+use crate::model::vision::{mrope_positions, VisionFeatures};
 use crate::model::{CausalLm, Exec};
 
 fn dir(name: &str) -> PathBuf {
@@ -50,8 +50,8 @@ fn pixels(name: &str, i: usize) -> Tensor {
     t[&format!("pixel_values_{i}")].clone()
 }
 
-/// The merged features of images `which` (in order), from the model's tower.
-fn features(m: &CausalLm, name: &str, r: &Value, which: &[usize]) -> Tensor {
+/// The features of images `which` (in order), from the model's tower.
+fn features(m: &CausalLm, name: &str, r: &Value, which: &[usize]) -> VisionFeatures {
     let g = grids(r);
     let px: Vec<Tensor> = which.iter().map(|&i| pixels(name, i)).collect();
     let gs: Vec<[usize; 3]> = which.iter().map(|&i| g[i]).collect();
@@ -87,7 +87,7 @@ fn positions(m: &CausalLm, seq: &[u32], gs: &[[usize; 3]]) -> [Vec<u32>; 3] {
         .0
 }
 
-const NAMES: [&str; 1] = ["qwen2_5_vl"];
+const NAMES: [&str; 2] = ["qwen2_5_vl", "qwen3_vl"];
 
 #[test]
 fn the_vision_tower_equals_transformers_in_f64() {
@@ -98,24 +98,36 @@ fn the_vision_tower_equals_transformers_in_f64() {
             candle_core::safetensors::load(dir(name).join("vision.safetensors"), &Device::Cpu)
                 .unwrap();
         let n = grids(&r).len();
+        // The merged features, then each DeepStack feature (Qwen3-VL), image by image.
+        let outputs = |f: &VisionFeatures| -> Vec<Tensor> {
+            std::iter::once(f.merged.clone())
+                .chain(f.deepstack.iter().cloned())
+                .collect()
+        };
+        let expected = |i: usize| -> Vec<Tensor> {
+            let mut v = vec![want[&format!("image_{i}")].clone()];
+            v.extend((0..).map_while(|k| want.get(&format!("image_{i}_deepstack_{k}")).cloned()));
+            v
+        };
         for i in 0..n {
-            let (w, scale) = worst(&features(&m, name, &r, &[i]), &want[&format!("image_{i}")]);
-            assert!(
-                w <= 1e-12 * scale.max(1.0),
-                "{name} image {i}: off by {w:e}"
-            );
+            let got = outputs(&features(&m, name, &r, &[i]));
+            assert_eq!(got.len(), expected(i).len(), "{name} image {i}");
+            for (k, (g, e)) in got.iter().zip(expected(i)).enumerate() {
+                let (w, scale) = worst(g, &e);
+                assert!(
+                    w <= 1e-12 * scale.max(1.0),
+                    "{name} image {i} output {k}: off by {w:e}"
+                );
+            }
         }
         // All images in one call: each image attends within itself only.
         let all: Vec<usize> = (0..n).collect();
-        let cat: Vec<Tensor> = all
-            .iter()
-            .map(|i| want[&format!("image_{i}")].clone())
-            .collect();
-        let (w, _) = worst(
-            &features(&m, name, &r, &all),
-            &Tensor::cat(&cat, 0).unwrap(),
-        );
-        assert!(w <= 1e-12, "{name} all images: off by {w:e}");
+        let got = outputs(&features(&m, name, &r, &all));
+        for (k, g) in got.iter().enumerate() {
+            let cat: Vec<Tensor> = all.iter().map(|&i| expected(i)[k].clone()).collect();
+            let (w, _) = worst(g, &Tensor::cat(&cat, 0).unwrap());
+            assert!(w <= 1e-12, "{name} all images, output {k}: off by {w:e}");
+        }
     }
 }
 
