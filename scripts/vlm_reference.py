@@ -129,9 +129,57 @@ def qwen3_vl():
     )
 
 
+def qwen3_5_vl():
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        # Gated DeltaNet layers between gated attention layers; rotary over half of each head
+        # (8 values: 4 frequencies, interleaved sections 2/1/1).
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=40,
+        num_heads=2,
+        in_channels=3,
+        patch_size=4,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        out_hidden_size=64,
+        hidden_act="gelu_pytorch_tanh",
+        num_position_embeddings=16,
+    )
+    return transformers.Qwen3_5Config(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VSTART,
+        vision_end_token_id=VEND,
+        tie_word_embeddings=False,
+    )
+
+
 MODEL_CLASS = {
     "Qwen2_5_VLConfig": "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLConfig": "Qwen3VLForConditionalGeneration",
+    "Qwen3_5Config": "Qwen3_5ForConditionalGeneration",
 }
 
 
@@ -143,6 +191,9 @@ def checkpoints():
         # LayerNorm blocks with GELU MLPs, learned position embeddings, DeepStack features,
         # Qwen3's q/k norms and interleaved M-RoPE.
         "qwen3_vl": qwen3_vl(),
+        # Qwen3.5 with its vision tower (Qwen3-VL's without DeepStack): Gated DeltaNet layers,
+        # gated attention with partial rotary embeddings under interleaved M-RoPE.
+        "qwen3_5_vl": qwen3_5_vl(),
     }
 
 
@@ -152,7 +203,8 @@ GRIDS = [(1, 8, 12), (1, 4, 4), (1, 6, 10)]
 
 
 def spread(model, seed):
-    """Weights N(0, 0.3²) and norms 1 + N(0, 0.3²), so every path carries signal."""
+    """Weights N(0, 0.3²) and norms 1 + N(0, 0.3²), so every path carries signal (as
+    scripts/family_reference.py spreads its checkpoints, Qwen3.5's `1 + w` norms included)."""
     norms = ("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight", "layernorm.weight",
              "q_norm.weight", "k_norm.weight")
     with torch.no_grad():

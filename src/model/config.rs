@@ -198,7 +198,7 @@ impl VisionArgs {
             .filter(|x| x.is_object())
             .ok_or("config.json: a vision-language model needs a vision_config object")?;
         let style = match arch {
-            Arch::Qwen3Vl => VisionStyle::Qwen3,
+            Arch::Qwen3Vl | Arch::Qwen3_5 | Arch::Qwen3_5Moe => VisionStyle::Qwen3,
             _ => VisionStyle::Qwen2_5,
         };
         let qwen3 = style == VisionStyle::Qwen3;
@@ -250,9 +250,10 @@ impl VisionArgs {
             true => Vec::new(),
             false => blocks("fullatt_block_indexes", &[7, 15, 23, 31])?,
         };
-        let deepstack = match qwen3 {
-            true => blocks("deepstack_visual_indexes", &[8, 16, 24])?,
-            false => Vec::new(),
+        // Qwen3.5's tower has no DeepStack.
+        let deepstack = match arch {
+            Arch::Qwen3Vl => blocks("deepstack_visual_indexes", &[8, 16, 24])?,
+            _ => Vec::new(),
         };
         let positions = size("num_position_embeddings", 2304)?;
         let side = (positions as f64).sqrt().round() as usize;
@@ -262,7 +263,10 @@ impl VisionArgs {
                 key("num_position_embeddings")
             ));
         }
-        let (hidden, heads) = (size("hidden_size", if qwen3 { 1152 } else { 3584 })?, size("num_heads", 16)?);
+        let (hidden, heads) = (
+            size("hidden_size", if qwen3 { 1152 } else { 3584 })?,
+            size("num_heads", 16)?,
+        );
         if hidden % heads != 0 || (hidden / heads) % 4 != 0 {
             return Err(format!(
                 "config.json: {} ({hidden}) over {} ({heads}) must give a head width divisible by 4 (its 2-D rotary embedding)",
@@ -1614,22 +1618,49 @@ fn read_vision(
     top: &Value,
     text: &Value,
     arch: Arch,
-    head_dim: usize,
+    rotary_dim: usize,
     hidden_size: usize,
 ) -> Result<(Option<Mrope>, Option<VisionArgs>), String> {
-    if !arch.vision() {
+    if !multimodal(top, arch) {
         return Ok((None, None));
     }
     let vision = VisionArgs::from_hf(top, text, arch)?;
     if vision.out_hidden_size != hidden_size {
         return Err(format!("config.json: vision_config.out_hidden_size ({}) must equal the language model's hidden_size ({hidden_size}): the tower's features replace token embeddings", vision.out_hidden_size));
     }
-    Ok((Some(read_mrope(text, head_dim)?), Some(vision)))
+    // Qwen3.5's sections are always interleaved, [11, 11, 10] unless the config says.
+    let mrope = match arch.hybrid() {
+        true if text["rope_parameters"].get("mrope_section").is_none() => Mrope {
+            section: vec![11, 11, 10],
+            interleaved: true,
+        },
+        true => Mrope {
+            interleaved: true,
+            ..read_mrope(text, rotary_dim)?
+        },
+        false => read_mrope(text, rotary_dim)?,
+    };
+    Ok((Some(mrope), Some(vision)))
+}
+
+/// Whether a config describes a vision-language model: a vision-language layout, or a
+/// Qwen3.5 (MoE) `...ForConditionalGeneration` with a `vision_config` (the hub's Qwen3.5
+/// checkpoints, natively multimodal).
+pub fn multimodal(top: &Value, arch: Arch) -> bool {
+    let conditional = top["architectures"].as_array().is_some_and(|a| {
+        a.iter().any(|x| {
+            x.as_str()
+                .is_some_and(|n| n.ends_with("ForConditionalGeneration"))
+        })
+    });
+    let tower = top.get("vision_config").is_some_and(Value::is_object);
+    arch.vision() || (arch.hybrid() && conditional && tower)
 }
 
 /// The multimodal rotary sections of a vision-language model's text settings
-/// (`rope_parameters.mrope_section`, or the hub's `rope_scaling.mrope_section`), which must
-/// cover the rotary frequencies (`head_dim / 2`) exactly; `mrope_interleaved` as Qwen3-VL says.
+/// (`rope_parameters.mrope_section`, or the hub's `rope_scaling.mrope_section`) over its
+/// `head_dim / 2` rotary frequencies (`head_dim`: the rotary width); `mrope_interleaved` as
+/// Qwen3-VL says.
 fn read_mrope(v: &Value, head_dim: usize) -> Result<Mrope, String> {
     let found = ["rope_parameters", "rope_scaling"]
         .iter()
@@ -1649,13 +1680,15 @@ fn read_mrope(v: &Value, head_dim: usize) -> Result<Mrope, String> {
         .ok_or(format!(
             "config.json: {key}.mrope_section must be three non-negative integers, found {section}"
         ))?;
-    if section.iter().sum::<usize>() != head_dim / 2 {
+    let interleaved = v[key]["mrope_interleaved"].as_bool().unwrap_or(false);
+    // Consecutive sections split the frequencies exactly (transformers splits the tensor by
+    // them); interleaved ones only mark which frequencies follow the row and the column.
+    if !interleaved && section.iter().sum::<usize>() != head_dim / 2 {
         return Err(format!(
-            "config.json: {key}.mrope_section {section:?} must sum to head_dim / 2 = {}",
+            "config.json: {key}.mrope_section {section:?} must sum to the rotary frequencies, {}",
             head_dim / 2
         ));
     }
-    let interleaved = v[key]["mrope_interleaved"].as_bool().unwrap_or(false);
     Ok(Mrope {
         section,
         interleaved,
@@ -1728,7 +1761,13 @@ impl ModelArgs {
         if heads == 0 || kv == 0 || heads % kv != 0 {
             return Err(format!("config.json: num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv})"));
         }
-        let (mrope, vision) = read_vision(top, v, arch, head_dim, hidden_size)?;
+        let rotary_dim = match arch {
+            Arch::Glm4Moe => Some(read_rotary_dim(v, head_dim, 0.5)?),
+            _ if arch.hybrid() => Some(read_rotary_dim(v, head_dim, 0.25)?),
+            _ => None,
+        };
+        let rotary = rotary_dim.unwrap_or(head_dim);
+        let (mrope, vision) = read_vision(top, v, arch, rotary, hidden_size)?;
         Ok(Self {
             arch,
             vocab_size: get_usize(v, "vocab_size")?,
@@ -1779,11 +1818,7 @@ impl ModelArgs {
                 Arch::DeepseekV3 | Arch::Glm4Moe => Some(deepseek::moe_from_hf(v, layers)?),
                 _ => None,
             },
-            rotary_dim: match arch {
-                Arch::Glm4Moe => Some(read_rotary_dim(v, head_dim, 0.5)?),
-                _ if arch.hybrid() => Some(read_rotary_dim(v, head_dim, 0.25)?),
-                _ => None,
-            },
+            rotary_dim,
             attn_output_gate: arch.hybrid(),
             linear_attn: match arch.hybrid() {
                 true => Some(LinearAttnArgs::from_hf(v, arch == Arch::Qwen3Next)?),
@@ -2139,12 +2174,27 @@ impl ModelArgs {
     /// `text` in `text_config` (its `rope_parameters` with the M-RoPE sections), the tower's
     /// `vision_config` as read, and the placeholder ids at the top.
     fn write_vision_hf(&self, mut text: Value, v: &VisionArgs, m: &Mrope) -> Value {
-        let (arch, model_type) = self.arch.hf_names();
+        let (arch, model_type, text_type) = match self.arch {
+            Arch::Qwen3_5 => ("Qwen3_5ForConditionalGeneration", "qwen3_5", "qwen3_5_text"),
+            Arch::Qwen3_5Moe => (
+                "Qwen3_5MoeForConditionalGeneration",
+                "qwen3_5_moe",
+                "qwen3_5_moe_text",
+            ),
+            _ => {
+                let (arch, model_type) = self.arch.hf_names();
+                (arch, model_type, "")
+            }
+        };
+        let text_type = match text_type {
+            "" => format!("{model_type}_text"),
+            t => t.to_string(),
+        };
         let o = text.as_object_mut().expect("an object");
         for k in ["architectures", "rope_scaling", "rope_theta"] {
             o.remove(k);
         }
-        o.insert("model_type".into(), format!("{model_type}_text").into());
+        o.insert("model_type".into(), text_type.into());
         text["rope_parameters"]["mrope_section"] = serde_json::json!(m.section);
         if m.interleaved {
             text["rope_parameters"]["mrope_interleaved"] = true.into();

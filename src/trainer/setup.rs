@@ -325,8 +325,11 @@ pub fn vision_options(
     };
     let vl = serde_json::from_str::<serde_json::Value>(&text)
         .ok()
-        .and_then(|v| crate::model::config::arch_of(&v).ok())
-        .is_some_and(|a| a.vision());
+        .and_then(|v| {
+            let arch = crate::model::config::arch_of(&v).ok()?;
+            Some(crate::model::config::multimodal(&v, arch))
+        })
+        .unwrap_or(false);
     if !vl {
         return Ok(None);
     }

@@ -1076,10 +1076,12 @@ fn broken_qwen3_5_settings_are_refused_by_key() {
     assert_eq!(linear, [true, false, true, false]);
 }
 
-/// A Qwen3.5 checkpoint as the hub publishes it (`Qwen3_5ForConditionalGeneration`: the
-/// language model under `model.language_model.`, a vision tower, the text settings in
+/// A multimodal Qwen3.5 checkpoint (`Qwen3_5ForConditionalGeneration` as the hub publishes it:
+/// the language model under `model.language_model.`, a vision tower, the text settings in
 /// `text_config`; written by transformers from the `qwen3_5` fixture's weights) loads as the
-/// same language model: the same variables, bit for bit, as the causal LM checkpoint.
+/// same language model, its variables bit for bit the causal LM checkpoint's, plus its vision
+/// tower (`visual.*`, interleaved M-RoPE sections: transformers' default [11, 11, 10] when the
+/// config names none); the vision parity is `weights::vlm_tests`'.
 #[test]
 fn a_multimodal_qwen3_5_checkpoint_loads_its_language_model() {
     let text = load("qwen3_5", DType::F64);
@@ -1091,10 +1093,20 @@ fn a_multimodal_qwen3_5_checkpoint_loads_its_language_model() {
         true,
     )
     .unwrap();
-    assert_eq!(mm.model.args, text.model.args);
+    let m = mm.model.args.mrope.clone().unwrap();
+    assert_eq!((m.section, m.interleaved), (vec![11, 11, 10], true));
+    assert_eq!(mm.model.args.vision.as_ref().unwrap().depth, 1);
+    let text_args = crate::model::ModelArgs {
+        mrope: None,
+        vision: None,
+        ..mm.model.args.clone()
+    };
+    assert_eq!(text_args, text.model.args);
     let a = text.varmap.data().lock().unwrap();
     let b = mm.varmap.data().lock().unwrap();
-    assert_eq!(a.len(), b.len());
+    let tower = b.keys().filter(|n| n.starts_with("visual.")).count();
+    assert!(tower > 0);
+    assert_eq!(a.len() + tower, b.len());
     for (name, var) in a.iter() {
         let other = b.get(name).unwrap_or_else(|| panic!("no `{name}`"));
         let x: Vec<f64> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();

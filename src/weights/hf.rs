@@ -314,21 +314,26 @@ fn keep_deepseek_mtp_layers(
     Ok(())
 }
 
-/// The names a model of `args` is saved under: Qwen3-VL's checkpoints (as the hub publishes
-/// them and transformers writes them, with no conversion back from the older layout) name the
-/// language model `model.language_model.*` and the tower `model.visual.*`; other families keep
-/// the names they are held under (the hub's `model.*`, `visual.*`).
+/// The names a model of `args` is saved under: Qwen3-VL's and multimodal Qwen3.5's checkpoints
+/// (as the hub publishes them and transformers writes them, with no conversion back from the
+/// older layout) name the language model `model.language_model.*` and the tower
+/// `model.visual.*`; other families keep the names they are held under (the hub's `model.*`,
+/// `visual.*`).
 fn saved_names(named: BTreeMap<String, Tensor>, args: &ModelArgs) -> BTreeMap<String, Tensor> {
-    if args.arch != crate::model::Arch::Qwen3Vl {
+    let nested =
+        args.arch == crate::model::Arch::Qwen3Vl || (args.arch.hybrid() && args.vision.is_some());
+    if !nested {
         return named;
     }
     named
         .into_iter()
-        .map(|(n, t)| match (n.strip_prefix("model."), n.strip_prefix(VISUAL)) {
-            (Some(rest), _) => (format!("model.language_model.{rest}"), t),
-            (_, Some(rest)) => (format!("model.visual.{rest}"), t),
-            _ => (n, t),
-        })
+        .map(
+            |(n, t)| match (n.strip_prefix("model."), n.strip_prefix(VISUAL)) {
+                (Some(rest), _) => (format!("model.language_model.{rest}"), t),
+                (_, Some(rest)) => (format!("model.visual.{rest}"), t),
+                _ => (n, t),
+            },
+        )
         .collect()
 }
 

@@ -87,7 +87,7 @@ fn positions(m: &CausalLm, seq: &[u32], gs: &[[usize; 3]]) -> [Vec<u32>; 3] {
         .0
 }
 
-const NAMES: [&str; 2] = ["qwen2_5_vl", "qwen3_vl"];
+const NAMES: [&str; 3] = ["qwen2_5_vl", "qwen3_vl", "qwen3_5_vl"];
 
 #[test]
 fn the_vision_tower_equals_transformers_in_f64() {
