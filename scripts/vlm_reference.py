@@ -36,7 +36,7 @@ import transformers
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from family_reference import exact_f64  # noqa: E402
+from family_reference import exact_f64, per_expert  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vlm"
 VOCAB = 96
@@ -176,10 +176,34 @@ def qwen3_5_vl():
     )
 
 
+def qwen3_5_moe_vl():
+    cfg = qwen3_5_vl()
+    text = cfg.text_config.to_dict()
+    for k in ("model_type", "transformers_version", "architectures"):
+        text.pop(k, None)
+    text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                shared_expert_intermediate_size=24)
+    text.pop("intermediate_size", None)
+    vision = cfg.vision_config.to_dict()
+    vision.pop("model_type", None)
+    out = transformers.Qwen3_5MoeConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VSTART,
+        vision_end_token_id=VEND,
+        tie_word_embeddings=False,
+    )
+    out.text_config._experts_implementation = "eager"
+    return out
+
+
 MODEL_CLASS = {
     "Qwen2_5_VLConfig": "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLConfig": "Qwen3VLForConditionalGeneration",
     "Qwen3_5Config": "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeConfig": "Qwen3_5MoeForConditionalGeneration",
 }
 
 
@@ -194,6 +218,8 @@ def checkpoints():
         # Qwen3.5 with its vision tower (Qwen3-VL's without DeepStack): Gated DeltaNet layers,
         # gated attention with partial rotary embeddings under interleaved M-RoPE.
         "qwen3_5_vl": qwen3_5_vl(),
+        # The same with Qwen3.5-MoE's experts (8, top-2) and shared expert on every layer.
+        "qwen3_5_moe_vl": qwen3_5_moe_vl(),
     }
 
 
@@ -255,7 +281,9 @@ def forward(model, ids, images, pixels):
 def make(name, cfg):
     torch.manual_seed(1234)
     model = getattr(transformers, MODEL_CLASS[type(cfg).__name__])(cfg).to(torch.float64).eval()
-    spread(model, 99)
+    # A seed whose greedy continuations never pick an image token (which would be a
+    # placeholder without an image in the next forward).
+    spread(model, {"qwen3_5_moe_vl": 101}.get(name, 99))
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -314,6 +342,8 @@ def make(name, cfg):
         loss = loss + (tl * torch.tensor(c, dtype=torch.float64)).sum()
     loss.backward()
     grads = {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters() if p.grad is not None}
+    # Experts under the checkpoint's per-expert names (transformers 5 holds them fused).
+    grads = per_expert(grads)
     save_file(grads, str(out / "grads.safetensors"))
     ref = {
         "family": name,

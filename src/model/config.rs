@@ -1772,7 +1772,11 @@ impl ModelArgs {
             arch,
             vocab_size: get_usize(v, "vocab_size")?,
             hidden_size,
-            intermediate_size: get_usize(v, "intermediate_size")?,
+            // Qwen3.5-MoE's configs have no dense MLP width (every layer is experts).
+            intermediate_size: match (v.get("intermediate_size"), arch) {
+                (None, Arch::Qwen3_5Moe) => get_usize(v, "moe_intermediate_size")?,
+                _ => get_usize(v, "intermediate_size")?,
+            },
             num_hidden_layers: layers,
             num_attention_heads: heads,
             num_key_value_heads: kv,

@@ -87,7 +87,7 @@ fn positions(m: &CausalLm, seq: &[u32], gs: &[[usize; 3]]) -> [Vec<u32>; 3] {
         .0
 }
 
-const NAMES: [&str; 3] = ["qwen2_5_vl", "qwen3_vl", "qwen3_5_vl"];
+const NAMES: [&str; 4] = ["qwen2_5_vl", "qwen3_vl", "qwen3_5_vl", "qwen3_5_moe_vl"];
 
 #[test]
 fn the_vision_tower_equals_transformers_in_f64() {
@@ -415,18 +415,25 @@ fn training_forward_and_gradients_equal_pytorch_in_f64() {
     }
 }
 
+/// The training forward in f32 against PyTorch's f64 log-probs: within f32 rounding, 1e-4
+/// relative (5e-4 for the Qwen3.5 hybrids, whose DeltaNet recurrences and experts carry it
+/// further: PyTorch's own f32 is ~3e-4 off its f64 there, see `family_tests`).
 #[test]
 fn training_in_f32_stays_near_f64() {
     for name in NAMES {
         let r = reference(name);
         let want_lp = floats(&r["token_logprobs"]);
         let m = load(name, DType::F32).model;
+        let tol = match m.args.arch.hybrid() {
+            true => 5e-4,
+            false => 1e-4,
+        };
         for packed in [false, true] {
             let (_, lps) = loss_and_logprobs(&m, name, &r, packed);
             for (got, want) in lps.iter().zip(&want_lp) {
                 for (g, w) in got.iter().zip(want) {
                     assert!(
-                        (g - w).abs() <= 1e-4 * w.abs().max(1.0),
+                        (g - w).abs() <= tol * w.abs().max(1.0),
                         "{name} f32: {g} vs {w}"
                     );
                 }
