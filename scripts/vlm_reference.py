@@ -176,6 +176,29 @@ def qwen3_5_vl():
     )
 
 
+def qwen3_vl_moe():
+    cfg = qwen3_vl()
+    text = cfg.text_config.to_dict()
+    for k in ("model_type", "transformers_version", "architectures"):
+        text.pop(k, None)
+    # Experts on layers 0 and 2 (layer 1 dense, mlp_only_layers), 8 of them, top-2.
+    text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1],
+                decoder_sparse_step=1)
+    vision = cfg.vision_config.to_dict()
+    vision.pop("model_type", None)
+    out = transformers.Qwen3VLMoeConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VSTART,
+        vision_end_token_id=VEND,
+        tie_word_embeddings=False,
+    )
+    out.text_config._experts_implementation = "eager"
+    return out
+
+
 def qwen3_5_moe_vl():
     cfg = qwen3_5_vl()
     text = cfg.text_config.to_dict()
@@ -204,6 +227,7 @@ MODEL_CLASS = {
     "Qwen3VLConfig": "Qwen3VLForConditionalGeneration",
     "Qwen3_5Config": "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeConfig": "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3VLMoeConfig": "Qwen3VLMoeForConditionalGeneration",
 }
 
 
@@ -215,6 +239,9 @@ def checkpoints():
         # LayerNorm blocks with GELU MLPs, learned position embeddings, DeepStack features,
         # Qwen3's q/k norms and interleaved M-RoPE.
         "qwen3_vl": qwen3_vl(),
+        # The same over Qwen3-VL-MoE's language model: experts (always renormalised) on layers
+        # 0 and 2, the fused expert tensors of its checkpoints.
+        "qwen3_vl_moe": qwen3_vl_moe(),
         # Qwen3.5 with its vision tower (Qwen3-VL's without DeepStack): Gated DeltaNet layers,
         # gated attention with partial rotary embeddings under interleaved M-RoPE.
         "qwen3_5_vl": qwen3_5_vl(),

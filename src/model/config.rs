@@ -100,6 +100,11 @@ pub enum Arch {
     /// first layers ([`VisionArgs`]). Its checkpoints name the language model
     /// `model.language_model.*` and the tower `model.visual.*`.
     Qwen3Vl,
+    /// `Qwen3VLMoeForConditionalGeneration` (transformers' `qwen3_vl_moe`): Qwen3-VL over
+    /// Qwen3-MoE's layers (`decoder_sparse_step`, `mlp_only_layers`; the router always
+    /// renormalises its top k), the experts stored fused per layer
+    /// (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
+    Qwen3VlMoe,
 }
 
 /// Which keys a layer's queries attend to.
@@ -198,7 +203,9 @@ impl VisionArgs {
             .filter(|x| x.is_object())
             .ok_or("config.json: a vision-language model needs a vision_config object")?;
         let style = match arch {
-            Arch::Qwen3Vl | Arch::Qwen3_5 | Arch::Qwen3_5Moe => VisionStyle::Qwen3,
+            Arch::Qwen3Vl | Arch::Qwen3VlMoe | Arch::Qwen3_5 | Arch::Qwen3_5Moe => {
+                VisionStyle::Qwen3
+            }
             _ => VisionStyle::Qwen2_5,
         };
         let qwen3 = style == VisionStyle::Qwen3;
@@ -252,7 +259,7 @@ impl VisionArgs {
         };
         // Qwen3.5's tower has no DeepStack.
         let deepstack = match arch {
-            Arch::Qwen3Vl => blocks("deepstack_visual_indexes", &[8, 16, 24])?,
+            Arch::Qwen3Vl | Arch::Qwen3VlMoe => blocks("deepstack_visual_indexes", &[8, 16, 24])?,
             _ => Vec::new(),
         };
         let positions = size("num_position_embeddings", 2304)?;
@@ -321,6 +328,7 @@ impl Arch {
             Arch::Qwen3
                 | Arch::Qwen3Moe
                 | Arch::Qwen3Vl
+                | Arch::Qwen3VlMoe
                 | Arch::Gemma3
                 | Arch::Qwen3_5
                 | Arch::Qwen3_5Moe
@@ -372,6 +380,7 @@ impl Arch {
             Arch::GptOss => ("GptOssForCausalLM", "gpt_oss"),
             Arch::Qwen2_5Vl => ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
             Arch::Qwen3Vl => ("Qwen3VLForConditionalGeneration", "qwen3_vl"),
+            Arch::Qwen3VlMoe => ("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"),
         }
     }
 
@@ -382,14 +391,14 @@ impl Arch {
 
     /// The vision-language layouts: a vision tower beside the language model.
     pub fn vision(self) -> bool {
-        matches!(self, Arch::Qwen2_5Vl | Arch::Qwen3Vl)
+        matches!(self, Arch::Qwen2_5Vl | Arch::Qwen3Vl | Arch::Qwen3VlMoe)
     }
 }
 
 /// The `architectures` (`config.json`) this implementation loads, and the block layout each
 /// follows: causal LMs, and the token- and sequence-classification models critics and reward
 /// models are (their backbone plus a `score` head).
-pub const ARCHITECTURES: [(&str, Arch); 47] = [
+pub const ARCHITECTURES: [(&str, Arch); 48] = [
     ("LlamaForCausalLM", Arch::Llama),
     ("LlamaForTokenClassification", Arch::Llama),
     ("LlamaForSequenceClassification", Arch::Llama),
@@ -437,10 +446,11 @@ pub const ARCHITECTURES: [(&str, Arch); 47] = [
     ("GptOssForSequenceClassification", Arch::GptOss),
     ("Qwen2_5_VLForConditionalGeneration", Arch::Qwen2_5Vl),
     ("Qwen3VLForConditionalGeneration", Arch::Qwen3Vl),
+    ("Qwen3VLMoeForConditionalGeneration", Arch::Qwen3VlMoe),
 ];
 
 /// `model_type`s read when a config has no `architectures`.
-const MODEL_TYPES: [(&str, Arch); 20] = [
+const MODEL_TYPES: [(&str, Arch); 21] = [
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Qwen2),
@@ -461,6 +471,7 @@ const MODEL_TYPES: [(&str, Arch); 20] = [
     ("gpt_oss", Arch::GptOss),
     ("qwen2_5_vl", Arch::Qwen2_5Vl),
     ("qwen3_vl", Arch::Qwen3Vl),
+    ("qwen3_vl_moe", Arch::Qwen3VlMoe),
 ];
 
 /// The block layout of a config: from `architectures` (every entry must be one this
@@ -1005,7 +1016,7 @@ impl MoeArgs {
             ));
         }
         let shared = match arch {
-            Arch::Qwen3Moe | Arch::GptOss => None,
+            Arch::Qwen3Moe | Arch::Qwen3VlMoe | Arch::GptOss => None,
             _ => Some(get_usize(v, "shared_expert_intermediate_size")?),
         };
         if arch == Arch::Qwen3_5Moe {
@@ -1069,11 +1080,12 @@ impl MoeArgs {
         Ok(Self {
             num_experts,
             num_experts_per_tok: k,
-            // transformers' default: false for Qwen3-MoE, true for Qwen3-Next.
-            norm_topk_prob: v
-                .get("norm_topk_prob")
-                .and_then(Value::as_bool)
-                .unwrap_or(arch == Arch::Qwen3Next),
+            // transformers' default: false for Qwen3-MoE, true for Qwen3-Next; Qwen3-VL-MoE's
+            // router always renormalises.
+            norm_topk_prob: arch == Arch::Qwen3VlMoe
+                || v.get("norm_topk_prob")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(arch == Arch::Qwen3Next),
             moe_intermediate_size: get_usize(v, "moe_intermediate_size")?,
             decoder_sparse_step: step,
             mlp_only_layers: only,
@@ -1818,6 +1830,7 @@ impl ModelArgs {
                 | Arch::Qwen2Moe
                 | Arch::Qwen3Next
                 | Arch::Qwen3_5Moe
+                | Arch::Qwen3VlMoe
                 | Arch::GptOss => Some(MoeArgs::from_hf(v, layers, arch)?),
                 Arch::DeepseekV3 | Arch::Glm4Moe => Some(deepseek::moe_from_hf(v, layers)?),
                 _ => None,

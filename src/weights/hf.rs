@@ -242,7 +242,7 @@ pub fn build(
     let tensors = lifted.as_ref().unwrap_or(tensors);
     let split = match args.gpt_oss_experts() {
         true => split_gpt_oss_experts(tensors, source)?,
-        false => split_fused_experts(tensors, source)?,
+        false => split_fused_experts(tensors, source, args.hidden_size)?,
     };
     let tensors = split.as_ref().unwrap_or(tensors);
     let varmap = VarMap::new();
@@ -314,14 +314,55 @@ fn keep_deepseek_mtp_layers(
     Ok(())
 }
 
+/// Qwen3-VL-MoE's experts as transformers writes them: per layer of experts
+/// `mlp.experts.gate_up_proj` `[experts, 2·inter, hidden]` (each expert's gate rows, then its up
+/// rows) and `mlp.experts.down_proj` `[experts, hidden, inter]`, from the per-expert tensors.
+fn fuse_qwen3_vl_moe_experts(
+    named: &mut BTreeMap<String, Tensor>,
+    args: &ModelArgs,
+) -> candle_core::Result<()> {
+    let Some(moe) = args
+        .moe
+        .as_ref()
+        .filter(|_| args.arch == crate::model::Arch::Qwen3VlMoe)
+    else {
+        return Ok(());
+    };
+    for layer in (0..args.num_hidden_layers).filter(|&l| moe.sparse(l)) {
+        let prefix = format!("model.layers.{layer}.mlp.experts");
+        let mut take = |e: usize, p: &str| {
+            let k = format!("{prefix}.{e}.{p}.weight");
+            named
+                .remove(&k)
+                .ok_or_else(|| candle_core::Error::Msg(format!("no `{k}` to save")))
+        };
+        let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+        for e in 0..moe.num_experts {
+            gate_up.push(Tensor::cat(
+                &[take(e, "gate_proj")?, take(e, "up_proj")?],
+                0,
+            )?);
+            down.push(take(e, "down_proj")?);
+        }
+        named.insert(
+            format!("{prefix}.gate_up_proj"),
+            Tensor::stack(&gate_up, 0)?,
+        );
+        named.insert(format!("{prefix}.down_proj"), Tensor::stack(&down, 0)?);
+    }
+    Ok(())
+}
+
 /// The names a model of `args` is saved under: Qwen3-VL's and multimodal Qwen3.5's checkpoints
 /// (as the hub publishes them and transformers writes them, with no conversion back from the
 /// older layout) name the language model `model.language_model.*` and the tower
 /// `model.visual.*`; other families keep the names they are held under (the hub's `model.*`,
 /// `visual.*`).
 fn saved_names(named: BTreeMap<String, Tensor>, args: &ModelArgs) -> BTreeMap<String, Tensor> {
-    let nested =
-        args.arch == crate::model::Arch::Qwen3Vl || (args.arch.hybrid() && args.vision.is_some());
+    let nested = matches!(
+        args.arch,
+        crate::model::Arch::Qwen3Vl | crate::model::Arch::Qwen3VlMoe
+    ) || (args.arch.hybrid() && args.vision.is_some());
     if !nested {
         return named;
     }
@@ -378,13 +419,15 @@ fn language_model_of(
 }
 
 /// Experts stored fused as transformers 5 holds them in memory (and writes them with
-/// `save_original_format=False`): `mlp.experts.gate_up_proj` `[experts, 2·inter, hidden]`
-/// (each expert's gate rows, then its up rows) and `mlp.experts.down_proj`
-/// `[experts, hidden, inter]`, cut into the hub's per-expert tensors
+/// `save_original_format=False`, or for Qwen3-VL-MoE always): `mlp.experts.gate_up_proj`
+/// `[experts, 2·inter, hidden]` (each expert's gate rows, then its up rows) and
+/// `mlp.experts.down_proj` `[experts, hidden, inter]`, or each expert transposed as Qwen3-VL-MoE's
+/// hub checkpoints hold them (told by which side is `hidden` wide), cut into per-expert tensors
 /// `mlp.experts.N.{gate,up,down}_proj.weight`. `None` when there are none.
 fn split_fused_experts(
     tensors: &HashMap<String, Tensor>,
     source: &Path,
+    hidden: usize,
 ) -> Result<Option<HashMap<String, Tensor>>, ModelError> {
     let fused = |n: &String| {
         n.ends_with(".mlp.experts.gate_up_proj") || n.ends_with(".mlp.experts.down_proj")
@@ -406,8 +449,18 @@ fn split_fused_experts(
                 format!("expected [experts, out, in], found {:?}", t.dims()),
             )
         })?;
+        // Qwen3-VL-MoE's hub checkpoints hold each expert transposed (`[in, out]`:
+        // gate_up_proj `[experts, hidden, 2·inter]`, down_proj `[experts, inter, hidden]`).
+        let transposed = match which {
+            "gate_up_proj" => rows == hidden && t.dim(2)? != hidden,
+            _ => t.dim(2)? == hidden && rows != hidden,
+        };
+        let rows = if transposed { t.dim(2)? } else { rows };
         for e in 0..experts {
-            let w = t.get(e)?; // [out, in]
+            let w = match transposed {
+                true => t.get(e)?.t()?,
+                false => t.get(e)?,
+            }; // [out, in]
             let parts: Vec<(&str, Tensor)> = if which == "gate_up_proj" {
                 if rows % 2 != 0 {
                     return Err(bad(
@@ -767,6 +820,7 @@ pub fn save_dir(
         .collect();
     drop(data);
     fuse_gpt_oss_experts(&mut named, args)?;
+    fuse_qwen3_vl_moe_experts(&mut named, args)?;
     let named = saved_names(named, args);
     let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
     let mut shards: Vec<Vec<(String, Tensor)>> = vec![Vec::new()];

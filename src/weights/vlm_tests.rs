@@ -87,7 +87,13 @@ fn positions(m: &CausalLm, seq: &[u32], gs: &[[usize; 3]]) -> [Vec<u32>; 3] {
         .0
 }
 
-const NAMES: [&str; 4] = ["qwen2_5_vl", "qwen3_vl", "qwen3_5_vl", "qwen3_5_moe_vl"];
+const NAMES: [&str; 5] = [
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5_vl",
+    "qwen3_5_moe_vl",
+];
 
 #[test]
 fn the_vision_tower_equals_transformers_in_f64() {
@@ -1032,4 +1038,50 @@ fn bad_image_rows_are_refused_by_row_and_column() {
         e.contains("column `images`") && e.contains("text model"),
         "{e}"
     );
+}
+
+/// Qwen3-VL-MoE's hub checkpoints hold each expert transposed (`gate_up_proj`
+/// `[experts, hidden, 2·inter]`, `down_proj` `[experts, inter, hidden]`; transformers transposes
+/// them on load): read so, the model's variables are those of transformers' own layout, bit
+/// for bit.
+#[test]
+fn qwen3_vl_moe_hub_layout_of_the_experts_reads_alike() {
+    let name = "qwen3_vl_moe";
+    let tensors =
+        candle_core::safetensors::load(dir(name).join("model.safetensors"), &Device::Cpu).unwrap();
+    let hub: std::collections::HashMap<String, Tensor> = tensors
+        .iter()
+        .map(|(n, t)| {
+            match n.ends_with("mlp.experts.gate_up_proj") || n.ends_with("mlp.experts.down_proj") {
+                true => (n.clone(), t.transpose(1, 2).unwrap().contiguous().unwrap()),
+                false => (n.clone(), t.clone()),
+            }
+        })
+        .collect();
+    assert!(hub.keys().any(|n| n.ends_with("experts.gate_up_proj")));
+    let tmp = tempfile::tempdir().unwrap();
+    candle_core::safetensors::save(&hub, tmp.path().join("model.safetensors")).unwrap();
+    std::fs::copy(
+        dir(name).join("config.json"),
+        tmp.path().join("config.json"),
+    )
+    .unwrap();
+    let again = crate::weights::hf::load_dir(
+        tmp.path(),
+        &Default::default(),
+        DType::F64,
+        &Device::Cpu,
+        true,
+    )
+    .unwrap();
+    let orig = load(name, DType::F64);
+    let (x, y) = (
+        orig.varmap.data().lock().unwrap(),
+        again.varmap.data().lock().unwrap(),
+    );
+    assert_eq!(x.len(), y.len());
+    for (n, v) in x.iter() {
+        let (d, _) = worst(v.as_tensor(), y[n].as_tensor());
+        assert_eq!(d, 0.0, "{n}");
+    }
 }
