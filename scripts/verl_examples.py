@@ -85,17 +85,21 @@ def shims(d: Path):
 
 # ---- what main_ppo should make of a line ----
 
-# Families the model code implements (config.json architectures).
+# Families the model code implements (config.json architectures); qwen2_5_vl is the one
+# vision-language family (the other VL families, qwen3_vl, glm4v, minicpmo, kimi_k25, are not).
 SUPPORTED_FAMILIES = {"qwen2", "llama", "mistral", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next",
-                      "seed_oss", "mimo", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen2_moe", "gemma2"}
+                      "seed_oss", "mimo", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen2_moe", "gemma2",
+                      "qwen2_5_vl"}
 
 # A model id's family, by its name (the first pattern found wins; VL before the base family).
+# "vllm" in a script's name is the rollout engine, not "-vl"/"_vl" (see `family`).
 FAMILY_PATTERNS = [
     ("qwen3-vl", "qwen3_vl"), ("qwen3_vl", "qwen3_vl"),
     ("-vl", "qwen2_5_vl"), ("_vl", "qwen2_5_vl"),
     # Qwen3.5 / Qwen3-Next (hybrid attention) and the Qwen3 MoE models before dense Qwen3.
     ("qwen3.5", "qwen3_5"), ("qwen3_5", "qwen3_5"), ("qwen3-next", "qwen3_next"),
     ("qwen3-30b-a3b", "qwen3_moe"), ("qwen3-235b-a22b", "qwen3_moe"), ("qwen3-coder-30b", "qwen3_moe"),
+    ("qwen30_a3b", "qwen3_moe"),
     ("qwen3", "qwen3"), ("qwen1.5-moe", "qwen2_moe"),
     ("qwen2", "qwen2"), ("qwen30", "qwen3"), ("deepseek-llm", "llama"), ("deepseek-math", "llama"),
     # DeepSeek-V4 is its own architecture (transformers' deepseek_v4), and Kimi-K2.5/K2.6 are
@@ -114,7 +118,7 @@ DEFAULT_MODEL = "~/models/deepseek-llm-7b-chat"  # verl's default actor and crit
 
 
 def family(model_id):
-    m = model_id.lower()
+    m = model_id.lower().replace("vllm", "")
     for pat, fam in FAMILY_PATTERNS:
         if pat in m:
             return fam
@@ -160,6 +164,13 @@ ESTIMATORS = {"gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "rein
               "optimal_token_baseline", "tir_optimal_token_baseline"}
 LOSSES = {"vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "sapo", "cispo", "geo_mean", "dppo_tv", "dppo_kl", "dro"}
 REWARD_MANAGERS = {"naive", "remote", "batch", "dapo", "gdpo", "prime"}
+
+# verl's tool configs whose tools main_ppo's tool workers do not ship: the file name, and why
+# (verl's geo3k tool config sets no `config.type`, and its class is verl's own module, which
+# scores with mathruler).
+UNSHIPPED_TOOLS = {
+    "geo3k_tool_config.yaml": "verl's geo3k tool (verl.tools.geo3k_tool.Geo3kTool)",
+}
 
 # Keys a few example lines set that verl's own config does not define at that commit (verl
 # refuses those lines too): (commit, key).
@@ -227,6 +238,10 @@ def expect(entry, configs):
         fmt = st.get("actor_rollout_ref.rollout.multi_turn.format")
         if fmt is not None and str(fmt) not in ("hermes", "llama3_json"):
             refuse("actor_rollout_ref.rollout.multi_turn.format", f"tool-call format {fmt}")
+        tools = str(st.get("actor_rollout_ref.rollout.multi_turn.tool_config_path", ""))
+        for config, what in UNSHIPPED_TOOLS.items():
+            if tools.endswith(config):
+                refuse("actor_rollout_ref.rollout.multi_turn.tool_config_path", what)
     feature_flags = {
         # verl trains the MTP layers with an extra loss: not implemented (MiMo's are kept frozen)
         "actor_rollout_ref.model.mtp.enable": "multi-token prediction",

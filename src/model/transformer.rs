@@ -884,7 +884,7 @@ impl CausalLm {
     fn embed_inputs(&self, input_ids: &Tensor, images: Option<&VisionFeatures>) -> Result<Tensor> {
         let x = self.embed_ids(input_ids)?;
         match images {
-            Some(f) => self.place_images(input_ids, &x, &f.merged, false),
+            Some(f) => self.place_images(input_ids, &x, &f.merged, (false, f.at.as_deref())),
             None => Ok(x),
         }
     }
@@ -899,40 +899,61 @@ impl CausalLm {
         layer: usize,
     ) -> Result<Tensor> {
         match images.and_then(|f| f.deepstack.get(layer)) {
-            Some(d) => self.place_images(input_ids, &x, d, true),
+            Some(d) => {
+                let at = images.and_then(|f| f.at.as_deref());
+                self.place_images(input_ids, &x, d, (true, at))
+            }
             None => Ok(x),
         }
     }
 
-    /// `x` `[b, t, hidden]` with the rows at the image placeholder tokens of `input_ids`
-    /// replaced (or, with `add`, increased), in order, by `features` `[placeholders, hidden]`
-    /// (one gather over the rows and the features, so gradients reach both).
+    /// `x` `[b, t, hidden]` with the rows at the image placeholder tokens of `input_ids` (or at
+    /// the flat positions `at`) replaced (or, with `add`, increased), in order, by `features`
+    /// `[placeholders, hidden]` (one gather over the rows and the features, so gradients reach
+    /// both).
     fn place_images(
         &self,
         input_ids: &Tensor,
         x: &Tensor,
         features: &Tensor,
-        add: bool,
+        (add, at): (bool, Option<&[u32]>),
     ) -> Result<Tensor> {
         let Some(v) = &self.args.vision else {
             candle_core::bail!("image features given to a model without a vision tower");
         };
         let (b, t, h) = x.dims3()?;
-        let ids: Vec<u32> = input_ids.flatten_all()?.to_vec1()?;
         let (m, fh) = features.dims2()?;
-        let mut next = 0u32;
-        let select: Vec<u32> = (0..ids.len() as u32)
-            .map(|p| match ids[p as usize] == v.image_token_id {
-                true => {
-                    next += 1;
-                    (b * t) as u32 + next - 1
+        // For each flat position, itself (text) or `b·t + k` (feature k).
+        let mut select: Vec<u32> = (0..(b * t) as u32).collect();
+        let placed = match at {
+            Some(at) => {
+                for (k, &p) in at.iter().enumerate() {
+                    match select.get_mut(p as usize) {
+                        Some(s) => *s = (b * t + k) as u32,
+                        None => candle_core::bail!(
+                            "image feature {k} placed at token {p} of a {b}×{t} input"
+                        ),
+                    }
                 }
-                false => p,
-            })
-            .collect();
-        if next as usize != m || fh != h {
+                at.len()
+            }
+            None => {
+                let ids: Vec<u32> = input_ids.flatten_all()?.to_vec1()?;
+                let mut next = 0;
+                for (p, _) in ids
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &i)| i == v.image_token_id)
+                {
+                    select[p] = (b * t + next) as u32;
+                    next += 1;
+                }
+                next
+            }
+        };
+        if placed != m || fh != h {
             candle_core::bail!(
-                "{next} image placeholder tokens (id {}) but image features {:?} (expected [{next}, {h}])",
+                "{placed} image placeholder tokens (id {}) but image features {:?} (expected [{placed}, {h}])",
                 v.image_token_id,
                 features.dims()
             );
@@ -946,8 +967,7 @@ impl CausalLm {
             return x + extra.reshape((b, t, h))?;
         }
         let all = Tensor::cat(&[&x.reshape((b * t, h))?, &features], 0)?;
-        all.index_select(&select, 0)?
-            .reshape((b, t, h))
+        all.index_select(&select, 0)?.reshape((b, t, h))
     }
 
     /// The embeddings of `input_ids` `[b, t]`: `[b, t, hidden]` (times √hidden for Gemma).

@@ -226,6 +226,11 @@ impl Merger {
 pub struct VisionFeatures {
     pub merged: Tensor,
     pub deepstack: Vec<Tensor>,
+    /// Where the features go: flat indices into the forward's `[batch · seq]` tokens, one per
+    /// feature row, in order; `None`: at every image placeholder token of the input, in order
+    /// (a prompt alone). A sequence whose response holds a placeholder token the model sampled
+    /// must name the prompt's positions.
+    pub at: Option<Vec<u32>>,
 }
 
 /// The vision tower's weights (names as transformers' `visual.*`).
@@ -359,7 +364,9 @@ impl VisionTower {
         let layout = self.layout(grids)?;
         let unit = a.spatial_merge_size * a.spatial_merge_size;
         let dev = pixels.device();
-        let mut x = pixels.to_dtype(self.patch.dtype())?.matmul(&self.patch.t()?)?; // [n, hidden]
+        let mut x = pixels
+            .to_dtype(self.patch.dtype())?
+            .matmul(&self.patch.t()?)?; // [n, hidden]
         if let Some(b) = &self.patch_bias {
             x = x.broadcast_add(b)?;
         }
@@ -372,7 +379,11 @@ impl VisionTower {
             None => None,
         };
         let (x, cos, sin) = match &order {
-            Some(o) => (permute(&x, o, unit)?, permute3(&cos, o, unit)?, permute3(&sin, o, unit)?),
+            Some(o) => (
+                permute(&x, o, unit)?,
+                permute3(&cos, o, unit)?,
+                permute3(&sin, o, unit)?,
+            ),
             None => (x, cos, sin),
         };
         let mut x = x;
@@ -401,7 +412,11 @@ impl VisionTower {
             }
             None => merged,
         };
-        Ok(VisionFeatures { merged, deepstack })
+        Ok(VisionFeatures {
+            merged,
+            deepstack,
+            at: None,
+        })
     }
 
     /// Qwen3-VL's learned position grid `[side², hidden]` resampled to each frame's grid
@@ -753,11 +768,17 @@ pub fn row_features(
     let merged: Vec<&Tensor> = parts.iter().map(|f| &f.merged).collect();
     let layers = parts[0].deepstack.len();
     let deepstack = (0..layers)
-        .map(|l| Tensor::cat(&parts.iter().map(|f| &f.deepstack[l]).collect::<Vec<_>>(), 0))
+        .map(|l| {
+            Tensor::cat(
+                &parts.iter().map(|f| &f.deepstack[l]).collect::<Vec<_>>(),
+                0,
+            )
+        })
         .collect::<Result<Vec<_>>>()?;
     Ok(Some(VisionFeatures {
         merged: Tensor::cat(&merged, 0)?,
         deepstack,
+        at: None,
     }))
 }
 

@@ -485,6 +485,11 @@ pub fn generate_agent_rows(
     let mut agent = agent::ToolAgent::new(ctx, convs, owned, p.max_new_tokens, p.eos_ids.clone());
     let streams = sampler.rows().starting_at(first_row);
     let images = dataset_images(ds, rows, model.device())?;
+    if images.iter().any(Option::is_some) {
+        candle_core::bail!(
+            "the tool agent loop does not run rows with images (a multi-turn rollout re-reads its responses, where sampled placeholder tokens would be taken for images); run those rows with the single-turn agent"
+        );
+    }
     let (mut out, _) =
         scheduler::generate_turns(model, &prompts, p, streams, None, Some(&mut agent), &images)?;
     let episodes = agent.finish(&mut out);

@@ -99,7 +99,9 @@ impl StepBatch {
             false => self.padded_inputs(rows, layout, device)?,
         };
         if !images.is_empty() {
-            mi.position_ids = self.rope_positions(rows, &mi, device)?;
+            let (positions, at) = self.rope_positions(rows, &mi, layout.image_token, device)?;
+            mi.position_ids = positions;
+            mi.image_at = at;
             mi.images = images;
         }
         Ok(mi)
@@ -135,7 +137,17 @@ impl StepBatch {
     /// The 3-D rotary positions of `mi`'s tokens (`[3, m, t]` padded, `[3, n]` packed): a
     /// row's prompt at its images' positions, its response counting on from the prompt's
     /// length plus the row's delta on every axis; rows without images at their 1-D positions.
-    fn rope_positions(&self, rows: &[usize], mi: &MicroInputs, device: &Device) -> Result<Tensor> {
+    /// With the model's `image_token`, also where the image features go: the flat positions of
+    /// the placeholders in the prompts (a response may hold a placeholder the model sampled,
+    /// which is a token like any other).
+    #[allow(clippy::type_complexity)]
+    fn rope_positions(
+        &self,
+        rows: &[usize],
+        mi: &MicroInputs,
+        image_token: Option<u32>,
+        device: &Device,
+    ) -> Result<(Tensor, Option<Vec<u32>>)> {
         let flat: Vec<u32> = mi.position_ids.flatten_all()?.to_vec1()?;
         let mut pos = [flat.clone(), flat.clone(), flat];
         // Each row's run of real tokens in the flat layout: (start, length).
@@ -156,11 +168,18 @@ impl StepBatch {
             }
             Tokens::Packed { segments, .. } => segments.clone(),
         };
+        let mut at = Vec::new();
         for (&row, &(start, len)) in rows.iter().zip(&runs) {
             let Some(ri) = self.images.get(row).and_then(Option::as_ref) else {
                 continue;
             };
             let p = self.prompts[row].len();
+            let placeholders = self.prompts[row].iter().enumerate();
+            at.extend(
+                placeholders
+                    .filter(|&(_, &t)| Some(t) == image_token)
+                    .map(|(k, _)| (start + k) as u32),
+            );
             for (axis, a) in pos.iter_mut().enumerate() {
                 for k in 0..len {
                     a[start + k] = match k < p {
@@ -173,7 +192,8 @@ impl StepBatch {
         let shape: Vec<usize> = std::iter::once(3)
             .chain(mi.position_ids.dims().iter().copied())
             .collect();
-        Tensor::from_vec(pos.concat(), shape, device)
+        let at = image_token.map(|_| at);
+        Ok((Tensor::from_vec(pos.concat(), shape, device)?, at))
     }
 
     /// [`StepBatch::inputs`] padded: prompts left-padded to the longest, responses right-padded.
@@ -234,6 +254,7 @@ impl StepBatch {
             response_mask: Tensor::from_vec(rmask, (m, r), device)?,
             response_width: r,
             images: Vec::new(),
+            image_at: None,
         })
     }
 
@@ -347,6 +368,7 @@ impl StepBatch {
             response_mask: Tensor::from_vec(rmask, (m, r), device)?,
             response_width: r,
             images: Vec::new(),
+            image_at: None,
         })
     }
 }
@@ -426,6 +448,9 @@ pub struct MicroInputs {
     /// Each row's images (in row order; empty when no row has any): their features replace
     /// the placeholders' embeddings, and `position_ids` are then 3-D (`[3, ..]`).
     pub images: Vec<Option<std::sync::Arc<crate::model::vision::Images>>>,
+    /// Where the images' features go (flat token positions of the prompts' placeholders);
+    /// `None`: at every placeholder token of the input.
+    pub image_at: Option<Vec<u32>>,
 }
 
 /// The layout of [`MicroInputs`]' tokens.
@@ -463,7 +488,7 @@ impl MicroInputs {
                 key_mask,
                 prompt_width,
             } => {
-                let features = crate::model::vision::row_features(model, &self.images)?;
+                let features = self.features(model)?;
                 let (ids, pos) = (&self.input_ids, &self.position_ids);
                 let hidden =
                     model.forward_hidden_images(ids, pos, key_mask, features.as_ref(), None)?; // [m, p + r − 1, h]
@@ -476,7 +501,7 @@ impl MicroInputs {
                 ..
             } => {
                 let (ids, pos) = (&self.input_ids, &self.position_ids);
-                let features = crate::model::vision::row_features(model, &self.images)?;
+                let features = self.features(model)?;
                 let h = match continues {
                     Some(c) => model.forward_hidden_grouped(ids, pos, segments, c)?,
                     None => {
@@ -486,6 +511,15 @@ impl MicroInputs {
                 h.index_select(at, 0)?.unsqueeze(0) // [1, k, h]
             }
         }
+    }
+
+    /// The rows' image features from `model`'s tower, placed at the prompts' placeholders.
+    fn features(&self, model: &CausalLm) -> Result<Option<crate::model::vision::VisionFeatures>> {
+        let f = crate::model::vision::row_features(model, &self.images)?;
+        Ok(f.map(|f| crate::model::vision::VisionFeatures {
+            at: self.image_at.clone(),
+            ..f
+        }))
     }
 
     /// The targets in [`MicroInputs::response_hidden`]'s layout: `[m, r]` or `[1, k]`.

@@ -830,6 +830,36 @@ fn trainer_inputs_with_images_give_transformers_log_probs() {
             }
         }
     }
+    // A response holding a placeholder token the model sampled is a token like any other:
+    // the features go to the prompt's placeholders only (transformers would count it as one
+    // more image). The response's first token depends on the prompt alone: transformers'.
+    let mut sampled = b.select(&[0, 2]);
+    sampled.responses[0][1] = v.image_token_id;
+    sampled.images = vec![images[0].clone(), images[1].clone()];
+    for layout in [
+        base,
+        Layout {
+            packed: true,
+            ..base
+        },
+    ] {
+        let mi = sampled.inputs(&[0, 1], layout, &Device::Cpu).unwrap();
+        let h = mi.response_hidden(&m).unwrap();
+        let (lp, _) = m
+            .token_logprobs(&h, mi.response_targets(), 5, false)
+            .unwrap();
+        let lp: Vec<Vec<f64>> = mi.to_rows(&lp).unwrap().to_vec2().unwrap();
+        let w = want[0][cut[0] - 1];
+        assert!(
+            (lp[0][0] - w).abs() <= 1e-12,
+            "{layout:?}: {} vs {w}",
+            lp[0][0]
+        );
+        for j in 0..seqs[1].len() - cut[1] {
+            let w = want[1][cut[1] + j - 1];
+            assert!((lp[1][j] - w).abs() <= 1e-12, "{layout:?} row 1 token {j}");
+        }
+    }
     // A row whose prompt holds placeholders but whose images are missing is refused by row.
     b.images[2] = None;
     let e = b

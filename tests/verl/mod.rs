@@ -18,7 +18,8 @@ fn fixtures() -> PathBuf {
 
 /// A folder per model family: a `config.json` of a tiny model (the families main_ppo runs) or
 /// one naming the family's architecture only (those it refuses). No weights: `config check`
-/// reads the configuration only.
+/// reads the configuration only (and, for the vision-language family, the tokenizer and image
+/// processor, with which it tokenises the prompts and processes their images).
 pub(super) fn model_dir(root: &Path, family: &str) -> PathBuf {
     use main_ppo::model::{Arch, ModelArgs};
     let dir = root.join("models").join(family);
@@ -65,6 +66,7 @@ pub(super) fn model_dir(root: &Path, family: &str) -> PathBuf {
             }
             c
         }
+        "qwen2_5_vl" => qwen2_5_vl_folder(&dir),
         other => {
             let arch: String = other
                 .split('_')
@@ -75,6 +77,31 @@ pub(super) fn model_dir(root: &Path, family: &str) -> PathBuf {
     };
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     dir
+}
+
+/// The chat fixture's Qwen2.5-VL folder without its weights (tokenizer with the vision tokens,
+/// chat template, image processor) in `dir`, and its `config.json` with the language model
+/// widened as the text families' above: 128 wide with two heads of 64 (`mrope_section` spans
+/// the head's 32 frequencies), the tower's output as wide, positions as far as theirs.
+fn qwen2_5_vl_folder(dir: &Path) -> Value {
+    let chat = repo().join("tests/fixtures/vlm/qwen2_5_vl/chat");
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "preprocessor_config.json",
+    ] {
+        std::fs::copy(chat.join(f), dir.join(f)).unwrap();
+    }
+    let mut c: Value =
+        serde_json::from_str(&std::fs::read_to_string(chat.join("config.json")).unwrap()).unwrap();
+    let t = &mut c["text_config"];
+    (t["hidden_size"], t["intermediate_size"]) = (128.into(), 128.into());
+    (t["num_attention_heads"], t["num_key_value_heads"]) = (2.into(), 2.into());
+    t["rope_parameters"]["mrope_section"] = serde_json::json!([8, 12, 12]);
+    t["max_position_embeddings"] = (1usize << 20).into();
+    c["vision_config"]["out_hidden_size"] = 128.into();
+    c
 }
 
 /// The example config files a line names with `--config-path examples/...`, written out.
@@ -114,6 +141,73 @@ fn write_gsm8k_subset(root: &Path) {
     }
 }
 
+/// verl's geo3k data for the vision-language lines (`$HOME/data/geo3k/{train,test}.parquet`):
+/// the chat fixture's three rows in verl's geo3k layout (images as `{bytes, path}` structs),
+/// repeated to 513 training rows (the lines ask for up to 512 prompts a step) and written once
+/// as the test file. Their `data_source` becomes `lighteval/MATH`, as the text lines' MATH and
+/// code data become GSM8K rows: verl scores `hiyouga/geometry3k` with mathruler (sympy), which
+/// main_ppo does not build in (a geo3k run names a reward function: `scripts/geo3k_reward.py`).
+fn write_geo3k_layout(root: &Path) {
+    use arrow_array::{ArrayRef, RecordBatch, StringArray};
+    use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+    let from = repo().join("tests/fixtures/vlm/qwen2_5_vl/chat/geo3k_layout.parquet");
+    let reader = ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(from).unwrap())
+        .unwrap()
+        .build()
+        .unwrap();
+    let batches: Vec<RecordBatch> = reader
+        .map(|b| {
+            let b = b.unwrap();
+            let at = b.schema().index_of("data_source").unwrap();
+            let mut columns = b.columns().to_vec();
+            columns[at] =
+                std::sync::Arc::new(StringArray::from(vec!["lighteval/MATH"; b.num_rows()]))
+                    as ArrayRef;
+            RecordBatch::try_new(b.schema(), columns).unwrap()
+        })
+        .collect();
+    let dir = root.join("data/geo3k");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, copies) in [("train.parquet", 171), ("test.parquet", 1)] {
+        let file = std::fs::File::create(dir.join(name)).unwrap();
+        let mut w = parquet::arrow::ArrowWriter::try_new(file, batches[0].schema(), None).unwrap();
+        for _ in 0..copies {
+            for b in &batches {
+                w.write(b).unwrap();
+            }
+        }
+        w.close().unwrap();
+    }
+}
+
+/// verl's geo3k tool config, as verl ships it (`config: {}`), at the path its multi-turn geo3k
+/// lines name (relative to where they run): main_ppo's tool workers ship no geo3k tool (verl's
+/// `verl.tools.geo3k_tool.Geo3kTool` scores with mathruler), and those lines are refused naming
+/// the key.
+fn write_geo3k_tool_config(cwds: &[PathBuf]) {
+    let config = [
+        "tools:",
+        "  - class_name: verl.tools.geo3k_tool.Geo3kTool",
+        "    config: {}",
+        "    tool_schema:",
+        "      type: function",
+        "      function:",
+        "        name: calc_geo3k_reward",
+        "        description: the reward of a geo3k answer",
+        "        parameters:",
+        "          type: object",
+        "          properties:",
+        "            answer: {type: string, description: the answer}",
+        "          required: [answer]",
+    ]
+    .join("\n");
+    for cwd in cwds {
+        let p = cwd.join("examples/sglang_multiturn/config/tool_config/geo3k_tool_config.yaml");
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, &config).unwrap();
+    }
+}
+
 /// The line with its paths swapped: data files, model folders of the same family, the reward
 /// file, LoRA adapter folders, output folders and example config folders; the actor's and critic's model paths and the
 /// data files are added where the line leaves verl's defaults (`~/models/...`, `~/data/...`).
@@ -121,6 +215,11 @@ fn swapped(entry: &Value, root: &Path) -> Vec<String> {
     let commit = entry["commit"].as_str().unwrap();
     let models = entry["models"].as_object().unwrap();
     let data = root.join("data");
+    // A vision-language line reads geo3k-layout data, as verl's geo3k lines do; the others GSM8K.
+    let files = match models["actor_rollout_ref.model.path"].as_str() {
+        Some("qwen2_5_vl") => ["geo3k/train.parquet", "geo3k/test.parquet"],
+        _ => ["train.jsonl", "test.jsonl"],
+    };
     let mut out = Vec::new();
     let mut seen = Vec::new();
     for a in entry["argv"].as_array().unwrap() {
@@ -142,9 +241,9 @@ fn swapped(entry: &Value, root: &Path) -> Vec<String> {
         seen.push(key.to_string());
         let file = |name: &str| format!("{k}={}", data.join(name).display());
         let swap = if key == DATA_KEYS[0] {
-            Some(file("train.jsonl"))
+            Some(file(files[0]))
         } else if key == DATA_KEYS[1] {
-            Some(file("test.jsonl"))
+            Some(file(files[1]))
         } else if let Some(fam) = models.get(key).and_then(Value::as_str) {
             Some(format!("{k}={}", model_dir(root, fam).display()))
         } else if key.ends_with("custom_reward_function.path") {
@@ -167,7 +266,7 @@ fn swapped(entry: &Value, root: &Path) -> Vec<String> {
             out.push(format!("{key}={}", model_dir(root, fam).display()));
         }
     }
-    for (key, name) in DATA_KEYS.iter().zip(["train.jsonl", "test.jsonl"]) {
+    for (key, name) in DATA_KEYS.iter().zip(files) {
         if !seen.iter().any(|s| s == key) {
             out.push(format!("{key}={}", data.join(name).display()));
         }
@@ -287,6 +386,11 @@ fn verl_example_command_lines_pass_or_are_refused_in_one_named_line() {
     .unwrap();
     write_example_configs(root.path());
     write_gsm8k_subset(root.path());
+    write_geo3k_layout(root.path());
+    write_geo3k_tool_config(&[
+        root.path().to_path_buf(),
+        root.path().join("with-verl-b178a3c"),
+    ]);
     // Most lines log to wandb (verl's default `trainer.logger`), whose SDK `config check`
     // imports: stand-ins, as a user running them has the SDK installed.
     let sdks = super::stub_sdks(root.path());

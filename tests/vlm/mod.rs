@@ -192,3 +192,101 @@ fn generate_reads_images_like_transformers() {
         }
     }
 }
+
+/// The geo3k recipe on a CPU (`configs/geo3k_grpo_vlm_cpu.yaml`, docs/src/data.md "geo3k on
+/// the CPU") on a sample of `scripts/geo3k_synthetic.py`'s output (`--train 6 --test 3 --short`,
+/// in `tests/fixtures/vlm/geo3k_synthetic/`): `config check` reads it as a training set for the
+/// chat fixture (every prompt within the budget with its image at the recipe's processor bound;
+/// at the processor's own bound, 64 image tokens instead of 16, none fits), and
+/// `scripts/geo3k_reward.py` scores as geo3k's formula, 0.9 · accuracy + 0.1 · format, gives by
+/// hand.
+#[test]
+fn the_geo3k_cpu_recipe_reads_the_synthetic_set_and_its_reward_follows_geo3k() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let sample = repo.join("tests/fixtures/vlm/geo3k_synthetic");
+    let check = |extra: &[&str]| {
+        let mut args: Vec<String> = [
+            "config",
+            "check",
+            "--config",
+            "configs/geo3k_grpo_vlm_cpu.yaml",
+        ]
+        .map(String::from)
+        .to_vec();
+        args.push(format!(
+            "data.train_files={}",
+            sample.join("train.parquet").display()
+        ));
+        args.push(format!(
+            "data.val_files={}",
+            sample.join("test.parquet").display()
+        ));
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let out = bin_in(repo).args(&args).output().unwrap();
+        let (stdout, stderr) = text(&out);
+        (out.status.success(), stdout, stderr)
+    };
+    let (ok, stdout, stderr) = check(&[]);
+    assert!(ok, "{stderr}");
+    for want in [
+        "training prompts: 6",
+        "validation prompts: 3",
+        "dropped as longer than 192 prompt tokens: 0",
+        "custom function compute_score from scripts/geo3k_reward.py",
+    ] {
+        assert!(stdout.contains(want), "{want:?} not in:\n{stdout}");
+    }
+    let (ok, _, stderr) = check(&["data.mm_processor_kwargs.max_pixels=4096"]);
+    assert!(
+        !ok && stderr.contains("no prompts left after filtering"),
+        "{stderr}"
+    );
+
+    // Each row: the response, the ground truth, geo3k's score by hand.
+    let cases = [
+        // Boxed answer right (accuracy 1), <think>..</think> then \boxed{} (format 1).
+        (
+            "<think>5 + 7 = 12</think> The sum is \\boxed{12}.",
+            "12",
+            0.9 + 0.1,
+        ),
+        // Wrong answer, well formed: the format's share only.
+        ("<think>5 + 7 = 13</think> \\boxed{13}", "12", 0.1),
+        // Right answer without the thinking tags: the accuracy's share only.
+        ("The sum is \\boxed{12}.", "12", 0.9),
+        // Equal as numbers.
+        ("<think>12</think>\n\\boxed{ 12.0 }", "12", 1.0),
+        // No box: neither accuracy nor format.
+        ("<think>5 + 7</think> 12", "12", 0.0),
+        // The last box counts; braces inside it balance.
+        ("<think>x</think> \\boxed{13}, no: \\boxed{12}", "12", 1.0),
+        (
+            "<think>x</think> \\boxed{\\frac{1}{2}}",
+            "\\frac{1}{2}",
+            1.0,
+        ),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("geo3k_reward_tests.jsonl");
+    let rows: String = cases
+        .iter()
+        .map(|(response, truth, score)| {
+            serde_json::json!({"data_source": "geo3k_synthetic", "solution_str": response,
+                "ground_truth": truth, "expected": score})
+            .to_string()
+                + "\n"
+        })
+        .collect();
+    std::fs::write(&file, rows).unwrap();
+    let out = bin_in(repo)
+        .args([
+            "reward".to_string(),
+            "test".into(),
+            file.display().to_string(),
+            "reward.custom_reward_function.path=scripts/geo3k_reward.py".into(),
+        ])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+}
