@@ -85,15 +85,20 @@ def shims(d: Path):
 
 # ---- what main_ppo should make of a line ----
 
-# Families the model code implements (config.json architectures); qwen2_5_vl is the one
-# vision-language family (the other VL families, qwen3_vl, glm4v, minicpmo, kimi_k25, are not).
+# Families the model code implements (config.json architectures); the vision-language ones are
+# qwen2_5_vl, qwen3_vl and qwen3_vl_moe (glm4v, minicpmo, kimi_k25 are not).
 SUPPORTED_FAMILIES = {"qwen2", "llama", "mistral", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next",
                       "seed_oss", "mimo", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen2_moe", "gemma2",
-                      "qwen2_5_vl"}
+                      "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"}
 
 # A model id's family, by its name (the first pattern found wins; VL before the base family).
 # "vllm" in a script's name is the rollout engine, not "-vl"/"_vl" (see `family`).
+VISION_FAMILIES = {"qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"}
+
 FAMILY_PATTERNS = [
+    # Qwen3-VL's MoE models (30B-A3B, 235B-A22B) before the dense ones.
+    ("qwen3-vl-30b-a3b", "qwen3_vl_moe"), ("qwen3-vl-235b-a22b", "qwen3_vl_moe"),
+    ("qwen3_vl_moe", "qwen3_vl_moe"),
     ("qwen3-vl", "qwen3_vl"), ("qwen3_vl", "qwen3_vl"),
     ("-vl", "qwen2_5_vl"), ("_vl", "qwen2_5_vl"),
     # Qwen3.5 / Qwen3-Next (hybrid attention) and the Qwen3 MoE models before dense Qwen3.
@@ -193,6 +198,9 @@ def expect(entry, configs):
     fam = family(entry["model"])
     if fam not in SUPPORTED_FAMILIES:
         refuse("actor_rollout_ref.model.path", f"model family {fam}")
+    if truthy(st.get("distillation.enabled")) and fam in VISION_FAMILIES:
+        # The teachers would read the image placeholders without the images.
+        refuse("distillation.enabled", "distillation of a vision-language student")
     if truthy(st.get("distillation.enabled")):
         # Each teacher's family, as the actor's (verl drops `teacher_model` beside named ones).
         teachers = {k: v for k, v in st.items()

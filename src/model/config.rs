@@ -194,6 +194,17 @@ pub struct VisionArgs {
 /// reads and writes).
 pub const VISUAL: &str = "visual.";
 
+/// A tower's heads must split `hidden` evenly into widths its 2-D rotary embedding turns
+/// (a multiple of 4).
+fn check_vision_heads(hidden: usize, heads: usize) -> Result<(), String> {
+    if !hidden.is_multiple_of(heads) || !(hidden / heads).is_multiple_of(4) {
+        return Err(format!(
+            "config.json: vision_config.hidden_size ({hidden}) over vision_config.num_heads ({heads}) must give a head width divisible by 4 (its 2-D rotary embedding)"
+        ));
+    }
+    Ok(())
+}
+
 impl VisionArgs {
     /// Reads `vision_config` and the placeholder ids of a vision-language `config.json` value
     /// (`top`; `text` its language model's settings).
@@ -274,13 +285,7 @@ impl VisionArgs {
             size("hidden_size", if qwen3 { 1152 } else { 3584 })?,
             size("num_heads", 16)?,
         );
-        if hidden % heads != 0 || (hidden / heads) % 4 != 0 {
-            return Err(format!(
-                "config.json: {} ({hidden}) over {} ({heads}) must give a head width divisible by 4 (its 2-D rotary embedding)",
-                key("hidden_size"),
-                key("num_heads")
-            ));
-        }
+        check_vision_heads(hidden, heads)?;
         let theta = match v.get("rope_parameters").and_then(|p| p.get("rope_theta")) {
             Some(x) => json_number(&key("rope_parameters.rope_theta"), x)?,
             None => 10000.0,

@@ -56,6 +56,9 @@ pub fn model_context(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
                 )?;
                 lora_rank(group, m, &args)?;
                 train_dropout(group, path, &args)?;
+                if group == "actor_rollout_ref.model" {
+                    vision_student(&args, plan)?;
+                }
                 // The actor's tokenizer must not reach past its embedding rows.
                 let tok = super::setup::tokenizer_override(cfg).unwrap_or(path);
                 if group == "actor_rollout_ref.model" && has_local_config(path) {
@@ -87,6 +90,18 @@ pub fn model_context(cfg: &Config, plan: &Plan) -> Result<(), ConfigError> {
         }
     }
     teachers(cfg, plan)
+}
+
+/// On-policy distillation of a vision-language student is refused: the teachers would read the
+/// image placeholder tokens without the images.
+pub(crate) fn vision_student(args: &ModelArgs, plan: &Plan) -> Result<(), ConfigError> {
+    if args.vision.is_some() && plan.distillation.is_some() {
+        return Err(ConfigError::Value {
+            key: "distillation.enabled".into(),
+            message: "on-policy distillation of a vision-language student is not supported: the teachers would read the image placeholder tokens without the images".into(),
+        });
+    }
+    Ok(())
 }
 
 /// A model that trains must not ask for dropout: verl's update runs it in train mode, where

@@ -805,12 +805,7 @@ pub fn policy(cfg: &Config, plan: &Plan, device: &Device) -> Result<Policy> {
     let lora = attach_lora(&mut loaded, m, key, cfg.trainer.seed, "CAUSAL_LM")?;
     let context = loaded.model.args.max_position_embeddings;
     fits_context(plan, "actor_rollout_ref.model.path", &m.path, context)?;
-    if loaded.model.args.vision.is_some() && plan.distillation.is_some() {
-        return Err(TrainerError::Config(crate::config::ConfigError::Value {
-            key: "distillation.enabled".into(),
-            message: "on-policy distillation of a vision-language student is not supported: the teachers would read the image placeholder tokens without the images".into(),
-        }));
-    }
+    super::preflight::vision_student(&loaded.model.args, plan)?;
     let template = Arc::new(tok.template(m.custom_chat_template.as_deref())?);
     let runner = tool_runner(cfg)?;
     let interactions = interaction_runner(cfg)?;

@@ -67,6 +67,7 @@ pub(super) fn model_dir(root: &Path, family: &str) -> PathBuf {
             c
         }
         "qwen2_5_vl" => qwen2_5_vl_folder(&dir),
+        "qwen3_vl" | "qwen3_vl_moe" => qwen3_vl_folder(&dir, family == "qwen3_vl_moe"),
         other => {
             let arch: String = other
                 .split('_')
@@ -101,6 +102,36 @@ fn qwen2_5_vl_folder(dir: &Path) -> Value {
     t["rope_parameters"]["mrope_section"] = serde_json::json!([8, 12, 12]);
     t["max_position_embeddings"] = (1usize << 20).into();
     c["vision_config"]["out_hidden_size"] = 128.into();
+    c
+}
+
+/// A Qwen3-VL (`moe`: Qwen3-VL-MoE) folder as [`qwen2_5_vl_folder`]'s: the same tokenizer and
+/// processor, Qwen3-VL's config (q/k norms, interleaved rotary sections, the tower of the
+/// `qwen3_vl` fixture with its DeepStack, 128 wide out; with `moe` eight experts of 64, top 2).
+fn qwen3_vl_folder(dir: &Path, moe: bool) -> Value {
+    let mut c = qwen2_5_vl_folder(dir);
+    let fixture: Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("tests/fixtures/vlm/qwen3_vl/config.json")).unwrap(),
+    )
+    .unwrap();
+    let (arch, model_type) = match moe {
+        true => ("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"),
+        false => ("Qwen3VLForConditionalGeneration", "qwen3_vl"),
+    };
+    c["architectures"] = serde_json::json!([arch]);
+    c["model_type"] = model_type.into();
+    let t = &mut c["text_config"];
+    t["model_type"] = format!("{model_type}_text").into();
+    t["head_dim"] = 64.into();
+    t["rope_parameters"]["mrope_interleaved"] = true.into();
+    if moe {
+        t["num_experts"] = 8.into();
+        t["num_experts_per_tok"] = 2.into();
+        t["moe_intermediate_size"] = 64.into();
+    }
+    let mut v = fixture["vision_config"].clone();
+    v["out_hidden_size"] = 128.into();
+    c["vision_config"] = v;
     c
 }
 
@@ -217,7 +248,9 @@ fn swapped(entry: &Value, root: &Path) -> Vec<String> {
     let data = root.join("data");
     // A vision-language line reads geo3k-layout data, as verl's geo3k lines do; the others GSM8K.
     let files = match models["actor_rollout_ref.model.path"].as_str() {
-        Some("qwen2_5_vl") => ["geo3k/train.parquet", "geo3k/test.parquet"],
+        Some("qwen2_5_vl" | "qwen3_vl" | "qwen3_vl_moe") => {
+            ["geo3k/train.parquet", "geo3k/test.parquet"]
+        }
         _ => ["train.jsonl", "test.jsonl"],
     };
     let mut out = Vec::new();
