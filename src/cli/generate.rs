@@ -106,7 +106,14 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     let t1 = Instant::now();
-    let out = generate_dataset_rows(&model.model, &ds, &rows, &params, &mut sampler, &bar)?;
+    let out = generate_dataset_rows(
+        &model.model,
+        &ds,
+        &rows,
+        &params,
+        sampler.rows(),
+        Some(&bar),
+    )?;
     let mut responses: Vec<Vec<String>> = vec![Vec::new(); ds.len()];
     let mut log_probs: Vec<Vec<Value>> = vec![Vec::new(); ds.len()];
     let mut lengths: Vec<Vec<Value>> = vec![Vec::new(); ds.len()];

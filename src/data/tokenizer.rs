@@ -21,7 +21,7 @@ pub struct SpecialTokens {
 }
 
 /// The files of a vision-language model's processor, copied beside a saved tokenizer.
-const PROCESSOR_FILES: [&str; 4] = [
+pub const PROCESSOR_FILES: [&str; 4] = [
     "preprocessor_config.json",
     "video_preprocessor_config.json",
     "processor_config.json",

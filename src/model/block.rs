@@ -248,7 +248,7 @@ pub(super) fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
 }
 
 /// `[-x2, x1]` for `x = [x1, x2]` split in half on the last axis.
-fn rotate_half(x: &Tensor) -> Result<Tensor> {
+pub(super) fn rotate_half(x: &Tensor) -> Result<Tensor> {
     let d = x.dim(D::Minus1)?;
     let x1 = x.narrow(D::Minus1, 0, d / 2)?;
     let x2 = x.narrow(D::Minus1, d / 2, d - d / 2)?;

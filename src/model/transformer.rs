@@ -1314,58 +1314,26 @@ impl CausalLm {
     /// Computed in f64 and rounded once to the model's dtype (f32 tables in an f64 model put
     /// ~1e-7 relative noise into every layer).
     pub(super) fn rotary(&self, position_ids: &Tensor, inv: &[f64]) -> Result<(Tensor, Tensor)> {
-        if position_ids.rank() == 3 {
-            return self.rotary_mm(position_ids, inv);
-        }
-        let (b, t) = position_ids.dims2()?;
-        let hd = 2 * inv.len(); // the rotary width (head_dim unless partial)
-        if !self.device.is_cpu() {
+        if position_ids.rank() == 2 && !self.device.is_cpu() {
             return self.rotary_on_device(position_ids, inv);
         }
+        // Which position axis turns each frequency: multimodal positions `[3, b, t]` by the
+        // model's sections, one axis `[b, t]` for the others.
+        let axes: Vec<usize> = match (position_ids.rank(), &self.args.mrope) {
+            (2, _) => vec![0; inv.len()],
+            (3, Some(m)) if position_ids.dim(0)? == 3 => (0..inv.len()).map(|j| m.axis_of(j)).collect(),
+            _ => candle_core::bail!(
+                "position ids {:?}: [3, batch, seq] positions need a model with multimodal rotary sections",
+                position_ids.dims()
+            ),
+        };
+        let (b, t) = (position_ids.dim(D::Minus2)?, position_ids.dim(D::Minus1)?);
         let pos: Vec<u32> = position_ids
             .to_dtype(DType::U32)?
             .flatten_all()?
             .to_vec1()?;
         // inv: [rotary width / 2], RoPE scaling applied; yarn's factor on the tables (else 1).
-        let scale = self.args.rope_table_scale();
-        let mut cos = Vec::with_capacity(b * t * hd);
-        let mut sin = Vec::with_capacity(b * t * hd);
-        for &p in &pos {
-            for rep in 0..2 {
-                let _ = rep;
-                for f in inv {
-                    let a = p as f64 * f;
-                    cos.push(a.cos() * scale);
-                    sin.push(a.sin() * scale);
-                }
-            }
-        }
-        let shape = (b, 1, t, hd);
-        let cos = Tensor::from_vec(cos, shape, &Device::Cpu)?
-            .to_dtype(self.dtype)?
-            .to_device(&self.device)?;
-        let sin = Tensor::from_vec(sin, shape, &Device::Cpu)?
-            .to_dtype(self.dtype)?
-            .to_device(&self.device)?;
-        Ok((cos, sin))
-    }
-
-    /// Rotary tables `[b, 1, t, rotary width]` of multimodal positions `[3, b, t]`: frequency
-    /// `j` turns with the position on the axis [`super::config::Mrope::axis_of`] names.
-    fn rotary_mm(&self, position_ids: &Tensor, inv: &[f64]) -> Result<(Tensor, Tensor)> {
-        let (three, b, t) = position_ids.dims3()?;
-        let Some(mrope) = self.args.mrope.as_ref().filter(|_| three == 3) else {
-            candle_core::bail!(
-                "position ids {:?}: [3, batch, seq] positions need a model with multimodal rotary sections",
-                position_ids.dims()
-            );
-        };
-        let pos: Vec<u32> = position_ids
-            .to_dtype(DType::U32)?
-            .flatten_all()?
-            .to_vec1()?;
-        let axes: Vec<usize> = (0..inv.len()).map(|j| mrope.axis_of(j)).collect();
-        let hd = 2 * inv.len();
+        let hd = 2 * inv.len(); // the rotary width (head_dim unless partial)
         let scale = self.args.rope_table_scale();
         let mut cos = Vec::with_capacity(b * t * hd);
         let mut sin = Vec::with_capacity(b * t * hd);

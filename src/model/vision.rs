@@ -30,7 +30,7 @@ use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
 use super::attention::attention_composed;
-use super::block::gelu_tanh;
+use super::block::{gelu_tanh, rotate_half};
 use super::config::{Mrope, VisionArgs, VisionStyle};
 use super::ops::rms_norm;
 
@@ -106,13 +106,6 @@ impl Norm {
             Norm::Layer(w, b) => Norm::Layer(w.detach(), b.detach()),
         }
     }
-
-    fn weights(&self) -> Vec<&Tensor> {
-        match self {
-            Norm::Rms(w) => vec![w],
-            Norm::Layer(w, b) => vec![w, b],
-        }
-    }
 }
 
 /// A block's MLP: Qwen2.5-VL's SiLU-gated `down(silu(gate(x)) ⊙ up(x))` or Qwen3-VL's
@@ -130,13 +123,6 @@ impl VisionMlp {
                 down.forward(&(gate.forward(x)?.silu()? * up.forward(x)?)?)
             }
             VisionMlp::Plain { fc1, fc2 } => fc2.forward(&gelu_tanh(&fc1.forward(x)?)?),
-        }
-    }
-
-    fn denses(&self) -> Vec<&Dense> {
-        match self {
-            VisionMlp::Gated { gate, up, down } => vec![gate, up, down],
-            VisionMlp::Plain { fc1, fc2 } => vec![fc1, fc2],
         }
     }
 
@@ -208,14 +194,6 @@ impl Merger {
             fc1: self.fc1.detached(),
             fc2: self.fc2.detached(),
         }
-    }
-
-    fn weights(&self) -> Vec<&Tensor> {
-        let mut w = self.norm.weights();
-        for d in [&self.fc1, &self.fc2] {
-            w.extend([&d.w, &d.b]);
-        }
-        w
     }
 }
 
@@ -570,24 +548,6 @@ impl VisionTower {
         }
         Ok(out)
     }
-
-    /// Every weight of the tower (for tests and counting).
-    pub fn weights(&self) -> Vec<&Tensor> {
-        let mut w = vec![&self.patch];
-        w.extend(self.patch_bias.iter().chain(&self.pos_embed));
-        w.extend(self.merger.weights());
-        for m in &self.deepstack {
-            w.extend(m.weights());
-        }
-        for b in &self.blocks {
-            w.extend(b.norm1.weights());
-            w.extend(b.norm2.weights());
-            for d in [&b.qkv, &b.proj].into_iter().chain(b.mlp.denses()) {
-                w.extend([&d.w, &d.b]);
-            }
-        }
-        w
-    }
 }
 
 /// The windows of one frame of `(lh, lw)` merged patches (its first at `frame`), `side`
@@ -636,14 +596,6 @@ fn permute3(x: &Tensor, order: &Tensor, unit: usize) -> Result<Tensor> {
 /// (candle's fused `gelu_erf` differentiates about 1e-7 relative off in f64).
 fn gelu_erf(x: &Tensor) -> Result<Tensor> {
     (x * 0.5)? * ((x * std::f64::consts::FRAC_1_SQRT_2)?.erf()? + 1.0)?
-}
-
-/// `[-x2, x1]` for `x = [x1, x2]` halved on the last axis.
-fn rotate_half(x: &Tensor) -> Result<Tensor> {
-    let d = x.dim(D::Minus1)?;
-    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
-    let x2 = x.narrow(D::Minus1, d / 2, d - d / 2)?;
-    Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)
 }
 
 /// The 3-D rotary positions of a token sequence with images (transformers' `get_rope_index`

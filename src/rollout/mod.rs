@@ -403,28 +403,29 @@ pub fn generate_rows_from(
     sampler: &mut Sampler,
     first_row: usize,
 ) -> candle_core::Result<Rollout> {
-    let prompts = prompt_slices(ds, rows);
-    let streams = sampler.rows().starting_at(first_row);
-    let images = dataset_images(ds, rows, model.device())?;
-    Ok(scheduler::generate_turns(model, &prompts, p, streams, None, None, &images)?.0)
+    generate_dataset_rows(
+        model,
+        ds,
+        rows,
+        p,
+        sampler.rows().starting_at(first_row),
+        None,
+    )
 }
 
 /// Generates dataset rows `rows` of `ds` with their images through the scheduler, row `i`
-/// from stream `i` of `sampler`, ticking `progress` as rows finish (`main_ppo generate`).
+/// from stream `i` of `streams`, ticking `progress` as rows finish (`main_ppo generate`).
 pub fn generate_dataset_rows(
     model: &CausalLm,
     ds: &crate::data::PromptDataset,
     rows: &[usize],
     p: &SamplingParams,
-    sampler: &mut Sampler,
-    progress: &indicatif::ProgressBar,
+    streams: RowStreams,
+    progress: Option<&indicatif::ProgressBar>,
 ) -> candle_core::Result<Rollout> {
     let prompts = prompt_slices(ds, rows);
     let images = dataset_images(ds, rows, model.device())?;
-    let streams = sampler.rows();
-    let turns = None;
-    let out =
-        scheduler::generate_turns(model, &prompts, p, streams, Some(progress), turns, &images)?;
+    let out = scheduler::generate_turns(model, &prompts, p, streams, progress, None, &images)?;
     Ok(out.0)
 }
 

@@ -227,7 +227,7 @@ fn loss_and_logprobs(m: &CausalLm, r: &Value, packed: bool) -> (Tensor, Vec<Vec<
 
 /// The execution paths every family's training is checked on: the hand-written layer keeping
 /// its activations, the same recomputed in backward, and the op composition.
-const EXEC_PATHS: [Exec; 3] = [
+pub(crate) const EXEC_PATHS: [Exec; 3] = [
     Exec {
         recompute: false,
         composed: false,
@@ -423,7 +423,7 @@ fn training_forward_and_gradients_equal_pytorch_in_f32() {
 }
 
 /// The tensor names and values of the safetensors weights of HF folder `dir` (one file).
-fn file_tensors(dir: &Path) -> std::collections::BTreeMap<String, Vec<f64>> {
+pub(crate) fn file_tensors(dir: &Path) -> std::collections::BTreeMap<String, Vec<f64>> {
     candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)
         .unwrap()
         .into_iter()

@@ -774,17 +774,12 @@ impl candle_nn::var_builder::SimpleBackend for &CheckpointVars<'_> {
 }
 
 /// Token files copied next to saved weights.
-const TOKENIZER_FILES: [&str; 9] = [
+const TOKENIZER_FILES: [&str; 5] = [
     "tokenizer.json",
     "tokenizer_config.json",
     "chat_template.jinja",
     "special_tokens_map.json",
     "vocab.json",
-    // A vision-language model's processor: image and video preprocessing, its chat template.
-    "preprocessor_config.json",
-    "video_preprocessor_config.json",
-    "processor_config.json",
-    "chat_template.json",
 ];
 
 /// Writes an HF directory: `config.json`, weights (one `model.safetensors`, or shards of at most
@@ -864,7 +859,11 @@ pub fn save_dir(
         std::fs::write(&p, text).map_err(|e| io(&p, e))?;
     }
     if let Some(src) = tokenizer_dir {
-        for f in TOKENIZER_FILES {
+        // With a vision-language model's processor (image preprocessing, its chat template).
+        for f in TOKENIZER_FILES
+            .iter()
+            .chain(&crate::data::tokenizer::PROCESSOR_FILES)
+        {
             let from = src.join(f);
             if from.is_file() && src != dir {
                 std::fs::copy(&from, dir.join(f)).map_err(|e| io(&from, e))?;

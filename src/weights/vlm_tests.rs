@@ -15,9 +15,9 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
-use super::family_tests::{floats, ids};
+use super::family_tests::{file_tensors, floats, ids, EXEC_PATHS};
 use crate::model::vision::{mrope_positions, VisionFeatures};
-use crate::model::{CausalLm, Exec};
+use crate::model::CausalLm;
 
 fn dir(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -340,27 +340,6 @@ fn hub_name(pname: &str) -> String {
     }
 }
 
-const EXEC_PATHS: [Exec; 3] = [
-    Exec {
-        recompute: false,
-        composed: false,
-        bf16: false,
-        dense_experts: false,
-    },
-    Exec {
-        recompute: true,
-        composed: false,
-        bf16: false,
-        dense_experts: false,
-    },
-    Exec {
-        recompute: false,
-        composed: true,
-        bf16: false,
-        dense_experts: false,
-    },
-];
-
 #[test]
 fn training_forward_and_gradients_equal_pytorch_in_f64() {
     for name in NAMES {
@@ -446,25 +425,6 @@ fn training_in_f32_stays_near_f64() {
             }
         }
     }
-}
-
-/// Every tensor of a safetensors folder, by name, in f64.
-fn file_tensors(dir: &Path) -> std::collections::BTreeMap<String, Vec<f64>> {
-    candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)
-        .unwrap()
-        .into_iter()
-        .map(|(n, t)| {
-            (
-                n,
-                t.to_dtype(DType::F64)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap(),
-            )
-        })
-        .collect()
 }
 
 /// Saved as an HF folder (what checkpoints and the HF export write), a vision-language model
