@@ -748,8 +748,9 @@ impl CausalLm {
         };
         let rows = self.rows(&keys, past, t)?;
         let masks = self.masks(keys, (b, t), past)?;
-        let mut x = self.embed_inputs(input_ids, images)?; // [b, t, hidden]
-                                                           // A training forward with adapter dropout: this forward's number in the mask stream.
+        // x: [b, t, hidden]; with images, where their features go too (once per forward).
+        let (mut x, placement) = self.embed_inputs(input_ids, images)?;
+        // A training forward with adapter dropout: this forward's number in the mask stream.
         let dropout = self.dropout.as_ref().filter(|_| {
             cache.is_none() && self.layers.iter().any(|l| l.trains() && l.has_adapters())
         });
@@ -834,7 +835,7 @@ impl CausalLm {
                     block_forward_routed(&self.args, layer, &x, cos, sin, &keys, &rows, slot, r)?
                 }
             };
-            x = self.add_deepstack(input_ids, x, images, i)?;
+            x = self.add_deepstack(x, images, placement.as_ref(), i)?;
         }
         if let Some(st) = stages {
             st.push(x.clone());
@@ -879,53 +880,61 @@ impl CausalLm {
         Ok((global, local))
     }
 
-    /// The embeddings of `input_ids` `[b, t]`, with `images`' features over the image
-    /// placeholders where given: `[b, t, hidden]`.
-    fn embed_inputs(&self, input_ids: &Tensor, images: Option<&VisionFeatures>) -> Result<Tensor> {
+    /// The embeddings of `input_ids` `[b, t]` `[b, t, hidden]`, with `images`' features over the
+    /// image placeholders where given, and where those go ([`CausalLm::image_placement`]).
+    fn embed_inputs(
+        &self,
+        input_ids: &Tensor,
+        images: Option<&VisionFeatures>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let x = self.embed_ids(input_ids)?;
-        match images {
-            Some(f) => self.place_images(input_ids, &x, &f.merged, (false, f.at.as_deref())),
-            None => Ok(x),
-        }
+        let Some(f) = images else {
+            return Ok((x, None));
+        };
+        let select = self.image_placement(input_ids, f)?;
+        let (b, t, h) = x.dims3()?;
+        let all = Tensor::cat(
+            &[&x.reshape((b * t, h))?, &f.merged.to_dtype(x.dtype())?],
+            0,
+        )?;
+        Ok((
+            all.index_select(&select, 0)?.reshape((b, t, h))?,
+            Some(select),
+        ))
     }
 
     /// `x` `[b, t, hidden]` after layer `layer` with Qwen3-VL's DeepStack feature of that layer
     /// added at the image tokens (unchanged past the last feature or without images).
     fn add_deepstack(
         &self,
-        input_ids: &Tensor,
         x: Tensor,
         images: Option<&VisionFeatures>,
+        placement: Option<&Tensor>,
         layer: usize,
     ) -> Result<Tensor> {
-        match images.and_then(|f| f.deepstack.get(layer)) {
-            Some(d) => {
-                let at = images.and_then(|f| f.at.as_deref());
-                self.place_images(input_ids, &x, d, (true, at))
-            }
-            None => Ok(x),
-        }
+        let (Some(d), Some(select)) = (images.and_then(|f| f.deepstack.get(layer)), placement)
+        else {
+            return Ok(x);
+        };
+        let (b, t, h) = x.dims3()?;
+        // Text rows read a zero row, image rows their feature.
+        let zero = Tensor::zeros((b * t, h), x.dtype(), x.device())?;
+        let extra = Tensor::cat(&[&zero, &d.to_dtype(x.dtype())?], 0)?.index_select(select, 0)?;
+        x + extra.reshape((b, t, h))?
     }
 
-    /// `x` `[b, t, hidden]` with the rows at the image placeholder tokens of `input_ids` (or at
-    /// the flat positions `at`) replaced (or, with `add`, increased), in order, by `features`
-    /// `[placeholders, hidden]` (one gather over the rows and the features, so gradients reach
-    /// both).
-    fn place_images(
-        &self,
-        input_ids: &Tensor,
-        x: &Tensor,
-        features: &Tensor,
-        (add, at): (bool, Option<&[u32]>),
-    ) -> Result<Tensor> {
+    /// Where image features go in a forward of `input_ids` `[b, t]`: for each of the `b·t`
+    /// tokens its own index (text) or `b·t + k` (feature `k`), as one index tensor over the
+    /// rows followed by the features. Feature `k` goes to the `k`-th image placeholder token of
+    /// `input_ids`, or to the flat position `images.at[k]` when given; their counts must agree.
+    fn image_placement(&self, input_ids: &Tensor, images: &VisionFeatures) -> Result<Tensor> {
         let Some(v) = &self.args.vision else {
             candle_core::bail!("image features given to a model without a vision tower");
         };
-        let (b, t, h) = x.dims3()?;
-        let (m, fh) = features.dims2()?;
-        // For each flat position, itself (text) or `b·t + k` (feature k).
+        let (b, t) = input_ids.dims2()?;
+        let (m, fh) = images.merged.dims2()?;
         let mut select: Vec<u32> = (0..(b * t) as u32).collect();
-        let placed = match at {
+        let placed = match &images.at {
             Some(at) => {
                 for (k, &p) in at.iter().enumerate() {
                     match select.get_mut(p as usize) {
@@ -951,23 +960,15 @@ impl CausalLm {
                 next
             }
         };
+        let h = self.args.hidden_size;
         if placed != m || fh != h {
             candle_core::bail!(
                 "{placed} image placeholder tokens (id {}) but image features {:?} (expected [{placed}, {h}])",
                 v.image_token_id,
-                features.dims()
+                images.merged.dims()
             );
         }
-        let features = features.to_dtype(x.dtype())?;
-        let select = Tensor::new(select.as_slice(), x.device())?;
-        if add {
-            // Text rows read a zero row, image rows their feature.
-            let zero = Tensor::zeros((b * t, h), x.dtype(), x.device())?;
-            let extra = Tensor::cat(&[&zero, &features], 0)?.index_select(&select, 0)?;
-            return x + extra.reshape((b, t, h))?;
-        }
-        let all = Tensor::cat(&[&x.reshape((b * t, h))?, &features], 0)?;
-        all.index_select(&select, 0)?.reshape((b, t, h))
+        Tensor::new(select.as_slice(), &self.device)
     }
 
     /// The embeddings of `input_ids` `[b, t]`: `[b, t, hidden]` (times √hidden for Gemma).

@@ -150,20 +150,18 @@ impl StepBatch {
     ) -> Result<(Tensor, Option<Vec<u32>>)> {
         let flat: Vec<u32> = mi.position_ids.flatten_all()?.to_vec1()?;
         let mut pos = [flat.clone(), flat.clone(), flat];
-        // Each row's run of real tokens in the flat layout: (start, length).
+        // Each row's run of real tokens in the flat layout, `(start, length)`: padded, the row's
+        // prompt ends at the prompt width and its response follows, up to the layout's last
+        // position (`response width − 1` tokens: the longest response's last one predicts
+        // nothing).
         let runs: Vec<(usize, usize)> = match &mi.tokens {
-            Tokens::Padded { key_mask, .. } => {
-                let t = key_mask.dim(1)?;
-                let mask: Vec<u32> = key_mask.flatten_all()?.to_vec1()?;
-                (0..rows.len())
-                    .map(|i| {
-                        let lead = mask[i * t..(i + 1) * t]
-                            .iter()
-                            .take_while(|&&m| m == 0)
-                            .count();
-                        let real = mask[i * t..(i + 1) * t].iter().filter(|&&m| m == 1).count();
-                        (i * t + lead, real)
-                    })
+            Tokens::Padded { prompt_width, .. } => {
+                let t = mi.input_ids.dim(1)?;
+                let width = mi.response_width - 1;
+                let real = |r: usize| self.prompts[r].len() + self.responses[r].len().min(width);
+                rows.iter()
+                    .enumerate()
+                    .map(|(i, &r)| (i * t + prompt_width - self.prompts[r].len(), real(r)))
                     .collect()
             }
             Tokens::Packed { segments, .. } => segments.clone(),

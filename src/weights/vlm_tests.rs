@@ -707,6 +707,31 @@ fn greedy_generation_with_images_equals_transformers() {
     }
 }
 
+/// Padded micro-batch inputs `mi` of the fixture's sequences `order` (reference `r`): every
+/// real token (the mask's 1s) at transformers' 3-D position in the whole sequence, the
+/// response's included (a shorter response's last token too).
+fn assert_positions_are_transformers(
+    mi: &crate::trainer::micro::MicroInputs,
+    order: &[usize],
+    r: &Value,
+) {
+    let crate::trainer::micro::Tokens::Padded { key_mask, .. } = &mi.tokens else {
+        return;
+    };
+    let mask: Vec<Vec<u32>> = key_mask.to_vec2().unwrap();
+    let pos: Vec<Vec<Vec<u32>>> = mi.position_ids.to_vec3().unwrap();
+    for (row, &i) in order.iter().enumerate() {
+        let want = ids(&r["positions"][i]["positions"]);
+        let real: Vec<usize> = (0..mask[row].len())
+            .filter(|&k| mask[row][k] == 1)
+            .collect();
+        for axis in 0..3 {
+            let got: Vec<u32> = real.iter().map(|&k| pos[axis][row][k]).collect();
+            assert_eq!(got, want[axis][..real.len()], "row {row} axis {axis}");
+        }
+    }
+}
+
 /// The trainer's micro-batch inputs of rows with images (a prompt holding its images, the
 /// response after it), padded and packed, and with shared prompts asked for (which rows with
 /// images run without): the response tokens' log-probs equal transformers' at the same
@@ -774,6 +799,7 @@ fn trainer_inputs_with_images_give_transformers_log_probs() {
     ] {
         let mi = b.inputs(&[0, 1, 2, 3], layout, &Device::Cpu).unwrap();
         assert_eq!(mi.position_ids.dim(0).unwrap(), 3, "{layout:?}");
+        assert_positions_are_transformers(&mi, &order, &r);
         let h = mi.response_hidden(&m).unwrap();
         let (lp, _) = m
             .token_logprobs(&h, mi.response_targets(), 5, false)
